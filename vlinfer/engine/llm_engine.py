@@ -1,0 +1,224 @@
+"""The engine loop: requests in, scheduler step, model step, incremental outputs out."""
+import logging
+import time
+from itertools import count
+
+import torch
+
+from vlinfer import model_loader, platform
+from vlinfer.config import EngineConfig
+from vlinfer.engine.block_manager import BlockManager
+from vlinfer.engine.detokenizer import IncrementalDetokenizer
+from vlinfer.engine.model_runner import ModelRunner
+from vlinfer.engine.scheduler import Scheduler
+from vlinfer.engine.sequence import Sequence
+from vlinfer.models import get_model_class
+from vlinfer.outputs import CompletionOutput, RequestOutput
+from vlinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("vlinfer")
+
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, model: str, **kwargs):
+        config = EngineConfig(model=model, **kwargs)
+        if config.tensor_parallel_size != 1:
+            raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet")
+        self.config = config
+        self.source = model_loader.resolve_model(model)
+        self.hf_config = model_loader.load_config(self.source)
+        self.tokenizer = model_loader.load_tokenizer(self.source)
+        self.device = platform.resolve_device(config.device)
+        self.dtype = platform.resolve_dtype(config.dtype, self.hf_config)
+        model_len = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        if config.max_model_len is not None and config.max_model_len > model_len:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={model_len}")
+        self.max_model_len = config.max_model_len or model_len
+        if config.max_num_batched_tokens is None:
+            config.max_num_batched_tokens = max(self.max_model_len, 2048)
+        if config.kvcache_block_size is None:
+            config.kvcache_block_size = platform.default_block_size(self.device)
+        torch.manual_seed(config.seed)
+        self._seed_source = torch.Generator().manual_seed(config.seed)
+        model_cls = get_model_class(self.hf_config)
+        start = time.perf_counter()
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                net = model_cls(self.hf_config).eval()
+        finally:
+            torch.set_default_dtype(default_dtype)
+        model_loader.load_weights(net, model_loader.iterate_weights(self.source, self.hf_config))
+        logger.info("loaded %s (%s) on %s in %s in %.1fs", self.source.name, type(net).__name__, self.device,
+                    self.dtype, time.perf_counter() - start)
+        self.eos_token_ids = self._eos_token_ids()
+        self.model_runner = ModelRunner(config, self.hf_config, net, self.device, self.dtype, self.eos_token_ids)
+        num_blocks = self.model_runner.num_blocks_for_budget(self.max_model_len)
+        self.model_runner.allocate_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens)", num_blocks, config.kvcache_block_size,
+                    num_blocks * self.model_runner.bytes_per_block / 2 ** 20, num_blocks * config.kvcache_block_size)
+        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
+        self._request_ids = count()
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        if not self.source.gguf_file:
+            from transformers import GenerationConfig
+            try:
+                eos = GenerationConfig.from_pretrained(self.source.path).eos_token_id
+            except OSError:  # no generation_config.json
+                eos = None
+            ids.update([eos] if isinstance(eos, int) else eos or [])
+        return ids
+
+    # ---- requests ----
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], dict]:
+        """(prompt text, token ids, extra request fields) for any accepted prompt form; ValueError otherwise."""
+        extra = {}
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
+            if unknown:
+                raise ValueError(f"unknown prompt keys {sorted(unknown)}")
+            if prompt.get("multi_modal_data"):
+                raise ValueError(f"model {self.source.name!r} ({type(self.model_runner.model).__name__}) is a "
+                                 "text-only model and does not accept images")
+            if "prompt_token_ids" in prompt:
+                text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                text, token_ids = prompt["prompt"], None
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, token_ids = prompt, None
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            text, token_ids = None, list(prompt)
+        else:
+            raise ValueError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+        if token_ids is None:
+            if not isinstance(text, str):
+                raise ValueError(f"prompt text must be a str, got {type(text).__name__}")
+            token_ids = self.tokenizer(text).input_ids
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of the vocabulary range [0, {vocab}): {bad[:5]}")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
+        return text, token_ids, extra
+
+    def make_sequence(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                      request_id: str | None = None) -> Sequence:
+        """Validate a request and build its Sequence without touching engine state."""
+        sampling_params = sampling_params or SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}")
+        text, token_ids, extra = self.process_prompt(prompt)
+        if request_id is None:
+            request_id = str(next(self._request_ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        # Every request samples from its own generator: seeded ones from their seed, others from a seed
+        # drawn from the engine's seed, so runs repeat and batch composition never changes a draw.
+        seed = sampling_params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2 ** 62, (), generator=self._seed_source))
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        return Sequence(token_ids, sampling_params, request_id=request_id, prompt=text, generator=generator, **extra)
+
+    def add_sequence(self, seq: Sequence) -> str:
+        self.requests[seq.request_id] = (seq, IncrementalDetokenizer(self.tokenizer, seq.num_prompt_tokens))
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        return self.add_sequence(self.make_sequence(prompt, sampling_params, request_id))
+
+    def abort_request(self, request_id: str) -> bool:
+        entry = self.requests.pop(request_id, None)
+        if entry is None:
+            return False
+        seq = entry[0]
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished()
+
+    # ---- the loop ----
+    def step(self) -> list[RequestOutput]:
+        """One scheduler + model step. Returns an output for every request that produced text or finished,
+        with the cumulative text and tokens and, in delta_text / delta_token_ids, what this step added."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.scheduler.waiting:
+                raise RuntimeError("scheduler could not place any waiting request; the KV pool is too small")
+            return []
+        sampled = self.model_runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        outputs = []
+        for seq, token_id, logprobs in sampled:
+            outputs.append(self._append_token(seq, token_id, logprobs))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token_id: int, logprobs) -> RequestOutput:
+        p = seq.sampling_params
+        detok = self.requests[seq.request_id][1]
+        seq.append_token(token_id)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        sent = len(seq.output_text)
+        seq.output_text += detok.step(seq.token_ids)
+        if token_id in p.stop_token_ids or (token_id in self.eos_token_ids and not p.ignore_eos):
+            if seq.num_output_tokens > p.min_tokens or token_id not in self.eos_token_ids | set(p.stop_token_ids):
+                seq.finish_reason = "stop"
+                seq.stop_reason = token_id if token_id in p.stop_token_ids else None
+        if seq.finish_reason is None and p.stop_strings and seq.num_output_tokens >= p.min_tokens:
+            window = seq.output_text[max(0, sent - max(map(len, p.stop_strings))):]
+            hits = [(window.find(s), s) for s in p.stop_strings if s in window]
+            if hits:
+                index, stop = min(hits)
+                seq.output_text = seq.output_text[:max(0, sent - max(map(len, p.stop_strings))) + index]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+        if seq.finish_reason is None and (seq.num_output_tokens >= p.max_tokens or
+                                          seq.num_tokens >= self.max_model_len):
+            seq.finish_reason = "length"
+        finished = seq.finish_reason is not None
+        if finished:
+            self.scheduler.finish(seq)
+            del self.requests[seq.request_id]
+        # While streaming, hold back text that could still turn out to be the start of a stop string.
+        hold = 0 if finished or not p.stop_strings else max(map(len, p.stop_strings)) - 1
+        visible = len(seq.output_text) - hold
+        delta_from = min(getattr(seq, "_streamed", 0), visible)
+        out = self.make_output(seq, finished)
+        out.outputs[0].delta_text = seq.output_text[delta_from:max(visible, delta_from)]
+        out.outputs[0].delta_token_ids = [token_id]
+        seq._streamed = max(visible, delta_from)
+        return out
+
+    @staticmethod
+    def make_output(seq: Sequence, finished: bool) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0, text=seq.output_text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason, logprobs=seq.output_logprobs if seq.sampling_params.logprobs is not None
+            else None)
+        return RequestOutput(request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+                             outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens)

