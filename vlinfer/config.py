@@ -19,6 +19,7 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     seed: int = 0
+    allow_image_urls: bool = False  # fetch http(s) image URLs; off so a request cannot make the engine fetch
 
     def __post_init__(self):
         for name in ("max_num_seqs", "kvcache_block_size", "max_model_len", "max_num_batched_tokens",

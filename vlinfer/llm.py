@@ -47,14 +47,12 @@ class LLM:
         return results
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template through its tokenizer, then generate. Takes one conversation or a
-        list of them."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template, then generate. Takes one conversation or a list of them; content may be
+        a string or OpenAI-style parts ({"type": "text"}, {"type": "image", "image": ...},
+        {"type": "image_url", "image_url": {"url": ...}})."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                                      add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids})
+        prompts = [self.engine.chat_prompt(c, add_generation_prompt, chat_template, mm_processor_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -21,4 +21,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    images: list[dict] = field(default_factory=list)  # per image: effective (resized) size [h, w] and num_tokens
     metrics: dict = field(default_factory=dict)

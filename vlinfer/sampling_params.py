@@ -21,6 +21,15 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or \
+                    value in (float("inf"), float("-inf")):
+                raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
+        for name in ("top_k", "max_tokens", "min_tokens"):
+            if isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be an int, got {getattr(self, name)!r}")
+
         def need(ok: bool, name: str, why: str):
             if not ok:
                 raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
@@ -42,8 +51,12 @@ class SamplingParams:
              "frequency_penalty", "must be in [-2, 2]")
         need(self.logprobs is None or isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs",
              "must be None or an int in [0, 20]")
+        need(self.stop is None or isinstance(self.stop, (str, list, tuple)), "stop",
+             "must be a string or a list of strings")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         need(all(isinstance(s, str) and s for s in stops), "stop", "must be a non-empty string or a list of them")
+        need(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids",
+             "must be a list of ints")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []), "stop_token_ids",
              "must be a list of non-negative ints")
         if self.top_k == -1:

@@ -75,12 +75,13 @@ class BlockManager:
 
     def allocate_prefix(self, seq: Sequence) -> int:
         """Give a sequence with no blocks its cached prefix blocks. Returns the number of tokens whose KV is
-        reused; at least the last token is always left to compute, since its logits are needed."""
+        reused. The block holding the last token is never reused: that token must be recomputed for its logits,
+        and writing its KV into a block other sequences read would be a hidden write to shared state."""
         assert not seq.block_table
         if not self.enable_prefix_caching:
             return 0
         hits = []
-        for h in self.update_block_hashes(seq):
+        for h in self.update_block_hashes(seq)[:(seq.num_tokens - 1) // self.block_size]:
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break
@@ -88,7 +89,7 @@ class BlockManager:
         for block_id in hits:
             self._take(block_id)
         seq.block_table = hits
-        return min(len(hits) * self.block_size, seq.num_tokens - 1)
+        return len(hits) * self.block_size
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
@@ -112,9 +113,10 @@ class BlockManager:
         hashes = self.update_block_hashes(seq)
         for i in range(num_full):
             block = self.blocks[seq.block_table[i]]
-            if block.hash is None:
+            # A block computed alongside an identical one that is already cached stays unhashed, so it is
+            # reused as plain free space rather than kept as an unreachable copy.
+            if block.hash is None and self.hash_to_block.setdefault(hashes[i], block.block_id) == block.block_id:
                 block.hash = hashes[i]
-                self.hash_to_block.setdefault(hashes[i], block.block_id)
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first: a shared prefix outlives the suffixes that depend on it.

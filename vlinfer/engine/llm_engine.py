@@ -52,10 +52,22 @@ class LLMEngine:
                 net = model_cls(self.hf_config).eval()
         finally:
             torch.set_default_dtype(default_dtype)
-        model_loader.load_weights(net, model_loader.iterate_weights(self.source, self.hf_config))
+        weights = model_loader.iterate_weights(self.source, self.hf_config)
+        if hasattr(net, "load_weights"):  # models with more than one tower route their own tensors
+            net.load_weights(weights)
+        else:
+            model_loader.load_weights(net, weights)
         logger.info("loaded %s (%s) on %s in %s in %.1fs", self.source.name, type(net).__name__, self.device,
                     self.dtype, time.perf_counter() - start)
         self.eos_token_ids = self._eos_token_ids()
+        self.is_multimodal = hasattr(net, "encode_images")
+        self.input_processor = None
+        if self.is_multimodal:
+            from vlinfer.multimodal import Qwen3VLInputProcessor
+            self.input_processor = Qwen3VLInputProcessor(self.hf_config, self.tokenizer, self.source.folder,
+                                                         self.device, config.allow_image_urls)
+        from vlinfer.multimodal import load_chat_template
+        self.chat_template = load_chat_template(self.source.folder, self.tokenizer, self.is_multimodal)
         self.model_runner = ModelRunner(config, self.hf_config, net, self.device, self.dtype, self.eos_token_ids)
         num_blocks = self.model_runner.num_blocks_for_budget(self.max_model_len)
         self.model_runner.allocate_kv_cache(num_blocks)
@@ -87,7 +99,7 @@ class LLMEngine:
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
             if unknown:
                 raise ValueError(f"unknown prompt keys {sorted(unknown)}")
-            if prompt.get("multi_modal_data"):
+            if prompt.get("multi_modal_data") and not self.is_multimodal:
                 raise ValueError(f"model {self.source.name!r} ({type(self.model_runner.model).__name__}) is a "
                                  "text-only model and does not accept images")
             if "prompt_token_ids" in prompt:
@@ -109,6 +121,18 @@ class LLMEngine:
         token_ids = list(token_ids)
         if not token_ids:
             raise ValueError("the prompt is empty")
+        if self.is_multimodal:
+            mm_data = prompt.get("multi_modal_data") or {} if isinstance(prompt, dict) else {}
+            unknown = set(mm_data) - {"image"}
+            if unknown:
+                raise ValueError(f"unsupported multi_modal_data keys {sorted(unknown)}; only 'image' is supported")
+            images = mm_data.get("image", [])
+            images = list(images) if isinstance(images, (list, tuple)) else [images]
+            mm_kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
+            processed = self.input_processor.process(token_ids, images, mm_kwargs)
+            token_ids = processed.token_ids
+            extra = {"mm_items": processed.mm_items, "mrope_positions": processed.mrope_positions,
+                     "mrope_position_delta": processed.mrope_position_delta, "images_info": processed.images}
         vocab = self.hf_config.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
@@ -134,23 +158,54 @@ class LLMEngine:
         if seed is None:
             seed = int(torch.randint(0, 2 ** 62, (), generator=self._seed_source))
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        return Sequence(token_ids, sampling_params, request_id=request_id, prompt=text, generator=generator, **extra)
+        images_info = extra.pop("images_info", [])
+        seq = Sequence(token_ids, sampling_params, request_id=request_id, prompt=text, generator=generator, **extra)
+        seq.images_info = images_info
+        return seq
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None, mm_processor_kwargs: dict | None = None) -> dict:
+        """One conversation (OpenAI-style content parts allowed) -> a prompt dict for add_request / generate."""
+        from vlinfer.multimodal.chat import message_texts, split_chat_images
+        template_messages, images = split_chat_images(messages)
+        if images and not self.is_multimodal:
+            raise ValueError(f"model {self.source.name!r} is a text-only model and does not accept images")
+        if self.is_multimodal:
+            for text in message_texts(template_messages):
+                self.input_processor.check_user_text(text)
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError(f"model {self.source.name!r} has no chat template; pass chat_template=")
+        text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, chat_template=template,
+                                                  add_generation_prompt=add_generation_prompt)
+        prompt = {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        if mm_processor_kwargs:
+            prompt["mm_processor_kwargs"] = mm_processor_kwargs
+        return prompt
 
     def add_sequence(self, seq: Sequence) -> str:
         self.requests[seq.request_id] = (seq, IncrementalDetokenizer(self.tokenizer, seq.num_prompt_tokens))
+        self.model_runner.encoder_cache.hold(seq)
         self.scheduler.add(seq)
         return seq.request_id
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.model_runner.encoder_cache.release(seq)
+        del self.requests[seq.request_id]
 
     def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         return self.add_sequence(self.make_sequence(prompt, sampling_params, request_id))
 
     def abort_request(self, request_id: str) -> bool:
-        entry = self.requests.pop(request_id, None)
+        entry = self.requests.get(request_id)
         if entry is None:
             return False
         seq = entry[0]
-        self.scheduler.finish(seq)
+        self._finish(seq)
         seq.finish_reason = "abort"
         return True
 
@@ -202,8 +257,7 @@ class LLMEngine:
             seq.finish_reason = "length"
         finished = seq.finish_reason is not None
         if finished:
-            self.scheduler.finish(seq)
-            del self.requests[seq.request_id]
+            self._finish(seq)
         # While streaming, hold back text that could still turn out to be the start of a stop string.
         hold = 0 if finished or not p.stop_strings else max(map(len, p.stop_strings)) - 1
         visible = len(seq.output_text) - hold
@@ -221,4 +275,5 @@ class LLMEngine:
             stop_reason=seq.stop_reason, logprobs=seq.output_logprobs if seq.sampling_params.logprobs is not None
             else None)
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-                             outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens)
+                             outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens,
+                             images=seq.images_info)

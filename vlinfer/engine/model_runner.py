@@ -6,6 +6,7 @@ import torch
 
 from vlinfer import platform
 from vlinfer.config import EngineConfig
+from vlinfer.engine.encoder_cache import EncoderCache
 from vlinfer.engine.scheduler import SchedulerOutput
 from vlinfer.engine.sequence import Sequence
 from vlinfer.layers import Attention, ForwardContext, forward_context, sample
@@ -27,6 +28,8 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.eos_token_ids = eos_token_ids
         self.uses_mrope = getattr(model, "uses_mrope", False)
+        self.encoder_cache = EncoderCache()
+        self.num_images_encoded = 0  # over the runner's life: tests check each image is encoded once
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
@@ -81,6 +84,8 @@ class ModelRunner:
     def _positions(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         if not self.uses_mrope:
             return torch.arange(start, end)
+        if seq.mrope_positions is None:  # a text-only prompt: all three rows are the token index
+            return torch.arange(start, end).expand(3, -1)
         prompt_end = min(end, seq.num_prompt_tokens)
         parts = []
         if start < prompt_end:
@@ -119,14 +124,58 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.cat(positions, -1).to(dev)
-        return ids, pos, ctx, torch.tensor(sample_indices, dtype=torch.long, device=dev), sample_seqs
+        mm_inputs = self._multimodal_inputs(batch, len(input_ids))
+        return ids, pos, ctx, torch.tensor(sample_indices, dtype=torch.long, device=dev), sample_seqs, mm_inputs
+
+    def _encode_missing(self, batch: SchedulerOutput) -> None:
+        """Run the vision tower once, in one packed batch, over every image this step needs and the cache lacks."""
+        missing = {}
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            for item in seq.mm_items:
+                if item.offset < end and item.end > start and item.content_hash not in self.encoder_cache:
+                    missing.setdefault(item.content_hash, item)
+        if not missing:
+            return
+        items = list(missing.values())
+        pixel_values = torch.cat([item.data["pixel_values"] for item in items]).to(self.device, self.dtype)
+        grid_thw = torch.stack([item.data["grid_thw"] for item in items])
+        for item, output in zip(items, self.model.encode_images(pixel_values, grid_thw)):
+            assert output[0].shape[0] == item.length, "encoder output does not match the placeholder count"
+            self.encoder_cache.put(item.content_hash, output)
+        self.num_images_encoded += len(items)
+
+    def _multimodal_inputs(self, batch: SchedulerOutput, num_tokens: int) -> dict:
+        """mm_mask [T], mm_embeds and deepstack_embeds rows for the image tokens of this step, in token order:
+        a chunk that starts or ends inside an image takes just its slice of that image's rows."""
+        if not any(seq.mm_items for seq in batch.seqs):
+            return {}
+        self._encode_missing(batch)
+        mask = torch.zeros(num_tokens, dtype=torch.bool)
+        embeds, deepstack = [], []
+        base = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            for item in seq.mm_items:
+                lo, hi = max(start, item.offset), min(end, item.end)
+                if lo >= hi:
+                    continue
+                mask[base + lo - start:base + hi - start] = True
+                image_embeds, image_deepstack = self.encoder_cache.get(item.content_hash)
+                embeds.append(image_embeds[lo - item.offset:hi - item.offset])
+                deepstack.append(image_deepstack[:, lo - item.offset:hi - item.offset])
+            base += n
+        if not embeds:
+            return {}
+        return {"mm_mask": mask.to(self.device), "mm_embeds": torch.cat(embeds),
+                "deepstack_embeds": torch.cat(deepstack, 1)}
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, sample_tokens: bool = True):
         """Run one step. Returns [(seq, token_id, logprobs or None)] for sequences that finished their chunk."""
-        input_ids, positions, ctx, sample_indices, sample_seqs = self.prepare(batch)
+        input_ids, positions, ctx, sample_indices, sample_seqs, mm_inputs = self.prepare(batch)
         with forward_context(ctx):
-            hidden_states = self.model(input_ids, positions)
+            hidden_states = self.model(input_ids, positions, **mm_inputs)
         if not sample_tokens or not sample_seqs:
             return []
         logits = self.model.compute_logits(hidden_states[sample_indices])
@@ -136,7 +185,7 @@ class ModelRunner:
     @torch.inference_mode()
     def prompt_logits(self, batch: SchedulerOutput) -> torch.Tensor:
         """Logits at every scheduled position (for tests and scoring); writes KV like a normal step."""
-        input_ids, positions, ctx, _, _ = self.prepare(batch)
+        input_ids, positions, ctx, _, _, mm_inputs = self.prepare(batch)
         with forward_context(ctx):
-            hidden_states = self.model(input_ids, positions)
+            hidden_states = self.model(input_ids, positions, **mm_inputs)
         return self.model.compute_logits(hidden_states)

@@ -52,6 +52,7 @@ class Sequence:
         # i + mrope_position_delta on every row. None for text models, which use the token index.
         self.mrope_positions = mrope_positions
         self.mrope_position_delta = mrope_position_delta
+        self.images_info: list[dict] = []
         self.generator = generator
         self.output_logprobs: list[dict[int, float]] = []
         self.output_text = ""

@@ -3,7 +3,6 @@ checkpoint's rope type (default, llama3, linear, dynamic ntk, yarn, ...)."""
 import torch
 from torch import nn
 
-from vlinfer import ops
 
 
 def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
@@ -20,7 +19,7 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary on q and k from token positions [T], reading a cos/sin table built once."""
+    """Neox-style rotary cos/sin for token positions [T], read from a table built once."""
 
     def __init__(self, config, max_position: int):
         super().__init__()
@@ -31,5 +30,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return ops.apply_rotary(q, k, self.cos_cache[positions], self.sin_cache[positions])
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, head_dim] each, float32: ops.apply_rotary rotates in float32 whatever the activation dtype."""
+        return self.cos_cache[positions], self.sin_cache[positions]

@@ -61,12 +61,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]):
         if any(min_p):
             floor = torch.tensor(min_p, device=x.device)[:, None] * probs.max(-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        # Exponential race (argmax p/q with q ~ Exp(1)) samples from p and needs one draw per row from that
-        # row's own generator, so batch composition cannot change a seeded request's tokens.
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(random_rows):
-            noise[j].exponential_(generator=seqs[i].generator)
-        tokens[rows] = (probs / noise).argmax(-1)
+        # Inverse-CDF sampling with one uniform draw per row from that row's own generator: a seeded request
+        # draws the same tokens whatever shares its batch, and the cost is one random number, not one per token.
+        uniform = torch.cat([torch.rand(1, generator=seqs[i].generator, device=probs.device) for i in random_rows])
+        cdf = probs.cumsum(-1)
+        picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None]).squeeze(1)
+        tokens[rows] = picked.clamp_max(probs.shape[-1] - 1)
     token_list = tokens.tolist()
     logprobs = [None] * len(seqs)
     if raw_logprobs is not None:

@@ -2,6 +2,7 @@
 import torch
 from torch import nn
 
+from vlinfer import ops
 from vlinfer.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                             RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
 from vlinfer.layers.distributed import divide, tp_size
@@ -17,7 +18,6 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.rotary_emb = RotaryEmbedding(config, config.max_position_embeddings)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         if qk_norm:  # Qwen3: RMSNorm over each head's q and k before rotary
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -25,7 +25,7 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], -1)
@@ -34,7 +34,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = ops.apply_rotary(q, k, *rope)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -59,20 +59,22 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden_states, residual):
+    def forward(self, rope, hidden_states, residual):
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states = self.self_attn(rope, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qk_norm: bool = False):
+    def __init__(self, config, qk_norm: bool = False, rotary_emb: nn.Module | None = None):
         super().__init__()
+        # One rotary for all layers: its cos/sin are computed once per step and shared.
+        self.rotary_emb = rotary_emb or RotaryEmbedding(config, config.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -80,9 +82,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            hidden_states, residual = layer(rope, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

@@ -4,6 +4,7 @@ import importlib
 _MODELS = {
     "LlamaForCausalLM": ("vlinfer.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("vlinfer.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3VLForConditionalGeneration": ("vlinfer.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
 }
 
 

