@@ -32,7 +32,8 @@ class LLMEngine:
         self.tokenizer = model_loader.load_tokenizer(self.source)
         self.device = platform.resolve_device(config.device)
         self.dtype = platform.resolve_dtype(config.dtype, self.hf_config)
-        model_len = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        self.text_config = self.hf_config.get_text_config()  # the decoder's config, nested in multimodal ones
+        model_len = getattr(self.text_config, "max_position_embeddings", None) or 4096
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={model_len}")
@@ -133,7 +134,7 @@ class LLMEngine:
             token_ids = processed.token_ids
             extra = {"mm_items": processed.mm_items, "mrope_positions": processed.mrope_positions,
                      "mrope_position_delta": processed.mrope_position_delta, "images_info": processed.images}
-        vocab = self.hf_config.vocab_size
+        vocab = self.text_config.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of the vocabulary range [0, {vocab}): {bad[:5]}")
