@@ -2,7 +2,7 @@
 import pytest
 
 from conftest import assert_block_pool_empty
-from vlinfer import LLM, ModelNotFoundError, SamplingParams
+from vlinfer import LLM, ModelNotFoundError, RequestError, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,11 @@ def serves_next_call(llm):
     (3.5, "must be a str"),
 ])
 def test_bad_prompt(llm, prompt, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(RequestError, match=match) as info:
         llm.generate([[1, 2, 3], prompt], SamplingParams(max_tokens=4), use_tqdm=False)
+    good, bad = info.value.outputs
+    assert len(good.outputs[0].token_ids) == 4 and good.error is None  # the good request in the call completed
+    assert bad.error and bad.outputs[0].finish_reason == "error"
     serves_next_call(llm)
 
 

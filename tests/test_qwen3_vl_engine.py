@@ -13,7 +13,7 @@ from vlinfer.engine import SchedulerOutput
 from vlinfer.multimodal import Qwen3VLImageProcessor
 from vlinfer.tiny_checkpoints import build_tiny_qwen3_vl
 
-NUM_NEW = 12
+NUM_NEW = 32
 IMAGE = 151655
 PROMPT_1 = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n" \
            "<|im_start|>assistant\n"
@@ -29,12 +29,24 @@ def picture(h, w, seed):
 
 
 IMG_A, IMG_B, IMG_C = picture(120, 160, 1), picture(200, 90, 2), picture(64, 64, 3)
+IMG_BIG, IMG_TALL, IMG_WIDE = picture(480, 640, 4), picture(1200, 30, 5), picture(25, 1000, 6)
+
+SHAPES = {
+    # GQA 2:1, rotary sections [6, 5, 5], DeepStack after vision blocks 0 and 1, untied head.
+    "heads4-ds01": dict(num_heads=4, num_kv_heads=2, head_dim=32, mrope_section=(6, 5, 5), vision_depth=2,
+                        deepstack_visual_indexes=[0, 1], tie_word_embeddings=False),
+    # GQA 4:1, sections [4, 2, 2], three text layers, DeepStack after vision blocks 1 and 2. (Untied too: with
+    # O(1) random tied embeddings the model just repeats its last input token, which would test nothing; tied
+    # loading is covered in test_qwen3_vl_model.py.)
+    "heads8-ds12": dict(text_layers=3, num_heads=8, num_kv_heads=2, head_dim=16, mrope_section=(4, 2, 2),
+                        vision_depth=3, vision_heads=2, deepstack_visual_indexes=[1, 2], tie_word_embeddings=False),
+}
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(SHAPES))
+def checkpoint(request, tmp_path_factory):
     from transformers import Qwen3VLForConditionalGeneration
-    path = build_tiny_qwen3_vl(str(tmp_path_factory.mktemp("tiny-qwen3-vl")), seed=0, tie_word_embeddings=False)
+    path = build_tiny_qwen3_vl(str(tmp_path_factory.mktemp(request.param)), seed=0, **SHAPES[request.param])
     return path, Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -67,7 +79,9 @@ def hf_greedy(model, ids, kwargs, num_new=NUM_NEW):
     return out[0, ids.shape[1]:].tolist()
 
 
-CASES = [(PROMPT_1, [IMG_A]), (PROMPT_2, [IMG_B, IMG_C]), (PROMPT_0, []), (PROMPT_1, [IMG_C])]
+# One image; two images with text before, between and after; text only; and large, tall and wide images.
+CASES = [(PROMPT_1, [IMG_A]), (PROMPT_2, [IMG_B, IMG_C]), (PROMPT_0, []), (PROMPT_1, [IMG_C]),
+         (PROMPT_1, [IMG_BIG]), (PROMPT_2, [IMG_TALL, IMG_WIDE])]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +106,7 @@ def test_prompt_logits_match_transformers(checkpoint):
     path, model = checkpoint
     llm = make_llm(path)
     engine = llm.engine
-    for text, images in CASES[:3]:
+    for text, images in CASES:
         seq = engine.make_sequence({"prompt": text, "multi_modal_data": {"image": images}})
         engine.add_sequence(seq)  # holds its images in the encoder cache
         assert engine.block_manager.allocate(seq, seq.num_tokens)
@@ -111,10 +125,10 @@ def test_mixed_batch_matches_transformers(checkpoint, references):
     llm = make_llm(checkpoint[0])
     outs = llm.generate(requests(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == references
-    assert [len(o.images) for o in outs] == [1, 2, 0, 1]
+    assert [len(o.images) for o in outs] == [1, 2, 0, 1, 1, 2]
     assert outs[0].images[0] == {"size": [224, 320], "num_tokens": 70}
     # IMG_C appears in two requests but is encoded once; every image exactly once.
-    assert llm.engine.model_runner.num_images_encoded == 3
+    assert llm.engine.model_runner.num_images_encoded == 6
     assert len(llm.engine.model_runner.encoder_cache) == 0
     assert_block_pool_empty(llm)
 
@@ -186,11 +200,54 @@ def test_chat_with_image_parts_and_per_request_pixels(checkpoint):
     assert_block_pool_empty(llm)
 
 
+def jpeg_bytes(image, truncate=False):
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG")
+    data = buf.getvalue()
+    return data[:len(data) // 2] if truncate else data
+
+
+def png_bomb():
+    """A PNG whose header declares 20000 x 20000 pixels but carries no data: a bomb's header, rejected before
+    decoding without spending memory to build a real one."""
+    import struct
+    import zlib
+
+    def chunk(kind, body):
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    header = struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+BAD_IMAGES = {
+    "truncated JPEG": (jpeg_bytes(IMG_A, truncate=True), "image 0"),
+    "non-image bytes": (b"definitely not an image", "image 0"),
+    "zero-size image": (Image.new("RGB", (0, 0)), "image 0"),
+    "decompression bomb": (png_bomb(), "pixels"),
+    "aspect ratio over 200": (picture(2, 500, 7), "aspect ratio"),
+    "unreachable URL": ("http://127.0.0.1:9/cat.png", "image 0"),
+    "URL with fetching off": ("https://example.com/cat.png", "URL loading is off"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_IMAGES))
+def test_bad_image_is_a_per_request_error(checkpoint, references, bad):
+    from vlinfer import RequestError
+    image, match = BAD_IMAGES[bad]
+    llm = make_llm(checkpoint[0], allow_image_urls=not bad.startswith("URL with"))
+    reqs = requests()[:2] + [{"prompt": PROMPT_1, "multi_modal_data": {"image": [image]}}]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(RequestError, match=match) as info:
+        llm.generate(reqs, params, use_tqdm=False)
+    outs = info.value.outputs
+    assert [o.outputs[0].token_ids for o in outs[:2]] == [r[:4] for r in references[:2]]  # the others completed
+    assert outs[2].error and outs[2].outputs[0].finish_reason == "error" and "request 2" in str(info.value)
+    assert_block_pool_empty(llm)
+
+
 @pytest.mark.parametrize("request_, match", [
     ({"prompt": PROMPT_1, "multi_modal_data": {"image": []}}, "1 <|image_pad|> placeholder"),
     ({"prompt": PROMPT_0, "multi_modal_data": {"image": [IMG_A]}}, "0 <|image_pad|> placeholder"),
-    ({"prompt": PROMPT_1, "multi_modal_data": {"image": [b"not an image"]}}, "image 0"),
-    ({"prompt": PROMPT_1, "multi_modal_data": {"image": ["https://example.com/cat.png"]}}, "URL loading is off"),
     ({"prompt": PROMPT_1, "multi_modal_data": {"video": [IMG_A]}}, "only 'image'"),
     ({"prompt": PROMPT_1, "multi_modal_data": {"image": [IMG_A]}, "mm_processor_kwargs": {"dpi": 3}}, "dpi"),
 ])
@@ -199,6 +256,27 @@ def test_bad_multimodal_requests(checkpoint, request_, match):
     with pytest.raises(ValueError, match=match):
         llm.generate([requests()[2], request_], GREEDY, use_tqdm=False)
     assert llm.generate([requests()[0]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0]
+    assert_block_pool_empty(llm)
+
+
+def test_different_images_are_never_confused(checkpoint):
+    path, model = checkpoint
+    llm = make_llm(path)
+    one_pixel = IMG_A.copy()
+    one_pixel.putpixel((5, 7), tuple((c + 128) % 256 for c in IMG_A.getpixel((5, 7))))
+    other = picture(120, 160, 42)
+    outs = llm.generate([{"prompt": PROMPT_1, "multi_modal_data": {"image": [im]}} for im in (IMG_A, one_pixel, other)],
+                        GREEDY, use_tqdm=False)
+    assert llm.engine.model_runner.num_images_encoded == 3
+    for out, image in zip(outs, (IMG_A, one_pixel, other)):
+        ids, kwargs = hf_inputs(llm, llm.tokenizer(PROMPT_1).input_ids, [image])
+        assert out.outputs[0].token_ids == hf_greedy(model, ids, kwargs)
+    assert outs[0].outputs[0].token_ids != outs[2].outputs[0].token_ids  # same text, another image: other words
+    # Run again: each image finds its own cached prefix, never the other's.
+    image_start = outs[0].prompt_token_ids.index(IMAGE)
+    again = llm.generate([{"prompt": PROMPT_1, "multi_modal_data": {"image": [one_pixel]}}], GREEDY, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert again[0].num_cached_tokens > image_start
     assert_block_pool_empty(llm)
 
 

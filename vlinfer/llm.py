@@ -2,7 +2,7 @@
 from tqdm.auto import tqdm
 
 from vlinfer.engine.llm_engine import LLMEngine, PromptType
-from vlinfer.outputs import RequestOutput
+from vlinfer.outputs import RequestError, RequestOutput
 from vlinfer.sampling_params import SamplingParams
 
 
@@ -14,8 +14,9 @@ class LLM:
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in input order. Every prompt is validated before any
-        is queued, so a bad one raises ValueError and leaves the engine as it was."""
+        """Run prompts to completion; outputs come back in input order. A request that cannot be run (bad prompt,
+        bad image, bad sampling_params) does not stop the others: after they finish, RequestError (a ValueError)
+        names each rejected request and carries every output in `.outputs`."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
                                                  all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -23,14 +24,24 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
-        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
-        return self._run(seqs, use_tqdm)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        seqs, order = [], {}
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            try:
+                seq = self.engine.make_sequence(prompt, params)
+            except ValueError as e:  # a bad request is answered with its error; the others still run
+                results[i] = RequestOutput.rejected(f"rejected-{i}", prompt, str(e))
+                continue
+            seqs.append(seq)
+            order[seq.request_id] = i
+        self._run(seqs, order, results, use_tqdm)
+        if any(r.error for r in results):
+            raise RequestError(results)
+        return results
 
-    def _run(self, seqs, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, seqs, order: dict[str, int], results: list, use_tqdm: bool) -> None:
         for seq in seqs:
             self.engine.add_sequence(seq)
-        order = {seq.request_id: i for i, seq in enumerate(seqs)}
-        results: list[RequestOutput | None] = [None] * len(seqs)
         bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm, unit="req")
         try:
             while self.engine.has_unfinished_requests():
@@ -44,7 +55,6 @@ class LLM:
             raise
         finally:
             bar.close()
-        return results
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,

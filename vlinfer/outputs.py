@@ -22,4 +22,20 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     images: list[dict] = field(default_factory=list)  # per image: effective (resized) size [h, w] and num_tokens
+    error: str | None = None  # why the request was rejected; it then has no tokens and finish_reason "error"
+
+    @classmethod
+    def rejected(cls, request_id: str, prompt, error: str) -> "RequestOutput":
+        return cls(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=[],
+                   outputs=[CompletionOutput(0, "", [], finish_reason="error")], finished=True, error=error)
+
+
+class RequestError(ValueError):
+    """Raised by LLM.generate when some requests were rejected. The others still ran: `outputs` holds every
+    result in input order, the rejected ones with `.error` set."""
+
+    def __init__(self, outputs: list[RequestOutput]):
+        self.outputs = outputs
+        errors = [f"request {i}: {o.error}" for i, o in enumerate(outputs) if o.error]
+        super().__init__("; ".join(errors))
     metrics: dict = field(default_factory=dict)

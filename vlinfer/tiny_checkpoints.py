@@ -21,20 +21,25 @@ def qwen_tokenizer_files() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
 
 
-def tiny_qwen3_vl_config(text_hidden: int = 128, text_layers: int = 2, vision_depth: int = 2,
-                         vision_hidden: int = 64, tie_word_embeddings: bool = True):
+def tiny_qwen3_vl_config(text_hidden: int = 128, text_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                         head_dim: int = 32, mrope_section=(6, 5, 5), vision_depth: int = 2, vision_hidden: int = 64,
+                         vision_heads: int = 4, deepstack_visual_indexes=None, tie_word_embeddings: bool = True):
+    """The real Qwen3-VL layout at a small width. mrope_section must sum to head_dim / 2 (the real model's
+    [24, 20, 20] for head_dim 128)."""
     from transformers import Qwen3VLConfig
-    head_dim = 32  # mrope sections [6, 5, 5] cover head_dim / 2 = 16, interleaved as in the real [24, 20, 20]
+    assert sum(mrope_section) == head_dim // 2, "mrope_section must cover head_dim / 2 frequencies"
+    if deepstack_visual_indexes is None:
+        deepstack_visual_indexes = list(range(min(vision_depth, 2)))
     return Qwen3VLConfig(
-        vision_config=dict(depth=vision_depth, hidden_size=vision_hidden, num_heads=4,
+        vision_config=dict(depth=vision_depth, hidden_size=vision_hidden, num_heads=vision_heads,
                            intermediate_size=2 * vision_hidden, patch_size=16, temporal_patch_size=2, in_channels=3,
                            spatial_merge_size=2, out_hidden_size=text_hidden, num_position_embeddings=2304,
-                           deepstack_visual_indexes=list(range(min(vision_depth, 2))), hidden_act="gelu_pytorch_tanh"),
-        text_config=dict(hidden_size=text_hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                         num_hidden_layers=text_layers, intermediate_size=2 * text_hidden, vocab_size=151936,
-                         rms_norm_eps=1e-6, max_position_embeddings=8192, hidden_act="silu",
+                           deepstack_visual_indexes=list(deepstack_visual_indexes), hidden_act="gelu_pytorch_tanh"),
+        text_config=dict(hidden_size=text_hidden, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         head_dim=head_dim, num_hidden_layers=text_layers, intermediate_size=2 * text_hidden,
+                         vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=8192, hidden_act="silu",
                          rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
-                                          "mrope_section": [6, 5, 5], "mrope_interleaved": True}),
+                                          "mrope_section": list(mrope_section), "mrope_interleaved": True}),
         tie_word_embeddings=tie_word_embeddings, **QWEN3_VL_SPECIAL)
 
 
