@@ -110,3 +110,33 @@ def test_preemption_under_a_tiny_pool_keeps_outputs(tiny_checkpoint, references)
     preemptions = llm.engine.scheduler.num_preemptions
     assert preemptions > 0
     assert_block_pool_empty(llm)
+
+
+# bfloat16 tolerance, documented in the README: prompt logits within 3e-2 of the largest |logit| of transformers
+# in bfloat16 on the same weights, and the same arg-max at >= 95% of positions. (Both round differently:
+# we rotate q/k and normalize in float32, transformers partly in bfloat16.)
+BF16_LOGIT_TOLERANCE = 3e-2
+
+
+def test_bf16_prompt_logits_within_documented_tolerance(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+    path, _ = tiny_checkpoint
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    llm = LLM(path, dtype="bfloat16", kv_cache_bytes=8 * 2 ** 20)
+    engine = llm.engine
+    seqs = [engine.make_sequence(p) for p in PROMPTS]
+    for seq in seqs:
+        assert engine.block_manager.allocate(seq, seq.num_tokens)
+    logits = engine.model_runner.prompt_logits(SchedulerOutput(seqs, [s.num_tokens for s in seqs])).float()
+    offset, agree, total = 0, 0, 0
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            ref = ref_model(torch.tensor([prompt])).logits[0].float()
+        ours = logits[offset:offset + len(prompt)]
+        offset += len(prompt)
+        assert max_rel_err(ours, ref) < BF16_LOGIT_TOLERANCE
+        agree += (ours.argmax(-1) == ref.argmax(-1)).sum().item()
+        total += len(prompt)
+    assert agree / total >= 0.95
+    for seq in seqs:
+        engine.block_manager.free(seq)

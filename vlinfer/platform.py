@@ -40,7 +40,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
         return _DTYPES[dtype]
-    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    config_dtype = getattr(hf_config.get_text_config(), "dtype", None) or getattr(hf_config, "dtype", None)
     if isinstance(config_dtype, str):
         config_dtype = _DTYPES.get(config_dtype)
     return config_dtype if isinstance(config_dtype, torch.dtype) else torch.float32

@@ -33,7 +33,11 @@ def split_chat_images(messages: list[dict]) -> tuple[list[dict], list]:
             else:
                 raise ValueError(f"message {i} part {j}: unsupported content part type {kind!r}; "
                                  "use 'text', 'image' or 'image_url'")
-        out.append({**message, "content": parts})
+        if all(p["type"] == "text" for p in parts):
+            # Text-only parts become a plain string: text models' templates expect one.
+            out.append({**message, "content": "".join(p["text"] for p in parts)})
+        else:
+            out.append({**message, "content": parts})
     return out, images
 
 

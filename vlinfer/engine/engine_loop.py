@@ -1,0 +1,113 @@
+"""An LLMEngine driven by one background thread, so many callers (demo tabs, server requests) share one batch.
+
+Callers submit from any thread and read their request's outputs from a queue; the loop thread is the only one
+that steps the engine. Validation and image preprocessing run in the caller's thread, outside the engine lock,
+so a slow image never stalls the batch."""
+import itertools
+import logging
+import queue
+import threading
+
+from vlinfer.engine.llm_engine import LLMEngine
+from vlinfer.outputs import RequestOutput
+from vlinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("vlinfer")
+_DONE = object()
+
+
+class RequestStream:
+    """Iterates over one request's outputs (cumulative text plus this step's delta) until it finishes."""
+
+    def __init__(self, loop: "EngineLoop", request_id: str):
+        self.loop = loop
+        self.request_id = request_id
+        self.queue: queue.Queue = queue.Queue()
+        self.final: RequestOutput | None = None
+
+    def __iter__(self):
+        while True:
+            item = self.queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self.final = item
+            yield item
+
+    def deltas(self):
+        for out in self:
+            if out.outputs[0].delta_text:
+                yield out.outputs[0].delta_text
+
+    def abort(self) -> None:
+        self.loop.abort(self.request_id)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="vlinfer-engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt, sampling_params: SamplingParams | None = None) -> RequestStream:
+        """Queue a request; raises ValueError here, in the caller, when the request is bad."""
+        if self._closed:
+            raise RuntimeError("the engine loop is closed")
+        seq = self.engine.make_sequence(prompt, sampling_params, request_id=f"loop-{next(self._ids)}")
+        stream = RequestStream(self, seq.request_id)
+        with self._work:
+            self._streams[seq.request_id] = stream
+            self.engine.add_sequence(seq)
+            self._work.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            self.engine.abort_request(request_id)
+        if stream is not None:
+            stream.queue.put(_DONE)
+
+    def num_active(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def close(self) -> None:
+        with self._work:
+            self._closed = True
+            self._work.notify()
+        self._thread.join(timeout=10)
+        for request_id in list(self._streams):
+            self.abort(request_id)
+
+    def _run(self) -> None:
+        while True:
+            with self._work:
+                while not self._closed and not self.engine.has_unfinished_requests():
+                    self._work.wait()
+                if self._closed:
+                    return
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # an engine fault fails the running requests, not the process
+                    logger.exception("engine step failed; failing %d requests", len(self._streams))
+                    for request_id, stream in list(self._streams.items()):
+                        self.engine.abort_request(request_id)
+                        stream.queue.put(RuntimeError(f"engine step failed: {e}"))
+                    self._streams.clear()
+                    continue
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue
+                    stream.queue.put(out)
+                    if out.finished:
+                        stream.queue.put(_DONE)
+                        del self._streams[out.request_id]

@@ -1,0 +1,99 @@
+"""`Pipeline("qwen3-vl")`: images and text in, text out. A thin layer over LLM for the common cases."""
+from collections.abc import Iterable, Iterator
+
+from vlinfer.llm import LLM
+from vlinfer.sampling_params import SamplingParams
+
+DEFAULT_MAX_TOKENS = 512
+
+
+class Pipeline:
+    """pipe(image, prompt) -> answer; pipe.chat(messages); pipe.stream(...) yields text deltas;
+    pipe.caption(images) -> captions in order. Sampling options (temperature, top_p, max_tokens, seed, ...) pass
+    through as keyword arguments; the rest of **engine_options go to LLM."""
+
+    def __init__(self, model: str = "qwen3-vl", **engine_options):
+        self.llm = LLM(model, **engine_options)
+        self.engine = self.llm.engine
+        self.model = model
+        self.is_multimodal = self.engine.is_multimodal
+
+    @property
+    def device(self) -> str:
+        return str(self.engine.device)
+
+    @property
+    def embedded(self) -> bool:
+        """True when running the embedded random-weight model: answers are meaningless."""
+        return self.engine.source.embedded
+
+    @staticmethod
+    def sampling_params(sampling_params: SamplingParams | None = None, **options) -> SamplingParams:
+        if sampling_params is not None:
+            if options:
+                raise ValueError("pass either sampling_params or sampling keyword options, not both")
+            return sampling_params
+        options.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+        return SamplingParams(**options)
+
+    def messages(self, prompt: str | None = None, images: Iterable | None = None) -> list[dict]:
+        """One user turn: the images first, then the text (the layout Qwen3-VL was trained on)."""
+        images = list(images or [])
+        if images and not self.is_multimodal:
+            raise ValueError(f"model {self.model!r} is a text-only model and does not accept images")
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        parts = [{"type": "image", "image": image} for image in images]
+        if prompt:
+            parts.append({"type": "text", "text": prompt})
+        if not parts:
+            raise ValueError("nothing to answer: give a prompt, an image, or both")
+        return [{"role": "user", "content": parts}]
+
+    def __call__(self, image=None, prompt: str | None = None, *, images: Iterable | None = None,
+                 sampling_params: SamplingParams | None = None, **sampling) -> str:
+        if isinstance(image, str) and prompt is None and images is None and not self.is_multimodal:
+            image, prompt = None, image  # text model: pipe("question")
+        images = ([image] if image is not None else []) + list(images or [])
+        return self.chat(self.messages(prompt, images), sampling_params, **sampling)
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None, **sampling) -> str:
+        params = self.sampling_params(sampling_params, **sampling)
+        return self.llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+
+    def stream(self, image=None, prompt: str | None = None, *, images: Iterable | None = None,
+               messages: list[dict] | None = None, sampling_params: SamplingParams | None = None,
+               **sampling) -> Iterator[str]:
+        """Yield text deltas as tokens arrive (never half a multi-byte character). Closing the generator early
+        aborts the request and frees its blocks."""
+        if messages is None:
+            if isinstance(image, str) and prompt is None and images is None and not self.is_multimodal:
+                image, prompt = None, image
+            messages = self.messages(prompt, ([image] if image is not None else []) + list(images or []))
+        params = self.sampling_params(sampling_params, **sampling)
+        request_id = self.engine.add_request(self.engine.chat_prompt(messages), params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    if out.outputs[0].delta_text:
+                        yield out.outputs[0].delta_text
+                    if out.finished:
+                        return
+        finally:
+            self.engine.abort_request(request_id)  # no-op when it finished
+
+    def caption(self, images: Iterable, prompt: str = "Describe this image.", batch_size: int = 8,
+                sampling_params: SamplingParams | None = None, **sampling) -> list[str]:
+        """Captions in input order. An image that cannot be read raises RequestError naming it after the others
+        finished (their captions are in the error's outputs)."""
+        if not self.is_multimodal:
+            raise ValueError(f"model {self.model!r} is a text-only model and cannot caption images")
+        params = self.sampling_params(sampling_params, **sampling)
+        images = list(images)
+        captions = []
+        for start in range(0, len(images), batch_size):
+            batch = [self.messages(prompt, [image]) for image in images[start:start + batch_size]]
+            captions.extend(out.outputs[0].text for out in self.llm.chat(batch, params, use_tqdm=False))
+        return captions
