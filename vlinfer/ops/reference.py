@@ -21,8 +21,7 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                    decode_only: bool = False) -> torch.Tensor:
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of packed queries q [T, heads, head_dim] over each sequence's paged KV.
 
     Sequence i owns queries cu_seqlens_q[i]:cu_seqlens_q[i+1], which are its last tokens: query j of a chunk of
@@ -34,7 +33,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
-    starts = cu_seqlens_q[:-1].tolist()
     kv_lens = seq_lens.tolist()
     decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
     if decode_rows:
@@ -56,8 +54,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
         o = torch.matmul(scores.softmax(-1).to(v.dtype), v)
         out[token_index] = o.reshape(b, num_heads, head_dim)
+    prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out)
+    return out
+
+
+def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out) -> None:
+    """The multi-token rows of paged_attention (prefill chunks), one causal call per sequence, written to out."""
+    group = q.shape[1] // k_cache.shape[2]
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    starts = cu_seqlens_q[:-1].tolist()
+    kv_lens = seq_lens.tolist()
     for i, n in enumerate(q_lens):
-        if n == 1 or n == 0:
+        if n <= 1:
             continue
         kv_len = kv_lens[i]
         k = _gather_kv(k_cache, block_tables[i], kv_len).transpose(0, 1)
@@ -68,7 +76,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         out[starts[i]:starts[i] + n] = o.transpose(0, 1)
-    return out
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -1,0 +1,177 @@
+// CPU kernels for the engine's hot ops: paged decode attention, the paged KV-cache write and in-place rotary.
+// bfloat16 / float32 storage, float32 accumulation, OpenMP over independent (sequence, head) pairs.
+// Semantics are defined by vlinfer/ops/reference.py; tests compare against it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_f(T x) { return static_cast<float>(x); }
+
+// Decode attention: one query token per sequence. For each (sequence, kv head), read that head's keys and values
+// once and serve all `group` query heads that share it (grouped-query attention), so KV traffic is minimal.
+template <typename scalar_t>
+void paged_decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                 at::Tensor& out) {
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  scalar_t* o_ptr = out.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t q_stride_b = q.stride(0), q_stride_h = q.stride(1);
+  const int64_t o_stride_b = out.stride(0), o_stride_h = out.stride(1);
+  const int64_t c_stride_block = k_cache.stride(0), c_stride_tok = k_cache.stride(1), c_stride_h = k_cache.stride(2);
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(group * head_dim), acc(group * head_dim);
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t b = work / num_kv_heads, kvh = work % num_kv_heads;
+      const int64_t len = lens[b];
+      scores.assign(group * len, 0.f);
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* qv = q_ptr + b * q_stride_b + (kvh * group + g) * q_stride_h;
+        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_f(qv[d]) * fscale;
+      }
+      // Pass 1: scores for every cached token.
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t block = tables[b * max_blocks + t / block_size];
+        const scalar_t* kv = k_ptr + block * c_stride_block + (t % block_size) * c_stride_tok + kvh * c_stride_h;
+        float kf[512];
+        for (int64_t d = 0; d < head_dim; ++d) kf[d] = to_f(kv[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * head_dim;
+          float s = 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * kf[d];
+          scores[g * len + t] = s;
+        }
+      }
+      // Softmax per query head.
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+      }
+      // Pass 2: weighted sum of values.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t block = tables[b * max_blocks + t / block_size];
+        const scalar_t* vv = v_ptr + block * c_stride_block + (t % block_size) * c_stride_tok + kvh * c_stride_h;
+        float vf[512];
+        for (int64_t d = 0; d < head_dim; ++d) vf[d] = to_f(vv[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* ag = acc.data() + g * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * vf[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* ov = o_ptr + b * o_stride_b + (kvh * group + g) * o_stride_h;
+        for (int64_t d = 0; d < head_dim; ++d) ov[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "k and v caches must share a layout");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) <= 512, "head_dim mismatch or over 512");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables");
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    paged_decode_attention_impl<scalar_t>(q, k_cache, v_cache, tables, lens, scale, out);
+  });
+  return out;
+}
+
+// Paged KV-cache write: token i goes to flat slot slot_mapping[i] (block * block_size + offset); slots < 0 are
+// padding and skipped.
+void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                   const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && k_cache.dim() == 4, "bad shapes");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              "key/value dtype must match the cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  auto slots = slot_mapping.to(at::kLong).contiguous();
+  auto k = key.contiguous(), v = value.contiguous();
+  const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t bytes = row * k.element_size();
+  auto* kd = static_cast<char*>(k_cache.data_ptr());
+  auto* vd = static_cast<char*>(v_cache.data_ptr());
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  for (int64_t i = 0; i < tokens; ++i) TORCH_CHECK(s[i] < num_slots, "slot ", s[i], " outside the cache");
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (s[i] < 0) continue;
+      std::memcpy(kd + s[i] * bytes, ks + i * bytes, bytes);
+      std::memcpy(vd + s[i] * bytes, vs + i * bytes, bytes);
+    }
+  });
+}
+
+// Neox rotary in place on x [T, heads, D] with float32 cos/sin [T, D]: x = x*cos + rotate_half(x)*sin.
+template <typename scalar_t>
+void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  scalar_t* xp = x.data_ptr<scalar_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * dim;
+      const float* s = sp + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        scalar_t* v = xp + t * st + h * sh;
+        for (int64_t d = 0; d < half; ++d) {
+          const float x1 = to_f(v[d]), x2 = to_f(v[d + half]);
+          v[d] = static_cast<scalar_t>(x1 * c[d] - x2 * s[d]);
+          v[d + half] = static_cast<scalar_t>(x2 * c[d + half] + x1 * s[d + half]);
+        }
+      }
+    }
+  });
+}
+
+void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [T, heads, D] with contiguous D");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin must be float32");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == x.size(2), "cos/sin [T, D]");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_inplace", [&] {
+    rotary_impl<scalar_t>(x, cos, sin);
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("store_kvcache", &store_kvcache, "paged KV-cache write (CPU)");
+  m.def("rotary_inplace", &rotary_inplace, "neox rotary in place (CPU)");
+}

@@ -1,0 +1,286 @@
+"""The Gradio demo (apps/demo.py) end to end: a real server subprocess on the embedded tiny model, driven through
+gradio_client the way a browser tab drives it, plus one headless Chromium screenshot of the page."""
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("gradio", reason="the demo extra is not installed: pip install -e '.[demo]'")
+gradio_client = pytest.importorskip("gradio_client")
+from gradio_client import Client, handle_file  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "apps" / "demo.py"
+SCREENSHOT = ROOT / "apps" / "screenshot.sh"
+STARTUP_TIMEOUT = 120  # model build / load plus gradio import; ~20 s on a busy 2-core machine
+NOTICE_TITLE = "Not answered"  # apps/demo.py marks its rejection notices with this title
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (it may have children), SIGKILL it if it lingers."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(url, port, log path) of a demo server on qwen3-vl-tiny; always stopped, whatever the tests do."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("demo") / "server.log"
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "wb") as log:
+        # A new session: the fixture kills the whole process group, not just the Python process.
+        proc = subprocess.Popen([sys.executable, str(DEMO), "--model", "qwen3-vl-tiny", "--port", str(port),
+                                 "--max-model-len", "4096", "--concurrency", "8"],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the demo exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the demo did not serve within {STARTUP_TIMEOUT}s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url, port, log_path
+    finally:
+        _stop(proc)
+
+
+def _client(url: str) -> Client:
+    return Client(url, verbose=False, download_files=False, analytics_enabled=False)
+
+
+def _image(path: Path, color=(200, 40, 40), size=(64, 48)) -> str:
+    from PIL import Image
+    Image.new("RGB", size, color).save(path)
+    return str(path)
+
+
+def _texts(message: dict) -> str:
+    content = message["content"]
+    parts = content if isinstance(content, list) else [content]
+    return "".join(p if isinstance(p, str) else p.get("text", "") for p in parts if p)
+
+
+def _answer(history: list[dict]) -> str:
+    """The last assistant message's text ('' when there is none yet)."""
+    for message in reversed(history or []):
+        if message["role"] == "assistant":
+            return _texts(message)
+    return ""
+
+
+def _as_input(history: list[dict]) -> list[dict]:
+    """A returned chat history made ready to send back: its files re-uploaded as FileData."""
+    out = []
+    for message in history:
+        content = [{"type": "file", "file": handle_file(p["file"])} if p.get("type") == "file" else p
+                   for p in message["content"]]
+        out.append({**message, "content": content})
+    return out
+
+
+def _chat(client: Client, text: str, files=(), history=None, max_tokens: int = 24):
+    message = {"text": text, "files": [handle_file(f) for f in files]}
+    return client.submit(message, history or [], 0.7, 0.9, max_tokens, api_name="/chat")
+
+
+def _watch(job, poll: float = 0.05) -> list[str]:
+    """The distinct answer texts the job streamed, in the order they arrived."""
+    seen, read = [], 0
+    while True:
+        done = job.done()
+        outputs = job.outputs()
+        for out in outputs[read:]:
+            text = _answer(out[0])
+            if not seen or text != seen[-1]:
+                seen.append(text)
+        read = len(outputs)
+        if done:
+            return seen
+        time.sleep(poll)
+
+
+def _active(client: Client) -> int:
+    match = re.search(r"\*\*(\d+)\*\*", client.predict(api_name="/engine_status"))
+    assert match, "engine_status did not report a count"
+    return int(match.group(1))
+
+
+# ---- pure helpers (no server) ----
+def _demo_module():
+    spec = importlib.util.spec_from_file_location("vlinfer_demo_app", DEMO)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_history_becomes_openai_messages():
+    demo = _demo_module()
+    history = [
+        {"role": "user", "content": [{"type": "file", "file": {"path": "/a.png"}}, {"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
+        {"role": "user", "content": [{"type": "file", "file": {"path": "/bad.png"}}, {"type": "text", "text": "?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "rejected"}],
+         "metadata": {"title": demo.NOTICE_TITLE}},
+        {"role": "user", "content": [{"path": "/b.png"}, {"path": "/c.png"}, "both?"]},
+    ]
+    assert demo.model_messages(history) == [
+        {"role": "user", "content": [{"type": "image", "image": "/a.png"}, {"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": "hello"},
+        # the rejected turn and its notice are gone
+        {"role": "user", "content": [{"type": "image", "image": "/b.png"}, {"type": "image", "image": "/c.png"},
+                                     {"type": "text", "text": "both?"}]},
+    ]
+    assert demo.read_input({"text": "  q ", "files": [{"path": "/x.png"}, "/y.png"]}) == ("q", ["/x.png", "/y.png"])
+    assert demo.example_images(ROOT / "no-such-folder") == []
+
+
+# ---- the running server ----
+def test_image_question_streams_an_answer_and_keeps_history(server, tmp_path):
+    url, _, _ = server
+    client = _client(url)
+    job = _chat(client, "What color is this image?", [_image(tmp_path / "red.png")], max_tokens=24)
+    seen = _watch(job)
+    history = job.result(timeout=60)[0]
+    assert history[0]["role"] == "user" and any(p.get("type") == "file" for p in history[0]["content"])
+    final = _answer(history)
+    assert final and seen[-1] == final
+    grown = [t for t in seen if t]
+    assert len(grown) >= 3, f"the answer did not stream: {len(grown)} distinct partial answers"
+    bad = [(a, b) for a, b in zip(grown, grown[1:]) if not b.startswith(a)]
+    assert not bad, f"partial answers must only grow: {bad[:3]}"
+
+    # A second turn with two more images: the history (with its image) goes back to the model.
+    images = [_image(tmp_path / "green.png", (30, 200, 30)), _image(tmp_path / "blue.png", (30, 30, 200), (48, 64))]
+    job = _chat(client, "And these two?", images, history=_as_input(history), max_tokens=8)
+    history2 = job.result(timeout=60)[0]
+    assert [m["role"] for m in history2] == ["user", "assistant", "user", "assistant"]
+    assert sum(p.get("type") == "file" for p in history2[2]["content"]) == 2
+    assert _answer(history2) and not (history2[-1].get("metadata") or {}).get("title")
+
+
+def test_two_sessions_are_batched_together(server, tmp_path):
+    url, _, _ = server
+    image = _image(tmp_path / "img.png")
+    clients = [_client(url) for _ in range(2)]
+    observer = _client(url)
+    spans, answers, most_active = {}, {}, [0]
+    stop = threading.Event()
+
+    def observe():  # how many requests the engine holds at once
+        while not stop.is_set():
+            most_active[0] = max(most_active[0], _active(observer))
+            time.sleep(0.1)
+
+    def session(i):
+        start = time.monotonic()
+        history = _chat(clients[i], f"Session {i}: describe it.", [image], max_tokens=40).result(timeout=90)[0]
+        spans[i] = (start, time.monotonic())
+        answers[i] = _answer(history)
+
+    watcher = threading.Thread(target=observe, daemon=True)
+    watcher.start()
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    stop.set()
+    watcher.join(timeout=10)
+    assert sorted(answers) == [0, 1] and all(answers.values()), f"a session got no answer: {answers}"
+    (s0, e0), (s1, e1) = spans[0], spans[1]
+    assert max(s0, s1) < min(e0, e1), "the two sessions did not overlap in time"
+    assert most_active[0] >= 2, "the engine never held both requests at once: they were not batched"
+
+
+def test_broken_image_gets_a_clear_message_and_server_keeps_serving(server, tmp_path):
+    url, _, log_path = server
+    client = _client(url)
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"this is not a png at all")
+    log_start = log_path.stat().st_size
+    history = _chat(client, "What is this?", [str(broken)]).result(timeout=60)[0]
+    last = history[-1]
+    assert last["role"] == "assistant" and (last.get("metadata") or {}).get("title") == NOTICE_TITLE
+    text = _texts(last)
+    assert "rejected" in text and "cannot identify image format" in text, text
+    assert "Traceback" not in text
+
+    # The next turn carries the rejected one in its history; the demo leaves it out of the model's prompt.
+    job = _chat(client, "Then just say something.", [], history=_as_input(history), max_tokens=8)
+    history2 = job.result(timeout=60)[0]
+    assert _answer(history2) and not (history2[-1].get("metadata") or {}).get("title"), history2[-1]
+    # and a fresh session is still served
+    assert _answer(_chat(_client(url), "Hello?", [], max_tokens=8).result(timeout=60)[0])
+    with open(log_path, "rb") as f:
+        f.seek(log_start)
+        assert b"Traceback" not in f.read(), "the server logged a traceback for a bad image"
+
+
+def test_stop_aborts_the_request_in_the_engine(server, tmp_path):
+    url, _, _ = server
+    client, observer = _client(url), _client(url)
+    job = _chat(client, "Talk for a long time.", [_image(tmp_path / "red.png")], max_tokens=4000)
+    deadline = time.monotonic() + 60
+    while len(job.outputs()) < 3:
+        assert not job.done() and time.monotonic() < deadline, "the long request did not start streaming"
+        time.sleep(0.05)
+    assert _active(observer) >= 1
+    job.cancel()  # what the Stop button does: Gradio cancels the event and closes the generator
+    deadline = time.monotonic() + 15
+    while _active(observer):  # 4000 tokens would take minutes: only an abort empties the engine this fast
+        assert time.monotonic() < deadline, "the stopped request is still running in the engine"
+        time.sleep(0.2)
+    assert _answer(_chat(client, "Still there?", [], max_tokens=4).result(timeout=60)[0])
+
+
+def test_screenshot(server, tmp_path):
+    """One headless Chromium screenshot of the page. DEMO_SCREENSHOT=docs/demo.png refreshes the committed one."""
+    if shutil.which("chromium") is None:
+        pytest.skip("the browser is missing: install Debian's chromium (apt-get install -y chromium) to take the "
+                    "demo screenshot")
+    _, port, _ = server
+    out = Path(os.environ.get("DEMO_SCREENSHOT") or tmp_path / "demo.png")
+    if not out.is_absolute():
+        out = ROOT / out
+    subprocess.run(["bash", str(SCREENSHOT), str(port), str(out)], cwd=ROOT, check=True, timeout=90,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+    with Image.open(out) as img:
+        assert img.size == (1280, 900)
+        colors = img.convert("RGB").getcolors(maxcolors=1 << 20)
+    # A blank or error page has a handful of colours; the rendered app (text, sliders, buttons) has hundreds.
+    assert colors is not None and len(colors) > 50, f"the screenshot looks blank ({len(colors or [])} colours)"

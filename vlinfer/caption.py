@@ -1,0 +1,225 @@
+"""Batch captioning: a folder / glob / list of images in, one JSON line per image out.
+
+The output is the state: every finished batch is appended and fsync'ed before the next one starts, so a run killed
+at any point loses at most the batch in flight, and `resume=True` skips every path already recorded (captions and
+errors alike). A batch is one `LLM.chat` call, i.e. one engine run with continuous batching; an unreadable image is
+rejected on its own (RequestError.outputs) and recorded with its error while the rest of the batch is captioned.
+"""
+import glob
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from vlinfer.outputs import RequestError
+from vlinfer.sampling_params import SamplingParams
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+DEFAULT_PROMPT = "Describe this image."
+GLOB_CHARS = "*?["
+
+logger = logging.getLogger("vlinfer")
+
+
+class CaptionInputError(ValueError):
+    """The inputs or the output file cannot be used (nothing matched, a corrupt output file, ...)."""
+
+
+# ---- inputs ----
+def _is_image(path: str) -> bool:
+    return path.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def _read_list_file(list_file: str) -> list[str]:
+    """One path per line; blank lines and '#' comments skipped. A relative path is taken from the current folder
+    when it exists there, else from the list file's folder (lists written by `find` and lists kept beside their
+    images both work)."""
+    base = os.path.dirname(os.path.abspath(list_file))
+    paths = []
+    with open(list_file, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            if not os.path.isabs(line) and not os.path.exists(line) and os.path.exists(os.path.join(base, line)):
+                line = os.path.join(base, line)
+            paths.append(line)
+    return paths
+
+
+def collect_images(inputs: Iterable[str]) -> list[str]:
+    """Expand CLI inputs into image paths, in order, each once. A folder gives its image files (by extension,
+    sorted, not recursive); a pattern with * ? [ gives its sorted matches (** recurses); a .txt file is a list of
+    paths; anything else is taken as an image path as given (a missing one is recorded as an error later, like any
+    unreadable image)."""
+    paths: list[str] = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = sorted(os.path.join(item, name) for name in os.listdir(item)
+                           if _is_image(name) and os.path.isfile(os.path.join(item, name)))
+            if not found:
+                raise CaptionInputError(f"no image files ({', '.join(IMAGE_EXTENSIONS)}) in folder {item!r}")
+            paths.extend(found)
+        elif any(c in item for c in GLOB_CHARS) and not os.path.exists(item):
+            found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
+            if not found:
+                raise CaptionInputError(f"no files match {item!r}")
+            paths.extend(found)
+        elif item.lower().endswith(".txt") and os.path.isfile(item):
+            paths.extend(_read_list_file(item))
+        else:
+            paths.append(item)
+    seen, unique = set(), []
+    for path in paths:
+        key = os.path.abspath(path)
+        if key not in seen:  # the same image twice would be captioned (and recorded) twice
+            seen.add(key)
+            unique.append(os.path.normpath(path))
+    if not unique:
+        raise CaptionInputError("no images to caption")
+    return unique
+
+
+# ---- the output file ----
+def read_records(out: str, repair: bool = True) -> list[dict]:
+    """The records in an existing JSONL output. A last line cut short by a kill is dropped (and, with repair, cut
+    from the file so the next record starts on a clean line); a damaged line anywhere else is an error, since then
+    the file is not what a caption run writes."""
+    if not os.path.exists(out):
+        return []
+    with open(out, "rb") as f:
+        data = f.read()
+    *complete, tail = data.split(b"\n")  # tail: what follows the last newline (b"" when the file ends with one)
+    records = []
+    for i, line in enumerate(complete):
+        if not line.strip():
+            continue
+        try:
+            records.append(_parse_record(line))
+        except ValueError as e:
+            raise CaptionInputError(f"{out} line {i + 1} is not a caption record ({e}); "
+                                    "fix or remove the file, or write to another --out") from e
+    fix = None
+    if tail.strip():
+        try:
+            records.append(_parse_record(tail))
+            fix = "newline"  # a whole record whose newline never made it
+        except ValueError:
+            fix = "truncate"
+            logger.warning("%s: dropping a truncated last line (%d bytes) left by an interrupted run", out, len(tail))
+    if repair and fix:
+        with open(out, "r+b") as f:
+            if fix == "truncate":
+                f.truncate(len(data) - len(tail))
+            else:
+                f.seek(0, os.SEEK_END)
+                f.write(b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+    return records
+
+
+def _parse_record(line: bytes) -> dict:
+    record = json.loads(line)
+    if not isinstance(record, dict) or not isinstance(record.get("path"), str):
+        raise ValueError("no 'path' field")
+    return record
+
+
+def check_output(out: str, resume: bool, overwrite: bool) -> None:
+    """Refuse to mix two runs in one file by accident: an existing output needs resume or overwrite."""
+    if resume and overwrite:
+        raise CaptionInputError("pass either --resume or --overwrite, not both")
+    if os.path.isdir(out):
+        raise CaptionInputError(f"--out {out!r} is a folder; give a file name such as captions.jsonl")
+    if os.path.exists(out) and os.path.getsize(out) and not (resume or overwrite):
+        raise CaptionInputError(f"{out} already exists; pass --resume to continue it or --overwrite to start over")
+
+
+def _append(f, records: list[dict]) -> None:
+    f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    f.flush()
+    os.fsync(f.fileno())  # on disk before the next batch starts: a kill or power cut loses at most one batch
+
+
+def make_record(path: str, output) -> dict:
+    if output.error:
+        return {"path": path, "caption": None, "tokens": 0, "size": None, "num_image_tokens": None,
+                "error": output.error}
+    image = output.images[0] if output.images else {}
+    return {"path": path, "caption": output.outputs[0].text.strip(), "tokens": len(output.outputs[0].token_ids),
+            "size": image.get("size"), "num_image_tokens": image.get("num_tokens"), "error": None}
+
+
+# ---- the run ----
+@dataclass
+class CaptionSummary:
+    total: int  # distinct input paths
+    skipped: int  # already in the output file (resume)
+    captioned: int  # this run
+    errors: int  # this run
+    tokens: int  # generated this run
+    seconds: float
+    out: str
+    previous_errors: int = 0  # error records among the skipped paths
+
+    def line(self) -> str:
+        rate = f"{self.captioned / self.seconds:.2f} img/s, {self.tokens / self.seconds:.1f} tok/s" \
+            if self.seconds > 0 else "-"
+        text = (f"captioned {self.captioned} image(s), {self.errors} error(s) in {self.seconds:.1f}s ({rate}) "
+                f"-> {self.out}")
+        if self.skipped:
+            text += f"; {self.skipped} already recorded, skipped ({self.previous_errors} of them errors)"
+        return text
+
+
+def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT, batch_size: int = 8,
+                  sampling_params: SamplingParams | None = None, max_pixels: int | None = None,
+                  resume: bool = False, overwrite: bool = False, progress: bool = True) -> CaptionSummary:
+    """Caption `paths` with `llm` (an LLM, or a Pipeline: its .llm is used) into the JSONL file `out`."""
+    llm = getattr(llm, "llm", llm)
+    if not llm.engine.is_multimodal:
+        raise ValueError(f"model {llm.engine.source.name!r} is a text-only model and cannot caption images; "
+                         "use a vision model such as --model qwen3-vl")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("the caption prompt must be a non-empty string")
+    params = sampling_params or SamplingParams(temperature=0.0, max_tokens=128)
+    mm_kwargs = {"max_pixels": max_pixels} if max_pixels else None
+    check_output(out, resume, overwrite)
+    done = {}
+    if resume:
+        done = {os.path.abspath(r["path"]): r for r in read_records(out)}
+    elif overwrite and os.path.exists(out):
+        os.remove(out)
+    todo = [p for p in paths if os.path.abspath(p) not in done]
+    skipped = len(paths) - len(todo)
+    previous_errors = sum(1 for p in paths if done.get(os.path.abspath(p), {}).get("error"))
+    from tqdm.auto import tqdm
+    captioned = errors = tokens = 0
+    start = time.perf_counter()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "a", encoding="utf-8") as f, \
+            tqdm(total=len(todo), unit="img", desc="caption", disable=not progress, dynamic_ncols=True) as bar:
+        for begin in range(0, len(todo), batch_size):
+            batch = todo[begin:begin + batch_size]
+            conversations = [[{"role": "user", "content": [{"type": "image", "image": path},
+                                                            {"type": "text", "text": prompt}]}] for path in batch]
+            try:
+                outputs = llm.chat(conversations, params, use_tqdm=False, mm_processor_kwargs=mm_kwargs)
+            except RequestError as e:  # some images were unreadable; the rest of the batch still ran
+                outputs = e.outputs
+            records = [make_record(path, output) for path, output in zip(batch, outputs)]
+            _append(f, records)
+            for record in records:
+                errors += record["error"] is not None
+                captioned += record["error"] is None
+                tokens += record["tokens"]
+            bar.update(len(batch))
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(tok_s=f"{tokens / elapsed:.1f}", errors=errors, refresh=False)
+    return CaptionSummary(len(paths), skipped, captioned, errors, tokens, time.perf_counter() - start, out,
+                          previous_errors)

@@ -1,0 +1,55 @@
+"""Our compiled CPU kernels (kernels/cpu/paged_ops.cpp), built on first use with torch's extension builder and
+cached under torch's extension folder. Prefill chunks stay on the reference (SDPA is compute-bound and good
+there); decode attention, the cache write and rotary run the kernels."""
+import logging
+import os
+
+import torch
+
+from vlinfer.ops import reference
+
+logger = logging.getLogger("vlinfer")
+NAME = "cpu-compiled"
+SOURCE = os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cpu", "paged_ops.cpp")
+
+_ext = None
+
+
+def load():
+    """Compile (first time on a machine) and import the extension; raises when that is impossible."""
+    global _ext
+    if _ext is None:
+        from torch.utils.cpp_extension import load as load_extension
+        source = os.path.abspath(SOURCE)
+        if not os.path.exists(source):
+            raise FileNotFoundError(f"kernel source {source} is missing (vlinfer must run from its source tree)")
+        flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+        _ext = load_extension("vlinfer_cpu_kernels", [source], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                              verbose=False)
+    return _ext
+
+
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
+    _ext.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    decode = q_lens == 1
+    if bool(decode.all()):
+        return _ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = torch.empty_like(q)
+    if bool(decode.any()):
+        rows = decode.nonzero().squeeze(1)
+        token_index = cu_seqlens_q[rows]
+        out[token_index] = _ext.paged_decode_attention(q[token_index], k_cache, v_cache, block_tables[rows],
+                                                       seq_lens[rows], scale)
+    reference.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out)
+    return out
+
+
+def apply_rotary(q, k, cos, sin):
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    _ext.rotary_inplace(q, cos, sin)
+    _ext.rotary_inplace(k, cos, sin)
+    return q, k
