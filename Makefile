@@ -1,10 +1,9 @@
-# Two commands on a fresh machine:  `make run` (the main job on the embedded default model) and `make test`.
+# Two commands on a fresh machine:  `make run` (the main job on the embedded default models) and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU machines have these wheels on local disk; elsewhere pip fetches them.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
-PROMPT ?= What is the capital of France? Answer in one sentence.
 
 .PHONY: install run test bench clean
 
@@ -20,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: install
-	$(BIN)/python -m vlinfer generate "$(PROMPT)"
+	$(BIN)/python examples/quickstart.py
 
 test: install
 	$(BIN)/python -m pytest -q

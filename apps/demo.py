@@ -21,6 +21,9 @@ NOTICE_TITLE = "Not answered"
 CONCURRENCY = 16  # chat events the Gradio queue runs at once; the engine batches them
 MAX_TOKENS_LIMIT = 4096
 EMPTY_INPUT = {"text": "", "files": []}
+# Gradio shows chat images at full width; thumbnails keep a multi-image turn and its answer on one screen.
+# (Gradio 6 takes CSS in launch(): callers of build_demo pass css=DEMO_CSS there.)
+DEMO_CSS = "#chat .image-container img { max-height: 110px; width: auto; }"
 
 
 # ---- chat history (Gradio messages) -> model messages (OpenAI-style parts) ----
@@ -74,6 +77,10 @@ def model_messages(history: list[dict]) -> list[dict]:
     return out
 
 
+def count_images(messages: list[dict]) -> int:
+    return sum(part.get("type") == "image" for m in messages if isinstance(m["content"], list) for part in m["content"])
+
+
 def read_input(message) -> tuple[str, list[str]]:
     """(text, image paths) from the MultimodalTextbox value (a dict; a plain string from API callers)."""
     if isinstance(message, str):
@@ -103,6 +110,7 @@ def build_demo(pipe, loop: EngineLoop | None = None) -> gr.Blocks:
     stepping one engine would race."""
     loop = loop or EngineLoop(pipe.engine)
     engine = pipe.engine
+    images = example_images()
 
     def respond(message, history, temperature, top_p, max_tokens):
         """Streams the answer: yields (chat history, textbox) as deltas arrive. Stop / Clear / a closed tab
@@ -121,8 +129,7 @@ def build_demo(pipe, loop: EngineLoop | None = None) -> gr.Blocks:
             messages = model_messages(history) + turn
             stream = loop.submit(engine.chat_prompt(messages), params)
             logger.info("request %s: %d messages, %d images, max_tokens=%d", stream.request_id, len(messages),
-                        sum(isinstance(p, dict) and p.get("type") == "image" for m in messages
-                            for p in (m["content"] if isinstance(m["content"], list) else [])), params.max_tokens)
+                        count_images(messages), params.max_tokens)
         except ValueError as e:  # a bad image, a prompt too long, bad sampling values: tell the user, keep serving
             logger.info("rejected a request: %s", e)
             gr.Warning(f"Request rejected: {e}")
@@ -141,10 +148,15 @@ def build_demo(pipe, loop: EngineLoop | None = None) -> gr.Blocks:
         finally:
             stream.abort()  # a no-op when it finished; on Stop it frees the request in the engine
 
+    def attach_example(message, evt: gr.SelectData):
+        """A click on an example image adds it to the message being written (click several for a multi-image
+        question), with a starter question when the box is empty."""
+        text, files = read_input(message)
+        return {"text": text or "Describe this image.", "files": files + [str(images[evt.index])]}
+
     def engine_status() -> str:
         return f"Requests in the engine now: **{loop.num_active()}** (all tabs share one batch)"
 
-    images = example_images()
     embedded_notice = (
         "> ⚠️ **This is vlinfer's embedded tiny random-weight Qwen3-VL: its words are meaningless.** It shows "
         "the engine working (images in, streamed tokens out, batching across tabs) without the real weights. "
@@ -156,8 +168,8 @@ def build_demo(pipe, loop: EngineLoop | None = None) -> gr.Blocks:
         if pipe.embedded:
             gr.Markdown(embedded_notice, elem_id="embedded-notice")
         with gr.Row():
-            with gr.Column(scale=3):
-                chatbot = gr.Chatbot(label="Chat", height=460, buttons=["copy"],
+            with gr.Column(scale=2):
+                chatbot = gr.Chatbot(label="Chat", height=480, buttons=["copy"], elem_id="chat",
                                      placeholder="Attach one or more images and ask about them."
                                      if pipe.is_multimodal else "Ask a question.")
                 textbox = gr.MultimodalTextbox(
@@ -175,15 +187,11 @@ def build_demo(pipe, loop: EngineLoop | None = None) -> gr.Blocks:
                 max_tokens = gr.Slider(1, min(MAX_TOKENS_LIMIT, engine.max_model_len), value=256, step=1,
                                        label="Max new tokens")
                 status = gr.Markdown(engine_status(), label="engine status")
-        if images and pipe.is_multimodal:
-            examples = [[{"text": "Describe this image.", "files": [str(p)]}] for p in images]
-            labels = [p.stem for p in images]
-            if len(images) >= 2:
-                examples.append([{"text": "What is different between these two images?",
-                                  "files": [str(p) for p in images[:2]]}])
-                labels.append(f"{images[0].stem} + {images[1].stem}")
-            gr.Examples(examples, inputs=[textbox], example_labels=labels, cache_examples=False,
-                        label="Examples (click one, then Enter)")
+                gallery = None
+                if images and pipe.is_multimodal:  # only when examples/images holds pictures
+                    gallery = gr.Gallery([(str(p), p.stem) for p in images], label="Examples: click to attach",
+                                         columns=3, height=290, allow_preview=False, interactive=False,
+                                         object_fit="contain", buttons=[])
 
         chat = textbox.submit(respond, [textbox, chatbot, temperature, top_p, max_tokens], [chatbot, textbox],
                               api_name="chat", show_progress="minimal")
@@ -191,6 +199,8 @@ def build_demo(pipe, loop: EngineLoop | None = None) -> gr.Blocks:
         stop.click(None, None, None, cancels=[chat], api_visibility="private")
         clear.click(lambda: ([], EMPTY_INPUT), None, [chatbot, textbox], cancels=[chat], queue=False,
                     api_visibility="private")
+        if gallery is not None:
+            gallery.select(attach_example, [textbox], [textbox], api_visibility="private", queue=False)
         # Status polls must never wait behind chats in the queue: no concurrency limit.
         gr.Timer(2.0).tick(engine_status, None, status, api_name="engine_status", concurrency_limit=None,
                            show_progress="hidden")
@@ -218,6 +228,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own startup probes, one line each
     from vlinfer.pipeline import Pipeline
     # max_num_seqs: the queue never runs more chats at once, so a larger KV pool would be memory never used.
     pipe = Pipeline(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -225,7 +236,7 @@ def main(argv=None) -> None:
     demo = build_demo(pipe)
     demo.queue(default_concurrency_limit=args.concurrency)
     try:
-        demo.launch(server_name=args.host, server_port=args.port, share=args.share,
+        demo.launch(server_name=args.host, server_port=args.port, share=args.share, css=DEMO_CSS,
                     allowed_paths=[str(EXAMPLES_DIR)])
     finally:
         demo.engine_loop.close()

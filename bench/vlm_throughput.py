@@ -101,6 +101,11 @@ def ensure_checkpoint(folder: str, shape: str, seed: int) -> str:
 
 # ------------------------------------------------------------------------------------------------- workload
 
+def load() -> str:
+    """The load average: other processes on a small machine skew both engines' timings."""
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1/5/15 min)"
+
+
 def parse_size(text: str) -> tuple[int, int]:
     """'WxH' -> (width, height)."""
     w, h = text.lower().split("x")
@@ -238,7 +243,7 @@ def run_transformers(args, path, requests):
         outputs.extend(generate(inputs, args.max_tokens))
         all_rows.extend(rows)
         print(f"  transformers batch {i // args.hf_batch_size + 1}/{-(-len(requests) // args.hf_batch_size)} "
-              f"done at {time.perf_counter() - start:.0f}s", flush=True)
+              f"done at {time.perf_counter() - start:.0f}s; {load()}", flush=True)
     elapsed = time.perf_counter() - start
     produced = sum(len(o) for o in outputs)
     assert produced == args.max_tokens * len(requests), produced
@@ -273,7 +278,7 @@ def main(argv=None):
     image_tokens = [proc.num_image_tokens(im.height, im.width) for _, im in requests]
     max_model_len = -(-(max(image_tokens) + 64 + args.max_tokens) // 256) * 256
     print(f"machine: {py_platform.machine()}, nproc {os.cpu_count()}, torch threads {torch.get_num_threads()}, "
-          f"torch {torch.__version__}; {datetime.datetime.now().isoformat(timespec='seconds')}")
+          f"torch {torch.__version__}; {datetime.datetime.now().isoformat(timespec='seconds')}; {load()}")
     print(f"workload: {args.num_requests} requests, one image each ({args.min_image_size} to {args.max_image_size}, "
           f"{sum(image_tokens)} image tokens, {min(image_tokens)}-{max(image_tokens)} per image), "
           f"{args.max_tokens} output tokens each (EOS ignored, greedy), Qwen3-VL {args.shape} random weights "
@@ -282,12 +287,14 @@ def main(argv=None):
     rows = []
     v = run_vlinfer(args, path, requests, max_model_len)
     rows.append(("vlinfer", v["tokens"], v["seconds"]))
-    print(f"vlinfer done: {v['tokens'] / v['seconds']:.1f} tok/s ({v['prompt_tokens']} prompt tokens, "
-          f"{v['steps']} steps)", flush=True)
+    print(f"vlinfer done: {v['tokens'] / v['seconds']:.1f} tok/s, {v['seconds']:.1f}s ({v['prompt_tokens']} prompt "
+          f"tokens, {v['steps']} steps); TTFT mean {v['ttft_mean']:.1f}s max {v['ttft_max']:.1f}s; preprocessing "
+          f"{v['preprocess']:.1f}s, vision tower {v['vision']:.1f}s; {load()}", flush=True)
     h = None
     if not args.skip_transformers:
         h = run_transformers(args, path, requests)
         rows.append((f"transformers generate (batch {args.hf_batch_size})", h["tokens"], h["seconds"]))
+        print(f"transformers done: {h['tokens'] / h['seconds']:.1f} tok/s, {h['seconds']:.1f}s; {load()}", flush=True)
 
     print(f"\n| engine | output tokens | time (s) | output tok/s |\n|---|---|---|---|")
     for name, tokens, seconds in rows:

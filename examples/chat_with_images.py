@@ -20,7 +20,6 @@ messages = [{"role": "user", "content": [
     {"type": "image", "image": os.path.join(HERE, "traffic_light.png")},
     {"type": "image_url", "image_url": {"url": cat_uri}},
     {"type": "text", "text": "What is in the first picture, and what is in the second?"}]}]
-# max_pixels keeps the image token count (and so the time) down: each 320x240 picture becomes fewer patches.
 answer = pipe.chat(messages, max_tokens=24, temperature=0)
 print(f"user: {messages[0]['content'][-1]['text']}\nassistant: {answer!r}")
 

@@ -8,17 +8,18 @@ from vlinfer import Pipeline
 
 pipe = Pipeline("smollm2", max_model_len=2048)
 
-for delta in pipe.stream("Write two sentences about the sea.", max_tokens=48, temperature=0):
+for delta in pipe.stream("Write one sentence about the sea.", max_tokens=32, temperature=0):
     sys.stdout.write(delta)
     sys.stdout.flush()
 print()
 
 # Leaving the loop closes the generator, which aborts the request and frees its KV blocks at once.
-words = 0
-for delta in pipe.stream("Count from one to twenty in words.", max_tokens=64, temperature=0):
+text = ""
+for delta in pipe.stream("List the days of the week.", max_tokens=64, temperature=0):
     sys.stdout.write(delta)
-    words += delta.count(" ")
-    if words >= 5:
+    sys.stdout.flush()
+    text += delta
+    if "Wednesday" in text:
         break
-print(" ... (stopped early)")
+print("\n... (stopped early: we had what we needed)")
 print("requests still running:", pipe.engine.get_num_unfinished_requests())

@@ -99,3 +99,17 @@ def test_bad_calls_are_rejected():
         cpu._ext.paged_decode_attention(q.bfloat16(), k_cache, v_cache, tables, lens, 0.125)
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu.store_kvcache(q[:, :2], q[:, :2], k_cache, v_cache, torch.tensor([10 ** 6]))
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_padding_slots_with_nan_never_reach_the_output(impl):
+    q, k_cache, v_cache, cu, lens, tables = make_batch([1, 1, 3], [5, 20, 9], 4, 2, 64, 16, torch.float32)
+    clean = reference.paged_attention(q, k_cache, v_cache, cu, lens, tables, 0.125)
+    used = torch.zeros(k_cache.shape[0], 16, dtype=torch.bool)
+    for row, n in zip(tables, lens.tolist()):
+        for t in range(n):
+            used[row[t // 16], t % 16] = True
+    k_cache[~used], v_cache[~used] = float("nan"), float("nan")  # what an empty (unzeroed) pool may hold
+    fn = reference.paged_attention if impl == "reference" else cpu.paged_attention
+    out = fn(q, k_cache, v_cache, cu, lens, tables, 0.125)
+    assert torch.isfinite(out).all() and torch.allclose(out, clean, atol=1e-5)

@@ -78,7 +78,9 @@ def server(tmp_path_factory):
 
 
 def _client(url: str) -> Client:
-    return Client(url, verbose=False, download_files=False, analytics_enabled=False)
+    # timeout: gradio_client's plain requests (predict polls, cancel) default to httpx's 5 s, too short when the
+    # machine is busy (CI, a benchmark next door); the streams themselves have no timeout.
+    return Client(url, verbose=False, download_files=False, analytics_enabled=False, httpx_kwargs={"timeout": 60})
 
 
 def _image(path: Path, color=(200, 40, 40), size=(64, 48)) -> str:
@@ -266,6 +268,20 @@ def test_stop_aborts_the_request_in_the_engine(server, tmp_path):
         assert time.monotonic() < deadline, "the stopped request is still running in the engine"
         time.sleep(0.2)
     assert _answer(_chat(client, "Still there?", [], max_tokens=4).result(timeout=60)[0])
+
+
+def test_example_gallery_lists_the_example_images(server):
+    url, _, _ = server
+    folder = ROOT / "examples" / "images"
+    suffixes = _demo_module().IMAGE_SUFFIXES
+    expected = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in suffixes) if folder.is_dir() else []
+    galleries = [c for c in _client(url).config["components"] if c.get("type") == "gallery"]
+    if not expected:  # no examples folder (yet): no gallery, and the page still serves
+        assert not galleries
+        return
+    assert len(galleries) == 1
+    shown = sorted(Path(item["image"]["path"]).name for item in galleries[0]["props"]["value"])
+    assert shown == expected
 
 
 def test_screenshot(server, tmp_path):

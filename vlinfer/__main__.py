@@ -45,8 +45,8 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 def _add_max_pixels(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pixels", type=int, default=None, metavar="N",
-                   help="resize each image to at most N pixels before encoding (fewer image tokens, faster); "
-                        "default: the model's own limit")
+                   help="resize each image to at most N pixels before encoding (fewer image tokens, faster; "
+                        "the model's min_pixels is lowered to N if it is larger); default: the model's own limits")
 
 
 def _llm(args, model: str):
@@ -62,8 +62,9 @@ def _params(args):
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
 
 
-def _mm_kwargs(args) -> dict | None:
-    return {"max_pixels": args.max_pixels} if args.max_pixels else None
+def _mm_kwargs(args, llm) -> dict | None:
+    from vlinfer.caption import image_limits
+    return image_limits(llm, args.max_pixels) if llm.engine.is_multimodal else None
 
 
 # ---- generate ----
@@ -74,15 +75,16 @@ def cmd_generate(args) -> int:
         prompt = {"prompt": args.prompt}
         if args.image:
             prompt["multi_modal_data"] = {"image": list(args.image)}
-        if _mm_kwargs(args):
-            prompt["mm_processor_kwargs"] = _mm_kwargs(args)
+        if _mm_kwargs(args, llm):
+            prompt["mm_processor_kwargs"] = _mm_kwargs(args, llm)
         out = llm.generate(prompt, _params(args), use_tqdm=False)[0]
     else:
         content = args.prompt
         if args.image:  # images first, then the text: the layout Qwen3-VL was trained on
-            content = [{"type": "image", "image": path} for path in args.image] + [{"type": "text", "text": args.prompt}]
+            content = [{"type": "image", "image": path} for path in args.image]
+            content.append({"type": "text", "text": args.prompt})
         out = llm.chat([{"role": "user", "content": content}], _params(args), use_tqdm=False,
-                       mm_processor_kwargs=_mm_kwargs(args))[0]
+                       mm_processor_kwargs=_mm_kwargs(args, llm))[0]
     print(out.outputs[0].text)
     return 0
 
@@ -113,7 +115,10 @@ def cmd_chat(args) -> int:
     llm = _llm(args, model)
     engine = llm.engine
     params = _params(args)
+    mm_kwargs = _mm_kwargs(args, llm)
     kind = "vision" if engine.is_multimodal else "text-only"
+    if engine.source.embedded:
+        kind += ", embedded random weights: its words are meaningless"
     print(f"chatting with {model} ({kind}); {CHAT_HELP}", file=sys.stderr)
     history: list[dict] = []
     pending: list[str] = []  # images for the next message
@@ -152,7 +157,7 @@ def cmd_chat(args) -> int:
         turn = {"role": "user", "content": content}
         pending = []
         try:
-            prompt = engine.chat_prompt(history + [turn], mm_processor_kwargs=_mm_kwargs(args))
+            prompt = engine.chat_prompt(history + [turn], mm_processor_kwargs=mm_kwargs)
             request_id = engine.add_request(prompt, params)
         except ValueError as e:  # unreadable image, history longer than --max-model-len, ...
             print(f"error: {e} (message not sent; /reset clears the history)", file=sys.stderr)

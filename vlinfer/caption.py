@@ -144,10 +144,24 @@ def _append(f, records: list[dict]) -> None:
     os.fsync(f.fileno())  # on disk before the next batch starts: a kill or power cut loses at most one batch
 
 
+def image_limits(llm, max_pixels: int | None) -> dict | None:
+    """mm_processor_kwargs for "at most max_pixels per image". Qwen3-VL's resize (here as in transformers) scales
+    a small image *up* to min_pixels (64K by default) even past a smaller per-request max_pixels, so lower
+    min_pixels with it: a caller asking for few image tokens gets few."""
+    if not max_pixels:
+        return None
+    llm = getattr(llm, "llm", llm)
+    processor = getattr(llm.engine.input_processor, "image_processor", None)
+    min_pixels = getattr(processor, "min_pixels", None)
+    if min_pixels is not None and min_pixels > max_pixels:
+        return {"max_pixels": max_pixels, "min_pixels": max_pixels}
+    return {"max_pixels": max_pixels}
+
+
 def make_record(path: str, output) -> dict:
-    if output.error:
+    if output.error:  # one image per request, so the processor's "image 0: " prefix says nothing
         return {"path": path, "caption": None, "tokens": 0, "size": None, "num_image_tokens": None,
-                "error": output.error}
+                "error": output.error.removeprefix("image 0: ")}
     image = output.images[0] if output.images else {}
     return {"path": path, "caption": output.outputs[0].text.strip(), "tokens": len(output.outputs[0].token_ids),
             "size": image.get("size"), "num_image_tokens": image.get("num_tokens"), "error": None}
@@ -188,7 +202,7 @@ def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT,
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("the caption prompt must be a non-empty string")
     params = sampling_params or SamplingParams(temperature=0.0, max_tokens=128)
-    mm_kwargs = {"max_pixels": max_pixels} if max_pixels else None
+    mm_kwargs = image_limits(llm, max_pixels)
     check_output(out, resume, overwrite)
     done = {}
     if resume:
@@ -218,8 +232,8 @@ def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT,
                 errors += record["error"] is not None
                 captioned += record["error"] is None
                 tokens += record["tokens"]
+            elapsed = time.perf_counter() - start  # images/s is the bar's own rate; tokens/s goes in the postfix
+            bar.set_postfix({"tok/s": f"{tokens / elapsed:.1f}", "errors": errors}, refresh=False)
             bar.update(len(batch))
-            elapsed = time.perf_counter() - start
-            bar.set_postfix(tok_s=f"{tokens / elapsed:.1f}", errors=errors, refresh=False)
     return CaptionSummary(len(paths), skipped, captioned, errors, tokens, time.perf_counter() - start, out,
                           previous_errors)

@@ -7,9 +7,22 @@ from vlinfer.sampling_params import SamplingParams
 
 
 class LLM:
+    """tensor_parallel_size=N splits the model over N ranks: rank 0 in this process, the others in spawned worker
+    processes (or started by torchrun; see vlinfer/engine/worker.py). They stop on close(), at the end of a
+    `with LLM(...) as llm:` block, when the LLM is garbage collected, and at interpreter exit."""
+
     def __init__(self, model: str, **engine_options):
         self.engine = LLMEngine(model, **engine_options)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

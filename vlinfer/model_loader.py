@@ -1,6 +1,8 @@
 """Finds a model (alias, local folder, .gguf file, or Hugging Face repo id) and loads config, tokenizer and
 weights. GGUF files are dequantized with transformers' own GGUF reader, so names and values match what
 transformers loads from the same file."""
+import contextlib
+import functools
 import glob
 import importlib.util
 import logging
@@ -176,14 +178,66 @@ def load_tokenizer(source: ModelSource):
     return AutoTokenizer.from_pretrained(source.path)
 
 
-def iterate_weights(source: ModelSource, config) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointSlice:
+    """A safetensors tensor not yet read: `.narrow(dim, start, length)` reads just that slice from the file (what
+    a tensor-parallel rank keeps of a split weight), `.full()` reads it whole (weights every rank keeps)."""
+
+    def __init__(self, file, name: str):
+        self._file = file
+        self._slice = file.get_slice(name)
+        self.name = name
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return _count_read(self._slice[index])
+
+    def full(self) -> torch.Tensor:
+        return _count_read(self._file.get_tensor(self.name))
+
+
+# Bytes this process has read from safetensors files through iterate_weights: lets tests check each
+# tensor-parallel rank read about its share of the checkpoint, not all of it.
+checkpoint_bytes_read = 0
+
+
+def _count_read(tensor: torch.Tensor) -> torch.Tensor:
+    global checkpoint_bytes_read
+    checkpoint_bytes_read += tensor.numel() * tensor.element_size()
+    return tensor
+
+
+@contextlib.contextmanager
+def _cached_gguf_name_maps():
+    """transformers rebuilds gguf's tensor-name map once per model parameter (about 400 times for SmolLM2, half of
+    the load time); the map depends only on (architecture, layer count), so serve it from a cache while loading."""
+    import gguf
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
+def iterate_weights(source: ModelSource, config, lazy: bool = False):
+    """(name, tensor) for every checkpoint tensor. lazy=True yields CheckpointSlice objects instead, read only as
+    far as the consumer narrows them; consume each before asking for the next (the file closes behind them).
+
+    GGUF files are dequantized whole by transformers, lazy or not: every tensor-parallel rank dequantizes the whole
+    file, then keeps only its shard; each full tensor is dropped as soon as the consumer has copied its slice."""
     if source.gguf_file:
         from transformers import AutoModelForCausalLM
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
         with torch.device("meta"):  # transformers maps GGUF names through an (empty) model of the same config
             skeleton = AutoModelForCausalLM.from_config(config)
-        tensors = load_gguf_checkpoint(source.path, return_tensors=True, model_to_load=skeleton)["tensors"]
-        yield from tensors.items()
+        with _cached_gguf_name_maps():
+            tensors = load_gguf_checkpoint(source.path, return_tensors=True, model_to_load=skeleton)["tensors"]
+        for name in list(tensors):
+            yield name, tensors.pop(name)
         return
     from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(source.path, "*.safetensors")))
@@ -192,12 +246,13 @@ def iterate_weights(source: ModelSource, config) -> Iterator[tuple[str, torch.Te
     for file in files:
         with safe_open(file, "pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, CheckpointSlice(f, name) if lazy else _count_read(f.get_tensor(name))
 
 
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], prefix_map: dict | None = None):
-    """Copy checkpoint tensors into the model, splitting into fused parameters through the model's
-    packed_modules_mapping and each parameter's weight_loader (which also takes the tensor-parallel shard)."""
+    """Copy checkpoint tensors (or lazy CheckpointSlices) into the model, splitting into fused parameters through
+    the model's packed_modules_mapping and each parameter's weight_loader (which also takes the tensor-parallel
+    shard, reading only that part of a lazy slice)."""
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model.config, "tie_word_embeddings", False)
@@ -227,6 +282,6 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
         raise ValueError(f"checkpoint is missing weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
-def _copy(param: nn.Parameter, tensor: torch.Tensor) -> None:
+def _copy(param: nn.Parameter, tensor) -> None:
     assert param.shape == tensor.shape, f"shape mismatch {tuple(param.shape)} vs {tuple(tensor.shape)}"
-    param.data.copy_(tensor)
+    param.data.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor.full())

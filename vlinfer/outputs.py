@@ -38,4 +38,3 @@ class RequestError(ValueError):
         self.outputs = outputs
         errors = [f"request {i}: {o.error}" for i, o in enumerate(outputs) if o.error]
         super().__init__("; ".join(errors))
-    metrics: dict = field(default_factory=dict)

@@ -51,19 +51,23 @@ class Pipeline:
         return [{"role": "user", "content": parts}]
 
     def __call__(self, image=None, prompt: str | None = None, *, images: Iterable | None = None,
-                 sampling_params: SamplingParams | None = None, **sampling) -> str:
+                 sampling_params: SamplingParams | None = None, mm_processor_kwargs: dict | None = None,
+                 **sampling) -> str:
         if isinstance(image, str) and prompt is None and images is None and not self.is_multimodal:
             image, prompt = None, image  # text model: pipe("question")
         images = ([image] if image is not None else []) + list(images or [])
-        return self.chat(self.messages(prompt, images), sampling_params, **sampling)
+        return self.chat(self.messages(prompt, images), sampling_params, mm_processor_kwargs, **sampling)
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None, **sampling) -> str:
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+             mm_processor_kwargs: dict | None = None, **sampling) -> str:
+        """mm_processor_kwargs: {"min_pixels": ..., "max_pixels": ...} for this request's images."""
         params = self.sampling_params(sampling_params, **sampling)
-        return self.llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        return self.llm.chat(messages, params, use_tqdm=False,
+                             mm_processor_kwargs=mm_processor_kwargs)[0].outputs[0].text
 
     def stream(self, image=None, prompt: str | None = None, *, images: Iterable | None = None,
                messages: list[dict] | None = None, sampling_params: SamplingParams | None = None,
-               **sampling) -> Iterator[str]:
+               mm_processor_kwargs: dict | None = None, **sampling) -> Iterator[str]:
         """Yield text deltas as tokens arrive (never half a multi-byte character). Closing the generator early
         aborts the request and frees its blocks."""
         if messages is None:
@@ -71,7 +75,8 @@ class Pipeline:
                 image, prompt = None, image
             messages = self.messages(prompt, ([image] if image is not None else []) + list(images or []))
         params = self.sampling_params(sampling_params, **sampling)
-        request_id = self.engine.add_request(self.engine.chat_prompt(messages), params)
+        prompt_dict = self.engine.chat_prompt(messages, mm_processor_kwargs=mm_processor_kwargs)
+        request_id = self.engine.add_request(prompt_dict, params)
         try:
             while True:
                 for out in self.engine.step():
@@ -85,7 +90,8 @@ class Pipeline:
             self.engine.abort_request(request_id)  # no-op when it finished
 
     def caption(self, images: Iterable, prompt: str = "Describe this image.", batch_size: int = 8,
-                sampling_params: SamplingParams | None = None, **sampling) -> list[str]:
+                sampling_params: SamplingParams | None = None, mm_processor_kwargs: dict | None = None,
+                **sampling) -> list[str]:
         """Captions in input order. An image that cannot be read raises RequestError naming it after the others
         finished (their captions are in the error's outputs)."""
         if not self.is_multimodal:
@@ -95,5 +101,6 @@ class Pipeline:
         captions = []
         for start in range(0, len(images), batch_size):
             batch = [self.messages(prompt, [image]) for image in images[start:start + batch_size]]
-            captions.extend(out.outputs[0].text for out in self.llm.chat(batch, params, use_tqdm=False))
+            outs = self.llm.chat(batch, params, use_tqdm=False, mm_processor_kwargs=mm_processor_kwargs)
+            captions.extend(out.outputs[0].text for out in outs)
         return captions

@@ -3,6 +3,7 @@
 Callers submit from any thread and read their request's outputs from a queue; the loop thread is the only one
 that steps the engine. Validation and image preprocessing run in the caller's thread, outside the engine lock,
 so a slow image never stalls the batch."""
+import asyncio
 import itertools
 import logging
 import queue
@@ -111,3 +112,88 @@ class EngineLoop:
                     if out.finished:
                         stream.queue.put(_DONE)
                         del self._streams[out.request_id]
+
+    # ---- for asyncio callers (the HTTP server); additive to the thread API above ----
+    def make_sequence(self, prompt, sampling_params: SamplingParams | None = None):
+        """Validate a request and build its Sequence without queueing it (ValueError when bad), so a caller with
+        several requests (n > 1) can check them all before any runs. Runs in the caller's thread."""
+        return self.engine.make_sequence(prompt, sampling_params, request_id=f"loop-{next(self._ids)}")
+
+    def submit_sequences(self, seqs: list, event_loop=None) -> list[RequestStream]:
+        """Queue Sequences from make_sequence, all in one engine step's admission (one lock acquisition, not one
+        per sequence). With an asyncio event_loop, the streams are AsyncRequestStreams read with `async for` on
+        that loop: outputs reach them through call_soon_threadsafe, so no thread blocks per request. Takes the
+        engine lock (up to one step): call it from a worker thread, not from the event loop."""
+        if event_loop is not None:
+            streams = [AsyncRequestStream(self, seq.request_id, event_loop) for seq in seqs]
+        else:
+            streams = [RequestStream(self, seq.request_id) for seq in seqs]
+        with self._work:
+            # Checked under the lock: a request queued after the loop thread returned would never finish.
+            if not self.is_alive():
+                raise RuntimeError("the engine loop is closed or stopped")
+            for seq, stream in zip(seqs, streams):
+                self._streams[seq.request_id] = stream
+                self.engine.add_sequence(seq)
+            self._work.notify()
+        return streams
+
+    def is_alive(self) -> bool:
+        """False once closed or once the loop thread died: a health check reports it, readers stop waiting."""
+        return not self._closed and self._thread.is_alive()
+
+
+class _EventLoopQueue:
+    """The queue of an AsyncRequestStream. put() runs in the loop thread and never blocks; get() is awaited."""
+
+    def __init__(self, event_loop):
+        self.event_loop = event_loop
+        self.items = asyncio.Queue()  # binds to the event loop at its first await, not here
+
+    def put(self, item) -> None:
+        try:
+            self.event_loop.call_soon_threadsafe(self.items.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody will read this, and the loop thread must go on
+            pass
+
+    async def get(self):
+        return await self.items.get()
+
+
+class AsyncRequestStream(RequestStream):
+    """A RequestStream for asyncio code: `async for out in stream`. abort() takes the engine lock (up to one
+    step), so an event loop should call it in a worker thread (loop.run_in_executor)."""
+
+    LIVENESS_CHECK_S = 1.0  # how often a waiting reader checks that the loop thread is still there
+
+    def __init__(self, loop: "EngineLoop", request_id: str, event_loop):
+        super().__init__(loop, request_id)
+        self.queue = _EventLoopQueue(event_loop)
+
+    def __iter__(self):
+        raise TypeError("an AsyncRequestStream is read with `async for`")
+
+    async def __aiter__(self):
+        getter = None
+        try:
+            while True:
+                # One get() stays pending across liveness checks: cancelling it on each timeout could drop an
+                # item that arrives just then (Python < 3.12's wait_for can).
+                getter = getter or asyncio.ensure_future(self.queue.get())
+                done, _ = await asyncio.wait({getter}, timeout=self.LIVENESS_CHECK_S)
+                if not done:
+                    # A dead loop thread puts nothing more: fail instead of waiting forever.
+                    if not self.loop.is_alive():
+                        raise RuntimeError("the engine loop stopped")
+                    continue
+                item, getter = getter.result(), None
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    self.final = item
+                yield item
+        finally:
+            if getter is not None:
+                getter.cancel()

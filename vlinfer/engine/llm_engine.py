@@ -9,9 +9,11 @@ from vlinfer import model_loader, ops, platform
 from vlinfer.config import EngineConfig
 from vlinfer.engine.block_manager import BlockManager
 from vlinfer.engine.detokenizer import IncrementalDetokenizer
-from vlinfer.engine.model_runner import ModelRunner
+from vlinfer.distributed import ParallelConfig, TPDriver
+from vlinfer.engine.model_runner import ModelRunner, load_model
 from vlinfer.engine.scheduler import Scheduler
 from vlinfer.engine.sequence import Sequence
+from vlinfer.layers.distributed import SINGLE
 from vlinfer.models import get_model_class
 from vlinfer.outputs import CompletionOutput, RequestOutput
 from vlinfer.sampling_params import SamplingParams
@@ -21,16 +23,49 @@ logger = logging.getLogger("vlinfer")
 PromptType = str | list[int] | dict
 
 
+def check_tensor_parallel_shapes(text_config, tp: int) -> None:
+    """Query heads and the MLP split evenly; KV heads split evenly or, when fewer than ranks, replicate."""
+    if tp == 1:
+        return
+    heads, kv = text_config.num_attention_heads, text_config.num_key_value_heads
+    problems = []
+    if heads % tp:
+        problems.append(f"num_attention_heads={heads} is not divisible by it")
+    if kv % tp and tp % kv:
+        problems.append(f"num_key_value_heads={kv} neither divides it nor is divisible by it")
+    if text_config.intermediate_size % tp:
+        problems.append(f"intermediate_size={text_config.intermediate_size} is not divisible by it")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={tp} does not fit this model: " + "; ".join(problems))
+
+
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
+        parallel = ParallelConfig.pop_from(kwargs)
         config = EngineConfig(model=model, **kwargs)
-        if config.tensor_parallel_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet")
+        parallel.tensor_parallel_size = config.tensor_parallel_size
+        if parallel.launched_externally and parallel.rank != 0:
+            # torchrun (or similar) started this script on every rank: rank 0 runs the engine, this rank serves
+            # it, then the process ends with the engine. Code after LLM(...) runs on rank 0 only.
+            from vlinfer.engine.worker import serve_from_env
+            serve_from_env(parallel)  # does not return
         self.config = config
+        self.parallel = parallel
+        self.driver: TPDriver | None = None
         self.source = model_loader.resolve_model(model)
+        self.device = platform.resolve_device(config.device)
+        if config.tensor_parallel_size > 1:  # start the workers now: they import torch while we read the config
+            self.driver = TPDriver(parallel, self.device.type)
+            self.device = self.driver.device
+        try:
+            self._init(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init(self, config: EngineConfig) -> None:
         self.hf_config = model_loader.load_config(self.source)
         self.tokenizer = model_loader.load_tokenizer(self.source)
-        self.device = platform.resolve_device(config.device)
         self.dtype = platform.resolve_dtype(config.dtype, self.hf_config)
         self.text_config = self.hf_config.get_text_config()  # the decoder's config, nested in multimodal ones
         model_len = getattr(self.text_config, "max_position_embeddings", None) or 4096
@@ -44,22 +79,29 @@ class LLMEngine:
             config.kvcache_block_size = platform.default_block_size(self.device)
         torch.manual_seed(config.seed)
         self._seed_source = torch.Generator().manual_seed(config.seed)
-        model_cls = get_model_class(self.hf_config)
+        get_model_class(self.hf_config)  # an unsupported architecture fails here, before the workers load
+        check_tensor_parallel_shapes(self.text_config, config.tensor_parallel_size)
+        self._build(config)
+        from vlinfer.multimodal import load_chat_template
+        self.chat_template = load_chat_template(self.source.folder, self.tokenizer, self.is_multimodal)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
+        self._request_ids = count()
+
+    def _build(self, config: EngineConfig) -> None:
+        """Model (rank 0's shard, while the workers load theirs), model runner, KV pool, block manager."""
         start = time.perf_counter()
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                net = model_cls(self.hf_config).eval()
-        finally:
-            torch.set_default_dtype(default_dtype)
-        weights = model_loader.iterate_weights(self.source, self.hf_config)
-        if hasattr(net, "load_weights"):  # models with more than one tower route their own tensors
-            net.load_weights(weights)
-        else:
-            model_loader.load_weights(net, weights)
-        logger.info("loaded %s (%s) on %s in %s in %.1fs", self.source.name, type(net).__name__, self.device,
-                    self.dtype, time.perf_counter() - start)
+        group = SINGLE
+        if self.driver is not None:
+            self.driver.start_workers({"source": self.source, "hf_config": self.hf_config, "config": config,
+                                       "dtype": self.dtype, "device_type": self.device.type})
+            group = self.driver.group
+        net = load_model(self.source, self.hf_config, self.device, self.dtype, group)
+        if self.driver is not None:
+            self.driver.wait_ready()
+        logger.info("loaded %s (%s) on %s in %s in %.1fs%s", self.source.name, type(net).__name__, self.device,
+                    self.dtype, time.perf_counter() - start,
+                    f", tensor parallel over {group.size} ranks" if group.size > 1 else "")
         self.eos_token_ids = self._eos_token_ids()
         self.ops_implementation = ops.select(self.device.type)
         self.is_multimodal = hasattr(net, "encode_images")
@@ -68,17 +110,20 @@ class LLMEngine:
             from vlinfer.multimodal import Qwen3VLInputProcessor
             self.input_processor = Qwen3VLInputProcessor(self.hf_config, self.tokenizer, self.source.folder,
                                                          self.device, config.allow_image_urls)
-        from vlinfer.multimodal import load_chat_template
-        self.chat_template = load_chat_template(self.source.folder, self.tokenizer, self.is_multimodal)
-        self.model_runner = ModelRunner(config, self.hf_config, net, self.device, self.dtype, self.eos_token_ids)
+        self.model_runner = ModelRunner(config, self.hf_config, net, self.device, self.dtype, self.eos_token_ids,
+                                        self.driver)
         num_blocks = self.model_runner.num_blocks_for_budget(self.max_model_len)
         self.model_runner.allocate_kv_cache(num_blocks)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens)", num_blocks, config.kvcache_block_size,
-                    num_blocks * self.model_runner.bytes_per_block / 2 ** 20, num_blocks * config.kvcache_block_size)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB%s, %d tokens)", num_blocks, config.kvcache_block_size,
+                    num_blocks * self.model_runner.bytes_per_block / 2 ** 20,
+                    " per rank" if self.driver is not None else "", num_blocks * config.kvcache_block_size)
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
-        self._request_ids = count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op on one rank). Also runs when the engine is garbage collected
+        and at interpreter exit."""
+        if self.driver is not None:
+            self.driver.close()
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()

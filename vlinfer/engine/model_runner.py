@@ -1,15 +1,24 @@
-"""Owns the model and its KV pool; turns a scheduled batch into tensors, runs the forward and samples."""
+"""Owns the model and its KV pool; turns a scheduled batch into tensors, runs the forward and samples.
+
+Under tensor parallelism every rank has a ModelRunner over its shard of the model and its heads of the KV pool.
+Rank 0's runner does everything that needs the requests (scheduling is upstream): it builds the step's inputs,
+runs the vision tower for new images, sends the inputs to the workers (vlinfer/distributed/driver.py), runs its
+share of the forward alongside them, and samples. A worker's runner only runs `forward` on what it receives
+(vlinfer/engine/worker.py)."""
 import logging
 import math
+from dataclasses import dataclass, replace
 
 import torch
 
-from vlinfer import platform
+from vlinfer import model_loader, platform
 from vlinfer.config import EngineConfig
 from vlinfer.engine.encoder_cache import EncoderCache
 from vlinfer.engine.scheduler import SchedulerOutput
 from vlinfer.engine.sequence import Sequence
 from vlinfer.layers import Attention, ForwardContext, forward_context, sample
+from vlinfer.layers.distributed import SINGLE, TPGroup, use_tp_group
+from vlinfer.models import get_model_class
 
 logger = logging.getLogger("vlinfer")
 
@@ -17,10 +26,52 @@ CPU_DEFAULT_MEMORY_UTILIZATION = 0.4  # of the RAM still free after the weights 
 ACCELERATOR_DEFAULT_MEMORY_UTILIZATION = 0.9  # of the device's total memory
 
 
+def load_model(source, hf_config, device: torch.device, dtype: torch.dtype, group: TPGroup = SINGLE):
+    """Build the model for `group`'s rank (its shard of every split layer) and load that shard: split weights are
+    read lazily, only the rank's rows or columns of each (model_loader.CheckpointSlice)."""
+    model_cls = get_model_class(hf_config)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with use_tp_group(group), torch.device(device):
+            net = model_cls(hf_config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    weights = model_loader.iterate_weights(source, hf_config, lazy=True)
+    read_before = model_loader.checkpoint_bytes_read
+    with use_tp_group(group):
+        if hasattr(net, "load_weights"):  # models with more than one tower route their own tensors
+            net.load_weights(weights)
+        else:
+            model_loader.load_weights(net, weights)
+    net.checkpoint_bytes_read = model_loader.checkpoint_bytes_read - read_before  # reported by describe()
+    return net
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs, built by rank 0 and run by every rank. CPU tensors, except image rows from the
+    encoder cache (on rank 0's device until sent)."""
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T], or [3, T] for multimodal rotary
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    decode_only: bool
+    mm_inputs: dict  # mm_mask, mm_embeds, deepstack_embeds for steps that carry image tokens
+    logits_indices: torch.Tensor | None  # rows whose logits are computed; None: every row
+    compute_logits: bool = True
+
+    def cpu(self) -> "StepInputs":
+        return replace(self, mm_inputs={k: v.cpu() for k, v in self.mm_inputs.items()})
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model: torch.nn.Module, device: torch.device,
-                 dtype: torch.dtype, eos_token_ids: set[int]):
+                 dtype: torch.dtype, eos_token_ids: set[int], driver=None):
         self.config = config
+        self.driver = driver  # rank 0 of a tensor-parallel engine: sends each step to the workers
         self.hf_config = hf_config
         self.model = model
         self.device = device
@@ -29,6 +80,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.uses_mrope = getattr(model, "uses_mrope", False)
         self.encoder_cache = EncoderCache()
+        self.kv_cache: torch.Tensor | None = None
         self.num_images_encoded = 0  # over the runner's life: tests check each image is encoded once
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
@@ -51,6 +103,8 @@ class ModelRunner:
             budget = cfg.kv_cache_bytes
         elif self.device.type == "cpu":
             budget = (cfg.memory_utilization or CPU_DEFAULT_MEMORY_UTILIZATION) * platform.available_memory(self.device)
+            if self.driver is not None:  # the ranks on this host share its RAM (each holds its heads' blocks)
+                budget /= self.driver.local_world_size
         else:
             peak = self.profile_peak_memory(max_model_len)
             fraction = cfg.memory_utilization or ACCELERATOR_DEFAULT_MEMORY_UTILIZATION
@@ -75,8 +129,18 @@ class ModelRunner:
         return peak
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        # Zeroed, not empty: masked-out slots still enter the attention matmul, and 0 * NaN garbage is NaN.
-        self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size, self.num_kv_heads,
+        """Every rank allocates the same number of blocks (the block tables come from rank 0), each of its own
+        KV heads only. kv_cache_bytes and memory budgets are per rank."""
+        if self.driver is not None:
+            self.driver.call("allocate_kv_cache", num_blocks)
+        # Drop an old pool (the profiling one), views included, before the new one is made.
+        self.kv_cache = None
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        # Empty, not zeroed: untouched pages cost no RAM, so a generous pool only occupies what requests use.
+        # Every attention path reads only slots below each sequence's length (the reference masks the padding
+        # it gathers), so stale or uninitialized slots never reach an output.
+        self.kv_cache = torch.empty(2, len(self.attention_layers), num_blocks, self.block_size, self.num_kv_heads,
                                     self.head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -94,7 +158,8 @@ class ModelRunner:
             parts.append(torch.arange(max(start, prompt_end), end).expand(3, -1) + seq.mrope_position_delta)
         return torch.cat(parts, 1)
 
-    def prepare(self, batch: SchedulerOutput):
+    def prepare(self, batch: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
+        """The step's inputs, and the sequences that sample a token (in logits row order)."""
         bs = self.block_size
         input_ids, positions, slots, cu_seqlens_q, seq_lens = [], [], [], [0], []
         sample_indices, sample_seqs = [], []
@@ -114,18 +179,18 @@ class ModelRunner:
         block_tables = torch.full((len(batch.seqs), max_blocks), -1, dtype=torch.int32)
         for i, seq in enumerate(batch.seqs):
             block_tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-        dev = self.device
-        ctx = ForwardContext(
-            slot_mapping=torch.cat(slots).to(dev),
-            cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
+        inputs = StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long),
+            positions=torch.cat(positions, -1),
+            slot_mapping=torch.cat(slots),
+            cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=block_tables,
             decode_only=all(n == 1 for n in batch.num_new_tokens),
+            mm_inputs=self._multimodal_inputs(batch, len(input_ids)),
+            logits_indices=torch.tensor(sample_indices, dtype=torch.long),
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.cat(positions, -1).to(dev)
-        mm_inputs = self._multimodal_inputs(batch, len(input_ids))
-        return ids, pos, ctx, torch.tensor(sample_indices, dtype=torch.long, device=dev), sample_seqs, mm_inputs
+        return inputs, sample_seqs
 
     def _encode_missing(self, batch: SchedulerOutput) -> None:
         """Run the vision tower once, in one packed batch, over every image this step needs and the cache lacks."""
@@ -167,25 +232,65 @@ class ModelRunner:
             base += n
         if not embeds:
             return {}
-        return {"mm_mask": mask.to(self.device), "mm_embeds": torch.cat(embeds),
-                "deepstack_embeds": torch.cat(deepstack, 1)}
+        return {"mm_mask": mask, "mm_embeds": torch.cat(embeds), "deepstack_embeds": torch.cat(deepstack, 1)}
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The model on this rank's shard: hidden states, then logits of the wanted rows (None if none wanted).
+        Every rank runs it on the same inputs; the layers' collectives keep them in step."""
+        dev = self.device
+        ctx = ForwardContext(
+            slot_mapping=inputs.slot_mapping.to(dev),
+            cu_seqlens_q=inputs.cu_seqlens_q.to(dev),
+            seq_lens=inputs.seq_lens.to(dev),
+            block_tables=inputs.block_tables.to(dev),
+            decode_only=inputs.decode_only,
+        )
+        mm_inputs = {k: v.to(dev) for k, v in inputs.mm_inputs.items()}
+        with forward_context(ctx):
+            hidden_states = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), **mm_inputs)
+        if not inputs.compute_logits:
+            return None
+        if inputs.logits_indices is not None:
+            hidden_states = hidden_states[inputs.logits_indices.to(dev)]
+        return self.model.compute_logits(hidden_states)
+
+    def _run(self, inputs: StepInputs) -> torch.Tensor | None:
+        if self.driver is None:
+            return self.forward(inputs)
+        with self.driver.step(inputs.cpu()):  # the workers start on it while rank 0 starts its own share
+            return self.forward(inputs)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, sample_tokens: bool = True):
         """Run one step. Returns [(seq, token_id, logprobs or None)] for sequences that finished their chunk."""
-        input_ids, positions, ctx, sample_indices, sample_seqs, mm_inputs = self.prepare(batch)
-        with forward_context(ctx):
-            hidden_states = self.model(input_ids, positions, **mm_inputs)
-        if not sample_tokens or not sample_seqs:
+        inputs, sample_seqs = self.prepare(batch)
+        inputs.compute_logits = sample_tokens and bool(sample_seqs)
+        logits = self._run(inputs)
+        if logits is None:
             return []
-        logits = self.model.compute_logits(hidden_states[sample_indices])
         tokens, logprobs = sample(logits, sample_seqs, self.eos_token_ids)
         return list(zip(sample_seqs, tokens, logprobs))
 
     @torch.inference_mode()
     def prompt_logits(self, batch: SchedulerOutput) -> torch.Tensor:
         """Logits at every scheduled position (for tests and scoring); writes KV like a normal step."""
-        input_ids, positions, ctx, _, _, mm_inputs = self.prepare(batch)
-        with forward_context(ctx):
-            hidden_states = self.model(input_ids, positions, **mm_inputs)
-        return self.model.compute_logits(hidden_states)
+        inputs, _ = self.prepare(batch)
+        inputs.logits_indices = None
+        return self._run(inputs)
+
+    def describe(self) -> dict:
+        """What this rank holds: parameter shapes and bytes, KV pool, checkpoint bytes it read."""
+        params = {name: (tuple(p.shape), p.numel() * p.element_size()) for name, p in self.model.named_parameters()}
+        kv = self.kv_cache
+        return {"device": str(self.device), "params": params, "param_bytes": sum(b for _, b in params.values()),
+                "kv_cache_shape": tuple(kv.shape) if kv is not None else None,
+                "kv_cache_bytes": kv.numel() * kv.element_size() if kv is not None else 0,
+                "checkpoint_bytes_read": getattr(self.model, "checkpoint_bytes_read", None)}
+
+    def describe_all(self) -> list[dict]:
+        """describe() of every rank, in rank order (rank 0's alone without tensor parallelism)."""
+        if self.driver is None:
+            return [self.describe()]
+        self.driver.call("describe")
+        return self.driver.gather(self.describe())

@@ -1,22 +1,104 @@
-"""Tensor-parallel rank and size. Without an initialized process group the model runs whole on one device."""
+"""Tensor-parallel rank, size and collectives, as one small TPGroup object per engine.
+
+A layer captures the group that is current when it is built (`use_tp_group` around model construction) and runs
+its collectives on that group, so two engines in one process never share one: each has its own process group.
+That rules out torch.distributed's global default group (one per process), so an engine's groups are built
+directly from a backend class and a store ("stateless" groups, as vLLM builds its extra groups); the default
+group is still honoured when a caller initialized one and built a model outside any `use_tp_group`.
+Without either, the model runs whole on one device."""
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
 
+@dataclass(eq=False)
+class TPGroup:
+    rank: int
+    size: int
+    backend: object | None = None  # a c10d Backend / ProcessGroup on the model's device; None when size == 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place."""
+        if self.size > 1:
+            self.backend.allreduce([x]).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x, concatenated along the last dim in rank order."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.backend.allgather([parts], [x]).wait()
+        return torch.cat(parts, -1)
+
+
+SINGLE = TPGroup(0, 1)
+_current = threading.local()
+
+
+def tp_group() -> TPGroup:
+    group = getattr(_current, "group", None)
+    if group is not None:
+        return group
+    if dist.is_initialized() and dist.get_world_size() > 1:  # a caller's own init_process_group
+        return TPGroup(dist.get_rank(), dist.get_world_size(), dist.distributed_c10d._get_default_group())
+    return SINGLE
+
+
+@contextmanager
+def use_tp_group(group: TPGroup):
+    """Make `group` current in this thread while a model is built or loaded."""
+    previous = getattr(_current, "group", None)
+    _current.group = group
+    try:
+        yield group
+    finally:
+        _current.group = previous
+
+
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return tp_group().rank
 
 
 def tp_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return tp_group().size
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if tp_size() > 1:
-        dist.all_reduce(x)
-    return x
+    return tp_group().all_reduce(x)
 
 
 def divide(numerator: int, denominator: int) -> int:
     assert numerator % denominator == 0, f"{numerator} is not divisible by tensor parallel size {denominator}"
     return numerator // denominator
+
+
+def distributed_backend(device_type: str) -> str:
+    # (Belongs with the other per-device facts in vlinfer/platform.py; kept here until that file grows it.)
+    return {"cuda": "nccl", "npu": "hccl"}.get(device_type, "gloo")
+
+
+def new_backend(name: str, store, rank: int, size: int, timeout: timedelta):
+    """A process group backend of this engine only, not registered with torch.distributed's global state."""
+    if name == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if name == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        backend = dist.ProcessGroupNCCL(store, rank, size, options)
+    elif name == "hccl":
+        import torch_npu  # noqa: F401
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+        options = ProcessGroupHCCL.Options()
+        options._timeout = timeout
+        backend = ProcessGroupHCCL(store, rank, size, options)
+    else:
+        raise ValueError(f"unknown distributed backend {name!r}")
+    if hasattr(backend, "_set_sequence_number_for_group"):  # NCCL / HCCL agree on a communicator id through it
+        backend._set_sequence_number_for_group()
+    return backend

@@ -1,20 +1,31 @@
 """Linear layers that know how to load their tensor-parallel shard. Each parameter carries a weight_loader that
-takes the full checkpoint tensor (and, for fused layers, which part it is) and copies in this rank's slice."""
+takes the checkpoint tensor (and, for fused layers, which part it is) and copies in this rank's slice.
+
+The checkpoint tensor may be a lazy slice (model_loader.CheckpointSlice): `.narrow` on it reads only the rows or
+columns asked for from the file, so a rank never reads more than its shard of a split weight."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlinfer.layers.distributed import all_reduce, divide, tp_rank, tp_size
+from vlinfer.layers.distributed import divide, tp_group
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+def as_tensor(loaded) -> torch.Tensor:
+    """A checkpoint tensor in full (reads a lazy slice whole: for weights every rank keeps entire)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.full()
+
+
+def default_weight_loader(param: nn.Parameter, loaded) -> None:
     assert param.shape == loaded.shape, f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}"
-    param.data.copy_(loaded)
+    param.data.copy_(as_tensor(loaded))
 
 
 class LinearBase(nn.Module):
+    """output_size and input_size are this rank's (already divided) sizes."""
+
     def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None):
         super().__init__()
+        self.tp = tp_group()  # the engine's group, captured at build time: collectives and shards follow it
         self.shard_dim = shard_dim  # 0: output features are split across ranks, 1: input features, None: whole
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -24,11 +35,10 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if self.shard_dim is not None and tp_size() > 1 and loaded.dim() > self.shard_dim and \
-                not (param is self.bias and self.shard_dim == 1):
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        if self.shard_dim is not None and self.tp.size > 1 and len(loaded.shape) > self.shard_dim:
             size = param.shape[self.shard_dim]
-            loaded = loaded.narrow(self.shard_dim, tp_rank() * size, size)
+            loaded = loaded.narrow(self.shard_dim, self.tp.rank * size, size)
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -42,48 +52,69 @@ class ReplicatedLinear(LinearBase):
 
 class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, divide(output_size, tp_size()), bias, 0)
+        super().__init__(input_size, divide(output_size, tp_group().size), bias, 0)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections of the same input in one matmul, e.g. gate and up."""
+    """Several column-parallel projections of the same input in one matmul, e.g. gate and up: each rank holds
+    its slice of each, side by side ([gate_r | up_r]), so the activation splits the local output in half."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        world = tp_size()
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
+        world = self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // world
-        size = self.output_sizes[shard_id] // world
-        loaded = loaded.narrow(0, tp_rank() * size, size)
+        size = divide(self.output_sizes[shard_id], world)
+        loaded = loaded.narrow(0, self.tp.rank * size, size)
         default_weight_loader(param.data.narrow(0, offset, size), loaded)
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections fused; each rank holds its heads of each. shard_id is "q", "k" or "v"."""
+class QKVParallelLinear(LinearBase):
+    """q, k and v projections fused; each rank holds its query heads and the KV heads they attend to.
+    shard_id is "q", "k" or "v".
+
+    Query heads split evenly. KV heads split evenly when there are at least as many as ranks; with fewer (GQA /
+    MQA at high TP, e.g. 1 KV head on 2 ranks) each rank holds the single KV head of its query heads' group,
+    replicated on tp / num_kv_heads ranks: rank r's query heads [r*h/tp, (r+1)*h/tp) all belong to KV group
+    r*kv//tp exactly when tp is a multiple of kv."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        world = tp_size()
+        tp = tp_group()
         self.head_dim = head_dim
-        self.num_heads = divide(num_heads, world)
-        self.num_kv_heads = divide(num_kv_heads, world)
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        self.num_heads = divide(num_heads, tp.size)
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(num_kv_heads, tp.size)
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        else:
+            assert tp.size % num_kv_heads == 0, \
+                f"tensor parallel size {tp.size} must be a multiple of num_key_value_heads={num_kv_heads}"
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank * num_kv_heads // tp.size
+        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, 0)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        loaded = loaded.narrow(0, tp_rank() * size, size)
-        default_weight_loader(param.data.narrow(0, offset, size), loaded)
+        kv_start = self.kv_head_start * self.head_dim
+        offset, size, start = {"q": (0, q_size, self.tp.rank * q_size), "k": (q_size, kv_size, kv_start),
+                               "v": (q_size + kv_size, kv_size, kv_start)}[shard_id]
+        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed. The bias is added once, on rank 0."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(divide(input_size, tp_size()), output_size, bias, 1)
+        super().__init__(divide(input_size, tp_group().size), output_size, bias, 1)
+
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        if param is self.bias:  # whole on every rank (used on rank 0 only)
+            default_weight_loader(param, loaded)
+        else:
+            super().weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if tp_rank() == 0 else None)
-        return all_reduce(y)
+        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        return self.tp.all_reduce(y)

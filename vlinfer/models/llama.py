@@ -5,18 +5,17 @@ from torch import nn
 from vlinfer import ops
 from vlinfer.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                             RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
-from vlinfer.layers.distributed import divide, tp_size
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config, qk_norm: bool = False):
         super().__init__()
-        self.num_heads = divide(config.num_attention_heads, tp_size())
-        self.num_kv_heads = divide(config.num_key_value_heads, tp_size())
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=bias)
+        # This rank's heads: query heads split evenly; KV heads split, or one replicated when fewer than ranks.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         if qk_norm:  # Qwen3: RMSNorm over each head's q and k before rotary

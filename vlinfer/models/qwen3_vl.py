@@ -14,6 +14,8 @@ from torch import nn
 
 from vlinfer import model_loader
 from vlinfer.layers import ParallelLMHead, rope_inv_freq
+from vlinfer.layers.distributed import tp_rank
+from vlinfer.layers.linear import as_tensor
 from vlinfer.models.llama import LlamaForCausalLM, LlamaModel
 from vlinfer.models.qwen3_vl_vision import Qwen3VLVisionModel, split_image_embeds
 from vlinfer.multimodal.mrope import mrope_cos_sin
@@ -68,11 +70,15 @@ class Qwen3VLTextModel(LlamaModel):
 
 
 class Qwen3VLModel(nn.Module):
-    """Holds the two towers under HF's `model.` prefix: `model.visual`, `model.language_model`."""
+    """Holds the two towers under HF's `model.` prefix: `model.visual`, `model.language_model`.
+
+    Under tensor parallelism the language model is sharded and the vision tower lives on rank 0 only: rank 0
+    encodes each image once (encoder cache) and sends the rows of image embeddings and DeepStack features a step
+    needs with that step's inputs (vlinfer/engine/model_runner.py), so the other ranks neither build nor read it."""
 
     def __init__(self, config):
         super().__init__()
-        self.visual = Qwen3VLVisionModel(config.vision_config)
+        self.visual = Qwen3VLVisionModel(config.vision_config) if tp_rank() == 0 else None
         self.language_model = Qwen3VLTextModel(config.text_config)
 
 
@@ -112,13 +118,14 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         def text_weights():
             for name, tensor in weights:
                 if name.startswith("model.visual."):  # streamed straight in, nothing buffered
-                    visual_loaded.update(visual.load_weights([(name[len("model.visual."):], tensor)]))
+                    if visual is not None:  # tensor-parallel ranks other than 0 skip it unread
+                        visual_loaded.update(visual.load_weights([(name[len("model.visual."):], as_tensor(tensor))]))
                 else:
                     yield name, tensor
 
         model_loader.load_weights(_TextWeights(self), text_weights(),
                                   prefix_map={"model.language_model.": "language_model."})
-        missing = [n for n, _ in visual.named_parameters() if n not in visual_loaded]
+        missing = [n for n, _ in (visual.named_parameters() if visual is not None else []) if n not in visual_loaded]
         if missing:
             raise ValueError(f"checkpoint is missing vision weights for {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''}")
@@ -129,6 +136,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         [num_images, 3]. Returns per image (embeds [n_tokens, hidden], deepstack [num_deepstack, n_tokens, hidden]),
         n_tokens = t*h*w / merge^2 = the image's placeholder count."""
         visual = self.model.visual
+        assert visual is not None, "images are encoded on tensor-parallel rank 0 only"
         embeds, deepstack = visual(pixel_values.to(visual.device), grid_thw)
         if deepstack:
             stacked = torch.stack(deepstack)

@@ -34,6 +34,8 @@ def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+    # The kernel reads int32 metadata; the model runner already builds it so, other callers may not.
+    seq_lens, block_tables = seq_lens.to(torch.int32), block_tables.to(torch.int32)
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     decode = q_lens == 1
     if bool(decode.all()):

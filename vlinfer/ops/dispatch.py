@@ -1,12 +1,18 @@
 """Picks each op's implementation for the engine's device once, at start-up, and logs the choice. The only
 place that knows which device implementation runs."""
 import logging
+import os
 
 from vlinfer.ops import reference
 
 logger = logging.getLogger("vlinfer")
 
-OPS = ("store_kvcache", "paged_attention", "apply_rotary")
+OPS = ("store_kvcache", "paged_attention", "apply_rotary", "rms_norm", "add_rms_norm", "silu_and_mul",
+       "varlen_attention")
+# VLINFER_OPS=<name> forces one implementation whatever the device, e.g. the NPU code on CPU tensors under an
+# emulated torch_npu (tests/fake_torch_npu.py). A forced implementation that cannot load is an error, not a fallback.
+OVERRIDE_ENV = "VLINFER_OPS"
+IMPLEMENTATIONS = ("npu", "cpu-compiled", "reference")
 
 
 class _Active:
@@ -17,18 +23,40 @@ class _Active:
 active = _Active()
 
 
+def _load(name: str, device_type: str):
+    """The implementation module called name, loaded for device_type; raises when it cannot load."""
+    if name == "cpu-compiled":
+        from vlinfer.ops import cpu
+        cpu.load()
+        return cpu
+    from vlinfer.ops import npu
+    npu.load(device_type)
+    return npu
+
+
 def select(device_type: str, use_kernels: bool = True) -> str:
     """Install the implementation for device_type; returns its name. Falling back to the reference is never
-    silent: it is logged as a warning with the reason."""
+    silent: it is logged as a warning with the reason. Ops a module does not define stay on the reference."""
     impl, name = {op: getattr(reference, op) for op in OPS}, "reference"
-    if use_kernels and device_type == "cpu":
-        from vlinfer.ops import cpu
+    forced = os.environ.get(OVERRIDE_ENV, "").strip()
+    if forced:
+        if forced not in IMPLEMENTATIONS:
+            raise ValueError(f"{OVERRIDE_ENV}={forced!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
+        logger.warning("ops: %s=%s forces the %s implementation on device type %s", OVERRIDE_ENV, forced, forced,
+                       device_type)
+        if forced != "reference":
+            module = _load(forced, device_type)
+            impl.update({op: getattr(module, op) for op in OPS if hasattr(module, op)})
+            name = module.NAME
+    elif use_kernels and device_type in ("cpu", "npu"):
+        kernels = "cpu-compiled" if device_type == "cpu" else "npu"
         try:
-            cpu.load()
-            impl.update({op: getattr(cpu, op) for op in OPS})
-            name = cpu.NAME
-        except Exception as e:  # no compiler, no headers, ...
-            logger.warning("ops: compiled CPU kernels unavailable (%s: %s); running the pure-torch reference",
+            module = _load(kernels, device_type)
+            impl.update({op: getattr(module, op) for op in OPS if hasattr(module, op)})
+            name = module.NAME
+        except Exception as e:  # no compiler, no headers, no torch_npu / CANN, ...
+            what = "compiled CPU kernels" if device_type == "cpu" else "torch_npu kernels"
+            logger.warning("ops: %s unavailable (%s: %s); running the pure-torch reference", what,
                            type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
     active.impl, active.name = impl, name
     logger.info("ops: %s implementation for %s", name, device_type)
@@ -45,3 +73,19 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
 
 def apply_rotary(q, k, cos, sin):
     return active.impl["apply_rotary"](q, k, cos, sin)
+
+
+def rms_norm(x, weight, eps):
+    return active.impl["rms_norm"](x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    return active.impl["add_rms_norm"](x, residual, weight, eps)
+
+
+def silu_and_mul(x):
+    return active.impl["silu_and_mul"](x)
+
+
+def varlen_attention(q, k, v, cu_seqlens, scale):
+    return active.impl["varlen_attention"](q, k, v, cu_seqlens, scale)

@@ -52,6 +52,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scores = torch.matmul(qd, k.transpose(-1, -2)).float().mul_(scale)
         beyond = torch.arange(length, device=q.device)[None, :] >= seq_lens[rows][:, None]
         scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+        # Padding slots may hold uninitialized memory (NaN): zero weight times NaN would still be NaN.
+        v = v.masked_fill(beyond[:, None, :, None], 0)
         o = torch.matmul(scores.softmax(-1).to(v.dtype), v)
         out[token_index] = o.reshape(b, num_heads, head_dim)
     prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out)

@@ -1,0 +1,496 @@
+"""A pure-torch stand-in for the torch_npu operators vlinfer's NPU path calls, so that path runs on CPU tensors.
+
+Written from the contracts in docs/npu-ops.md (§2 for each op, §3 for the reference semantics), not from
+vlinfer/ops/reference.py. Each op checks what that note states (layouts, dtypes, shapes, block-size limits, sparse
+modes, keyword names) and raises FakeNpuError on a violation, so a call the device would reject, or one with
+undefined results there (duplicate slots, bad block ids), fails the test. Everything computes in float32 and casts
+to the input dtype at the end, as §3 prescribes. What the note leaves open is marked "interpretation".
+
+Use the `fake_npu` fixture (sys.modules["torch_npu"] plus VLINFER_OPS=npu, undone afterwards), or install() /
+loaded() with a monkeypatch for variants standing for other releases: FakeTorchNpu(fia_scale_kwarg="scale_value") is
+a 6.0.x-era FIA; opaque=True hides every signature (names found only by trying), opaque="schema" shows them only in
+a registered op's schema; tnd_paged=False rejects TND over a paged cache (the input_layout paragraph of §2.3);
+scatter_pa=False lacks npu_scatter_pa_kv_cache; atb=False has ATB ops that raise OSError on first use (NNAL not
+sourced, §0).
+"""
+import collections
+import functools
+import inspect
+import sys
+import types
+
+import pytest
+import torch
+
+HALF = (torch.float16, torch.bfloat16)
+NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND", "TND")
+INT_MAX = 2147483647
+MASK_SHAPES = ((2048, 2048), (1, 2048, 2048), (1, 1, 2048, 2048))
+
+
+class FakeNpuError(RuntimeError):
+    """A call the documented contract rejects (on the device: an error code such as 561002, or garbage)."""
+
+
+def _require(cond, message):
+    if not cond:
+        raise FakeNpuError(message)
+
+
+def _host_ints(values, name):
+    """SymInt[]: a host list of Python ints (§1 "Host-side lengths"), never a tensor."""
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                        for v in values):
+        raise TypeError(f"{name} must be a list of Python ints (SymInt[]), got {type(values).__name__}")
+    return list(values)
+
+
+def _per_batch(values, batch, name):
+    # Non-TND layouts: one value broadcasts, a longer list is truncated to the first B (§2.3).
+    values = _host_ints(values, name)
+    if len(values) == 1:
+        return values * batch
+    _require(len(values) >= batch, f"{name} has {len(values)} entries for batch {batch}")
+    return values[:batch]
+
+
+def _attend(q, k, v, scale, allowed):
+    """§3 attend: q [Sq, Hq, D], k [Skv, Hkv, D], v [Skv, Hkv, Dv], allowed [Sq, Skv] -> [Sq, Hq, Dv] float32."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("ihd,jhd->hij", q.float(), k) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)  # a fully masked row gives 0
+    return torch.einsum("hij,jhd->ihd", p, v), torch.logsumexp(s, -1)
+
+
+class FakeTorchNpu(types.ModuleType):
+    """The module object placed in sys.modules["torch_npu"]; `calls` counts op calls, `last` keeps each op's last
+    keyword arguments and `history` every call's (for tests that check how an op was called)."""
+
+    def __init__(self, *, fia_scale_kwarg="scale", opaque=False, tnd_paged=True, scatter_pa=True, atb=True):
+        super().__init__("torch_npu")
+        self.__file__ = __file__
+        self.calls = collections.Counter()
+        self.last = {}
+        self.history = []  # (op, keyword arguments with tensors replaced by their shapes), in call order
+        self.tnd_paged = tnd_paged
+        self.atb = atb
+        fia = _fia_with_scale if fia_scale_kwarg == "scale" else _fia_with_scale_value
+        ops = {"npu_fused_infer_attention_score": fia, "npu_rotary_mul": _rotary_mul, "npu_rms_norm": _rms_norm,
+               "npu_add_rms_norm": _add_rms_norm, "npu_swiglu": _swiglu,
+               "_npu_reshape_and_cache": _reshape_and_cache}
+        if scatter_pa:
+            ops["npu_scatter_pa_kv_cache"] = _scatter_pa_kv_cache
+        for name, fn in ops.items():
+            setattr(self, name, self._recorded(name, fn, opaque))
+
+    def _recorded(self, name, fn, opaque):
+        module = self
+
+        def call(*args, **kwargs):
+            module.calls[name] += 1
+            module.last[name] = kwargs
+            module.history.append((name, {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v
+                                          for k, v in kwargs.items()}))
+            return fn(module, *args, **kwargs)
+
+        params = list(inspect.signature(fn).parameters.values())[1:]  # the documented signature, minus `module`
+        if opaque:  # inspect sees only (*args, **kwargs); wrong keywords still raise TypeError
+            call.__name__ = name
+            if opaque == "schema":  # like a registered op (OpOverloadPacket): the names are in .default._schema
+                arguments = [types.SimpleNamespace(name=p.name) for p in params]
+                call.default = types.SimpleNamespace(_schema=types.SimpleNamespace(arguments=arguments))
+            return call
+        wrapped = functools.wraps(fn)(call)
+        wrapped.__signature__ = inspect.Signature(params)
+        wrapped.__name__ = name
+        return wrapped
+
+
+# ---- §2.1 KV-cache write ----
+
+def _check_slots(slots, capacity, name):
+    _require(slots.dim() == 1, f"{name} must be 1-D [T]")
+    s = slots.long()
+    _require(bool(((s >= 0) & (s < capacity)).all()),
+             f"{name} out of [0, {capacity}) (negative/padding slots are not documented as skipped)")
+    _require(s.unique().numel() == s.numel(), f"{name} has duplicates (undefined result on the device)")
+    return s
+
+
+def _scatter_pa_kv_cache(module, key, value, key_cache, value_cache, slot_mapping, *, compress_lens=None,
+                         compress_seq_offsets=None, seq_lens=None, cache_mode="PA_NZ"):
+    """OPD:6976, the "Norm" case: key [T, N, Dk], caches [num_blocks, block_size, N, Dk], slots int32/int64 [T]."""
+    if compress_lens is not None or compress_seq_offsets is not None or seq_lens is not None:
+        raise NotImplementedError("compressed cache arguments are not emulated")
+    if cache_mode == "PA_NZ":
+        nz = key_cache.dim() == 4 and key.dim() == 3 and key_cache.shape[1] * 16 == key.shape[1] * key.shape[2] \
+            and key_cache.shape[3] == 16
+        _require(not (key_cache.dim() == 4 and not nz),
+                 "cache_mode 'PA_NZ' (the default) expects NZ caches [nb, N*D/16, bs, 16]; pass cache_mode='Norm' "
+                 "for ND caches [nb, bs, N, D]")
+        raise NotImplementedError("the NZ cache layout is not emulated")
+    _require(cache_mode == "Norm", f"unknown cache_mode {cache_mode!r}")
+    for t, n in ((key, "key"), (value, "value"), (key_cache, "key_cache"), (value_cache, "value_cache"),
+                 (slot_mapping, "slot_mapping")):
+        _require(t.is_contiguous(), f"{n} must be contiguous")
+    _require(key.dim() == 3 and value.dim() == 3, "key/value must be [T, N, D]")
+    _require(key_cache.dim() == 4 and value_cache.dim() == 4, "Norm caches must be [num_blocks, block_size, N, D]")
+    _require(key_cache.dtype in HALF and key.dtype == key_cache.dtype and value.dtype == value_cache.dtype
+             == key_cache.dtype, f"fp16/bf16 key/value and caches of one dtype (got {key.dtype}, {key_cache.dtype})")
+    _require(key.shape[1:] == key_cache.shape[2:] and value.shape[1:] == value_cache.shape[2:],
+             "key/value [T, N, D] must match the caches' [.., N, D]")
+    _require(slot_mapping.dtype in (torch.int32, torch.int64), "slot_mapping must be int32 or int64")
+    _require(slot_mapping.shape[0] == key.shape[0] == value.shape[0], "one slot per token")
+    slots = _check_slots(slot_mapping, key_cache.shape[0] * key_cache.shape[1], "slot_mapping")
+    key_cache.view(-1, *key_cache.shape[2:])[slots] = key
+    value_cache.view(-1, *value_cache.shape[2:])[slots] = value
+
+
+def _reshape_and_cache(module, key, value, key_cache, value_cache, slot_indices):
+    """ATB ReshapeAndCache [src]: key [T, Hkv, D] fp16/bf16/int8, caches [nb, bs, Hkv, D] ND, slot_indices int32."""
+    if not module.atb:
+        raise OSError("libop_plugin_atb.so: cannot open shared object file (NNAL/ATB not sourced)")
+    _require(key.dim() == 3 and value.dim() == 3 and key_cache.dim() == 4 and value_cache.dim() == 4,
+             "key/value [T, Hkv, D], caches [num_blocks, block_size, Hkv, D]")
+    _require(key.dtype in HALF + (torch.int8,) and key.dtype == value.dtype == key_cache.dtype == value_cache.dtype,
+             "fp16/bf16/int8 key, value and caches of one dtype")
+    _require(key.shape[1:] == key_cache.shape[2:] and value.shape[1:] == value_cache.shape[2:], "shape mismatch")
+    _require(slot_indices.dtype == torch.int32, "slot_indices must be int32")
+    _require(slot_indices.shape[0] == key.shape[0], "one slot per token")
+    slots = _check_slots(slot_indices, key_cache.shape[0] * key_cache.shape[1], "slot_indices")
+    key_cache.view(-1, *key_cache.shape[2:])[slots] = key
+    value_cache.view(-1, *value_cache.shape[2:])[slots] = value
+
+
+# ---- §2.3 fused infer attention ----
+
+def _fia_with_scale(module, query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
+                    actual_seq_lengths_kv=None, block_table=None, query_padding_size=None, kv_padding_size=None,
+                    query_rope=None, key_rope=None, key_rope_antiquant_scale=None, num_heads=1, scale=1.0,
+                    pre_tokens=INT_MAX, next_tokens=INT_MAX, input_layout="BSH", num_key_value_heads=0,
+                    sparse_mode=0, inner_precise=0, block_size=0, antiquant_mode=0, softmax_lse_flag=False,
+                    key_antiquant_mode=0, value_antiquant_mode=0):
+    """The 7.x / torch_npu 2.14 signature (OPD:8053): the softmax scale is `scale`."""
+    args = dict(locals())
+    del args["module"]
+    return _fia(module, **args)
+
+
+def _fia_with_scale_value(module, query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
+                          actual_seq_lengths_kv=None, block_table=None, query_padding_size=None,
+                          kv_padding_size=None, query_rope=None, key_rope=None, key_rope_antiquant_scale=None,
+                          num_heads=1, scale_value=1.0, pre_tokens=INT_MAX, next_tokens=INT_MAX, input_layout="BSH",
+                          num_key_value_heads=0, sparse_mode=0, inner_precise=0, block_size=0, antiquant_mode=0,
+                          softmax_lse_flag=False, key_antiquant_mode=0, value_antiquant_mode=0):
+    """The "Ascend Extension for PyTorch 6.0.x" signature (§0 version drift): the scale is `scale_value`."""
+    args = dict(locals())
+    del args["module"]
+    args["scale"] = args.pop("scale_value")
+    return _fia(module, **args)
+
+
+def _split_queries(query, layout, num_heads, actual_seq_lengths):
+    """Per-batch queries [Sq_b, N, D], the layout's Q_S and a writer putting per-batch outputs back in q's layout."""
+    if layout == "TND":
+        _require(query.dim() == 3 and query.shape[1] == num_heads, "TND query must be [T, num_heads, D]")
+        _require(actual_seq_lengths is not None, "TND needs actual_seq_lengths (cumulative ends; its length is B)")
+        ends = _host_ints(actual_seq_lengths, "actual_seq_lengths")
+        _require(len(ends) > 0 and all(b >= a for a, b in zip([0] + ends, ends)),
+                 "TND actual_seq_lengths must be non-decreasing cumulative end offsets")
+        _require(ends[-1] == query.shape[0], f"TND q offsets must end at T={query.shape[0]}, got {ends[-1]} "
+                                             "(error 561002 on the device)")
+        starts = [0] + ends[:-1]
+        qs = [query[a:b] for a, b in zip(starts, ends)]
+        # Interpretation: in TND, Q_S (which picks IFA vs PFA) is the longest per-batch query.
+        q_s = max(b - a for a, b in zip(starts, ends))
+
+        def write(outs):
+            return torch.cat(outs) if outs else query.new_zeros(query.shape)
+        return qs, q_s, write
+    if layout == "BSH":
+        _require(query.dim() == 3 and query.shape[2] % num_heads == 0, "BSH query must be [B, S, num_heads*D]")
+        q4 = query.view(query.shape[0], query.shape[1], num_heads, -1)
+    elif layout == "BSND":
+        _require(query.dim() == 4 and query.shape[2] == num_heads, "BSND query must be [B, S, num_heads, D]")
+        q4 = query
+    else:  # BNSD, BNSD_BSND
+        _require(query.dim() == 4 and query.shape[1] == num_heads, f"{layout} query must be [B, num_heads, S, D]")
+        q4 = query.transpose(1, 2)
+    batch, q_s = q4.shape[0], q4.shape[1]
+    _require(layout != "BNSD_BSND" or q_s > 1, "BNSD_BSND is for Q_S > 1 only")
+    lens = [q_s] * batch if actual_seq_lengths is None else _per_batch(actual_seq_lengths, batch,
+                                                                       "actual_seq_lengths")
+    _require(all(0 <= n <= q_s for n in lens), "actual_seq_lengths beyond the query's S")
+    qs = [q4[b, :n] for b, n in enumerate(lens)]
+
+    def write(outs):
+        full = q4.new_zeros(*q4.shape[:3], outs[0].shape[-1] if outs else q4.shape[3])
+        for b, o in enumerate(outs):
+            full[b, :o.shape[0]] = o
+        if layout == "BSH":
+            return full.flatten(2)
+        if layout == "BNSD":
+            return full.transpose(1, 2).contiguous()
+        return full  # BSND, and BNSD_BSND's BSND output
+    return qs, q_s, write
+
+
+def _paged_kv(module, key, value, layout, block_table, block_size, kv_lens, batch, num_kv, head_dim, ifa):
+    """§2.3 "PA" and §3 gather_kv: per-batch [L, Hkv, D] keys and values read through the block table."""
+    _require(layout != "TND" or module.tnd_paged,
+             "TND does not support PA or prefix on A2/A3 (input_layout paragraph)")
+    _require(block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == batch,
+             f"block_table must be int32 [B={batch}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
+    _require(kv_lens is not None, "a paged KV cache needs actual_seq_lengths_kv")
+    if layout == "TND":  # per-batch kv lengths, not cumulative
+        kv_lens = _host_ints(kv_lens, "actual_seq_lengths_kv")
+        _require(len(kv_lens) == batch, f"TND + PA needs one kv length per batch ({batch}), got {len(kv_lens)}")
+    else:
+        kv_lens = _per_batch(kv_lens, batch, "actual_seq_lengths_kv")
+    _require(key.shape == value.shape, "paged key and value caches must have one shape")
+    if key.dim() == 3:  # (blocknum, blocksize, H)
+        nb, bs, h = key.shape
+        _require(h == num_kv * head_dim, f"cache H={h} != num_key_value_heads*D={num_kv * head_dim}")
+        _require(h <= 65535, "H = Hkv*D must be <= 65535 for the 3-D paged form (OPD:8220)")
+        k4, v4 = key.view(nb, bs, num_kv, head_dim), value.view(nb, bs, num_kv, head_dim)
+    else:  # (blocknum, KV_N, blocksize, D)
+        _require(key.dim() == 4 and layout not in ("BSH", "BSND"),
+                 "BSH/BSND queries take only the (blocknum, blocksize, H) cache")
+        nb, _, bs, _ = key.shape
+        _require(key.shape[1] == num_kv and key.shape[3] == head_dim, "4-D cache must be (nb, Hkv, bs, D)")
+        k4, v4 = key.transpose(1, 2), value.transpose(1, 2)
+    _require(block_size == bs, f"block_size={block_size} but the cache's block size is {bs}")
+    if ifa:
+        _require(bs % 16 == 0 and 0 < bs <= 512, f"Q_S == 1 with PA needs a 16-aligned block size <= 512, got {bs}")
+    else:
+        _require(bs % 128 == 0 and 128 <= bs <= 512,
+                 f"Q_S > 1 with PA needs a block size that is a multiple of 128 in [128, 512] (OPD:8219), got {bs}")
+    _require(key.numel() < 2 ** 31, "cache shape product must fit in int32")
+    ks, vs = [], []
+    for b, n in enumerate(kv_lens):
+        blocks = -(-n // bs)
+        _require(blocks <= block_table.shape[1], f"batch {b}: kv length {n} needs {blocks} blocks, table has "
+                                                 f"{block_table.shape[1]}")
+        ids = block_table[b, :blocks].long()
+        # FIA never validates block ids (OPD:8218): on the device a bad id reads someone else's memory.
+        _require(bool(((ids >= 0) & (ids < nb)).all()), f"batch {b}: block ids {ids.tolist()} outside [0, {nb})")
+        ks.append(k4[ids].reshape(-1, num_kv, head_dim)[:n])
+        vs.append(v4[ids].reshape(-1, num_kv, v4.shape[-1])[:n])
+    return ks, vs
+
+
+def _dense_kv(key, value, layout, kv_lens, batch, num_kv):
+    if layout == "TND":
+        _require(key.dim() == 3 and key.shape[1] == num_kv and value.dim() == 3 and value.shape[1] == num_kv,
+                 "TND key/value must be [T, num_key_value_heads, D]")
+        _require(kv_lens is not None, "TND needs actual_seq_lengths_kv (cumulative without PA)")
+        ends = _host_ints(kv_lens, "actual_seq_lengths_kv")
+        _require(len(ends) == batch and all(b >= a for a, b in zip([0] + ends, ends)) and ends[-1] <= key.shape[0],
+                 "TND kv lengths without PA must be B non-decreasing cumulative ends within the key's T")
+        starts = [0] + ends[:-1]
+        return [key[a:b] for a, b in zip(starts, ends)], [value[a:b] for a, b in zip(starts, ends)]
+    if layout == "BSH":
+        k4, v4 = key.view(key.shape[0], key.shape[1], num_kv, -1), value.view(value.shape[0], value.shape[1], num_kv, -1)
+    elif layout == "BSND":
+        k4, v4 = key, value
+    else:
+        k4, v4 = key.transpose(1, 2), value.transpose(1, 2)
+    _require(k4.shape[0] == batch and k4.shape[2] == num_kv, "key batch/heads do not match the query")
+    lens = [k4.shape[1]] * batch if kv_lens is None else _per_batch(kv_lens, batch, "actual_seq_lengths_kv")
+    return [k4[b, :n] for b, n in enumerate(lens)], [v4[b, :n] for b, n in enumerate(lens)]
+
+
+def _fia(module, *, query, key, value, pse_shift, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
+         block_table, query_padding_size, kv_padding_size, query_rope, key_rope, key_rope_antiquant_scale, num_heads,
+         scale, pre_tokens, next_tokens, input_layout, num_key_value_heads, sparse_mode, inner_precise, block_size,
+         antiquant_mode, softmax_lse_flag, key_antiquant_mode, value_antiquant_mode):
+    for name, arg in (("pse_shift", pse_shift), ("query_padding_size", query_padding_size),
+                      ("kv_padding_size", kv_padding_size), ("query_rope", query_rope), ("key_rope", key_rope),
+                      ("key_rope_antiquant_scale", key_rope_antiquant_scale)):
+        if arg is not None:
+            raise NotImplementedError(f"{name} is not emulated")
+    if antiquant_mode or key_antiquant_mode or value_antiquant_mode:
+        raise NotImplementedError("quantised KV is not emulated")
+    _require(input_layout in LAYOUTS, f"input_layout {input_layout!r} is not one of {LAYOUTS}")
+    for t, n in ((query, "query"), (key, "key"), (value, "value")):
+        _require(isinstance(t, torch.Tensor), f"{n} must be a tensor (tensor lists are not supported)")
+        _require(t.dtype in HALF, f"{n} must be float16 or bfloat16, got {t.dtype}")
+        _require(t.is_contiguous(), f"{n} is not contiguous (rejected)")
+    _require(query.dtype == key.dtype == value.dtype, "query, key and value must share a dtype")
+    num_kv = num_key_value_heads or num_heads
+    _require(num_heads >= 1 and num_heads % num_kv == 0 and num_heads // num_kv <= 64,
+             f"num_heads={num_heads} must be a multiple of num_key_value_heads={num_kv}, ratio <= 64")
+    if sparse_mode in (5, 6, 7, 8):
+        raise FakeNpuError(f"sparse_mode {sparse_mode} is not implemented")
+    _require(sparse_mode != 9, "sparse_mode 9 (tree mask) is MLA-only")
+    _require(sparse_mode in (0, 1, 2, 3, 4), f"invalid sparse_mode {sparse_mode}")
+    _require(inner_precise in (0, 1, 2, 3), f"invalid inner_precise {inner_precise}")
+    _require(isinstance(scale, float) or isinstance(scale, int), "scale must be a Python number")
+
+    qs, q_s, write = _split_queries(query, input_layout, num_heads, actual_seq_lengths)
+    batch, head_dim = len(qs), query.shape[-1] if input_layout != "BSH" else query.shape[2] // num_heads
+    ifa = q_s == 1  # IFA (decode) kernel: sparse_mode and actual_seq_lengths are ignored (§2.3 "Branching")
+    if block_table is not None:
+        ks, vs = _paged_kv(module, key, value, input_layout, block_table, block_size, actual_seq_lengths_kv, batch,
+                           num_kv, head_dim, ifa)
+    else:
+        ks, vs = _dense_kv(key, value, input_layout, actual_seq_lengths_kv, batch, num_kv)
+
+    if ifa:
+        _require(inner_precise in (0, 1), "with Q_S == 1 only inner_precise 0/1 are allowed")
+        if atten_mask is not None and sparse_mode == 0:
+            raise NotImplementedError("decode masks [B, Skv] are not emulated")
+    elif sparse_mode in (2, 3, 4):
+        _require(atten_mask is not None, f"sparse_mode {sparse_mode} needs the compressed 2048x2048 mask")
+        _require(tuple(atten_mask.shape) in MASK_SHAPES,
+                 f"sparse_mode {sparse_mode} needs a (2048, 2048)-pattern mask, got {tuple(atten_mask.shape)}")
+        _require(atten_mask.dtype in (torch.bool, torch.int8, torch.uint8), "atten_mask must be bool/int8/uint8")
+        pattern = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=atten_mask.device), diagonal=1)
+        _require(torch.equal(atten_mask.reshape(2048, 2048).bool(), pattern),
+                 "the compressed mask must be the lower-triangular pattern: 1 (masked) strictly above the diagonal")
+    elif sparse_mode == 1 or atten_mask is not None:
+        raise NotImplementedError("explicit masks (sparse_mode 0/1 with atten_mask) are not emulated")
+    elif pre_tokens != INT_MAX or next_tokens != INT_MAX:
+        raise NotImplementedError("a pre/next_tokens band with sparse_mode 0 is not emulated")
+
+    outs, lses = [], []
+    for b, (qb, kb, vb) in enumerate(zip(qs, ks, vs)):
+        sq, skv = qb.shape[0], kb.shape[0]
+        if skv == 0 or sq == 0:  # empty KV returns zeros
+            outs.append(torch.zeros(sq, num_heads, vb.shape[-1]))
+            lses.append(torch.full((num_heads, sq), float("-inf")))
+            continue
+        i = torch.arange(sq)[:, None]
+        j = torch.arange(skv)[None, :]
+        off = skv - sq
+        if ifa or sparse_mode == 0:
+            allowed = torch.ones(sq, skv, dtype=torch.bool)
+        elif sparse_mode == 2:
+            allowed = j <= i
+        elif sparse_mode == 3:
+            allowed = j <= i + off
+        else:
+            allowed = (j >= i + off - pre_tokens) & (j <= i + off + next_tokens)
+        o, lse = _attend(qb, kb, vb, scale, allowed)
+        outs.append(o)
+        lses.append(lse)
+    out = write([o.to(query.dtype) for o in outs])
+    if not softmax_lse_flag:
+        return out, torch.zeros(1, dtype=torch.float32)
+    if input_layout == "TND":
+        lse = torch.cat([x.transpose(0, 1) for x in lses])[..., None]
+    else:
+        lse = torch.full((batch, num_heads, q_s, 1), float("-inf"))
+        for b, x in enumerate(lses):
+            lse[b, :, :x.shape[1], 0] = x
+    return out, lse
+
+
+# ---- §2.5 rotary, §2.6 norms, §2.7 SwiGLU ----
+
+def _rotate(x, mode):
+    if mode == "half":
+        return torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), -1)
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
+
+
+def _rotary_mul(module, input, r1, r2, rotary_mode="half", rotate=None):
+    """OPD:3523: out-of-place x * r1 + rotate(x) * r2 with full-D r1/r2 broadcast over batch and heads."""
+    _require(rotary_mode in ("half", "interleave"), f"rotary_mode must be 'half' or 'interleave', got {rotary_mode!r}")
+    _require(input.dim() == 4 and r1.dim() == 4 and r2.dim() == 4, "input, r1 and r2 must be 4-D (BNSD/BSND/SBND)")
+    for t, n in ((input, "input"), (r1, "r1"), (r2, "r2")):
+        _require(t.dtype in NORM_DTYPES, f"{n} must be fp16/bf16/fp32, got {t.dtype}")
+    d = input.shape[-1]
+    _require(d % 2 == 0 and d < 896, f"D must be even and < 896, got {d}")
+    _require(r1.shape == r2.shape and r1.shape[-1] == d, f"r1/r2 must carry the full D={d} (halves duplicated), "
+                                                         f"got {tuple(r1.shape)} / {tuple(r2.shape)}")
+    try:
+        torch.broadcast_shapes(r1.shape, input.shape)
+        _require(torch.broadcast_shapes(r1.shape, input.shape) == input.shape, "r1/r2 must broadcast to input")
+    except RuntimeError as e:
+        raise FakeNpuError(f"r1/r2 {tuple(r1.shape)} do not broadcast to input {tuple(input.shape)}") from e
+    seq_axes = [a for a in range(3) if r1.shape[a] != 1]
+    _require(len(seq_axes) <= 1, f"r1/r2 broadcast over batch and heads: only the S axis may be > 1, got "
+                                 f"{tuple(r1.shape)}")
+    if rotary_mode == "interleave":
+        _require(len(seq_axes) == 1, "interleave mode accepts only the shapes 11SD, 1S1D and S11D")
+    batch_head = [input.shape[a] for a in range(3) if a not in seq_axes]
+    _require(all(n < 1000 for n in batch_head), f"B and N must be < 1000, got {batch_head}")
+    for t, n in ((r1, "r1"), (r2, "r2")):
+        _require(bool((t.float().abs() <= 1).all()), f"{n} values must lie in [-1, 1]")
+    x = input.float()
+    rotated = x @ rotate.float() if rotate is not None else _rotate(x, rotary_mode)
+    return (x * r1.float() + rotated * r2.float()).to(input.dtype)
+
+
+def _rms_core(x, gamma, epsilon):
+    _require(x.dtype in NORM_DTYPES, f"x must be fp16/bf16/fp32, got {x.dtype}")
+    _require(2 <= x.dim() <= 8, f"x must have 2-8 dims (torch_npu 2.14), got {x.dim()}")
+    _require(gamma.dtype == x.dtype, f"gamma must have x's dtype ({x.dtype}), got {gamma.dtype}")
+    g = gamma.dim()
+    _require(1 <= g <= x.dim() and tuple(x.shape[-g:]) == tuple(gamma.shape), "gamma must cover x's trailing dims")
+    dims = tuple(range(x.dim() - g, x.dim()))
+    rstd = torch.rsqrt(x.float().pow(2).mean(dim=dims, keepdim=True) + epsilon)
+    return (x.float() * rstd * gamma.float()), rstd
+
+
+def _rms_norm(module, self, gamma, epsilon=1e-06):
+    """OPD:3439: (y, rstd) with rstd float32 of shape x.shape[:-g] + [1]*g."""
+    y, rstd = _rms_core(self, gamma, epsilon)
+    return y.to(self.dtype), rstd
+
+
+def _add_rms_norm(module, x1, x2, gamma, epsilon=1e-06):
+    """(y, rstd, x1 + x2): the sum, taken in float32, is normalized and returned in the input dtype (§2.6, §3)."""
+    _require(x1.shape == x2.shape and x1.dtype == x2.dtype, "x1 and x2 must match in shape and dtype")
+    s = x1.float() + x2.float()
+    _require(gamma.dtype == x1.dtype, f"gamma must have x's dtype ({x1.dtype}), got {gamma.dtype}")
+    y, rstd = _rms_core(s, gamma.float(), epsilon)
+    return y.to(x1.dtype), rstd, s.to(x1.dtype)
+
+
+def _swiglu(module, self, dim=-1):
+    """OPD:4390: silu(first half) * second half along dim, computed in float32."""
+    _require(self.dtype in NORM_DTYPES, f"x must be fp32/fp16/bf16, got {self.dtype}")
+    _require(1 <= self.dim() <= 8, "x must have 1-8 dims")
+    _require(self.shape[dim] % 2 == 0, f"dim {dim} has odd size {self.shape[dim]}")
+    a, b = self.float().chunk(2, dim)
+    return (a * torch.sigmoid(a) * b).to(self.dtype)
+
+
+# ---- installing it ----
+
+def install(monkeypatch, **variant) -> FakeTorchNpu:
+    """Put a fake torch_npu into sys.modules (and torch.npu, reporting no device) and force VLINFER_OPS=npu;
+    monkeypatch undoes these, the active op implementation and the NPU module's state when the test ends."""
+    from vlinfer.ops import dispatch, npu
+    fake = FakeTorchNpu(**variant)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    # Importing torch_npu registers torch.npu; platform.npu_available() asks it for a device. There is none: the
+    # engine stays on CPU tensors and only the op implementation is the NPU one.
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: False, device_count=lambda: 0),
+                        raising=False)
+    monkeypatch.setenv("VLINFER_OPS", "npu")
+    monkeypatch.setattr(dispatch.active, "impl", dict(dispatch.active.impl))
+    monkeypatch.setattr(dispatch.active, "name", dispatch.active.name)
+    monkeypatch.setattr(npu, "_torch_npu", None)
+    monkeypatch.setattr(npu, "features", {})
+    return fake
+
+
+@pytest.fixture
+def fake_npu(monkeypatch):
+    """The emulated torch_npu of torch_npu 2.14 (scale keyword `scale`, scatter op present, TND + PA accepted)."""
+    return install(monkeypatch)
+
+
+def loaded(monkeypatch, **variant) -> FakeTorchNpu:
+    """install() and select the NPU implementation (what LLM does at start-up) on CPU tensors."""
+    from vlinfer.ops import dispatch
+    fake = install(monkeypatch, **variant)
+    assert dispatch.select("cpu") == "npu"
+    return fake

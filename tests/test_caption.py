@@ -1,0 +1,175 @@
+"""Batch captioning (vlinfer.caption and `python -m vlinfer caption`): inputs, per-image errors, and a run killed
+with SIGKILL then resumed without redoing or losing any image. Uses the embedded tiny Qwen3-VL with a few image
+tokens per picture and 4 output tokens, so the whole file stays well under a minute and a half."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+from vlinfer import LLM, SamplingParams
+from vlinfer.caption import CaptionInputError, caption_files, collect_images, read_records
+
+MODEL = "qwen3-vl-tiny"
+MAX_PIXELS = 64 * 64  # a few image tokens per picture: the test is about the bookkeeping, not the model
+BROKEN = ("broken_truncated.png", "broken_random.jpg", "broken_empty.png")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORD_KEYS = {"path", "caption", "tokens", "size", "num_image_tokens", "error"}
+
+
+def drawing(rng: np.random.RandomState) -> Image.Image:
+    w, h = int(rng.randint(64, 161)), int(rng.randint(48, 121))
+    img = Image.new("RGB", (w, h), tuple(int(c) for c in rng.randint(0, 256, 3)))
+    d = ImageDraw.Draw(img)
+    for _ in range(int(rng.randint(2, 6))):
+        x0, y0 = int(rng.randint(0, w - 8)), int(rng.randint(0, h - 8))
+        box = [x0, y0, x0 + int(rng.randint(4, w - x0)), y0 + int(rng.randint(4, h - y0))]
+        color = tuple(int(c) for c in rng.randint(0, 256, 3))
+        (d.ellipse if rng.rand() < 0.5 else d.rectangle)(box, fill=color)
+    return img
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory):
+    """47 readable drawings (PNG and JPEG, 64x48 to 160x120) and 3 broken files, 50 in all."""
+    folder = tmp_path_factory.mktemp("images")
+    rng = np.random.RandomState(0)
+    for i in range(47):
+        drawing(rng).save(folder / f"img_{i:02d}.{'png' if i % 3 else 'jpg'}")
+    whole = (folder / "img_01.png").read_bytes()
+    (folder / BROKEN[0]).write_bytes(whole[:len(whole) // 2])  # a PNG cut in half
+    (folder / BROKEN[1]).write_bytes(rng.bytes(2000))  # random bytes named .jpg
+    (folder / BROKEN[2]).write_bytes(b"")  # an empty file
+    (folder / "notes.txt").write_text("not an image: skipped by extension\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(MODEL, max_model_len=512, kv_cache_bytes=32 * 2 ** 20)
+
+
+def check_file(out, folder) -> list[dict]:
+    """The finished output: every input exactly once, 47 captions, 3 errors naming the broken files."""
+    with open(out) as f:
+        lines = f.read().splitlines()
+    records = [json.loads(line) for line in lines]  # every line is whole JSON
+    paths = [r["path"] for r in records]
+    assert len(paths) == len(set(paths)) == 50, "a path is missing or recorded twice"
+    assert set(paths) == set(collect_images([str(folder)]))
+    assert all(set(r) == RECORD_KEYS for r in records)
+    errors = {os.path.basename(r["path"]): r["error"] for r in records if r["error"]}
+    assert set(errors) == set(BROKEN), errors
+    assert "truncated" in errors["broken_truncated.png"]
+    assert "cannot identify image format" in errors["broken_random.jpg"]
+    good = [r for r in records if not r["error"]]
+    assert len(good) == 47
+    for r in good:
+        assert isinstance(r["caption"], str) and 1 <= r["tokens"] <= 4
+        assert len(r["size"]) == 2 and r["size"][0] * r["size"][1] <= MAX_PIXELS and r["num_image_tokens"] >= 1
+    return records
+
+
+def test_collect_images(image_dir, tmp_path, monkeypatch):
+    paths = collect_images([str(image_dir)])
+    assert len(paths) == 50 and paths == sorted(paths) and not any(p.endswith(".txt") for p in paths)
+    assert collect_images([str(image_dir / "img_0*.png")]) == [p for p in paths if "img_0" in p and p.endswith(".png")]
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"# two images, one twice, one relative to this list\n{paths[3]}\n\n{paths[3]}\n"
+                       f"{os.path.relpath(paths[0], tmp_path)}\n")
+    monkeypatch.chdir(tmp_path.parent.parent)  # the relative entry is not valid from here: taken from the list
+    assert [os.path.abspath(p) for p in collect_images([str(listing)])] == [paths[3], paths[0]]
+    assert collect_images(["missing.png"]) == ["missing.png"]  # kept, and recorded as an error when captioned
+    with pytest.raises(CaptionInputError, match="no files match"):
+        collect_images([str(image_dir / "*.gif")])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CaptionInputError, match="no image files"):
+        collect_images([str(empty)])
+
+
+def test_read_records_tolerates_only_a_truncated_tail(tmp_path):
+    out = tmp_path / "c.jsonl"
+    out.write_text('{"path": "a.png", "error": null}\n{"path": "b.png", "error": "x"}\n{"path": "c.p')
+    assert [r["path"] for r in read_records(str(out))] == ["a.png", "b.png"]
+    assert out.read_text().endswith('"x"}\n')  # the partial line is cut, so the next record starts cleanly
+    out.write_text('{"path": "a.png"}\n{"path": "b.png"}')  # a whole last record missing its newline: kept
+    assert len(read_records(str(out))) == 2 and out.read_text().endswith("}\n")
+    out.write_text('{"path": "a.png"}\ngarbage\n{"path": "b.png"}\n')
+    with pytest.raises(CaptionInputError, match="line 2"):
+        read_records(str(out))
+
+
+def test_caption_folder_records_errors_and_goes_on(llm, image_dir, tmp_path):
+    out = tmp_path / "captions.jsonl"
+    paths = collect_images([str(image_dir)])
+    params = SamplingParams(temperature=0, max_tokens=4)
+    summary = caption_files(llm, paths, str(out), batch_size=8, sampling_params=params, max_pixels=MAX_PIXELS,
+                            progress=False)
+    assert (summary.captioned, summary.errors, summary.skipped) == (47, 3, 0)
+    records = check_file(out, image_dir)
+    assert [r["path"] for r in records] == paths  # batches are written in input order
+    assert summary.tokens == sum(r["tokens"] for r in records)
+    assert not llm.engine.requests and not llm.engine.scheduler.has_unfinished()
+    # Nothing to do a second time; without resume/overwrite an existing file is refused.
+    again = caption_files(llm, paths, str(out), sampling_params=params, max_pixels=MAX_PIXELS, resume=True,
+                          progress=False)
+    assert (again.captioned, again.errors, again.skipped, again.previous_errors) == (0, 0, 50, 3)
+    with pytest.raises(CaptionInputError, match="--resume"):
+        caption_files(llm, paths, str(out), progress=False)
+
+
+def cli(*args) -> list[str]:
+    return [sys.executable, "-m", "vlinfer", "caption", *args, "--model", MODEL, "--max-tokens", "4",
+            "--max-pixels", str(MAX_PIXELS), "--max-model-len", "512", "--kv-cache-size", "32M"]
+
+
+def test_kill_then_resume(image_dir, tmp_path):
+    out = tmp_path / "captions.jsonl"
+    proc = subprocess.Popen(cli(str(image_dir), "--out", str(out), "--batch-size", "2"), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            if out.exists() and out.read_bytes().count(b"\n") >= 10:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before it could be killed halfway"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    before = out.read_text()
+    done_before = before.count("\n")
+    assert 10 <= done_before < 50, done_before
+    # A kill can also land in the middle of a write: leave half a record behind for --resume to cope with.
+    with open(out, "a") as f:
+        f.write('{"path": "' + str(image_dir / "img_46.png")[:20])
+    resumed = subprocess.run(cli(str(image_dir), "--out", str(out), "--batch-size", "8", "--resume",
+                                 "--no-progress"), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 1, resumed.stderr  # 1: finished, but some images could not be read
+    records = check_file(out, image_dir)
+    assert out.read_text().startswith(before)  # nothing written before the kill was rewritten or lost
+    done_after = [r["path"] for r in records[done_before:]]
+    assert set(done_after).isdisjoint(r["path"] for r in records[:done_before])
+    summary = resumed.stdout.strip().splitlines()[-1]
+    new_errors = sum(1 for r in records[done_before:] if r["error"])
+    assert summary.startswith(f"captioned {50 - done_before - new_errors} image(s), {new_errors} error(s)"), summary
+    assert f"{done_before} already recorded, skipped" in summary, summary
+    assert "truncated last line" in resumed.stderr and "MEANINGLESS" in resumed.stderr
+
+
+def test_cli_refuses_before_loading_the_model(image_dir, tmp_path):
+    from vlinfer.__main__ import main
+    out = tmp_path / "exists.jsonl"
+    out.write_text('{"path": "x.png"}\n')
+    start = time.perf_counter()
+    assert main(["caption", str(image_dir), "--out", str(out), "--model", "no-such-model"]) == 2
+    assert main(["caption", str(tmp_path / "nothing*.png"), "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert time.perf_counter() - start < 5  # both refused up front, no model load

@@ -1,0 +1,413 @@
+"""The NPU ops (vlinfer/ops/npu.py) against the pure-torch reference on CPU tensors, through the emulated torch_npu
+of tests/fake_torch_npu.py, plus the emulation catching calls the documented contracts reject.
+
+Tolerances: max |npu - reference| / max |reference|, the reference evaluated in float32 on the same (rounded) inputs.
+float16 2e-3 and bfloat16 1e-2 are docs/npu-ops.md §3's NPU-vs-reference tolerances; float32 (norms, rotary, SwiGLU
+only: FIA and the cache writes take fp16/bf16) 1e-5. Cache writes must be exact."""
+import itertools
+import logging
+import sys
+
+import pytest
+import torch
+
+from fake_torch_npu import FakeNpuError, FakeTorchNpu, install, loaded
+from vlinfer.ops import dispatch, npu, reference
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
+HALF = [torch.float16, torch.bfloat16]
+DTYPE_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+NUM_KV_HEADS = 2
+
+# (q_lens, kv_lens) with block size 128: decodes at and across block edges; fresh prefills; and a mixed batch of
+# a fresh prefill, decodes, a prefill crossing a block edge, a chunk after a 260-token cached prefix and a
+# 3-token prefix hit on one full block.
+BATCHES = [([1] * 6, [1, 127, 128, 129, 256, 300]),
+           ([5, 128, 129], [5, 128, 129]),
+           ([7, 1, 130, 1, 40, 3], [7, 200, 130, 129, 300, 131])]
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def make_batch(q_lens, kv_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """Random q, caches with each sequence in scattered blocks, cu_seqlens_q, seq_lens and -1 padded tables."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in kv_lens]
+    num_blocks = sum(blocks) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((len(kv_lens), max(blocks) + 1), -1, dtype=torch.int32)
+    for i, n in enumerate(blocks):
+        tables[i, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    return q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), tables
+
+
+def fp32(args):
+    return [a.float() if a.is_floating_point() else a for a in args]
+
+
+# ---- paged attention ----
+
+@pytest.mark.parametrize("dtype", HALF, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 2, 8])
+@pytest.mark.parametrize("path", ["tnd", "split"])
+def test_paged_attention_matches_reference(monkeypatch, path, gqa, head_dim, dtype):
+    fake = loaded(monkeypatch, tnd_paged=path == "tnd")  # without TND + PA the load-time probe picks the split
+    assert npu.features["tnd_paged"] == (path == "tnd")
+    scale = head_dim ** -0.5
+    for seed, (q_lens, kv_lens) in enumerate(BATCHES):
+        args = make_batch(q_lens, kv_lens, NUM_KV_HEADS * gqa, NUM_KV_HEADS, head_dim, 128, dtype, seed)
+        before = fake.calls["npu_fused_infer_attention_score"]
+        out = npu.paged_attention(*args, scale)
+        ref = reference.paged_attention(*fp32(args), scale)
+        assert out.dtype == dtype and out.shape == args[0].shape
+        assert rel_err(out, ref) < TOL[dtype], (q_lens, kv_lens)
+        kinds = {n == 1 for n in q_lens}
+        expected = 1 if path == "tnd" else len(kinds)  # split: one call for decodes, one for prefills
+        assert fake.calls["npu_fused_infer_attention_score"] - before == expected
+        layout = fake.last["npu_fused_infer_attention_score"]["input_layout"]
+        assert layout == ("TND" if path == "tnd" else "BSH")
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=DTYPE_IDS.get)
+def test_block_size_16_serves_decodes_and_is_refused_for_prefill(monkeypatch, dtype):
+    loaded(monkeypatch)
+    # FIA allows 16-aligned blocks when every query is one token (IFA), only multiples of 128 otherwise (§2.3).
+    args = make_batch([1] * 5, [1, 15, 16, 17, 70], 4, NUM_KV_HEADS, 64, 16, dtype)
+    out = npu.paged_attention(*args, 0.125)
+    assert rel_err(out, reference.paged_attention(*fp32(args), 0.125)) < TOL[dtype]
+    args = make_batch([1, 20], [30, 20], 4, NUM_KV_HEADS, 64, 16, dtype)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        npu.paged_attention(*args, 0.125)
+
+
+def test_metadata_is_read_once_per_step(monkeypatch):
+    loaded(monkeypatch)
+    args = make_batch(*BATCHES[2], 4, NUM_KV_HEADS, 64, 128, torch.float16)
+    npu.paged_attention(*args, 0.125)
+    meta = npu._attention_step._value
+    npu.paged_attention(*args, 0.125)  # the next layer: same tensors, same host lists
+    assert npu._attention_step._value is meta
+    q, k, v, cu, seq_lens, tables = args
+    npu.paged_attention(q, k, v, cu.clone(), seq_lens.clone(), tables.clone(), 0.125)  # the next step
+    assert npu._attention_step._value is not meta
+
+
+def test_float32_attention_and_cache_write_run_the_reference(monkeypatch, caplog):
+    fake = loaded(monkeypatch)
+    args = make_batch(*BATCHES[2], 4, NUM_KV_HEADS, 64, 128, torch.float32)
+    with caplog.at_level(logging.WARNING, logger="vlinfer"):
+        out = npu.paged_attention(*args, 0.125)
+        assert torch.equal(out, reference.paged_attention(*args, 0.125))
+        npu.paged_attention(*args, 0.125)
+        q, k_cache, v_cache, *_ = args
+        slots = torch.arange(q.shape[0])
+        npu.store_kvcache(q[:, :NUM_KV_HEADS], q[:, :NUM_KV_HEADS], k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, NUM_KV_HEADS, 64)[:q.shape[0]], q[:, :NUM_KV_HEADS])
+    assert caplog.text.count("paged_attention on torch.float32 runs the pure-torch reference") == 1
+    assert "store_kvcache on torch.float32 runs the pure-torch reference" in caplog.text
+    assert fake.calls["npu_fused_infer_attention_score"] == 1  # the load-time probe only
+
+
+# ---- KV cache write ----
+
+@pytest.mark.parametrize("op", ["npu_scatter_pa_kv_cache", "_npu_reshape_and_cache"])
+@pytest.mark.parametrize("dtype", HALF, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 8])
+def test_store_kvcache_matches_reference(monkeypatch, op, dtype, head_dim, num_kv_heads):
+    fake = loaded(monkeypatch, scatter_pa=op == "npu_scatter_pa_kv_cache")
+    assert npu.features["cache_write"] == op
+    g = torch.Generator().manual_seed(1)
+    num_blocks, bs, n = 6, 128, 300
+    # A strided value, as the attention layer passes it (a view of the fused qkv projection), and padding slots.
+    slots = torch.randperm(num_blocks * bs, generator=g)[:n]
+    slots[[3, 77]] = -1
+    qkv = torch.randn(n, 3, num_kv_heads, head_dim, generator=g).to(dtype)
+    key, value = qkv[:, 1], qkv[:, 2]
+    caches = [torch.zeros(num_blocks, bs, num_kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    npu.store_kvcache(key, value, caches[0], caches[1], slots)
+    reference.store_kvcache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert fake.calls[op] == 2  # the probe's write, then this one
+    if op == "npu_scatter_pa_kv_cache":
+        assert fake.last[op] == {"cache_mode": "Norm"}
+
+
+# ---- rotary, norms, SwiGLU ----
+
+def rope_tables(positions, head_dim, scaling=1.0, theta=10000.0):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    freqs = positions[:, None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), -1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 2, 8])
+def test_apply_rotary_matches_reference(monkeypatch, dtype, head_dim, gqa):
+    fake = loaded(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    t = 37
+    q = torch.randn(t, NUM_KV_HEADS * gqa, head_dim, generator=g).to(dtype)
+    k = torch.randn(t, NUM_KV_HEADS, head_dim, generator=g).to(dtype)
+    # Random positions; 1.25 is a yarn-like attention scaling that takes the tables outside npu_rotary_mul's [-1, 1].
+    for scaling in (1.0, 1.25):
+        cos, sin = rope_tables(torch.randint(0, 4096, (t,), generator=g), head_dim, scaling)
+        q_out, k_out = npu.apply_rotary(q, k, cos, sin)
+        q_ref, k_ref = reference.apply_rotary(q, k, cos, sin)
+        assert q_out.dtype == dtype and k_out.dtype == dtype
+        assert rel_err(q_out, q_ref) < TOL[dtype] and rel_err(k_out, k_ref) < TOL[dtype]
+    assert fake.calls["npu_rotary_mul"] == 2  # one call over q and k together
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=DTYPE_IDS.get)
+def test_norms_and_swiglu_match_reference(monkeypatch, dtype):
+    fake = loaded(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(19, 256, generator=g).to(dtype)
+    residual = torch.randn(19, 256, generator=g).to(dtype)
+    weight = (1 + 0.1 * torch.randn(256, generator=g)).to(dtype)
+    # bf16/fp16: the reference rounds x / rms before multiplying by the weight (as transformers does); the fused op
+    # rounds once at the end, so they may differ by a unit in the last place.
+    assert rel_err(npu.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6)) < TOL[dtype]
+    heads = x.view(19, 4, 64)  # q_norm / k_norm: per head, gamma [head_dim]
+    assert rel_err(npu.rms_norm(heads, weight[:64], 1e-6), reference.rms_norm(heads, weight[:64], 1e-6)) < TOL[dtype]
+    y, res = npu.add_rms_norm(x, residual, weight, 1e-6)
+    y_ref, res_ref = reference.add_rms_norm(x, residual, weight, 1e-6)
+    assert rel_err(y, y_ref) < TOL[dtype] and torch.equal(res, res_ref)
+    gate_up = torch.randn(19, 2 * 96, generator=g).to(dtype)
+    assert rel_err(npu.silu_and_mul(gate_up), reference.silu_and_mul(gate_up)) < TOL[dtype]
+    assert fake.calls["npu_rms_norm"] == 2 and fake.calls["npu_add_rms_norm"] == 1 and fake.calls["npu_swiglu"] == 1
+
+
+# ---- vision tower varlen attention ----
+
+@pytest.mark.parametrize("dtype", HALF, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("head_dim", [64, 72, 128])
+def test_varlen_attention_matches_reference(monkeypatch, dtype, head_dim):
+    fake = loaded(monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    cu = torch.tensor([0, 16, 80, 84, 340], dtype=torch.int32)
+    q, k, v = (torch.randn(340, 4, head_dim, generator=g).to(dtype) for _ in range(3))
+    out = npu.varlen_attention(q, k, v, cu, head_dim ** -0.5)
+    ref = reference.varlen_attention(q.float(), k.float(), v.float(), cu, head_dim ** -0.5)
+    assert out.shape == q.shape and rel_err(out, ref) < TOL[dtype]
+    call = fake.last["npu_fused_infer_attention_score"]
+    assert call["input_layout"] == "TND" and call["sparse_mode"] == 0 and "atten_mask" not in call
+    assert call["actual_seq_lengths"] == call["actual_seq_lengths_kv"] == [16, 80, 84, 340]
+
+
+def test_varlen_attention_float32_runs_the_reference(monkeypatch):
+    loaded(monkeypatch)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    q, k, v = (torch.randn(12, 2, 16) for _ in range(3))
+    assert torch.equal(npu.varlen_attention(q, k, v, cu, 0.25), reference.varlen_attention(q, k, v, cu, 0.25))
+
+
+# ---- feature detection and dispatch ----
+
+def test_load_detects_the_2_14_contracts(monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        loaded(monkeypatch)
+    assert npu.features == {"fia_scale_kwarg": "scale", "cache_write": "npu_scatter_pa_kv_cache", "tnd_paged": True}
+    assert "VLINFER_OPS=npu forces the npu implementation on device type cpu" in caplog.text
+    assert "cache write npu_scatter_pa_kv_cache, FIA scale keyword 'scale', attention one TND call" in caplog.text
+    assert dispatch.active.name == "npu"
+    assert all(dispatch.active.impl[op] is getattr(npu, op) for op in dispatch.OPS)
+
+
+@pytest.mark.parametrize("opaque", [False, "schema", True], ids=["signature", "schema", "opaque"])
+@pytest.mark.parametrize("kwarg", ["scale", "scale_value"])
+def test_fia_scale_keyword_is_detected(monkeypatch, caplog, kwarg, opaque):
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        fake = loaded(monkeypatch, fia_scale_kwarg=kwarg, opaque=opaque)
+    assert npu.features["fia_scale_kwarg"] == kwarg
+    # Names unreadable from signature and schema: the probe's first call decides.
+    assert ("found by trying" in caplog.text) == (opaque is True)
+    args = make_batch(*BATCHES[2], 4, NUM_KV_HEADS, 64, 128, torch.bfloat16)
+    out = npu.paged_attention(*args, 0.125)
+    assert rel_err(out, reference.paged_attention(*fp32(args), 0.125)) < TOL[torch.bfloat16]
+    assert fake.last["npu_fused_infer_attention_score"][kwarg] == 0.125
+
+
+def test_missing_tnd_paged_support_falls_back_to_split_calls(monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        loaded(monkeypatch, tnd_paged=False)
+    assert npu.features["tnd_paged"] is False
+    assert "FIA in TND layout over the paged cache failed (FakeNpuError: TND does not support PA" in caplog.text
+    assert "attention split: BSH decode call + BSH prefill call" in caplog.text
+
+
+def test_without_any_cache_write_op_npu_cannot_load(monkeypatch, caplog):
+    install(monkeypatch, scatter_pa=False, atb=False)  # ATB listed but NNAL not sourced: OSError on first use
+    with pytest.raises(OSError, match="NNAL"):
+        dispatch.select("cpu")  # forced: an error, not a silent fallback
+    monkeypatch.delenv("VLINFER_OPS")
+    with caplog.at_level(logging.WARNING, logger="vlinfer"):
+        assert dispatch.select("npu") == "reference"
+    assert "torch_npu kernels unavailable (" in caplog.text  # no "npu" device here: fails even earlier
+
+
+def test_npu_device_without_torch_npu_runs_the_reference(monkeypatch, caplog):
+    install(monkeypatch)
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
+    monkeypatch.delenv("VLINFER_OPS")
+    with caplog.at_level(logging.WARNING, logger="vlinfer"):
+        assert dispatch.select("npu") == "reference"
+    assert "torch_npu kernels unavailable (ModuleNotFoundError" in caplog.text
+
+
+def test_override_values(monkeypatch, caplog):
+    install(monkeypatch)
+    monkeypatch.setenv("VLINFER_OPS", "reference")
+    with caplog.at_level(logging.WARNING, logger="vlinfer"):
+        assert dispatch.select("npu") == "reference"
+    assert "VLINFER_OPS=reference forces the reference implementation on device type npu" in caplog.text
+    assert dispatch.active.impl["paged_attention"] is reference.paged_attention
+    monkeypatch.setenv("VLINFER_OPS", "cuda")
+    with pytest.raises(ValueError, match="expected one of npu, cpu-compiled, reference"):
+        dispatch.select("cpu")
+
+
+# ---- the emulation rejects calls the contracts forbid ----
+
+def fia_call(**changes):
+    """A valid TND + paged FIA call (mixed batch, block size 128, int8 2048^2 causal mask) with changes applied."""
+    q, k_cache, v_cache, cu, seq_lens, tables = make_batch(*BATCHES[2], 4, NUM_KV_HEADS, 64, 128, torch.float16)
+    nb = k_cache.shape[0]
+    kwargs = dict(atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.int8), 1),
+                  actual_seq_lengths=cu[1:].tolist(), actual_seq_lengths_kv=seq_lens.tolist(), block_table=tables,
+                  num_heads=4, num_key_value_heads=NUM_KV_HEADS, input_layout="TND", sparse_mode=3, block_size=128,
+                  scale=0.125)
+    args = [q, k_cache.view(nb, 128, -1), v_cache.view(nb, 128, -1)]
+    kwargs.update(changes)
+    for i, name in enumerate(("query", "key", "value")):
+        if name in kwargs:
+            args[i] = kwargs.pop(name)
+    return args, kwargs, (q, k_cache, v_cache, cu, seq_lens, tables)
+
+
+def test_valid_fia_call_matches_reference():
+    args, kwargs, batch = fia_call()
+    out, lse = FakeTorchNpu().npu_fused_infer_attention_score(*args, **kwargs)
+    assert lse.shape == (1,)
+    assert rel_err(out, reference.paged_attention(*fp32(batch), 0.125)) < TOL[torch.float16]
+
+
+def _noncontiguous(q):
+    return q.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+WRONG_FIA_CALLS = {
+    "layout-THD": (dict(input_layout="THD"), "input_layout"),
+    "layout-BSH-with-TND-query": (dict(input_layout="BSH", actual_seq_lengths=None), "block_table must be"),
+    "sparse-mode-5": (dict(sparse_mode=5), "not implemented"),
+    "sparse-mode-9": (dict(sparse_mode=9), "MLA-only"),
+    "sparse-3-without-mask": (dict(atten_mask=None), "needs the compressed"),
+    "mask-tril-not-triu": (dict(atten_mask=torch.tril(torch.ones(2048, 2048, dtype=torch.int8))), "pattern"),
+    "mask-sized-to-sequence": (dict(atten_mask=torch.triu(torch.ones(300, 300, dtype=torch.bool), 1)), "2048"),
+    "mask-float": (dict(atten_mask=torch.triu(torch.ones(2048, 2048), 1)), "bool/int8/uint8"),
+    "block-size-kwarg-mismatch": (dict(block_size=256), "cache's block size is 128"),
+    "block-size-missing": (dict(block_size=0), "cache's block size"),
+    "q-lengths-as-tensor": (dict(actual_seq_lengths=torch.tensor([7, 8])), "SymInt"),
+    "q-lengths-per-batch": (dict(actual_seq_lengths=[7, 1, 130, 1, 40, 3]), "non-decreasing"),
+    "q-offsets-short-of-T": (dict(actual_seq_lengths=[7, 8, 138, 139, 179, 180]), "561002"),
+    "kv-lengths-missing": (dict(actual_seq_lengths_kv=None), "needs actual_seq_lengths_kv"),
+    "kv-lengths-cumulative": (dict(actual_seq_lengths_kv=list(itertools.accumulate([7, 200, 130, 129, 300, 131]))),
+                              "outside"),
+    "block-table-int64": ("int64-table", "int32"),
+    "block-table-bad-id": ("bad-id", "outside"),
+    "float32": ("fp32", "float16 or bfloat16"),
+    "noncontiguous-query": ("noncontiguous", "not contiguous"),
+    "heads-not-multiple": (dict(num_heads=4, num_key_value_heads=3), "multiple of num_key_value_heads"),
+    "scale-value-keyword-on-2.14": (dict(scale_value=0.125), "unexpected keyword"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_FIA_CALLS))
+def test_fia_emulation_rejects(case):
+    change, message = WRONG_FIA_CALLS[case]
+    args, kwargs, _ = fia_call(**(change if isinstance(change, dict) else {}))
+    if case == "scale-value-keyword-on-2.14":
+        kwargs.pop("scale")
+    if change == "int64-table":
+        kwargs["block_table"] = kwargs["block_table"].long()
+    elif change == "bad-id":
+        kwargs["block_table"] = kwargs["block_table"].clone()
+        kwargs["block_table"][2, 1] = -1  # the second block of a 130-token sequence
+    elif change == "fp32":
+        args = [a.float() for a in args]
+    elif change == "noncontiguous":
+        args[0] = _noncontiguous(args[0])
+    with pytest.raises((FakeNpuError, TypeError), match=message):
+        FakeTorchNpu().npu_fused_infer_attention_score(*args, **kwargs)
+
+
+def test_fia_emulation_rejects_block_size_16_for_prefill_only():
+    fake = FakeTorchNpu()
+    for q_lens, ok in (([1, 1], True), ([1, 5], False)):
+        q, k_cache, v_cache, cu, seq_lens, tables = make_batch(q_lens, [20, 40], 4, NUM_KV_HEADS, 64, 16,
+                                                               torch.float16)
+        nb = k_cache.shape[0]
+        call = lambda: fake.npu_fused_infer_attention_score(  # noqa: E731
+            q, k_cache.view(nb, 16, -1), v_cache.view(nb, 16, -1), atten_mask=npu._causal_mask(q.device),
+            actual_seq_lengths=cu[1:].tolist(), actual_seq_lengths_kv=seq_lens.tolist(), block_table=tables,
+            num_heads=4, num_key_value_heads=NUM_KV_HEADS, input_layout="TND", sparse_mode=3, block_size=16)
+        if ok:
+            call()
+        else:
+            with pytest.raises(FakeNpuError, match="multiple of 128"):
+                call()
+
+
+def test_cache_write_emulation_rejects():
+    fake = FakeTorchNpu()
+    key = torch.randn(4, 2, 64, dtype=torch.float16)
+    cache = lambda dtype=torch.float16: torch.zeros(2, 128, 2, 64, dtype=dtype)  # noqa: E731
+    slots = torch.tensor([0, 5, 130, 255])
+    with pytest.raises(FakeNpuError, match="pass cache_mode='Norm'"):
+        fake.npu_scatter_pa_kv_cache(key, key, cache(), cache(), slots)  # the default is PA_NZ
+    with pytest.raises(FakeNpuError, match="duplicates"):
+        fake.npu_scatter_pa_kv_cache(key, key, cache(), cache(), torch.tensor([0, 5, 5, 7]), cache_mode="Norm")
+    with pytest.raises(FakeNpuError, match="out of"):
+        fake.npu_scatter_pa_kv_cache(key, key, cache(), cache(), torch.tensor([0, 5, 256, 7]), cache_mode="Norm")
+    with pytest.raises(FakeNpuError, match="float16|fp16"):
+        fake.npu_scatter_pa_kv_cache(key.float(), key.float(), cache(torch.float32), cache(torch.float32), slots,
+                                     cache_mode="Norm")
+    with pytest.raises(FakeNpuError, match="contiguous"):
+        strided = torch.randn(4, 3, 2, 64, dtype=torch.float16)[:, 1]
+        fake.npu_scatter_pa_kv_cache(strided, key, cache(), cache(), slots, cache_mode="Norm")
+    with pytest.raises(FakeNpuError, match="not documented as skipped"):
+        fake._npu_reshape_and_cache(key, key, cache(), cache(), torch.tensor([0, -1, 3, 4], dtype=torch.int32))
+    with pytest.raises(FakeNpuError, match="int32"):
+        fake._npu_reshape_and_cache(key, key, cache(), cache(), slots)
+
+
+def test_rotary_norm_swiglu_emulation_rejects():
+    fake = FakeTorchNpu()
+    x = torch.randn(1, 5, 3, 64)
+    cos, sin = rope_tables(torch.arange(5), 64)
+    r1, r2 = cos[None, :, None], sin[None, :, None]
+    fake.npu_rotary_mul(x, r1, r2)
+    with pytest.raises(FakeNpuError, match="full D"):
+        fake.npu_rotary_mul(x, r1[..., :32], r2[..., :32])
+    with pytest.raises(FakeNpuError, match="4-D"):
+        fake.npu_rotary_mul(x[0], cos[:, None], sin[:, None])
+    with pytest.raises(FakeNpuError, match=r"\[-1, 1\]"):
+        fake.npu_rotary_mul(x, r1 * 1.5, r2 * 1.5)
+    with pytest.raises(FakeNpuError, match="rotary_mode"):
+        fake.npu_rotary_mul(x, r1, r2, rotary_mode="neox")
+    with pytest.raises(FakeNpuError, match="gamma must have x's dtype"):
+        fake.npu_rms_norm(torch.randn(3, 8, dtype=torch.bfloat16), torch.ones(8))
+    with pytest.raises(FakeNpuError, match="2-8 dims"):
+        fake.npu_rms_norm(torch.randn(8), torch.ones(8))
+    with pytest.raises(FakeNpuError, match="odd size"):
+        fake.npu_swiglu(torch.randn(3, 7))

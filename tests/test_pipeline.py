@@ -1,0 +1,231 @@
+"""The Pipeline API (every call form, streaming, captioning, sampling options), model resolution and its errors,
+and chat templates against transformers' apply_chat_template. Two models, each loaded once: the embedded tiny
+Qwen3-VL (meaningless words, real mechanics; greedy, so answers can be compared) and the real SmolLM2."""
+import base64
+import io
+import logging
+from importlib import resources
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlinfer import ModelNotFoundError, Pipeline, RequestError, SamplingParams
+from vlinfer import model_loader
+from vlinfer.model_loader import known_aliases, resolve_model
+
+GREEDY = dict(temperature=0, max_tokens=6)
+PUBLISHED_ONE_IMAGE = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n"
+                       "<|im_start|>assistant\n")
+
+
+def picture(h: int, w: int, seed: int) -> Image.Image:
+    rng = np.random.RandomState(seed)
+    base = rng.randint(0, 255, (1, 1, 3)) + np.linspace(0, 80, w)[None, :, None] + rng.randint(0, 50, (h, w, 3))
+    return Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
+
+
+A, B, C = picture(64, 64, 1), picture(48, 80, 2), picture(72, 56, 3)
+
+
+def data_uri(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def user(*parts) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+@pytest.fixture(scope="module")
+def vl():
+    return Pipeline("qwen3-vl-tiny", max_model_len=1024, kv_cache_bytes=32 * 2 ** 20)
+
+
+@pytest.fixture(scope="module")
+def text():
+    return Pipeline("smollm2", max_model_len=1024, kv_cache_bytes=64 * 2 ** 20)
+
+
+# ---- the vision pipeline ----
+def test_call_forms_agree(vl):
+    one = vl(A, "Describe this image.", **GREEDY)
+    assert isinstance(one, str) and one
+    assert one == vl.chat(user({"type": "image", "image": A}, {"type": "text", "text": "Describe this image."}),
+                          **GREEDY)
+    two = vl(images=[A, B], prompt="Compare them.", **GREEDY)
+    assert two == vl.chat(user({"type": "image", "image": A}, {"type": "image", "image": B},
+                               {"type": "text", "text": "Compare them."}), **GREEDY)
+    assert vl(A, images=[B], prompt="Compare them.", **GREEDY) == two  # image= and images= together, in order
+    out = vl.llm.chat(vl.messages("Compare them.", [A, B]), SamplingParams(**GREEDY), use_tqdm=False)[0]
+    assert out.outputs[0].text == two and len(out.images) == 2  # the engine saw both images
+
+
+def test_image_and_image_url_parts(vl):
+    """The same pixels as a PIL image, a data URI (OpenAI image_url part) or a file path give the same answer."""
+    as_pil = vl.chat(user({"type": "image", "image": A}, {"type": "text", "text": "What is this?"}), **GREEDY)
+    as_uri = vl.chat(user({"type": "image_url", "image_url": {"url": data_uri(A)}},
+                          {"type": "text", "text": "What is this?"}), **GREEDY)
+    assert as_pil == as_uri
+    mixed = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(B)}},
+                                          {"type": "image", "image": C}, {"type": "text", "text": "And these?"}]}]
+    assert isinstance(vl.chat(mixed, **GREEDY), str)
+
+
+def test_stream_joins_to_the_greedy_answer(vl):
+    deltas = list(vl.stream(A, "Describe this image.", temperature=0, max_tokens=12))
+    assert len(deltas) > 1
+    assert "".join(deltas) == vl(A, "Describe this image.", temperature=0, max_tokens=12)
+    # Leaving early aborts the request: nothing stays scheduled or holds blocks.
+    for _ in vl.stream(images=[B], prompt="Go on.", temperature=0, max_tokens=50):
+        break
+    assert not vl.engine.requests and not vl.engine.has_unfinished_requests()
+
+
+def test_caption_in_order_equals_single_calls(vl):
+    captions = vl.caption([A, B, C], batch_size=2, **GREEDY)
+    assert captions == [vl(x, "Describe this image.", **GREEDY) for x in (A, B, C)]
+    # An unreadable image: the others are still captioned and come back in the error's outputs.
+    with pytest.raises(RequestError, match="request 1") as err:
+        vl.caption([A, b"not an image", C], batch_size=3, **GREEDY)
+    outs = err.value.outputs
+    assert outs[1].error and [outs[0].outputs[0].text, outs[2].outputs[0].text] == [captions[0], captions[2]]
+
+
+def test_sampling_options_pass_through(vl, monkeypatch):
+    seen = []
+    real_chat = vl.llm.chat
+
+    class Captured(Exception):
+        pass
+
+    def spy(messages, params, **kwargs):
+        seen.append(params)
+        if params.max_tokens > 100:  # only look at the defaults; running 512 tokens would just cost time
+            raise Captured
+        return real_chat(messages, params, **kwargs)
+
+    monkeypatch.setattr(vl.llm, "chat", spy)
+    short = vl(A, "Describe this image.", max_tokens=3, temperature=0)
+    assert (seen[-1].max_tokens, seen[-1].temperature) == (3, 0)
+    assert len(vl.llm.tokenizer(short, add_special_tokens=False).input_ids) <= 3
+    vl(A, "Describe.", temperature=0.8, top_p=0.5, top_k=7, seed=3, max_tokens=2)
+    assert (seen[-1].temperature, seen[-1].top_p, seen[-1].top_k, seen[-1].seed) == (0.8, 0.5, 7, 3)
+    with pytest.raises(Captured):
+        vl(A, "Describe.")
+    assert (seen[-1].max_tokens, seen[-1].temperature) == (512, 1.0)  # Pipeline's defaults when none are given
+    monkeypatch.undo()
+    sampled = [vl(A, "Describe.", temperature=1.0, seed=11, max_tokens=8) for _ in range(2)]
+    assert sampled[0] == sampled[1]  # seeded sampling repeats
+    with pytest.raises(ValueError, match="not both"):
+        vl(A, "x", sampling_params=SamplingParams(), max_tokens=3)
+    with pytest.raises(ValueError, match="max_tokens"):
+        vl(A, "x", max_tokens=0)
+    with pytest.raises(ValueError, match="nothing to answer"):
+        vl()
+
+
+def test_qwen3_vl_template_is_the_published_layout(vl):
+    shipped = resources.files("vlinfer.multimodal").joinpath("templates/qwen3_vl.jinja").read_text()
+    messages = user({"type": "image", "image": A}, {"type": "text", "text": "Describe this image."})
+    assert vl.engine.chat_template == shipped  # the tiny checkpoint's tokenizer template has no vision tokens
+    assert vl.engine.chat_prompt(messages)["prompt"] == PUBLISHED_ONE_IMAGE
+    template_messages = user({"type": "image"}, {"type": "text", "text": "Describe this image."})
+    assert vl.llm.tokenizer.apply_chat_template(template_messages, chat_template=shipped, tokenize=False,
+                                                add_generation_prompt=True) == PUBLISHED_ONE_IMAGE
+    two = vl.engine.chat_prompt([{"role": "system", "content": "Be brief."}] +
+                                user({"type": "text", "text": "Compare "}, {"type": "image", "image": A},
+                                     {"type": "text", "text": " and "}, {"type": "image", "image": B}))["prompt"]
+    assert two == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nCompare <|vision_start|><|image_pad|>"
+                   "<|vision_end|> and <|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n")
+
+
+# ---- the text pipeline ----
+def test_text_pipeline_forms(text):
+    question = "What is the capital of France? Answer in one sentence."
+    answer = text(question, max_tokens=10, temperature=0)
+    assert "Paris" in answer
+    assert text.chat([{"role": "user", "content": question}], max_tokens=10, temperature=0) == answer
+    assert text(prompt=question, max_tokens=10, temperature=0) == answer
+    deltas = list(text.stream(question, max_tokens=10, temperature=0))
+    assert len(deltas) > 1 and "".join(deltas) == answer
+
+
+def test_text_pipeline_rejects_images(text):
+    with pytest.raises(ValueError, match="text-only model"):
+        text(A, "What is this?")
+    with pytest.raises(ValueError, match="text-only model"):
+        text.chat(user({"type": "image", "image": A}, {"type": "text", "text": "What is this?"}))
+    with pytest.raises(ValueError, match="cannot caption"):
+        text.caption([A])
+    with pytest.raises(ValueError, match="text-only model"):
+        next(text.stream(images=[A], prompt="What is this?"))
+
+
+def test_smollm2_template_matches_transformers(text):
+    """Our chat prompt equals transformers' apply_chat_template on the model's tokenizer, for plain strings and
+    for OpenAI-style text parts (which we flatten to the string the template expects)."""
+    tokenizer = text.llm.tokenizer
+    conversations = [
+        [{"role": "user", "content": "hello"}],
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."},
+         {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another one?"}],
+    ]
+    for messages in conversations:
+        expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = text.engine.chat_prompt(messages)
+        assert prompt["prompt"] == expected
+        assert prompt["prompt_token_ids"] == tokenizer(expected, add_special_tokens=False).input_ids
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]
+    assert text.engine.chat_prompt(parts)["prompt"] == text.engine.chat_prompt(conversations[0])["prompt"]
+    # The published SmolLM2-Instruct layout, default system message included.
+    assert text.engine.chat_prompt(conversations[0])["prompt"] == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
+
+
+# ---- model resolution ----
+def test_known_aliases():
+    aliases = known_aliases()
+    assert {"qwen3-vl", "qwen3-vl-tiny", "smollm2"} <= set(aliases) and aliases == sorted(aliases)
+    assert resolve_model("smollm2").gguf_file.endswith(".gguf")
+
+
+def test_unknown_alias_and_missing_path_list_what_was_tried(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="known aliases") as err:
+        resolve_model("qwen9-vl")
+    assert "Tried: local path" in str(err.value) and "qwen3-vl-tiny" in str(err.value)
+    missing = str(tmp_path / "no" / "such" / "model")
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        resolve_model(missing)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        resolve_model(str(tmp_path / "empty"))
+    with pytest.raises(ModelNotFoundError):
+        resolve_model("")
+
+
+def test_repo_not_in_cache_offline_gives_the_download_command(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model("vlinfer-tests/no-such-model")
+    message = str(err.value)
+    assert "Hugging Face cache for repo 'vlinfer-tests/no-such-model'" in message
+    assert "huggingface-cli download vlinfer-tests/no-such-model" in message
+
+
+def test_default_vl_alias_falls_back_loudly(caplog):
+    from huggingface_hub import snapshot_download
+    try:
+        snapshot_download(model_loader.HF_ALIASES["qwen3-vl"], local_files_only=True)
+        pytest.skip("the real Qwen3-VL weights are in the Hugging Face cache here, so there is no fallback")
+    except Exception:
+        pass
+    with caplog.at_level(logging.WARNING, logger="vlinfer"):
+        source = resolve_model("qwen3-vl")
+    assert source.embedded and source.name == "qwen3-vl"
+    assert source.path == resolve_model("qwen3-vl-tiny").path
+    assert any("MEANINGLESS" in r.getMessage() and "huggingface-cli download Qwen/Qwen3-VL-2B-Instruct" in
+               r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)

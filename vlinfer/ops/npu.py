@@ -1,0 +1,401 @@
+"""Ascend NPU implementation of every op in reference.py, on torch_npu's fused operators.
+
+Written against the operator contracts in docs/npu-ops.md (section numbers below refer to it); nothing here has
+run on an NPU yet, tests/fake_torch_npu.py emulates those contracts on CPU. torch_npu is imported by load(), not
+at module import: it cannot import without the CANN runtime.
+
+- KV cache: per layer [num_blocks, block_size, kv_heads, head_dim], contiguous (§1). The cache write takes it 4-D;
+  attention takes .view(num_blocks, block_size, kv_heads * head_dim), FIA's "(blocknum, blocksize, H)" paged form:
+  the same memory, no copy. Block size must be 128 for prefill (§1, OPD:8219); platform.py defaults to it.
+- Attention: one npu_fused_infer_attention_score (FIA v1) call per layer in TND layout for any mix of prefill
+  chunks, prefix hits and decodes, bottom-right causal (sparse_mode 3), as vllm-ascend HEAD does (§5.3, §7.2). The
+  docs disagree on whether TND supports a paged KV cache (§2.3 "TND caveat"), so load() probes it on the device;
+  without it, decodes and prefills run as two FIA calls in BSH layout.
+- FIA's actual_seq_lengths are host int lists (SymInt[], §1). They are built once per step from the
+  ForwardContext tensors and reused by every layer: each .tolist() is a device->host sync.
+- float32: FIA and the cache writes take fp16/bf16 only (§1), so with a float32 model those ops run the pure-torch
+  reference (on the NPU), with a warning at first use. Norms, rotary and SwiGLU take float32.
+"""
+import inspect
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+
+from vlinfer.ops import reference
+
+logger = logging.getLogger("vlinfer")
+NAME = "npu"
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+# Sparse modes 2-4 take this fixed compressed mask whatever the sequence lengths (§2.3 "Masks", OPD:8214).
+MASK_SIZE = 2048
+
+_torch_npu = None
+# What load() found: "fia_scale_kwarg" ("scale" or "scale_value", None until the first call decides),
+# "cache_write" (the op name) and "tnd_paged" (whether one TND call may read the paged cache).
+features: dict = {}
+_warned: set = set()
+_masks: dict = {}
+
+
+def load(device_type: str = "npu"):
+    """Import torch_npu, detect what this release offers and probe it on the device. Raises when unusable."""
+    global _torch_npu
+    import torch_npu
+    _torch_npu = torch_npu
+    features.clear()
+    _warned.clear()
+    _masks.clear()
+    for step in (_slots_step, _attention_step, _varlen_step, _rotary_step):
+        step.reset()
+    features["fia_scale_kwarg"] = _detect_fia_scale_kwarg()
+    features["cache_write"] = _detect_cache_write()
+    features["tnd_paged"] = _probe(torch.device(device_type))
+    logger.info("ops[npu]: cache write %s, FIA scale keyword %r, attention %s", features["cache_write"],
+                features["fia_scale_kwarg"],
+                "one TND call per layer" if features["tnd_paged"] else "split: BSH decode call + BSH prefill call")
+    return torch_npu
+
+
+# ---- feature detection ----
+
+def _param_names(fn) -> set[str] | None:
+    """Argument names fn accepts, or None when they cannot be read. A Python signature first; then the op schema,
+    for a registered torch op (an OpOverloadPacket shows only *args, **kwargs; a pybind builtin shows nothing)."""
+    try:
+        params = inspect.signature(fn).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return set(params)
+    except (TypeError, ValueError):
+        pass
+    try:
+        schema = fn.default._schema if hasattr(fn, "default") else getattr(torch.ops.npu, fn.__name__).default._schema
+        return {a.name for a in schema.arguments}
+    except Exception:
+        return None
+
+
+def _detect_fia_scale_kwarg() -> str | None:
+    # The softmax scale is `scale` in 7.x-era docs and torch_npu 2.14, `scale_value` in 6.0.x pages (§0).
+    names = _param_names(_torch_npu.npu_fused_infer_attention_score)
+    if names is None:
+        return None  # the first call tries `scale`, then `scale_value` on TypeError
+    for kw in ("scale", "scale_value"):
+        if kw in names:
+            return kw
+    raise RuntimeError("npu_fused_infer_attention_score takes neither `scale` nor `scale_value`")
+
+
+def _detect_cache_write() -> str:
+    # npu_scatter_pa_kv_cache in "Norm" mode is what vllm-ascend uses on A2/A3; the ATB op is the fallback when it
+    # is missing (§2.1, §7.1). A release whose scatter op has no cache_mode only writes NZ caches.
+    scatter = getattr(_torch_npu, "npu_scatter_pa_kv_cache", None)
+    if scatter is not None:
+        names = _param_names(scatter)
+        if names is None or "cache_mode" in names:
+            return "npu_scatter_pa_kv_cache"
+        logger.warning("ops[npu]: npu_scatter_pa_kv_cache has no cache_mode argument (NZ caches only); "
+                       "writing the ND cache with _npu_reshape_and_cache")
+    if hasattr(_torch_npu, "_npu_reshape_and_cache"):
+        return "_npu_reshape_and_cache"
+    raise RuntimeError("torch_npu has neither npu_scatter_pa_kv_cache nor _npu_reshape_and_cache")
+
+
+def _probe(device: torch.device) -> bool:
+    """Write a tiny fp16 cache with the detected op (surfacing a missing NNAL/ATB library now, not mid-request),
+    then run one mixed TND + paged FIA call and compare it with the reference. Returns whether TND + paged works."""
+    g = torch.Generator().manual_seed(0)
+    bs, num_heads, num_kv_heads, head_dim = 128, 2, 1, 64
+    # A chunk of 3 after a cached prefix of 127 (its KV crosses a block edge) and a decode at length 5.
+    q_lens, kv_lens, tables = [3, 1], [130, 5], torch.tensor([[2, 0], [1, -1]], dtype=torch.int32)
+    slots = torch.cat([tables[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+                       for i, n in enumerate(kv_lens)]).to(device)
+    tables = tables.to(device)
+    k_cache = torch.zeros(3, bs, num_kv_heads, head_dim, dtype=torch.float16, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    keys = torch.randn(len(slots), num_kv_heads, head_dim, generator=g).to(device, torch.float16)
+    values = torch.randn(len(slots), num_kv_heads, head_dim, generator=g).to(device, torch.float16)
+    try:
+        store_kvcache(keys, values, k_cache, v_cache, slots)
+    except TypeError as e:
+        if features["cache_write"] != "npu_scatter_pa_kv_cache" or "cache_mode" not in str(e):
+            raise
+        logger.warning("ops[npu]: npu_scatter_pa_kv_cache rejected cache_mode (%s); using _npu_reshape_and_cache", e)
+        features["cache_write"] = "_npu_reshape_and_cache"
+        store_kvcache(keys, values, k_cache, v_cache, slots)
+    expected = torch.zeros_like(k_cache)
+    expected.view(-1, num_kv_heads, head_dim)[slots] = keys
+    if not torch.equal(k_cache, expected):
+        raise RuntimeError(f"{features['cache_write']} did not write the KV cache at the given slots")
+
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(device, torch.float16)
+    cu = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+    ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, 0.125)
+    try:
+        out = _tnd_paged_attention(q, k_cache, v_cache, _AttentionMeta(cu, seq_lens, tables), 0.125)
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    except Exception as e:  # the doc's "TND does not support PA" (§2.3) on this CANN
+        logger.warning("ops[npu]: FIA in TND layout over the paged cache failed (%s: %s); splitting decode and "
+                       "prefill into BSH calls", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        return False
+    if not err < 1e-2:
+        logger.warning("ops[npu]: FIA in TND layout over the paged cache is off by %.3g; splitting decode and "
+                       "prefill into BSH calls", err)
+        return False
+    return True
+
+
+# ---- per-step host metadata ----
+
+class _PerStep:
+    """Values derived from one step's metadata tensors, rebuilt only when different tensor objects come in.
+
+    Every layer of a step passes the same ForwardContext tensors, and the model runner builds new ones for each step
+    and never modifies them in place, so identity is the key (inference tensors have no version counter to check).
+    Holding the tensors keeps their ids from being reused."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self._key, self._value = (), None
+
+    def get(self, build, *tensors):
+        if len(tensors) != len(self._key) or any(a is not b for a, b in zip(tensors, self._key)):
+            self._value = build(*tensors)
+            self._key = tensors
+        return self._value
+
+
+_slots_step, _attention_step, _varlen_step, _rotary_step = _PerStep(), _PerStep(), _PerStep(), _PerStep()
+
+
+class _AttentionMeta:
+    """Host lists FIA needs for one step, and (lazily) the index tensors of the split path."""
+
+    def __init__(self, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor):
+        cu = cu_seqlens_q.tolist()
+        self.cu = cu
+        self.q_ends = cu[1:]  # TND: cumulative end offsets, the last one equal to T (§2.3 "Sequence lengths")
+        self.q_lens = [b - a for a, b in zip(cu, cu[1:])]
+        self.kv_lens = seq_lens.tolist()  # with a block table: per-sequence lengths, not cumulative
+        self.max_q_len = max(self.q_lens)
+        # int32, 2-D, first dim = B; the -1 padding is never read: only ceil(len / block_size) entries are (§1).
+        self.block_table = block_tables.to(torch.int32).contiguous()
+        self.split = None
+
+
+def _causal_mask(device: torch.device) -> torch.Tensor:
+    # int8 upper triangle of ones (1 = masked out), as vllm-ascend builds it for sparse_mode 3 (§5.3).
+    if device not in _masks:
+        _masks[device] = torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8, device=device), diagonal=1)
+    return _masks[device]
+
+
+def _warn_fallback(op: str, dtype: torch.dtype) -> None:
+    if op not in _warned:
+        _warned.add(op)
+        logger.warning("ops[npu]: %s on %s runs the pure-torch reference: the torch_npu kernel takes float16 or "
+                       "bfloat16 only (npu-ops.md §1)", op, dtype)
+
+
+def _fia(query, key, value, scale: float, **kwargs) -> torch.Tensor:
+    """npu_fused_infer_attention_score's attention output, passing the scale under this release's keyword."""
+    fia = _torch_npu.npu_fused_infer_attention_score
+    kw = features.get("fia_scale_kwarg")
+    if kw is not None:
+        return fia(query, key, value, **{kw: scale}, **kwargs)[0]
+    try:
+        out = fia(query, key, value, scale=scale, **kwargs)[0]
+        kw = "scale"
+    except TypeError as e:
+        if "scale" not in str(e):
+            raise
+        out = fia(query, key, value, scale_value=scale, **kwargs)[0]
+        kw = "scale_value"
+    features["fia_scale_kwarg"] = kw
+    logger.info("ops[npu]: FIA takes the softmax scale as %r (found by trying)", kw)
+    return out
+
+
+# ---- KV cache write ----
+
+def _slots(slot_mapping: torch.Tensor):
+    # Negative (padding) slots are not documented as skipped by either NPU op (§2.1), so they are dropped here.
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return slot_mapping.to(torch.int32), None
+    return slot_mapping[valid].to(torch.int32), valid
+
+
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    if k_cache.dtype not in HALF_DTYPES:
+        _warn_fallback("store_kvcache", k_cache.dtype)
+        return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    slots, keep = _slots_step.get(_slots, slot_mapping)
+    if keep is not None:
+        key, value = key[keep], value[keep]
+    # The scatter op needs contiguous inputs (§2.1); v is a strided view of the fused qkv projection.
+    key = key.to(k_cache.dtype).contiguous()
+    value = value.to(v_cache.dtype).contiguous()
+    if features["cache_write"] == "npu_scatter_pa_kv_cache":
+        # "Norm" is required for ND caches [num_blocks, block_size, kv_heads, head_dim]; the default 'PA_NZ'
+        # expects the NZ layout [num_blocks, kv_heads*head_dim/16, block_size, 16] (§2.1).
+        _torch_npu.npu_scatter_pa_kv_cache(key, value, k_cache, v_cache, slots, cache_mode="Norm")
+    else:
+        _torch_npu._npu_reshape_and_cache(key, value, k_cache, v_cache, slots)
+
+
+# ---- paged attention ----
+
+def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+    if q.dtype not in HALF_DTYPES or k_cache.dtype not in HALF_DTYPES:
+        _warn_fallback("paged_attention", k_cache.dtype)
+        return reference.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    meta = _attention_step.get(_AttentionMeta, cu_seqlens_q, seq_lens, block_tables)
+    block_size = k_cache.shape[1]
+    # FIA's paged limits (§2.3 "PA"): decode-only (IFA) needs 16-aligned <= 512; any multi-token query (PFA)
+    # needs a multiple of 128 in [128, 512]. Say so here rather than let the kernel fail with an error code.
+    if meta.max_q_len > 1 and (block_size % 128 or not 128 <= block_size <= 512):
+        raise ValueError(f"NPU prefill attention needs kvcache_block_size to be a multiple of 128 in [128, 512] "
+                         f"(FIA with a paged cache, npu-ops.md §2.3); got {block_size}")
+    if block_size % 16 or block_size > 512:
+        raise ValueError(f"NPU decode attention needs kvcache_block_size 16-aligned and <= 512; got {block_size}")
+    q = q.contiguous()
+    if features["tnd_paged"]:
+        return _tnd_paged_attention(q, k_cache, v_cache, meta, scale)
+    return _split_paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+def _paged_kv(k_cache, v_cache):
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    return (k_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
+            v_cache.view(num_blocks, block_size, num_kv_heads * head_dim))
+
+
+def _tnd_paged_attention(q, k_cache, v_cache, meta: _AttentionMeta, scale):
+    """One call for the whole batch: q [T, heads, D] packed, each sequence's queries its last tokens. A decode is a
+    1-token chunk, which bottom-right causal lets see its whole context; a decode-only batch runs the IFA kernel,
+    which ignores the mask and sparse mode (§2.3 "Branching")."""
+    k, v = _paged_kv(k_cache, v_cache)
+    return _fia(q, k, v, scale, atten_mask=_causal_mask(q.device), actual_seq_lengths=meta.q_ends,
+                actual_seq_lengths_kv=meta.kv_lens, block_table=meta.block_table, num_heads=q.shape[1],
+                num_key_value_heads=k_cache.shape[2], input_layout="TND", sparse_mode=3,
+                block_size=k_cache.shape[1])
+
+
+class _SplitPlan:
+    """Rows and token indices of the split path: decodes as [B, 1, H], prefill chunks padded to [B, S, H]."""
+
+    def __init__(self, meta: _AttentionMeta, device: torch.device):
+        q_lens, cu = meta.q_lens, meta.cu
+        self.decode = [i for i, n in enumerate(q_lens) if n == 1]
+        self.prefill = [i for i, n in enumerate(q_lens) if n > 1]
+        self.decode_tokens = torch.tensor([cu[i] for i in self.decode], dtype=torch.long, device=device)
+        self.max_s = max((q_lens[i] for i in self.prefill), default=0)
+        src, dst = [], []
+        for j, i in enumerate(self.prefill):
+            src.extend(range(cu[i], cu[i + 1]))
+            dst.extend(range(j * self.max_s, j * self.max_s + q_lens[i]))
+        self.src = torch.tensor(src, dtype=torch.long, device=device)
+        self.dst = torch.tensor(dst, dtype=torch.long, device=device)
+        rows = torch.tensor(self.decode, dtype=torch.long, device=device)
+        self.decode_table = meta.block_table[rows].contiguous()
+        rows = torch.tensor(self.prefill, dtype=torch.long, device=device)
+        self.prefill_table = meta.block_table[rows].contiguous()
+
+
+def _split_paged_attention(q, k_cache, v_cache, meta: _AttentionMeta, scale):
+    """Without TND over the paged cache: a BSH decode call (IFA) and a BSH call over the zero-padded prefill
+    chunks (PFA, bottom-right causal per sequence from actual_seq_lengths); BSH takes the 3-D cache (§2.3 "PA")."""
+    if meta.split is None:
+        meta.split = _SplitPlan(meta, q.device)
+    plan = meta.split
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    k, v = _paged_kv(k_cache, v_cache)
+    out = torch.empty_like(q)
+    common = dict(num_heads=num_heads, num_key_value_heads=num_kv_heads, input_layout="BSH", block_size=block_size)
+    if plan.decode:
+        qd = q[plan.decode_tokens].view(len(plan.decode), 1, num_heads * head_dim)
+        o = _fia(qd, k, v, scale, actual_seq_lengths_kv=[meta.kv_lens[i] for i in plan.decode],
+                 block_table=plan.decode_table, **common)
+        out[plan.decode_tokens] = o.view(-1, num_heads, head_dim)
+    if plan.prefill:
+        qp = q.new_zeros(len(plan.prefill) * plan.max_s, num_heads, head_dim)
+        qp[plan.dst] = q[plan.src]
+        o = _fia(qp.view(len(plan.prefill), plan.max_s, num_heads * head_dim), k, v, scale,
+                 atten_mask=_causal_mask(q.device), actual_seq_lengths=[meta.q_lens[i] for i in plan.prefill],
+                 actual_seq_lengths_kv=[meta.kv_lens[i] for i in plan.prefill], block_table=plan.prefill_table,
+                 sparse_mode=3, **common)
+        out[plan.src] = o.view(-1, num_heads, head_dim)[plan.dst]
+    return out
+
+
+# ---- vision tower attention ----
+
+def varlen_attention(q, k, v, cu_seqlens, scale):
+    """Bidirectional attention per packed segment: FIA in TND layout with cumulative q and kv lengths, no block
+    table, sparse_mode 0 and no mask (§5.5, §7.5)."""
+    if q.dtype not in HALF_DTYPES:
+        _warn_fallback("varlen_attention", q.dtype)
+        return reference.varlen_attention(q, k, v, cu_seqlens, scale)
+    ends = _varlen_step.get(lambda cu: cu.tolist()[1:], cu_seqlens)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    # vllm-ascend zero-pads 64 < D < 128 (e.g. 72 for a 1152-wide, 16-head tower) to 128 before FIA (§5.5):
+    # zero columns add nothing to q.k, and the zero value columns are cut off the output; the scale stays 1/sqrt(D).
+    pad = 128 - head_dim if 64 < head_dim < 128 else 0
+    if pad:
+        q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
+    out = _fia(q.contiguous(), k.contiguous(), v.contiguous(), scale, actual_seq_lengths=ends,
+               actual_seq_lengths_kv=ends, num_heads=num_heads, num_key_value_heads=num_heads, input_layout="TND",
+               sparse_mode=0)
+    return out[..., :head_dim] if pad else out
+
+
+# ---- rotary, norms, activation ----
+
+def _rotary_tables(cos, sin):
+    """npu_rotary_mul's r1/r2: full-D cos/sin as [1, T, 1, D] for BSND input, float32 like the reference.
+
+    r1/r2 must lie in [-1, 1] (§2.5), but tables carrying an attention scaling > 1 (yarn, longrope) exceed it. Then
+    the tables are divided and the input multiplied by the same power of two, which is exact in floating point.
+    Checking the range costs one sync, once per step (every layer passes the same cos/sin)."""
+    r1 = cos.float()[None, :, None, :].contiguous()
+    r2 = sin.float()[None, :, None, :].contiguous()
+    peak = torch.maximum(r1.abs().amax(), r2.abs().amax()).item() if r1.numel() else 0.0
+    if peak <= 1.0:
+        return r1, r2, 1.0
+    factor = 2.0 ** math.ceil(math.log2(peak))
+    return r1 / factor, r2 / factor, factor
+
+
+def apply_rotary(q, k, cos, sin):
+    """Neox rotary (rotary_mode 'half' = rotate_half) on q [T, heads, D] and k [T, kv_heads, D] with one
+    npu_rotary_mul call over both, in float32 as the reference rotates."""
+    r1, r2, factor = _rotary_step.get(_rotary_tables, cos, sin)
+    num_q = q.shape[1]
+    x = torch.cat((q, k), 1).float()[None]  # [1, T, heads + kv_heads, D]: BSND
+    if factor != 1.0:
+        x.mul_(factor)
+    out = _torch_npu.npu_rotary_mul(x, r1, r2, rotary_mode="half")[0]
+    return out[:, :num_q].to(q.dtype), out[:, num_q:].to(k.dtype)
+
+
+def rms_norm(x, weight, eps):
+    # gamma must have x's dtype (§2.6); the model keeps both in the model dtype, so this cast is normally a no-op.
+    return _torch_npu.npu_rms_norm(x, weight.to(x.dtype), eps)[0]
+
+
+def add_rms_norm(x, residual, weight, eps):
+    # Returns (y, rstd, x1 + x2); the sum becomes the new residual (§2.6).
+    y, _, residual = _torch_npu.npu_add_rms_norm(x, residual, weight.to(x.dtype), eps)
+    return y, residual
+
+
+def silu_and_mul(x):
+    # silu(first half) * second half along the last dim, i.e. SiluAndMul on the merged gate_up projection (§2.7).
+    return _torch_npu.npu_swiglu(x, -1)

@@ -1,0 +1,5 @@
+import sys
+
+from vlinfer.serve import main
+
+sys.exit(main())
