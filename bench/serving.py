@@ -136,6 +136,11 @@ def main(argv=None) -> int:
             stack.callback(loop.close)
             url = stack.enter_context(ServerThread(build_app(loop, ServeConfig(served_model_names=(args.model,)))))
             print(f"started {args.model} at {url} ({engine.device}, {engine.dtype})", file=sys.stderr)
+        # One unmeasured request first: first-call costs (allocations, lazy imports) are not serving latency.
+        warm = asyncio.run(run_rate(url.rstrip("/"), math.inf, 1, body, headers, args.seed))["results"][0]
+        if not warm["ok"]:
+            print(f"error: the warm-up request failed: {warm['error']}", file=sys.stderr)
+            return 1
         runs = []
         for rate in rates:
             run = asyncio.run(run_rate(url.rstrip("/"), rate, args.num_requests, body, headers, args.seed))

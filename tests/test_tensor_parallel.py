@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -86,8 +85,11 @@ def prompt_logits(llm) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def tp_engines(text_checkpoints):
-    """One TP=2 engine per text model, alive together for the whole module."""
-    engines = {name: LLM(path, tensor_parallel_size=2, **OPTIONS) for name, path in text_checkpoints.items()}
+    """One TP=2 engine per text model, alive together for the whole module: one meets its worker on a port the
+    OS picks, the other on an explicit distributed_init_method."""
+    engines = {"qwen3-kv2": LLM(text_checkpoints["qwen3-kv2"], tensor_parallel_size=2, **OPTIONS),
+               "llama-kv1": LLM(text_checkpoints["llama-kv1"], tensor_parallel_size=2, **OPTIONS,
+                                distributed_init_method=f"tcp://127.0.0.1:{free_port()}")}
     yield engines
     for llm in engines.values():
         llm.close()

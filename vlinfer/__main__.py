@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlinfer", description="vlinfer: small VLM / LLM inference engine",
                                      epilog=__doc__.split("\n", 1)[1].strip())
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,caption,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,caption,bench,serve}")
 
     g = sub.add_parser("generate", help="answer one prompt (optionally about images)",
                        description=f"Answer one prompt. Default model: {TEXT_MODEL} without --image, {VISION_MODEL} "
@@ -267,12 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "checkout; --vlm: bench/vlm_throughput.py); try bench --help")
     b.add_argument("--vlm", action="store_true")
     b.set_defaults(func=cmd_bench)
+    s = sub.add_parser("serve", add_help=False, help="OpenAI-compatible HTTP server; try serve --help")
+    s.set_defaults(func=None)
     return parser
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command == "serve":  # vlinfer.serve parses its own flags, --help included
+        from vlinfer.serve import main as serve_main
+        return serve_main(extra)
     if args.command != "bench" and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")

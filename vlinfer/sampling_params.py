@@ -42,7 +42,8 @@ class SamplingParams:
         need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an int >= 1")
         need(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              "must be an int in [0, max_tokens]")
-        need(self.seed is None or isinstance(self.seed, int), "seed", "must be an int or None")
+        need(self.seed is None or isinstance(self.seed, int) and not isinstance(self.seed, bool) and
+             -2 ** 63 <= self.seed < 2 ** 63, "seed", "must be None or an int in [-2**63, 2**63)")
         need(isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0,
              "repetition_penalty", "must be > 0")
         need(isinstance(self.presence_penalty, (int, float)) and -2 <= self.presence_penalty <= 2,

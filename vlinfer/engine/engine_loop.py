@@ -59,11 +59,11 @@ class EngineLoop:
 
     def submit(self, prompt, sampling_params: SamplingParams | None = None) -> RequestStream:
         """Queue a request; raises ValueError here, in the caller, when the request is bad."""
-        if self._closed:
-            raise RuntimeError("the engine loop is closed")
         seq = self.engine.make_sequence(prompt, sampling_params, request_id=f"loop-{next(self._ids)}")
         stream = RequestStream(self, seq.request_id)
         with self._work:
+            if self._closed or not self._thread.is_alive():  # checked under the lock: close() cannot race it
+                raise RuntimeError("the engine loop is closed")
             self._streams[seq.request_id] = stream
             self.engine.add_sequence(seq)
             self._work.notify()

@@ -319,7 +319,7 @@ class LLMEngine:
     def make_output(seq: Sequence, finished: bool) -> RequestOutput:
         completion = CompletionOutput(
             index=0, text=seq.output_text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason, logprobs=seq.output_logprobs if seq.sampling_params.logprobs is not None
+            stop_reason=seq.stop_reason, logprobs=list(seq.output_logprobs) if seq.sampling_params.logprobs is not None
             else None)
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
                              outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens,

@@ -16,7 +16,8 @@ def as_tensor(loaded) -> torch.Tensor:
 
 
 def default_weight_loader(param: nn.Parameter, loaded) -> None:
-    assert param.shape == loaded.shape, f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}"
+    assert param.shape == loaded.shape, \
+        f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}"
     param.data.copy_(as_tensor(loaded))
 
 

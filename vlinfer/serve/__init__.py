@@ -4,13 +4,13 @@ FastAPI and uvicorn are imported only when the server is used, so `vlinfer` itse
 import sys
 
 __all__ = ["ImagePolicy", "ServeConfig", "build_app", "build_parser", "main"]
-_LAZY = {"ServeConfig": "app", "build_app": "app", "build_parser": "app", "ImagePolicy": "security"}
+_LAZY = {"ServeConfig": "app", "build_app": "app", "build_parser": "cli", "ImagePolicy": "security"}
 
 
 def main(argv=None) -> int:
     """`python -m vlinfer.serve ARGS` (or `vlinfer serve ARGS`); returns the exit code."""
     try:
-        from vlinfer.serve.app import main as run
+        from vlinfer.serve.cli import main as run
     except ImportError as e:
         print(f"error: the server needs FastAPI, uvicorn and httpx ({e.name} is missing): "
               "pip install fastapi uvicorn httpx", file=sys.stderr)

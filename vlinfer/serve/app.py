@@ -5,13 +5,11 @@ loop (async, capped) -> a worker thread decodes images, applies the chat templat
 sequences (the engine lock is never taken on the event loop) -> outputs come back through AsyncRequestStream
 (call_soon_threadsafe, no thread per request) -> JSON or SSE. A client that goes away has its sequences aborted,
 which frees their KV blocks and encoder cache entries at once."""
-import argparse
 import asyncio
 import dataclasses
 import logging
 import os
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -25,8 +23,8 @@ from vlinfer.sampling_params import SamplingParams
 from vlinfer.serve import security
 from vlinfer.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from vlinfer.serve.metrics import Metrics
-from vlinfer.serve.protocol import (MAX_SEED, MAX_STOP_SEQUENCES, ApiError, ChatCompletionRequest, CompletionRequest, Logprobs, error_body,
-                                    new_id, now, parse_body, sse, usage)
+from vlinfer.serve.protocol import (MAX_SEED, MAX_STOP_SEQUENCES, ApiError, ChatCompletionRequest, CompletionRequest,
+                                    Logprobs, error_body, new_id, now, parse_body, sse, usage)
 
 logger = logging.getLogger("vlinfer.serve")
 
@@ -419,6 +417,48 @@ async def _collect(request: Request, run: _Run) -> None:
         run.close()
 
 
+async def _respond(request: Request, run: _Run, req, model: str, chat: bool, fmt: Logprobs | None) -> Response:
+    """The response of a started run, in the chat or the text completion shape, streamed (SSE) or whole."""
+    request_id, created = new_id("chatcmpl" if chat else "cmpl"), now()
+    kind = "chat.completion" if chat else "text_completion"
+    headers = {"X-Request-Id": request_id}
+    count = len(run.streams)
+    if req.stream:
+        head = {"id": request_id, "object": kind + (".chunk" if chat else ""), "created": created, "model": model}
+        sent, offsets = [0] * count, [0] * count  # per choice: tokens whose logprobs went out, text length
+
+        def chunk(item):
+            if item is None:  # before any token: a chat stream opens each choice with its role
+                return [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]}
+                        for i in range(count)] if chat else []
+            i, out, new_tokens = item
+            c = out.outputs[0]
+            logprobs = _choice_logprobs(fmt, out, sent[i], sent[i] + new_tokens, chat, offsets[i])
+            sent[i], offsets[i] = sent[i] + new_tokens, offsets[i] + len(c.delta_text)
+            if not (c.delta_text or c.finish_reason or logprobs):
+                return None  # e.g. held back as a possible stop string, or half a multi-byte character
+            body = {"delta": {"content": c.delta_text} if c.delta_text else {}} if chat else {"text": c.delta_text}
+            return {**head, "choices": [{"index": i, **body, "logprobs": logprobs, "finish_reason": c.finish_reason}]}
+
+        def usage_chunk():
+            return {**head, "choices": [], "usage": _usage(run, req.n)}
+
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        return _SSEResponse(_stream(request, run, chunk, usage_chunk, include), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", **headers})
+    await _collect(request, run)
+    _check_complete(run)
+    choices = []
+    for i, out in enumerate(run.last):
+        c = out.outputs[0]
+        body = {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
+        choices.append({"index": i, **body, "logprobs": _choice_logprobs(fmt, out, 0, len(c.token_ids), chat),
+                        "finish_reason": c.finish_reason})
+    return JSONResponse({"id": request_id, "object": kind, "created": created, "model": model, "choices": choices,
+                         "usage": _usage(run, req.n)}, headers=headers)
+
+
 def _check_complete(run: _Run) -> None:
     if any(out is None or not out.finished for out in run.last):
         # Only reached when the client went away (nobody reads this) or a sequence was aborted under it.
@@ -495,41 +535,7 @@ def build_app(loop: EngineLoop, config: ServeConfig) -> FastAPI:
         fetched = await server.fetch_urls(sources)
         run = await server.start(request, lambda: [server.chat_prompt(req, sources, fetched)], params, req.n, 1,
                                  req.max_completion_tokens or req.max_tokens)
-        request_id, created = new_id("chatcmpl"), now()
-        head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
-        sent = [0] * req.n  # tokens whose logprobs were sent, per choice
-
-        if req.stream:
-            def chunk(item):
-                if item is None:  # the opening chunk of each choice carries the role
-                    return [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None}]} for i in range(req.n)]
-                i, out, new_tokens = item
-                c = out.outputs[0]
-                end = sent[i] + new_tokens
-                logprobs = _choice_logprobs(fmt, out, sent[i], end, chat=True)
-                sent[i] = end
-                if not c.delta_text and not c.finish_reason and not logprobs:
-                    return None
-                return {**head, "choices": [{"index": i, "delta": {"content": c.delta_text} if c.delta_text else {},
-                                             "logprobs": logprobs, "finish_reason": c.finish_reason}]}
-
-            def usage_chunk():
-                return {**head, "choices": [], "usage": _usage(run, req.n)}
-
-            include = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(_stream(request, run, chunk, usage_chunk, include), media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
-        await _collect(request, run)
-        _check_complete(run)
-        choices = []
-        for i, out in enumerate(run.last):
-            c = out.outputs[0]
-            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": _choice_logprobs(fmt, out, 0, len(c.token_ids), chat=True),
-                            "finish_reason": c.finish_reason})
-        return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                             "choices": choices, "usage": _usage(run, req.n)}, headers={"X-Request-Id": request_id})
+        return await _respond(request, run, req, model, chat=True, fmt=fmt)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -541,38 +547,7 @@ def build_app(loop: EngineLoop, config: ServeConfig) -> FastAPI:
         prompts = server.completion_prompts(req.prompt)
         server.check_capacity(req.n * len(prompts))
         run = await server.start(request, lambda: prompts, params, req.n, len(prompts), req.max_tokens)
-        request_id, created = new_id("cmpl"), now()
-        head = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-        total = req.n * len(prompts)
-        sent, offsets = [0] * total, [0] * total
-
-        if req.stream:
-            def chunk(item):
-                if item is None:
-                    return []
-                i, out, new_tokens = item
-                c = out.outputs[0]
-                end = sent[i] + new_tokens
-                logprobs = _choice_logprobs(fmt, out, sent[i], end, chat=False, text_offset=offsets[i])
-                sent[i], offsets[i] = end, offsets[i] + len(c.delta_text)
-                if not c.delta_text and not c.finish_reason and not logprobs:
-                    return None
-                return {**head, "choices": [{"index": i, "text": c.delta_text, "logprobs": logprobs,
-                                             "finish_reason": c.finish_reason}]}
-
-            def usage_chunk():
-                return {**head, "choices": [], "usage": _usage(run, req.n)}
-
-            include = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(_stream(request, run, chunk, usage_chunk, include), media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
-        await _collect(request, run)
-        _check_complete(run)
-        choices = [{"index": i, "text": out.outputs[0].text, "finish_reason": out.outputs[0].finish_reason,
-                    "logprobs": _choice_logprobs(fmt, out, 0, len(out.outputs[0].token_ids), chat=False)}
-                   for i, out in enumerate(run.last)]
-        return JSONResponse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                             "choices": choices, "usage": _usage(run, req.n)}, headers={"X-Request-Id": request_id})
+        return await _respond(request, run, req, model, chat=False, fmt=fmt)
 
     # Outermost: runs before routing, so unauthenticated or oversized requests cost no parsing.
     app.add_middleware(security.GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
@@ -580,67 +555,7 @@ def build_app(loop: EngineLoop, config: ServeConfig) -> FastAPI:
     return app
 
 
-# ---- command line ----
-def _size(text: str) -> int:
-    units = {"k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m vlinfer.serve", description="OpenAI-compatible HTTP server "
-                                "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)")
-    p.add_argument("--model", default="qwen3-vl", help="alias, local folder, .gguf file or Hugging Face repo id "
-                   "(default: qwen3-vl; the embedded random-weight model when the real weights are not here)")
-    p.add_argument("--served-model-name", action="append", default=None,
-                   help="name(s) clients use in 'model' (default: --model); repeatable")
-    p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
-                   "(default: $VLINFER_API_KEY; none when unset)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--kv-cache-size", type=_size, default=None, metavar="SIZE", help="KV pool, e.g. 512M")
-    p.add_argument("--max-request-bytes", type=_size, default=32 * 2 ** 20, metavar="SIZE",
-                   help="largest request body (413 past it); default 32M")
-    p.add_argument("--max-image-bytes", type=_size, default=20 * 2 ** 20, metavar="SIZE", help="default 20M")
-    p.add_argument("--max-image-pixels", type=int, default=1 << 25, help="per image, width x height; default 2^25")
-    p.add_argument("--max-images-per-request", type=int, default=16)
-    p.add_argument("--max-n", type=int, default=16, help="most sequences per request (n x prompts)")
-    p.add_argument("--max-pending", type=int, default=1024, help="sequences in flight before 503")
-    p.add_argument("--image-formats", default="png,jpeg,webp,gif,bmp", metavar="FORMATS",
-                   help="image formats accepted (PIL names); default: png,jpeg,webp,gif,bmp")
-    p.add_argument("--allowed-url-hosts", default="", metavar="HOSTS",
-                   help="comma-separated hosts image URLs may point to ('*.example.com' for subdomains, '*' for "
-                        "any public host); default: none, image URLs refused")
-    p.add_argument("--allow-private-urls", action="store_true",
-                   help="let image URLs reach loopback / private / link-local addresses (only for trusted setups)")
-    p.add_argument("--url-timeout", type=float, default=10.0, help="seconds per image URL, redirects included")
-    p.add_argument("--allowed-local-root", default=None, metavar="DIR",
-                   help="serve file:// image URLs from below this folder only; default: file URLs refused")
-    p.add_argument("--malloc-arena-max", type=int, default=2,
-                   help="glibc malloc arenas, so RSS comes back after bursts (0: glibc's default); default 2")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return p
-
-
-def config_from_args(args) -> ServeConfig:
-    images = security.ImagePolicy(
-        max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
-        max_images=args.max_images_per_request, allowed_url_hosts=tuple(args.allowed_url_hosts.split(",")),
-        allow_private_urls=args.allow_private_urls, url_timeout=args.url_timeout,
-        allowed_local_root=args.allowed_local_root, image_formats=tuple(args.image_formats.split(",")))
-    return ServeConfig(served_model_names=tuple(args.served_model_name or [args.model]),
-                       api_key=args.api_key or os.environ.get("VLINFER_API_KEY") or None,
-                       max_body_bytes=args.max_request_bytes, images=images, max_n=args.max_n,
-                       max_pending=args.max_pending)
-
-
+# ---- memory (glibc) ----
 def malloc_trim() -> None:
     try:
         import ctypes
@@ -662,39 +577,3 @@ def limit_malloc_arenas(n: int) -> bool:
         return bool(ctypes.CDLL("libc.so.6").mallopt(-8, n))  # -8: M_ARENA_MAX
     except (OSError, AttributeError):  # not glibc
         return False
-
-
-def main(argv=None) -> int:
-    import uvicorn
-
-    from vlinfer.engine.llm_engine import LLMEngine
-    args = build_parser().parse_args(argv)
-    limit_malloc_arenas(args.malloc_arena_max)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    try:
-        config = config_from_args(args)
-    except FileNotFoundError as e:
-        print(f"error: --allowed-local-root: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # an unknown --image-formats name
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if config.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        logger.warning("listening on %s without an API key: anyone who can reach this port can use the model",
-                       args.host)
-    options = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                   max_num_seqs=args.max_num_seqs)
-    if args.kv_cache_size is not None:
-        options["kv_cache_bytes"] = args.kv_cache_size
-    try:
-        engine = LLMEngine(args.model, **options)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    loop = EngineLoop(engine)
-    try:
-        uvicorn.run(build_app(loop, config), host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5, server_header=False)
-    finally:
-        loop.close()
-    return 0

@@ -213,6 +213,7 @@ async def fetch_url(url: str, policy: ImagePolicy, param: str = "url") -> bytes:
     if not policy.allowed_url_hosts:
         raise _bad("image URLs are disabled on this server; send the image inline as a base64 data URI "
                    "(data:image/png;base64,...)", param)
+
     async def follow(url: str) -> bytes:
         # trust_env=False: a proxy from the environment would make the connection, not the checked address.
         async with httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=policy.url_timeout) as client:

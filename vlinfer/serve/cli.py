@@ -1,0 +1,115 @@
+"""`python -m vlinfer.serve ...`: flags -> ServeConfig and engine options, then uvicorn around build_app."""
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from vlinfer.engine.engine_loop import EngineLoop
+from vlinfer.serve import security
+from vlinfer.serve.app import ServeConfig, build_app, limit_malloc_arenas
+
+logger = logging.getLogger("vlinfer.serve")
+
+
+def _size(text: str) -> int:
+    units = {"k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m vlinfer.serve", description="OpenAI-compatible HTTP server "
+                                "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)")
+    p.add_argument("--model", default="qwen3-vl", help="alias, local folder, .gguf file or Hugging Face repo id "
+                   "(default: qwen3-vl; the embedded random-weight model when the real weights are not here)")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="name(s) clients use in 'model' (default: --model); repeatable")
+    p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
+                   "(default: $VLINFER_API_KEY; none when unset)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--kv-cache-size", type=_size, default=None, metavar="SIZE", help="KV pool, e.g. 512M")
+    p.add_argument("--max-request-bytes", type=_size, default=32 * 2 ** 20, metavar="SIZE",
+                   help="largest request body (413 past it); default 32M")
+    p.add_argument("--max-image-bytes", type=_size, default=20 * 2 ** 20, metavar="SIZE", help="default 20M")
+    p.add_argument("--max-image-pixels", type=int, default=1 << 25, help="per image, width x height; default 2^25")
+    p.add_argument("--max-images-per-request", type=int, default=16)
+    p.add_argument("--max-n", type=int, default=16, help="most sequences per request (n x prompts)")
+    p.add_argument("--max-pending", type=int, default=1024, help="sequences in flight before 503")
+    p.add_argument("--image-formats", default="png,jpeg,webp,gif,bmp", metavar="FORMATS",
+                   help="image formats accepted (PIL names); default: png,jpeg,webp,gif,bmp")
+    p.add_argument("--allowed-url-hosts", default="", metavar="HOSTS",
+                   help="comma-separated hosts image URLs may point to ('*.example.com' for subdomains, '*' for "
+                        "any public host); default: none, image URLs refused")
+    p.add_argument("--allow-private-urls", action="store_true",
+                   help="let image URLs reach loopback / private / link-local addresses (only for trusted setups)")
+    p.add_argument("--url-timeout", type=float, default=10.0, help="seconds per image URL, redirects included")
+    p.add_argument("--allowed-local-root", default=None, metavar="DIR",
+                   help="serve file:// image URLs from below this folder only; default: file URLs refused")
+    p.add_argument("--malloc-arena-max", type=int, default=2,
+                   help="glibc malloc arenas, so RSS comes back after bursts (0: glibc's default); default 2")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def config_from_args(args) -> ServeConfig:
+    images = security.ImagePolicy(
+        max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+        max_images=args.max_images_per_request, allowed_url_hosts=tuple(args.allowed_url_hosts.split(",")),
+        allow_private_urls=args.allow_private_urls, url_timeout=args.url_timeout,
+        allowed_local_root=args.allowed_local_root, image_formats=tuple(args.image_formats.split(",")))
+    return ServeConfig(served_model_names=tuple(args.served_model_name or [args.model]),
+                       api_key=args.api_key or os.environ.get("VLINFER_API_KEY") or None,
+                       max_body_bytes=args.max_request_bytes, images=images, max_n=args.max_n,
+                       max_pending=args.max_pending)
+
+
+def main(argv=None) -> int:
+    import uvicorn
+
+    from vlinfer.engine.llm_engine import LLMEngine
+    args = build_parser().parse_args(argv)
+    limit_malloc_arenas(args.malloc_arena_max)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except FileNotFoundError as e:
+        print(f"error: --allowed-local-root: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # an unknown --image-formats name
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if config.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("listening on %s without an API key: anyone who can reach this port can use the model",
+                       args.host)
+    options = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                   max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size)
+    if args.kv_cache_size is not None:
+        options["kv_cache_bytes"] = args.kv_cache_size
+    try:
+        engine = LLMEngine(args.model, **options)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    loop = EngineLoop(engine)
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again: exit through the finally below (engine
+    # loop stopped, tensor-parallel workers closed) instead of dying on the default handler.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        uvicorn.run(build_app(loop, config), host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5, server_header=False)
+    except KeyboardInterrupt:  # likewise for Ctrl-C
+        pass
+    finally:
+        loop.close()
+        engine.close()
+    return 0
