@@ -143,7 +143,8 @@ def run_vlinfer(args, path, requests, max_model_len):
     element = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * element
     blocks = sum(-(-(proc.num_image_tokens(im.height, im.width) + 64 + args.max_tokens) // tokens_per_block)
-                 for _, im in requests) + 8
+                 for _, im in requests)
+    blocks = max(blocks, -(-max_model_len // tokens_per_block)) + 8  # the engine wants one full-length sequence
     kv_bytes = blocks * tokens_per_block * per_token
     llm = LLM(path, dtype=args.dtype, max_model_len=max_model_len, kv_cache_bytes=kv_bytes)
     engine = llm.engine
@@ -197,7 +198,9 @@ def run_vlinfer(args, path, requests, max_model_len):
                  prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
                  image_tokens=sum(i["num_tokens"] for o in outs for i in o.images),
                  prompt_ids=[o.prompt_token_ids for o in outs], outputs=[o.outputs[0].token_ids for o in outs])
-    del engine, llm, outs, final
+    # The timing wrappers close over bound methods: drop them so no reference cycle keeps the engine alive.
+    del engine.make_sequence, engine.model_runner.model.encode_images
+    del engine, llm, outs, final, make_sequence, encode_images
     gc.collect()
     return stats
 

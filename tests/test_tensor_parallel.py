@@ -5,6 +5,7 @@ import gc
 import json
 import os
 import random
+import select
 import signal
 import socket
 import subprocess
@@ -210,6 +211,17 @@ def test_worker_exception_is_reported(text_checkpoints, monkeypatch):
     assert_block_pool_empty(llm)  # the failed run's requests were aborted
 
 
+def test_hung_worker_times_out(text_checkpoints, monkeypatch):
+    monkeypatch.setenv("VLINFER_TEST_WORKER_FAULT", "1:4:hang")  # rank 1 stops answering at its 4th step
+    llm = LLM(text_checkpoints["qwen3-kv2"], tensor_parallel_size=2, distributed_timeout_s=2, **OPTIONS)
+    (pid,) = llm.engine.driver.worker_pids.values()
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="did not answer within distributed_timeout_s=2"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 30
+    assert not wait_gone([pid])  # the hung worker was stopped
+
+
 def test_del_closes_workers_and_leaves_no_shared_memory(text_checkpoints):
     before = shm_entries()
     llm = LLM(text_checkpoints["qwen3-kv2"], tensor_parallel_size=2, **OPTIONS)
@@ -240,26 +252,39 @@ if __name__ == "__main__":
 """ % NUM_NEW
 
 
-def start_script(tmp_path, *args, env=None, launcher=()):
+def start_script(tmp_path, name: str, *args, env=None, launcher=()):
     script = tmp_path / "tp_script.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
-    return subprocess.Popen([*launcher, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+    stderr = open(tmp_path / f"{name}.stderr", "w")  # a file, not a pipe nobody drains
+    proc = subprocess.Popen([*launcher, str(script), *args], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            env=env, start_new_session=True)
+    stderr.close()  # the child has its own copy
+    proc.stderr_path = tmp_path / f"{name}.stderr"
+    return proc
+
+
+def stderr_tail(proc) -> str:
+    return proc.stderr_path.read_text()[-3000:]
 
 
 def read_marker(proc, marker: str, timeout=120.0):
     deadline = time.monotonic() + timeout
-    for line in proc.stdout:
-        if line.startswith(marker):
-            return json.loads(line[len(marker):])
-        assert time.monotonic() < deadline
-    raise AssertionError(f"no {marker!r} line; stderr:\n{proc.stderr.read()[-3000:]}")
+    while time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 1.0)[0]:
+            line = proc.stdout.readline()
+            if not line:
+                break  # the script ended
+            if line.startswith(marker):
+                return json.loads(line[len(marker):])
+        elif proc.poll() is not None:
+            break
+    raise AssertionError(f"no {marker!r} line within {timeout:.0f} s; stderr:\n{stderr_tail(proc)}")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_signals_leave_no_orphans(text_checkpoints, tmp_path, sig):
-    proc = start_script(tmp_path, text_checkpoints["qwen3-kv2"], "signal", launcher=(sys.executable,))
+    proc = start_script(tmp_path, "rank0", text_checkpoints["qwen3-kv2"], "signal", launcher=(sys.executable,))
     try:
         workers = read_marker(proc, "WORKERS ")
         time.sleep(1.0)  # mid-generation
@@ -289,14 +314,14 @@ def test_torchrun_two_nodes(text_checkpoints, references, tmp_path):
     for node_rank in (0, 1):
         launcher = (torchrun, "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node_rank}",
                     "--master-addr=127.0.0.1", f"--master-port={port}")
-        nodes.append(start_script(tmp_path, text_checkpoints["llama-kv1"], "torchrun", prompts,
+        nodes.append(start_script(tmp_path, f"node{node_rank}", text_checkpoints["llama-kv1"], "torchrun", prompts,
                                   launcher=launcher, env={"OMP_NUM_THREADS": "1"}))
     try:
         tokens = read_marker(nodes[0], "TOKENS ")
         assert tokens == references["llama-kv1"][0]
         for node in nodes:  # rank 0 closes the engine at exit; rank 1's LLM(...) then returns by exiting
             node.wait(timeout=60)
-            assert node.returncode == 0, node.stderr.read()[-3000:]
+            assert node.returncode == 0, stderr_tail(node)
     finally:
         for node in nodes:
             if node.poll() is None:

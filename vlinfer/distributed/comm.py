@@ -8,8 +8,9 @@
   group (gloo / nccl / hccl) the layers' all-reduce and all-gather run on. Two, because their timeouts differ:
   a worker waits for the next control message as long as the engine sits idle, while a step's collectives
   time out short (distributed_timeout_s), so a rank that hangs mid-step becomes an error, not a hang.
-- The control channel: rank 0 pickles one message (the step's prepared CPU tensors and metadata, or a command)
-  and broadcasts it, length first. Nothing goes through shared memory, so nothing is left in /dev/shm.
+- The control channel (ControlChannel): rank 0 broadcasts one message per step (the step's prepared CPU tensors
+  and metadata, image rows included) or per command. Nothing goes through shared memory, so nothing is left
+  in /dev/shm.
 """
 import io
 import math

@@ -7,7 +7,7 @@ share of the forward alongside them, and samples. A worker's runner only runs `f
 (vlinfer/engine/worker.py)."""
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -51,7 +51,7 @@ def load_model(source, hf_config, device: torch.device, dtype: torch.dtype, grou
 @dataclass
 class StepInputs:
     """One step's model inputs, built by rank 0 and run by every rank. CPU tensors, except image rows from the
-    encoder cache (on rank 0's device until sent)."""
+    encoder cache (on rank 0's device; the control channel sends them as CPU bytes)."""
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T], or [3, T] for multimodal rotary
     slot_mapping: torch.Tensor
@@ -62,9 +62,6 @@ class StepInputs:
     mm_inputs: dict  # mm_mask, mm_embeds, deepstack_embeds for steps that carry image tokens
     logits_indices: torch.Tensor | None  # rows whose logits are computed; None: every row
     compute_logits: bool = True
-
-    def cpu(self) -> "StepInputs":
-        return replace(self, mm_inputs={k: v.cpu() for k, v in self.mm_inputs.items()})
 
 
 class ModelRunner:
@@ -258,7 +255,7 @@ class ModelRunner:
     def _run(self, inputs: StepInputs) -> torch.Tensor | None:
         if self.driver is None:
             return self.forward(inputs)
-        with self.driver.step(inputs.cpu()):  # the workers start on it while rank 0 starts its own share
+        with self.driver.step(inputs):  # sent (tensors as CPU bytes); rank 0 then runs its own share
             return self.forward(inputs)
 
     @torch.inference_mode()

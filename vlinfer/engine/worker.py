@@ -27,7 +27,8 @@ from vlinfer.distributed.comm import (IDLE_TIMEOUT, ParallelConfig, connect_stor
 
 logger = logging.getLogger("vlinfer")
 
-# Test hook: "RANK:STEP" makes that worker raise at its STEP-th step, to test how the engine reports it.
+# Test hook: "RANK:STEP" makes that worker raise at its STEP-th step, "RANK:STEP:hang" makes it stop answering
+# there, to test how the engine reports each.
 FAULT_ENV = "VLINFER_TEST_WORKER_FAULT"
 
 
@@ -67,8 +68,8 @@ def _build(init: dict, device: torch.device, group):
 
 
 def _loop(channel, runner, rank: int) -> None:
-    fault = os.environ.get(FAULT_ENV, "")
-    fault_step = int(fault.split(":")[1]) if fault.split(":")[0] == str(rank) else -1
+    fault = os.environ.get(FAULT_ENV, "").split(":")
+    fault_step = int(fault[1]) if fault[0] == str(rank) else -1
     steps = 0
     while True:
         message = channel.broadcast()
@@ -76,6 +77,8 @@ def _loop(channel, runner, rank: int) -> None:
         if kind == "step":
             steps += 1
             if steps == fault_step:
+                if fault[2:] == ["hang"]:
+                    time.sleep(3600)
                 raise RuntimeError(f"injected fault at step {steps} ({FAULT_ENV})")
             runner.forward(message[1])
         elif kind == "allocate_kv_cache":
