@@ -1,0 +1,28 @@
+"""Model resolution through the local Hugging Face cache, the way a downloaded repo id is found offline."""
+import os
+import shutil
+
+import pytest
+
+from vlinfer import LLM, SamplingParams
+from vlinfer.model_loader import resolve_model
+
+
+def test_repo_id_resolves_from_the_local_hf_cache(qwen3_checkpoint, tmp_path, monkeypatch):
+    path, model = qwen3_checkpoint
+    # The hub cache layout: models--{org}--{name}/refs/main -> snapshots/{commit}/<files>.
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = tmp_path / "hub" / "models--vlinfer-test--tiny-qwen3"
+    snapshot = repo_dir / "snapshots" / commit
+    shutil.copytree(path, snapshot)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    source = resolve_model("vlinfer-test/tiny-qwen3")
+    assert os.path.samefile(source.path, snapshot)
+    llm = LLM("vlinfer-test/tiny-qwen3", dtype="float32", kv_cache_bytes=4 * 2 ** 20)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
