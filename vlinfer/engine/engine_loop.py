@@ -26,15 +26,21 @@ class RequestStream:
         self.queue: queue.Queue = queue.Queue()
         self.final: RequestOutput | None = None
 
+    def _accept(self, item) -> bool:
+        """False at the end of the stream; raises the loop's error; remembers the final output."""
+        if item is _DONE:
+            return False
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            self.final = item
+        return True
+
     def __iter__(self):
         while True:
             item = self.queue.get()
-            if item is _DONE:
+            if not self._accept(item):
                 return
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                self.final = item
             yield item
 
     def deltas(self):
@@ -187,12 +193,8 @@ class AsyncRequestStream(RequestStream):
                         raise RuntimeError("the engine loop stopped")
                     continue
                 item, getter = getter.result(), None
-                if item is _DONE:
+                if not self._accept(item):
                     return
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    self.final = item
                 yield item
         finally:
             if getter is not None:

@@ -288,16 +288,20 @@ class LLMEngine:
             seq.output_logprobs.append(logprobs)
         sent = len(seq.output_text)
         seq.output_text += detok.step(seq.token_ids)
-        if token_id in p.stop_token_ids or (token_id in self.eos_token_ids and not p.ignore_eos):
-            if seq.num_output_tokens > p.min_tokens or token_id not in self.eos_token_ids | set(p.stop_token_ids):
-                seq.finish_reason = "stop"
-                seq.stop_reason = token_id if token_id in p.stop_token_ids else None
+        # The sampler masks EOS and stop tokens until min_tokens, so one seen here past that point ends the request.
+        is_stop_token = token_id in p.stop_token_ids or (token_id in self.eos_token_ids and not p.ignore_eos)
+        if is_stop_token and seq.num_output_tokens > p.min_tokens:
+            seq.finish_reason = "stop"
+            seq.stop_reason = token_id if token_id in p.stop_token_ids else None
+        longest_stop = max(map(len, p.stop_strings), default=0)
         if seq.finish_reason is None and p.stop_strings and seq.num_output_tokens >= p.min_tokens:
-            window = seq.output_text[max(0, sent - max(map(len, p.stop_strings))):]
+            # Only text near the new piece can complete a stop string.
+            window_start = max(0, sent - longest_stop)
+            window = seq.output_text[window_start:]
             hits = [(window.find(s), s) for s in p.stop_strings if s in window]
             if hits:
                 index, stop = min(hits)
-                seq.output_text = seq.output_text[:max(0, sent - max(map(len, p.stop_strings))) + index]
+                seq.output_text = seq.output_text[:window_start + index]
                 seq.finish_reason, seq.stop_reason = "stop", stop
         if seq.finish_reason is None and (seq.num_output_tokens >= p.max_tokens or
                                           seq.num_tokens >= self.max_model_len):
@@ -306,13 +310,12 @@ class LLMEngine:
         if finished:
             self._finish(seq)
         # While streaming, hold back text that could still turn out to be the start of a stop string.
-        hold = 0 if finished or not p.stop_strings else max(map(len, p.stop_strings)) - 1
-        visible = len(seq.output_text) - hold
-        delta_from = min(getattr(seq, "_streamed", 0), visible)
+        hold = 0 if finished or not p.stop_strings else longest_stop - 1
+        visible = max(len(seq.output_text) - hold, seq.num_streamed_chars)
         out = self.make_output(seq, finished)
-        out.outputs[0].delta_text = seq.output_text[delta_from:max(visible, delta_from)]
+        out.outputs[0].delta_text = seq.output_text[seq.num_streamed_chars:visible]
         out.outputs[0].delta_token_ids = [token_id]
-        seq._streamed = max(visible, delta_from)
+        seq.num_streamed_chars = visible
         return out
 
     @staticmethod

@@ -56,6 +56,7 @@ class Sequence:
         self.generator = generator
         self.output_logprobs: list[dict[int, float]] = []
         self.output_text = ""
+        self.num_streamed_chars = 0  # of output_text, how much step outputs have already handed out as deltas
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 
