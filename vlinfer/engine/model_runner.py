@@ -160,22 +160,21 @@ class ModelRunner:
         bs = self.block_size
         input_ids, positions, slots, cu_seqlens_q, seq_lens = [], [], [], [0], []
         sample_indices, sample_seqs = [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
+        block_tables = torch.full((len(batch.seqs), max_blocks), -1, dtype=torch.int32)
+        for i, seq in enumerate(batch.seqs):
+            block_tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        for seq, n, table in zip(batch.seqs, batch.num_new_tokens, block_tables):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids.extend(seq.token_ids[start:end])
             positions.append(self._positions(seq, start, end))
-            table = torch.tensor(seq.block_table)
             pos = torch.arange(start, end)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            slots.append(table[pos // bs].long() * bs + pos % bs)
             cu_seqlens_q.append(cu_seqlens_q[-1] + n)
             seq_lens.append(end)
             if end == seq.num_tokens:  # the chunk reaches the sequence's end: its last logits pick a token
                 sample_indices.append(cu_seqlens_q[-1] - 1)
                 sample_seqs.append(seq)
-        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        block_tables = torch.full((len(batch.seqs), max_blocks), -1, dtype=torch.int32)
-        for i, seq in enumerate(batch.seqs):
-            block_tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
         inputs = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long),
             positions=torch.cat(positions, -1),
