@@ -11,12 +11,13 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # tokens per step; None: enough for a full-length prompt
-    kvcache_block_size: int | None = 16
+    # None: the device's default (platform.default_block_size): 16 on CPU, 128 on NPU, 256 on CUDA with flash_attn.
+    kvcache_block_size: int | None = None
     # Share of memory for weights + activations + KV cache on accelerators; on CPU, of the RAM free after load.
     memory_utilization: float | None = None
     kv_cache_bytes: int | None = None  # exact KV pool size, overriding memory_utilization
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # False: decode steps replay captured graphs where the device has them (CUDA)
     tensor_parallel_size: int = 1
     seed: int = 0
     allow_image_urls: bool = False  # fetch http(s) image URLs; off so a request cannot make the engine fetch

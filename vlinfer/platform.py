@@ -1,4 +1,5 @@
 """What the device is and what it can do. Nothing else in vlinfer branches on the device type."""
+import importlib.util
 import logging
 
 import torch
@@ -76,5 +77,10 @@ def total_memory(device: torch.device) -> int:
 
 
 def default_block_size(device: torch.device) -> int:
-    # 128 is the only block size every torch_npu paged attention path accepts.
-    return 128 if device.type == "npu" else 16
+    """KV cache block size when the user gives none (kvcache_block_size=None, the default)."""
+    if device.type == "npu":  # the only block size every torch_npu paged attention path accepts
+        return 128
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        # flash_attn's paged KV cache needs a multiple of 256 (vlinfer/ops/cuda.py); other sizes run SDPA.
+        return 256
+    return 16

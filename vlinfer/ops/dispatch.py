@@ -12,7 +12,10 @@ OPS = ("store_kvcache", "paged_attention", "apply_rotary", "rms_norm", "add_rms_
 # VLINFER_OPS=<name> forces one implementation whatever the device, e.g. the NPU code on CPU tensors under an
 # emulated torch_npu (tests/fake_torch_npu.py). A forced implementation that cannot load is an error, not a fallback.
 OVERRIDE_ENV = "VLINFER_OPS"
-IMPLEMENTATIONS = ("npu", "cpu-compiled", "reference")
+IMPLEMENTATIONS = ("cuda", "npu", "cpu-compiled", "reference")
+# The implementation each device type gets by default; other device types run the reference.
+DEVICE_KERNELS = {"cpu": "cpu-compiled", "npu": "npu", "cuda": "cuda"}
+_KERNEL_NAMES = {"cpu-compiled": "compiled CPU kernels", "npu": "torch_npu kernels", "cuda": "CUDA kernels"}
 
 
 class _Active:
@@ -29,6 +32,10 @@ def _load(name: str, device_type: str):
         from vlinfer.ops import cpu
         cpu.load()
         return cpu
+    if name == "cuda":
+        from vlinfer.ops import cuda
+        cuda.load(device_type)
+        return cuda
     from vlinfer.ops import npu
     npu.load(device_type)
     return npu
@@ -48,15 +55,14 @@ def select(device_type: str, use_kernels: bool = True) -> str:
             module = _load(forced, device_type)
             impl.update({op: getattr(module, op) for op in OPS if hasattr(module, op)})
             name = module.NAME
-    elif use_kernels and device_type in ("cpu", "npu"):
-        kernels = "cpu-compiled" if device_type == "cpu" else "npu"
+    elif use_kernels and device_type in DEVICE_KERNELS:
+        kernels = DEVICE_KERNELS[device_type]
         try:
             module = _load(kernels, device_type)
             impl.update({op: getattr(module, op) for op in OPS if hasattr(module, op)})
             name = module.NAME
         except Exception as e:  # no compiler, no headers, no torch_npu / CANN, ...
-            what = "compiled CPU kernels" if device_type == "cpu" else "torch_npu kernels"
-            logger.warning("ops: %s unavailable (%s: %s); running the pure-torch reference", what,
+            logger.warning("ops: %s unavailable (%s: %s); running the pure-torch reference", _KERNEL_NAMES[kernels],
                            type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
     active.impl, active.name = impl, name
     logger.info("ops: %s implementation for %s", name, device_type)

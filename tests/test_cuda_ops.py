@@ -1,0 +1,309 @@
+"""The CUDA ops (vlinfer/ops/cuda.py) on CPU tensors: dispatch, the Triton cache write under the Triton interpreter,
+the SDPA / matmul attention paths and the flash_attn wiring through an emulated flash_attn (tests/fake_flash_attn.py),
+each against the pure-torch reference over a grid of shapes.
+
+Tolerances: max |ours - reference| / max |reference|, the reference in float32 on the same (rounded) inputs:
+float32 2e-5, bfloat16 2e-2 (the CPU kernel tests' values). Cache writes must be exact.
+"""
+import itertools
+import logging
+import sys
+
+import pytest
+import torch
+
+from fake_flash_attn import FakeFlashError, install, preserve
+from vlinfer.engine import graph_runner
+from vlinfer.ops import cuda, dispatch, reference
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+DTYPES = [torch.float32, torch.bfloat16]
+DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+NUM_KV_HEADS = 2
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def make_batch(q_lens, kv_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, extra_width=1):
+    """Random q, caches with each sequence in scattered blocks, cu_seqlens_q, seq_lens and -1 padded tables."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in kv_lens]
+    num_blocks = sum(blocks) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((len(kv_lens), max(blocks) + extra_width), -1, dtype=torch.int32)
+    for i, n in enumerate(blocks):
+        tables[i, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    return q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), tables
+
+
+def fp32(args):
+    return [a.float() if a.is_floating_point() else a for a in args]
+
+
+def batches(block_size):
+    """Decodes at and across block edges; then prefill from scratch, a chunk after a cached prefix crossing a block
+    edge, a prefix hit of 3 tokens after one full block, and decodes, mixed in one call."""
+    b = block_size
+    return [([1] * 6, [1, b - 1, b, b + 1, 2 * b, 2 * b + 7]),
+            ([7, 1, b + 2, 1, 40, 3], [7, 3 * b, b + 2, b + 1, b + 40, b + 3])]
+
+
+@pytest.fixture
+def sdpa_only(monkeypatch):
+    """cuda.py loaded on CPU tensors with flash_attn absent; the Triton kernel as on this machine (whatever load
+    finds: these tests are about attention)."""
+    preserve(monkeypatch)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn` raises ImportError
+    cuda.load("cpu")
+    assert cuda.features["attention"] == "sdpa"
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    fake = install(monkeypatch)
+    cuda.load("cpu")
+    assert cuda.features["attention"] == "flash_attn"
+    fake.history.clear()  # drop load()'s check
+    return fake
+
+
+# ---- dispatch ----
+
+def test_cuda_device_selects_the_cuda_implementation(monkeypatch, caplog):
+    preserve(monkeypatch)
+    monkeypatch.delenv("VLINFER_OPS", raising=False)
+    loaded = []
+    monkeypatch.setattr(cuda, "load", lambda device_type="cuda": loaded.append(device_type))
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        assert dispatch.select("cuda") == "cuda"
+    assert loaded == ["cuda"]
+    assert "ops: cuda implementation for cuda" in caplog.text
+    for op in ("store_kvcache", "paged_attention", "varlen_attention"):
+        assert dispatch.active.impl[op] is getattr(cuda, op)
+    for op in ("apply_rotary", "rms_norm", "add_rms_norm", "silu_and_mul"):  # cuda.py leaves these on the reference
+        assert dispatch.active.impl[op] is getattr(reference, op)
+
+
+def test_a_failing_cuda_load_falls_back_with_a_warning(monkeypatch, caplog):
+    preserve(monkeypatch)
+    monkeypatch.delenv("VLINFER_OPS", raising=False)
+
+    def broken(device_type="cuda"):
+        raise RuntimeError("no driver")
+    monkeypatch.setattr(cuda, "load", broken)
+    with caplog.at_level(logging.WARNING, logger="vlinfer"):
+        assert dispatch.select("cuda") == "reference"
+    assert "CUDA kernels unavailable (RuntimeError: no driver); running the pure-torch reference" in caplog.text
+
+
+def test_vlinfer_ops_cuda_forces_it_on_cpu_tensors_and_only_there(monkeypatch):
+    preserve(monkeypatch)
+    monkeypatch.setenv("VLINFER_OPS", "cuda")
+    assert dispatch.select("cpu") == "cuda"
+    assert dispatch.active.impl["paged_attention"] is cuda.paged_attention
+    with pytest.raises(RuntimeError, match="not on 'npu'"):
+        dispatch.select("npu")  # a forced implementation that cannot load is an error, not a fallback
+
+
+def test_missing_triton_is_a_warning_and_the_reference_write(monkeypatch, caplog):
+    preserve(monkeypatch)
+    monkeypatch.setitem(sys.modules, "triton", None)  # what `import triton` sees without the package
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        cuda.load("cpu")
+    assert cuda.features["cache_write"] == "reference"
+    assert "Triton KV cache write unavailable (ModuleNotFoundError: import of triton" in caplog.text
+    assert "decode steps cannot run in CUDA graphs" in caplog.text
+    assert "ops[cuda]: cache write reference" in caplog.text
+    # The write still happens, through the reference, padding skipped.
+    key, value = torch.randn(4, 2, 64), torch.randn(4, 2, 64)
+    k_cache, v_cache = torch.zeros(2, 16, 2, 64), torch.zeros(2, 16, 2, 64)
+    cuda.store_kvcache(key, value, k_cache, v_cache, torch.tensor([5, -1, 0, 31]))
+    assert torch.equal(k_cache.view(-1, 2, 64)[[5, 0, 31]], key[[0, 2, 3]])
+    assert k_cache.count_nonzero() == 3 * 2 * 64
+    # And a CUDA device then runs eager: the reference write syncs with the host.
+    dispatch.active.name = "cuda"
+    with caplog.at_level(logging.WARNING, logger="vlinfer"):
+        with pytest.raises(graph_runner.GraphModeUnavailable, match="Triton unavailable"):
+            graph_runner.BACKENDS["cuda"](torch.device("cuda"))
+
+
+def test_flash_attn_absent_is_logged(monkeypatch, caplog):
+    preserve(monkeypatch)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        cuda.load("cpu")
+    assert "flash_attn not installed" in caplog.text
+    assert "attention SDPA (prefill) + sync-free matmul decode" in caplog.text
+
+
+# ---- Triton cache write, under the Triton interpreter ----
+
+@pytest.fixture
+def triton_interpreted(monkeypatch):
+    import triton  # noqa: F401  (a test dependency: a missing one fails here, it is not skipped)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the kernel is decorated, i.e. at load
+    preserve(monkeypatch)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    cuda.load("cpu")
+    assert cuda.features["cache_write"] == "triton", "the Triton kernel failed its load-time check"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("head_dim, num_kv_heads", [(64, 1), (64, 2), (128, 8), (128, 1)])
+def test_triton_cache_write_equals_reference(triton_interpreted, dtype, block_size, head_dim, num_kv_heads):
+    g = torch.Generator().manual_seed(block_size + head_dim + num_kv_heads)
+    num_blocks = 5
+    # A prefill crossing block edges and decodes, as strided views of a fused qkv row, with padding slots.
+    num_tokens = block_size + 9
+    qkv = torch.randn(num_tokens, (4 + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
+    _, key, value = qkv.split([4 * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    key = key.view(num_tokens, num_kv_heads, head_dim)
+    value = value.view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[[0, 5, num_tokens - 1]] = -1
+    caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    reference.store_kvcache(key, value, caches[0], caches[1], slots)
+    cuda.store_kvcache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert caches[2].view(-1, num_kv_heads, head_dim)[slots[slots >= 0]].abs().sum() > 0
+
+
+def test_triton_cache_write_casts_like_the_reference(triton_interpreted):
+    key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 64)  # float32 activations into a bf16 cache
+    ours = [torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2)]
+    ref = [torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2)]
+    slots = torch.tensor([2, 9, -1])
+    cuda.store_kvcache(key, value, *ours, slots)
+    reference.store_kvcache(key, value, *ref, slots)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    with pytest.raises(ValueError, match="do not match"):
+        cuda.store_kvcache(key[:, :1], value, *ours, slots)
+
+
+# ---- attention without flash_attn ----
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 2, 8])
+def test_sdpa_paged_attention_equals_reference(sdpa_only, gqa, head_dim, block_size, dtype):
+    for q_lens, kv_lens in batches(block_size):
+        args = make_batch(q_lens, kv_lens, NUM_KV_HEADS * gqa, NUM_KV_HEADS, head_dim, block_size, dtype)
+        ref = reference.paged_attention(*fp32(args), head_dim ** -0.5)
+        ours = cuda.paged_attention(*args, head_dim ** -0.5)
+        assert ours.dtype == dtype and ours.shape == args[0].shape
+        assert rel_err(ours, ref) < TOL[dtype]
+
+
+def test_decode_attention_takes_no_host_sync():
+    """Meta tensors have no data: .tolist(), .item(), bool(tensor) and data-dependent shapes all raise on them, so
+    a decode step that runs on meta tensors is one a CUDA graph can capture. The mixed path is shown to sync."""
+    args = make_batch([1] * 4, [3, 40, 17, 1], 8, 2, 64, 16, torch.bfloat16, extra_width=3)
+    meta = [a.to("meta") for a in args]
+    out = cuda.paged_attention(*meta, 0.125)
+    assert out.shape == args[0].shape and out.dtype == torch.bfloat16
+    mixed = [a.to("meta") for a in make_batch([3, 1], [3, 40], 8, 2, 64, 16, torch.bfloat16)]
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        cuda.paged_attention(*mixed, 0.125)
+
+
+def test_decode_attention_padding_rows_and_nan_slots():
+    """A graph's padded rows (seq_len 0, table all -1) give zeros, not NaN; NaN in unused slots (an empty pool) and
+    in the -1 padding's block 0 never reaches a real row."""
+    q, k_cache, v_cache, cu, lens, tables = make_batch([1] * 3, [5, 20, 33], 4, 2, 64, 16, torch.float32,
+                                                       extra_width=2)
+    clean = reference.paged_attention(q, k_cache, v_cache, cu, lens, tables, 0.125)
+    used = torch.zeros(k_cache.shape[0], 16, dtype=torch.bool)
+    for row, n in zip(tables, lens.tolist()):
+        for t in range(n):
+            used[row[t // 16], t % 16] = True
+    k_cache[~used], v_cache[~used] = float("nan"), float("nan")
+    q_pad = torch.cat([q, torch.randn(2, 4, 64)])
+    lens_pad = torch.cat([lens, torch.zeros(2, dtype=torch.int32)])
+    tables_pad = torch.cat([tables, torch.full((2, tables.shape[1]), -1, dtype=torch.int32)])
+    out = cuda.decode_attention(q_pad, k_cache, v_cache, lens_pad, tables_pad, 0.125)
+    assert torch.allclose(out[:3], clean, atol=1e-5)
+    assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+
+
+# ---- attention through (emulated) flash_attn ----
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 2, 8])
+def test_flash_paged_attention_equals_reference(fake_flash, gqa, head_dim, dtype):
+    block_size = 256
+    for q_lens, kv_lens in batches(block_size):
+        args = make_batch(q_lens, kv_lens, NUM_KV_HEADS * gqa, NUM_KV_HEADS, head_dim, block_size, dtype)
+        ref = reference.paged_attention(*fp32(args), head_dim ** -0.5)
+        ours = cuda.paged_attention(*args, head_dim ** -0.5)
+        assert rel_err(ours, ref) < TOL[dtype]
+    (decode_fn, decode), (mixed_fn, mixed) = fake_flash.history
+    assert decode_fn == "flash_attn_with_kvcache"
+    assert decode["q_shape"] == (6, 1, NUM_KV_HEADS * gqa, head_dim) and decode["causal"]
+    assert decode["cache_seqlens"] == batches(block_size)[0][1]
+    assert mixed_fn == "flash_attn_varlen_func" and mixed["paged"] and mixed["causal"]
+    kv_lens = batches(block_size)[1][1]
+    assert mixed["cu_seqlens_k"] == [0, *itertools.accumulate(kv_lens)]
+    assert mixed["max_seqlen_q"] == block_size + 2 and mixed["max_seqlen_k"] == max(kv_lens)
+    assert mixed["softmax_scale"] == head_dim ** -0.5
+
+
+def test_flash_host_lengths_are_read_once_per_step(fake_flash, monkeypatch):
+    args = make_batch([5, 1], [300, 9], 4, 2, 64, 256, torch.bfloat16)
+    calls = []
+    original = cuda._paged_meta
+    monkeypatch.setattr(cuda, "_paged_meta", lambda *a: calls.append(1) or original(*a))
+    for _ in range(3):  # three layers of one step: same metadata tensors
+        cuda.paged_attention(*args, 0.125)
+    assert len(calls) == 1
+    cuda.paged_attention(args[0], args[1], args[2], args[3].clone(), args[4], args[5], 0.125)  # the next step
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("block_size, dtype, why", [(16, torch.bfloat16, "not a multiple of 256"),
+                                                    (256, torch.float32, "flash_attn takes float16 / bfloat16")])
+def test_flash_unsupported_cases_run_sdpa_with_a_warning(fake_flash, caplog, block_size, dtype, why):
+    for q_lens, kv_lens in batches(block_size):
+        args = make_batch(q_lens, kv_lens, 4, 2, 64, block_size, dtype)
+        with caplog.at_level(logging.WARNING, logger="vlinfer"):
+            ours = cuda.paged_attention(*args, 0.125)
+        assert rel_err(ours, reference.paged_attention(*fp32(args), 0.125)) < TOL[dtype]
+    assert not fake_flash.history
+    assert caplog.text.count(why) == 1  # once, not per layer or step
+
+
+def test_fake_flash_rejects_what_flash_attn_rejects(fake_flash):
+    """The emulation has teeth: the block-size and dtype constraints the wiring works around are enforced."""
+    q, k_cache, v_cache, cu, lens, tables = make_batch([1, 1], [5, 20], 4, 2, 64, 16, torch.bfloat16)
+    with pytest.raises(FakeFlashError, match="multiple of 256"):
+        fake_flash.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=lens, block_table=tables)
+    with pytest.raises(FakeFlashError, match="int32"):
+        q, k_cache, v_cache, cu, lens, tables = make_batch([1, 1], [5, 20], 4, 2, 64, 256, torch.bfloat16)
+        fake_flash.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=lens.long(),
+                                           block_table=tables)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_attention_equals_reference(fake_flash, dtype, head_dim):
+    g = torch.Generator().manual_seed(3)
+    seg = [16, 64, 3, 100]
+    q, k, v = (torch.randn(sum(seg), 4, head_dim, generator=g).to(dtype) for _ in range(3))
+    cu = torch.tensor([0, *itertools.accumulate(seg)], dtype=torch.int32)
+    ours = cuda.varlen_attention(q, k, v, cu, head_dim ** -0.5)
+    ref = reference.varlen_attention(q.float(), k.float(), v.float(), cu, head_dim ** -0.5)
+    assert rel_err(ours, ref) < TOL[dtype]
+    if dtype == torch.float32:
+        assert not fake_flash.history  # flash_attn takes half types: the reference ran
+    else:
+        (fn, kw), = fake_flash.history
+        assert fn == "flash_attn_varlen_func" and not kw["causal"] and not kw["paged"]
+        assert kw["max_seqlen_q"] == 100

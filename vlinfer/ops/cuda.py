@@ -1,0 +1,266 @@
+"""CUDA implementation of the attention ops: our Triton KV cache write (kernels/triton/store_kvcache.py),
+FlashAttention's varlen and paged-KV calls where `flash_attn` is installed, torch SDPA / matmuls otherwise. Rotary,
+norms and SwiGLU stay on the pure-torch reference, which on CUDA is a handful of elementwise kernels.
+
+- Block size: flash_attn's paged KV cache (`block_table`) needs a page block size that is a multiple of 256 (its
+  documented constraint for flash_attn_with_kvcache and the paged flash_attn_varlen_func, flash-attn 2.x).
+  platform.default_block_size picks 256 on CUDA when flash_attn is installed; with another block size, or a float32
+  model (flash_attn takes fp16/bf16), attention runs the SDPA path instead, logged once.
+- Graph safety: a decode-only batch is recognised from shapes alone (T == B: every sequence brings one token, none
+  brings zero), and its attention takes no device->host sync and no data-dependent shape: flash_attn_with_kvcache
+  with cache_seqlens and the block table, or a matmul over the block table's whole width masked by seq_lens. With
+  the Triton cache write, a decode step can therefore be captured in a CUDA graph (vlinfer/engine/graph_runner.py).
+  Prefill and mixed steps read host lengths (max_seqlen_q/k) once per step and run eager.
+- Triton missing or failing on this machine: a warning, and the reference cache write (which syncs: no graphs).
+
+Nothing here has run on a GPU yet; tests/test_cuda_ops.py runs it on CPU tensors with the Triton kernel under the
+Triton interpreter and an emulated flash_attn (tests/fake_flash_attn.py).
+"""
+import importlib.util
+import logging
+import os
+
+import torch
+
+from vlinfer.ops import reference
+
+logger = logging.getLogger("vlinfer")
+NAME = "cuda"
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_BLOCK_MULTIPLE = 256  # flash_attn's paged KV: page_block_size % 256 == 0
+KERNEL_SOURCE = os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "triton", "store_kvcache.py")
+
+# What load() found: "cache_write" ("triton" or "reference") and "attention" ("flash_attn" or "sdpa").
+features: dict = {}
+_triton_store = None
+_flash = None
+_warned: set = set()
+
+
+def load(device_type: str = "cuda"):
+    """Load the Triton cache write and flash_attn, each checked on a tiny problem against the reference. Raises on
+    a device these ops cannot serve; a missing or broken Triton or flash_attn is logged, not raised."""
+    global _triton_store, _flash
+    if device_type not in ("cuda", "cpu"):  # CPU tensors only for tests (VLINFER_OPS=cuda)
+        raise RuntimeError(f"the CUDA ops run on CUDA devices (or CPU tensors, for tests), not on {device_type!r}")
+    features.clear()
+    _warned.clear()
+    _step.reset()
+    _triton_store = _flash = None
+    device = torch.device(device_type)
+
+    try:
+        store = load_triton_kernel().store_kvcache
+        _check_cache_write(store, device)
+        _triton_store = store
+        features["cache_write"] = "triton"
+    except Exception as e:  # triton not installed, no driver / ptxas, a kernel that compiles wrong, ...
+        features["cache_write"] = "reference"
+        logger.warning("ops[cuda]: Triton KV cache write unavailable (%s); writing the cache with the pure-torch "
+                       "reference, which syncs with the host, so decode steps cannot run in CUDA graphs",
+                       _reason(e))
+
+    try:
+        import flash_attn
+        _flash = flash_attn  # the check runs the real call paths, which read it
+        _check_flash(flash_attn, device)
+        features["attention"] = "flash_attn"
+    except ImportError as e:
+        _flash = None
+        features["attention"] = "sdpa"
+        logger.info("ops[cuda]: flash_attn not installed (%s); attention runs torch SDPA and matmuls", _reason(e))
+    except Exception as e:  # built for another torch or GPU architecture, ...
+        _flash = None
+        features["attention"] = "sdpa"
+        logger.warning("ops[cuda]: flash_attn failed its check (%s); attention runs torch SDPA and matmuls",
+                       _reason(e))
+    logger.info("ops[cuda]: cache write %s; attention %s", features["cache_write"],
+                f"flash_attn {getattr(_flash, '__version__', '')} (paged: block sizes that are multiples of "
+                f"{FLASH_BLOCK_MULTIPLE}; others and float32 run SDPA)" if _flash is not None
+                else "SDPA (prefill) + sync-free matmul decode over the block table")
+    return features
+
+
+def _reason(e: Exception) -> str:
+    text = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def load_triton_kernel():
+    """kernels/triton/store_kvcache.py as a module, loaded by file path under a private name (not `kernels`).
+    Loaded afresh each call: triton reads TRITON_INTERPRET when the kernel is decorated."""
+    source = os.path.abspath(KERNEL_SOURCE)
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"kernel source {source} is missing (vlinfer must run from its source tree)")
+    spec = importlib.util.spec_from_file_location("_vlinfer_triton_store_kvcache", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_cache_write(store, device: torch.device) -> None:
+    """One small write (two KV heads, a padding slot) compared with the reference: surfaces a Triton that cannot
+    compile here now, not mid-request."""
+    g = torch.Generator().manual_seed(0)
+    key = torch.randn(5, 2, 64, generator=g).to(device)
+    value = torch.randn(5, 2, 64, generator=g).to(device)
+    slots = torch.tensor([3, -1, 17, 0, 30], device=device)
+    ours = [torch.zeros(2, 16, 2, 64, device=device) for _ in range(2)]
+    ref = [torch.zeros(2, 16, 2, 64, device=device) for _ in range(2)]
+    store(key, value, ours[0], ours[1], slots)
+    reference.store_kvcache(key, value, ref[0], ref[1], slots)
+    if not (torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])):
+        raise RuntimeError("the Triton cache write did not match the reference")
+
+
+def _check_flash(flash_attn, device: torch.device) -> None:
+    """A decode and a prefill chunk after a cached prefix over a 256-token paged cache, against the reference."""
+    for name in ("flash_attn_varlen_func", "flash_attn_with_kvcache"):
+        if not hasattr(flash_attn, name):
+            raise RuntimeError(f"flash_attn {getattr(flash_attn, '__version__', '?')} has no {name}")
+    dtype = torch.float16
+    if device.type != "cuda" or torch.cuda.is_bf16_supported():
+        dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    bs = FLASH_BLOCK_MULTIPLE
+    k_cache = torch.randn(3, bs, 1, 64, generator=g).to(device, dtype)
+    v_cache = torch.randn(3, bs, 1, 64, generator=g).to(device, dtype)
+    tables = torch.tensor([[2, 0], [1, -1]], dtype=torch.int32, device=device)
+    q = torch.randn(4, 2, 64, generator=g).to(device, dtype)
+    cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
+    lens = torch.tensor([300, 5], dtype=torch.int32, device=device)
+    ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, lens, tables, 0.125)
+    mixed = _flash_varlen(q, k_cache, v_cache, cu, lens, tables, 0.125)
+    decode = _flash_decode(q[:2], k_cache, v_cache, lens, tables, 0.125)
+    cu_decode = torch.arange(3, dtype=torch.int32, device=device)
+    ref_decode = reference.paged_attention(q[:2].float(), k_cache.float(), v_cache.float(), cu_decode, lens, tables,
+                                           0.125)
+    for ours, expected in ((mixed, ref), (decode, ref_decode)):
+        err = ((ours.float() - expected).abs().max() / expected.abs().max()).item()
+        if not err < 2e-2:
+            raise RuntimeError(f"flash_attn is off from the reference by {err:.3g}")
+
+
+# ---- per-step host metadata ----
+
+class _PerStep:
+    """Host values derived from one step's metadata tensors, rebuilt only when different tensor objects come in:
+    every layer of a step passes the same ForwardContext tensors, and the model runner builds new ones each step."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self._key, self._value = (), None
+
+    def get(self, build, *tensors):
+        if len(tensors) != len(self._key) or any(a is not b for a, b in zip(tensors, self._key)):
+            self._value = build(*tensors)
+            self._key = tensors
+        return self._value
+
+
+_step, _varlen_step = _PerStep(), _PerStep()
+
+
+def _paged_meta(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor):
+    """flash_attn_varlen_func's cu_seqlens_k (int32, on the device) and host max_seqlen_q / max_seqlen_k: one sync
+    per step, not per layer."""
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    cu_k = torch.nn.functional.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    max_q, max_k = torch.stack([q_lens.max(), seq_lens.max()]).tolist()
+    return cu_k, int(max_q), int(max_k)
+
+
+# ---- KV cache write ----
+
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
+    if _triton_store is None:  # warned at load
+        return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    _triton_store(key, value, k_cache, v_cache, slot_mapping)
+
+
+# ---- paged attention ----
+
+def _flash_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    if _flash is None:
+        return False
+    block_size = k_cache.shape[1]
+    why = None
+    if block_size % FLASH_BLOCK_MULTIPLE:
+        why = (f"kvcache_block_size={block_size} is not a multiple of {FLASH_BLOCK_MULTIPLE} (flash_attn's paged KV "
+               f"cache needs it; kvcache_block_size=None picks 256)")
+    elif q.dtype not in HALF_DTYPES or k_cache.dtype != q.dtype:
+        why = f"flash_attn takes float16 / bfloat16, the model runs {q.dtype}"
+    if why is None:
+        return True
+    if why not in _warned:
+        _warned.add(why)
+        logger.warning("ops[cuda]: paged attention runs SDPA, not flash_attn: %s", why)
+    return False
+
+
+def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+    # T == B: each sequence brings exactly one token. Shapes alone decide it, so the decode branch stays sync-free.
+    decode_only = q.shape[0] == seq_lens.shape[0]
+    if _flash_usable(q, k_cache):
+        if decode_only:
+            return _flash_decode(q, k_cache, v_cache, seq_lens, block_tables, scale)
+        return _flash_varlen(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    if decode_only:
+        return decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale)
+    return reference.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+
+
+def _flash_decode(q, k_cache, v_cache, seq_lens, block_tables, scale):
+    """One query per sequence as flash_attn_with_kvcache's [B, 1, heads, D] over the paged cache. Only the first
+    ceil(seq_len / block_size) block ids of each row are read, so the -1 padding (and a CUDA graph's empty rows,
+    seq_len 0, whose output is zero) is never dereferenced."""
+    out = _flash.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seq_lens.to(torch.int32),
+                                         block_table=block_tables.to(torch.int32), softmax_scale=scale, causal=True)
+    return out.squeeze(1)
+
+
+def _flash_varlen(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+    """Prefill chunks, prefix hits and decodes in one call: flash_attn's causal mask is bottom-right aligned, which
+    is the reference's "a chunk's queries are its sequence's last tokens"."""
+    cu_k, max_q, max_k = _step.get(_paged_meta, cu_seqlens_q, seq_lens)
+    return _flash.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q.to(torch.int32), cu_k, max_q, max_k,
+                                         softmax_scale=scale, causal=True, block_table=block_tables.to(torch.int32))
+
+
+def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale):
+    """q [B, heads, D], one query per sequence, over the block table's whole width [B, W] masked by seq_lens: fixed
+    shapes and no host sync, so a CUDA graph can capture it. Softmax in float32, as the reference.
+
+    Costs a gather of B * W * block_size keys and values; the graph runner bounds W (graph_runner.MAX_CAPTURE_LEN).
+    Masked scores take float32's lowest value rather than -inf, so a row with no keys (seq_len 0: a padded row of a
+    graph's batch) gives zeros instead of NaN; for any other row those weights are exactly zero either way."""
+    b, width = block_tables.shape
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    length = width * k_cache.shape[1]
+    flat = block_tables.clamp_min(0).flatten().to(torch.long)  # -1 padding reads block 0, masked below
+    k = k_cache.index_select(0, flat).view(b, length, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(b, length, num_kv_heads, head_dim).transpose(1, 2)
+    beyond = torch.arange(length, device=q.device)[None, :] >= seq_lens[:, None]
+    # Slots past a sequence's length may hold uninitialized memory (NaN), and 0 * NaN is NaN: zero them.
+    v = v.masked_fill(beyond[:, None, :, None], 0)
+    qd = q.reshape(b, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qd, k.transpose(-1, -2)).float().mul_(scale)
+    scores.masked_fill_(beyond[:, None, None, :], torch.finfo(torch.float32).min)
+    o = torch.matmul(scores.softmax(-1).to(v.dtype), v)
+    return o.reshape(b, num_kv_heads * group, head_dim)
+
+
+# ---- vision tower attention ----
+
+def varlen_attention(q, k, v, cu_seqlens, scale):
+    """Bidirectional attention within each packed segment: flash_attn_varlen_func (causal=False) when installed and
+    the dtype is half, else the reference (SDPA per segment)."""
+    if _flash is None or q.dtype not in HALF_DTYPES:
+        return reference.varlen_attention(q, k, v, cu_seqlens, scale)
+    cu = cu_seqlens.to(torch.int32)
+    max_len = _varlen_step.get(lambda c: int((c[1:] - c[:-1]).max().item()), cu_seqlens)
+    return _flash.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=False)
