@@ -114,6 +114,7 @@ class LLMEngine:
                                         self.driver)
         num_blocks = self.model_runner.num_blocks_for_budget(self.max_model_len)
         self.model_runner.allocate_kv_cache(num_blocks)
+        self.model_runner.capture_graphs(self.max_model_len)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB%s, %d tokens)", num_blocks, config.kvcache_block_size,
                     num_blocks * self.model_runner.bytes_per_block / 2 ** 20,
                     " per rank" if self.driver is not None else "", num_blocks * config.kvcache_block_size)

@@ -13,6 +13,7 @@ import torch
 
 from vlinfer import model_loader, platform
 from vlinfer.config import EngineConfig
+from vlinfer.engine import graph_runner
 from vlinfer.engine.encoder_cache import EncoderCache
 from vlinfer.engine.scheduler import SchedulerOutput
 from vlinfer.engine.sequence import Sequence
@@ -82,10 +83,9 @@ class ModelRunner:
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
-        if device.type != "cpu" or config.enforce_eager:
-            logger.info("graph mode: not implemented for %s yet, running eager", device.type)
-        else:
-            logger.info("graph mode: none on cpu, running eager")
+        # Decode steps replay captured graphs once capture_graphs() has run (after the KV pool exists); None: eager.
+        self.graph_backend = graph_runner.select_backend(config, device)
+        self.graphs: graph_runner.GraphRunner | None = None
 
     @property
     def bytes_per_block(self) -> int:
@@ -130,6 +130,7 @@ class ModelRunner:
         KV heads only. kv_cache_bytes and memory budgets are per rank."""
         if self.driver is not None:
             self.driver.call("allocate_kv_cache", num_blocks)
+        self.graphs = None  # captured over the old pool's addresses
         # Drop an old pool (the profiling one), views included, before the new one is made.
         self.kv_cache = None
         for layer in self.attention_layers:
@@ -141,6 +142,21 @@ class ModelRunner:
                                     self.head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def capture_graphs(self, max_model_len: int) -> None:
+        """Capture the decode graphs over the current KV pool, when this engine runs graph mode."""
+        if self.graph_backend is None:
+            return
+        sizes = graph_runner.batch_sizes(self.config.max_num_seqs)
+        graphs = graph_runner.GraphRunner(self.model, self.device, self.graph_backend, sizes,
+                                          graph_runner.blocks_for(max_model_len, self.block_size), self.uses_mrope)
+        try:
+            graphs.capture()
+        except Exception as e:  # out of memory after the KV pool, an op that syncs, ...
+            logger.warning("graph mode: capture failed (%s: %s), running eager", type(e).__name__,
+                           str(e).splitlines()[0][:200] if str(e) else "")
+            return
+        self.graphs = graphs
 
     def _positions(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         if not self.uses_mrope:
@@ -235,16 +251,19 @@ class ModelRunner:
         """The model on this rank's shard: hidden states, then logits of the wanted rows (None if none wanted).
         Every rank runs it on the same inputs; the layers' collectives keep them in step."""
         dev = self.device
-        ctx = ForwardContext(
-            slot_mapping=inputs.slot_mapping.to(dev),
-            cu_seqlens_q=inputs.cu_seqlens_q.to(dev),
-            seq_lens=inputs.seq_lens.to(dev),
-            block_tables=inputs.block_tables.to(dev),
-            decode_only=inputs.decode_only,
-        )
-        mm_inputs = {k: v.to(dev) for k, v in inputs.mm_inputs.items()}
-        with forward_context(ctx):
-            hidden_states = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), **mm_inputs)
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            hidden_states = self.graphs.run(inputs)
+        else:
+            ctx = ForwardContext(
+                slot_mapping=inputs.slot_mapping.to(dev),
+                cu_seqlens_q=inputs.cu_seqlens_q.to(dev),
+                seq_lens=inputs.seq_lens.to(dev),
+                block_tables=inputs.block_tables.to(dev),
+                decode_only=inputs.decode_only,
+            )
+            mm_inputs = {k: v.to(dev) for k, v in inputs.mm_inputs.items()}
+            with forward_context(ctx):
+                hidden_states = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), **mm_inputs)
         if not inputs.compute_logits:
             return None
         if inputs.logits_indices is not None:

@@ -61,7 +61,7 @@ def mrope_positions(input_ids, image_grid_thw, image_token_id: int, vision_start
 
 
 @lru_cache(maxsize=16)
-def _interleave_rows(mrope_section: tuple[int, ...], half: int) -> torch.Tensor:
+def _interleave_rows(mrope_section: tuple[int, ...], half: int, device: torch.device) -> torch.Tensor:
     """Which position row (0=t, 1=h, 2=w) drives each of the head_dim/2 frequencies.
 
     Interleaved MRoPE: frequency j uses row j % 3 while that row still has budget (h: first 3*section[1] slots,
@@ -69,7 +69,9 @@ def _interleave_rows(mrope_section: tuple[int, ...], half: int) -> torch.Tensor:
     rows = torch.zeros(half, dtype=torch.long)
     for dim in (1, 2):
         rows[dim:mrope_section[dim] * 3:3] = dim
-    return rows
+    # Cached on the device: a host->device copy per forward would be a sync, and is not allowed while a CUDA
+    # graph captures the decode step.
+    return rows.to(device)
 
 
 def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section, attention_scaling: float,
@@ -83,7 +85,7 @@ def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section
     if positions.dim() == 1:
         positions = positions[None]
     half = inv_freq.shape[0]
-    rows = _interleave_rows(tuple(int(s) for s in mrope_section), half).to(positions.device)
+    rows = _interleave_rows(tuple(int(s) for s in mrope_section), half, positions.device)
     if positions.shape[0] == 1:
         rows = torch.zeros_like(rows)
     # [T, half]: row rows[j] of the position ids, times inv_freq[j].

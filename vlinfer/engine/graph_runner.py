@@ -1,0 +1,172 @@
+"""Decode steps replayed from captured graphs (CUDA graphs on CUDA), behind EngineConfig.enforce_eager=False.
+
+A decode-only step's shapes depend only on its batch size, so the model's forward is captured once per bucket of
+batch sizes (1, 2, 4, 8, 16, ..., up to max_num_seqs, at most MAX_BUCKET) over static input buffers. A step copies
+its inputs into the buffers, pads up to the smallest bucket that holds it and replays; padded rows write nothing
+(slot -1) and attend to nothing (length 0), and their hidden states are cut off. Logits and sampling run eager on
+the real rows. Prefill and mixed steps, steps carrying image embeddings, batches above the largest bucket and
+contexts longer than the captured block-table width run eager.
+
+How a graph is captured and replayed is a backend, picked by device type from BACKENDS: CUDA's records the forward
+with torch.cuda.CUDAGraph. Buckets, buffers and padding do not depend on it, so tests run them on CPU with a backend
+whose "graph" re-runs the recorded callable on the static buffers (tests/test_graph_runner.py).
+
+Graph mode stays off under tensor parallelism: every rank would have to capture and replay in lock step with the
+collectives inside the graph, which is not done yet.
+"""
+import functools
+import logging
+import math
+import time
+from collections import Counter
+
+import torch
+
+from vlinfer.layers import ForwardContext, forward_context
+
+logger = logging.getLogger("vlinfer")
+
+MAX_BUCKET = 256
+# Longest context a captured graph serves. The block tables are static [bucket, width]; the SDPA decode path
+# (no flash_attn) gathers the whole width, so the width bounds the memory a replay needs. Longer steps run eager.
+MAX_CAPTURE_LEN = 8192
+
+
+class GraphModeUnavailable(RuntimeError):
+    """This device has a graph backend, but it cannot be used here (the reason is logged)."""
+
+
+class CudaGraphBackend:
+    name = "CUDA graphs"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = None  # one memory pool shared by every bucket's graph (they never replay at once)
+
+    def capture(self, fn):
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        torch.cuda.synchronize(self.device)
+        return _CudaGraph(graph, output)
+
+
+class _CudaGraph:
+    def __init__(self, graph, output: torch.Tensor):
+        self.graph, self.output = graph, output
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output  # the static output: read it before the next replay
+
+
+def _cuda_backend(device: torch.device) -> CudaGraphBackend:
+    """CUDA graphs need every op in the decode step to be free of host syncs: our CUDA ops with the Triton cache
+    write (vlinfer/ops/cuda.py). The reference ops read lengths on the host (.tolist()) and cannot be captured."""
+    from vlinfer.ops import cuda, dispatch
+    if dispatch.active.name != cuda.NAME:
+        raise GraphModeUnavailable(f"the {dispatch.active.name} ops read sequence lengths on the host")
+    if cuda.features.get("cache_write") != "triton":
+        raise GraphModeUnavailable("the KV cache write is the pure-torch reference (Triton unavailable), which "
+                                   "syncs with the host")
+    return CudaGraphBackend(device)
+
+
+# Device type -> factory(device) returning a backend with capture(fn) -> object with replay() -> hidden states.
+BACKENDS = {"cuda": _cuda_backend}
+
+
+def batch_sizes(max_num_seqs: int) -> list[int]:
+    """Powers of two below the largest batch, then the largest batch itself: min(max_num_seqs, MAX_BUCKET)."""
+    top = min(max_num_seqs, MAX_BUCKET)
+    sizes = [1 << i for i in range(top.bit_length()) if 1 << i < top]
+    return sizes + [top]
+
+
+def select_backend(config, device: torch.device):
+    """The graph backend for this engine, or None to run eager; logs which graph mode runs and why."""
+    if config.enforce_eager:
+        logger.info("graph mode: off (enforce_eager=True), running eager")
+        return None
+    if device.type not in BACKENDS:
+        if device.type == "cpu":
+            logger.info("graph mode: none on cpu, running eager")
+        else:
+            logger.info("graph mode: not implemented for %s yet, running eager", device.type)
+        return None
+    if config.tensor_parallel_size > 1:
+        logger.info("graph mode: off under tensor parallelism (%d ranks), running eager",
+                    config.tensor_parallel_size)
+        return None
+    try:
+        return BACKENDS[device.type](device)
+    except GraphModeUnavailable as e:
+        logger.warning("graph mode: graphs unavailable on %s (%s), running eager", device.type, e)
+        return None
+
+
+class GraphRunner:
+    """Captured decode forwards, one per bucket, over one set of static buffers sized for the largest bucket."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, backend, sizes: list[int], max_blocks: int,
+                 uses_mrope: bool):
+        self.model, self.backend, self.sizes, self.max_blocks = model, backend, sizes, max_blocks
+        n = sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros((3, n) if uses_mrope else (n,), dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per row, always
+        self.block_tables = torch.full((n, max_blocks), -1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, object] = {}
+        self.replays = Counter()  # bucket -> replays (tests, logs)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        ctx = ForwardContext(slot_mapping=self.slot_mapping[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
+                             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], decode_only=True)
+        with forward_context(ctx):
+            return self.model(self.input_ids[:size], self.positions[..., :size])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        for size in reversed(self.sizes):  # largest first: the smaller graphs fit in the memory it pooled
+            fn = functools.partial(self._forward, size)
+            # Warm-up outside capture, on all-padding buffers (nothing is written): Triton compiles, lazy
+            # allocations (cuBLAS workspaces) and one-time host work happen here, not in the graph.
+            fn()
+            self.graphs[size] = self.backend.capture(fn)
+        logger.info("graph mode: %s for decode at batch sizes %s, contexts up to %d blocks (captured in %.1fs)",
+                    self.backend.name, self.sizes, self.max_blocks, time.perf_counter() - start)
+
+    def can_run(self, inputs) -> bool:
+        return (inputs.decode_only and not inputs.mm_inputs and inputs.input_ids.shape[0] <= self.sizes[-1]
+                and inputs.block_tables.shape[1] <= self.max_blocks
+                and inputs.positions.dim() == self.positions.dim())
+
+    def run(self, inputs) -> torch.Tensor:
+        """Hidden states [B, hidden] of a decode-only step (can_run), from the smallest bucket that holds it."""
+        b = inputs.input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= b)
+        self.input_ids[:b].copy_(inputs.input_ids)
+        self.input_ids[b:size].zero_()
+        self.positions[..., :b].copy_(inputs.positions)
+        self.positions[..., b:size].zero_()
+        self.slot_mapping[:b].copy_(inputs.slot_mapping)
+        self.slot_mapping[b:size].fill_(-1)  # padded rows write no KV
+        self.seq_lens[:b].copy_(inputs.seq_lens)
+        self.seq_lens[b:size].zero_()  # ... and attend to nothing
+        width = inputs.block_tables.shape[1]
+        self.block_tables[:size].fill_(-1)
+        self.block_tables[:b, :width].copy_(inputs.block_tables)
+        hidden_states = self.graphs[size].replay()
+        self.replays[size] += 1
+        return hidden_states[:b]
+
+
+def blocks_for(max_model_len: int, block_size: int) -> int:
+    """Static block-table width of the captured graphs."""
+    return math.ceil(min(max_model_len, MAX_CAPTURE_LEN) / block_size)
