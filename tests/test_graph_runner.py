@@ -228,3 +228,16 @@ def test_qwen3_vl_graph_mode_equals_eager(cpu_graphs, vl_checkpoint, monkeypatch
     assert any(b < size for b, size in seen), "no padded replay"
     assert len({size for _, size in seen}) >= 2
     assert_block_pool_empty(llm)
+
+
+def test_block_table_width_is_bounded_unless_attention_reads_only_used_blocks(monkeypatch):
+    from vlinfer.ops import cuda
+    assert graph_runner.blocks_for(ReplayBackend("cpu"), 512, 16, torch.float32) == 32
+    assert graph_runner.blocks_for(ReplayBackend("cpu"), 100_000, 16, torch.float32) == 8192 // 16
+    backend = graph_runner.CudaGraphBackend(torch.device("cuda"))
+    monkeypatch.setattr(cuda, "_flash", object())  # flash_attn present: decode reads only each sequence's blocks
+    assert graph_runner.blocks_for(backend, 100_000, 256, torch.bfloat16) == -(-100_000 // 256)
+    assert graph_runner.blocks_for(backend, 100_000, 16, torch.bfloat16) == 8192 // 16  # SDPA: block size
+    assert graph_runner.blocks_for(backend, 100_000, 256, torch.float32) == 8192 // 256  # SDPA: dtype
+    monkeypatch.setattr(cuda, "_flash", None)
+    assert graph_runner.blocks_for(backend, 100_000, 256, torch.bfloat16) == 8192 // 256

@@ -27,8 +27,9 @@ from vlinfer.layers import ForwardContext, forward_context
 logger = logging.getLogger("vlinfer")
 
 MAX_BUCKET = 256
-# Longest context a captured graph serves. The block tables are static [bucket, width]; the SDPA decode path
-# (no flash_attn) gathers the whole width, so the width bounds the memory a replay needs. Longer steps run eager.
+# Longest context a captured graph serves when its decode attention gathers the block table's whole width (the
+# SDPA path, without flash_attn): the static width then bounds the memory a replay needs. Longer steps run eager.
+# flash_attn reads only each sequence's own blocks, so with it the graphs serve up to max_model_len.
 MAX_CAPTURE_LEN = 8192
 
 
@@ -42,6 +43,10 @@ class CudaGraphBackend:
     def __init__(self, device: torch.device):
         self.device = device
         self.pool = None  # one memory pool shared by every bucket's graph (they never replay at once)
+
+    def reads_only_used_blocks(self, block_size: int, dtype: torch.dtype) -> bool:
+        from vlinfer.ops import cuda
+        return cuda.flash_decode_applies(block_size, dtype)
 
     def capture(self, fn):
         torch.cuda.synchronize(self.device)
@@ -167,6 +172,9 @@ class GraphRunner:
         return hidden_states[:b]
 
 
-def blocks_for(max_model_len: int, block_size: int) -> int:
+def blocks_for(backend, max_model_len: int, block_size: int, dtype: torch.dtype) -> int:
     """Static block-table width of the captured graphs."""
-    return math.ceil(min(max_model_len, MAX_CAPTURE_LEN) / block_size)
+    reads_only_used = getattr(backend, "reads_only_used_blocks", None)
+    if reads_only_used is None or not reads_only_used(block_size, dtype):
+        max_model_len = min(max_model_len, MAX_CAPTURE_LEN)
+    return math.ceil(max_model_len / block_size)

@@ -148,8 +148,8 @@ class ModelRunner:
         if self.graph_backend is None:
             return
         sizes = graph_runner.batch_sizes(self.config.max_num_seqs)
-        graphs = graph_runner.GraphRunner(self.model, self.device, self.graph_backend, sizes,
-                                          graph_runner.blocks_for(max_model_len, self.block_size), self.uses_mrope)
+        width = graph_runner.blocks_for(self.graph_backend, max_model_len, self.block_size, self.dtype)
+        graphs = graph_runner.GraphRunner(self.model, self.device, self.graph_backend, sizes, width, self.uses_mrope)
         try:
             graphs.capture()
         except Exception as e:  # out of memory after the KV pool, an op that syncs, ...

@@ -183,6 +183,12 @@ def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
 
 # ---- paged attention ----
 
+def flash_decode_applies(block_size: int, dtype: torch.dtype) -> bool:
+    """Whether decode attention runs flash_attn (reading only each sequence's blocks) rather than the matmul over
+    the block table's whole width."""
+    return _flash is not None and block_size % FLASH_BLOCK_MULTIPLE == 0 and dtype in HALF_DTYPES
+
+
 def _flash_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     if _flash is None:
         return False
