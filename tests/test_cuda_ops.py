@@ -307,3 +307,12 @@ def test_varlen_attention_equals_reference(fake_flash, dtype, head_dim):
         (fn, kw), = fake_flash.history
         assert fn == "flash_attn_varlen_func" and not kw["causal"] and not kw["paged"]
         assert kw["max_seqlen_q"] == 100
+
+
+def test_a_broken_flash_attn_is_a_warning(monkeypatch, caplog):
+    fake = install(monkeypatch)
+    monkeypatch.setattr(fake, "flash_attn_with_kvcache", lambda *a, **k: torch.zeros(2, 1, 2, 64))  # wrong results
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        cuda.load("cpu")
+    assert cuda.features["attention"] == "sdpa" and cuda._flash is None
+    assert "flash_attn unusable (RuntimeError: flash_attn is off from the reference" in caplog.text

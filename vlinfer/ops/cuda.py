@@ -66,15 +66,13 @@ def load(device_type: str = "cuda"):
         _flash = flash_attn  # the check runs the real call paths, which read it
         _check_flash(flash_attn, device)
         features["attention"] = "flash_attn"
-    except ImportError as e:
+    except Exception as e:
         _flash = None
         features["attention"] = "sdpa"
-        logger.info("ops[cuda]: flash_attn not installed (%s); attention runs torch SDPA and matmuls", _reason(e))
-    except Exception as e:  # built for another torch or GPU architecture, ...
-        _flash = None
-        features["attention"] = "sdpa"
-        logger.warning("ops[cuda]: flash_attn failed its check (%s); attention runs torch SDPA and matmuls",
-                       _reason(e))
+        if isinstance(e, ModuleNotFoundError) and e.name == "flash_attn":
+            logger.info("ops[cuda]: flash_attn not installed; attention runs torch SDPA and matmuls")
+        else:  # installed but broken: built for another torch or GPU, a missing dependency, wrong results, ...
+            logger.warning("ops[cuda]: flash_attn unusable (%s); attention runs torch SDPA and matmuls", _reason(e))
     logger.info("ops[cuda]: cache write %s; attention %s", features["cache_write"],
                 f"flash_attn {getattr(_flash, '__version__', '')} (paged: block sizes that are multiples of "
                 f"{FLASH_BLOCK_MULTIPLE}; others and float32 run SDPA)" if _flash is not None
