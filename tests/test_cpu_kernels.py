@@ -91,6 +91,45 @@ def test_rotary_in_place(dtype, head_dim):
     assert rel_err(ours_q, ref_q) < TOL[dtype] and rel_err(ours_k, ref_k) < TOL[dtype]
 
 
+NORM_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # max abs error relative to max |reference|
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("hidden", [64, 128, 576, 2048])
+def test_norms_and_activation(dtype, hidden):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(33, hidden, generator=g) * 4).to(dtype)
+    residual = torch.randn(33, hidden, generator=g).to(dtype)
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    assert rel_err(cpu.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6)) < NORM_TOL[dtype]
+    (out, res), (ref_out, ref_res) = (cpu.add_rms_norm(x, residual, weight, 1e-6),
+                                      reference.add_rms_norm(x, residual, weight, 1e-6))
+    assert torch.equal(res, ref_res)  # the residual stream is one rounded add, bit for bit
+    assert rel_err(out, ref_out) < NORM_TOL[dtype]
+    # bf16: the kernel keeps the reference's rounding points, so almost every element is bit-identical.
+    assert (out != ref_out).float().mean() < (0.01 if dtype == torch.bfloat16 else 1.0)
+    gate_up = (torch.randn(33, 2 * hidden, generator=g) * 3).to(dtype)
+    assert rel_err(cpu.silu_and_mul(gate_up), reference.silu_and_mul(gate_up)) < NORM_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_per_head_rms_norm_on_strided_views(dtype, head_dim):
+    """Qwen3's q/k norm: RMSNorm over each head of a strided view into the fused qkv output."""
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(21, (8 + 2 * 2) * head_dim, generator=g).to(dtype)
+    q = qkv[:, :8 * head_dim].view(21, 8, head_dim)
+    weight = (torch.rand(head_dim, generator=g) + 0.5).to(dtype)
+    assert not q.is_contiguous()
+    assert rel_err(cpu.rms_norm(q, weight, 1e-6), reference.rms_norm(q, weight, 1e-6)) < NORM_TOL[dtype]
+
+
+def test_norm_with_weight_in_another_dtype_keeps_the_reference_promotion():
+    x, weight = torch.randn(5, 64).bfloat16(), torch.rand(64)
+    out = cpu.rms_norm(x, weight, 1e-6)
+    assert out.dtype == torch.float32 and torch.equal(out, reference.rms_norm(x, weight, 1e-6))
+
+
 def test_bad_calls_are_rejected():
     q, k_cache, v_cache, cu, lens, tables = make_batch([1], [5], 4, 2, 64, 16, torch.float32)
     with pytest.raises(RuntimeError, match="int32"):

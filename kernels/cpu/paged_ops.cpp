@@ -1,4 +1,5 @@
-// CPU kernels for the engine's hot ops: paged decode attention, the paged KV-cache write and in-place rotary.
+// CPU kernels for the engine's hot ops: paged decode attention, the paged KV-cache write, in-place rotary, RMSNorm
+// (plain and fused with the residual add) and SiLU-and-multiply.
 // bfloat16 / float32 storage, float32 accumulation, OpenMP over independent (sequence, head) pairs.
 // Semantics are defined by vlinfer/ops/reference.py; tests compare against it.
 #include <torch/extension.h>
@@ -168,10 +169,137 @@ void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin)
   });
 }
 
+// ---- Norms and the gated activation, one pass each. The reference's rounding points are kept: in bfloat16 the
+// normalized value is rounded before the weight multiplies it (as transformers does), so outputs match it bit for
+// bit up to float32 summation order.
+
+// Rows of x [T, D] or [T, heads, D] (last dim contiguous, any outer strides: q/k come as views of the qkv output).
+struct Rows {
+  int64_t outer, inner, dim, stride_outer, stride_inner;
+  explicit Rows(const at::Tensor& x) {
+    TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1, "expected [T, D] or [T, H, D], contiguous D");
+    outer = x.size(0);
+    inner = x.dim() == 3 ? x.size(1) : 1;
+    dim = x.size(-1);
+    stride_outer = x.stride(0);
+    stride_inner = x.dim() == 3 ? x.stride(1) : 0;
+  }
+  int64_t count() const { return outer * inner; }
+  int64_t offset(int64_t r) const { return (r / inner) * stride_outer + (r % inner) * stride_inner; }
+};
+
+template <typename scalar_t>
+inline void rms_norm_row(const float* xf, const scalar_t* w, scalar_t* y, int64_t dim, float eps) {
+  float sum = 0.f;
+  for (int64_t d = 0; d < dim; ++d) sum += xf[d] * xf[d];
+  const float r = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+  for (int64_t d = 0; d < dim; ++d) {
+    const scalar_t normed = static_cast<scalar_t>(xf[d] * r);  // rounded to the activation dtype first
+    y[d] = static_cast<scalar_t>(to_f(w[d]) * to_f(normed));
+  }
+}
+
+template <typename scalar_t>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const Rows rows(x);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* wp = weight.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  at::parallel_for(0, rows.count(), 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(rows.dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* src = xp + rows.offset(r);
+      for (int64_t d = 0; d < rows.dim; ++d) xf[d] = to_f(src[d]);
+      rms_norm_row<scalar_t>(xf.data(), wp, op + r * rows.dim, rows.dim, static_cast<float>(eps));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == x.size(-1),
+              "weight must be contiguous [D] in x's dtype");
+  auto out = at::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_impl<scalar_t>(x, weight, eps, out);
+  });
+  return out;
+}
+
+// (norm(x + residual), x + residual) for contiguous [T, D]: the sum is rounded to the activation dtype (it is the
+// residual stream the next layer reads) and the norm is taken of the rounded sum, as the reference does.
+template <typename scalar_t>
+void add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                       at::Tensor& out, at::Tensor& new_residual) {
+  const int64_t tokens = x.size(0), dim = x.size(1);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* rp = residual.data_ptr<scalar_t>();
+  const scalar_t* wp = weight.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  scalar_t* np = new_residual.data_ptr<scalar_t>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(dim);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t d = 0; d < dim; ++d) {
+        const scalar_t sum = static_cast<scalar_t>(to_f(xp[t * dim + d]) + to_f(rp[t * dim + d]));
+        np[t * dim + d] = sum;
+        xf[d] = to_f(sum);
+      }
+      rms_norm_row<scalar_t>(xf.data(), wp, op + t * dim, dim, static_cast<float>(eps));
+    }
+  });
+}
+
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                     double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes(), "x and residual must be [T, D]");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "x, residual and weight must share a dtype");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be contiguous [D]");
+  auto xc = x.contiguous(), rc = residual.contiguous();
+  auto out = at::empty_like(xc), new_residual = at::empty_like(xc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_impl<scalar_t>(xc, rc, weight, eps, out, new_residual);
+  });
+  return {out, new_residual};
+}
+
+// silu(gate) * up for x = [gate | up] [T, 2I] -> [T, I]; silu rounded to the activation dtype before the product.
+template <typename scalar_t>
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t tokens = x.size(0), inter = out.size(1);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const scalar_t* gate = xp + t * 2 * inter;
+      const scalar_t* up = gate + inter;
+      scalar_t* y = op + t * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = to_f(gate[i]);
+        const scalar_t act = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
+        y[i] = static_cast<scalar_t>(to_f(act) * to_f(up[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2 * intermediate]");
+  auto xc = x.contiguous();
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_impl<scalar_t>(xc, out);
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("store_kvcache", &store_kvcache, "paged KV-cache write (CPU)");
   m.def("rotary_inplace", &rotary_inplace, "neox rotary in place (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
 }

@@ -37,8 +37,10 @@ class MRotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        # cos/sin in the activation dtype, as HF casts them (cos.to(x.dtype)) before rotating.
-        return mrope_cos_sin(positions, self.inv_freq, self.mrope_section, self.attention_scaling, dtype)
+        # Rounded to the activation dtype, as HF casts them (cos.to(x.dtype)) before rotating, then held in
+        # float32: every rotary implementation rotates in float32, and converting once here saves a copy per layer.
+        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_section, self.attention_scaling, dtype)
+        return cos.float(), sin.float()
 
 
 class Qwen3VLTextModel(LlamaModel):

@@ -1,6 +1,7 @@
 """Our compiled CPU kernels (kernels/cpu/paged_ops.cpp), built on first use with torch's extension builder and
 cached under torch's extension folder. Prefill chunks stay on the reference (SDPA is compute-bound and good
-there); decode attention, the cache write and rotary run the kernels."""
+there); decode attention, the cache write, rotary, the norms and SiLU-and-multiply run the kernels. The norms and
+the activation are memory-bound passes the reference spreads over five to seven tensor ops each."""
 import logging
 import os
 
@@ -55,3 +56,22 @@ def apply_rotary(q, k, cos, sin):
     _ext.rotary_inplace(q, cos, sin)
     _ext.rotary_inplace(k, cos, sin)
     return q, k
+
+
+def rms_norm(x, weight, eps):
+    if weight.dtype != x.dtype:  # the reference then promotes the output; the kernel writes x's dtype only
+        return reference.rms_norm(x, weight, eps)
+    return _ext.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    if not (weight.dtype == x.dtype == residual.dtype) or x.dim() != 2:
+        return reference.add_rms_norm(x, residual, weight, eps)
+    out, residual = _ext.add_rms_norm(x, residual, weight, eps)
+    return out, residual
+
+
+def silu_and_mul(x):
+    if x.dim() != 2:
+        return reference.silu_and_mul(x)
+    return _ext.silu_and_mul(x)

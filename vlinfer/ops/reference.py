@@ -73,10 +73,13 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         k = _gather_kv(k_cache, block_tables[i], kv_len).transpose(0, 1)
         v = _gather_kv(v_cache, block_tables[i], kv_len).transpose(0, 1)
         qs = q[starts[i]:starts[i] + n].transpose(0, 1)
-        # Query j may see keys up to kv_len - n + j: a causal mask shifted by the cached context.
-        q_pos = torch.arange(kv_len - n, kv_len, device=q.device)
-        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        if n == kv_len:  # no cached context: plain causal, which lets SDPA skip the masked half of the blocks
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+        else:
+            # Query j may see keys up to kv_len - n + j: a causal mask shifted by the cached context.
+            q_pos = torch.arange(kv_len - n, kv_len, device=q.device)
+            mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         out[starts[i]:starts[i] + n] = o.transpose(0, 1)
 
 
