@@ -11,9 +11,17 @@ loaded() with a monkeypatch for variants standing for other releases: FakeTorchN
 a 6.0.x-era FIA; opaque=True hides every signature (names found only by trying), opaque="schema" shows them only in
 a registered op's schema; tnd_paged=False rejects TND over a paged cache (the input_layout paragraph of §2.3);
 scatter_pa=False lacks npu_scatter_pa_kv_cache; atb=False has ATB ops that raise OSError on first use (NNAL not
-sourced, §0).
+sourced, §0); graphs=False lacks the ACL graph APIs.
+
+ACL graphs (§5.1, §5.4; the "graph mode" section below): torch.npu.NPUGraph records what a capture issues instead of
+letting Python re-run at replay. Every aten op outside a torch_npu op is recorded with its tensors (static memory)
+and re-executed at replay; each torch_npu op is one task, replayed with the arguments it was captured with: its host
+arguments (FIA's actual_seq_lengths*, lists of Python ints) stay the capture's values unless the task was re-issued
+between graph_task_update_begin/end. A capture rejects host syncs (.item(), bool(), .tolist(), data-dependent shapes,
+synchronize), as the device would.
 """
 import collections
+import contextlib
 import functools
 import inspect
 import sys
@@ -21,6 +29,7 @@ import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HALF = (torch.float16, torch.bfloat16)
 NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -70,7 +79,8 @@ class FakeTorchNpu(types.ModuleType):
     """The module object placed in sys.modules["torch_npu"]; `calls` counts op calls, `last` keeps each op's last
     keyword arguments and `history` every call's (for tests that check how an op was called)."""
 
-    def __init__(self, *, fia_scale_kwarg="scale", opaque=False, tnd_paged=True, scatter_pa=True, atb=True):
+    def __init__(self, *, fia_scale_kwarg="scale", opaque=False, tnd_paged=True, scatter_pa=True, atb=True,
+                 graphs=True):
         super().__init__("torch_npu")
         self.__file__ = __file__
         self.calls = collections.Counter()
@@ -78,23 +88,34 @@ class FakeTorchNpu(types.ModuleType):
         self.history = []  # (op, keyword arguments with tensors replaced by their shapes), in call order
         self.tnd_paged = tnd_paged
         self.atb = atb
-        fia = _fia_with_scale if fia_scale_kwarg == "scale" else _fia_with_scale_value
-        ops = {"npu_fused_infer_attention_score": fia, "npu_rotary_mul": _rotary_mul, "npu_rms_norm": _rms_norm,
-               "npu_add_rms_norm": _add_rms_norm, "npu_swiglu": _swiglu,
+        self.graphs = graphs
+        self.graph = GraphState()  # the ACL graph emulation's state (captures, task updates, streams)
+        self.fia_fn = _fia_with_scale if fia_scale_kwarg == "scale" else _fia_with_scale_value
+        ops = {"npu_fused_infer_attention_score": self.fia_fn, "npu_rotary_mul": _rotary_mul,
+               "npu_rms_norm": _rms_norm, "npu_add_rms_norm": _add_rms_norm, "npu_swiglu": _swiglu,
                "_npu_reshape_and_cache": _reshape_and_cache}
         if scatter_pa:
             ops["npu_scatter_pa_kv_cache"] = _scatter_pa_kv_cache
+        if graphs:
+            ops["_npu_fused_infer_attention_score_get_max_workspace"] = _fia_get_max_workspace
         for name, fn in ops.items():
             setattr(self, name, self._recorded(name, fn, opaque))
+        if graphs:  # OPD:8521: the .out overload, an attribute of the op as on a registered torch op
+            self.npu_fused_infer_attention_score.out = self._recorded(FIA_OUT, _fia_out, opaque)
 
     def _recorded(self, name, fn, opaque):
         module = self
 
         def call(*args, **kwargs):
+            graph = module.graph
+            if graph.updating is not None:  # a re-issue between graph_task_update_begin/end: not run now
+                return graph.reissue(name, args, kwargs)
             module.calls[name] += 1
             module.last[name] = kwargs
             module.history.append((name, {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v
                                           for k, v in kwargs.items()}))
+            if graph.capturing is not None:
+                return graph.record_op(name, fn, module, args, kwargs)
             return fn(module, *args, **kwargs)
 
         params = list(inspect.signature(fn).parameters.values())[1:]  # the documented signature, minus `module`
@@ -191,6 +212,33 @@ def _fia_with_scale_value(module, query, key, value, *, pse_shift=None, atten_ma
     del args["module"]
     args["scale"] = args.pop("scale_value")
     return _fia(module, **args)
+
+
+FIA_OUT = "npu_fused_infer_attention_score.out"
+WORKSPACE_OP = "_npu_fused_infer_attention_score_get_max_workspace"
+
+
+def _fia_get_max_workspace(module, query, key, value, **kwargs):
+    """OPD:8433: a workspace for FIA with these arguments, big enough for any lengths (what a graph task needs)."""
+    inspect.signature(module.fia_fn).bind(module, query, key, value, **kwargs)  # TypeError on a wrong keyword
+    workspace = torch.empty(1024, dtype=torch.uint8)
+    module.graph.workspaces.append(workspace)
+    return workspace
+
+
+def _fia_out(module, query, key, value, *, workspace=None, out=None, **kwargs):
+    """OPD:8521: FIA writing attention_out and softmax_lse into out=[attention_out, softmax_lse]."""
+    _require(isinstance(out, (list, tuple)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out),
+             "out must be [attention_out, softmax_lse]")
+    _require(workspace is None or any(workspace is w for w in module.graph.workspaces),
+             "workspace must come from _npu_fused_infer_attention_score_get_max_workspace")
+    o, lse = module.fia_fn(module, query, key, value, **kwargs)
+    _require(out[0].shape == o.shape and out[0].dtype == o.dtype and out[0].is_contiguous(),
+             f"attention_out must be a contiguous {o.dtype} {tuple(o.shape)}, got {out[0].dtype} {tuple(out[0].shape)}")
+    _require(out[1].shape == lse.shape and out[1].dtype == torch.float32,
+             f"softmax_lse must be float32 {tuple(lse.shape)}, got {out[1].dtype} {tuple(out[1].shape)}")
+    out[0].copy_(o)
+    out[1].copy_(lse)
 
 
 def _split_queries(query, layout, num_heads, actual_seq_lengths):
@@ -462,6 +510,324 @@ def _swiglu(module, self, dim=-1):
     return (a * torch.sigmoid(a) * b).to(self.dtype)
 
 
+# ---- graph mode: torch.npu.NPUGraph, task groups and their updates, ExternalEvent (§5.1, §5.4) ----
+#
+# Interpretations, where §5.4 says what to do but not what the device enforces: a task group holds the one attention
+# call, issued as FIA's .out with a workspace from _get_max_workspace; a re-issue uses the captured tensors and may
+# change host arguments only; an update runs on a non-default stream outside any capture. The emulation runs
+# everything in issue order, so a task's update (and its ExternalEvent record) must be issued before the replay
+# reaches it; on the device the event lets an update issued after the replay start still come first. Captured ops
+# also run once at capture here (the device only records them); nothing may rely on their values then.
+
+# Ops whose result depends on tensor values on the host: a capture cannot hold them.
+DATA_DEPENDENT = {"aten::nonzero", "aten::masked_select", "aten::_unique2", "aten::unique_dim",
+                  "aten::unique_consecutive", "aten::repeat_interleave"}
+EMPTY = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided"}
+
+
+def _tensors(x):
+    """Tensors in x, in order: a tensor, or lists, tuples and dicts of them."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+def _snapshot(x):
+    """What a graph task keeps of an argument: tensors by reference (device memory), host values by value."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_snapshot(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _snapshot(v) for k, v in x.items()}
+    return x  # ints, floats, strings, dtypes, None: immutable
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+class _AtenTask:
+    """A recorded aten op. Replay re-executes it on the same tensors; a fresh output's new values are copied into the
+    tensor the capture returned (its static address). Views alias their input and need nothing; `empty` allocates
+    memory and runs nothing."""
+
+    def __init__(self, func, args, kwargs, result):
+        self.func, self.args, self.kwargs = func, args, kwargs
+        inputs = {_storage(t) for t in _tensors((args, kwargs))}
+        outputs = _tensors(result)
+        self.copy = [(i, o) for i, o in enumerate(outputs) if o.numel() and _storage(o) not in inputs]
+        mutates = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        self.runs = func._schema.name not in EMPTY and (mutates or bool(self.copy))
+
+    def replay(self):
+        if self.runs:
+            new = _tensors(self.func(*self.args, **self.kwargs))
+            for i, o in self.copy:
+                o.copy_(new[i])
+
+
+class _OpTask:
+    """A torch_npu op: one device task, run at replay with its captured (or re-issued) arguments."""
+
+    def __init__(self, module, name, fn, args, kwargs, result):
+        self.module, self.name, self.fn = module, name, fn
+        self.args, self.kwargs = _snapshot(args), _snapshot(kwargs)
+        self.outputs = _tensors(result)
+
+    def replay(self):
+        new = _tensors(self.fn(self.module, *self.args, **self.kwargs))
+        for o, n in zip(self.outputs, new):
+            o.copy_(n)
+        self.module.graph.replayed[self.name] += 1
+
+
+class _EventTask:
+    def __init__(self, event, action):
+        self.event, self.action = event, action
+
+    def replay(self):
+        getattr(self.event, self.action)()
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the aten ops of a capture outside torch_npu ops (those record themselves, as one task each)."""
+
+    def __init__(self, state, graph):
+        super().__init__()
+        self.state, self.graph = state, graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.state.op_depth:  # inside an emulated torch_npu op: part of its kernel
+            return func(*args, **kwargs)
+        name = func._schema.name  # without the overload
+        if any("Tensor" not in str(r.type) for r in func._schema.returns):
+            raise FakeNpuError(f"{name} returns a host value during graph capture: a device->host sync")
+        if name in DATA_DEPENDENT or (name in ("aten::index", "aten::index_put_", "aten::index_put") and any(
+                t.dtype in (torch.bool, torch.uint8) for t in _tensors(args[1]))):
+            raise FakeNpuError(f"{name} has a data-dependent output shape: it cannot be captured")
+        result = func(*args, **kwargs)
+        self.state.check_not_in_group(name)
+        self.graph.tasks.append(_AtenTask(func, args, kwargs, result))
+        return result
+
+
+class TaskGroup:
+    """graph_task_group_end's handle: the one torch_npu task captured between group begin and end."""
+
+    def __init__(self, graph, task):
+        self.graph, self.task = graph, task
+
+
+class FakeStream:
+    def __init__(self, device=None, priority=0, default=False):
+        self.default = default
+
+    def wait_stream(self, other):
+        pass  # the emulation runs everything in issue order
+
+    def synchronize(self):
+        pass
+
+
+class GraphState:
+    """Where the emulation stands: the graph being captured, an open task group or update, the current stream."""
+
+    def __init__(self):
+        self.capturing = None
+        self.op_depth = 0
+        self.group = None  # index of the open task group's first task in the capturing graph
+        self.updating = None  # (handle, re-issued calls) between graph_task_update_begin/end
+        self.default_stream = self.current_stream = FakeStream(default=True)
+        self.workspaces = []
+        self.updates = collections.Counter()  # op -> tasks updated
+        self.replayed = collections.Counter()  # op -> tasks replayed
+
+    def record_op(self, name, fn, module, args, kwargs):
+        self.op_depth += 1
+        try:
+            result = fn(module, *args, **kwargs)
+        finally:
+            self.op_depth -= 1
+        if name == WORKSPACE_OP:
+            return result  # sizes and allocates memory on the host: no device task
+        if self.group is not None:
+            tasks = self.capturing.tasks
+            _require(len(tasks) == self.group, "a task group holds one attention task; it already has one")
+            _require(name == FIA_OUT and kwargs.get("workspace") is not None,
+                     f"an updatable attention task is FIA's .out form with a workspace from {WORKSPACE_OP} (§5.4), "
+                     f"got {name}")
+        self.capturing.tasks.append(_OpTask(module, name, fn, args, kwargs, result))
+        return result
+
+    def check_not_in_group(self, name):
+        _require(self.group is None, f"{name} issued inside a task group: a group holds the attention task only")
+
+    def reissue(self, name, args, kwargs):
+        handle, issued = self.updating
+        task = handle.task
+        _require(name == task.name, f"the update of a {task.name} task re-issued {name}")
+        old, new = _tensors((task.args, task.kwargs)), _tensors((args, kwargs))
+        same = len(old) == len(new) and all(
+            a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            for a, b in zip(old, new))
+        _require(same, "a re-issued task must use the captured tensors (the graph's memory); only host arguments "
+                       "may change")
+        issued.append((_snapshot(args), _snapshot(kwargs)))
+
+
+def _graph_api(state):
+    """The torch.npu names the ACL graph path uses: NPUGraph, graph(), streams, ExternalEvent, task groups."""
+
+    def require_stream(stream, what):
+        _require(stream is state.current_stream, f"{what} takes the current stream")
+
+    class NPUGraph:
+        def __init__(self):
+            self.tasks = []
+            self.captured = False
+            self.replays = 0
+            self._pool = object()
+
+        def capture_begin(self, pool=None):
+            _require(state.capturing is None, "a capture is already running")
+            if pool is not None:
+                self._pool = pool
+            self.tasks = []
+            state.capturing = self
+
+        def capture_end(self):
+            _require(state.capturing is self, "capture_end without capture_begin")
+            _require(state.group is None, "capture ended inside a task group")
+            state.capturing = None
+            self.captured = True
+
+        def pool(self):
+            return self._pool
+
+        def replay(self):
+            _require(self.captured, "replay of a graph that was not captured")
+            _require(state.capturing is None and state.updating is None, "replay during a capture or an update")
+            for task in self.tasks:
+                task.replay()
+            self.replays += 1
+
+    def tolist_outside_capture(original):
+        def tolist(self):
+            if state.capturing is not None and not state.op_depth:
+                raise FakeNpuError(".tolist() during graph capture: a device->host sync")
+            return original(self)
+        return tolist
+
+    @contextlib.contextmanager
+    def graph(npu_graph, pool=None, stream=None, capture_error_mode=None):
+        previous = state.current_stream
+        state.current_stream = stream or FakeStream()  # captures run on a side stream
+        npu_graph.capture_begin(pool)
+        own = torch.Tensor.__dict__.get("tolist")  # normally inherited from torch._C.TensorBase
+        torch.Tensor.tolist = tolist_outside_capture(torch.Tensor.tolist)
+        try:
+            with _Recorder(state, npu_graph):
+                yield npu_graph
+        finally:
+            if own is None:
+                del torch.Tensor.tolist
+            else:
+                torch.Tensor.tolist = own
+            state.group = None
+            if state.capturing is npu_graph:
+                npu_graph.capture_end()
+            state.current_stream = previous
+
+    @contextlib.contextmanager
+    def stream(s):
+        previous, state.current_stream = state.current_stream, s
+        try:
+            yield s
+        finally:
+            state.current_stream = previous
+
+    def synchronize(device=None):
+        _require(state.capturing is None, "synchronize() during graph capture")
+
+    class ExternalEvent:
+        """Captured wait/reset become graph tasks; a record outside a capture marks the event. A replayed wait on an
+        event nobody recorded would block the device forever: here it raises."""
+
+        def __init__(self):
+            self.recorded = False
+
+        def _issue(self, action, stream):
+            if state.capturing is not None:
+                require_stream(stream, f"ExternalEvent.{action} in a capture")
+                state.check_not_in_group(f"ExternalEvent.{action}")
+                state.capturing.tasks.append(_EventTask(self, "_" + action))
+            else:
+                getattr(self, "_" + action)()
+
+        def record(self, stream=None):
+            self._issue("record", stream)
+
+        def wait(self, stream=None):
+            self._issue("wait", stream)
+
+        def reset(self, stream=None):
+            self._issue("reset", stream)
+
+        def _record(self):
+            self.recorded = True
+
+        def _wait(self):
+            _require(self.recorded, "waiting on an ExternalEvent that was never recorded (the device would hang): "
+                                    "the attention task's update did not run")
+
+        def _reset(self):
+            self.recorded = False
+
+    def graph_task_group_begin(stream):
+        _require(state.capturing is not None, "graph_task_group_begin outside a capture")
+        require_stream(stream, "graph_task_group_begin")
+        _require(state.group is None, "task groups do not nest")
+        state.group = len(state.capturing.tasks)
+
+    def graph_task_group_end(stream):
+        _require(state.group is not None, "graph_task_group_end without graph_task_group_begin")
+        require_stream(stream, "graph_task_group_end")
+        tasks = state.capturing.tasks[state.group:]
+        state.group = None
+        _require(len(tasks) == 1 and isinstance(tasks[0], _OpTask), "an empty task group")
+        return TaskGroup(state.capturing, tasks[0])
+
+    def graph_task_update_begin(stream, handle):
+        _require(state.capturing is None, "task updates run outside a capture")
+        _require(state.updating is None, "an update is already open")
+        _require(isinstance(handle, TaskGroup) and handle.graph.captured, "not a handle of a captured task group")
+        require_stream(stream, "graph_task_update_begin")
+        _require(not stream.default, "task updates run on an update stream, not the default one (§5.4)")
+        state.updating = (handle, [])
+
+    def graph_task_update_end(stream):
+        _require(state.updating is not None, "graph_task_update_end without graph_task_update_begin")
+        require_stream(stream, "graph_task_update_end")
+        handle, issued = state.updating
+        state.updating = None
+        _require(len(issued) == 1, f"an update re-issues the group's one task, got {len(issued)} calls")
+        handle.task.args, handle.task.kwargs = issued[0]
+        state.updates[handle.task.name] += 1
+
+    return dict(NPUGraph=NPUGraph, graph=graph, Stream=FakeStream, stream=stream,
+                current_stream=lambda device=None: state.current_stream,
+                default_stream=lambda device=None: state.default_stream, synchronize=synchronize,
+                ExternalEvent=ExternalEvent, graph_task_group_begin=graph_task_group_begin,
+                graph_task_group_end=graph_task_group_end, graph_task_update_begin=graph_task_update_begin,
+                graph_task_update_end=graph_task_update_end)
+
+
 # ---- installing it ----
 
 def install(monkeypatch, **variant) -> FakeTorchNpu:
@@ -472,8 +838,9 @@ def install(monkeypatch, **variant) -> FakeTorchNpu:
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     # Importing torch_npu registers torch.npu; platform.npu_available() asks it for a device. There is none: the
     # engine stays on CPU tensors and only the op implementation is the NPU one.
-    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: False, device_count=lambda: 0),
-                        raising=False)
+    api = _graph_api(fake.graph) if fake.graphs else {}
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: False, device_count=lambda: 0,
+                                                            **api), raising=False)
     monkeypatch.setenv("VLINFER_OPS", "npu")
     monkeypatch.setattr(dispatch.active, "impl", dict(dispatch.active.impl))
     monkeypatch.setattr(dispatch.active, "name", dispatch.active.name)

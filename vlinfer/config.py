@@ -17,7 +17,7 @@ class EngineConfig:
     memory_utilization: float | None = None
     kv_cache_bytes: int | None = None  # exact KV pool size, overriding memory_utilization
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # False: decode steps replay captured graphs where the device has them (CUDA)
+    enforce_eager: bool = False  # False: decode steps replay captured graphs where the device has them (CUDA, NPU)
     tensor_parallel_size: int = 1
     seed: int = 0
     allow_image_urls: bool = False  # fetch http(s) image URLs; off so a request cannot make the engine fetch

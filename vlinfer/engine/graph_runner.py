@@ -1,15 +1,20 @@
-"""Decode steps replayed from captured graphs (CUDA graphs on CUDA), behind EngineConfig.enforce_eager=False.
+"""Decode steps replayed from captured graphs (CUDA graphs on CUDA, ACL graphs on the Ascend NPU), behind
+EngineConfig.enforce_eager=False.
 
 A decode-only step's shapes depend only on its batch size, so the model's forward is captured once per bucket of
 batch sizes (1, 2, 4, 8, 16, ..., up to max_num_seqs, at most MAX_BUCKET) over static input buffers. A step copies
 its inputs into the buffers, pads up to the smallest bucket that holds it and replays; padded rows write nothing
-(slot -1) and attend to nothing (length 0), and their hidden states are cut off. Logits and sampling run eager on
-the real rows. Prefill and mixed steps, steps carrying image embeddings, batches above the largest bucket and
-contexts longer than the captured block-table width run eager.
+(slot -1) and attend to nothing (length 0), or use a reserved dummy block where the backend asks for one, and their
+hidden states are cut off. Logits and sampling run eager on the real rows. Prefill and mixed steps, steps carrying
+image embeddings, batches above the largest bucket and contexts longer than the captured block-table width run
+eager.
 
 How a graph is captured and replayed is a backend, picked by device type from BACKENDS: CUDA's records the forward
-with torch.cuda.CUDAGraph. Buckets, buffers and padding do not depend on it, so tests run them on CPU with a backend
-whose "graph" re-runs the recorded callable on the static buffers (tests/test_graph_runner.py).
+with torch.cuda.CUDAGraph; the NPU's (acl_graph.py) with torch.npu.NPUGraph, re-issuing its attention tasks with each
+step's host lengths before a replay (such a backend sets `host_lengths`) and padding into a dummy block. Buckets,
+buffers and padding do not depend on it otherwise, so tests run them on CPU with a backend whose "graph" re-runs the
+recorded callable on the static buffers (tests/test_graph_runner.py), or under an emulated torch_npu whose graphs
+replay what was captured (tests/test_npu_graph.py).
 
 Graph mode stays off under tensor parallelism: every rank would have to capture and replay in lock step with the
 collectives inside the graph, which is not done yet.
@@ -80,8 +85,14 @@ def _cuda_backend(device: torch.device) -> CudaGraphBackend:
     return CudaGraphBackend(device)
 
 
+def _npu_backend(device: torch.device):
+    from vlinfer.engine import acl_graph
+    return acl_graph.backend(device)
+
+
 # Device type -> factory(device) returning a backend with capture(fn) -> object with replay() -> hidden states.
-BACKENDS = {"cuda": _cuda_backend}
+# A backend with host_lengths=True gets the rows' KV lengths as a host list: capture(fn, lens), replay(lens).
+BACKENDS = {"cuda": _cuda_backend, "npu": _npu_backend}
 
 
 def batch_sizes(max_num_seqs: int) -> list[int]:
@@ -117,15 +128,26 @@ class GraphRunner:
     """Captured decode forwards, one per bucket, over one set of static buffers sized for the largest bucket."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, backend, sizes: list[int], max_blocks: int,
-                 uses_mrope: bool):
+                 uses_mrope: bool, dummy_block: int | None = None, block_size: int = 0):
         self.model, self.backend, self.sizes, self.max_blocks = model, backend, sizes, max_blocks
+        self.host_lengths = getattr(backend, "host_lengths", False)
         n = sizes[-1]
+        # Padded rows write nothing (slot -1) and attend to nothing (length 0). With a dummy block (reserved by the
+        # model runner, dummy_blocks()): row i writes its own slot there and attends to the first one, which the
+        # capture warm-up fills (row 0), for kernels that take no -1 slots or empty rows (NPU, npu-ops.md §7.1).
+        self.pad_slots = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.pad_table = torch.full((n, max_blocks), -1, dtype=torch.int32, device=device)
+        self.pad_len = 0
+        if dummy_block is not None:
+            self.pad_slots = dummy_block * block_size + torch.arange(n, device=device)
+            self.pad_table[:, 0] = dummy_block
+            self.pad_len = 1
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros((3, n) if uses_mrope else (n,), dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.slot_mapping = self.pad_slots.clone()
+        self.seq_lens = torch.full((n,), self.pad_len, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per row, always
-        self.block_tables = torch.full((n, max_blocks), -1, dtype=torch.int32, device=device)
+        self.block_tables = self.pad_table.clone()
         self.graphs: dict[int, object] = {}
         self.replays = Counter()  # bucket -> replays (tests, logs)
 
@@ -140,10 +162,11 @@ class GraphRunner:
         start = time.perf_counter()
         for size in reversed(self.sizes):  # largest first: the smaller graphs fit in the memory it pooled
             fn = functools.partial(self._forward, size)
-            # Warm-up outside capture, on all-padding buffers (nothing is written): Triton compiles, lazy
-            # allocations (cuBLAS workspaces) and one-time host work happen here, not in the graph.
+            # Warm-up outside capture, on all-padding buffers (nothing is written but the dummy block): Triton
+            # compiles, lazy allocations (cuBLAS workspaces) and one-time host work happen here, not in the graph.
             fn()
-            self.graphs[size] = self.backend.capture(fn)
+            lens = ([self.pad_len] * size,) if self.host_lengths else ()  # the buffers hold padding rows
+            self.graphs[size] = self.backend.capture(fn, *lens)
         logger.info("graph mode: %s for decode at batch sizes %s, contexts up to %d blocks (captured in %.1fs)",
                     self.backend.name, self.sizes, self.max_blocks, time.perf_counter() - start)
 
@@ -161,15 +184,26 @@ class GraphRunner:
         self.positions[..., :b].copy_(inputs.positions)
         self.positions[..., b:size].zero_()
         self.slot_mapping[:b].copy_(inputs.slot_mapping)
-        self.slot_mapping[b:size].fill_(-1)  # padded rows write no KV
+        self.slot_mapping[b:size].copy_(self.pad_slots[b:size])  # padded rows write no KV, or to the dummy block
         self.seq_lens[:b].copy_(inputs.seq_lens)
-        self.seq_lens[b:size].zero_()  # ... and attend to nothing
+        self.seq_lens[b:size].fill_(self.pad_len)  # ... and attend to nothing, or to the dummy block
         width = inputs.block_tables.shape[1]
-        self.block_tables[:size].fill_(-1)
+        self.block_tables[:b].fill_(-1)
         self.block_tables[:b, :width].copy_(inputs.block_tables)
-        hidden_states = self.graphs[size].replay()
+        self.block_tables[b:size].copy_(self.pad_table[b:size])
+        # inputs are host tensors: their lengths cost no device sync
+        lens = (inputs.seq_lens.tolist() + [self.pad_len] * (size - b),) if self.host_lengths else ()
+        hidden_states = self.graphs[size].replay(*lens)
         self.replays[size] += 1
         return hidden_states[:b]
+
+
+def dummy_blocks(backend, max_num_seqs: int, block_size: int) -> int:
+    """KV blocks to reserve past the block manager's for the padded rows' slots: one slot per row of the largest
+    bucket (all of its rows are padding at capture; the NPU cache writes want distinct slots, §2.1)."""
+    if backend is None or not getattr(backend, "pads_to_dummy_block", False):
+        return 0
+    return math.ceil(batch_sizes(max_num_seqs)[-1] / block_size)
 
 
 def blocks_for(backend, max_model_len: int, block_size: int, dtype: torch.dtype) -> int:

@@ -86,6 +86,10 @@ class ModelRunner:
         # Decode steps replay captured graphs once capture_graphs() has run (after the KV pool exists); None: eager.
         self.graph_backend = graph_runner.select_backend(config, device)
         self.graphs: graph_runner.GraphRunner | None = None
+        # Blocks past those the block manager hands out, where padded graph rows write (NPU: no -1 slots); the pool
+        # budget covers them.
+        self.num_dummy_blocks = graph_runner.dummy_blocks(self.graph_backend, config.max_num_seqs, self.block_size)
+        self.dummy_block: int | None = None
 
     @property
     def bytes_per_block(self) -> int:
@@ -106,7 +110,7 @@ class ModelRunner:
             peak = self.profile_peak_memory(max_model_len)
             fraction = cfg.memory_utilization or ACCELERATOR_DEFAULT_MEMORY_UTILIZATION
             budget = fraction * platform.total_memory(self.device) - peak
-        num_blocks = min(int(budget // self.bytes_per_block), useful)
+        num_blocks = min(int(budget // self.bytes_per_block) - self.num_dummy_blocks, useful)
         if num_blocks < per_seq:
             raise ValueError(f"KV cache budget of {int(budget)} bytes holds {num_blocks} blocks of "
                              f"{self.block_size} tokens, fewer than one sequence of max_model_len={max_model_len} "
@@ -138,8 +142,9 @@ class ModelRunner:
         # Empty, not zeroed: untouched pages cost no RAM, so a generous pool only occupies what requests use.
         # Every attention path reads only slots below each sequence's length (the reference masks the padding
         # it gathers), so stale or uninitialized slots never reach an output.
-        self.kv_cache = torch.empty(2, len(self.attention_layers), num_blocks, self.block_size, self.num_kv_heads,
-                                    self.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.empty(2, len(self.attention_layers), num_blocks + self.num_dummy_blocks, self.block_size,
+                                    self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        self.dummy_block = num_blocks if self.num_dummy_blocks else None  # the first block past the manager's
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
@@ -149,7 +154,8 @@ class ModelRunner:
             return
         sizes = graph_runner.batch_sizes(self.config.max_num_seqs)
         width = graph_runner.blocks_for(self.graph_backend, max_model_len, self.block_size, self.dtype)
-        graphs = graph_runner.GraphRunner(self.model, self.device, self.graph_backend, sizes, width, self.uses_mrope)
+        graphs = graph_runner.GraphRunner(self.model, self.device, self.graph_backend, sizes, width, self.uses_mrope,
+                                          self.dummy_block, self.block_size)
         try:
             graphs.capture()
         except Exception as e:  # out of memory after the KV pool, an op that syncs, ...

@@ -15,10 +15,15 @@ at module import: it cannot import without the CANN runtime.
   ForwardContext tensors and reused by every layer: each .tolist() is a device->host sync.
 - float32: FIA and the cache writes take fp16/bf16 only (§1), so with a float32 model those ops run the pure-torch
   reference (on the NPU), with a warning at first use. Norms, rotary and SwiGLU take float32.
+- Graph mode (ACL graphs, vlinfer/engine/acl_graph.py): while a decode graph is captured (`capturing`), nothing here
+  may sync with the host, and each layer's attention is captured as a task group that every replay re-issues with
+  that step's host lengths (§5.4); see "graph mode" below.
 """
 import inspect
 import logging
 import math
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -234,8 +239,12 @@ def _slots(slot_mapping: torch.Tensor):
 def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
     if k_cache.dtype not in HALF_DTYPES:
         _warn_fallback("store_kvcache", k_cache.dtype)
+        _no_fallback_in_capture("store_kvcache", k_cache.dtype)
         return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-    slots, keep = _slots_step.get(_slots, slot_mapping)
+    if _capture is not None:  # graph padding writes to reserved slots, never -1 (GraphRunner): no check, no sync
+        slots, keep = slot_mapping.to(torch.int32), None
+    else:
+        slots, keep = _slots_step.get(_slots, slot_mapping)
     if keep is not None:
         key, value = key[keep], value[keep]
     # The scatter op needs contiguous inputs (§2.1); v is a strided view of the fused qkv projection.
@@ -254,7 +263,10 @@ def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
     if q.dtype not in HALF_DTYPES or k_cache.dtype not in HALF_DTYPES:
         _warn_fallback("paged_attention", k_cache.dtype)
+        _no_fallback_in_capture("paged_attention", k_cache.dtype)
         return reference.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    if _capture is not None:
+        return _captured_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, scale)
     meta = _attention_step.get(_AttentionMeta, cu_seqlens_q, seq_lens, block_tables)
     block_size = k_cache.shape[1]
     # FIA's paged limits (§2.3 "PA"): decode-only (IFA) needs 16-aligned <= 512; any multi-token query (PFA)
@@ -335,6 +347,123 @@ def _split_paged_attention(q, k_cache, v_cache, meta: _AttentionMeta, scale):
     return out
 
 
+# ---- graph mode: decode attention as updatable ACL graph tasks (§5.4) ----
+
+@dataclass
+class _AttentionTask:
+    """One layer's captured attention: re-issued at every replay with the same tensors and that step's lengths."""
+    handle: object  # graph_task_group_end's handle of the task group holding the FIA call
+    event: object  # torch.npu.ExternalEvent the captured task waits on, recorded once the update is issued
+    args: tuple  # query, key, value as the call takes them: the graph's static memory
+    kwargs: dict  # keyword arguments; actual_seq_lengths_kv is the capture's kv_lens list
+    workspace: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+class GraphCapture:
+    """The attention tasks of one decode graph (one batch size). While it is active (`capturing`), attention and the
+    cache write take the step's lengths from here instead of reading them from device tensors: a .tolist() inside
+    a capture is a device->host sync the graph cannot hold.
+
+    kv_lens is the host list the tasks were captured with; update_graph_attention rewrites it in place and re-issues
+    every task with it, so an object still referring to the list also sees the current lengths."""
+
+    def __init__(self, kv_lens: list[int]):
+        # Decode only: one query token per row, padded rows included, so the cumulative TND offsets end at the padded
+        # T, as FIA requires (§2.3 "Sequence lengths", §5.4).
+        self.q_ends = list(range(1, len(kv_lens) + 1))
+        self.kv_lens = list(kv_lens)
+        self.tasks: list[_AttentionTask] = []
+
+
+_capture: GraphCapture | None = None
+
+
+@contextmanager
+def capturing(capture: GraphCapture):
+    """Route this module's decode ops to their graph forms while a decode graph is being captured."""
+    global _capture
+    _capture = capture
+    try:
+        yield capture
+    finally:
+        _capture = None
+
+
+def graph_features() -> list[str]:
+    """The graph APIs the ACL graph backend needs that this torch_npu lacks (empty: all present)."""
+    fia = _torch_npu.npu_fused_infer_attention_score
+    needs = {"torch_npu._npu_fused_infer_attention_score_get_max_workspace":
+             hasattr(_torch_npu, "_npu_fused_infer_attention_score_get_max_workspace"),
+             "torch_npu.npu_fused_infer_attention_score.out": hasattr(fia, "out")}
+    for name in ("NPUGraph", "graph", "Stream", "ExternalEvent", "graph_task_group_begin", "graph_task_group_end",
+                 "graph_task_update_begin", "graph_task_update_end"):
+        needs[f"torch.npu.{name}"] = hasattr(torch.npu, name)
+    return [name for name, present in needs.items() if not present]
+
+
+def _no_fallback_in_capture(op: str, dtype: torch.dtype) -> None:
+    if _capture is not None:
+        raise RuntimeError(f"{op} on {dtype} runs the pure-torch reference, which reads lengths on the host: it "
+                           "cannot be captured in a graph (the torch_npu kernel takes float16 or bfloat16 only)")
+
+
+def _decode_call(q, k_cache, v_cache, block_table, q_ends, kv_lens):
+    """FIA's (query, key, value), keywords and output buffer for a decode-only batch: the eager call's layout, TND
+    (one call per layer) or BSH (the split path's decode call, every row a decode)."""
+    num_tokens, num_heads, head_dim = q.shape
+    k, v = _paged_kv(k_cache, v_cache)
+    common = dict(actual_seq_lengths_kv=kv_lens, block_table=block_table, num_heads=num_heads,
+                  num_key_value_heads=k_cache.shape[2], block_size=k_cache.shape[1])
+    if features["tnd_paged"]:
+        return (q, k, v), dict(atten_mask=_causal_mask(q.device), actual_seq_lengths=q_ends, input_layout="TND",
+                               sparse_mode=3, **common), torch.empty_like(q)
+    q = q.view(num_tokens, 1, num_heads * head_dim)
+    return (q, k, v), dict(input_layout="BSH", **common), torch.empty_like(q)
+
+
+def _captured_decode_attention(q, k_cache, v_cache, block_tables, scale):
+    """Capture one layer's decode attention as its own task group (§5.1, §5.4): FIA's tiling comes from the host
+    lengths, which the graph would otherwise replay as captured. The .out form writes a preallocated output with a
+    workspace sized for any lengths (_get_max_workspace), so a re-issue at replay reuses the same memory. Before the
+    group, the task waits on an ExternalEvent that the replay's update records, then resets it for the next replay."""
+    cap = _capture
+    if q.shape[0] != len(cap.kv_lens):
+        raise RuntimeError(f"a captured decode graph has one token per row: {q.shape[0]} tokens, "
+                           f"{len(cap.kv_lens)} rows")
+    block_table = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    args, kwargs, out = _decode_call(q, k_cache, v_cache, block_table.contiguous(), cap.q_ends, cap.kv_lens)
+    kwargs[features.get("fia_scale_kwarg") or "scale"] = scale
+    workspace = _torch_npu._npu_fused_infer_attention_score_get_max_workspace(*args, **kwargs)
+    lse = torch.empty(1, dtype=torch.float32, device=q.device)  # softmax_lse without the flag is a [1] zero (§2.3)
+    stream = torch.npu.current_stream()
+    event = torch.npu.ExternalEvent()
+    event.wait(stream)
+    event.reset(stream)
+    torch.npu.graph_task_group_begin(stream)
+    _torch_npu.npu_fused_infer_attention_score.out(*args, workspace=workspace, out=[out, lse], **kwargs)
+    handle = torch.npu.graph_task_group_end(stream)
+    cap.tasks.append(_AttentionTask(handle, event, args, kwargs, workspace, out, lse))
+    return out.view(q.shape)
+
+
+def update_graph_attention(capture: GraphCapture, kv_lens: list[int], stream) -> None:
+    """Before a replay: re-issue every captured attention task with this step's kv lengths, on `stream` (the update
+    stream) between graph_task_update_begin/end, and record each task's event so the replay's task runs after its
+    update (§5.4). The query offsets stay: a graph's batch size is fixed."""
+    if len(kv_lens) != len(capture.kv_lens):
+        raise ValueError(f"{len(kv_lens)} lengths for a graph of {len(capture.kv_lens)} rows")
+    capture.kv_lens[:] = kv_lens
+    fia_out = _torch_npu.npu_fused_infer_attention_score.out
+    with torch.npu.stream(stream):
+        for task in capture.tasks:
+            torch.npu.graph_task_update_begin(stream, task.handle)
+            fia_out(*task.args, workspace=task.workspace, out=[task.out, task.lse], **task.kwargs)
+            torch.npu.graph_task_update_end(stream)
+            task.event.record(stream)
+
+
 # ---- vision tower attention ----
 
 def varlen_attention(q, k, v, cu_seqlens, scale):
@@ -363,9 +492,14 @@ def _rotary_tables(cos, sin):
 
     r1/r2 must lie in [-1, 1] (§2.5), but tables carrying an attention scaling > 1 (yarn, longrope) exceed it. Then
     the tables are divided and the input multiplied by the same power of two, which is exact in floating point.
-    Checking the range costs one sync, once per step (every layer passes the same cos/sin)."""
+    Checking the range costs one sync, once per step (every layer passes the same cos/sin). A captured graph cannot
+    sync: there the power of two is computed and applied on the device, whatever the tables hold."""
     r1 = cos.float()[None, :, None, :].contiguous()
     r2 = sin.float()[None, :, None, :].contiguous()
+    if _capture is not None:
+        peak = torch.maximum(r1.abs().amax(), r2.abs().amax()).clamp(min=1.0)
+        factor = torch.exp2(torch.ceil(torch.log2(peak)))
+        return r1 / factor, r2 / factor, factor
     peak = torch.maximum(r1.abs().amax(), r2.abs().amax()).item() if r1.numel() else 0.0
     if peak <= 1.0:
         return r1, r2, 1.0
@@ -379,7 +513,7 @@ def apply_rotary(q, k, cos, sin):
     r1, r2, factor = _rotary_step.get(_rotary_tables, cos, sin)
     num_q = q.shape[1]
     x = torch.cat((q, k), 1).float()[None]  # [1, T, heads + kv_heads, D]: BSND
-    if factor != 1.0:
+    if isinstance(factor, torch.Tensor) or factor != 1.0:
         x.mul_(factor)
     out = _torch_npu.npu_rotary_mul(x, r1, r2, rotary_mode="half")[0]
     return out[:, :num_q].to(q.dtype), out[:, num_q:].to(k.dtype)
