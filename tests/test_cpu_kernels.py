@@ -152,3 +152,34 @@ def test_padding_slots_with_nan_never_reach_the_output(impl):
     fn = reference.paged_attention if impl == "reference" else cpu.paged_attention
     out = fn(q, k_cache, v_cache, cu, lens, tables, 0.125)
     assert torch.isfinite(out).all() and torch.allclose(out, clean, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prepacked_linear_layers(dtype, caplog):
+    """prepare_weights swaps every vlinfer linear layer's weight for oneDNN's packed layout in place (no second
+    copy), and the layers' outputs stay F.linear's: bit for bit in bf16, to float32 rounding in float32."""
+    from torch import nn
+    from vlinfer.layers import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+    g = torch.Generator().manual_seed(5)
+    model = nn.Sequential(ReplicatedLinear(64, 96, bias=True), MergedColumnParallelLinear(64, [48, 48]),
+                          RowParallelLinear(96, 64, bias=True)).to(dtype)
+    for p in model.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    plain = [(m.weight.clone(), None if m.bias is None else m.bias.clone()) for m in model]
+    x = torch.randn(7, 64, generator=g).to(dtype)
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        cpu.prepare_weights(model)
+    assert "3 linear weights prepacked for oneDNN" in caplog.text
+    assert all(m.weight.is_mkldnn and m.weight.shape == w.shape for m, (w, _) in zip(model, plain))
+    for m, (w, b) in zip(model, plain):
+        inp = x if m.weight.shape[1] == 64 else torch.randn(7, 96, generator=g).to(dtype)
+        ours, ref = m(inp), torch.nn.functional.linear(inp, w, b)
+        assert torch.equal(ours, ref) if dtype == torch.bfloat16 else torch.allclose(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_runs_prepacked_linears(qwen3_checkpoint):
+    from vlinfer import LLM
+    from vlinfer.layers.linear import LinearBase
+    llm = LLM(qwen3_checkpoint[0], dtype="float32", kv_cache_bytes=1 << 22)
+    layers = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, LinearBase)]
+    assert layers and all(m.weight.is_mkldnn for m in layers)

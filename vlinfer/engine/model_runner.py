@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlinfer import model_loader, platform
+from vlinfer import model_loader, ops, platform
 from vlinfer.config import EngineConfig
 from vlinfer.engine import graph_runner
 from vlinfer.engine.encoder_cache import EncoderCache
@@ -71,6 +71,7 @@ class ModelRunner:
         self.config = config
         self.driver = driver  # rank 0 of a tensor-parallel engine: sends each step to the workers
         self.hf_config = hf_config
+        ops.prepare_weights(model)  # the selected kernels' weight layout (e.g. oneDNN-packed linears on CPU)
         self.model = model
         self.device = device
         self.dtype = dtype

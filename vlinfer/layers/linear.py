@@ -4,9 +4,9 @@ takes the checkpoint tensor (and, for fused layers, which part it is) and copies
 The checkpoint tensor may be a lazy slice (model_loader.CheckpointSlice): `.narrow` on it reads only the rows or
 columns asked for from the file, so a rank never reads more than its shard of a split weight."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from vlinfer import ops
 from vlinfer.layers.distributed import divide, tp_group
 
 
@@ -43,7 +43,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -117,5 +117,5 @@ class RowParallelLinear(LinearBase):
             super().weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        y = ops.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(y)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlinfer.layers import ReplicatedLinear
 from vlinfer.ops import apply_rotary, varlen_attention
 
 
@@ -76,7 +77,7 @@ class Qwen3VLVisionPatchEmbed(nn.Module):
 
     def __init__(self, in_dim: int, embed_dim: int):
         super().__init__()
-        self.proj = nn.Linear(in_dim, embed_dim, bias=True)
+        self.proj = ReplicatedLinear(in_dim, embed_dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x.to(self.proj.weight.dtype))
@@ -88,8 +89,8 @@ class Qwen3VLVisionAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.scale = self.head_dim ** -0.5
-        self.qkv = nn.Linear(dim, dim * 3, bias=True)
-        self.proj = nn.Linear(dim, dim, bias=True)
+        self.qkv = ReplicatedLinear(dim, dim * 3, bias=True)
+        self.proj = ReplicatedLinear(dim, dim, bias=True)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # qkv output is laid out [3, heads, head_dim] per token.
@@ -102,8 +103,8 @@ class Qwen3VLVisionAttention(nn.Module):
 class Qwen3VLVisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str):
         super().__init__()
-        self.linear_fc1 = nn.Linear(dim, hidden, bias=True)
-        self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
+        self.linear_fc1 = ReplicatedLinear(dim, hidden, bias=True)
+        self.linear_fc2 = ReplicatedLinear(hidden, dim, bias=True)
         self.act = _act(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,8 +135,8 @@ class Qwen3VLVisionPatchMerger(nn.Module):
         self.merged_dim = config.hidden_size * config.spatial_merge_size ** 2
         self.postshuffle_norm = postshuffle_norm
         self.norm = nn.LayerNorm(self.merged_dim if postshuffle_norm else config.hidden_size, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim, bias=True)
-        self.linear_fc2 = nn.Linear(self.merged_dim, config.out_hidden_size, bias=True)
+        self.linear_fc1 = ReplicatedLinear(self.merged_dim, self.merged_dim, bias=True)
+        self.linear_fc2 = ReplicatedLinear(self.merged_dim, config.out_hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.postshuffle_norm:

@@ -8,7 +8,7 @@ from vlinfer.ops import reference
 logger = logging.getLogger("vlinfer")
 
 OPS = ("store_kvcache", "paged_attention", "apply_rotary", "rms_norm", "add_rms_norm", "silu_and_mul",
-       "varlen_attention")
+       "varlen_attention", "linear")
 # VLINFER_OPS=<name> forces one implementation whatever the device, e.g. the NPU code on CPU tensors under an
 # emulated torch_npu (tests/fake_torch_npu.py). A forced implementation that cannot load is an error, not a fallback.
 OVERRIDE_ENV = "VLINFER_OPS"
@@ -21,6 +21,7 @@ _KERNEL_NAMES = {"cpu-compiled": "compiled CPU kernels", "npu": "torch_npu kerne
 class _Active:
     name = "reference"
     impl = {op: getattr(reference, op) for op in OPS}
+    prepare_weights = None  # the implementation's one-time weight preparation (e.g. a kernel's layout), if any
 
 
 active = _Active()
@@ -44,7 +45,7 @@ def _load(name: str, device_type: str):
 def select(device_type: str, use_kernels: bool = True) -> str:
     """Install the implementation for device_type; returns its name. Falling back to the reference is never
     silent: it is logged as a warning with the reason. Ops a module does not define stay on the reference."""
-    impl, name = {op: getattr(reference, op) for op in OPS}, "reference"
+    impl, name, prepare = {op: getattr(reference, op) for op in OPS}, "reference", None
     forced = os.environ.get(OVERRIDE_ENV, "").strip()
     if forced:
         if forced not in IMPLEMENTATIONS:
@@ -54,17 +55,17 @@ def select(device_type: str, use_kernels: bool = True) -> str:
         if forced != "reference":
             module = _load(forced, device_type)
             impl.update({op: getattr(module, op) for op in OPS if hasattr(module, op)})
-            name = module.NAME
+            name, prepare = module.NAME, getattr(module, "prepare_weights", None)
     elif use_kernels and device_type in DEVICE_KERNELS:
         kernels = DEVICE_KERNELS[device_type]
         try:
             module = _load(kernels, device_type)
             impl.update({op: getattr(module, op) for op in OPS if hasattr(module, op)})
-            name = module.NAME
+            name, prepare = module.NAME, getattr(module, "prepare_weights", None)
         except Exception as e:  # no compiler, no headers, no torch_npu / CANN, ...
             logger.warning("ops: %s unavailable (%s: %s); running the pure-torch reference", _KERNEL_NAMES[kernels],
                            type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-    active.impl, active.name = impl, name
+    active.impl, active.name, active.prepare_weights = impl, name, prepare
     logger.info("ops: %s implementation for %s", name, device_type)
     return name
 
@@ -95,3 +96,14 @@ def silu_and_mul(x):
 
 def varlen_attention(q, k, v, cu_seqlens, scale):
     return active.impl["varlen_attention"](q, k, v, cu_seqlens, scale)
+
+
+def linear(x, weight, bias=None):
+    return active.impl["linear"](x, weight, bias)
+
+
+def prepare_weights(model) -> None:
+    """Let the selected implementation convert the loaded model's weights to the layout its kernels want; called
+    once by the model runner after loading, on every rank."""
+    if active.prepare_weights is not None:
+        active.prepare_weights(model)
