@@ -1,6 +1,7 @@
 """Per-op timings: the pure-torch reference vs the device implementation chosen for this machine, in one run.
 
-    python bench/ops.py                 # CPU: paged decode attention, prefill+decode mix, cache write, rotary
+    python bench/ops.py     # CPU: paged decode attention, prefill+decode mix, cache write, rotary, norms, SiLU-and-
+                            # multiply, linear (prepacked weights)
 """
 import argparse
 import itertools
@@ -37,6 +38,24 @@ def paged_case(q_lens, kv_lens, heads, kv_heads, head_dim, block_size, dtype):
     return q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), tables, head_dim ** -0.5
 
 
+def linear_rows(dtype, repeat):
+    """F.linear vs the implementation's linear on weights it prepared (prepare_weights), decode and prefill sizes."""
+    from vlinfer.layers import ReplicatedLinear
+    from vlinfer.ops import dispatch
+    rows = []
+    dt = str(dtype).replace("torch.", "")
+    for tokens, in_features, out_features in [(32, 2048, 6144), (32, 6144, 2048), (768, 2048, 6144)]:
+        layer = ReplicatedLinear(in_features, out_features).to(dtype)
+        layer.weight.data.normal_(0, 0.02)
+        plain = layer.weight.data.clone()
+        dispatch.prepare_weights(layer)
+        x = torch.randn(tokens, in_features).to(dtype)
+        rows.append((f"linear {tokens} x {in_features} -> {out_features} {dt}",
+                     timed(lambda: reference.linear(x, plain), repeat),
+                     timed(lambda: active.impl["linear"](x, layer.weight), repeat)))
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -70,6 +89,21 @@ def main(argv=None):
         rows.append((f"rotary 2048 tokens q16/k8 d=128 {dt}",
                      timed(lambda: reference.apply_rotary(q, k, cos, sin), args.repeat),
                      timed(lambda: impl["apply_rotary"](q, k, cos, sin), args.repeat)))
+        x, residual = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
+        weight = (torch.rand(2048) + 0.5).to(dtype)
+        rows.append((f"rms_norm 2048 x 2048 {dt}", timed(lambda: reference.rms_norm(x, weight, 1e-6), args.repeat),
+                     timed(lambda: impl["rms_norm"](x, weight, 1e-6), args.repeat)))
+        rows.append((f"add_rms_norm 2048 x 2048 {dt}",
+                     timed(lambda: reference.add_rms_norm(x, residual, weight, 1e-6), args.repeat),
+                     timed(lambda: impl["add_rms_norm"](x, residual, weight, 1e-6), args.repeat)))
+        head_weight = (torch.rand(128) + 0.5).to(dtype)
+        rows.append((f"per-head rms_norm (q/k norm) 2048 tokens x 16 heads d=128 {dt}",
+                     timed(lambda: reference.rms_norm(q, head_weight, 1e-6), args.repeat),
+                     timed(lambda: impl["rms_norm"](q, head_weight, 1e-6), args.repeat)))
+        gate_up = torch.randn(2048, 2 * 6144).to(dtype)
+        rows.append((f"silu_and_mul 2048 x 6144 {dt}", timed(lambda: reference.silu_and_mul(gate_up), args.repeat),
+                     timed(lambda: impl["silu_and_mul"](gate_up), args.repeat)))
+        rows.extend(linear_rows(dtype, args.repeat))
     print(f"\n| op and shape | reference (ms) | {name} (ms) | speedup |\n|---|---|---|---|")
     for label, ref_ms, dev_ms in rows:
         print(f"| {label} | {ref_ms:.2f} | {dev_ms:.2f} | {ref_ms / dev_ms:.1f}x |")

@@ -71,7 +71,7 @@ def test_batch_sizes():
 
 
 @pytest.mark.parametrize("device, kw, line", [
-    ("cpu", {}, "graph mode: none on cpu, running eager"),
+    ("cpu", {}, "graph mode: none on cpu, running eager (torch.compile of the decode step measured slower"),
     ("cpu", {"enforce_eager": True}, "graph mode: off (enforce_eager=True), running eager"),
     ("xpu", {}, "graph mode: not implemented for xpu yet, running eager"),  # npu: tests/test_npu_graph.py
     ("cuda", {"tensor_parallel_size": 2}, "graph mode: off under tensor parallelism (2 ranks), running eager"),

@@ -109,7 +109,8 @@ def select_backend(config, device: torch.device):
         return None
     if device.type not in BACKENDS:
         if device.type == "cpu":
-            logger.info("graph mode: none on cpu, running eager")
+            logger.info("graph mode: none on cpu, running eager (torch.compile of the decode step measured slower "
+                        "here: bench/cpu_decode_compile.py)")
         else:
             logger.info("graph mode: not implemented for %s yet, running eager", device.type)
         return None

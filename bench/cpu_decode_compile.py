@@ -1,0 +1,139 @@
+"""Should the CPU decode step run under torch.compile? One decode step of a fixed batch, timed eager (our compiled
+kernels, oneDNN-prepacked linears) and under torch.compile (inductor, our kernels registered as torch custom ops so
+the graph has no breaks), each in its own process, in one run. The engine's CPU graph mode follows this table:
+it stays eager unless compile wins.
+
+    python bench/cpu_decode_compile.py                    # SmolLM2-135M bf16, batch 64, contexts 100-300
+    python bench/cpu_decode_compile.py --batch 16 --steps 5
+"""
+import argparse
+import os
+import random
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def register_kernels_as_custom_ops():
+    """torch.compile cannot trace through our pybind kernels; as custom ops they stay single graph nodes. The
+    norms, rotary and activation run the pure-torch reference, which inductor fuses itself."""
+    from vlinfer.ops import cpu, dispatch, reference
+    ext = cpu._ext
+
+    @torch.library.custom_op("vlinfer_bench::store_kvcache", mutates_args=("k_cache", "v_cache"))
+    def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+        ext.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+
+    @store_kvcache.register_fake
+    def _(key, value, k_cache, v_cache, slot_mapping):
+        return None
+
+    @torch.library.custom_op("vlinfer_bench::decode_attention", mutates_args=())
+    def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        return ext.paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)
+
+    @decode_attention.register_fake
+    def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
+        return torch.empty(q.shape, dtype=q.dtype)
+
+    impl = dispatch.active.impl
+    impl["store_kvcache"] = lambda k, v, kc, vc, slots: store_kvcache(k, v, kc, vc, slots)
+    impl["paged_attention"] = lambda q, kc, vc, cu, lens, tables, scale: decode_attention(q, kc, vc, tables, lens,
+                                                                                          scale)
+    for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "linear"):
+        impl[op] = getattr(reference, op)
+
+
+def measure(args) -> None:
+    """One mode in this process; prints 'RESULT first_call_s steady_step_ms checksum'."""
+    if args.mode == "compile":
+        import torch._inductor.config as inductor_config
+        from vlinfer.ops import cpu
+        cpu.prepare_weights = lambda model: None  # inductor sees plain weights (freezing packs them itself)
+        inductor_config.freezing = args.freezing
+    from vlinfer import LLM
+    from vlinfer.layers import ForwardContext, forward_context
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_context + 8)
+    runner = llm.engine.model_runner
+    model = runner.model
+    if args.mode == "compile":
+        register_kernels_as_custom_ops()
+        model = torch.compile(model, dynamic=False)
+    rng = random.Random(args.seed)
+    bs, b = runner.block_size, args.batch
+    lens = [rng.randint(args.min_context, args.max_context) for _ in range(b)]
+    width = -(-max(lens) // bs)
+    blocks = list(range(runner.kv_cache.shape[2]))
+    rng.shuffle(blocks)
+    tables = torch.tensor([[blocks[(i * width + j) % len(blocks)] for j in range(width)] for i in range(b)],
+                          dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)])
+    gen = torch.Generator().manual_seed(args.seed)
+    input_ids = torch.randint(100, 30000, (b,), generator=gen)
+    positions = seq_lens.long() - 1
+    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=gen).to(runner.kv_cache.dtype))
+    ctx = ForwardContext(slot_mapping=slots, cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32),
+                         seq_lens=seq_lens, block_tables=tables, decode_only=True)
+    with torch.inference_mode(), forward_context(ctx):
+        start = time.perf_counter()
+        out = model(input_ids, positions)
+        first = time.perf_counter() - start
+        model(input_ids, positions)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            out = model(input_ids, positions)
+        step = (time.perf_counter() - start) / args.steps
+    print(f"RESULT {first:.2f} {step * 1e3:.2f} {out.float().abs().mean().item():.6f}", flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--min-context", type=int, default=100)
+    p.add_argument("--max-context", type=int, default=300)
+    p.add_argument("--steps", type=int, default=3, help="timed steps after the first call and one warm-up")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", choices=["eager", "compile"], help=argparse.SUPPRESS)  # one mode, in a child
+    p.add_argument("--freezing", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.mode:
+        measure(args)
+        return 0
+    print(f"{args.model} {args.dtype}, decode step of batch {args.batch}, contexts {args.min_context}-"
+          f"{args.max_context}, torch {torch.__version__}, {os.cpu_count()} CPUs; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    rows = []
+    for name, extra in [("eager (our kernels, prepacked linears)", ["--mode", "eager"]),
+                        ("torch.compile (inductor)", ["--mode", "compile"]),
+                        ("torch.compile (inductor, freezing)", ["--mode", "compile", "--freezing"])]:
+        cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype, "--batch", str(args.batch),
+               "--min-context", str(args.min_context), "--max-context", str(args.max_context),
+               "--steps", str(args.steps), "--seed", str(args.seed)] + extra
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        result = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+        if done.returncode != 0 or not result:
+            rows.append((name, None, None, None, (done.stderr.strip().splitlines() or ["?"])[-1][:120]))
+            continue
+        first, step, checksum = (float(x) for x in result[0].split()[1:])
+        rows.append((name, first, step, checksum, ""))
+        print(f"  {name}: first call {first:.1f}s, step {step:.1f} ms", flush=True)
+    eager_step = rows[0][2]
+    print("\n| decode step | first call (s) | steady step (ms) | vs eager | mean abs hidden |\n|---|---|---|---|---|")
+    for name, first, step, checksum, error in rows:
+        if step is None:
+            print(f"| {name} | failed: {error} | | | |")
+        else:
+            ratio = f"{eager_step / step:.2f}x" if eager_step else "-"
+            print(f"| {name} | {first:.1f} | {step:.1f} | {ratio} | {checksum:.5f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
