@@ -1,7 +1,8 @@
 """Our compiled CPU kernels (kernels/cpu/paged_ops.cpp), built on first use with torch's extension builder and
-cached under torch's extension folder, plus oneDNN's prepacked linear for every projection. Prefill chunks stay on the reference (SDPA is compute-bound and good
-there); decode attention, the cache write, rotary, the norms and SiLU-and-multiply run the kernels. The norms and
-the activation are memory-bound passes the reference spreads over five to seven tensor ops each.
+cached under torch's extension folder, plus oneDNN's prepacked linear for every projection. Prefill chunks stay on
+the reference (SDPA is compute-bound and good there); decode attention, the cache write, rotary, the norms and
+SiLU-and-multiply run the kernels. The norms and the activation are memory-bound passes the reference spreads over
+five to seven tensor ops each.
 
 Linear layers: torch's F.linear re-lays out the weight for oneDNN (bf16) or runs MKL (float32) on every call;
 prepare_weights() converts each projection's weight once into oneDNN's blocked layout (an opaque mkldnn tensor
