@@ -1,10 +1,10 @@
 """Our compiled CPU kernels against the pure-torch reference over a grid of shapes, float32 and bfloat16."""
-import itertools
 import logging
 
 import pytest
 import torch
 
+from paged_batches import make_batch, rel_err
 from vlinfer.ops import cpu, reference
 from vlinfer.ops.dispatch import select
 
@@ -21,26 +21,6 @@ def test_compiled_kernels_load_on_this_machine(caplog):
         assert select("cpu") == "cpu-compiled"
     assert "ops: cpu-compiled implementation for cpu" in caplog.text
     assert "running the pure-torch reference" not in caplog.text
-
-
-def make_batch(q_lens, kv_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum((n + block_size - 1) // block_size for n in kv_lens) + 3
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered, not contiguous, blocks
-    max_blocks = max((n + block_size - 1) // block_size for n in kv_lens)
-    tables = torch.full((len(kv_lens), max_blocks), -1, dtype=torch.int32)
-    for i, n in enumerate(kv_lens):
-        nb = (n + block_size - 1) // block_size
-        tables[i, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
-    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
-    cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
-    return q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), tables
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
 SHAPES = [(64, 1), (64, 2), (128, 8), (128, 1), (64, 8)]  # (head_dim, gqa ratio)

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from paged_batches import fp32, make_batch, rel_err
 from fake_torch_npu import FakeNpuError, FakeTorchNpu, install, loaded
 from vlinfer.ops import dispatch, npu, reference
 
@@ -25,30 +26,6 @@ NUM_KV_HEADS = 2
 BATCHES = [([1] * 6, [1, 127, 128, 129, 256, 300]),
            ([5, 128, 129], [5, 128, 129]),
            ([7, 1, 130, 1, 40, 3], [7, 200, 130, 129, 300, 131])]
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-
-
-def make_batch(q_lens, kv_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    """Random q, caches with each sequence in scattered blocks, cu_seqlens_q, seq_lens and -1 padded tables."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // block_size) for n in kv_lens]
-    num_blocks = sum(blocks) + 3
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.full((len(kv_lens), max(blocks) + 1), -1, dtype=torch.int32)
-    for i, n in enumerate(blocks):
-        tables[i, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
-    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
-    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
-    return q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), tables
-
-
-def fp32(args):
-    return [a.float() if a.is_floating_point() else a for a in args]
 
 
 # ---- paged attention ----

@@ -23,6 +23,7 @@ import os
 import torch
 
 from vlinfer.ops import reference
+from vlinfer.ops.per_step import PerStep
 
 logger = logging.getLogger("vlinfer")
 NAME = "cuda"
@@ -142,24 +143,7 @@ def _check_flash(flash_attn, device: torch.device) -> None:
 
 # ---- per-step host metadata ----
 
-class _PerStep:
-    """Host values derived from one step's metadata tensors, rebuilt only when different tensor objects come in:
-    every layer of a step passes the same ForwardContext tensors, and the model runner builds new ones each step."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self._key, self._value = (), None
-
-    def get(self, build, *tensors):
-        if len(tensors) != len(self._key) or any(a is not b for a, b in zip(tensors, self._key)):
-            self._value = build(*tensors)
-            self._key = tensors
-        return self._value
-
-
-_step, _varlen_step = _PerStep(), _PerStep()
+_step, _varlen_step = PerStep(), PerStep()
 
 
 def _paged_meta(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor):

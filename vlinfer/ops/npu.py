@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from vlinfer.ops import reference
+from vlinfer.ops.per_step import PerStep
 
 logger = logging.getLogger("vlinfer")
 NAME = "npu"
@@ -155,27 +156,7 @@ def _probe(device: torch.device) -> bool:
 
 # ---- per-step host metadata ----
 
-class _PerStep:
-    """Values derived from one step's metadata tensors, rebuilt only when different tensor objects come in.
-
-    Every layer of a step passes the same ForwardContext tensors, and the model runner builds new ones for each step
-    and never modifies them in place, so identity is the key (inference tensors have no version counter to check).
-    Holding the tensors keeps their ids from being reused."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self._key, self._value = (), None
-
-    def get(self, build, *tensors):
-        if len(tensors) != len(self._key) or any(a is not b for a, b in zip(tensors, self._key)):
-            self._value = build(*tensors)
-            self._key = tensors
-        return self._value
-
-
-_slots_step, _attention_step, _varlen_step, _rotary_step = _PerStep(), _PerStep(), _PerStep(), _PerStep()
+_slots_step, _attention_step, _varlen_step, _rotary_step = PerStep(), PerStep(), PerStep(), PerStep()
 
 
 class _AttentionMeta:

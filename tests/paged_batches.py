@@ -1,0 +1,31 @@
+"""Shared test inputs for the paged attention ops: random q, caches with each sequence in scattered blocks,
+cu_seqlens_q, seq_lens and -1 padded block tables; and the error measure every op test uses."""
+import itertools
+
+import torch
+
+
+def rel_err(a, b):
+    """max |a - b| / max |b|, in float32."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def make_batch(q_lens, kv_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, extra_width=1):
+    """(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables); tables are extra_width blocks wider than the
+    longest sequence needs, padded with -1."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in kv_lens]
+    num_blocks = sum(blocks) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered, not contiguous, blocks
+    tables = torch.full((len(kv_lens), max(blocks) + extra_width), -1, dtype=torch.int32)
+    for i, n in enumerate(blocks):
+        tables[i, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    return q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), tables
+
+
+def fp32(args):
+    return [a.float() if a.is_floating_point() else a for a in args]
