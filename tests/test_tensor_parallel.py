@@ -247,8 +247,9 @@ if __name__ == "__main__":
         print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
     else:
         print("WORKERS " + json.dumps(list(llm.engine.driver.worker_pids.values())), flush=True)
-        params = SamplingParams(temperature=0, max_tokens=100000, ignore_eos=True)
-        llm.generate([[5, 6, 7]] * 4, params, use_tqdm=False)  # until interrupted
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        while True:  # until interrupted: one generate can end (max_model_len) before the signal comes
+            llm.generate([[5, 6, 7]] * 4, params, use_tqdm=False)
 """ % NUM_NEW
 
 
