@@ -8,12 +8,11 @@ import logging
 import random
 import types
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from conftest import assert_block_pool_empty
+from images import picture
 from vlinfer import LLM, SamplingParams
 from vlinfer.config import EngineConfig
 from vlinfer.engine import graph_runner
@@ -187,12 +186,6 @@ def test_text_graph_mode_equals_eager(ops_mode, cpu_graphs, qwen3_checkpoint, mo
     # Again with the prompts sharing a cached prefix: prefill chunks after prefix hits stay eager, decode replays.
     assert generate(llm, [p + [7] for p in PROMPTS]) == generate(eager, [p + [7] for p in PROMPTS])
     assert_block_pool_empty(llm)
-
-
-def picture(h, w, seed):
-    rng = np.random.RandomState(seed)
-    base = rng.randint(0, 255, (1, 1, 3)) + np.linspace(0, 60, w)[None, :, None] + rng.randint(0, 40, (h, w, 3))
-    return Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
 
 
 VL_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n" \

@@ -11,13 +11,12 @@ import copy
 import logging
 import random
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from conftest import assert_block_pool_empty
 from fake_torch_npu import fake_npu  # noqa: F401  (fixture)
+from images import picture
 from test_text_parity import BF16_LOGIT_TOLERANCE
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine import SchedulerOutput
@@ -33,12 +32,6 @@ IMAGE_TOKEN = 151655
 VL_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n" \
             "<|im_start|>assistant\n"
 TEXT_PROMPT = "<|im_start|>user\nWrite one word about the sea.<|im_end|>\n<|im_start|>assistant\n"
-
-
-def picture(h, w, seed):
-    rng = np.random.RandomState(seed)
-    base = rng.randint(0, 255, (1, 1, 3)) + np.linspace(0, 60, w)[None, :, None] + rng.randint(0, 40, (h, w, 3))
-    return Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
 
 
 IMAGE = picture(384, 320, 1)  # 120 image tokens: the prompt crosses the first 128-token block

@@ -2,12 +2,12 @@
 import base64
 import io
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from conftest import assert_block_pool_empty
+from images import picture
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine import SchedulerOutput
 from vlinfer.multimodal import Qwen3VLImageProcessor
@@ -20,12 +20,6 @@ PROMPT_1 = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describ
 PROMPT_2 = "<|im_start|>user\nCompare <|vision_start|><|image_pad|><|vision_end|> with " \
            "<|vision_start|><|image_pad|><|vision_end|> please.<|im_end|>\n<|im_start|>assistant\n"
 PROMPT_0 = "<|im_start|>user\nWrite one word about the sea.<|im_end|>\n<|im_start|>assistant\n"
-
-
-def picture(h, w, seed):
-    rng = np.random.RandomState(seed)
-    base = rng.randint(0, 255, (1, 1, 3)) + np.linspace(0, 60, w)[None, :, None] + rng.randint(0, 40, (h, w, 3))
-    return Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
 
 
 IMG_A, IMG_B, IMG_C = picture(120, 160, 1), picture(200, 90, 2), picture(64, 64, 3)
