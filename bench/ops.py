@@ -1,7 +1,7 @@
 """Per-op timings: the pure-torch reference vs the device implementation chosen for this machine, in one run.
 
     python bench/ops.py     # CPU: paged decode attention, prefill+decode mix, cache write, rotary, norms, SiLU-and-
-                            # multiply, linear (prepacked weights)
+                            # multiply, GELU, vision attention, linear (prepacked weights)
 """
 import argparse
 import itertools
@@ -103,6 +103,16 @@ def main(argv=None):
         gate_up = torch.randn(2048, 2 * 6144).to(dtype)
         rows.append((f"silu_and_mul 2048 x 6144 {dt}", timed(lambda: reference.silu_and_mul(gate_up), args.repeat),
                      timed(lambda: impl["silu_and_mul"](gate_up), args.repeat)))
+        fc1 = torch.randn(2048, 4096).to(dtype)
+        rows.append((f"gelu_tanh 2048 x 4096 {dt}", timed(lambda: reference.gelu_tanh(fc1), args.repeat),
+                     timed(lambda: impl["gelu_tanh"](fc1.clone()), args.repeat)))  # in place: a fresh input
+        if dtype == torch.bfloat16:  # float32 stays on SDPA
+            for n in (256, 1024, 2352):  # one Qwen3-VL-2B image's patches (16 heads of 64)
+                vq, vk, vv = torch.randn(n, 3, 16, 64).to(dtype).unbind(1)
+                cu = torch.tensor([0, n], dtype=torch.int32)
+                rows.append((f"vision attention {n} patches h=16 d=64 {dt}",
+                             timed(lambda: reference.varlen_attention(vq, vk, vv, cu, 0.125), args.repeat),
+                             timed(lambda: impl["varlen_attention"](vq, vk, vv, cu, 0.125), args.repeat)))
         rows.extend(linear_rows(dtype, args.repeat))
     print(f"\n| op and shape | reference (ms) | {name} (ms) | speedup |\n|---|---|---|---|")
     for label, ref_ms, dev_ms in rows:

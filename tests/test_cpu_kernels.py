@@ -4,7 +4,7 @@ import logging
 import pytest
 import torch
 
-from paged_batches import make_batch, rel_err
+from paged_batches import fp32, make_batch, rel_err
 from vlinfer.ops import cpu, reference
 from vlinfer.ops.dispatch import select
 
@@ -104,6 +104,98 @@ def test_per_head_rms_norm_on_strided_views(dtype, head_dim):
     assert rel_err(cpu.rms_norm(q, weight, 1e-6), reference.rms_norm(q, weight, 1e-6)) < NORM_TOL[dtype]
 
 
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("head_dim, gqa", [(64, 1), (128, 2), (128, 8), (80, 2)])
+def test_bf16_prefill_attention_kernel(block_size, head_dim, gqa):
+    """Prefill chunks on the AVX512-BF16 flash kernel over the paged cache: from scratch, after a cached prefix,
+    longer than its query and key blocks, next to decodes. Error against exact attention within 1.5x SDPA's bf16
+    error (the reference runs SDPA) plus one bf16 rounding."""
+    q_lens, kv_lens = [300, 1, 70, 2, 1], [300, 40, 470, 9, 200]
+    q, k_cache, v_cache, cu, lens, tables = make_batch(q_lens, kv_lens, 2 * gqa, 2, head_dim, block_size,
+                                                       torch.bfloat16, seed=7)
+    scale = head_dim ** -0.5
+    exact = reference.paged_attention(*fp32([q, k_cache, v_cache]), cu, lens, tables, scale).double()
+    sdpa = reference.paged_attention(q, k_cache, v_cache, cu, lens, tables, scale)
+    ours = cpu.paged_attention(q, k_cache, v_cache, cu, lens, tables, scale)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):  # per sequence: scales differ little, but check each
+        e = exact[start:end]
+        err = (ours[start:end].double() - e).abs().max().item()
+        sdpa_err = (sdpa[start:end].double() - e).abs().max().item()
+        assert err <= 1.5 * sdpa_err + 2 ** -8 * e.abs().max().item(), (start, err, sdpa_err)
+
+
+def _exact_varlen_attention(q, k, v, cu_seqlens, scale):
+    return reference.varlen_attention(q.double(), k.double(), v.double(), cu_seqlens, scale)
+
+
+VISION_SEGMENTS = [([2160], 16, 64),            # a Qwen3-VL-2B image: 16 heads of 64
+                   ([5, 64, 130, 1, 300], 4, 64),  # segment and key-block edges, a one-patch segment
+                   ([100, 37], 2, 72),          # Qwen3-VL-8B's head_dim (not a multiple of 16)
+                   ([33, 0, 20], 3, 16),        # an empty segment
+                   ([300], 2, 128), ([50], 1, 8)]
+
+
+@pytest.mark.parametrize("lens, heads, head_dim", VISION_SEGMENTS)
+def test_vision_attention_kernel(lens, heads, head_dim):
+    """The bf16 vision attention kernel (AVX512-BF16) on strided q/k/v views of one qkv tensor, as the tower
+    passes them: its error against exact attention is SDPA's bf16 error, give or take one bf16 rounding."""
+    if not cpu._ext.bf16_attention_available():
+        pytest.fail("this CPU has AVX512-BF16 (CI's too), so the vision attention kernel must be built")
+    g = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(sum(lens), 3, heads, head_dim, generator=g) * 2).bfloat16()
+    q, k, v = qkv.unbind(1)
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    scale = head_dim ** -0.5
+    exact = _exact_varlen_attention(q, k, v, cu, scale)
+    sdpa = reference.varlen_attention(q, k, v, cu, scale)
+    ours = cpu.varlen_attention(q, k, v, cu, scale)
+    assert ours.dtype == torch.bfloat16 and ours.shape == q.shape
+    err, sdpa_err = (ours.double() - exact).abs().max().item(), (sdpa.double() - exact).abs().max().item()
+    assert err <= 1.5 * sdpa_err + 2 ** -9 * exact.abs().max().item()
+    # Most outputs round to the same bfloat16 as SDPA's.
+    assert (ours == sdpa).float().mean() > 0.8
+    # Segments are independent: a segment computed alone gives the same bits.
+    first = lens[0]
+    alone = cpu.varlen_attention(q[:first], k[:first], v[:first], cu[:2], scale)
+    assert torch.equal(alone, ours[:first])
+
+
+def test_vision_attention_dispatch():
+    q, k, v = torch.randn(40, 3, 2, 64).unbind(1)
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    # float32 runs SDPA (exact against transformers), bit for bit.
+    assert torch.equal(cpu.varlen_attention(q, k, v, cu, 0.125), reference.varlen_attention(q, k, v, cu, 0.125))
+    with pytest.raises(RuntimeError, match="bfloat16 only"):
+        cpu._ext.vision_attention(q, k, v, cu, 0.125)
+    with pytest.raises(RuntimeError, match="cu_seqlens"):
+        cpu._ext.vision_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.tensor([0, 15], dtype=torch.int32),
+                                  0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gelu_tanh(dtype):
+    """x * sigmoid(2u) in one pass: in bf16 within one rounding of the exact value (torch's 0.5x(1 + tanh u)
+    cancels for negative x and is off by more there), in float32 within float32's own rounding of u."""
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(129, 1000, generator=g) * 3).to(dtype)
+    x[0, :4] = torch.tensor([0.0, -30.0, 30.0, -6.0])
+    # The exact value in float64, in the sigmoid form: 0.5 (1 + tanh u) cancels to nothing for u < -18 even there.
+    xd = x.double()
+    exact = xd * torch.sigmoid(2 * 0.7978845608028654 * (xd + 0.044715 * xd ** 3))
+    ours = cpu.gelu_tanh(x.clone())
+    assert ours.dtype == dtype and torch.isfinite(ours).all()
+    if dtype == torch.bfloat16:
+        assert ((ours.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-30).all()
+        assert (ours == exact.to(dtype)).float().mean() > 0.99
+    else:
+        # float32 rounding of u (up to ~|2u| ulps through the exponential) bounds what any float32 GELU can do.
+        assert ((ours.double() - exact).abs() <= 1e-5 * exact.abs() + 1e-12).all()
+    torch.testing.assert_close(ours, reference.gelu_tanh(x), rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-6)
+    y = x.clone()
+    assert cpu.gelu_tanh(y).data_ptr() == y.data_ptr()  # in place: the vision MLP's fc1 output is a temporary
+
+
 def test_norm_with_weight_in_another_dtype_keeps_the_reference_promotion():
     x, weight = torch.randn(5, 64).bfloat16(), torch.rand(64)
     out = cpu.rms_norm(x, weight, 1e-6)
@@ -120,9 +212,10 @@ def test_bad_calls_are_rejected():
         cpu.store_kvcache(q[:, :2], q[:, :2], k_cache, v_cache, torch.tensor([10 ** 6]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])  # bf16: AVX512-BF16 path
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
-def test_padding_slots_with_nan_never_reach_the_output(impl):
-    q, k_cache, v_cache, cu, lens, tables = make_batch([1, 1, 3], [5, 20, 9], 4, 2, 64, 16, torch.float32)
+def test_padding_slots_with_nan_never_reach_the_output(impl, dtype):
+    q, k_cache, v_cache, cu, lens, tables = make_batch([1, 1, 3], [5, 20, 9], 4, 2, 64, 16, dtype)
     clean = reference.paged_attention(q, k_cache, v_cache, cu, lens, tables, 0.125)
     used = torch.zeros(k_cache.shape[0], 16, dtype=torch.bool)
     for row, n in zip(tables, lens.tolist()):
@@ -131,7 +224,7 @@ def test_padding_slots_with_nan_never_reach_the_output(impl):
     k_cache[~used], v_cache[~used] = float("nan"), float("nan")  # what an empty (unzeroed) pool may hold
     fn = reference.paged_attention if impl == "reference" else cpu.paged_attention
     out = fn(q, k_cache, v_cache, cu, lens, tables, 0.125)
-    assert torch.isfinite(out).all() and torch.allclose(out, clean, atol=1e-5)
+    assert torch.isfinite(out).all() and torch.allclose(out, clean, atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

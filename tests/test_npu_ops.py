@@ -198,9 +198,10 @@ def test_load_detects_the_2_14_contracts(monkeypatch, caplog):
     assert "VLINFER_OPS=npu forces the npu implementation on device type cpu" in caplog.text
     assert "cache write npu_scatter_pa_kv_cache, FIA scale keyword 'scale', attention one TND call" in caplog.text
     assert dispatch.active.name == "npu"
-    # Every op the NPU has a fused operator for; linear stays torch's (aclnn matmul already), as the reference.
-    assert all(dispatch.active.impl[op] is getattr(npu, op) for op in dispatch.OPS if op != "linear")
-    assert dispatch.active.impl["linear"] is reference.linear
+    # Every op the NPU has a fused operator for; linear and the GELU stay torch's (one aclnn op each already).
+    on_torch = ("linear", "gelu_tanh")
+    assert all(dispatch.active.impl[op] is getattr(npu, op) for op in dispatch.OPS if op not in on_torch)
+    assert all(dispatch.active.impl[op] is getattr(reference, op) for op in on_torch)
 
 
 @pytest.mark.parametrize("opaque", [False, "schema", True], ids=["signature", "schema", "opaque"])

@@ -169,3 +169,36 @@ def test_vision_rotary_stays_float32_under_dtype_cast():
     for a, b in zip(fp32._rotary(positions), bf16._rotary(positions)):
         assert a.dtype == b.dtype == torch.float32
         assert torch.equal(a, b)
+
+
+@pytest.fixture
+def cpu_kernels():
+    """The compiled CPU implementation for one test, then whatever was active before."""
+    from vlinfer.ops import dispatch
+    saved = dispatch.active.impl, dispatch.active.name, dispatch.active.prepare_weights
+    assert dispatch.select("cpu") == "cpu-compiled"
+    yield
+    dispatch.active.impl, dispatch.active.name, dispatch.active.prepare_weights = saved
+
+
+@torch.no_grad()
+def test_vision_bf16_error_is_transformers_bf16_error(models, cpu_kernels):
+    """bfloat16 tolerance (README): with the CPU kernels (vision attention on AVX512-BF16, GELU in one pass), the
+    tower's error against float32 transformers is within 1.5x of transformers' own bfloat16 error."""
+    import copy
+    config, hf, ours = models
+    torch.manual_seed(3)
+    grid_thw = torch.tensor([[1, 16, 20], [1, 6, 4], [1, 30, 8]])
+    pixel_values = _pixels(grid_thw, config)
+    truth = hf.model.visual(pixel_values, grid_thw=grid_thw, return_dict=True)
+    hf_bf16 = copy.deepcopy(hf.model.visual).to(torch.bfloat16)
+    hf_bf16.rotary_pos_emb.inv_freq = hf.model.visual.rotary_pos_emb.inv_freq  # from_pretrained keeps it fp32
+    ref = hf_bf16(pixel_values.bfloat16(), grid_thw=grid_thw, return_dict=True)
+    ours_bf16 = copy.deepcopy(ours).to(torch.bfloat16)
+    embeds, deepstack = ours_bf16(pixel_values, grid_thw)
+    assert embeds.dtype == torch.bfloat16
+    for got, want, exact in [(embeds, ref.pooler_output, truth.pooler_output),
+                             *zip(deepstack, ref.deepstack_features, truth.deepstack_features)]:
+        hf_err = _rel(want.float(), exact)
+        assert 0 < hf_err < 0.05  # bf16 really rounds, and not absurdly
+        assert _rel(got.float(), exact) <= 1.5 * hf_err

@@ -1,5 +1,6 @@
 // CPU kernels for the engine's hot ops: paged decode attention, the paged KV-cache write, in-place rotary, RMSNorm
-// (plain and fused with the residual add) and SiLU-and-multiply.
+// (plain and fused with the residual add), SiLU-and-multiply and tanh GELU. The AVX512-BF16 attention kernels (bf16
+// decode, the vision tower's attention) are in attention_bf16.cpp and registered here.
 // bfloat16 / float32 storage, float32 accumulation, OpenMP over independent (sequence, head) pairs.
 // Semantics are defined by vlinfer/ops/reference.py; tests compare against it.
 #include <torch/extension.h>
@@ -9,6 +10,17 @@
 #include <cmath>
 #include <limits>
 #include <vector>
+
+// kernels/cpu/attention_bf16.cpp
+bool bf16_attention_available();
+bool paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                 at::Tensor& out);
+at::Tensor vision_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& cu_seqlens, double scale);
+void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                       double scale, at::Tensor& out);
 
 namespace {
 
@@ -102,6 +114,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = at::empty_like(q);
+  if (paged_decode_attention_bf16(q, k_cache, v_cache, tables, lens, scale, out)) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     paged_decode_attention_impl<scalar_t>(q, k_cache, v_cache, tables, lens, scale, out);
   });
@@ -293,6 +306,31 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// tanh-approximated GELU in place (the vision MLP's gelu_pytorch_tanh), written as x * sigmoid(2u) with
+// u = sqrt(2/pi) * (x + 0.044715 x^3): the same function as 0.5 x (1 + tanh(u)) without its cancellation for
+// negative x, in one vectorizable pass where torch spends a Sleef tanh per element.
+template <typename scalar_t>
+void gelu_tanh_impl(at::Tensor& x) {
+  scalar_t* xp = x.data_ptr<scalar_t>();
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+  at::parallel_for(0, x.numel(), 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = to_f(xp[i]);
+      const float u = kBeta * (v + kKappa * v * v * v);
+      // Clamped: exp overflowing to inf would meet -ffast-math's reciprocal refinement (inf * 0 = NaN).
+      xp[i] = static_cast<scalar_t>(v / (1.f + std::exp(std::min(-2.f * u, 80.f))));
+    }
+  });
+}
+
+at::Tensor gelu_tanh_(at::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous(), "gelu_tanh_ needs a contiguous tensor");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_tanh_", [&] {
+    gelu_tanh_impl<scalar_t>(x);
+  });
+  return x;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -302,4 +340,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
+  m.def("gelu_tanh_", &gelu_tanh_, "tanh-approximated GELU in place (CPU)");
+  m.def("bf16_attention_available", &bf16_attention_available, "built with AVX512-BF16");
+  m.def("prefill_attention", &prefill_attention, "bf16 causal attention of prefill chunks over the paged cache (CPU)");
+  m.def("vision_attention", &vision_attention, "bf16 varlen bidirectional attention (CPU, AVX512-BF16)");
 }

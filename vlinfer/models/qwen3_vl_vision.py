@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlinfer.layers import ReplicatedLinear
-from vlinfer.ops import apply_rotary, varlen_attention
+from vlinfer.ops import apply_rotary, gelu_tanh, varlen_attention
 
 
 def _act(name: str):
     # Qwen3-VL ships gelu_pytorch_tanh; the others are here so a config typo fails loudly rather than silently.
     if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
-        return lambda x: F.gelu(x, approximate="tanh")
+        return gelu_tanh  # may overwrite its input: the fc1 output, used nowhere else
     if name == "gelu":
         return F.gelu
     if name == "silu":

@@ -1,8 +1,11 @@
-"""Our compiled CPU kernels (kernels/cpu/paged_ops.cpp), built on first use with torch's extension builder and
-cached under torch's extension folder, plus oneDNN's prepacked linear for every projection. Prefill chunks stay on
-the reference (SDPA is compute-bound and good there); decode attention, the cache write, rotary, the norms and
-SiLU-and-multiply run the kernels. The norms and the activation are memory-bound passes the reference spreads over
-five to seven tensor ops each.
+"""Our compiled CPU kernels (kernels/cpu/paged_ops.cpp, attention_bf16.cpp), built on first use with torch's
+extension builder and cached under torch's extension folder, plus oneDNN's prepacked linear for every projection.
+Decode attention, the cache write, rotary, the norms, SiLU-and-multiply and tanh GELU run the kernels; the norms and
+activations are memory-bound passes the reference spreads over several tensor ops each.
+
+Attention in bfloat16 on CPUs with AVX512-BF16 (prefill chunks, decode, the vision tower) runs our vdpbf16ps
+kernels: torch's SDPA CPU kernel reaches about a third of this CPU's bf16 matmul rate on these shapes without AMX.
+In float32, prefill and vision attention stay on SDPA, which is exact against transformers.
 
 Linear layers: torch's F.linear re-lays out the weight for oneDNN (bf16) or runs MKL (float32) on every call;
 prepare_weights() converts each projection's weight once into oneDNN's blocked layout (an opaque mkldnn tensor
@@ -19,7 +22,8 @@ from vlinfer.ops import reference
 
 logger = logging.getLogger("vlinfer")
 NAME = "cpu-compiled"
-SOURCE = os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cpu", "paged_ops.cpp")
+SOURCES = [os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cpu", name)
+           for name in ("paged_ops.cpp", "attention_bf16.cpp")]
 
 _ext = None
 
@@ -29,12 +33,17 @@ def load():
     global _ext
     if _ext is None:
         from torch.utils.cpp_extension import load as load_extension
-        source = os.path.abspath(SOURCE)
-        if not os.path.exists(source):
-            raise FileNotFoundError(f"kernel source {source} is missing (vlinfer must run from its source tree)")
+        sources = [os.path.abspath(source) for source in SOURCES]
+        for source in sources:
+            if not os.path.exists(source):
+                raise FileNotFoundError(f"kernel source {source} is missing (vlinfer must run from its source tree)")
         flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
-        _ext = load_extension("vlinfer_cpu_kernels", [source], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        _ext = load_extension("vlinfer_cpu_kernels", sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
                               verbose=False)
+        if _ext.bf16_attention_available():
+            logger.info("ops[cpu]: bf16 vision attention kernel built (AVX512-BF16)")
+        else:
+            logger.info("ops[cpu]: this CPU has no AVX512-BF16; the vision tower's attention runs SDPA")
     return _ext
 
 
@@ -55,7 +64,10 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         token_index = cu_seqlens_q[rows]
         out[token_index] = _ext.paged_decode_attention(q[token_index], k_cache, v_cache, block_tables[rows],
                                                        seq_lens[rows], scale)
-    reference.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out)
+    if q.dtype == torch.bfloat16 and q.shape[-1] <= 128 and _ext.bf16_attention_available():
+        _ext.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out)
+    else:  # float32 (SDPA is exact there), or no AVX512-BF16 (logged at load)
+        reference.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out)
     return out
 
 
@@ -64,6 +76,19 @@ def apply_rotary(q, k, cos, sin):
     _ext.rotary_inplace(q, cos, sin)
     _ext.rotary_inplace(k, cos, sin)
     return q, k
+
+
+def gelu_tanh(x):
+    if not x.is_contiguous():
+        return reference.gelu_tanh(x)
+    return _ext.gelu_tanh_(x)
+
+
+def varlen_attention(q, k, v, cu_seqlens, scale):
+    # bf16 only: in float32 SDPA is exact against transformers and no slower than a kernel could be here.
+    if q.dtype != torch.bfloat16 or q.shape[-1] > 128 or not _ext.bf16_attention_available():
+        return reference.varlen_attention(q, k, v, cu_seqlens, scale)
+    return _ext.vision_attention(q, k, v, cu_seqlens.cpu(), scale)
 
 
 def rms_norm(x, weight, eps):

@@ -8,7 +8,7 @@ from vlinfer.ops import reference
 logger = logging.getLogger("vlinfer")
 
 OPS = ("store_kvcache", "paged_attention", "apply_rotary", "rms_norm", "add_rms_norm", "silu_and_mul",
-       "varlen_attention", "linear")
+       "gelu_tanh", "varlen_attention", "linear")
 # VLINFER_OPS=<name> forces one implementation whatever the device, e.g. the NPU code on CPU tensors under an
 # emulated torch_npu (tests/fake_torch_npu.py). A forced implementation that cannot load is an error, not a fallback.
 OVERRIDE_ENV = "VLINFER_OPS"
@@ -92,6 +92,10 @@ def add_rms_norm(x, residual, weight, eps):
 
 def silu_and_mul(x):
     return active.impl["silu_and_mul"](x)
+
+
+def gelu_tanh(x):
+    return active.impl["gelu_tanh"](x)
 
 
 def varlen_attention(q, k, v, cu_seqlens, scale):

@@ -117,6 +117,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """tanh-approximated GELU (gelu_pytorch_tanh). Implementations may overwrite x: callers pass a temporary."""
+    return F.gelu(x, approximate="tanh")
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, -1)
     return torch.cat((-x2, x1), -1)

@@ -1,0 +1,480 @@
+// bfloat16 attention on CPUs with AVX512-BF16 (vdpbf16ps: bf16 pair dot products into float32 lanes).
+//
+// 1. Paged decode attention (the engine's decode step): per (sequence, kv head) the keys and values are read once
+//    for all query heads of the group; scores by bf16 dot products, softmax and the value sum in float32. The
+//    generic kernel in paged_ops.cpp converts every element to float first and ran at ~7 GB/s of KV here, a third
+//    of a decode step; this one is bound by memory bandwidth.
+//
+// 2. Bidirectional attention within packed segments (the vision tower's varlen attention): a flash-attention loop
+// (online softmax over key blocks, float32 scores and accumulators) whose two matmuls run on vdpbf16ps.
+// Why not SDPA: torch's CPU flash kernel runs these shapes (head_dim 64, a few thousand patches per image) at about
+// a third of this CPU's bf16 matmul rate without AMX, and the vision tower spends ~40% of its time there.
+//
+// Rounding follows torch's flash kernel: scores and the softmax in float32, probabilities rounded to bfloat16 for
+// the P.V product, the row sum taken before that rounding, the output normalized in float32 and rounded once. The
+// block sizes differ from torch's, so results differ from SDPA at bfloat16 resolution (tests bound it).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define VLINFER_BF16_ATTENTION 1
+#endif
+
+namespace {
+
+#ifdef VLINFER_BF16_ATTENTION
+
+constexpr int64_t kBlockQ = 48;   // query rows per work item (a multiple of 12: both microkernels' row counts)
+constexpr int64_t kBlockK = 256;  // keys per online-softmax step (a multiple of the 64-key score tile)
+constexpr int kScoreRows = 6;     // query rows per score tile (6 x 64 keys = 24 accumulators)
+constexpr int64_t kMaxVectors = 8;  // head_dim up to 128 (padded to 16-lane vectors)
+// The masked-score and initial-max value: finite, because -ffast-math lets the compiler assume no infinities.
+constexpr float kLowest = std::numeric_limits<float>::lowest();
+
+// exp for the softmax, whose inputs are s - max <= 0: range reduction by ln2 and a degree-6 polynomial (~1 ulp),
+// the power of two applied by vscalefps. Inputs are clamped at -100 so the masked kLowest scores give 2^-144 * p,
+// which rounds to 0 in bfloat16 and is nothing next to the row's maximum term of 1.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512bh broadcast_pair(const uint16_t* pair) {
+  int32_t bits;
+  std::memcpy(&bits, pair, sizeof(bits));
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+// scores[R][64] = scale * q[R][Dp] . keys^T for 64 keys, keys from valid[r] on masked to kLowest, and each row's
+// running block maximum updated while the tile is in registers. Keys are packed in groups of 16 as
+// [d_pair][16][2], the layout vdpbf16ps wants for a 16-lane column of dot products; q rows are broadcast a bf16
+// pair at a time.
+template <int R>
+inline void qk_tile(const uint16_t* q, int64_t dp, const uint16_t* keys, float scale, const int64_t* valid,
+                    float* scores, int64_t ld, float* block_max) {
+  const int64_t pairs = dp / 2;
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh k[4];
+    for (int c = 0; c < 4; ++c) k[c] = (__m512bh)_mm512_loadu_si512(keys + (c * pairs + p) * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qp = broadcast_pair(q + r * dp + 2 * p);
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qp, k[c]);
+    }
+  }
+  const __m512 lowest = _mm512_set1_ps(kLowest), s = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    __mmask16 live[4];
+    for (int c = 0; c < 4; ++c) {
+      const int64_t left = valid[r] - c * 16;
+      live[c] = left <= 0 ? 0 : (left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1));
+    }
+    __m512 mx = lowest;
+    for (int c = 0; c < 4; ++c) {
+      const __m512 x = _mm512_mask_mul_ps(lowest, live[c], acc[r][c], s);
+      _mm512_storeu_ps(scores + r * ld + c * 16, x);
+      mx = _mm512_max_ps(mx, x);
+    }
+    block_max[r] = std::max(block_max[r], _mm512_reduce_max_ps(mx));
+  }
+}
+
+// out[R][Dp] = alpha[r] * out[r] + probs[R][0:2*pairs] . values. Values are packed per key pair as [Dp][2].
+template <int R, int NV>
+inline void pv_tile(const uint16_t* probs, int64_t ld, const uint16_t* values, int64_t pairs, const float* alpha,
+                    float* out) {
+  constexpr int64_t dp = NV * 16;
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(out + r * dp + v * 16), a);
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh val[NV];
+    for (int v = 0; v < NV; ++v) val[v] = (__m512bh)_mm512_loadu_si512(values + (p * dp + v * 16) * 2);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pr = broadcast_pair(probs + r * ld + 2 * p);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pr, val[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + r * dp + v * 16, acc[r][v]);
+}
+
+template <int NV>
+void pv_rows(const uint16_t* probs, const uint16_t* values, int64_t pairs, const float* alpha, float* out,
+             int64_t rows) {
+  // Rows per tile so that R * NV accumulators stay within the 32 vector registers; 12 | kBlockQ rows padded.
+  constexpr int R = NV <= 4 ? 6 : (NV <= 6 ? 4 : 3);
+  for (int64_t r = 0; r < rows; r += R)
+    pv_tile<R, NV>(probs + r * kBlockK, kBlockK, values, pairs, alpha + r, out + r * NV * 16);
+}
+
+using PvRows = void (*)(const uint16_t*, const uint16_t*, int64_t, const float*, float*, int64_t);
+constexpr PvRows kPvRows[kMaxVectors + 1] = {nullptr, pv_rows<1>, pv_rows<2>, pv_rows<3>, pv_rows<4>,
+                                              pv_rows<5>, pv_rows<6>, pv_rows<7>, pv_rows<8>};
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Keys and values of every kv head packed for the two microkernels, zero-padded to whole key blocks and to dp.
+struct PackedKV {
+  int64_t n, nk, dp;  // keys, keys padded to kBlockK, head_dim padded to 16
+  std::vector<uint16_t> k, v;
+};
+
+// row(j, h) -> pointer to key j of kv head h (values: the same offset in the value tensor).
+template <typename RowFn>
+void pack_kv(PackedKV& kv, int64_t n, int64_t kv_heads, int64_t d, const uint16_t* k, const uint16_t* v, RowFn row) {
+  kv.n = n;
+  kv.nk = round_up(n, kBlockK);
+  kv.dp = round_up(d, 16);
+  const int64_t size = kv.nk * kv.dp;
+  kv.k.assign(kv_heads * size, 0);
+  kv.v.assign(kv_heads * size, 0);
+  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      uint16_t* pk = kv.k.data() + h * size;
+      uint16_t* pv = kv.v.data() + h * size;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t offset = row(j, h);
+        const uint16_t* kj = k + offset;
+        const uint16_t* vj = v + offset;
+        uint16_t* kg = pk + (j / 16) * kv.dp * 16 + (j % 16) * 2;  // [group of 16 keys][pair][16][2]
+        uint16_t* vg = pv + (j / 2) * kv.dp * 2 + (j % 2);         // [key pair][d][2]
+        for (int64_t e = 0; e < d; ++e) {
+          kg[(e / 2) * 32 + (e % 2)] = kj[e];
+          vg[e * 2] = vj[e];
+        }
+      }
+    }
+  });
+}
+
+// Queries q [n_q, heads, d] (strides q_st, q_sh) against packed keys/values; query head h reads kv head
+// h / (heads / kv_heads). causal: query i sits at absolute position q_pos0 + i and sees keys 0..that position;
+// otherwise every query sees every key. Work items are (head, block of kBlockQ queries), in parallel.
+void flash_attention(const uint16_t* q, int64_t q_st, int64_t q_sh, int64_t n_q, int64_t heads, int64_t kv_heads,
+                     int64_t d, const PackedKV& kv, bool causal, int64_t q_pos0, float scale, uint16_t* out,
+                     int64_t o_st, int64_t o_sh) {
+  const int64_t dp = kv.dp, group = heads / kv_heads, q_blocks = (n_q + kBlockQ - 1) / kBlockQ;
+  const PvRows pv_rows_fn = kPvRows[dp / 16];
+  at::parallel_for(0, heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> qbuf(kBlockQ * dp), probs(kBlockQ * kBlockK);
+    std::vector<float> scores(kBlockQ * kBlockK), acc(kBlockQ * dp), row_max(kBlockQ), row_sum(kBlockQ),
+        alpha(kBlockQ), block_max(kBlockQ);
+    std::vector<int64_t> row_keys(kBlockQ);
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t h = work / q_blocks, q0 = (work % q_blocks) * kBlockQ;
+      const int64_t rows = std::min(kBlockQ, n_q - q0), rows_padded = round_up(rows, 12);
+      // Keys this block of queries sees at all, and each row's own count (padding rows: all, unused).
+      const int64_t n_keys = causal ? std::min(kv.n, q_pos0 + q0 + rows) : kv.n;
+      for (int64_t i = 0; i < kBlockQ; ++i) row_keys[i] = causal && i < rows ? q_pos0 + q0 + i + 1 : n_keys;
+      std::fill(qbuf.begin(), qbuf.end(), 0);
+      for (int64_t i = 0; i < rows; ++i)
+        std::memcpy(qbuf.data() + i * dp, q + (q0 + i) * q_st + h * q_sh, d * sizeof(uint16_t));
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(row_max.begin(), row_max.end(), kLowest);
+      std::fill(row_sum.begin(), row_sum.end(), 0.f);
+      std::fill(probs.begin(), probs.end(), 0);
+      std::fill(alpha.begin(), alpha.end(), 1.f);
+      const uint16_t* pk = kv.k.data() + (h / group) * kv.nk * dp;
+      const uint16_t* pv = kv.v.data() + (h / group) * kv.nk * dp;
+
+      for (int64_t k0 = 0; k0 < n_keys; k0 += kBlockK) {
+        const int64_t keys = std::min(kBlockK, n_keys - k0), cols = round_up(keys, 64);
+        std::fill(block_max.begin(), block_max.end(), kLowest);
+        for (int64_t r = 0; r < rows_padded; r += kScoreRows)
+          for (int64_t c = 0; c < cols; c += 64) {
+            int64_t valid[kScoreRows];
+            for (int i = 0; i < kScoreRows; ++i) valid[i] = std::min(keys, row_keys[r + i] - k0) - c;
+            qk_tile<kScoreRows>(qbuf.data() + r * dp, dp, pk + (k0 + c) * dp, scale, valid,
+                                scores.data() + r * kBlockK + c, kBlockK, block_max.data() + r);
+          }
+        for (int64_t i = 0; i < rows; ++i) {
+          const float* s = scores.data() + i * kBlockK;
+          uint16_t* p = probs.data() + i * kBlockK;
+          // Key 0 is always visible, so row_max is finite from the first block on; a later block a causal row
+          // cannot see at all leaves it unchanged (alpha 1) and adds zeros.
+          const float m_new = std::max(row_max[i], block_max[i]);
+          alpha[i] = std::exp(row_max[i] - m_new);  // 0 on the first block (row_max = lowest)
+          row_max[i] = m_new;
+          const __m512 m = _mm512_set1_ps(m_new);
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t c = 0; c < cols; c += 16) {
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + c), m));
+            sum = _mm512_add_ps(sum, e);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c), (__m256i)_mm512_cvtneps_pbh(e));
+          }
+          row_sum[i] = row_sum[i] * alpha[i] + _mm512_reduce_add_ps(sum);
+        }
+        pv_rows_fn(probs.data(), pv + k0 * dp, cols / 2, alpha.data(), acc.data(), rows_padded);
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        const __m512 inv = _mm512_set1_ps(1.f / row_sum[i]);
+        uint16_t* o = out + (q0 + i) * o_st + h * o_sh;
+        for (int64_t e = 0; e < dp; e += 16) {
+          const __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc.data() + i * dp + e), inv));
+          uint16_t lanes[16];
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), (__m256i)y);
+          std::memcpy(o + e, lanes, std::min<int64_t>(16, d - e) * sizeof(uint16_t));
+        }
+      }
+    }
+  });
+}
+
+// ----------------------------------------------------------------------------------------- paged decode attention
+
+// A head's rows are head_dim apart from the next head's, so consecutive tokens are a cache-line run every
+// kv_heads * head_dim elements: a stride the hardware prefetcher follows poorly. Fetch kPrefetch tokens ahead.
+// (Walking all heads of a sequence token by token instead, reading whole rows, measured slower: the value
+// accumulators of every head no longer fit in registers.)
+constexpr int64_t kPrefetch = 8;
+
+template <int NB>
+inline void prefetch_row(const uint16_t* row) {
+  for (int i = 0; i < NB; ++i) _mm_prefetch(reinterpret_cast<const char*>(row + 32 * i), _MM_HINT_T0);
+}
+
+// One (sequence, kv head): NB = head_dim / 32 bf16 vectors per row. Query heads of the group are served in chunks
+// of kHeadsPerPass so their float32 value accumulators stay in registers.
+template <int NB>
+void decode_one(const uint16_t* q, int64_t q_stride_h, int64_t group, const uint16_t* k_base, const uint16_t* v_base,
+                const int32_t* table, int64_t block_size, int64_t c_stride_block, int64_t c_stride_tok, int64_t len,
+                float scale, uint16_t* out, int64_t o_stride_h, std::vector<float>& scores,
+                std::vector<uint16_t>& probs) {
+  constexpr int64_t kHeadsPerPass = 8 / NB;  // 16 accumulators
+  const int64_t padded = (len + 15) / 16 * 16;
+  scores.resize(group * padded);
+  probs.resize(group * padded);
+  auto row = [&](const uint16_t* base, int64_t t) {
+    return base + table[t / block_size] * c_stride_block + (t % block_size) * c_stride_tok;
+  };
+  // Scores: each key row is loaded once and dotted with every query head of the group.
+  for (int64_t t = 0; t < len; ++t) {
+    const uint16_t* k = row(k_base, t);
+    if (t + kPrefetch < len) prefetch_row<NB>(row(k_base, t + kPrefetch));
+    __m512bh kv[NB];
+    for (int i = 0; i < NB; ++i) kv[i] = (__m512bh)_mm512_loadu_si512(k + 32 * i);
+    for (int64_t g = 0; g < group; ++g) {
+      const uint16_t* qg = q + g * q_stride_h;
+      __m512 acc = _mm512_setzero_ps();
+      for (int i = 0; i < NB; ++i) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qg + 32 * i), kv[i]);
+      scores[g * padded + t] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  // Softmax, unnormalized (the value sum is divided by the row sum at the end); the probabilities are rounded to
+  // bf16 for the value product, as the reference does.
+  std::vector<float> inv_sum(group);
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores.data() + g * padded;
+    for (int64_t t = len; t < padded; ++t) s[t] = kLowest;
+    __m512 mx = _mm512_set1_ps(kLowest);
+    for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + g * padded + t), (__m256i)_mm512_cvtneps_pbh(e));
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  // Values, two tokens at a time: rows t and t+1 interleaved element-wise are the (v[t][d], v[t+1][d]) pairs that
+  // vdpbf16ps multiplies by the (p[t], p[t+1]) pair. unpacklo/hi work within 128-bit lanes, so of each 32 values
+  // the lo accumulator holds d = 8j..8j+3 and the hi one d = 8j+4..8j+7 in lane j; put back in order at the end.
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
+    const int64_t heads = std::min(kHeadsPerPass, group - g0);
+    __m512 acc[kHeadsPerPass][2 * NB];
+    for (int64_t h = 0; h < kHeadsPerPass; ++h)
+      for (int j = 0; j < 2 * NB; ++j) acc[h][j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 2) {
+      const uint16_t* v0 = row(v_base, t);
+      const uint16_t* v1 = t + 1 < len ? row(v_base, t + 1) : nullptr;
+      for (int64_t ahead = t + kPrefetch; ahead < std::min(t + kPrefetch + 2, len); ++ahead)
+        prefetch_row<NB>(row(v_base, ahead));
+      __m512bh pairs[2 * NB];
+      for (int i = 0; i < NB; ++i) {
+        const __m512i a = _mm512_loadu_si512(v0 + 32 * i), b = v1 ? _mm512_loadu_si512(v1 + 32 * i) : zero;
+        pairs[2 * i] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        pairs[2 * i + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      }
+      for (int64_t h = 0; h < kHeadsPerPass; ++h) {
+        if (h >= heads) break;
+        const __m512bh p = broadcast_pair(probs.data() + (g0 + h) * padded + t);
+        for (int j = 0; j < 2 * NB; ++j) acc[h][j] = _mm512_dpbf16_ps(acc[h][j], p, pairs[j]);
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      uint16_t* o = out + (g0 + h) * o_stride_h;
+      const __m512 inv = _mm512_set1_ps(inv_sum[g0 + h]);
+      for (int i = 0; i < NB; ++i) {
+        const __m512 lo = acc[h][2 * i], hi = acc[h][2 * i + 1];
+        const __m512 a = _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv);
+        const __m512 b = _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv);
+        _mm512_storeu_si512(o + 32 * i, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+      }
+    }
+  }
+}
+
+template <int NB>
+void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale, at::Tensor& out) {
+  const int64_t batch = q.size(0), num_heads = q.size(1);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  auto qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  auto vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  auto op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t c_stride_block = k_cache.stride(0), c_stride_tok = k_cache.stride(1), c_stride_h = k_cache.stride(2);
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<uint16_t> probs;
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t b = work / num_kv_heads, kvh = work % num_kv_heads;
+      decode_one<NB>(qp + b * q.stride(0) + kvh * group * q.stride(1), q.stride(1), group,
+                     kp + kvh * c_stride_h, vp + kvh * c_stride_h, tables + b * max_blocks, block_size,
+                     c_stride_block, c_stride_tok, lens[b], scale,
+                     op + b * out.stride(0) + kvh * group * out.stride(1), out.stride(1), scores, probs);
+    }
+  });
+}
+
+#endif  // VLINFER_BF16_ATTENTION
+
+}  // namespace
+
+// The bf16 decode path, for head_dim 64 or 128 with AVX512-BF16; false when it does not apply (the caller then
+// runs the generic kernel). Shapes and dtypes were checked by the caller.
+bool paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                 at::Tensor& out) {
+#ifdef VLINFER_BF16_ATTENTION
+  if (q.scalar_type() != at::kBFloat16 || k_cache.stride(3) != 1) return false;
+  if (q.size(2) == 64) {
+    paged_decode_bf16<2>(q, k_cache, v_cache, block_tables, seq_lens, static_cast<float>(scale), out);
+    return true;
+  }
+  if (q.size(2) == 128) {
+    paged_decode_bf16<4>(q, k_cache, v_cache, block_tables, seq_lens, static_cast<float>(scale), out);
+    return true;
+  }
+#endif
+  return false;
+}
+
+bool bf16_attention_available() {
+#ifdef VLINFER_BF16_ATTENTION
+  return true;
+#else
+  return false;
+#endif
+}
+
+// q, k, v [T, heads, head_dim] bfloat16 (any token / head strides, contiguous head_dim); cu_seqlens int32 [S + 1].
+at::Tensor vision_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& cu_seqlens, double scale) {
+  TORCH_CHECK(bf16_attention_available(), "vision_attention: built without AVX512-BF16");
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.sizes() == q.sizes(), "q, k, v must be [T, heads, d]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16, "vision_attention is bfloat16 only");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(q.size(2) <= 128, "head_dim over 128");
+  auto bounds = cu_seqlens.to(at::kLong).contiguous();
+  auto out = at::empty(q.sizes(), q.options());
+#ifdef VLINFER_BF16_ATTENTION
+  const int64_t* b = bounds.data_ptr<int64_t>();
+  auto qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  auto vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  auto op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  TORCH_CHECK(b[0] == 0 && b[bounds.numel() - 1] == q.size(0), "cu_seqlens must span [0, T]");
+  TORCH_CHECK(k.strides() == v.strides(), "k and v must share a layout");
+  const int64_t st = k.stride(0), sh = k.stride(1);
+  PackedKV kv;
+  for (int64_t s = 0; s + 1 < bounds.numel(); ++s) {
+    const int64_t start = b[s], n = b[s + 1] - start;
+    TORCH_CHECK(n >= 0, "cu_seqlens must be non-decreasing");
+    if (n == 0) continue;
+    pack_kv(kv, n, q.size(1), q.size(2), kp + start * st, vp + start * st,
+            [&](int64_t j, int64_t h) { return j * st + h * sh; });
+    flash_attention(qp + start * q.stride(0), q.stride(0), q.stride(1), n, q.size(1), q.size(1), q.size(2), kv,
+                    /*causal=*/false, 0, static_cast<float>(scale), op + start * out.stride(0), out.stride(0),
+                    out.stride(1));
+  }
+#endif
+  return out;
+}
+
+// The multi-token rows of paged attention (prefill chunks, with or without cached context), written into out:
+// q [T, heads, d] bfloat16, caches [blocks, block_size, kv_heads, d]; one-token rows are the decode kernel's and
+// are left untouched. Sequence i's queries are its last tokens, so query j of a chunk of n sits at position
+// seq_lens[i] - n + j.
+void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                       double scale, at::Tensor& out) {
+  TORCH_CHECK(bf16_attention_available(), "prefill_attention: built without AVX512-BF16");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "prefill_attention is bfloat16 only");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "k and v caches must share a layout");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) <= 128, "head_dim mismatch or over 128");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must be shaped like q");
+#ifdef VLINFER_BF16_ATTENTION
+  auto cu = cu_seqlens_q.to(at::kLong).contiguous();
+  auto lens = seq_lens.to(at::kLong).contiguous();
+  auto tables = block_tables.to(at::kInt).contiguous();
+  const int64_t* c = cu.data_ptr<int64_t>();
+  const int64_t* l = lens.data_ptr<int64_t>();
+  const int32_t* t = tables.data_ptr<int32_t>();
+  const int64_t max_blocks = tables.size(1), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t sb = k_cache.stride(0), st = k_cache.stride(1), sh = k_cache.stride(2);
+  auto qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  auto vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  auto op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  PackedKV kv;
+  for (int64_t i = 0; i + 1 < cu.numel(); ++i) {
+    const int64_t n_q = c[i + 1] - c[i], n_keys = l[i];
+    if (n_q <= 1) continue;
+    TORCH_CHECK(n_q <= n_keys && n_keys <= max_blocks * block_size, "sequence ", i, ": bad lengths");
+    const int32_t* table = t + i * max_blocks;
+    pack_kv(kv, n_keys, kv_heads, q.size(2), kp, vp,
+            [&](int64_t j, int64_t h) { return table[j / block_size] * sb + (j % block_size) * st + h * sh; });
+    flash_attention(qp + c[i] * q.stride(0), q.stride(0), q.stride(1), n_q, q.size(1), kv_heads, q.size(2), kv,
+                    /*causal=*/true, n_keys - n_q, static_cast<float>(scale), op + c[i] * out.stride(0),
+                    out.stride(0), out.stride(1));
+  }
+#endif
+}
