@@ -77,6 +77,12 @@ def main(argv=None):
         rows.append((f"paged attention mix 24 decodes + 2 prefill chunks {dt}",
                      timed(lambda: reference.paged_attention(*case), args.repeat),
                      timed(lambda: impl["paged_attention"](*case), args.repeat)))
+        for q_lens, kv_lens, label in [([256] * 8, [256] * 8, "8 prefill chunks of 256"),
+                                       ([512], [1024], "prefill 512 after 512 cached")]:
+            case = paged_case(q_lens, kv_lens, 16, 8, 128, 16, dtype)
+            rows.append((f"paged attention {label} h=16/8 d=128 {dt}",
+                         timed(lambda: reference.paged_attention(*case), args.repeat),
+                         timed(lambda: impl["paged_attention"](*case), args.repeat)))
         key = torch.randn(2048, 8, 128).to(dtype)
         caches = [torch.zeros(200, 16, 8, 128, dtype=dtype) for _ in range(2)]
         slots = torch.randperm(200 * 16)[:2048]

@@ -255,6 +255,49 @@ def run_transformers(args, path, requests):
     return dict(tokens=produced, seconds=elapsed, preprocess=prep, prompt_ids=all_rows, outputs=outputs)
 
 
+# ------------------------------------------------------------------------------------------------- compute floor
+
+def workload_flops(path, image_patches, prompt_lens, max_tokens) -> dict[str, float]:
+    """Multiply-add FLOPs (2 per MAC) the workload needs whatever the engine: vision tower, language-model prefill
+    and decode, attention included; no padding, logits only where a token is sampled."""
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    v, t = cfg["vision_config"], cfg["text_config"]
+    hv, iv = v["hidden_size"], v["intermediate_size"]
+    merged = hv * v["spatial_merge_size"] ** 2
+    patch_in = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
+    mergers = 1 + len(v["deepstack_visual_indexes"])
+    patches = sum(image_patches)
+    vision_linear = 2 * patches * (patch_in * hv + v["depth"] * (4 * hv * hv + 2 * hv * iv))
+    vision_linear += 2 * patches // v["spatial_merge_size"] ** 2 * mergers * (merged * merged + merged * v["out_hidden_size"])
+    vision_attention = 4 * hv * v["depth"] * sum(n * n for n in image_patches)
+    h, hd, layers = t["hidden_size"], t["head_dim"], t["num_hidden_layers"]
+    q_dim, kv_dim = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd
+    per_token = 2 * layers * (h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * t["intermediate_size"])
+    lm_head = 2 * h * t["vocab_size"]
+    requests = len(prompt_lens)
+    prefill = sum(prompt_lens) * per_token + requests * lm_head
+    prefill += sum(2 * n * n * q_dim * layers for n in prompt_lens)  # causal: half of 4 n^2 q_dim per layer
+    decode_tokens = requests * (max_tokens - 1)
+    contexts = sum(n + i for n in prompt_lens for i in range(1, max_tokens))
+    decode = decode_tokens * (per_token + lm_head) + 4 * q_dim * layers * contexts
+    return {"vision linear": vision_linear, "vision attention": vision_attention, "prefill": prefill,
+            "decode": decode}
+
+
+def matmul_peak_gflops(dtype) -> float:
+    """This machine's bf16 matmul rate now: the best of a few 2048 x 2048 x 8192 oneDNN matmuls on prepacked
+    weights (what our linear layers run)."""
+    x = torch.randn(2048, 2048).to(dtype)
+    w = torch.randn(8192, 2048).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        best = min(best, time.perf_counter() - start)
+    return 2 * 2048 * 2048 * 8192 / best / 1e9
+
+
 # ------------------------------------------------------------------------------------------------- main
 
 def main(argv=None):
@@ -315,6 +358,21 @@ def main(argv=None):
     print(f"| rest (prefill + decode + scheduling) | {total - v['preprocess'] - v['vision']:.1f} | "
           f"{(total - v['preprocess'] - v['vision']) / total:.0%} |")
     print(f"| total | {total:.1f} | 100% |")
+    flops = workload_flops(path, [4 * n for n in image_tokens], [len(ids) for ids in v["prompt_ids"]],
+                           args.max_tokens)
+    peak = matmul_peak_gflops(getattr(torch, args.dtype))
+    floor = sum(flops.values()) / peak / 1e9
+    print(f"\n| work (same for every engine) | TFLOP | seconds at the matmul peak |\n|---|---|---|")
+    for name, f in flops.items():
+        print(f"| {name} | {f / 1e12:.1f} | {f / peak / 1e9:.1f} |")
+    print(f"| total | {sum(flops.values()) / 1e12:.1f} | {floor:.1f} |")
+    print(f"\ncompute floor: {floor:.1f}s with every FLOP at this machine's {args.dtype} matmul peak, measured now "
+          f"({peak:.0f} GFLOP/s, oneDNN 2048x2048x8192); vlinfer runs at {floor / total:.0%} of it", end="")
+    if h is not None:
+        print(f", transformers at {floor / h['seconds']:.0%}; 2x transformers needs {h['seconds'] / 2:.1f}s, "
+              f"{2 * floor / h['seconds']:.0%} of the peak over the whole run")
+    else:
+        print()
     if h is not None:
         same_ids = sum(a == b for a, b in zip(v["prompt_ids"], h["prompt_ids"]))
         same_first = sum(a[:1] == b[:1] for a, b in zip(v["outputs"], h["outputs"]))

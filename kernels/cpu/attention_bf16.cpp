@@ -68,7 +68,7 @@ inline __m512bh broadcast_pair(const uint16_t* pair) {
 // running block maximum updated while the tile is in registers. Keys are packed in groups of 16 as
 // [d_pair][16][2], the layout vdpbf16ps wants for a 16-lane column of dot products; q rows are broadcast a bf16
 // pair at a time.
-template <int R>
+template <int R, bool kMasked>
 inline void qk_tile(const uint16_t* q, int64_t dp, const uint16_t* keys, float scale, const int64_t* valid,
                     float* scores, int64_t ld, float* block_max) {
   const int64_t pairs = dp / 2;
@@ -85,10 +85,12 @@ inline void qk_tile(const uint16_t* q, int64_t dp, const uint16_t* keys, float s
   }
   const __m512 lowest = _mm512_set1_ps(kLowest), s = _mm512_set1_ps(scale);
   for (int r = 0; r < R; ++r) {
-    __mmask16 live[4];
-    for (int c = 0; c < 4; ++c) {
-      const int64_t left = valid[r] - c * 16;
-      live[c] = left <= 0 ? 0 : (left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1));
+    __mmask16 live[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
+    if (kMasked) {
+      for (int c = 0; c < 4; ++c) {
+        const int64_t left = valid[r] - c * 16;
+        live[c] = left <= 0 ? 0 : (left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1));
+      }
     }
     __m512 mx = lowest;
     for (int c = 0; c < 4; ++c) {
@@ -207,9 +209,17 @@ void flash_attention(const uint16_t* q, int64_t q_st, int64_t q_sh, int64_t n_q,
         for (int64_t r = 0; r < rows_padded; r += kScoreRows)
           for (int64_t c = 0; c < cols; c += 64) {
             int64_t valid[kScoreRows];
-            for (int i = 0; i < kScoreRows; ++i) valid[i] = std::min(keys, row_keys[r + i] - k0) - c;
-            qk_tile<kScoreRows>(qbuf.data() + r * dp, dp, pk + (k0 + c) * dp, scale, valid,
-                                scores.data() + r * kBlockK + c, kBlockK, block_max.data() + r);
+            bool full = true;
+            for (int i = 0; i < kScoreRows; ++i) {
+              valid[i] = std::min(keys, row_keys[r + i] - k0) - c;
+              full = full && valid[i] >= 64;
+            }
+            if (full)  // every tile but the last of a row of blocks, and the causal diagonal's
+              qk_tile<kScoreRows, false>(qbuf.data() + r * dp, dp, pk + (k0 + c) * dp, scale, valid,
+                                         scores.data() + r * kBlockK + c, kBlockK, block_max.data() + r);
+            else
+              qk_tile<kScoreRows, true>(qbuf.data() + r * dp, dp, pk + (k0 + c) * dp, scale, valid,
+                                        scores.data() + r * kBlockK + c, kBlockK, block_max.data() + r);
           }
         for (int64_t i = 0; i < rows; ++i) {
           const float* s = scores.data() + i * kBlockK;
