@@ -3,12 +3,11 @@
 // 1. Paged decode attention (the engine's decode step): per (sequence, kv head) the keys and values are read once
 //    for all query heads of the group; scores by bf16 dot products, softmax and the value sum in float32. The
 //    generic kernel in paged_ops.cpp converts every element to float first and ran at ~7 GB/s of KV here, a third
-//    of a decode step; this one is bound by memory bandwidth.
-//
-// 2. Bidirectional attention within packed segments (the vision tower's varlen attention): a flash-attention loop
-// (online softmax over key blocks, float32 scores and accumulators) whose two matmuls run on vdpbf16ps.
-// Why not SDPA: torch's CPU flash kernel runs these shapes (head_dim 64, a few thousand patches per image) at about
-// a third of this CPU's bf16 matmul rate without AMX, and the vision tower spends ~40% of its time there.
+//    of a decode step.
+// 2. A flash-attention loop (online softmax over key blocks, float32 scores and accumulators, both matmuls on
+//    vdpbf16ps) for the vision tower's bidirectional attention within packed segments and for causal prefill
+//    chunks over the paged cache. Why not SDPA: torch's CPU flash kernel runs these shapes at about a third of this
+//    CPU's bf16 matmul rate without AMX, and the vision tower spent ~40% of its time there.
 //
 // Rounding follows torch's flash kernel: scores and the softmax in float32, probabilities rounded to bfloat16 for
 // the P.V product, the row sum taken before that rounding, the output normalized in float32 and rounded once. The
