@@ -268,7 +268,8 @@ def workload_flops(path, image_patches, prompt_lens, max_tokens) -> dict[str, fl
     mergers = 1 + len(v["deepstack_visual_indexes"])
     patches = sum(image_patches)
     vision_linear = 2 * patches * (patch_in * hv + v["depth"] * (4 * hv * hv + 2 * hv * iv))
-    vision_linear += 2 * patches // v["spatial_merge_size"] ** 2 * mergers * (merged * merged + merged * v["out_hidden_size"])
+    merged_tokens = patches // v["spatial_merge_size"] ** 2
+    vision_linear += 2 * merged_tokens * mergers * merged * (merged + v["out_hidden_size"])
     vision_attention = 4 * hv * v["depth"] * sum(n * n for n in image_patches)
     h, hd, layers = t["hidden_size"], t["head_dim"], t["num_hidden_layers"]
     q_dim, kv_dim = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd

@@ -63,6 +63,19 @@ inline __m512bh broadcast_pair(const uint16_t* pair) {
   return (__m512bh)_mm512_set1_epi32(bits);
 }
 
+// The unnormalized softmax terms of one row: p[t] = bf16(exp(s[t] - m)) for t < n (a multiple of 16); returns their
+// float32 sum, taken before the rounding as torch's flash kernel does.
+inline float exp_row_bf16(const float* s, float m, uint16_t* p, int64_t n) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(e));
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
 // scores[R][64] = scale * q[R][Dp] . keys^T for 64 keys, keys from valid[r] on masked to kLowest, and each row's
 // running block maximum updated while the tile is in registers. Keys are packed in groups of 16 as
 // [d_pair][16][2], the layout vdpbf16ps wants for a 16-lane column of dot products; q rows are broadcast a bf16
@@ -221,21 +234,13 @@ void flash_attention(const uint16_t* q, int64_t q_st, int64_t q_sh, int64_t n_q,
                                         scores.data() + r * kBlockK + c, kBlockK, block_max.data() + r);
           }
         for (int64_t i = 0; i < rows; ++i) {
-          const float* s = scores.data() + i * kBlockK;
-          uint16_t* p = probs.data() + i * kBlockK;
           // Key 0 is always visible, so row_max is finite from the first block on; a later block a causal row
           // cannot see at all leaves it unchanged (alpha 1) and adds zeros.
           const float m_new = std::max(row_max[i], block_max[i]);
           alpha[i] = std::exp(row_max[i] - m_new);  // 0 on the first block (row_max = lowest)
           row_max[i] = m_new;
-          const __m512 m = _mm512_set1_ps(m_new);
-          __m512 sum = _mm512_setzero_ps();
-          for (int64_t c = 0; c < cols; c += 16) {
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + c), m));
-            sum = _mm512_add_ps(sum, e);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c), (__m256i)_mm512_cvtneps_pbh(e));
-          }
-          row_sum[i] = row_sum[i] * alpha[i] + _mm512_reduce_add_ps(sum);
+          row_sum[i] = row_sum[i] * alpha[i] +
+                       exp_row_bf16(scores.data() + i * kBlockK, m_new, probs.data() + i * kBlockK, cols);
         }
         pv_rows_fn(probs.data(), pv + k0 * dp, cols / 2, alpha.data(), acc.data(), rows_padded);
       }
@@ -272,9 +277,9 @@ template <int NB>
 void decode_one(const uint16_t* q, int64_t q_stride_h, int64_t group, const uint16_t* k_base, const uint16_t* v_base,
                 const int32_t* table, int64_t block_size, int64_t c_stride_block, int64_t c_stride_tok, int64_t len,
                 float scale, uint16_t* out, int64_t o_stride_h, std::vector<float>& scores,
-                std::vector<uint16_t>& probs) {
+                std::vector<uint16_t>& probs, std::vector<float>& inv_sum) {
   constexpr int64_t kHeadsPerPass = 8 / NB;  // 16 accumulators
-  const int64_t padded = (len + 15) / 16 * 16;
+  const int64_t padded = round_up(len, 16);
   scores.resize(group * padded);
   probs.resize(group * padded);
   auto row = [&](const uint16_t* base, int64_t t) {
@@ -295,20 +300,13 @@ void decode_one(const uint16_t* q, int64_t q_stride_h, int64_t group, const uint
   }
   // Softmax, unnormalized (the value sum is divided by the row sum at the end); the probabilities are rounded to
   // bf16 for the value product, as the reference does.
-  std::vector<float> inv_sum(group);
+  inv_sum.resize(group);
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores.data() + g * padded;
     for (int64_t t = len; t < padded; ++t) s[t] = kLowest;
     __m512 mx = _mm512_set1_ps(kLowest);
     for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 16) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + g * padded + t), (__m256i)_mm512_cvtneps_pbh(e));
-      sum = _mm512_add_ps(sum, e);
-    }
-    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+    inv_sum[g] = 1.f / exp_row_bf16(s, _mm512_reduce_max_ps(mx), probs.data() + g * padded, padded);
   }
   // Values, two tokens at a time: rows t and t+1 interleaved element-wise are the (v[t][d], v[t+1][d]) pairs that
   // vdpbf16ps multiplies by the (p[t], p[t+1]) pair. unpacklo/hi work within 128-bit lanes, so of each 32 values
@@ -365,14 +363,14 @@ void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t c_stride_block = k_cache.stride(0), c_stride_tok = k_cache.stride(1), c_stride_h = k_cache.stride(2);
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, inv_sum;  // per-thread buffers, reused across work items
     std::vector<uint16_t> probs;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / num_kv_heads, kvh = work % num_kv_heads;
       decode_one<NB>(qp + b * q.stride(0) + kvh * group * q.stride(1), q.stride(1), group,
                      kp + kvh * c_stride_h, vp + kvh * c_stride_h, tables + b * max_blocks, block_size,
                      c_stride_block, c_stride_tok, lens[b], scale,
-                     op + b * out.stride(0) + kvh * group * out.stride(1), out.stride(1), scores, probs);
+                     op + b * out.stride(0) + kvh * group * out.stride(1), out.stride(1), scores, probs, inv_sum);
     }
   });
 }

@@ -41,14 +41,21 @@ def load():
         _ext = load_extension("vlinfer_cpu_kernels", sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
                               verbose=False)
         if _ext.bf16_attention_available():
-            logger.info("ops[cpu]: bf16 vision attention kernel built (AVX512-BF16)")
+            logger.info("ops[cpu]: bf16 attention kernels built (AVX512-BF16): decode, prefill, vision")
         else:
-            logger.info("ops[cpu]: this CPU has no AVX512-BF16; the vision tower's attention runs SDPA")
+            logger.info("ops[cpu]: this CPU has no AVX512-BF16; bf16 prefill and vision attention run SDPA, "
+                        "decode the generic kernel")
     return _ext
 
 
 def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
     _ext.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _bf16_attention(q) -> bool:
+    """Whether attention_bf16.cpp's flash kernel takes these queries: bf16 only (in float32 SDPA is exact against
+    transformers), head_dim up to 128, and a build with AVX512-BF16."""
+    return q.dtype == torch.bfloat16 and q.shape[-1] <= 128 and _ext.bf16_attention_available()
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
@@ -64,7 +71,7 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
         token_index = cu_seqlens_q[rows]
         out[token_index] = _ext.paged_decode_attention(q[token_index], k_cache, v_cache, block_tables[rows],
                                                        seq_lens[rows], scale)
-    if q.dtype == torch.bfloat16 and q.shape[-1] <= 128 and _ext.bf16_attention_available():
+    if _bf16_attention(q):
         _ext.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out)
     else:  # float32 (SDPA is exact there), or no AVX512-BF16 (logged at load)
         reference.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out)
@@ -85,8 +92,7 @@ def gelu_tanh(x):
 
 
 def varlen_attention(q, k, v, cu_seqlens, scale):
-    # bf16 only: in float32 SDPA is exact against transformers and no slower than a kernel could be here.
-    if q.dtype != torch.bfloat16 or q.shape[-1] > 128 or not _ext.bf16_attention_available():
+    if not _bf16_attention(q):
         return reference.varlen_attention(q, k, v, cu_seqlens, scale)
     return _ext.vision_attention(q, k, v, cu_seqlens.cpu(), scale)
 
