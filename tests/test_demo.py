@@ -210,7 +210,8 @@ def test_two_sessions_are_batched_together(server, tmp_path):
 
     def session(i):
         start = time.monotonic()
-        history = _chat(clients[i], f"Session {i}: describe it.", [image], max_tokens=40).result(timeout=90)[0]
+        # Long enough that the first is still generating when the second arrives, even on a loaded machine.
+        history = _chat(clients[i], f"Session {i}: describe it.", [image], max_tokens=200).result(timeout=90)[0]
         spans[i] = (start, time.monotonic())
         answers[i] = _answer(history)
 
