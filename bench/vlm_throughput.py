@@ -10,6 +10,7 @@ batches. Both timings include image preprocessing and prompt tokenization.
 
     python bench/vlm_throughput.py                                      # 32 requests, 64 output tokens, 2B, bf16
     python bench/vlm_throughput.py --shape tiny --num-requests 4 --max-tokens 8  # quick end-to-end check
+    python bench/vlm_throughput.py --device cuda                         # both engines on the GPU
 """
 import argparse
 import datetime
@@ -146,7 +147,7 @@ def run_vlinfer(args, path, requests, max_model_len):
                  for _, im in requests)
     blocks = max(blocks, -(-max_model_len // tokens_per_block)) + 8  # the engine wants one full-length sequence
     kv_bytes = blocks * tokens_per_block * per_token
-    llm = LLM(path, dtype=args.dtype, max_model_len=max_model_len, kv_cache_bytes=kv_bytes)
+    llm = LLM(path, dtype=args.dtype, max_model_len=max_model_len, kv_cache_bytes=kv_bytes, device=args.device)
     engine = llm.engine
 
     # Warm-up: one small request through the whole path (processor, vision tower, prefill, decode).
@@ -168,6 +169,7 @@ def run_vlinfer(args, path, requests, max_model_len):
         try:
             return encode_images(*a, **kw)
         finally:
+            synchronize(args.device)  # an accelerator runs the tower asynchronously: wait for it to count its time
             timers["vision"] += time.perf_counter() - t
 
     engine.make_sequence = timed_make_sequence  # instance attributes shadow the methods for this run only
@@ -207,7 +209,8 @@ def run_vlinfer(args, path, requests, max_model_len):
 
 def run_transformers(args, path, requests):
     from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLForConditionalGeneration
-    model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, args.dtype))
+    model = model.to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     size = PREPROCESSOR["size"]
     proc = Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
@@ -232,6 +235,7 @@ def run_transformers(args, path, requests):
                           pixel_values=px["pixel_values"], image_grid_thw=grid)
 
     def generate(inputs, n):
+        inputs = {k: v.to(args.device) for k, v in inputs.items()}
         with torch.inference_mode():
             out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=PAD)
         return out[:, inputs["input_ids"].shape[1]:].tolist()
@@ -285,9 +289,24 @@ def workload_flops(path, image_patches, prompt_lens, max_tokens) -> dict[str, fl
             "decode": decode}
 
 
-def matmul_peak_gflops(dtype) -> float:
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def matmul_peak_gflops(dtype, device: str) -> float:
     """This machine's bf16 matmul rate now: the best of a few 2048 x 2048 x 8192 oneDNN matmuls on prepacked
-    weights (what our linear layers run)."""
+    weights (what our linear layers run) on CPU; the best of a few 8192^3 torch.matmul on a GPU."""
+    if device.startswith("cuda"):
+        a = torch.randn(8192, 8192, device=device).to(dtype)
+        best = float("inf")
+        for _ in range(5):
+            synchronize(device)
+            start = time.perf_counter()
+            torch.matmul(a, a)
+            synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        return 2 * 8192 ** 3 / best / 1e9
     x = torch.randn(2048, 2048).to(dtype)
     w = torch.randn(8192, 2048).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
@@ -315,6 +334,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-batch-size", type=int, default=8)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--device", default="cpu", help="both engines run here: cpu or cuda")
     args = p.parse_args(argv)
     folder = args.checkpoint or f"~/.cache/vlinfer/bench-qwen3-vl-{args.shape}-random"
     path = ensure_checkpoint(folder, args.shape, args.seed)
@@ -324,8 +344,10 @@ def main(argv=None):
     proc = Qwen3VLImageProcessor.from_pretrained(path)
     image_tokens = [proc.num_image_tokens(im.height, im.width) for _, im in requests]
     max_model_len = -(-(max(image_tokens) + 64 + args.max_tokens) // 256) * 256
+    accelerator = f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
     print(f"machine: {py_platform.machine()}, nproc {os.cpu_count()}, torch threads {torch.get_num_threads()}, "
-          f"torch {torch.__version__}; {datetime.datetime.now().isoformat(timespec='seconds')}; {load()}")
+          f"torch {torch.__version__}{accelerator}; {datetime.datetime.now().isoformat(timespec='seconds')}; "
+          f"{load()}")
     print(f"workload: {args.num_requests} requests, one image each ({args.min_image_size} to {args.max_image_size}, "
           f"{sum(image_tokens)} image tokens, {min(image_tokens)}-{max(image_tokens)} per image), "
           f"{args.max_tokens} output tokens each (EOS ignored, greedy), Qwen3-VL {args.shape} random weights "
@@ -361,14 +383,14 @@ def main(argv=None):
     print(f"| total | {total:.1f} | 100% |")
     flops = workload_flops(path, [4 * n for n in image_tokens], [len(ids) for ids in v["prompt_ids"]],
                            args.max_tokens)
-    peak = matmul_peak_gflops(getattr(torch, args.dtype))
+    peak = matmul_peak_gflops(getattr(torch, args.dtype), args.device)
     floor = sum(flops.values()) / peak / 1e9
     print(f"\n| work (same for every engine) | TFLOP | seconds at the matmul peak |\n|---|---|---|")
     for name, f in flops.items():
         print(f"| {name} | {f / 1e12:.1f} | {f / peak / 1e9:.1f} |")
     print(f"| total | {sum(flops.values()) / 1e12:.1f} | {floor:.1f} |")
     print(f"\ncompute floor: {floor:.1f}s with every FLOP at this machine's {args.dtype} matmul peak, measured now "
-          f"({peak:.0f} GFLOP/s, oneDNN 2048x2048x8192); vlinfer runs at {floor / total:.0%} of it", end="")
+          f"({peak:.0f} GFLOP/s, {'torch.matmul 8192^3' if args.device.startswith('cuda') else 'oneDNN 2048x2048x8192'}); vlinfer runs at {floor / total:.0%} of it", end="")
     if h is not None:
         print(f", transformers at {floor / h['seconds']:.0%}; 2x transformers needs {h['seconds'] / 2:.1f}s, "
               f"{2 * floor / h['seconds']:.0%} of the peak over the whole run")

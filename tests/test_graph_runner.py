@@ -167,12 +167,13 @@ def ops_mode(request, monkeypatch):
 
 def test_text_graph_mode_equals_eager(ops_mode, cpu_graphs, qwen3_checkpoint, monkeypatch, caplog):
     path = qwen3_checkpoint[0]
-    eager = LLM(path, dtype="float32", max_num_seqs=6, kv_cache_bytes=4 * 2 ** 20, enforce_eager=True)
+    # device="cpu": on a GPU machine "auto" would pick CUDA, and this test is about the CPU-tensor emulation.
+    eager = LLM(path, dtype="float32", max_num_seqs=6, kv_cache_bytes=4 * 2 ** 20, enforce_eager=True, device="cpu")
     assert eager.engine.model_runner.graphs is None and not cpu_graphs
     expected = generate(eager, PROMPTS)
     seen = record_batches(monkeypatch)
     with caplog.at_level(logging.INFO, logger="vlinfer"):
-        llm = LLM(path, dtype="float32", max_num_seqs=6, kv_cache_bytes=4 * 2 ** 20)
+        llm = LLM(path, dtype="float32", max_num_seqs=6, kv_cache_bytes=4 * 2 ** 20, device="cpu")
     assert llm.engine.ops_implementation == ops_mode
     if ops_mode == "cuda":
         from vlinfer.ops import cuda

@@ -51,7 +51,9 @@ def make_llm(path, **kw):
 
 
 def hf_inputs(llm, prompt_ids, images, max_pixels=None):
-    """Token ids expanded by our processor; pixels by transformers' own Qwen3-VL image processor."""
+    """Token ids expanded by our processor; pixels by transformers' own Qwen3-VL image processor, run on the
+    engine's device as ours is: torchvision's uint8 resize rounds differently on CUDA than on the CPU (one grey
+    level at some pixels, measured on an H200), and that, not the model, would separate the logits."""
     from transformers import Qwen2VLImageProcessor
     expanded = llm.engine.process_prompt({"prompt_token_ids": prompt_ids,
                                           "multi_modal_data": {"image": images},
@@ -62,7 +64,8 @@ def hf_inputs(llm, prompt_ids, images, max_pixels=None):
         size = {"shortest_edge": 65536, "longest_edge": max_pixels or 16777216}
         proc = Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
                                      image_std=[0.5] * 3, size=size)
-        px = proc(images=images, return_tensors="pt")
+        px = proc(images=images, return_tensors="pt", device=llm.engine.device)
+        px = {k: v.cpu() for k, v in px.items()}
         kwargs.update(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"])
     return ids, kwargs
 

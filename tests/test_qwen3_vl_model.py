@@ -12,6 +12,7 @@ from transformers import Qwen3VLForConditionalGeneration as HFQwen3VL  # noqa: E
 from vlinfer.layers import Attention, ForwardContext, forward_context  # noqa: E402
 from vlinfer.model_loader import ModelSource, iterate_weights  # noqa: E402
 from vlinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration  # noqa: E402
+from vlinfer.ops import dispatch  # noqa: E402
 from vlinfer.multimodal.mrope import mrope_positions  # noqa: E402
 
 VOCAB = 1000
@@ -68,6 +69,13 @@ def _build(tmp_path_factory, tie: bool):
 
     ours.load_weights(stream())
     return config, hf, ours, names
+
+
+@pytest.fixture(autouse=True)
+def cpu_ops():
+    """These tests run the model on CPU tensors without an engine: install the CPU ops, not whatever an earlier
+    engine in the process left (on a GPU machine, the CUDA ops)."""
+    dispatch.select("cpu")
 
 
 @pytest.fixture(scope="module")

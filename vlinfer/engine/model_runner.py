@@ -296,10 +296,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prompt_logits(self, batch: SchedulerOutput) -> torch.Tensor:
-        """Logits at every scheduled position (for tests and scoring); writes KV like a normal step."""
+        """Logits at every scheduled position, on the host (for tests and scoring); writes KV like a normal step."""
         inputs, _ = self.prepare(batch)
         inputs.logits_indices = None
-        return self._run(inputs)
+        return self._run(inputs).cpu()
 
     def describe(self) -> dict:
         """What this rank holds: parameter shapes and bytes, KV pool, checkpoint bytes it read."""
