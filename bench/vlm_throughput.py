@@ -389,8 +389,9 @@ def main(argv=None):
     for name, f in flops.items():
         print(f"| {name} | {f / 1e12:.1f} | {f / peak / 1e9:.1f} |")
     print(f"| total | {sum(flops.values()) / 1e12:.1f} | {floor:.1f} |")
+    peak_shape = "torch.matmul 8192^3" if args.device.startswith("cuda") else "oneDNN 2048x2048x8192"
     print(f"\ncompute floor: {floor:.1f}s with every FLOP at this machine's {args.dtype} matmul peak, measured now "
-          f"({peak:.0f} GFLOP/s, {'torch.matmul 8192^3' if args.device.startswith('cuda') else 'oneDNN 2048x2048x8192'}); vlinfer runs at {floor / total:.0%} of it", end="")
+          f"({peak:.0f} GFLOP/s, {peak_shape}); vlinfer runs at {floor / total:.0%} of it", end="")
     if h is not None:
         print(f", transformers at {floor / h['seconds']:.0%}; 2x transformers needs {h['seconds'] / 2:.1f}s, "
               f"{2 * floor / h['seconds']:.0%} of the peak over the whole run")

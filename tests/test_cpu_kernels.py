@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from paged_batches import fp32, make_batch, rel_err
-from vlinfer.ops import cpu, reference
+from vlinfer.ops import cpu, dispatch, reference
 from vlinfer.ops.dispatch import select
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # max abs error relative to max |reference|
@@ -240,6 +240,7 @@ def test_prepacked_linear_layers(dtype, caplog):
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
     plain = [(m.weight.clone(), None if m.bias is None else m.bias.clone()) for m in model]
     x = torch.randn(7, 64, generator=g).to(dtype)
+    dispatch.select("cpu")  # the layers call ops.linear: the CPU implementation, whatever ran before
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         cpu.prepare_weights(model)
     assert "3 linear weights prepacked for oneDNN" in caplog.text
@@ -250,9 +251,40 @@ def test_prepacked_linear_layers(dtype, caplog):
         assert torch.equal(ours, ref) if dtype == torch.bfloat16 else torch.allclose(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_prepacked_lm_head(tied, caplog):
+    """The LM head's logits matmul runs on a packed weight: an untied head's weight is replaced, a tied head keeps
+    the plain rows the embedding looks up and gets a packed copy (logged with its size). Logits stay F.linear's bit
+    for bit (bf16), and the embedding's lookups are unchanged."""
+    from torch import nn
+    from vlinfer.layers import ParallelLMHead, ReplicatedLinear, VocabParallelEmbedding
+    g = torch.Generator().manual_seed(6)
+    model = nn.ModuleDict({"embed": VocabParallelEmbedding(300, 64), "proj": ReplicatedLinear(64, 64),
+                           "head": ParallelLMHead(300, 64)}).to(torch.bfloat16)
+    for p in model.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    if tied:
+        model["head"].weight = model["embed"].weight
+    plain = model["head"].weight.detach().clone()
+    ids, x = torch.tensor([0, 5, 299]), torch.randn(9, 64, generator=g).to(torch.bfloat16)
+    dispatch.select("cpu")
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        cpu.prepare_weights(model)
+    head = model["head"]
+    if tied:
+        assert head.weight is model["embed"].weight and not head.weight.is_mkldnn and head.packed_weight.is_mkldnn
+        assert "LM head tied to the embedding: a oneDNN-packed copy for the logits matmul (+0 MiB)" in caplog.text
+    else:
+        assert head.weight.is_mkldnn and head.packed_weight is None
+        assert "LM head tied" not in caplog.text
+    assert torch.equal(head(x), torch.nn.functional.linear(x, plain))
+    assert torch.equal(model["embed"](ids), plain[ids] if tied else model["embed"].weight[ids])
+
+
 def test_engine_runs_prepacked_linears(qwen3_checkpoint):
     from vlinfer import LLM
     from vlinfer.layers.linear import LinearBase
     llm = LLM(qwen3_checkpoint[0], dtype="float32", kv_cache_bytes=1 << 22)
     layers = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, LinearBase)]
     assert layers and all(m.weight.is_mkldnn for m in layers)
+    assert llm.engine.model_runner.model.lm_head.packed_weight.is_mkldnn  # tied to the embedding

@@ -157,30 +157,73 @@ struct PackedKV {
   std::vector<uint16_t> k, v;
 };
 
-// row(j, h) -> pointer to key j of kv head h (values: the same offset in the value tensor).
+// Keys [group of 16 keys][pair][16][2]: the 16 keys' bf16 pair p is one 32-bit gather over their rows. Rows past
+// n (in the last group) and pairs past d read nothing and are zero. Even d only (pairs never straddle a row end).
+template <typename RowFn>
+void pack_keys(uint32_t* dst, int64_t n, int64_t nk, int64_t dp, int64_t d, const uint16_t* k, int64_t h,
+               RowFn row) {
+  const int64_t pairs = dp / 2, full_pairs = d / 2;
+  for (int64_t g = 0; g * 16 < n; ++g) {
+    int64_t offsets[16];
+    const int64_t live = std::min<int64_t>(16, n - g * 16);
+    for (int64_t i = 0; i < 16; ++i) offsets[i] = i < live ? row(g * 16 + i, h) * 2 : 0;  // bytes
+    const __m512i lo = _mm512_loadu_si512(offsets), hi = _mm512_loadu_si512(offsets + 8);
+    const __mmask8 m_lo = static_cast<__mmask8>(live >= 8 ? 0xFF : (1u << live) - 1);
+    const __mmask8 m_hi = static_cast<__mmask8>(live >= 16 ? 0xFF : live <= 8 ? 0 : (1u << (live - 8)) - 1);
+    uint32_t* out = dst + g * pairs * 16;
+    for (int64_t p = 0; p < full_pairs; ++p) {
+      const void* base = k + 2 * p;
+      const __m256i a = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), m_lo, lo, base, 1);
+      const __m256i b = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), m_hi, hi, base, 1);
+      _mm512_storeu_si512(out + p * 16, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+    }
+    std::memset(out + full_pairs * 16, 0, (pairs - full_pairs) * 16 * sizeof(uint32_t));
+  }
+  const int64_t used = (n + 15) / 16 * pairs * 16;
+  std::memset(dst + used, 0, (nk / 16 * pairs * 16 - used) * sizeof(uint32_t));
+}
+
+// Values [key pair][dp][2]: rows j and j + 1 interleaved element by element (a zero row after an odd last key).
+template <typename RowFn>
+void pack_values(uint16_t* dst, int64_t n, int64_t nk, int64_t dp, int64_t d, const uint16_t* v, int64_t h,
+                 RowFn row) {
+  alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo_idx = _mm512_load_si512(kLo), hi_idx = _mm512_load_si512(kHi);
+  for (int64_t j = 0; j < n; j += 2) {
+    const uint16_t* a = v + row(j, h);
+    const uint16_t* b = j + 1 < n ? v + row(j + 1, h) : nullptr;
+    uint16_t* out = dst + (j / 2) * dp * 2;
+    for (int64_t e = 0; e < dp; e += 32) {
+      const int64_t left = std::max<int64_t>(0, std::min<int64_t>(32, d - e));
+      const __mmask32 m = static_cast<__mmask32>(left >= 32 ? 0xFFFFFFFFu : (1u << left) - 1);
+      const __m512i x = _mm512_maskz_loadu_epi16(m, a + e);
+      const __m512i y = b ? _mm512_maskz_loadu_epi16(m, b + e) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + 2 * e, _mm512_permutex2var_epi16(x, lo_idx, y));
+      if (dp - e > 16) _mm512_storeu_si512(out + 2 * e + 32, _mm512_permutex2var_epi16(x, hi_idx, y));
+    }
+  }
+  const int64_t used = (n + 1) / 2 * dp * 2;
+  std::memset(dst + used, 0, (nk * dp - used) * sizeof(uint16_t));
+}
+
+// row(j, h) -> offset of key j of kv head h in k (values: the same offset in v). Every element is written, the
+// padding as zeros, so the buffers are reused across calls without clearing.
 template <typename RowFn>
 void pack_kv(PackedKV& kv, int64_t n, int64_t kv_heads, int64_t d, const uint16_t* k, const uint16_t* v, RowFn row) {
+  TORCH_CHECK(d % 2 == 0, "bf16 attention: head_dim must be even");
   kv.n = n;
   kv.nk = round_up(n, kBlockK);
   kv.dp = round_up(d, 16);
   const int64_t size = kv.nk * kv.dp;
-  kv.k.assign(kv_heads * size, 0);
-  kv.v.assign(kv_heads * size, 0);
+  kv.k.resize(kv_heads * size);
+  kv.v.resize(kv_heads * size);
   at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h) {
-      uint16_t* pk = kv.k.data() + h * size;
-      uint16_t* pv = kv.v.data() + h * size;
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t offset = row(j, h);
-        const uint16_t* kj = k + offset;
-        const uint16_t* vj = v + offset;
-        uint16_t* kg = pk + (j / 16) * kv.dp * 16 + (j % 16) * 2;  // [group of 16 keys][pair][16][2]
-        uint16_t* vg = pv + (j / 2) * kv.dp * 2 + (j % 2);         // [key pair][d][2]
-        for (int64_t e = 0; e < d; ++e) {
-          kg[(e / 2) * 32 + (e % 2)] = kj[e];
-          vg[e * 2] = vj[e];
-        }
-      }
+      pack_keys(reinterpret_cast<uint32_t*>(kv.k.data() + h * size), n, kv.nk, kv.dp, d, k, h, row);
+      pack_values(kv.v.data() + h * size, n, kv.nk, kv.dp, d, v, h, row);
     }
   });
 }

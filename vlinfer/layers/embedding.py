@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlinfer import ops
 from vlinfer.layers.distributed import tp_group
 from vlinfer.layers.linear import default_weight_loader
 
@@ -37,6 +38,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    # The weight in the selected kernels' layout (ops.prepare_weights), when it cannot replace `weight` itself: a
+    # tied head shares `weight` with the embedding, whose lookups need the plain rows.
+    packed_weight: torch.Tensor | None = None
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(F.linear(hidden_states, self.weight))
+        weight = self.packed_weight if self.packed_weight is not None else self.weight
+        logits = self.tp.all_gather(ops.linear(hidden_states, weight))
         return logits[..., :self.num_embeddings]

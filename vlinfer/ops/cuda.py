@@ -13,8 +13,10 @@ norms and SwiGLU stay on the pure-torch reference, which on CUDA is a handful of
   Prefill and mixed steps read host lengths (max_seqlen_q/k) once per step and run eager.
 - Triton missing or failing on this machine: a warning, and the reference cache write (which syncs: no graphs).
 
-Nothing here has run on a GPU yet; tests/test_cuda_ops.py runs it on CPU tensors with the Triton kernel under the
-Triton interpreter and an emulated flash_attn (tests/fake_flash_attn.py).
+Run on a GPU once (an H200, 2026-11-29, torch 2.11, Triton 3.6, no flash_attn: the Triton cache write, SDPA and
+the sync-free matmul decode, with CUDA graphs): the engine tests pass there (bench/cuda_check.sh). The flash_attn
+calls have not met a real flash_attn yet. tests/test_cuda_ops.py runs this file on CPU tensors with the Triton
+kernel under the Triton interpreter and an emulated flash_attn (tests/fake_flash_attn.py).
 """
 import importlib.util
 import logging
