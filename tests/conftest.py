@@ -61,6 +61,17 @@ def qwen3_checkpoint(tmp_path_factory):
     return str(path), model
 
 
+@pytest.fixture
+def cpu_ops():
+    """The compiled CPU ops installed for one test (code that runs layers on CPU tensors without an engine), then
+    whatever was active before: an earlier engine may have left another device's ops (a GPU's, on a GPU machine)."""
+    from vlinfer.ops import dispatch
+    saved = dispatch.active.impl, dispatch.active.name, dispatch.active.prepare_weights
+    assert dispatch.select("cpu") == "cpu-compiled"
+    yield
+    dispatch.active.impl, dispatch.active.name, dispatch.active.prepare_weights = saved
+
+
 def assert_block_pool_empty(llm):
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks still in use"

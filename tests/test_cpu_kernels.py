@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from paged_batches import fp32, make_batch, rel_err
-from vlinfer.ops import cpu, dispatch, reference
+from vlinfer.ops import cpu, reference
 from vlinfer.ops.dispatch import select
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # max abs error relative to max |reference|
@@ -228,7 +228,7 @@ def test_padding_slots_with_nan_never_reach_the_output(impl, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_prepacked_linear_layers(dtype, caplog):
+def test_prepacked_linear_layers(dtype, caplog, cpu_ops):
     """prepare_weights swaps every vlinfer linear layer's weight for oneDNN's packed layout in place (no second
     copy), and the layers' outputs stay F.linear's: bit for bit in bf16, to float32 rounding in float32."""
     from torch import nn
@@ -240,7 +240,6 @@ def test_prepacked_linear_layers(dtype, caplog):
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
     plain = [(m.weight.clone(), None if m.bias is None else m.bias.clone()) for m in model]
     x = torch.randn(7, 64, generator=g).to(dtype)
-    dispatch.select("cpu")  # the layers call ops.linear: the CPU implementation, whatever ran before
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         cpu.prepare_weights(model)
     assert "3 linear weights prepacked for oneDNN" in caplog.text
@@ -252,14 +251,14 @@ def test_prepacked_linear_layers(dtype, caplog):
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_prepacked_lm_head(tied, caplog):
+def test_prepacked_lm_head(tied, caplog, cpu_ops):
     """The LM head's logits matmul runs on a packed weight: an untied head's weight is replaced, a tied head keeps
     the plain rows the embedding looks up and gets a packed copy (logged with its size). Logits stay F.linear's bit
     for bit (bf16), and the embedding's lookups are unchanged."""
     from torch import nn
-    from vlinfer.layers import ParallelLMHead, ReplicatedLinear, VocabParallelEmbedding
+    from vlinfer.layers import ParallelLMHead, VocabParallelEmbedding
     g = torch.Generator().manual_seed(6)
-    model = nn.ModuleDict({"embed": VocabParallelEmbedding(300, 64), "proj": ReplicatedLinear(64, 64),
+    model = nn.ModuleDict({"embed": VocabParallelEmbedding(300, 64),
                            "head": ParallelLMHead(300, 64)}).to(torch.bfloat16)
     for p in model.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
@@ -267,7 +266,6 @@ def test_prepacked_lm_head(tied, caplog):
         model["head"].weight = model["embed"].weight
     plain = model["head"].weight.detach().clone()
     ids, x = torch.tensor([0, 5, 299]), torch.randn(9, 64, generator=g).to(torch.bfloat16)
-    dispatch.select("cpu")
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         cpu.prepare_weights(model)
     head = model["head"]

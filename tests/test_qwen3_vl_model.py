@@ -12,8 +12,10 @@ from transformers import Qwen3VLForConditionalGeneration as HFQwen3VL  # noqa: E
 from vlinfer.layers import Attention, ForwardContext, forward_context  # noqa: E402
 from vlinfer.model_loader import ModelSource, iterate_weights  # noqa: E402
 from vlinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration  # noqa: E402
-from vlinfer.ops import dispatch  # noqa: E402
 from vlinfer.multimodal.mrope import mrope_positions  # noqa: E402
+
+# The model runs on CPU tensors without an engine, so with the CPU ops installed (conftest.cpu_ops).
+pytestmark = pytest.mark.usefixtures("cpu_ops")
 
 VOCAB = 1000
 IMAGE, VIDEO, VSTART, VEND = 990, 991, 992, 993
@@ -69,13 +71,6 @@ def _build(tmp_path_factory, tie: bool):
 
     ours.load_weights(stream())
     return config, hf, ours, names
-
-
-@pytest.fixture(autouse=True)
-def cpu_ops():
-    """These tests run the model on CPU tensors without an engine: install the CPU ops, not whatever an earlier
-    engine in the process left (on a GPU machine, the CUDA ops)."""
-    dispatch.select("cpu")
 
 
 @pytest.fixture(scope="module")

@@ -171,18 +171,8 @@ def test_vision_rotary_stays_float32_under_dtype_cast():
         assert torch.equal(a, b)
 
 
-@pytest.fixture
-def cpu_kernels():
-    """The compiled CPU implementation for one test, then whatever was active before."""
-    from vlinfer.ops import dispatch
-    saved = dispatch.active.impl, dispatch.active.name, dispatch.active.prepare_weights
-    assert dispatch.select("cpu") == "cpu-compiled"
-    yield
-    dispatch.active.impl, dispatch.active.name, dispatch.active.prepare_weights = saved
-
-
 @torch.no_grad()
-def test_vision_bf16_error_is_transformers_bf16_error(models, cpu_kernels):
+def test_vision_bf16_error_is_transformers_bf16_error(models, cpu_ops):
     """bfloat16 tolerance (README): with the CPU kernels (vision attention on AVX512-BF16, GELU in one pass), the
     tower's error against float32 transformers is within 1.5x of transformers' own bfloat16 error."""
     import copy
