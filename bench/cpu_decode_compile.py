@@ -16,11 +16,12 @@ import time
 import torch
 
 
-def register_kernels_as_custom_ops():
+def register_kernels_as_custom_ops(ops, variant: str) -> None:
     """torch.compile cannot trace through our pybind kernels; as custom ops they stay single graph nodes. The
-    norms, rotary and activation run the pure-torch reference, which inductor fuses itself."""
-    from vlinfer.ops import cpu, dispatch, reference
-    ext = cpu._ext
+    norms, rotary and activation run the pure-torch reference, which inductor fuses itself. Ops are swapped on the
+    engine's op table instance (every layer holds the same one)."""
+    from vlinfer.ops import reference
+    ext = ops.ext
 
     @torch.library.custom_op("vlinfer_bench::store_kvcache", mutates_args=("k_cache", "v_cache"))
     def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -40,28 +41,26 @@ def register_kernels_as_custom_ops():
     def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
         return torch.empty(q.shape, dtype=q.dtype)
 
-    impl = dispatch.active.impl
-    impl["store_kvcache"] = lambda k, v, kc, vc, slots: store_kvcache(k, v, kc, vc, slots)
-    impl["paged_attention"] = lambda q, kc, vc, cu, lens, tables, scale: decode_attention(q, kc, vc, tables, lens,
-                                                                                          scale)
+    ops.store_kvcache = lambda k, v, kc, vc, slots: store_kvcache(k, v, kc, vc, slots)
+    ops.paged_attention = lambda q, kc, vc, cu, lens, tables, scale: decode_attention(q, kc, vc, tables, lens, scale)
     for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "linear"):
-        impl[op] = getattr(reference, op)
+        setattr(ops, op, getattr(reference, op))
 
 
 def measure(args) -> None:
     """One mode in this process; prints 'RESULT first_call_s steady_step_ms checksum'."""
     if args.mode == "compile":
         import torch._inductor.config as inductor_config
-        from vlinfer.ops import cpu
-        cpu.prepare_weights = lambda model: None  # inductor sees plain weights (freezing packs them itself)
+        from vlinfer.engine import model_runner as model_runner_module
+        model_runner_module.pack_weights = lambda model: None  # inductor sees plain weights (freezing packs itself)
         inductor_config.freezing = args.freezing
     from vlinfer import LLM
-    from vlinfer.layers import ForwardContext, forward_context
+    from vlinfer.layers import ForwardContext
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_context + 8)
     runner = llm.engine.model_runner
     model = runner.model
     if args.mode == "compile":
-        register_kernels_as_custom_ops()
+        register_kernels_as_custom_ops(runner.ctx.ops, args.variant)
         model = torch.compile(model, dynamic=False)
     rng = random.Random(args.seed)
     bs, b = runner.block_size, args.batch
@@ -77,18 +76,30 @@ def measure(args) -> None:
     input_ids = torch.randint(100, 30000, (b,), generator=gen)
     positions = seq_lens.long() - 1
     runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=gen).to(runner.kv_cache.dtype))
-    ctx = ForwardContext(slot_mapping=slots, cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32),
-                         seq_lens=seq_lens, block_tables=tables, decode_only=True)
-    with torch.inference_mode(), forward_context(ctx):
+    pool = runner.kv_cache
+    print(f"POOL {tuple(pool.shape)} {pool.numel() * pool.element_size() / 2 ** 20:.1f} MiB", flush=True)
+    step_ctx = ForwardContext(slot_mapping=slots, cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32),
+                              seq_lens=seq_lens, block_tables=tables, decode_only=True)
+    with torch.inference_mode():
+        def step():
+            with runner.ctx.stepping(step_ctx):
+                return model(input_ids, positions)
         start = time.perf_counter()
-        out = model(input_ids, positions)
+        out = step()
         first = time.perf_counter() - start
-        model(input_ids, positions)
+        step()
         start = time.perf_counter()
         for _ in range(args.steps):
-            out = model(input_ids, positions)
-        step = (time.perf_counter() - start) / args.steps
-    print(f"RESULT {first:.2f} {step * 1e3:.2f} {out.float().abs().mean().item():.6f}", flush=True)
+            out = step()
+        ms = (time.perf_counter() - start) / args.steps * 1e3
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                for _ in range(args.steps):
+                    step()
+            print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=25),
+                  flush=True)
+    print(f"RESULT {first:.2f} {ms:.2f} {out.float().abs().mean().item():.6f}", flush=True)
 
 
 def main(argv=None):
@@ -101,7 +112,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3, help="timed steps after the first call and one warm-up")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", choices=["eager", "compile"], help=argparse.SUPPRESS)  # one mode, in a child
+    p.add_argument("--variant", default="pool", help=argparse.SUPPRESS)
     p.add_argument("--freezing", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile", action="store_true", help="child only: print a torch.profiler table")
     args = p.parse_args(argv)
     if args.mode:
         measure(args)

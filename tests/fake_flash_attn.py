@@ -6,7 +6,8 @@ cache_seqlens and block_table, a paged cache's page_block_size a multiple of 256
 causal mask aligned to the bottom-right corner, a row with nothing to attend to giving zeros. A violation raises
 FakeFlashError, so a call the real library would reject fails the test. Computes in float32, casts at the end.
 
-Use `install(monkeypatch)`: sys.modules["flash_attn"] and VLINFER_OPS=cuda, undone when the test ends.
+Use `install(monkeypatch)`: sys.modules["flash_attn"] and VLINFER_OPS=cuda, undone when the test ends. A CudaOps made
+while it is installed (directly, or by an engine starting) loads the fake; an earlier one keeps what it loaded.
 """
 import sys
 import types
@@ -124,20 +125,9 @@ class FakeFlashAttn(types.ModuleType):
 
 
 def install(monkeypatch) -> FakeFlashAttn:
-    """Put a fake flash_attn into sys.modules and force VLINFER_OPS=cuda; monkeypatch undoes both, the active op
-    implementation and the CUDA module's state when the test ends."""
+    """Put a fake flash_attn into sys.modules and force VLINFER_OPS=cuda; monkeypatch undoes both when the test
+    ends. Op state lives in the CudaOps instances, so there is nothing else to restore."""
     fake = FakeFlashAttn()
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     monkeypatch.setenv("VLINFER_OPS", "cuda")
-    preserve(monkeypatch)
     return fake
-
-
-def preserve(monkeypatch) -> None:
-    """Restore the active op implementation and vlinfer.ops.cuda's loaded state after the test."""
-    from vlinfer.ops import cuda, dispatch
-    monkeypatch.setattr(dispatch.active, "impl", dict(dispatch.active.impl))
-    monkeypatch.setattr(dispatch.active, "name", dispatch.active.name)
-    for name in ("_flash", "_triton_store"):
-        monkeypatch.setattr(cuda, name, getattr(cuda, name))
-    monkeypatch.setattr(cuda, "features", dict(cuda.features))

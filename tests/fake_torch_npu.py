@@ -6,8 +6,9 @@ modes, keyword names) and raises FakeNpuError on a violation, so a call the devi
 undefined results there (duplicate slots, bad block ids), fails the test. Everything computes in float32 and casts
 to the input dtype at the end, as §3 prescribes. What the note leaves open is marked "interpretation".
 
-Use the `fake_npu` fixture (sys.modules["torch_npu"] plus VLINFER_OPS=npu, undone afterwards), or install() /
-loaded() with a monkeypatch for variants standing for other releases: FakeTorchNpu(fia_scale_kwarg="scale_value") is
+Use the `fake_npu` fixture (sys.modules["torch_npu"] plus VLINFER_OPS=npu, undone afterwards: an engine started in
+the test runs the NPU ops on it), or install() / loaded() (which also returns an NpuOps loaded on it) with a
+monkeypatch for variants standing for other releases: FakeTorchNpu(fia_scale_kwarg="scale_value") is
 a 6.0.x-era FIA; opaque=True hides every signature (names found only by trying), opaque="schema" shows them only in
 a registered op's schema; tnd_paged=False rejects TND over a paged cache (the input_layout paragraph of §2.3);
 scatter_pa=False lacks npu_scatter_pa_kv_cache; atb=False has ATB ops that raise OSError on first use (NNAL not
@@ -832,8 +833,8 @@ def _graph_api(state):
 
 def install(monkeypatch, **variant) -> FakeTorchNpu:
     """Put a fake torch_npu into sys.modules (and torch.npu, reporting no device) and force VLINFER_OPS=npu;
-    monkeypatch undoes these, the active op implementation and the NPU module's state when the test ends."""
-    from vlinfer.ops import dispatch, npu
+    monkeypatch undoes these when the test ends. An NpuOps keeps the torch_npu it was made with: one made after
+    another install() runs on the newer fake, the older one on its own."""
     fake = FakeTorchNpu(**variant)
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     # Importing torch_npu registers torch.npu; platform.npu_available() asks it for a device. There is none: the
@@ -842,10 +843,6 @@ def install(monkeypatch, **variant) -> FakeTorchNpu:
     monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: False, device_count=lambda: 0,
                                                             **api), raising=False)
     monkeypatch.setenv("VLINFER_OPS", "npu")
-    monkeypatch.setattr(dispatch.active, "impl", dict(dispatch.active.impl))
-    monkeypatch.setattr(dispatch.active, "name", dispatch.active.name)
-    monkeypatch.setattr(npu, "_torch_npu", None)
-    monkeypatch.setattr(npu, "features", {})
     return fake
 
 
@@ -855,9 +852,11 @@ def fake_npu(monkeypatch):
     return install(monkeypatch)
 
 
-def loaded(monkeypatch, **variant) -> FakeTorchNpu:
-    """install() and select the NPU implementation (what LLM does at start-up) on CPU tensors."""
+def loaded(monkeypatch, **variant):
+    """install(), then select the op table as an engine on CPU tensors does at start-up: (the fake, its NpuOps)."""
     from vlinfer.ops import dispatch
+    from vlinfer.ops.npu import NpuOps
     fake = install(monkeypatch, **variant)
-    assert dispatch.select("cpu") == "npu"
-    return fake
+    ops = dispatch.select("cpu")
+    assert type(ops) is NpuOps and ops._torch_npu is fake
+    return fake, ops

@@ -1,6 +1,7 @@
-"""The CUDA ops (vlinfer/ops/cuda.py) on CPU tensors: dispatch, the Triton cache write under the Triton interpreter,
-the SDPA / matmul attention paths and the flash_attn wiring through an emulated flash_attn (tests/fake_flash_attn.py),
-each against the pure-torch reference over a grid of shapes.
+"""The CUDA ops (vlinfer/ops/cuda.py, CudaOps) on CPU tensors: dispatch, the Triton cache write under the Triton
+interpreter, the SDPA / matmul attention paths and the flash_attn wiring through an emulated flash_attn
+(tests/fake_flash_attn.py), each against the pure-torch reference over a grid of shapes; and two instances keeping
+their own state.
 
 Tolerances: max |ours - reference| / max |reference|, the reference in float32 on the same (rounded) inputs:
 float32 2e-5, bfloat16 2e-2 (the CPU kernel tests' values). Cache writes must be exact.
@@ -13,9 +14,10 @@ import pytest
 import torch
 
 from paged_batches import fp32, make_batch, rel_err
-from fake_flash_attn import FakeFlashError, install, preserve
+from fake_flash_attn import FakeFlashError, install
 from vlinfer.engine import graph_runner
-from vlinfer.ops import cuda, dispatch, reference
+from vlinfer.ops import OPS, ReferenceOps, cuda, dispatch, reference
+from vlinfer.ops.cuda import CudaOps
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -33,88 +35,104 @@ def batches(block_size):
 
 @pytest.fixture
 def sdpa_only(monkeypatch):
-    """cuda.py loaded on CPU tensors with flash_attn absent; the Triton kernel as on this machine (whatever load
-    finds: these tests are about attention)."""
-    preserve(monkeypatch)
+    """CudaOps on CPU tensors with flash_attn absent; the Triton kernel as on this machine (whatever loading finds:
+    these tests are about attention)."""
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn` raises ImportError
-    cuda.load("cpu")
-    assert cuda.features["attention"] == "sdpa"
+    ops = CudaOps("cpu")
+    assert ops.features["attention"] == "sdpa"
+    return ops
 
 
 @pytest.fixture
 def fake_flash(monkeypatch):
-    fake = install(monkeypatch)
-    cuda.load("cpu")
-    assert cuda.features["attention"] == "flash_attn"
-    fake.history.clear()  # drop load()'s check
-    return fake
+    """The emulated flash_attn, installed."""
+    return install(monkeypatch)
+
+
+@pytest.fixture
+def flash_ops(fake_flash):
+    """CudaOps on CPU tensors over the emulated flash_attn, its history cleared of the load-time check."""
+    ops = CudaOps("cpu")
+    assert ops.features["attention"] == "flash_attn"
+    fake_flash.history.clear()
+    return ops
+
+
+def overridden(cls) -> set[str]:
+    """The ops cls implements itself rather than inheriting from the reference."""
+    return {op for op in OPS if getattr(cls, op) is not getattr(ReferenceOps, op)}
 
 
 # ---- dispatch ----
 
 def test_cuda_device_selects_the_cuda_implementation(monkeypatch, caplog):
-    preserve(monkeypatch)
     monkeypatch.delenv("VLINFER_OPS", raising=False)
     loaded = []
-    monkeypatch.setattr(cuda, "load", lambda device_type="cuda": loaded.append(device_type))
+
+    def init(self, device_type="cuda"):  # no GPU needed: record the load, skip the kernels
+        loaded.append(device_type)
+        ReferenceOps.__init__(self, device_type)
+    monkeypatch.setattr(CudaOps, "__init__", init)
     with caplog.at_level(logging.INFO, logger="vlinfer"):
-        assert dispatch.select("cuda") == "cuda"
+        ops = dispatch.select("cuda")
+    assert type(ops) is CudaOps and ops.name == "cuda" and ops.device_type == "cuda"
     assert loaded == ["cuda"]
     assert "ops: cuda implementation for cuda" in caplog.text
-    for op in ("store_kvcache", "paged_attention", "varlen_attention"):
-        assert dispatch.active.impl[op] is getattr(cuda, op)
-    for op in ("apply_rotary", "rms_norm", "add_rms_norm", "silu_and_mul"):  # cuda.py leaves these on the reference
-        assert dispatch.active.impl[op] is getattr(reference, op)
+    # The attention ops and the cache write are CUDA's; rotary, the norms, SwiGLU, GELU and linear stay on the
+    # reference.
+    assert overridden(CudaOps) == {"store_kvcache", "paged_attention", "varlen_attention"}
+    assert ops.paged_attention.__func__ is CudaOps.paged_attention and ops.rms_norm is reference.rms_norm
+    assert dispatch.select("cuda") is not ops  # a new op table per call: one per engine
+    assert loaded == ["cuda", "cuda"]
 
 
 def test_a_failing_cuda_load_falls_back_with_a_warning(monkeypatch, caplog):
-    preserve(monkeypatch)
     monkeypatch.delenv("VLINFER_OPS", raising=False)
 
-    def broken(device_type="cuda"):
+    def broken(self, device_type="cuda"):
         raise RuntimeError("no driver")
-    monkeypatch.setattr(cuda, "load", broken)
+    monkeypatch.setattr(CudaOps, "__init__", broken)
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
-        assert dispatch.select("cuda") == "reference"
+        assert type(dispatch.select("cuda")) is ReferenceOps
     assert "CUDA kernels unavailable (RuntimeError: no driver); running the pure-torch reference" in caplog.text
 
 
 def test_vlinfer_ops_cuda_forces_it_on_cpu_tensors_and_only_there(monkeypatch):
-    preserve(monkeypatch)
     monkeypatch.setenv("VLINFER_OPS", "cuda")
-    assert dispatch.select("cpu") == "cuda"
-    assert dispatch.active.impl["paged_attention"] is cuda.paged_attention
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    ops = dispatch.select("cpu")
+    assert type(ops) is CudaOps and ops.device_type == "cpu"
     with pytest.raises(RuntimeError, match="not on 'npu'"):
         dispatch.select("npu")  # a forced implementation that cannot load is an error, not a fallback
+    with pytest.raises(RuntimeError, match="not on 'npu'"):
+        CudaOps("npu")
 
 
 def test_missing_triton_is_a_warning_and_the_reference_write(monkeypatch, caplog):
-    preserve(monkeypatch)
     monkeypatch.setitem(sys.modules, "triton", None)  # what `import triton` sees without the package
     with caplog.at_level(logging.INFO, logger="vlinfer"):
-        cuda.load("cpu")
-    assert cuda.features["cache_write"] == "reference"
+        ops = CudaOps("cpu")
+    assert ops.features["cache_write"] == "reference"
     assert "Triton KV cache write unavailable (ModuleNotFoundError: import of triton" in caplog.text
     assert "decode steps cannot run in CUDA graphs" in caplog.text
     assert "ops[cuda]: cache write reference" in caplog.text
     # The write still happens, through the reference, padding skipped.
     key, value = torch.randn(4, 2, 64), torch.randn(4, 2, 64)
     k_cache, v_cache = torch.zeros(2, 16, 2, 64), torch.zeros(2, 16, 2, 64)
-    cuda.store_kvcache(key, value, k_cache, v_cache, torch.tensor([5, -1, 0, 31]))
+    ops.store_kvcache(key, value, k_cache, v_cache, torch.tensor([5, -1, 0, 31]))
     assert torch.equal(k_cache.view(-1, 2, 64)[[5, 0, 31]], key[[0, 2, 3]])
     assert k_cache.count_nonzero() == 3 * 2 * 64
-    # And a CUDA device then runs eager: the reference write syncs with the host.
-    dispatch.active.name = "cuda"
-    with caplog.at_level(logging.WARNING, logger="vlinfer"):
-        with pytest.raises(graph_runner.GraphModeUnavailable, match="Triton unavailable"):
-            graph_runner.BACKENDS["cuda"](torch.device("cuda"))
+    # And a CUDA device with these ops runs eager: the reference write syncs with the host.
+    with pytest.raises(graph_runner.GraphModeUnavailable, match="Triton unavailable"):
+        graph_runner.BACKENDS["cuda"](torch.device("cuda"), ops)
+    ops.features["cache_write"] = "triton"  # what the check looks at
+    assert graph_runner.BACKENDS["cuda"](torch.device("cuda"), ops).ops is ops
 
 
 def test_flash_attn_absent_is_logged(monkeypatch, caplog):
-    preserve(monkeypatch)
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     with caplog.at_level(logging.INFO, logger="vlinfer"):
-        cuda.load("cpu")
+        CudaOps("cpu")
     assert "flash_attn not installed" in caplog.text
     assert "attention SDPA (prefill) + sync-free matmul decode" in caplog.text
 
@@ -125,10 +143,10 @@ def test_flash_attn_absent_is_logged(monkeypatch, caplog):
 def triton_interpreted(monkeypatch):
     import triton  # noqa: F401  (a test dependency: a missing one fails here, it is not skipped)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the kernel is decorated, i.e. at load
-    preserve(monkeypatch)
     monkeypatch.setitem(sys.modules, "flash_attn", None)
-    cuda.load("cpu")
-    assert cuda.features["cache_write"] == "triton", "the Triton kernel failed its load-time check"
+    ops = CudaOps("cpu")
+    assert ops.features["cache_write"] == "triton", "the Triton kernel failed its load-time check"
+    return ops
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
@@ -147,7 +165,7 @@ def test_triton_cache_write_equals_reference(triton_interpreted, dtype, block_si
     slots[[0, 5, num_tokens - 1]] = -1
     caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype) for _ in range(4)]
     reference.store_kvcache(key, value, caches[0], caches[1], slots)
-    cuda.store_kvcache(key, value, caches[2], caches[3], slots)
+    triton_interpreted.store_kvcache(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
     assert caches[2].view(-1, num_kv_heads, head_dim)[slots[slots >= 0]].abs().sum() > 0
 
@@ -157,11 +175,11 @@ def test_triton_cache_write_casts_like_the_reference(triton_interpreted):
     ours = [torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2)]
     ref = [torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2)]
     slots = torch.tensor([2, 9, -1])
-    cuda.store_kvcache(key, value, *ours, slots)
+    triton_interpreted.store_kvcache(key, value, *ours, slots)
     reference.store_kvcache(key, value, *ref, slots)
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
     with pytest.raises(ValueError, match="do not match"):
-        cuda.store_kvcache(key[:, :1], value, *ours, slots)
+        triton_interpreted.store_kvcache(key[:, :1], value, *ours, slots)
 
 
 # ---- attention without flash_attn ----
@@ -174,21 +192,21 @@ def test_sdpa_paged_attention_equals_reference(sdpa_only, gqa, head_dim, block_s
     for q_lens, kv_lens in batches(block_size):
         args = make_batch(q_lens, kv_lens, NUM_KV_HEADS * gqa, NUM_KV_HEADS, head_dim, block_size, dtype)
         ref = reference.paged_attention(*fp32(args), head_dim ** -0.5)
-        ours = cuda.paged_attention(*args, head_dim ** -0.5)
+        ours = sdpa_only.paged_attention(*args, head_dim ** -0.5)
         assert ours.dtype == dtype and ours.shape == args[0].shape
         assert rel_err(ours, ref) < TOL[dtype]
 
 
-def test_decode_attention_takes_no_host_sync():
+def test_decode_attention_takes_no_host_sync(sdpa_only):
     """Meta tensors have no data: .tolist(), .item(), bool(tensor) and data-dependent shapes all raise on them, so
     a decode step that runs on meta tensors is one a CUDA graph can capture. The mixed path is shown to sync."""
     args = make_batch([1] * 4, [3, 40, 17, 1], 8, 2, 64, 16, torch.bfloat16, extra_width=3)
     meta = [a.to("meta") for a in args]
-    out = cuda.paged_attention(*meta, 0.125)
+    out = sdpa_only.paged_attention(*meta, 0.125)
     assert out.shape == args[0].shape and out.dtype == torch.bfloat16
     mixed = [a.to("meta") for a in make_batch([3, 1], [3, 40], 8, 2, 64, 16, torch.bfloat16)]
     with pytest.raises((RuntimeError, NotImplementedError)):
-        cuda.paged_attention(*mixed, 0.125)
+        sdpa_only.paged_attention(*mixed, 0.125)
 
 
 def test_decode_attention_padding_rows_and_nan_slots():
@@ -215,12 +233,12 @@ def test_decode_attention_padding_rows_and_nan_slots():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("gqa", [1, 2, 8])
-def test_flash_paged_attention_equals_reference(fake_flash, gqa, head_dim, dtype):
+def test_flash_paged_attention_equals_reference(fake_flash, flash_ops, gqa, head_dim, dtype):
     block_size = 256
     for q_lens, kv_lens in batches(block_size):
         args = make_batch(q_lens, kv_lens, NUM_KV_HEADS * gqa, NUM_KV_HEADS, head_dim, block_size, dtype)
         ref = reference.paged_attention(*fp32(args), head_dim ** -0.5)
-        ours = cuda.paged_attention(*args, head_dim ** -0.5)
+        ours = flash_ops.paged_attention(*args, head_dim ** -0.5)
         assert rel_err(ours, ref) < TOL[dtype]
     (decode_fn, decode), (mixed_fn, mixed) = fake_flash.history
     assert decode_fn == "flash_attn_with_kvcache"
@@ -233,25 +251,66 @@ def test_flash_paged_attention_equals_reference(fake_flash, gqa, head_dim, dtype
     assert mixed["softmax_scale"] == head_dim ** -0.5
 
 
-def test_flash_host_lengths_are_read_once_per_step(fake_flash, monkeypatch):
-    args = make_batch([5, 1], [300, 9], 4, 2, 64, 256, torch.bfloat16)
+def count_paged_meta(monkeypatch) -> list:
+    """One entry per host-metadata build (each a device->host sync on a GPU)."""
     calls = []
     original = cuda._paged_meta
     monkeypatch.setattr(cuda, "_paged_meta", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+def test_flash_host_lengths_are_read_once_per_step(flash_ops, monkeypatch):
+    args = make_batch([5, 1], [300, 9], 4, 2, 64, 256, torch.bfloat16)
+    calls = count_paged_meta(monkeypatch)
     for _ in range(3):  # three layers of one step: same metadata tensors
-        cuda.paged_attention(*args, 0.125)
+        flash_ops.paged_attention(*args, 0.125)
     assert len(calls) == 1
-    cuda.paged_attention(args[0], args[1], args[2], args[3].clone(), args[4], args[5], 0.125)  # the next step
+    flash_ops.paged_attention(args[0], args[1], args[2], args[3].clone(), args[4], args[5], 0.125)  # the next step
     assert len(calls) == 2
+
+
+def test_two_instances_keep_their_own_state(fake_flash, monkeypatch, caplog):
+    """Two engines' op tables in one process: what one loaded, cached or warned about is not the other's."""
+    a = CudaOps("cpu")  # over the emulated flash_attn
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    b = CudaOps("cpu")  # made later, without flash_attn: must not switch `a` off it
+    assert a.features["attention"] == "flash_attn" and b.features["attention"] == "sdpa"
+    assert b._flash is None and a._flash is fake_flash
+    assert a.flash_decode_applies(256, torch.bfloat16) and not b.flash_decode_applies(256, torch.bfloat16)
+
+    # Steps of the two engines interleaved, each over its own metadata tensors, layer after layer: each instance
+    # builds its host metadata once for its step (one shared cache would rebuild it at every switch).
+    step_a = make_batch([5, 1], [300, 9], 4, 2, 64, 256, torch.bfloat16, seed=1)
+    step_b = make_batch([3, 1, 1], [260, 40, 7], 4, 2, 64, 256, torch.bfloat16, seed=2)
+    calls = count_paged_meta(monkeypatch)
+    fake_flash.history.clear()
+    for _ in range(3):
+        for ops, args in ((a, step_a), (b, step_b)):
+            assert rel_err(ops.paged_attention(*args, 0.125), reference.paged_attention(*fp32(args), 0.125)) < 2e-2
+    assert len(calls) == 1  # `a`'s step; `b` runs SDPA, which reads no metadata through it
+    assert [fn for fn, _ in fake_flash.history] == ["flash_attn_varlen_func"] * 3  # `a` only
+    b._flash = fake_flash  # now both on flash_attn: still one build per instance and step
+    for _ in range(3):
+        for ops, args in ((a, step_a), (b, step_b)):
+            ops.paged_attention(*args, 0.125)
+    assert len(calls) == 2
+    assert a._step._key[0] is step_a[3] and b._step._key[0] is step_b[3]
+
+    # Warnings are given once per engine: each instance says it runs SDPA for a float32 model.
+    args32 = make_batch([1, 1], [5, 20], 4, 2, 64, 256, torch.float32)
+    with caplog.at_level(logging.WARNING, logger="vlinfer"):
+        for ops in (a, b, a, b):
+            ops.paged_attention(*args32, 0.125)
+    assert caplog.text.count("flash_attn takes float16 / bfloat16, the model runs torch.float32") == 2
 
 
 @pytest.mark.parametrize("block_size, dtype, why", [(16, torch.bfloat16, "not a multiple of 256"),
                                                     (256, torch.float32, "flash_attn takes float16 / bfloat16")])
-def test_flash_unsupported_cases_run_sdpa_with_a_warning(fake_flash, caplog, block_size, dtype, why):
+def test_flash_unsupported_cases_run_sdpa_with_a_warning(fake_flash, flash_ops, caplog, block_size, dtype, why):
     for q_lens, kv_lens in batches(block_size):
         args = make_batch(q_lens, kv_lens, 4, 2, 64, block_size, dtype)
         with caplog.at_level(logging.WARNING, logger="vlinfer"):
-            ours = cuda.paged_attention(*args, 0.125)
+            ours = flash_ops.paged_attention(*args, 0.125)
         assert rel_err(ours, reference.paged_attention(*fp32(args), 0.125)) < TOL[dtype]
     assert not fake_flash.history
     assert caplog.text.count(why) == 1  # once, not per layer or step
@@ -270,12 +329,12 @@ def test_fake_flash_rejects_what_flash_attn_rejects(fake_flash):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_varlen_attention_equals_reference(fake_flash, dtype, head_dim):
+def test_varlen_attention_equals_reference(fake_flash, flash_ops, dtype, head_dim):
     g = torch.Generator().manual_seed(3)
     seg = [16, 64, 3, 100]
     q, k, v = (torch.randn(sum(seg), 4, head_dim, generator=g).to(dtype) for _ in range(3))
     cu = torch.tensor([0, *itertools.accumulate(seg)], dtype=torch.int32)
-    ours = cuda.varlen_attention(q, k, v, cu, head_dim ** -0.5)
+    ours = flash_ops.varlen_attention(q, k, v, cu, head_dim ** -0.5)
     ref = reference.varlen_attention(q.float(), k.float(), v.float(), cu, head_dim ** -0.5)
     assert rel_err(ours, ref) < TOL[dtype]
     if dtype == torch.float32:
@@ -290,6 +349,6 @@ def test_a_broken_flash_attn_is_a_warning(monkeypatch, caplog):
     fake = install(monkeypatch)
     monkeypatch.setattr(fake, "flash_attn_with_kvcache", lambda *a, **k: torch.zeros(2, 1, 2, 64))  # wrong results
     with caplog.at_level(logging.INFO, logger="vlinfer"):
-        cuda.load("cpu")
-    assert cuda.features["attention"] == "sdpa" and cuda._flash is None
+        ops = CudaOps("cpu")
+    assert ops.features["attention"] == "sdpa" and ops._flash is None
     assert "flash_attn unusable (RuntimeError: flash_attn is off from the reference" in caplog.text

@@ -17,7 +17,8 @@ from vlinfer import LLM, SamplingParams
 from vlinfer.config import EngineConfig
 from vlinfer.engine import graph_runner
 from vlinfer.engine.model_runner import StepInputs
-from vlinfer.layers import get_forward_context
+from vlinfer.layers import ModelContext
+from vlinfer.ops import ReferenceOps
 from vlinfer.tiny_checkpoints import build_tiny_qwen3_vl
 
 
@@ -25,8 +26,8 @@ class ReplayBackend:
     """Capture records the callable; replay re-runs it, reading whatever the static buffers hold then."""
     name = "eager replay (test)"
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device, ops=None):
+        self.device, self.ops = device, ops  # ops: the op table of the engine it was made for
         self.captured = []
 
     def capture(self, fn):
@@ -39,8 +40,8 @@ def cpu_graphs(monkeypatch):
     """Graph mode on CPU with ReplayBackend; yields the backends made (one per engine)."""
     made = []
 
-    def factory(device):
-        made.append(ReplayBackend(device))
+    def factory(device, ops):
+        made.append(ReplayBackend(device, ops))
         return made[-1]
     monkeypatch.setitem(graph_runner.BACKENDS, "cpu", factory)
     return made
@@ -77,23 +78,27 @@ def test_batch_sizes():
 ])
 def test_select_backend_logs_the_mode(caplog, device, kw, line):
     with caplog.at_level(logging.INFO, logger="vlinfer"):
-        assert graph_runner.select_backend(EngineConfig(model="m", **kw), types.SimpleNamespace(type=device)) is None
+        assert graph_runner.select_backend(EngineConfig(model="m", **kw), types.SimpleNamespace(type=device),
+                                           ReferenceOps(device)) is None
     assert line in caplog.text
 
 
-def test_cuda_backend_needs_the_cuda_ops(monkeypatch, caplog):
-    from vlinfer.ops import dispatch
-    monkeypatch.setattr(dispatch.active, "name", "reference")
+def test_cuda_backend_needs_the_cuda_ops(caplog):
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
-        assert graph_runner.select_backend(EngineConfig(model="m"), torch.device("cuda")) is None
+        assert graph_runner.select_backend(EngineConfig(model="m"), torch.device("cuda"), ReferenceOps("cuda")) is None
     assert "graphs unavailable on cuda (the reference ops read sequence lengths on the host)" in caplog.text
 
 
 class EchoModel(torch.nn.Module):
-    """Returns, per row, what the forward saw: input id, position, slot, seq_len, first block id."""
+    """Returns, per row, what the forward saw in its context's step: input id, position, slot, seq_len, first block
+    id."""
+
+    def __init__(self, ctx: ModelContext):
+        super().__init__()
+        self.ctx = ctx
 
     def forward(self, input_ids, positions):
-        ctx = get_forward_context()
+        ctx = self.ctx.forward_context()
         assert ctx.decode_only and ctx.cu_seqlens_q.tolist() == list(range(len(input_ids) + 1))
         pos = positions if positions.dim() == 1 else positions[1]
         return torch.stack([input_ids, pos, ctx.slot_mapping, ctx.seq_lens.long(), ctx.block_tables[:, 1].long()],
@@ -112,9 +117,11 @@ def step(b, width, mrope=False, decode_only=True, mm=None):
 
 @pytest.mark.parametrize("mrope", [False, True])
 def test_padding_and_static_buffers(mrope):
-    runner = graph_runner.GraphRunner(EchoModel(), torch.device("cpu"), ReplayBackend("cpu"), [1, 2, 4, 8], 4, mrope)
+    ctx = ModelContext(ReferenceOps())
+    runner = graph_runner.GraphRunner(EchoModel(ctx), ctx, torch.device("cpu"), ReplayBackend("cpu"), [1, 2, 4, 8], 4,
+                                      mrope)
     runner.capture()
-    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    assert sorted(runner.graphs) == [1, 2, 4, 8] and ctx.step is None  # each forward's step cleared after it
     # A batch of 7 after a batch of 3: bucket 8, then bucket 4, whose rows 3.. held the first step's values.
     for b in (7, 3):
         out = runner.run(step(b, 2, mrope))
@@ -126,7 +133,12 @@ def test_padding_and_static_buffers(mrope):
         assert runner.slot_mapping[b:size].tolist() == [-1] * (size - b)  # padded rows write nothing
         assert runner.seq_lens[b:size].tolist() == [0] * (size - b)  # ... and attend to nothing
         assert (runner.block_tables[b:size] == -1).all() and (runner.block_tables[:b, 2:] == -1).all()
-    assert runner.replays == {8: 1, 4: 1}
+    assert runner.replays == {8: 1, 4: 1} and ctx.step is None
+    # The step is the runner's context's: a model reading another engine's context sees no step.
+    other = graph_runner.GraphRunner(EchoModel(ModelContext(ReferenceOps())), ctx, torch.device("cpu"),
+                                     ReplayBackend("cpu"), [1, 2], 4, mrope)
+    with pytest.raises(AssertionError, match="outside a model runner step"):
+        other.capture()
     # Eager: mixed steps, image rows, wider block tables than captured, batches above the largest bucket.
     assert not runner.can_run(step(3, 2, mrope, decode_only=False))
     assert not runner.can_run(step(3, 2, mrope, mm={"mm_mask": torch.zeros(3, dtype=torch.bool)}))
@@ -156,9 +168,7 @@ def ops_mode(request, monkeypatch):
     """The CPU kernels, or the CUDA ops on CPU tensors (sync-free decode attention, the Triton cache write under the
     Triton interpreter) as graph mode uses them on a GPU."""
     import sys
-    from fake_flash_attn import preserve
     if request.param == "cuda":
-        preserve(monkeypatch)
         monkeypatch.setenv("VLINFER_OPS", "cuda")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         monkeypatch.setitem(sys.modules, "flash_attn", None)
@@ -175,10 +185,12 @@ def test_text_graph_mode_equals_eager(ops_mode, cpu_graphs, qwen3_checkpoint, mo
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         llm = LLM(path, dtype="float32", max_num_seqs=6, kv_cache_bytes=4 * 2 ** 20, device="cpu")
     assert llm.engine.ops_implementation == ops_mode
+    ops = llm.engine.model_runner.ctx.ops
     if ops_mode == "cuda":
-        from vlinfer.ops import cuda
-        assert cuda.features == {"cache_write": "triton", "attention": "sdpa"}
+        assert ops.features == {"cache_write": "triton", "attention": "sdpa"}
     assert "graph mode: eager replay (test) for decode at batch sizes [1, 2, 4, 6]" in caplog.text
+    assert len(cpu_graphs) == 1 and cpu_graphs[0].ops is ops  # the backend got this engine's op table
+    assert ops is not eager.engine.model_runner.ctx.ops  # one per engine
     assert len(cpu_graphs[0].captured) == 4
     assert generate(llm, PROMPTS) == expected
     assert (5, 6) in seen and (3, 4) in seen  # padded replays
@@ -225,13 +237,19 @@ def test_qwen3_vl_graph_mode_equals_eager(cpu_graphs, vl_checkpoint, monkeypatch
 
 
 def test_block_table_width_is_bounded_unless_attention_reads_only_used_blocks(monkeypatch):
-    from vlinfer.ops import cuda
+    import sys
+    from vlinfer.ops.cuda import CudaOps
     assert graph_runner.blocks_for(ReplayBackend("cpu"), 512, 16, torch.float32) == 32
     assert graph_runner.blocks_for(ReplayBackend("cpu"), 100_000, 16, torch.float32) == 8192 // 16
-    backend = graph_runner.CudaGraphBackend(torch.device("cuda"))
-    monkeypatch.setattr(cuda, "_flash", object())  # flash_attn present: decode reads only each sequence's blocks
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    ops = CudaOps("cpu")
+    backend = graph_runner.CudaGraphBackend(torch.device("cuda"), ops)
+    assert graph_runner.blocks_for(backend, 100_000, 256, torch.bfloat16) == 8192 // 256  # no flash_attn: SDPA
+    ops._flash = object()  # flash_attn present: decode reads only each sequence's blocks
     assert graph_runner.blocks_for(backend, 100_000, 256, torch.bfloat16) == -(-100_000 // 256)
     assert graph_runner.blocks_for(backend, 100_000, 16, torch.bfloat16) == 8192 // 16  # SDPA: block size
     assert graph_runner.blocks_for(backend, 100_000, 256, torch.float32) == 8192 // 256  # SDPA: dtype
-    monkeypatch.setattr(cuda, "_flash", None)
-    assert graph_runner.blocks_for(backend, 100_000, 256, torch.bfloat16) == 8192 // 256
+    # Another engine's op table without flash_attn bounds its own graphs, not this one's.
+    other = graph_runner.CudaGraphBackend(torch.device("cuda"), CudaOps("cpu"))
+    assert graph_runner.blocks_for(other, 100_000, 256, torch.bfloat16) == 8192 // 256
+    assert graph_runner.blocks_for(backend, 100_000, 256, torch.bfloat16) == -(-100_000 // 256)

@@ -6,7 +6,6 @@ graph_task_update_begin/end. So graphs whose attention is not updated give wrong
 The engine runs on CPU tensors with the NPU ops (VLINFER_OPS=npu); the "cpu" device type gets the NPU graph
 backend, as tests/test_graph_runner.py does with its replaying backend. bfloat16 throughout: FIA takes fp16/bf16."""
 import logging
-import random
 import types
 
 import pytest
@@ -19,7 +18,9 @@ from test_graph_runner import (PROMPTS, TEXT_PROMPT, VL_PROMPT, EchoModel, gener
 from vlinfer import LLM
 from vlinfer.config import EngineConfig
 from vlinfer.engine import graph_runner
-from vlinfer.ops import npu, reference
+from vlinfer.layers import ModelContext
+from vlinfer.ops import ReferenceOps, reference
+from vlinfer.ops.npu import GraphCapture, NpuOps
 
 BLOCK = 128
 KW = dict(dtype="bfloat16", kvcache_block_size=BLOCK, max_num_seqs=6, kv_cache_bytes=8 * 2 ** 20, max_model_len=512)
@@ -28,7 +29,7 @@ KW = dict(dtype="bfloat16", kvcache_block_size=BLOCK, max_num_seqs=6, kv_cache_b
 @pytest.fixture
 def npu_graphs(monkeypatch):
     """The emulated torch_npu with its graph APIs, and the NPU graph backend for the engine's (CPU) device."""
-    fake = loaded(monkeypatch)
+    fake, _ = loaded(monkeypatch)
     monkeypatch.setitem(graph_runner.BACKENDS, "cpu", graph_runner.BACKENDS["npu"])
     return fake
 
@@ -57,13 +58,14 @@ def close(a, b):
 
 @pytest.mark.parametrize("tnd", [True, False], ids=["tnd", "bsh"])
 def test_replay_keeps_captured_lengths_unless_updated(monkeypatch, tnd):
-    fake = loaded(monkeypatch, tnd_paged=tnd)
+    fake, ops = loaded(monkeypatch, tnd_paged=tnd)
     captured, now = [3, 200, 1], [150, 7, 256]
     q, k_cache, v_cache, cu, tables = attention_inputs(captured)
     seq_lens = torch.tensor(captured, dtype=torch.int32)
-    graph, capture = torch.npu.NPUGraph(), npu.GraphCapture(captured)
-    with npu.capturing(capture), torch.npu.graph(graph):
-        out = npu.paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 0.125)
+    graph, capture = torch.npu.NPUGraph(), GraphCapture(captured)
+    with ops.capturing(capture), torch.npu.graph(graph):
+        out = ops.paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 0.125)
+    assert ops._capture is None  # capturing ends with its block
     assert len(capture.tasks) == 1
     assert fake.last["npu_fused_infer_attention_score.out"]["input_layout"] == ("TND" if tnd else "BSH")
 
@@ -79,7 +81,7 @@ def test_replay_keeps_captured_lengths_unless_updated(monkeypatch, tnd):
     assert not close(out, expected(q, k_cache, v_cache, cu, tables, now))
     # Re-issued on the update stream with the step's lengths: the replay attends over them.
     stream = torch.npu.Stream()
-    npu.update_graph_attention(capture, now, stream)
+    ops.update_graph_attention(capture, now, stream)
     graph.replay()
     assert close(out, expected(q, k_cache, v_cache, cu, tables, now))
     assert fake.graph.updates == {"npu_fused_infer_attention_score.out": 1}
@@ -87,44 +89,43 @@ def test_replay_keeps_captured_lengths_unless_updated(monkeypatch, tnd):
 
     # What the update mechanism refuses: the default stream, and tensors other than the captured ones.
     with pytest.raises(FakeNpuError, match="update stream"):
-        npu.update_graph_attention(capture, now, torch.npu.current_stream())
+        ops.update_graph_attention(capture, now, torch.npu.current_stream())
     task = capture.tasks[0]
     task.args = (task.args[0].clone(),) + task.args[1:]
     with pytest.raises(FakeNpuError, match="captured tensors"):
-        npu.update_graph_attention(capture, now, stream)
+        ops.update_graph_attention(capture, now, stream)
 
 
 def test_capture_refuses_host_syncs(monkeypatch):
-    loaded(monkeypatch)
+    _, ops = loaded(monkeypatch)
     q, k_cache, v_cache, cu, tables = attention_inputs([5, 9])
     seq_lens = torch.tensor([5, 9], dtype=torch.int32)
     # The eager attention reads its lengths with .tolist(): not inside a capture.
     with pytest.raises(FakeNpuError, match="tolist"), torch.npu.graph(torch.npu.NPUGraph()):
-        npu.paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 0.125)
+        ops.paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 0.125)
     with pytest.raises(FakeNpuError, match="host value"), torch.npu.graph(torch.npu.NPUGraph()):
         seq_lens.max().item()
     with pytest.raises(FakeNpuError, match="data-dependent"), torch.npu.graph(torch.npu.NPUGraph()):
         q[seq_lens > 6]
     # The eager cache write drops -1 slots after checking for them on the host; captured, it takes them as given.
     with pytest.raises(FakeNpuError, match="host value"), torch.npu.graph(torch.npu.NPUGraph()):
-        npu.store_kvcache(q[:, :2], q[:, :2], k_cache, v_cache, torch.tensor([3, -1]))
+        ops.store_kvcache(q[:, :2], q[:, :2], k_cache, v_cache, torch.tensor([3, -1]))
     assert torch.Tensor.tolist is torch._C.TensorBase.tolist  # restored after each capture
 
 
 def test_backend_needs_the_graph_apis_and_the_npu_ops(monkeypatch, caplog):
     npu_device = types.SimpleNamespace(type="npu")
-    loaded(monkeypatch, graphs=False)
+    _, ops = loaded(monkeypatch, graphs=False)
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
-        assert graph_runner.select_backend(EngineConfig(model="m"), npu_device) is None
+        assert graph_runner.select_backend(EngineConfig(model="m"), npu_device, ops) is None
     assert "graphs unavailable on npu (this torch_npu lacks torch_npu._npu_fused_infer_attention_score_get_max_" \
            "workspace, torch_npu.npu_fused_infer_attention_score.out, torch.npu.NPUGraph" in caplog.text
-    loaded(monkeypatch)
-    assert graph_runner.select_backend(EngineConfig(model="m"), npu_device).name.startswith("ACL graphs")
-    from vlinfer.ops import dispatch
-    monkeypatch.setattr(dispatch.active, "name", "reference")
+    _, ops = loaded(monkeypatch)
+    backend = graph_runner.select_backend(EngineConfig(model="m"), npu_device, ops)
+    assert backend.name.startswith("ACL graphs") and backend.ops is ops
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
-        assert graph_runner.select_backend(EngineConfig(model="m"), npu_device) is None
+        assert graph_runner.select_backend(EngineConfig(model="m"), npu_device, ReferenceOps("npu")) is None
     assert "graphs unavailable on npu (the reference ops read sequence lengths on the host)" in caplog.text
 
 
@@ -150,7 +151,8 @@ def test_padding_into_the_dummy_block_with_host_lengths():
     backend = HostLengthsBackend()
     assert graph_runner.dummy_blocks(backend, 8, 4) == 2 and graph_runner.dummy_blocks(backend, 300, 128) == 2
     assert graph_runner.dummy_blocks(None, 8, 4) == 0
-    runner = graph_runner.GraphRunner(EchoModel(), torch.device("cpu"), backend, [1, 2, 4, 8], 4, False,
+    ctx = ModelContext(ReferenceOps())
+    runner = graph_runner.GraphRunner(EchoModel(ctx), ctx, torch.device("cpu"), backend, [1, 2, 4, 8], 4, False,
                                       dummy_block=10, block_size=4)
     runner.capture()
     # Captured on all-padding buffers: each row its own dummy slot, one token of the dummy block to attend to.
@@ -183,6 +185,7 @@ def test_text_graph_mode_equals_eager(npu_graphs, qwen3_checkpoint, text_expecte
     runner = llm.engine.model_runner
     graphs = runner.graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 6]
+    assert type(runner.ctx.ops) is NpuOps and runner.graph_backend.ops is runner.ctx.ops
     assert graph_runner.blocks_for(runner.graph_backend, 100_000, BLOCK, torch.bfloat16) == -(-100_000 // BLOCK)
     # One reserved block past the block manager's: the padded rows' slots.
     bm = llm.engine.block_manager
@@ -203,16 +206,16 @@ def test_text_graph_mode_equals_eager(npu_graphs, qwen3_checkpoint, text_expecte
 def test_text_graph_mode_without_length_updates_goes_wrong(npu_graphs, qwen3_checkpoint, text_expected,
                                                            monkeypatch):
     """The checks above would miss a backend that does not update the attention tasks: they must fail with one."""
-    def events_only(capture, kv_lens, stream):  # orders the replay, never re-issues the tasks
+    def events_only(self, capture, kv_lens, stream):  # orders the replay, never re-issues the tasks
         for task in capture.tasks:
             task.event.record(stream)
-    monkeypatch.setattr(npu, "update_graph_attention", events_only)
+    monkeypatch.setattr(NpuOps, "update_graph_attention", events_only)
     llm = LLM(qwen3_checkpoint[0], **KW)
     assert llm.engine.model_runner.graphs is not None
     assert generate(llm, PROMPTS) != text_expected
     assert not npu_graphs.graph.updates
 
-    monkeypatch.setattr(npu, "update_graph_attention", lambda capture, kv_lens, stream: None)
+    monkeypatch.setattr(NpuOps, "update_graph_attention", lambda self, capture, kv_lens, stream: None)
     llm = LLM(qwen3_checkpoint[0], **KW)
     with pytest.raises(FakeNpuError, match="never recorded"):
         generate(llm, PROMPTS)

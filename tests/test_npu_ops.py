@@ -13,7 +13,8 @@ import torch
 
 from paged_batches import fp32, make_batch, rel_err
 from fake_torch_npu import FakeNpuError, FakeTorchNpu, install, loaded
-from vlinfer.ops import dispatch, npu, reference
+from vlinfer.ops import OPS, ReferenceOps, dispatch, npu, reference
+from vlinfer.ops.npu import GraphCapture, NpuOps
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
 HALF = [torch.float16, torch.bfloat16]
@@ -35,13 +36,13 @@ BATCHES = [([1] * 6, [1, 127, 128, 129, 256, 300]),
 @pytest.mark.parametrize("gqa", [1, 2, 8])
 @pytest.mark.parametrize("path", ["tnd", "split"])
 def test_paged_attention_matches_reference(monkeypatch, path, gqa, head_dim, dtype):
-    fake = loaded(monkeypatch, tnd_paged=path == "tnd")  # without TND + PA the load-time probe picks the split
-    assert npu.features["tnd_paged"] == (path == "tnd")
+    fake, ops = loaded(monkeypatch, tnd_paged=path == "tnd")  # without TND + PA the load-time probe picks the split
+    assert ops.features["tnd_paged"] == (path == "tnd")
     scale = head_dim ** -0.5
     for seed, (q_lens, kv_lens) in enumerate(BATCHES):
         args = make_batch(q_lens, kv_lens, NUM_KV_HEADS * gqa, NUM_KV_HEADS, head_dim, 128, dtype, seed)
         before = fake.calls["npu_fused_infer_attention_score"]
-        out = npu.paged_attention(*args, scale)
+        out = ops.paged_attention(*args, scale)
         ref = reference.paged_attention(*fp32(args), scale)
         assert out.dtype == dtype and out.shape == args[0].shape
         assert rel_err(out, ref) < TOL[dtype], (q_lens, kv_lens)
@@ -54,38 +55,74 @@ def test_paged_attention_matches_reference(monkeypatch, path, gqa, head_dim, dty
 
 @pytest.mark.parametrize("dtype", HALF, ids=DTYPE_IDS.get)
 def test_block_size_16_serves_decodes_and_is_refused_for_prefill(monkeypatch, dtype):
-    loaded(monkeypatch)
+    _, ops = loaded(monkeypatch)
     # FIA allows 16-aligned blocks when every query is one token (IFA), only multiples of 128 otherwise (§2.3).
     args = make_batch([1] * 5, [1, 15, 16, 17, 70], 4, NUM_KV_HEADS, 64, 16, dtype)
-    out = npu.paged_attention(*args, 0.125)
+    out = ops.paged_attention(*args, 0.125)
     assert rel_err(out, reference.paged_attention(*fp32(args), 0.125)) < TOL[dtype]
     args = make_batch([1, 20], [30, 20], 4, NUM_KV_HEADS, 64, 16, dtype)
     with pytest.raises(ValueError, match="multiple of 128"):
-        npu.paged_attention(*args, 0.125)
+        ops.paged_attention(*args, 0.125)
 
 
 def test_metadata_is_read_once_per_step(monkeypatch):
-    loaded(monkeypatch)
+    _, ops = loaded(monkeypatch)
     args = make_batch(*BATCHES[2], 4, NUM_KV_HEADS, 64, 128, torch.float16)
-    npu.paged_attention(*args, 0.125)
-    meta = npu._attention_step._value
-    npu.paged_attention(*args, 0.125)  # the next layer: same tensors, same host lists
-    assert npu._attention_step._value is meta
+    ops.paged_attention(*args, 0.125)
+    meta = ops._attention_step._value
+    ops.paged_attention(*args, 0.125)  # the next layer: same tensors, same host lists
+    assert ops._attention_step._value is meta
     q, k, v, cu, seq_lens, tables = args
-    npu.paged_attention(q, k, v, cu.clone(), seq_lens.clone(), tables.clone(), 0.125)  # the next step
-    assert npu._attention_step._value is not meta
+    ops.paged_attention(q, k, v, cu.clone(), seq_lens.clone(), tables.clone(), 0.125)  # the next step
+    assert ops._attention_step._value is not meta
+
+
+def test_two_instances_keep_their_own_state(monkeypatch, caplog):
+    """Two engines' op tables in one process: each keeps the torch_npu it loaded, what it detected, its per-step
+    metadata, its warnings and its graph capture."""
+    fake_a, a = loaded(monkeypatch)  # TND over the paged cache
+    fake_b, b = loaded(monkeypatch, tnd_paged=False)  # made later on another release: must not change `a`
+    assert a.features["tnd_paged"] and not b.features["tnd_paged"]
+    step_a = make_batch(*BATCHES[2], 4, NUM_KV_HEADS, 64, 128, torch.float16, 1)
+    step_b = make_batch(*BATCHES[0], 4, NUM_KV_HEADS, 64, 128, torch.float16, 2)
+    metas = {}
+    for layer in range(3):  # the two engines' steps interleaved, layer after layer
+        for name, ops, fake, args, layout in (("a", a, fake_a, step_a, "TND"), ("b", b, fake_b, step_b, "BSH")):
+            before = fake_a.calls["npu_fused_infer_attention_score"], fake_b.calls["npu_fused_infer_attention_score"]
+            out = ops.paged_attention(*args, 0.125)
+            assert rel_err(out, reference.paged_attention(*fp32(args), 0.125)) < TOL[torch.float16]
+            assert fake.last["npu_fused_infer_attention_score"]["input_layout"] == layout
+            after = fake_a.calls["npu_fused_infer_attention_score"], fake_b.calls["npu_fused_infer_attention_score"]
+            assert after[name == "a"] == before[name == "a"]  # the other engine's torch_npu was not called
+            # Each instance builds its step's host metadata once, whatever the other engine ran in between.
+            meta = ops._attention_step._value
+            assert metas.setdefault(name, meta) is meta
+    assert metas["a"] is not metas["b"] and metas["a"].kv_lens == BATCHES[2][1]
+
+    # Warnings once per engine; a capture on one leaves the other eager (it reads host lengths as usual).
+    args32 = make_batch(*BATCHES[0], 4, NUM_KV_HEADS, 64, 128, torch.float32)
+    with caplog.at_level(logging.WARNING, logger="vlinfer"):
+        for ops in (a, b, a, b):
+            ops.paged_attention(*args32, 0.125)
+    assert caplog.text.count("paged_attention on torch.float32 runs the pure-torch reference") == 2
+    with a.capturing(GraphCapture([1, 2])):
+        with pytest.raises(RuntimeError, match="cannot be captured"):
+            a.paged_attention(*args32, 0.125)
+        out = b.paged_attention(*step_a, 0.125)  # a mixed batch: eager, not a captured decode
+        assert rel_err(out, reference.paged_attention(*fp32(step_a), 0.125)) < TOL[torch.float16]
+    assert a._capture is None and b._capture is None
 
 
 def test_float32_attention_and_cache_write_run_the_reference(monkeypatch, caplog):
-    fake = loaded(monkeypatch)
+    fake, ops = loaded(monkeypatch)
     args = make_batch(*BATCHES[2], 4, NUM_KV_HEADS, 64, 128, torch.float32)
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
-        out = npu.paged_attention(*args, 0.125)
+        out = ops.paged_attention(*args, 0.125)
         assert torch.equal(out, reference.paged_attention(*args, 0.125))
-        npu.paged_attention(*args, 0.125)
+        ops.paged_attention(*args, 0.125)
         q, k_cache, v_cache, *_ = args
         slots = torch.arange(q.shape[0])
-        npu.store_kvcache(q[:, :NUM_KV_HEADS], q[:, :NUM_KV_HEADS], k_cache, v_cache, slots)
+        ops.store_kvcache(q[:, :NUM_KV_HEADS], q[:, :NUM_KV_HEADS], k_cache, v_cache, slots)
     assert torch.equal(k_cache.view(-1, NUM_KV_HEADS, 64)[:q.shape[0]], q[:, :NUM_KV_HEADS])
     assert caplog.text.count("paged_attention on torch.float32 runs the pure-torch reference") == 1
     assert "store_kvcache on torch.float32 runs the pure-torch reference" in caplog.text
@@ -99,8 +136,8 @@ def test_float32_attention_and_cache_write_run_the_reference(monkeypatch, caplog
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 8])
 def test_store_kvcache_matches_reference(monkeypatch, op, dtype, head_dim, num_kv_heads):
-    fake = loaded(monkeypatch, scatter_pa=op == "npu_scatter_pa_kv_cache")
-    assert npu.features["cache_write"] == op
+    fake, ops = loaded(monkeypatch, scatter_pa=op == "npu_scatter_pa_kv_cache")
+    assert ops.features["cache_write"] == op
     g = torch.Generator().manual_seed(1)
     num_blocks, bs, n = 6, 128, 300
     # A strided value, as the attention layer passes it (a view of the fused qkv projection), and padding slots.
@@ -109,7 +146,7 @@ def test_store_kvcache_matches_reference(monkeypatch, op, dtype, head_dim, num_k
     qkv = torch.randn(n, 3, num_kv_heads, head_dim, generator=g).to(dtype)
     key, value = qkv[:, 1], qkv[:, 2]
     caches = [torch.zeros(num_blocks, bs, num_kv_heads, head_dim, dtype=dtype) for _ in range(4)]
-    npu.store_kvcache(key, value, caches[0], caches[1], slots)
+    ops.store_kvcache(key, value, caches[0], caches[1], slots)
     reference.store_kvcache(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert fake.calls[op] == 2  # the probe's write, then this one
@@ -130,7 +167,7 @@ def rope_tables(positions, head_dim, scaling=1.0, theta=10000.0):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("gqa", [1, 2, 8])
 def test_apply_rotary_matches_reference(monkeypatch, dtype, head_dim, gqa):
-    fake = loaded(monkeypatch)
+    fake, ops = loaded(monkeypatch)
     g = torch.Generator().manual_seed(2)
     t = 37
     q = torch.randn(t, NUM_KV_HEADS * gqa, head_dim, generator=g).to(dtype)
@@ -138,7 +175,7 @@ def test_apply_rotary_matches_reference(monkeypatch, dtype, head_dim, gqa):
     # Random positions; 1.25 is a yarn-like attention scaling that takes the tables outside npu_rotary_mul's [-1, 1].
     for scaling in (1.0, 1.25):
         cos, sin = rope_tables(torch.randint(0, 4096, (t,), generator=g), head_dim, scaling)
-        q_out, k_out = npu.apply_rotary(q, k, cos, sin)
+        q_out, k_out = ops.apply_rotary(q, k, cos, sin)
         q_ref, k_ref = reference.apply_rotary(q, k, cos, sin)
         assert q_out.dtype == dtype and k_out.dtype == dtype
         assert rel_err(q_out, q_ref) < TOL[dtype] and rel_err(k_out, k_ref) < TOL[dtype]
@@ -147,21 +184,21 @@ def test_apply_rotary_matches_reference(monkeypatch, dtype, head_dim, gqa):
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=DTYPE_IDS.get)
 def test_norms_and_swiglu_match_reference(monkeypatch, dtype):
-    fake = loaded(monkeypatch)
+    fake, ops = loaded(monkeypatch)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(19, 256, generator=g).to(dtype)
     residual = torch.randn(19, 256, generator=g).to(dtype)
     weight = (1 + 0.1 * torch.randn(256, generator=g)).to(dtype)
     # bf16/fp16: the reference rounds x / rms before multiplying by the weight (as transformers does); the fused op
     # rounds once at the end, so they may differ by a unit in the last place.
-    assert rel_err(npu.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6)) < TOL[dtype]
+    assert rel_err(ops.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6)) < TOL[dtype]
     heads = x.view(19, 4, 64)  # q_norm / k_norm: per head, gamma [head_dim]
-    assert rel_err(npu.rms_norm(heads, weight[:64], 1e-6), reference.rms_norm(heads, weight[:64], 1e-6)) < TOL[dtype]
-    y, res = npu.add_rms_norm(x, residual, weight, 1e-6)
+    assert rel_err(ops.rms_norm(heads, weight[:64], 1e-6), reference.rms_norm(heads, weight[:64], 1e-6)) < TOL[dtype]
+    y, res = ops.add_rms_norm(x, residual, weight, 1e-6)
     y_ref, res_ref = reference.add_rms_norm(x, residual, weight, 1e-6)
     assert rel_err(y, y_ref) < TOL[dtype] and torch.equal(res, res_ref)
     gate_up = torch.randn(19, 2 * 96, generator=g).to(dtype)
-    assert rel_err(npu.silu_and_mul(gate_up), reference.silu_and_mul(gate_up)) < TOL[dtype]
+    assert rel_err(ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up)) < TOL[dtype]
     assert fake.calls["npu_rms_norm"] == 2 and fake.calls["npu_add_rms_norm"] == 1 and fake.calls["npu_swiglu"] == 1
 
 
@@ -170,11 +207,11 @@ def test_norms_and_swiglu_match_reference(monkeypatch, dtype):
 @pytest.mark.parametrize("dtype", HALF, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("head_dim", [64, 72, 128])
 def test_varlen_attention_matches_reference(monkeypatch, dtype, head_dim):
-    fake = loaded(monkeypatch)
+    fake, ops = loaded(monkeypatch)
     g = torch.Generator().manual_seed(4)
     cu = torch.tensor([0, 16, 80, 84, 340], dtype=torch.int32)
     q, k, v = (torch.randn(340, 4, head_dim, generator=g).to(dtype) for _ in range(3))
-    out = npu.varlen_attention(q, k, v, cu, head_dim ** -0.5)
+    out = ops.varlen_attention(q, k, v, cu, head_dim ** -0.5)
     ref = reference.varlen_attention(q.float(), k.float(), v.float(), cu, head_dim ** -0.5)
     assert out.shape == q.shape and rel_err(out, ref) < TOL[dtype]
     call = fake.last["npu_fused_infer_attention_score"]
@@ -183,45 +220,46 @@ def test_varlen_attention_matches_reference(monkeypatch, dtype, head_dim):
 
 
 def test_varlen_attention_float32_runs_the_reference(monkeypatch):
-    loaded(monkeypatch)
+    _, ops = loaded(monkeypatch)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     q, k, v = (torch.randn(12, 2, 16) for _ in range(3))
-    assert torch.equal(npu.varlen_attention(q, k, v, cu, 0.25), reference.varlen_attention(q, k, v, cu, 0.25))
+    assert torch.equal(ops.varlen_attention(q, k, v, cu, 0.25), reference.varlen_attention(q, k, v, cu, 0.25))
 
 
 # ---- feature detection and dispatch ----
 
 def test_load_detects_the_2_14_contracts(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="vlinfer"):
-        loaded(monkeypatch)
-    assert npu.features == {"fia_scale_kwarg": "scale", "cache_write": "npu_scatter_pa_kv_cache", "tnd_paged": True}
-    assert "VLINFER_OPS=npu forces the npu implementation on device type cpu" in caplog.text
+        _, ops = loaded(monkeypatch)
+    assert ops.features == {"fia_scale_kwarg": "scale", "cache_write": "npu_scatter_pa_kv_cache", "tnd_paged": True}
+    assert "ops: npu forced on device type cpu" in caplog.text
     assert "cache write npu_scatter_pa_kv_cache, FIA scale keyword 'scale', attention one TND call" in caplog.text
-    assert dispatch.active.name == "npu"
+    assert ops.name == "npu" and ops.device_type == "cpu"
     # Every op the NPU has a fused operator for; linear and the GELU stay torch's (one aclnn op each already).
-    on_torch = ("linear", "gelu_tanh")
-    assert all(dispatch.active.impl[op] is getattr(npu, op) for op in dispatch.OPS if op not in on_torch)
-    assert all(dispatch.active.impl[op] is getattr(reference, op) for op in on_torch)
+    on_torch = {"linear", "gelu_tanh"}
+    assert {op for op in OPS if getattr(NpuOps, op) is not getattr(ReferenceOps, op)} == set(OPS) - on_torch
+    assert ops.rms_norm.__func__ is NpuOps.rms_norm
+    assert ops.linear is reference.linear and ops.gelu_tanh is reference.gelu_tanh
 
 
 @pytest.mark.parametrize("opaque", [False, "schema", True], ids=["signature", "schema", "opaque"])
 @pytest.mark.parametrize("kwarg", ["scale", "scale_value"])
 def test_fia_scale_keyword_is_detected(monkeypatch, caplog, kwarg, opaque):
     with caplog.at_level(logging.INFO, logger="vlinfer"):
-        fake = loaded(monkeypatch, fia_scale_kwarg=kwarg, opaque=opaque)
-    assert npu.features["fia_scale_kwarg"] == kwarg
+        fake, ops = loaded(monkeypatch, fia_scale_kwarg=kwarg, opaque=opaque)
+    assert ops.features["fia_scale_kwarg"] == kwarg
     # Names unreadable from signature and schema: the probe's first call decides.
     assert ("found by trying" in caplog.text) == (opaque is True)
     args = make_batch(*BATCHES[2], 4, NUM_KV_HEADS, 64, 128, torch.bfloat16)
-    out = npu.paged_attention(*args, 0.125)
+    out = ops.paged_attention(*args, 0.125)
     assert rel_err(out, reference.paged_attention(*fp32(args), 0.125)) < TOL[torch.bfloat16]
     assert fake.last["npu_fused_infer_attention_score"][kwarg] == 0.125
 
 
 def test_missing_tnd_paged_support_falls_back_to_split_calls(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="vlinfer"):
-        loaded(monkeypatch, tnd_paged=False)
-    assert npu.features["tnd_paged"] is False
+        _, ops = loaded(monkeypatch, tnd_paged=False)
+    assert ops.features["tnd_paged"] is False
     assert "FIA in TND layout over the paged cache failed (FakeNpuError: TND does not support PA" in caplog.text
     assert "attention split: BSH decode call + BSH prefill call" in caplog.text
 
@@ -232,7 +270,7 @@ def test_without_any_cache_write_op_npu_cannot_load(monkeypatch, caplog):
         dispatch.select("cpu")  # forced: an error, not a silent fallback
     monkeypatch.delenv("VLINFER_OPS")
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
-        assert dispatch.select("npu") == "reference"
+        assert type(dispatch.select("npu")) is ReferenceOps
     assert "torch_npu kernels unavailable (" in caplog.text  # no "npu" device here: fails even earlier
 
 
@@ -241,7 +279,7 @@ def test_npu_device_without_torch_npu_runs_the_reference(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
     monkeypatch.delenv("VLINFER_OPS")
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
-        assert dispatch.select("npu") == "reference"
+        assert type(dispatch.select("npu")) is ReferenceOps
     assert "torch_npu kernels unavailable (ModuleNotFoundError" in caplog.text
 
 
@@ -249,9 +287,10 @@ def test_override_values(monkeypatch, caplog):
     install(monkeypatch)
     monkeypatch.setenv("VLINFER_OPS", "reference")
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
-        assert dispatch.select("npu") == "reference"
-    assert "VLINFER_OPS=reference forces the reference implementation on device type npu" in caplog.text
-    assert dispatch.active.impl["paged_attention"] is reference.paged_attention
+        ops = dispatch.select("npu")
+    assert type(ops) is ReferenceOps and ops.device_type == "npu"
+    assert "ops: reference forced on device type npu" in caplog.text
+    assert type(dispatch.select("cpu", forced="npu")) is NpuOps  # an explicit choice wins over the environment
     monkeypatch.setenv("VLINFER_OPS", "tpu")
     with pytest.raises(ValueError, match="expected one of cuda, npu, cpu-compiled, reference"):
         dispatch.select("cpu")
@@ -338,7 +377,7 @@ def test_fia_emulation_rejects_block_size_16_for_prefill_only():
                                                                torch.float16)
         nb = k_cache.shape[0]
         call = lambda: fake.npu_fused_infer_attention_score(  # noqa: E731
-            q, k_cache.view(nb, 16, -1), v_cache.view(nb, 16, -1), atten_mask=npu._causal_mask(q.device),
+            q, k_cache.view(nb, 16, -1), v_cache.view(nb, 16, -1), atten_mask=npu.causal_mask(q.device),
             actual_seq_lengths=cu[1:].tolist(), actual_seq_lengths_kv=seq_lens.tolist(), block_table=tables,
             num_heads=4, num_key_value_heads=NUM_KV_HEADS, input_layout="TND", sparse_mode=3, block_size=16)
         if ok:

@@ -9,13 +9,11 @@ transformers = pytest.importorskip("transformers")
 from transformers import Qwen3VLConfig  # noqa: E402
 from transformers import Qwen3VLForConditionalGeneration as HFQwen3VL  # noqa: E402
 
-from vlinfer.layers import Attention, ForwardContext, forward_context  # noqa: E402
+from vlinfer.layers import Attention, ForwardContext, ModelContext  # noqa: E402
 from vlinfer.model_loader import ModelSource, iterate_weights  # noqa: E402
 from vlinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration  # noqa: E402
 from vlinfer.multimodal.mrope import mrope_positions  # noqa: E402
-
-# The model runs on CPU tensors without an engine, so with the CPU ops installed (conftest.cpu_ops).
-pytestmark = pytest.mark.usefixtures("cpu_ops")
+from vlinfer.ops.cpu import CpuOps  # noqa: E402
 
 VOCAB = 1000
 IMAGE, VIDEO, VSTART, VEND = 990, 991, 992, 993
@@ -61,7 +59,8 @@ def _build(tmp_path_factory, tie: bool):
     _rescale(hf)
     path = tmp_path_factory.mktemp("qwen3vl_tied" if tie else "qwen3vl")
     hf.save_pretrained(path, safe_serialization=True)
-    ours = Qwen3VLForConditionalGeneration(config).eval()
+    # The model runs on CPU tensors without an engine: on a context of its own, with the compiled CPU ops.
+    ours = Qwen3VLForConditionalGeneration(config, ModelContext(CpuOps())).eval()
     names = []
 
     def stream():
@@ -107,10 +106,11 @@ def _alloc_cache(model, num_tokens: int) -> int:
 
 def _step(model, num_blocks: int, start: int, end: int, ids, positions, **mm) -> torch.Tensor:
     """Logits of tokens start..end-1 of one sequence whose first `start` tokens are already in the cache."""
-    ctx = ForwardContext(slot_mapping=torch.arange(start, end), cu_seqlens_q=torch.tensor([0, end - start]),
-                         seq_lens=torch.tensor([end]), block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
-                         decode_only=end - start == 1)
-    with forward_context(ctx):
+    step = ForwardContext(slot_mapping=torch.arange(start, end), cu_seqlens_q=torch.tensor([0, end - start]),
+                          seq_lens=torch.tensor([end]), block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+                          decode_only=end - start == 1)
+    ctx = next(m.ctx for m in model.modules() if isinstance(m, Attention))
+    with ctx.stepping(step):
         hidden = model(torch.as_tensor(ids), positions, **mm)
     return model.compute_logits(hidden)
 
@@ -263,7 +263,7 @@ def test_tied_embeddings(tmp_path_factory):
 
 def test_load_rejects_missing_vision_weight(models, tmp_path):
     config, hf, _, _ = models
-    ours = Qwen3VLForConditionalGeneration(config)
+    ours = Qwen3VLForConditionalGeneration(config, ModelContext(CpuOps()))
     state = {k: v for k, v in hf.state_dict().items() if k != "model.visual.merger.linear_fc1.bias"}
     with pytest.raises(ValueError, match="merger.linear_fc1.bias"):
         ours.load_weights(state.items())

@@ -5,7 +5,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration  # noqa: E402
 
+from vlinfer.layers import ModelContext  # noqa: E402
 from vlinfer.models.qwen3_vl_vision import Qwen3VLVisionModel, split_image_embeds  # noqa: E402
+from vlinfer.ops.cpu import CpuOps  # noqa: E402
 from vlinfer.multimodal.mrope import mrope_cos_sin, mrope_positions  # noqa: E402
 
 IMAGE, VSTART, VEND, VIDEO = 190, 191, 192, 193
@@ -42,7 +44,7 @@ def models():
                 p.copy_(torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / p[0].numel() ** 0.5)
-    ours = Qwen3VLVisionModel(config).eval()
+    ours = Qwen3VLVisionModel(config, ModelContext(CpuOps())).eval()
     loaded = ours.load_weights((k, v.clone()) for k, v in visual.state_dict().items())
     assert loaded == set(dict(ours.named_parameters()))
     return config, hf, ours
@@ -163,8 +165,8 @@ def test_mrope_cos_sin_match_hf(models, dtype):
 def test_vision_rotary_stays_float32_under_dtype_cast():
     """Casting the tower to bf16 must not round the rotary frequencies (HF from_pretrained keeps them fp32)."""
     config = _config()
-    fp32 = Qwen3VLVisionModel(config)
-    bf16 = Qwen3VLVisionModel(config).to(torch.bfloat16)
+    fp32 = Qwen3VLVisionModel(config, ModelContext(CpuOps()))
+    bf16 = Qwen3VLVisionModel(config, ModelContext(CpuOps())).to(torch.bfloat16)
     positions = torch.tensor([[0, 0], [3, 7], [40, 95]])
     for a, b in zip(fp32._rotary(positions), bf16._rotary(positions)):
         assert a.dtype == b.dtype == torch.float32
@@ -172,7 +174,7 @@ def test_vision_rotary_stays_float32_under_dtype_cast():
 
 
 @torch.no_grad()
-def test_vision_bf16_error_is_transformers_bf16_error(models, cpu_ops):
+def test_vision_bf16_error_is_transformers_bf16_error(models):
     """bfloat16 tolerance (README): with the CPU kernels (vision attention on AVX512-BF16, GELU in one pass), the
     tower's error against float32 transformers is within 1.5x of transformers' own bfloat16 error."""
     import copy

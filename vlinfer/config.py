@@ -1,6 +1,9 @@
+import math
 from dataclasses import dataclass
 
 import torch
+
+INIT_SCHEMES = ("tcp://", "env://", "file://")  # the rendezvous URLs torch.distributed understands
 
 
 @dataclass
@@ -17,8 +20,17 @@ class EngineConfig:
     memory_utilization: float | None = None
     kv_cache_bytes: int | None = None  # exact KV pool size, overriding memory_utilization
     enable_prefix_caching: bool = True
+    # Force one op implementation for this engine ("cpu-compiled", "reference", "cuda", "npu"); None: $VLINFER_OPS
+    # if set, else the device's own kernels. Another engine in the process keeps its own choice.
+    ops: str | None = None
     enforce_eager: bool = False  # False: decode steps replay captured graphs where the device has them (CUDA, NPU)
     tensor_parallel_size: int = 1
+    # Where tensor-parallel ranks meet. None: spawned local workers on a port the OS picks (under torchrun, i.e. with
+    # RANK / WORLD_SIZE set: env://); "tcp://host:port": there, rank 0 hosts the store; "env://": MASTER_ADDR /
+    # MASTER_PORT.
+    distributed_init_method: str | None = None
+    distributed_timeout_s: float = 60.0  # a step's collectives: how long a rank may wait for the others
+    distributed_startup_timeout_s: float = 600.0  # workers starting, connecting and loading their shard
     seed: int = 0
     allow_image_urls: bool = False  # fetch http(s) image URLs; off so a request cannot make the engine fetch
 
@@ -30,3 +42,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization!r}")
+        for name in ("distributed_timeout_s", "distributed_startup_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        method = self.distributed_init_method
+        if method is not None and not (isinstance(method, str) and method.startswith(INIT_SCHEMES)):
+            raise ValueError(f"distributed_init_method must be None, 'tcp://host:port' or 'env://', got {method!r}")

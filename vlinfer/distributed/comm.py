@@ -23,7 +23,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from vlinfer.layers.distributed import TPGroup, distributed_backend, new_backend
+from vlinfer import platform
+from vlinfer.layers.distributed import TPGroup, new_backend
 
 STORE_PREFIX = "vlinfer"
 IDLE_TIMEOUT = timedelta(days=3650)  # a worker waits for rank 0's next message as long as the engine lives
@@ -35,22 +36,17 @@ class TensorParallelError(RuntimeError):
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    # Where the ranks meet: None = spawned local workers on a free port; "tcp://host:port" = there (rank 0 hosts
-    # the store); "env://" = MASTER_ADDR / MASTER_PORT. Under torchrun (RANK / WORLD_SIZE set) the default is env://.
-    distributed_init_method: str | None = None
-    distributed_timeout_s: float = 60.0  # a step's collectives: how long a rank may wait for the others
-    distributed_startup_timeout_s: float = 600.0  # workers starting, connecting and loading their shard
-
-    OPTIONS = ("distributed_init_method", "distributed_timeout_s", "distributed_startup_timeout_s")
+    """The tensor-parallel options of an engine (EngineConfig's tensor_parallel_size and distributed_* fields,
+    validated there), plus what the launch environment says about this process's rank."""
+    tensor_parallel_size: int
+    distributed_init_method: str | None
+    distributed_timeout_s: float
+    distributed_startup_timeout_s: float
 
     @classmethod
-    def pop_from(cls, options: dict) -> "ParallelConfig":
-        """Take this config's options out of an engine's keyword options (the rest go to EngineConfig)."""
-        config = cls(**{k: options.pop(k) for k in cls.OPTIONS if k in options})
-        if config.distributed_timeout_s <= 0 or config.distributed_startup_timeout_s <= 0:
-            raise ValueError("distributed timeouts must be positive")
-        return config
+    def of(cls, config) -> "ParallelConfig":
+        return cls(config.tensor_parallel_size, config.distributed_init_method, config.distributed_timeout_s,
+                   config.distributed_startup_timeout_s)
 
     @property
     def launched_externally(self) -> bool:
@@ -206,7 +202,7 @@ def control_channel(store: dist.Store, rank: int, world: int, timeout: timedelta
 
 
 def device_group(store: dist.Store, rank: int, world: int, device: torch.device, timeout: timedelta) -> TPGroup:
-    name = distributed_backend(device.type)
+    name = platform.distributed_backend(device)
     backend = new_backend(name, dist.PrefixStore(f"{STORE_PREFIX}/device", store), rank, world, timeout)
     return TPGroup(rank, world, backend)
 

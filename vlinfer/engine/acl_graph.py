@@ -15,14 +15,18 @@ torch_npu 2.14 also ships handlers that patch these lengths automatically (torch
 npu-ops.md names them but not how they are driven, so they are not relied on: the explicit update above runs either
 way, and their presence is only logged.
 
-Nothing here has run on an NPU; tests/fake_npu_graph.py emulates the graph APIs as the note documents them.
+The backend drives the engine's NpuOps instance: its `capturing` while a graph is captured, its
+`update_graph_attention` before each replay. Nothing here has run on an NPU; tests/fake_torch_npu.py emulates the
+graph APIs as the note documents them.
 """
 import importlib.util
 import logging
 
 import torch
 
-from vlinfer.engine.graph_runner import GraphModeUnavailable
+from vlinfer.engine.graph_backend import GraphModeUnavailable
+from vlinfer.ops import ReferenceOps
+from vlinfer.ops.npu import GraphCapture, NpuOps
 
 logger = logging.getLogger("vlinfer")
 
@@ -32,8 +36,8 @@ class AclGraphBackend:
     host_lengths = True  # capture(fn, seq_lens) and replay(seq_lens) take the rows' KV lengths as a host list
     pads_to_dummy_block = True
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, ops: NpuOps):
+        self.device, self.ops = device, ops
         self.pool = None  # one memory pool shared by every bucket's graph (they never replay at once)
         self.update_stream = torch.npu.Stream(device=device)
 
@@ -43,40 +47,38 @@ class AclGraphBackend:
         return True
 
     def capture(self, fn, seq_lens: list[int]):
-        from vlinfer.ops import npu
         torch.npu.synchronize()
         graph = torch.npu.NPUGraph()
-        capture = npu.GraphCapture(seq_lens)
-        with npu.capturing(capture), torch.npu.graph(graph, pool=self.pool):
+        capture = GraphCapture(seq_lens)
+        with self.ops.capturing(capture), torch.npu.graph(graph, pool=self.pool):
             output = fn()
         if self.pool is None:
             self.pool = graph.pool()
         torch.npu.synchronize()
         if not capture.tasks:
             raise RuntimeError("no attention task was captured")
-        return _AclGraph(graph, output, capture, self.update_stream)
+        return _AclGraph(graph, output, capture, self.ops, self.update_stream)
 
 
 class _AclGraph:
-    def __init__(self, graph, output: torch.Tensor, capture, update_stream):
-        self.graph, self.output, self.capture, self.update_stream = graph, output, capture, update_stream
+    def __init__(self, graph, output: torch.Tensor, capture: GraphCapture, ops: NpuOps, update_stream):
+        self.graph, self.output, self.capture, self.ops, self.update_stream = graph, output, capture, ops, update_stream
 
     def replay(self, seq_lens: list[int]) -> torch.Tensor:
-        from vlinfer.ops import npu
         # The updates rewrite tasks of this graph: let them start after everything queued before (the previous
         # replay of the same graph included).
         self.update_stream.wait_stream(torch.npu.current_stream())
-        npu.update_graph_attention(self.capture, seq_lens, self.update_stream)
+        self.ops.update_graph_attention(self.capture, seq_lens, self.update_stream)
         self.graph.replay()
         return self.output  # the static output: read it before the next replay
 
 
-def backend(device: torch.device) -> AclGraphBackend:
-    """The ACL graph backend, or GraphModeUnavailable (logged by graph_runner.select_backend, which runs eager)."""
-    from vlinfer.ops import dispatch, npu
-    if dispatch.active.name != npu.NAME:
-        raise GraphModeUnavailable(f"the {dispatch.active.name} ops read sequence lengths on the host")
-    missing = npu.graph_features()
+def backend(device: torch.device, ops: ReferenceOps) -> AclGraphBackend:
+    """The ACL graph backend over the engine's op table, or GraphModeUnavailable (logged by
+    graph_runner.select_backend, which runs eager)."""
+    if not isinstance(ops, NpuOps):
+        raise GraphModeUnavailable(f"the {ops.name} ops read sequence lengths on the host")
+    missing = ops.graph_features()
     if missing:
         raise GraphModeUnavailable(f"this torch_npu lacks {', '.join(missing)}")
     try:
@@ -86,4 +88,4 @@ def backend(device: torch.device) -> AclGraphBackend:
     if handlers:
         logger.info("graph mode: torch_npu ships _npugraph_handlers; attention tasks are still updated explicitly "
                     "each replay (npu-ops.md §5.4 does not document how the handlers are driven)")
-    return AclGraphBackend(device)
+    return AclGraphBackend(device, ops)

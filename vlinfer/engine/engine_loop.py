@@ -1,8 +1,10 @@
 """An LLMEngine driven by one background thread, so many callers (demo tabs, server requests) share one batch.
 
 Callers submit from any thread and read their request's outputs from a queue; the loop thread is the only one
-that steps the engine. Validation and image preprocessing run in the caller's thread, outside the engine lock,
-so a slow image never stalls the batch."""
+that touches the engine's requests and steps it. Validation and image preprocessing run in the caller's thread,
+so a slow image never stalls the batch. A submit or an abort only puts the request (or its id) in an inbox under
+a lock that is never held during a step, so neither waits for the step in progress; the loop thread takes the
+inbox into the engine between steps."""
 import asyncio
 import itertools
 import logging
@@ -10,6 +12,7 @@ import queue
 import threading
 
 from vlinfer.engine.llm_engine import LLMEngine
+from vlinfer.engine.sequence import Sequence
 from vlinfer.outputs import RequestOutput
 from vlinfer.sampling_params import SamplingParams
 
@@ -55,9 +58,12 @@ class RequestStream:
 class EngineLoop:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        # Guards the streams, the two inboxes and _closed; held for a few list / dict operations, never for a step.
         self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
+        self._wakeup = threading.Condition(self._lock)
         self._streams: dict[str, RequestStream] = {}
+        self._new_seqs: list[Sequence] = []  # submitted, not yet in the engine
+        self._aborted: list[str] = []  # request ids to abort in the engine before its next step
         self._ids = itertools.count()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="vlinfer-engine-loop", daemon=True)
@@ -65,20 +71,38 @@ class EngineLoop:
 
     def submit(self, prompt, sampling_params: SamplingParams | None = None) -> RequestStream:
         """Queue a request; raises ValueError here, in the caller, when the request is bad."""
-        seq = self.engine.make_sequence(prompt, sampling_params, request_id=f"loop-{next(self._ids)}")
-        stream = RequestStream(self, seq.request_id)
-        with self._work:
-            if self._closed or not self._thread.is_alive():  # checked under the lock: close() cannot race it
-                raise RuntimeError("the engine loop is closed")
-            self._streams[seq.request_id] = stream
-            self.engine.add_sequence(seq)
-            self._work.notify()
-        return stream
+        return self.submit_sequences([self.make_sequence(prompt, sampling_params)])[0]
+
+    def make_sequence(self, prompt, sampling_params: SamplingParams | None = None) -> Sequence:
+        """Validate a request and build its Sequence without queueing it (ValueError when bad), so a caller with
+        several requests (n > 1) can check them all before any runs. Runs in the caller's thread."""
+        return self.engine.make_sequence(prompt, sampling_params, request_id=f"loop-{next(self._ids)}")
+
+    def submit_sequences(self, seqs: list[Sequence], event_loop=None) -> list[RequestStream]:
+        """Queue Sequences from make_sequence, all in one engine step's admission. With an asyncio event_loop, the
+        streams are AsyncRequestStreams read with `async for` on that loop: outputs reach them through
+        call_soon_threadsafe, so no thread blocks per request. Never waits for a step: safe on an event loop."""
+        if event_loop is not None:
+            streams = [AsyncRequestStream(self, seq.request_id, event_loop) for seq in seqs]
+        else:
+            streams = [RequestStream(self, seq.request_id) for seq in seqs]
+        with self._wakeup:
+            # Checked under the lock: a request queued after the loop thread returned would never finish.
+            if not self.is_alive():
+                raise RuntimeError("the engine loop is closed or stopped")
+            for seq, stream in zip(seqs, streams):
+                self._streams[seq.request_id] = stream
+            self._new_seqs.extend(seqs)
+            self._wakeup.notify()
+        return streams
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
+        """End a request's stream now; the engine frees its blocks before its next step. Never waits for a step."""
+        with self._wakeup:
             stream = self._streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
+            if stream is not None:
+                self._aborted.append(request_id)
+                self._wakeup.notify()
         if stream is not None:
             stream.queue.put(_DONE)
 
@@ -86,67 +110,66 @@ class EngineLoop:
         with self._lock:
             return len(self._streams)
 
-    def close(self) -> None:
-        with self._work:
-            self._closed = True
-            self._work.notify()
-        self._thread.join(timeout=10)
-        for request_id in list(self._streams):
-            self.abort(request_id)
-
-    def _run(self) -> None:
-        while True:
-            with self._work:
-                while not self._closed and not self.engine.has_unfinished_requests():
-                    self._work.wait()
-                if self._closed:
-                    return
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # an engine fault fails the running requests, not the process
-                    logger.exception("engine step failed; failing %d requests", len(self._streams))
-                    for request_id, stream in list(self._streams.items()):
-                        self.engine.abort_request(request_id)
-                        stream.queue.put(RuntimeError(f"engine step failed: {e}"))
-                    self._streams.clear()
-                    continue
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is None:
-                        continue
-                    stream.queue.put(out)
-                    if out.finished:
-                        stream.queue.put(_DONE)
-                        del self._streams[out.request_id]
-
-    # ---- for asyncio callers (the HTTP server); additive to the thread API above ----
-    def make_sequence(self, prompt, sampling_params: SamplingParams | None = None):
-        """Validate a request and build its Sequence without queueing it (ValueError when bad), so a caller with
-        several requests (n > 1) can check them all before any runs. Runs in the caller's thread."""
-        return self.engine.make_sequence(prompt, sampling_params, request_id=f"loop-{next(self._ids)}")
-
-    def submit_sequences(self, seqs: list, event_loop=None) -> list[RequestStream]:
-        """Queue Sequences from make_sequence, all in one engine step's admission (one lock acquisition, not one
-        per sequence). With an asyncio event_loop, the streams are AsyncRequestStreams read with `async for` on
-        that loop: outputs reach them through call_soon_threadsafe, so no thread blocks per request. Takes the
-        engine lock (up to one step): call it from a worker thread, not from the event loop."""
-        if event_loop is not None:
-            streams = [AsyncRequestStream(self, seq.request_id, event_loop) for seq in seqs]
-        else:
-            streams = [RequestStream(self, seq.request_id) for seq in seqs]
-        with self._work:
-            # Checked under the lock: a request queued after the loop thread returned would never finish.
-            if not self.is_alive():
-                raise RuntimeError("the engine loop is closed or stopped")
-            for seq, stream in zip(seqs, streams):
-                self._streams[seq.request_id] = stream
-                self.engine.add_sequence(seq)
-            self._work.notify()
-        return streams
-
     def is_alive(self) -> bool:
         """False once closed or once the loop thread died: a health check reports it, readers stop waiting."""
         return not self._closed and self._thread.is_alive()
+
+    def close(self) -> None:
+        with self._wakeup:
+            self._closed = True
+            self._wakeup.notify()
+        self._thread.join(timeout=10)
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            self._new_seqs, self._aborted = [], []
+        if not self._thread.is_alive():  # else a step outlived the join: the engine is still the thread's
+            for request_id in streams:
+                self.engine.abort_request(request_id)
+        for stream in streams.values():
+            stream.queue.put(_DONE)
+
+    def _take_inbox(self) -> bool:
+        """Wait for work; move submitted and aborted requests into the engine. False once closed."""
+        with self._wakeup:
+            while not (self._closed or self._new_seqs or self._aborted or self.engine.has_unfinished_requests()):
+                self._wakeup.wait()
+            if self._closed:
+                return False
+            new_seqs, self._new_seqs = self._new_seqs, []
+            aborted, self._aborted = self._aborted, []
+        for seq in new_seqs:
+            self.engine.add_sequence(seq)
+        for request_id in aborted:  # after the adds: a request aborted before it reached the engine is in it now
+            self.engine.abort_request(request_id)
+        return True
+
+    def _run(self) -> None:
+        while self._take_inbox():
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # an engine fault fails the running requests, not the process
+                with self._lock:  # requests submitted during the failed step fail with it, never reaching the engine
+                    streams, self._streams = self._streams, {}
+                    self._new_seqs = []
+                logger.exception("engine step failed; failing %d requests", len(streams))
+                for request_id, stream in streams.items():
+                    self.engine.abort_request(request_id)
+                    stream.queue.put(RuntimeError(f"engine step failed: {e}"))
+                continue
+            with self._lock:  # which streams still want outputs (an abort may have just taken one)
+                deliveries = []
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        deliveries.append((stream, out))
+                        if out.finished:
+                            del self._streams[out.request_id]
+            for stream, out in deliveries:
+                stream.queue.put(out)
+                if out.finished:
+                    stream.queue.put(_DONE)
 
 
 class _EventLoopQueue:
@@ -167,8 +190,8 @@ class _EventLoopQueue:
 
 
 class AsyncRequestStream(RequestStream):
-    """A RequestStream for asyncio code: `async for out in stream`. abort() takes the engine lock (up to one
-    step), so an event loop should call it in a worker thread (loop.run_in_executor)."""
+    """A RequestStream for asyncio code: `async for out in stream`. abort() never waits for a step, so an event
+    loop may call it directly."""
 
     LIVENESS_CHECK_S = 1.0  # how often a waiting reader checks that the loop thread is still there
 

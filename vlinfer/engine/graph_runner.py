@@ -9,8 +9,9 @@ hidden states are cut off. Logits and sampling run eager on the real rows. Prefi
 image embeddings, batches above the largest bucket and contexts longer than the captured block-table width run
 eager.
 
-How a graph is captured and replayed is a backend, picked by device type from BACKENDS: CUDA's records the forward
-with torch.cuda.CUDAGraph; the NPU's (acl_graph.py) with torch.npu.NPUGraph, re-issuing its attention tasks with each
+How a graph is captured and replayed is a backend, picked by device type from BACKENDS and given the engine's op
+table (whether its ops can be captured decides whether graphs run): CUDA's records the forward with
+torch.cuda.CUDAGraph; the NPU's (acl_graph.py) with torch.npu.NPUGraph, re-issuing its attention tasks with each
 step's host lengths before a replay (such a backend sets `host_lengths`) and padding into a dummy block. Buckets,
 buffers and padding do not depend on it otherwise, so tests run them on CPU with a backend whose "graph" re-runs the
 recorded callable on the static buffers (tests/test_graph_runner.py), or under an emulated torch_npu whose graphs
@@ -27,7 +28,11 @@ from collections import Counter
 
 import torch
 
-from vlinfer.layers import ForwardContext, forward_context
+from vlinfer.engine import acl_graph
+from vlinfer.engine.graph_backend import GraphModeUnavailable
+from vlinfer.layers.context import ForwardContext, ModelContext
+from vlinfer.ops import ReferenceOps
+from vlinfer.ops.cuda import CudaOps
 
 logger = logging.getLogger("vlinfer")
 
@@ -38,20 +43,15 @@ MAX_BUCKET = 256
 MAX_CAPTURE_LEN = 8192
 
 
-class GraphModeUnavailable(RuntimeError):
-    """This device has a graph backend, but it cannot be used here (the reason is logged)."""
-
-
 class CudaGraphBackend:
     name = "CUDA graphs"
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, ops: CudaOps):
+        self.device, self.ops = device, ops
         self.pool = None  # one memory pool shared by every bucket's graph (they never replay at once)
 
     def reads_only_used_blocks(self, block_size: int, dtype: torch.dtype) -> bool:
-        from vlinfer.ops import cuda
-        return cuda.flash_decode_applies(block_size, dtype)
+        return self.ops.flash_decode_applies(block_size, dtype)
 
     def capture(self, fn):
         torch.cuda.synchronize(self.device)
@@ -73,26 +73,21 @@ class _CudaGraph:
         return self.output  # the static output: read it before the next replay
 
 
-def _cuda_backend(device: torch.device) -> CudaGraphBackend:
+def _cuda_backend(device: torch.device, ops: ReferenceOps) -> CudaGraphBackend:
     """CUDA graphs need every op in the decode step to be free of host syncs: our CUDA ops with the Triton cache
     write (vlinfer/ops/cuda.py). The reference ops read lengths on the host (.tolist()) and cannot be captured."""
-    from vlinfer.ops import cuda, dispatch
-    if dispatch.active.name != cuda.NAME:
-        raise GraphModeUnavailable(f"the {dispatch.active.name} ops read sequence lengths on the host")
-    if cuda.features.get("cache_write") != "triton":
+    if not isinstance(ops, CudaOps):
+        raise GraphModeUnavailable(f"the {ops.name} ops read sequence lengths on the host")
+    if ops.features.get("cache_write") != "triton":
         raise GraphModeUnavailable("the KV cache write is the pure-torch reference (Triton unavailable), which "
                                    "syncs with the host")
-    return CudaGraphBackend(device)
+    return CudaGraphBackend(device, ops)
 
 
-def _npu_backend(device: torch.device):
-    from vlinfer.engine import acl_graph
-    return acl_graph.backend(device)
-
-
-# Device type -> factory(device) returning a backend with capture(fn) -> object with replay() -> hidden states.
-# A backend with host_lengths=True gets the rows' KV lengths as a host list: capture(fn, lens), replay(lens).
-BACKENDS = {"cuda": _cuda_backend, "npu": _npu_backend}
+# Device type -> factory(device, ops) returning a backend with capture(fn) -> object with replay() -> hidden states,
+# or raising GraphModeUnavailable. A backend with host_lengths=True gets the rows' KV lengths as a host list:
+# capture(fn, lens), replay(lens).
+BACKENDS = {"cuda": _cuda_backend, "npu": acl_graph.backend}
 
 
 def batch_sizes(max_num_seqs: int) -> list[int]:
@@ -102,8 +97,9 @@ def batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [top]
 
 
-def select_backend(config, device: torch.device):
-    """The graph backend for this engine, or None to run eager; logs which graph mode runs and why."""
+def select_backend(config, device: torch.device, ops: ReferenceOps):
+    """The graph backend for this engine (its op table: `ops`), or None to run eager; logs which graph mode runs
+    and why."""
     if config.enforce_eager:
         logger.info("graph mode: off (enforce_eager=True), running eager")
         return None
@@ -119,18 +115,19 @@ def select_backend(config, device: torch.device):
                     config.tensor_parallel_size)
         return None
     try:
-        return BACKENDS[device.type](device)
+        return BACKENDS[device.type](device, ops)
     except GraphModeUnavailable as e:
         logger.warning("graph mode: graphs unavailable on %s (%s), running eager", device.type, e)
         return None
 
 
 class GraphRunner:
-    """Captured decode forwards, one per bucket, over one set of static buffers sized for the largest bucket."""
+    """Captured decode forwards, one per bucket, over one set of static buffers sized for the largest bucket. The
+    model's layers read each forward's metadata from `ctx`, the engine's ModelContext."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, backend, sizes: list[int], max_blocks: int,
-                 uses_mrope: bool, dummy_block: int | None = None, block_size: int = 0):
-        self.model, self.backend, self.sizes, self.max_blocks = model, backend, sizes, max_blocks
+    def __init__(self, model: torch.nn.Module, ctx: ModelContext, device: torch.device, backend, sizes: list[int],
+                 max_blocks: int, uses_mrope: bool, dummy_block: int | None = None, block_size: int = 0):
+        self.model, self.ctx, self.backend, self.sizes, self.max_blocks = model, ctx, backend, sizes, max_blocks
         self.host_lengths = getattr(backend, "host_lengths", False)
         n = sizes[-1]
         # Padded rows write nothing (slot -1) and attend to nothing (length 0). With a dummy block (reserved by the
@@ -153,9 +150,9 @@ class GraphRunner:
         self.replays = Counter()  # bucket -> replays (tests, logs)
 
     def _forward(self, size: int) -> torch.Tensor:
-        ctx = ForwardContext(slot_mapping=self.slot_mapping[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
-                             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], decode_only=True)
-        with forward_context(ctx):
+        step = ForwardContext(slot_mapping=self.slot_mapping[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
+                              seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], decode_only=True)
+        with self.ctx.stepping(step):
             return self.model(self.input_ids[:size], self.positions[..., :size])
 
     @torch.inference_mode()

@@ -13,6 +13,7 @@ from vlinfer.distributed import ParallelConfig, TPDriver
 from vlinfer.engine.model_runner import ModelRunner, load_model
 from vlinfer.engine.scheduler import Scheduler
 from vlinfer.engine.sequence import Sequence
+from vlinfer.layers import ModelContext
 from vlinfer.layers.distributed import SINGLE
 from vlinfer.models import get_model_class
 from vlinfer.outputs import CompletionOutput, RequestOutput
@@ -41,9 +42,8 @@ def check_tensor_parallel_shapes(text_config, tp: int) -> None:
 
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
-        parallel = ParallelConfig.pop_from(kwargs)
         config = EngineConfig(model=model, **kwargs)
-        parallel.tensor_parallel_size = config.tensor_parallel_size
+        parallel = ParallelConfig.of(config)
         if parallel.launched_externally and parallel.rank != 0:
             # torchrun (or similar) started this script on every rank: rank 0 runs the engine, this rank serves
             # it, then the process ends with the engine. Code after LLM(...) runs on rank 0 only.
@@ -66,7 +66,7 @@ class LLMEngine:
     def _init(self, config: EngineConfig) -> None:
         self.hf_config = model_loader.load_config(self.source)
         self.tokenizer = model_loader.load_tokenizer(self.source)
-        self.dtype = platform.resolve_dtype(config.dtype, self.hf_config)
+        self.dtype = platform.resolve_dtype(config.dtype, self.hf_config, self.device)
         self.text_config = self.hf_config.get_text_config()  # the decoder's config, nested in multimodal ones
         model_len = getattr(self.text_config, "max_position_embeddings", None) or 4096
         if config.max_model_len is not None and config.max_model_len > model_len:
@@ -96,22 +96,24 @@ class LLMEngine:
             self.driver.start_workers({"source": self.source, "hf_config": self.hf_config, "config": config,
                                        "dtype": self.dtype, "device_type": self.device.type})
             group = self.driver.group
-        net = load_model(self.source, self.hf_config, self.device, self.dtype, group)
+        # This engine's own op table and step state: another engine in the process never sees them.
+        self.model_context = ModelContext(ops.select(self.device.type, forced=config.ops), group)
+        net = load_model(self.source, self.hf_config, self.device, self.dtype, self.model_context)
         if self.driver is not None:
             self.driver.wait_ready()
         logger.info("loaded %s (%s) on %s in %s in %.1fs%s", self.source.name, type(net).__name__, self.device,
                     self.dtype, time.perf_counter() - start,
                     f", tensor parallel over {group.size} ranks" if group.size > 1 else "")
         self.eos_token_ids = self._eos_token_ids()
-        self.ops_implementation = ops.select(self.device.type)
+        self.ops_implementation = self.model_context.ops.name
         self.is_multimodal = hasattr(net, "encode_images")
         self.input_processor = None
         if self.is_multimodal:
             from vlinfer.multimodal import Qwen3VLInputProcessor
             self.input_processor = Qwen3VLInputProcessor(self.hf_config, self.tokenizer, self.source.folder,
                                                          self.device, config.allow_image_urls)
-        self.model_runner = ModelRunner(config, self.hf_config, net, self.device, self.dtype, self.eos_token_ids,
-                                        self.driver)
+        self.model_runner = ModelRunner(config, self.hf_config, net, self.model_context, self.device, self.dtype,
+                                        self.eos_token_ids, self.driver)
         num_blocks = self.model_runner.num_blocks_for_budget(self.max_model_len)
         self.model_runner.allocate_kv_cache(num_blocks)
         self.model_runner.capture_graphs(self.max_model_len)

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from vlinfer import model_loader, ops, platform
+from vlinfer import model_loader, platform
 from vlinfer.config import EngineConfig
 from vlinfer.engine import graph_runner
 from vlinfer.engine.encoder_cache import EncoderCache
 from vlinfer.engine.scheduler import SchedulerOutput
 from vlinfer.engine.sequence import Sequence
-from vlinfer.layers import Attention, ForwardContext, forward_context, sample
-from vlinfer.layers.distributed import SINGLE, TPGroup, use_tp_group
+from vlinfer.layers import Attention, ForwardContext, ModelContext, ParallelLMHead, VocabParallelEmbedding, sample
+from vlinfer.layers.linear import LinearBase
 from vlinfer.models import get_model_class
 
 logger = logging.getLogger("vlinfer")
@@ -27,26 +27,47 @@ CPU_DEFAULT_MEMORY_UTILIZATION = 0.4  # of the RAM still free after the weights 
 ACCELERATOR_DEFAULT_MEMORY_UTILIZATION = 0.9  # of the device's total memory
 
 
-def load_model(source, hf_config, device: torch.device, dtype: torch.dtype, group: TPGroup = SINGLE):
-    """Build the model for `group`'s rank (its shard of every split layer) and load that shard: split weights are
-    read lazily, only the rank's rows or columns of each (model_loader.CheckpointSlice)."""
+def load_model(source, hf_config, device: torch.device, dtype: torch.dtype, ctx: ModelContext):
+    """Build the model on ctx's op table for ctx.tp's rank (its shard of every split layer) and load that shard:
+    split weights are read lazily, only the rank's rows or columns of each (model_loader.CheckpointSlice)."""
     model_cls = get_model_class(hf_config)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with use_tp_group(group), torch.device(device):
-            net = model_cls(hf_config).eval()
+        with torch.device(device):
+            net = model_cls(hf_config, ctx).eval()
     finally:
         torch.set_default_dtype(default_dtype)
     weights = model_loader.iterate_weights(source, hf_config, lazy=True)
     read_before = model_loader.checkpoint_bytes_read
-    with use_tp_group(group):
-        if hasattr(net, "load_weights"):  # models with more than one tower route their own tensors
-            net.load_weights(weights)
-        else:
-            model_loader.load_weights(net, weights)
+    if hasattr(net, "load_weights"):  # models with more than one tower route their own tensors
+        net.load_weights(weights)
+    else:
+        model_loader.load_weights(net, weights)
     net.checkpoint_bytes_read = model_loader.checkpoint_bytes_read - read_before  # reported by describe()
     return net
+
+
+def pack_weights(model: torch.nn.Module) -> None:
+    """Give every linear layer and LM head the weight layout its op table prefers, once after loading; logged either
+    way, so a model left on plain weights says so."""
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    embeddings = [m.weight for m in model.modules()
+                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
+    packed = sum(layer.pack_weight() for layer in linears)
+    for head in (m for m in model.modules() if isinstance(m, ParallelLMHead)):
+        tied = any(head.weight is w for w in embeddings)
+        if head.pack_weight(tied) and tied:
+            logger.info("LM head tied to the embedding: a packed copy for the logits matmul (+%.0f MiB)",
+                        head.weight.numel() * head.weight.element_size() / 2 ** 20)
+    if linears:
+        dtype = linears[0].weight.dtype
+        if packed:
+            logger.info("%d of %d linear weights packed for %s (%s)", packed, len(linears), linears[0].ops.name,
+                        dtype)
+        else:
+            logger.info("linear layers keep plain %s weights (%s has no packed layout for them here)", dtype,
+                        linears[0].ops.name)
 
 
 @dataclass
@@ -66,13 +87,14 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, model: torch.nn.Module, device: torch.device,
-                 dtype: torch.dtype, eos_token_ids: set[int], driver=None):
+    def __init__(self, config: EngineConfig, hf_config, model: torch.nn.Module, ctx: ModelContext,
+                 device: torch.device, dtype: torch.dtype, eos_token_ids: set[int], driver=None):
         self.config = config
         self.driver = driver  # rank 0 of a tensor-parallel engine: sends each step to the workers
         self.hf_config = hf_config
-        ops.prepare_weights(model)  # the selected kernels' weight layout (e.g. oneDNN-packed linears on CPU)
+        self.ctx = ctx  # the model's op table, tensor-parallel group and step metadata: this runner's alone
         self.model = model
+        pack_weights(model)  # the op table's weight layout (e.g. oneDNN-packed linears on CPU)
         self.device = device
         self.dtype = dtype
         self.block_size = config.kvcache_block_size
@@ -85,7 +107,7 @@ class ModelRunner:
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         # Decode steps replay captured graphs once capture_graphs() has run (after the KV pool exists); None: eager.
-        self.graph_backend = graph_runner.select_backend(config, device)
+        self.graph_backend = graph_runner.select_backend(config, device, ctx.ops)
         self.graphs: graph_runner.GraphRunner | None = None
         # Blocks past those the block manager hands out, where padded graph rows write (NPU: no -1 slots); the pool
         # budget covers them.
@@ -155,7 +177,7 @@ class ModelRunner:
             return
         sizes = graph_runner.batch_sizes(self.config.max_num_seqs)
         width = graph_runner.blocks_for(self.graph_backend, max_model_len, self.block_size, self.dtype)
-        graphs = graph_runner.GraphRunner(self.model, self.device, self.graph_backend, sizes, width, self.uses_mrope,
+        graphs = graph_runner.GraphRunner(self.model, self.ctx, self.device, self.graph_backend, sizes, width, self.uses_mrope,
                                           self.dummy_block, self.block_size)
         try:
             graphs.capture()
@@ -261,7 +283,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(inputs):
             hidden_states = self.graphs.run(inputs)
         else:
-            ctx = ForwardContext(
+            step = ForwardContext(
                 slot_mapping=inputs.slot_mapping.to(dev),
                 cu_seqlens_q=inputs.cu_seqlens_q.to(dev),
                 seq_lens=inputs.seq_lens.to(dev),
@@ -269,7 +291,7 @@ class ModelRunner:
                 decode_only=inputs.decode_only,
             )
             mm_inputs = {k: v.to(dev) for k, v in inputs.mm_inputs.items()}
-            with forward_context(ctx):
+            with self.ctx.stepping(step):
                 hidden_states = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), **mm_inputs)
         if not inputs.compute_logits:
             return None

@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch
 
 from vlinfer import ops
+from vlinfer.config import EngineConfig
 from vlinfer.distributed.comm import (IDLE_TIMEOUT, ParallelConfig, connect_store, control_channel, device_group,
                                       rank_device)
 
@@ -61,10 +62,11 @@ def serve(url: str, rank: int, world: int, local_rank: int, parallel: ParallelCo
 
 def _build(init: dict, device: torch.device, group):
     from vlinfer.engine.model_runner import ModelRunner, load_model
+    from vlinfer.layers import ModelContext
     config = init["config"]
-    model = load_model(init["source"], init["hf_config"], device, init["dtype"], group)
-    ops.select(device.type)
-    return ModelRunner(config, init["hf_config"], model, device, init["dtype"], set())
+    ctx = ModelContext(ops.select(device.type, forced=config.ops), group)
+    model = load_model(init["source"], init["hf_config"], device, init["dtype"], ctx)
+    return ModelRunner(config, init["hf_config"], model, ctx, device, init["dtype"], set())
 
 
 def _loop(channel, runner, rank: int) -> None:
@@ -151,7 +153,7 @@ def main(argv=None) -> None:
     parser.add_argument("--world-size", type=int, default=None, help="= tensor_parallel_size (default: $WORLD_SIZE)")
     parser.add_argument("--local-rank", type=int, default=None, help="accelerator index on this node "
                         "(default: $LOCAL_RANK, else the rank)")
-    parser.add_argument("--timeout", type=float, default=ParallelConfig.distributed_timeout_s,
+    parser.add_argument("--timeout", type=float, default=EngineConfig.distributed_timeout_s,
                         help="seconds a step's collective may wait (match rank 0's distributed_timeout_s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -160,7 +162,9 @@ def main(argv=None) -> None:
     local_rank = args.local_rank if args.local_rank is not None else int(os.environ.get("LOCAL_RANK", rank))
     if rank == 0:
         parser.error("rank 0 runs the engine (LLM(..., tensor_parallel_size=N)), not this worker")
-    parallel = ParallelConfig(world, args.init_method, args.timeout)
+    if not 0 < args.timeout < float("inf"):
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    parallel = ParallelConfig(world, args.init_method, args.timeout, EngineConfig.distributed_startup_timeout_s)
     _serve_then_exit(args.init_method or "env://", rank, world, local_rank, parallel)
 
 

@@ -1,9 +1,13 @@
 import torch
 from torch import nn
 
-from vlinfer import ops
+from vlinfer.layers.context import ModelContext
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self, ctx: ModelContext):
+        super().__init__()
+        self.ops = ctx.ops
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.silu_and_mul(x)
+        return self.ops.silu_and_mul(x)

@@ -1,8 +1,13 @@
-"""Per-step attention metadata, set by the model runner for the duration of one forward and cleared after."""
+"""What the layers of one engine share: its op table, its tensor-parallel group and the current step's attention
+metadata. The model runner owns one ModelContext and passes it to every layer it builds; nothing here is global,
+so two engines in one process (or in two threads) never see each other's ops or steps."""
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from vlinfer.layers.distributed import SINGLE, TPGroup
+from vlinfer.ops import ReferenceOps
 
 
 @dataclass
@@ -14,19 +19,22 @@ class ForwardContext:
     decode_only: bool = False
 
 
-_context: ForwardContext | None = None
+@dataclass(eq=False)
+class ModelContext:
+    ops: ReferenceOps
+    tp: TPGroup = SINGLE
+    step: ForwardContext | None = None  # set by the model runner for the duration of one forward
 
+    def forward_context(self) -> ForwardContext:
+        assert self.step is not None, "attention called outside a model runner step"
+        return self.step
 
-def get_forward_context() -> ForwardContext:
-    assert _context is not None, "attention called outside a model runner step"
-    return _context
-
-
-@contextmanager
-def forward_context(ctx: ForwardContext):
-    global _context
-    _context = ctx
-    try:
-        yield ctx
-    finally:
-        _context = None
+    @contextmanager
+    def stepping(self, step: ForwardContext):
+        """Make `step` the metadata attention reads while one forward runs; cleared after, even on error."""
+        assert self.step is None, "a step is already running on this model (one forward at a time per engine)"
+        self.step = step
+        try:
+            yield step
+        finally:
+            self.step = None

@@ -1,13 +1,10 @@
 """Tensor-parallel rank, size and collectives, as one small TPGroup object per engine.
 
-A layer captures the group that is current when it is built (`use_tp_group` around model construction) and runs
-its collectives on that group, so two engines in one process never share one: each has its own process group.
-That rules out torch.distributed's global default group (one per process), so an engine's groups are built
-directly from a backend class and a store ("stateless" groups, as vLLM builds its extra groups); the default
-group is still honoured when a caller initialized one and built a model outside any `use_tp_group`.
-Without either, the model runs whole on one device."""
-import threading
-from contextlib import contextmanager
+A layer gets its engine's group with the rest of its ModelContext when it is built and runs its collectives on
+that group, so two engines in one process never share one: each has its own process group. That rules out
+torch.distributed's global default group (one per process), so an engine's groups are built directly from a
+backend class and a store ("stateless" groups, as vLLM builds its extra groups). SINGLE: the model runs whole on
+one device."""
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -15,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class TPGroup:
     rank: int
     size: int
@@ -38,39 +35,6 @@ class TPGroup:
 
 
 SINGLE = TPGroup(0, 1)
-_current = threading.local()
-
-
-def tp_group() -> TPGroup:
-    group = getattr(_current, "group", None)
-    if group is not None:
-        return group
-    if dist.is_initialized() and dist.get_world_size() > 1:  # a caller's own init_process_group
-        return TPGroup(dist.get_rank(), dist.get_world_size(), dist.distributed_c10d._get_default_group())
-    return SINGLE
-
-
-@contextmanager
-def use_tp_group(group: TPGroup):
-    """Make `group` current in this thread while a model is built or loaded."""
-    previous = getattr(_current, "group", None)
-    _current.group = group
-    try:
-        yield group
-    finally:
-        _current.group = previous
-
-
-def tp_rank() -> int:
-    return tp_group().rank
-
-
-def tp_size() -> int:
-    return tp_group().size
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    return tp_group().all_reduce(x)
 
 
 def divide(numerator: int, denominator: int) -> int:

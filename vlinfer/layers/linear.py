@@ -6,8 +6,8 @@ columns asked for from the file, so a rank never reads more than its shard of a 
 import torch
 from torch import nn
 
-from vlinfer import ops
-from vlinfer.layers.distributed import divide, tp_group
+from vlinfer.layers.context import ModelContext
+from vlinfer.layers.distributed import divide
 
 
 def as_tensor(loaded) -> torch.Tensor:
@@ -24,9 +24,10 @@ def default_weight_loader(param: nn.Parameter, loaded) -> None:
 class LinearBase(nn.Module):
     """output_size and input_size are this rank's (already divided) sizes."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None):
+    def __init__(self, ctx: ModelContext, input_size: int, output_size: int, bias: bool, shard_dim: int | None):
         super().__init__()
-        self.tp = tp_group()  # the engine's group, captured at build time: collectives and shards follow it
+        self.ops = ctx.ops
+        self.tp = ctx.tp  # the engine's group: collectives and shards follow it
         self.shard_dim = shard_dim  # 0: output features are split across ranks, 1: input features, None: whole
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -42,27 +43,35 @@ class LinearBase(nn.Module):
             loaded = loaded.narrow(self.shard_dim, self.tp.rank * size, size)
         default_weight_loader(param, loaded)
 
+    def pack_weight(self) -> bool:
+        """Replace the weight by the op table's preferred layout, once, after loading; False when it has none."""
+        packed = self.ops.pack_linear_weight(self.weight)
+        if packed is None:
+            return False
+        self.weight = nn.Parameter(packed, requires_grad=False)  # the plain weight is freed with the old one
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, None)
+    def __init__(self, ctx: ModelContext, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(ctx, input_size, output_size, bias, None)
 
 
 class ColumnParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, divide(output_size, tp_group().size), bias, 0)
+    def __init__(self, ctx: ModelContext, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(ctx, input_size, divide(output_size, ctx.tp.size), bias, 0)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matmul, e.g. gate and up: each rank holds
     its slice of each, side by side ([gate_r | up_r]), so the activation splits the local output in half."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, ctx: ModelContext, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(ctx, input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
         world = self.tp.size
@@ -81,8 +90,9 @@ class QKVParallelLinear(LinearBase):
     replicated on tp / num_kv_heads ranks: rank r's query heads [r*h/tp, (r+1)*h/tp) all belong to KV group
     r*kv//tp exactly when tp is a multiple of kv."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        tp = tp_group()
+    def __init__(self, ctx: ModelContext, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False):
+        tp = ctx.tp
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp.size)
         if num_kv_heads >= tp.size:
@@ -93,7 +103,7 @@ class QKVParallelLinear(LinearBase):
                 f"tensor parallel size {tp.size} must be a multiple of num_key_value_heads={num_kv_heads}"
             self.num_kv_heads = 1
             self.kv_head_start = tp.rank * num_kv_heads // tp.size
-        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, 0)
+        super().__init__(ctx, hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, 0)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim
@@ -107,8 +117,8 @@ class QKVParallelLinear(LinearBase):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed. The bias is added once, on rank 0."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(divide(input_size, tp_group().size), output_size, bias, 1)
+    def __init__(self, ctx: ModelContext, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(ctx, divide(input_size, ctx.tp.size), output_size, bias, 1)
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         if param is self.bias:  # whole on every rank (used on rank 0 only)
@@ -117,5 +127,5 @@ class RowParallelLinear(LinearBase):
             super().weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        y = self.ops.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(y)

@@ -5,12 +5,20 @@ top-k, top-p, min-p. Randomness comes from each sequence's own generator, so a s
 tokens whatever else shares its batch."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from vlinfer.engine.sequence import Sequence
+from vlinfer.sampling_params import SamplingParams
+
+
+class Sequence(Protocol):
+    """What sampling reads of a sequence (vlinfer.engine.sequence.Sequence has it): layers do not import the
+    engine."""
+    sampling_params: SamplingParams
+    token_ids: list[int]
+    output_token_ids: list[int]
+    num_output_tokens: int
 
 
 def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:

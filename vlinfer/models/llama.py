@@ -2,25 +2,25 @@
 import torch
 from torch import nn
 
-from vlinfer import ops
-from vlinfer.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                            RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
+from vlinfer.layers import (Attention, MergedColumnParallelLinear, ModelContext, ParallelLMHead, QKVParallelLinear,
+                            RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, qk_norm: bool = False):
+    def __init__(self, ctx: ModelContext, config, qk_norm: bool = False):
         super().__init__()
+        self.ops = ctx.ops
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+        self.qkv_proj = QKVParallelLinear(ctx, config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=bias)
         # This rank's heads: query heads split evenly; KV heads split, or one replicated when fewer than ranks.
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.o_proj = RowParallelLinear(ctx, config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.attn = Attention(ctx, self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         if qk_norm:  # Qwen3: RMSNorm over each head's q and k before rotary
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(ctx, self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(ctx, self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -33,30 +33,30 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.apply_rotary(q, k, *rope)
+        q, k = self.ops.apply_rotary(q, k, *rope)
         return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, ctx: ModelContext, config):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(ctx, config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(ctx, config.intermediate_size, config.hidden_size, bias=bias)
         assert config.hidden_act == "silu", f"unsupported activation {config.hidden_act}"
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qk_norm: bool = False):
+    def __init__(self, ctx: ModelContext, config, qk_norm: bool = False):
         super().__init__()
-        self.self_attn = LlamaAttention(config, qk_norm)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(ctx, config, qk_norm)
+        self.mlp = LlamaMLP(ctx, config)
+        self.input_layernorm = RMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope, hidden_states, residual):
         if residual is None:
@@ -70,13 +70,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qk_norm: bool = False, rotary_emb: nn.Module | None = None):
+    def __init__(self, ctx: ModelContext, config, qk_norm: bool = False, rotary_emb: nn.Module | None = None):
         super().__init__()
         # One rotary for all layers: its cos/sin are computed once per step and shared.
         self.rotary_emb = rotary_emb or RotaryEmbedding(config, config.max_position_embeddings)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = VocabParallelEmbedding(ctx, config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(ctx, config, qk_norm) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,11 +100,11 @@ class LlamaForCausalLM(nn.Module):
     }
     qk_norm = False
 
-    def __init__(self, config):
+    def __init__(self, config, ctx: ModelContext):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.qk_norm)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.model = LlamaModel(ctx, config, self.qk_norm)
+        self.lm_head = ParallelLMHead(ctx, config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from vlinfer import model_loader
-from vlinfer.layers import ParallelLMHead, rope_inv_freq
-from vlinfer.layers.distributed import tp_rank
+from vlinfer.layers import ModelContext, ParallelLMHead, rope_inv_freq
 from vlinfer.layers.linear import as_tensor
 from vlinfer.models.llama import LlamaForCausalLM, LlamaModel
 from vlinfer.models.qwen3_vl_vision import Qwen3VLVisionModel, split_image_embeds
@@ -46,8 +45,8 @@ class MRotaryEmbedding(nn.Module):
 class Qwen3VLTextModel(LlamaModel):
     """The Qwen3 decoder (qk_norm) with interleaved multimodal rotary and DeepStack injection after early layers."""
 
-    def __init__(self, config):
-        super().__init__(config, qk_norm=True, rotary_emb=MRotaryEmbedding(config))
+    def __init__(self, ctx: ModelContext, config):
+        super().__init__(ctx, config, qk_norm=True, rotary_emb=MRotaryEmbedding(config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
                 visual_mask: torch.Tensor | None = None, deepstack_embeds=None) -> torch.Tensor:
@@ -78,10 +77,10 @@ class Qwen3VLModel(nn.Module):
     encodes each image once (encoder cache) and sends the rows of image embeddings and DeepStack features a step
     needs with that step's inputs (vlinfer/engine/model_runner.py), so the other ranks neither build nor read it."""
 
-    def __init__(self, config):
+    def __init__(self, ctx: ModelContext, config):
         super().__init__()
-        self.visual = Qwen3VLVisionModel(config.vision_config) if tp_rank() == 0 else None
-        self.language_model = Qwen3VLTextModel(config.text_config)
+        self.visual = Qwen3VLVisionModel(config.vision_config, ctx) if ctx.tp.rank == 0 else None
+        self.language_model = Qwen3VLTextModel(ctx, config.text_config)
 
 
 class _TextWeights(nn.Module):
@@ -100,12 +99,12 @@ class Qwen3VLForConditionalGeneration(nn.Module):
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     uses_mrope = True
 
-    def __init__(self, config):
+    def __init__(self, config, ctx: ModelContext):
         super().__init__()
         self.config = config
         text = config.text_config
-        self.model = Qwen3VLModel(config)
-        self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size)
+        self.model = Qwen3VLModel(ctx, config)
+        self.lm_head = ParallelLMHead(ctx, text.vocab_size, text.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
         self.spatial_merge_size = config.vision_config.spatial_merge_size

@@ -12,14 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlinfer.layers import ReplicatedLinear
-from vlinfer.ops import apply_rotary, gelu_tanh, varlen_attention
+from vlinfer.layers import ModelContext, ReplicatedLinear
 
 
-def _act(name: str):
+def _act(ctx: ModelContext, name: str):
     # Qwen3-VL ships gelu_pytorch_tanh; the others are here so a config typo fails loudly rather than silently.
     if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
-        return gelu_tanh  # may overwrite its input: the fc1 output, used nowhere else
+        return ctx.ops.gelu_tanh  # may overwrite its input: the fc1 output, used nowhere else
     if name == "gelu":
         return F.gelu
     if name == "silu":
@@ -75,49 +74,50 @@ class Qwen3VLVisionPatchEmbed(nn.Module):
     """Conv3d with kernel == stride is a matmul over the flattened patch; the checkpoint's 5-D conv weight is
     flattened on load (same C, T, P, P element order as the processor's flattening)."""
 
-    def __init__(self, in_dim: int, embed_dim: int):
+    def __init__(self, ctx: ModelContext, in_dim: int, embed_dim: int):
         super().__init__()
-        self.proj = ReplicatedLinear(in_dim, embed_dim, bias=True)
+        self.proj = ReplicatedLinear(ctx, in_dim, embed_dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x.to(self.proj.weight.dtype))
 
 
 class Qwen3VLVisionAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int):
+    def __init__(self, ctx: ModelContext, dim: int, num_heads: int):
         super().__init__()
+        self.ops = ctx.ops
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.scale = self.head_dim ** -0.5
-        self.qkv = ReplicatedLinear(dim, dim * 3, bias=True)
-        self.proj = ReplicatedLinear(dim, dim, bias=True)
+        self.qkv = ReplicatedLinear(ctx, dim, dim * 3, bias=True)
+        self.proj = ReplicatedLinear(ctx, dim, dim, bias=True)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # qkv output is laid out [3, heads, head_dim] per token.
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = apply_rotary(q, k, cos, sin)
-        o = varlen_attention(q, k, v, cu_seqlens, self.scale)
+        q, k = self.ops.apply_rotary(q, k, cos, sin)
+        o = self.ops.varlen_attention(q, k, v, cu_seqlens, self.scale)
         return self.proj(o.reshape(x.shape[0], -1))
 
 
 class Qwen3VLVisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str):
+    def __init__(self, ctx: ModelContext, dim: int, hidden: int, act: str):
         super().__init__()
-        self.linear_fc1 = ReplicatedLinear(dim, hidden, bias=True)
-        self.linear_fc2 = ReplicatedLinear(hidden, dim, bias=True)
-        self.act = _act(act)
+        self.linear_fc1 = ReplicatedLinear(ctx, dim, hidden, bias=True)
+        self.linear_fc2 = ReplicatedLinear(ctx, hidden, dim, bias=True)
+        self.act = _act(ctx, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class Qwen3VLVisionBlock(nn.Module):
-    def __init__(self, config):
+    def __init__(self, ctx: ModelContext, config):
         super().__init__()
         self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
         self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
-        self.attn = Qwen3VLVisionAttention(config.hidden_size, config.num_heads)
-        self.mlp = Qwen3VLVisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.attn = Qwen3VLVisionAttention(ctx, config.hidden_size, config.num_heads)
+        self.mlp = Qwen3VLVisionMLP(ctx, config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def forward(self, x, cu_seqlens, cos, sin):
         x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
@@ -130,13 +130,13 @@ class Qwen3VLVisionPatchMerger(nn.Module):
     The final merger normalizes per patch before the concat; the DeepStack mergers (postshuffle) normalize the
     concatenated vector."""
 
-    def __init__(self, config, postshuffle_norm: bool):
+    def __init__(self, ctx: ModelContext, config, postshuffle_norm: bool):
         super().__init__()
         self.merged_dim = config.hidden_size * config.spatial_merge_size ** 2
         self.postshuffle_norm = postshuffle_norm
         self.norm = nn.LayerNorm(self.merged_dim if postshuffle_norm else config.hidden_size, eps=1e-6)
-        self.linear_fc1 = ReplicatedLinear(self.merged_dim, self.merged_dim, bias=True)
-        self.linear_fc2 = ReplicatedLinear(self.merged_dim, config.out_hidden_size, bias=True)
+        self.linear_fc1 = ReplicatedLinear(ctx, self.merged_dim, self.merged_dim, bias=True)
+        self.linear_fc2 = ReplicatedLinear(ctx, self.merged_dim, config.out_hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.postshuffle_norm:
@@ -148,7 +148,7 @@ class Qwen3VLVisionPatchMerger(nn.Module):
 
 
 class Qwen3VLVisionModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, ctx: ModelContext):
         super().__init__()
         config = getattr(config, "vision_config", config)
         self.config = config
@@ -160,7 +160,7 @@ class Qwen3VLVisionModel(nn.Module):
         self.deepstack_visual_indexes = list(config.deepstack_visual_indexes)
 
         patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
-        self.patch_embed = Qwen3VLVisionPatchEmbed(patch_dim, config.hidden_size)
+        self.patch_embed = Qwen3VLVisionPatchEmbed(ctx, patch_dim, config.hidden_size)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.num_grid_per_side = int(config.num_position_embeddings ** 0.5)
 
@@ -173,10 +173,10 @@ class Qwen3VLVisionModel(nn.Module):
         # from_pretrained(dtype=bf16) keeps them float32 (explicit dtype at construction). Moved to device lazily.
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float) / spatial_dim))
 
-        self.blocks = nn.ModuleList([Qwen3VLVisionBlock(config) for _ in range(config.depth)])
-        self.merger = Qwen3VLVisionPatchMerger(config, postshuffle_norm=False)
+        self.blocks = nn.ModuleList([Qwen3VLVisionBlock(ctx, config) for _ in range(config.depth)])
+        self.merger = Qwen3VLVisionPatchMerger(ctx, config, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(
-            [Qwen3VLVisionPatchMerger(config, postshuffle_norm=True) for _ in self.deepstack_visual_indexes])
+            [Qwen3VLVisionPatchMerger(ctx, config, postshuffle_norm=True) for _ in self.deepstack_visual_indexes])
 
     @property
     def dtype(self) -> torch.dtype:

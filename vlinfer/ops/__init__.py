@@ -1,7 +1,6 @@
-"""The op interface layers call. `dispatch.select(device)` installs a device implementation at engine start-up;
-reference.py is the pure-torch definition of every op (and the implementation when no kernel applies)."""
-from vlinfer.ops.dispatch import (add_rms_norm, apply_rotary, gelu_tanh, linear, paged_attention, prepare_weights,
-                                  rms_norm, select, silu_and_mul, store_kvcache, varlen_attention)
+"""Ops: what layers compute, one implementation per device. `select(device_type)` returns a new op table (an
+instance of reference.ReferenceOps or a device subclass) that one engine owns; reference.py defines every op."""
+from vlinfer.ops.dispatch import IMPLEMENTATIONS, OPS, select
+from vlinfer.ops.reference import ReferenceOps
 
-__all__ = ["add_rms_norm", "apply_rotary", "gelu_tanh", "linear", "paged_attention", "prepare_weights", "rms_norm",
-           "select", "silu_and_mul", "store_kvcache", "varlen_attention"]
+__all__ = ["IMPLEMENTATIONS", "OPS", "ReferenceOps", "select"]

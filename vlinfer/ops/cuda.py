@@ -5,7 +5,7 @@ norms and SwiGLU stay on the pure-torch reference, which on CUDA is a handful of
 - Block size: flash_attn's paged KV cache (`block_table`) needs a page block size that is a multiple of 256 (its
   documented constraint for flash_attn_with_kvcache and the paged flash_attn_varlen_func, flash-attn 2.x).
   platform.default_block_size picks 256 on CUDA when flash_attn is installed; with another block size, or a float32
-  model (flash_attn takes fp16/bf16), attention runs the SDPA path instead, logged once.
+  model (flash_attn takes fp16/bf16), attention runs the SDPA path instead, logged once per engine.
 - Graph safety: a decode-only batch is recognised from shapes alone (T == B: every sequence brings one token, none
   brings zero), and its attention takes no device->host sync and no data-dependent shape: flash_attn_with_kvcache
   with cache_seqlens and the block table, or a matmul over the block table's whole width masked by seq_lens. With
@@ -15,7 +15,7 @@ norms and SwiGLU stay on the pure-torch reference, which on CUDA is a handful of
 
 Run on a GPU once (an H200, 2026-11-29, torch 2.11, Triton 3.6, no flash_attn: the Triton cache write, SDPA and
 the sync-free matmul decode, with CUDA graphs): the engine tests pass there (bench/cuda_check.sh). The flash_attn
-calls have not met a real flash_attn yet. tests/test_cuda_ops.py runs this file on CPU tensors with the Triton
+calls have not met a real flash_attn yet. tests/test_cuda_ops.py runs CudaOps on CPU tensors with the Triton
 kernel under the Triton interpreter and an emulated flash_attn (tests/fake_flash_attn.py).
 """
 import importlib.util
@@ -26,6 +26,7 @@ import torch
 
 from vlinfer.ops import reference
 from vlinfer.ops.per_step import PerStep
+from vlinfer.ops.reference import ReferenceOps
 
 logger = logging.getLogger("vlinfer")
 NAME = "cuda"
@@ -34,53 +35,156 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_BLOCK_MULTIPLE = 256  # flash_attn's paged KV: page_block_size % 256 == 0
 KERNEL_SOURCE = os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "triton", "store_kvcache.py")
 
-# What load() found: "cache_write" ("triton" or "reference") and "attention" ("flash_attn" or "sdpa").
-features: dict = {}
-_triton_store = None
-_flash = None
-_warned: set = set()
 
+class CudaOps(ReferenceOps):
+    """The CUDA op table of one engine: the cache write, paged and vision attention overridden, the rest inherited
+    from the reference. Everything loading found (the Triton kernel, flash_attn, warnings given, per-step host
+    metadata) is this instance's."""
+    name = NAME
 
-def load(device_type: str = "cuda"):
-    """Load the Triton cache write and flash_attn, each checked on a tiny problem against the reference. Raises on
-    a device these ops cannot serve; a missing or broken Triton or flash_attn is logged, not raised."""
-    global _triton_store, _flash
-    if device_type not in ("cuda", "cpu"):  # CPU tensors only for tests (VLINFER_OPS=cuda)
-        raise RuntimeError(f"the CUDA ops run on CUDA devices (or CPU tensors, for tests), not on {device_type!r}")
-    features.clear()
-    _warned.clear()
-    _step.reset()
-    _triton_store = _flash = None
-    device = torch.device(device_type)
+    def __init__(self, device_type: str = "cuda"):
+        """Load the Triton cache write and flash_attn, each checked on a tiny problem against the reference. Raises
+        on a device these ops cannot serve; a missing or broken Triton or flash_attn is logged, not raised."""
+        if device_type not in ("cuda", "cpu"):  # CPU tensors only for tests (VLINFER_OPS=cuda)
+            raise RuntimeError(f"the CUDA ops run on CUDA devices (or CPU tensors, for tests), not on {device_type!r}")
+        super().__init__(device_type)
+        # What loading found: "cache_write" ("triton" or "reference") and "attention" ("flash_attn" or "sdpa").
+        self.features: dict = {}
+        self._triton_store = None
+        self._flash = None
+        self._warned: set = set()  # reasons already logged, once per engine
+        self._step, self._varlen_step = PerStep(), PerStep()  # per-step host metadata, see _paged_meta
+        device = torch.device(device_type)
 
-    try:
-        store = load_triton_kernel().store_kvcache
-        _check_cache_write(store, device)
-        _triton_store = store
-        features["cache_write"] = "triton"
-    except Exception as e:  # triton not installed, no driver / ptxas, a kernel that compiles wrong, ...
-        features["cache_write"] = "reference"
-        logger.warning("ops[cuda]: Triton KV cache write unavailable (%s); writing the cache with the pure-torch "
-                       "reference, which syncs with the host, so decode steps cannot run in CUDA graphs",
-                       _reason(e))
+        try:
+            store = load_triton_kernel().store_kvcache
+            _check_cache_write(store, device)
+            self._triton_store = store
+            self.features["cache_write"] = "triton"
+        except Exception as e:  # triton not installed, no driver / ptxas, a kernel that compiles wrong, ...
+            self.features["cache_write"] = "reference"
+            logger.warning("ops[cuda]: Triton KV cache write unavailable (%s); writing the cache with the pure-torch "
+                           "reference, which syncs with the host, so decode steps cannot run in CUDA graphs",
+                           _reason(e))
 
-    try:
-        import flash_attn
-        _flash = flash_attn  # the check runs the real call paths, which read it
-        _check_flash(flash_attn, device)
-        features["attention"] = "flash_attn"
-    except Exception as e:
-        _flash = None
-        features["attention"] = "sdpa"
-        if isinstance(e, ModuleNotFoundError) and e.name == "flash_attn":
-            logger.info("ops[cuda]: flash_attn not installed; attention runs torch SDPA and matmuls")
-        else:  # installed but broken: built for another torch or GPU, a missing dependency, wrong results, ...
-            logger.warning("ops[cuda]: flash_attn unusable (%s); attention runs torch SDPA and matmuls", _reason(e))
-    logger.info("ops[cuda]: cache write %s; attention %s", features["cache_write"],
-                f"flash_attn {getattr(_flash, '__version__', '')} (paged: block sizes that are multiples of "
-                f"{FLASH_BLOCK_MULTIPLE}; others and float32 run SDPA)" if _flash is not None
-                else "SDPA (prefill) + sync-free matmul decode over the block table")
-    return features
+        try:
+            import flash_attn
+            self._flash = flash_attn  # the check runs the real call paths, which read it
+            self._check_flash(device)
+            self.features["attention"] = "flash_attn"
+        except Exception as e:
+            self._flash = None
+            self.features["attention"] = "sdpa"
+            if isinstance(e, ModuleNotFoundError) and e.name == "flash_attn":
+                logger.info("ops[cuda]: flash_attn not installed; attention runs torch SDPA and matmuls")
+            else:  # installed but broken: built for another torch or GPU, a missing dependency, wrong results, ...
+                logger.warning("ops[cuda]: flash_attn unusable (%s); attention runs torch SDPA and matmuls",
+                               _reason(e))
+        self._step.reset()  # drop the check's tensors
+        logger.info("ops[cuda]: cache write %s; attention %s", self.features["cache_write"],
+                    f"flash_attn {getattr(self._flash, '__version__', '')} (paged: block sizes that are multiples of "
+                    f"{FLASH_BLOCK_MULTIPLE}; others and float32 run SDPA)" if self._flash is not None
+                    else "SDPA (prefill) + sync-free matmul decode over the block table")
+
+    def _check_flash(self, device: torch.device) -> None:
+        """A decode and a prefill chunk after a cached prefix over a 256-token paged cache, against the reference."""
+        for name in ("flash_attn_varlen_func", "flash_attn_with_kvcache"):
+            if not hasattr(self._flash, name):
+                raise RuntimeError(f"flash_attn {getattr(self._flash, '__version__', '?')} has no {name}")
+        dtype = torch.float16
+        if device.type != "cuda" or torch.cuda.is_bf16_supported():
+            dtype = torch.bfloat16
+        g = torch.Generator().manual_seed(0)
+        bs = FLASH_BLOCK_MULTIPLE
+        k_cache = torch.randn(3, bs, 1, 64, generator=g).to(device, dtype)
+        v_cache = torch.randn(3, bs, 1, 64, generator=g).to(device, dtype)
+        tables = torch.tensor([[2, 0], [1, -1]], dtype=torch.int32, device=device)
+        q = torch.randn(4, 2, 64, generator=g).to(device, dtype)
+        cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
+        lens = torch.tensor([300, 5], dtype=torch.int32, device=device)
+        ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, lens, tables, 0.125)
+        mixed = self._flash_varlen(q, k_cache, v_cache, cu, lens, tables, 0.125)
+        decode = self._flash_decode(q[:2], k_cache, v_cache, lens, tables, 0.125)
+        cu_decode = torch.arange(3, dtype=torch.int32, device=device)
+        ref_decode = reference.paged_attention(q[:2].float(), k_cache.float(), v_cache.float(), cu_decode, lens,
+                                               tables, 0.125)
+        for ours, expected in ((mixed, ref), (decode, ref_decode)):
+            err = ((ours.float() - expected).abs().max() / expected.abs().max()).item()
+            if not err < 2e-2:
+                raise RuntimeError(f"flash_attn is off from the reference by {err:.3g}")
+
+    # ---- KV cache write ----
+
+    def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping):
+        if self._triton_store is None:  # warned at load
+            return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+        self._triton_store(key, value, k_cache, v_cache, slot_mapping)
+
+    # ---- paged attention ----
+
+    def flash_decode_applies(self, block_size: int, dtype: torch.dtype) -> bool:
+        """Whether decode attention runs flash_attn (reading only each sequence's blocks) rather than the matmul
+        over the block table's whole width."""
+        return self._flash is not None and block_size % FLASH_BLOCK_MULTIPLE == 0 and dtype in HALF_DTYPES
+
+    def _flash_usable(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        if self._flash is None:
+            return False
+        block_size = k_cache.shape[1]
+        why = None
+        if block_size % FLASH_BLOCK_MULTIPLE:
+            why = (f"kvcache_block_size={block_size} is not a multiple of {FLASH_BLOCK_MULTIPLE} (flash_attn's paged "
+                   f"KV cache needs it; kvcache_block_size=None picks 256)")
+        elif q.dtype not in HALF_DTYPES or k_cache.dtype != q.dtype:
+            why = f"flash_attn takes float16 / bfloat16, the model runs {q.dtype}"
+        if why is None:
+            return True
+        if why not in self._warned:
+            self._warned.add(why)
+            logger.warning("ops[cuda]: paged attention runs SDPA, not flash_attn: %s", why)
+        return False
+
+    def paged_attention(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+        # T == B: each sequence brings exactly one token. Shapes alone decide it, so the decode branch stays
+        # sync-free.
+        decode_only = q.shape[0] == seq_lens.shape[0]
+        if self._flash_usable(q, k_cache):
+            if decode_only:
+                return self._flash_decode(q, k_cache, v_cache, seq_lens, block_tables, scale)
+            return self._flash_varlen(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+        if decode_only:
+            return decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale)
+        return reference.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+
+    def _flash_decode(self, q, k_cache, v_cache, seq_lens, block_tables, scale):
+        """One query per sequence as flash_attn_with_kvcache's [B, 1, heads, D] over the paged cache. Only the first
+        ceil(seq_len / block_size) block ids of each row are read, so the -1 padding (and a CUDA graph's empty rows,
+        seq_len 0, whose output is zero) is never dereferenced."""
+        out = self._flash.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache,
+                                                  cache_seqlens=seq_lens.to(torch.int32),
+                                                  block_table=block_tables.to(torch.int32), softmax_scale=scale,
+                                                  causal=True)
+        return out.squeeze(1)
+
+    def _flash_varlen(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+        """Prefill chunks, prefix hits and decodes in one call: flash_attn's causal mask is bottom-right aligned,
+        which is the reference's "a chunk's queries are its sequence's last tokens"."""
+        cu_k, max_q, max_k = self._step.get(_paged_meta, cu_seqlens_q, seq_lens)
+        return self._flash.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q.to(torch.int32), cu_k, max_q,
+                                                  max_k, softmax_scale=scale, causal=True,
+                                                  block_table=block_tables.to(torch.int32))
+
+    # ---- vision tower attention ----
+
+    def varlen_attention(self, q, k, v, cu_seqlens, scale):
+        """Bidirectional attention within each packed segment: flash_attn_varlen_func (causal=False) when installed
+        and the dtype is half, else the reference (SDPA per segment)."""
+        if self._flash is None or q.dtype not in HALF_DTYPES:
+            return reference.varlen_attention(q, k, v, cu_seqlens, scale)
+        cu = cu_seqlens.to(torch.int32)
+        max_len = self._varlen_step.get(_max_segment, cu_seqlens)
+        return self._flash.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale,
+                                                  causal=False)
 
 
 def _reason(e: Exception) -> str:
@@ -115,109 +219,17 @@ def _check_cache_write(store, device: torch.device) -> None:
         raise RuntimeError("the Triton cache write did not match the reference")
 
 
-def _check_flash(flash_attn, device: torch.device) -> None:
-    """A decode and a prefill chunk after a cached prefix over a 256-token paged cache, against the reference."""
-    for name in ("flash_attn_varlen_func", "flash_attn_with_kvcache"):
-        if not hasattr(flash_attn, name):
-            raise RuntimeError(f"flash_attn {getattr(flash_attn, '__version__', '?')} has no {name}")
-    dtype = torch.float16
-    if device.type != "cuda" or torch.cuda.is_bf16_supported():
-        dtype = torch.bfloat16
-    g = torch.Generator().manual_seed(0)
-    bs = FLASH_BLOCK_MULTIPLE
-    k_cache = torch.randn(3, bs, 1, 64, generator=g).to(device, dtype)
-    v_cache = torch.randn(3, bs, 1, 64, generator=g).to(device, dtype)
-    tables = torch.tensor([[2, 0], [1, -1]], dtype=torch.int32, device=device)
-    q = torch.randn(4, 2, 64, generator=g).to(device, dtype)
-    cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
-    lens = torch.tensor([300, 5], dtype=torch.int32, device=device)
-    ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, lens, tables, 0.125)
-    mixed = _flash_varlen(q, k_cache, v_cache, cu, lens, tables, 0.125)
-    decode = _flash_decode(q[:2], k_cache, v_cache, lens, tables, 0.125)
-    cu_decode = torch.arange(3, dtype=torch.int32, device=device)
-    ref_decode = reference.paged_attention(q[:2].float(), k_cache.float(), v_cache.float(), cu_decode, lens, tables,
-                                           0.125)
-    for ours, expected in ((mixed, ref), (decode, ref_decode)):
-        err = ((ours.float() - expected).abs().max() / expected.abs().max()).item()
-        if not err < 2e-2:
-            raise RuntimeError(f"flash_attn is off from the reference by {err:.3g}")
-
-
-# ---- per-step host metadata ----
-
-_step, _varlen_step = PerStep(), PerStep()
-
-
 def _paged_meta(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor):
     """flash_attn_varlen_func's cu_seqlens_k (int32, on the device) and host max_seqlen_q / max_seqlen_k: one sync
-    per step, not per layer."""
+    per step, not per layer (CudaOps keeps it in a PerStep)."""
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     cu_k = torch.nn.functional.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
     max_q, max_k = torch.stack([q_lens.max(), seq_lens.max()]).tolist()
     return cu_k, int(max_q), int(max_k)
 
 
-# ---- KV cache write ----
-
-def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
-    if _triton_store is None:  # warned at load
-        return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-    _triton_store(key, value, k_cache, v_cache, slot_mapping)
-
-
-# ---- paged attention ----
-
-def flash_decode_applies(block_size: int, dtype: torch.dtype) -> bool:
-    """Whether decode attention runs flash_attn (reading only each sequence's blocks) rather than the matmul over
-    the block table's whole width."""
-    return _flash is not None and block_size % FLASH_BLOCK_MULTIPLE == 0 and dtype in HALF_DTYPES
-
-
-def _flash_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    if _flash is None:
-        return False
-    block_size = k_cache.shape[1]
-    why = None
-    if block_size % FLASH_BLOCK_MULTIPLE:
-        why = (f"kvcache_block_size={block_size} is not a multiple of {FLASH_BLOCK_MULTIPLE} (flash_attn's paged KV "
-               f"cache needs it; kvcache_block_size=None picks 256)")
-    elif q.dtype not in HALF_DTYPES or k_cache.dtype != q.dtype:
-        why = f"flash_attn takes float16 / bfloat16, the model runs {q.dtype}"
-    if why is None:
-        return True
-    if why not in _warned:
-        _warned.add(why)
-        logger.warning("ops[cuda]: paged attention runs SDPA, not flash_attn: %s", why)
-    return False
-
-
-def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
-    # T == B: each sequence brings exactly one token. Shapes alone decide it, so the decode branch stays sync-free.
-    decode_only = q.shape[0] == seq_lens.shape[0]
-    if _flash_usable(q, k_cache):
-        if decode_only:
-            return _flash_decode(q, k_cache, v_cache, seq_lens, block_tables, scale)
-        return _flash_varlen(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
-    if decode_only:
-        return decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale)
-    return reference.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
-
-
-def _flash_decode(q, k_cache, v_cache, seq_lens, block_tables, scale):
-    """One query per sequence as flash_attn_with_kvcache's [B, 1, heads, D] over the paged cache. Only the first
-    ceil(seq_len / block_size) block ids of each row are read, so the -1 padding (and a CUDA graph's empty rows,
-    seq_len 0, whose output is zero) is never dereferenced."""
-    out = _flash.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seq_lens.to(torch.int32),
-                                         block_table=block_tables.to(torch.int32), softmax_scale=scale, causal=True)
-    return out.squeeze(1)
-
-
-def _flash_varlen(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
-    """Prefill chunks, prefix hits and decodes in one call: flash_attn's causal mask is bottom-right aligned, which
-    is the reference's "a chunk's queries are its sequence's last tokens"."""
-    cu_k, max_q, max_k = _step.get(_paged_meta, cu_seqlens_q, seq_lens)
-    return _flash.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q.to(torch.int32), cu_k, max_q, max_k,
-                                         softmax_scale=scale, causal=True, block_table=block_tables.to(torch.int32))
+def _max_segment(cu_seqlens: torch.Tensor) -> int:
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale):
@@ -242,15 +254,3 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale):
     scores.masked_fill_(beyond[:, None, None, :], torch.finfo(torch.float32).min)
     o = torch.matmul(scores.softmax(-1).to(v.dtype), v)
     return o.reshape(b, num_kv_heads * group, head_dim)
-
-
-# ---- vision tower attention ----
-
-def varlen_attention(q, k, v, cu_seqlens, scale):
-    """Bidirectional attention within each packed segment: flash_attn_varlen_func (causal=False) when installed and
-    the dtype is half, else the reference (SDPA per segment)."""
-    if _flash is None or q.dtype not in HALF_DTYPES:
-        return reference.varlen_attention(q, k, v, cu_seqlens, scale)
-    cu = cu_seqlens.to(torch.int32)
-    max_len = _varlen_step.get(lambda c: int((c[1:] - c[:-1]).max().item()), cu_seqlens)
-    return _flash.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=False)

@@ -1,5 +1,6 @@
 """A one-entry cache for values an op derives from a step's metadata tensors (host length lists, merged rotary
-tables), shared by the device implementations that need it."""
+tables), used by the device implementations that need it. Each op-table instance holds its own PerStep objects, so
+two engines' steps never evict or read each other's entries."""
 
 
 class PerStep:

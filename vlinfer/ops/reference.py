@@ -1,4 +1,9 @@
-"""Pure-torch reference ops. They define what each op means; device kernels must match them."""
+"""Pure-torch reference ops. They define what each op means; device kernels must match them.
+
+`ReferenceOps` is the op table an engine holds when no device kernel applies, and the base class of every device
+implementation (ops/cpu.py, cuda.py, npu.py): an implementation overrides the ops it has kernels for, and the others
+stay on these definitions. One instance per engine, so two engines in a process never share an op table or the
+state an implementation keeps (loaded kernels, per-step caches)."""
 import torch
 import torch.nn.functional as F
 
@@ -133,3 +138,31 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     q_out = (q.float() * cos + rotate_half(q.float()) * sin).to(q.dtype)
     k_out = (k.float() * cos + rotate_half(k.float()) * sin).to(k.dtype)
     return q_out, k_out
+
+
+class ReferenceOps:
+    """The op table layers call through their engine's ModelContext. Subclasses override ops and may keep state
+    (a loaded extension, per-step caches); the reference keeps none."""
+    name = "reference"
+
+    def __init__(self, device_type: str = "cpu"):
+        self.device_type = device_type
+
+    store_kvcache = staticmethod(store_kvcache)
+    paged_attention = staticmethod(paged_attention)
+    apply_rotary = staticmethod(apply_rotary)
+    rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    silu_and_mul = staticmethod(silu_and_mul)
+    gelu_tanh = staticmethod(gelu_tanh)
+    varlen_attention = staticmethod(varlen_attention)
+    linear = staticmethod(linear)
+
+    def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The weight in the layout this implementation's `linear` runs fastest on, or None to keep it as it is.
+        Layers call it once after loading (model_runner.pack_weights); ops never see the layers themselves."""
+        return None
+
+    def describe(self) -> str:
+        """What runs, for the start-up log line."""
+        return self.name

@@ -2,7 +2,7 @@
 
 A request goes: GuardMiddleware (API key, body cap) -> parse (strict pydantic) -> image URLs fetched on the event
 loop (async, capped) -> a worker thread decodes images, applies the chat template, validates and queues the
-sequences (the engine lock is never taken on the event loop) -> outputs come back through AsyncRequestStream
+sequences (queueing never waits for an engine step) -> outputs come back through AsyncRequestStream
 (call_soon_threadsafe, no thread per request) -> JSON or SSE. A client that goes away has its sequences aborted,
 which frees their KV blocks and encoder cache entries at once."""
 import asyncio
@@ -121,16 +121,15 @@ class _Run:
             m.tpot.observe((t - self.first_token_at[i]) / (n - 1))
 
     def close(self) -> None:
-        """Abort what has not finished (client gone, error). The abort waits for the engine lock, up to a step,
-        so it runs in a worker thread; the stream's own reader is gone, so nothing waits for it here."""
+        """Abort what has not finished (client gone, error). An abort never waits for a step: it runs here, on
+        the event loop."""
         if self.closed:
             return
         self.closed = True
-        loop = asyncio.get_running_loop()
         t = time.perf_counter()
         for i, stream in enumerate(self.streams):
             if not self.done[i]:
-                loop.run_in_executor(None, stream.abort)
+                stream.abort()
                 self._finish(i, "abort", t)
 
 
@@ -240,7 +239,7 @@ class Server:
             def abort(t):
                 if not t.cancelled() and t.exception() is None and isinstance(t.result(), list):
                     for stream in t.result():
-                        asyncio.get_running_loop().run_in_executor(None, stream.abort)
+                        stream.abort()
             task.add_done_callback(abort)
             raise
 

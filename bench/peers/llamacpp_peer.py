@@ -1,0 +1,48 @@
+"""llama.cpp (through llama-cpp-python, built from source by `make peers`) as a benchmark peer; run with that
+venv's python (see bench/peers/__init__.py):
+
+    .venv-llamacpp/bin/python bench/peers/llamacpp_peer.py request.json result.json
+
+The request: {"model": .gguf path, "threads", "n_ctx", "runs": [{"name", "prompts": [[token ids]], "max_tokens": [n
+per prompt], "repeat"}]}. One sequence at a time (llama.cpp's single-stream case): the prompt in one batch, then one
+token per step, greedy (argmax of the last logits), EOS ignored, the KV cache overwritten from position 0 for every
+prompt. One warm-up prompt comes before the first timed run; loading the model is timed apart.
+"""
+import sys
+import time
+
+from protocol import serve, time_runs  # beside this script
+
+
+def handle(request: dict) -> dict:
+    import llama_cpp
+    import numpy as np
+    start = time.perf_counter()
+    threads = request["threads"]
+    llm = llama_cpp.Llama(model_path=request["model"], n_ctx=request["n_ctx"], n_batch=512, n_threads=threads,
+                          n_threads_batch=threads, logits_all=False, verbose=False)
+    startup_s = time.perf_counter() - start
+
+    def one(prompt, max_tokens):
+        llm.reset()  # n_tokens = 0: the next eval drops the cache past position 0 and refills it
+        llm.eval(prompt)
+        out = []
+        while True:
+            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            if len(out) == max_tokens:
+                return out
+            llm.eval(out[-1:])
+
+    def generate(prompts, max_tokens):
+        return [one(p, n) for p, n in zip(prompts, max_tokens)]
+
+    start = time.perf_counter()
+    generate([[1, 2, 3]], [4])
+    warmup_s = time.perf_counter() - start
+    runs = time_runs(generate, request["runs"], tag="llamacpp_peer: ")
+    return {"version": llama_cpp.__version__, "startup_s": startup_s, "warmup_s": warmup_s, "runs": runs,
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
+
+
+if __name__ == "__main__":
+    sys.exit(serve(handle))

@@ -1,0 +1,47 @@
+"""vLLM's CPU backend as a benchmark peer; run with the vLLM venv's python (see bench/peers/__init__.py):
+
+    .venv-vllm/bin/python bench/peers/vllm_peer.py request.json result.json
+
+The request: {"model": HF folder, "dtype", "max_model_len", "max_num_seqs", "kv_cache_gb", "cpus", "runs": [{"name",
+"prompts": [[token ids]], "max_tokens": [n per prompt], "repeat"}]}. Each run is one LLM.generate of all its prompts,
+greedy, EOS ignored; one warm-up generate comes before the first timed run. Start-up (LLM(): model load,
+torch.compile, KV cache allocation) is timed apart. vLLM starts its engine in a spawned process, so everything runs
+under the __main__ guard.
+"""
+import os
+import sys
+import time
+
+from protocol import serve, time_runs  # beside this script
+
+
+def handle(request: dict) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(request.get("kv_cache_gb", 4)))
+    # vLLM's "auto" binding keeps one core per worker for its scheduler process, which on a 2-core machine leaves
+    # its model one thread; bind its OpenMP threads to the same cores the other engines use instead.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", request["cpus"])
+    start = time.perf_counter()
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    import_s = time.perf_counter() - start
+    start = time.perf_counter()
+    llm = LLM(model=request["model"], dtype=request["dtype"], max_model_len=request["max_model_len"],
+              max_num_seqs=request.get("max_num_seqs", 256), seed=0)
+    startup_s = time.perf_counter() - start
+
+    def generate(prompts, max_tokens):
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    start = time.perf_counter()
+    generate([[1, 2, 3]], [4])
+    warmup_s = time.perf_counter() - start
+    runs = time_runs(generate, request["runs"], tag="vllm_peer: ")
+    return {"version": vllm.__version__, "import_s": import_s, "startup_s": startup_s, "warmup_s": warmup_s,
+            "runs": runs, "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")}}
+
+
+if __name__ == "__main__":
+    sys.exit(serve(handle))

