@@ -9,6 +9,8 @@ from pathlib import Path
 
 import gradio as gr
 
+from vlinfer.__main__ import _size as parse_size
+from vlinfer.config import APP_MAX_MODEL_LEN
 from vlinfer.engine.engine_loop import EngineLoop
 
 logger = logging.getLogger("vlinfer.demo")
@@ -218,8 +220,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=8192,
-                   help="context length per conversation (images count: ~1 token per 32x32 pixels)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length per conversation (images count: ~1 token per 32x32 pixels); default: the "
+                        f"model's own, at most {APP_MAX_MODEL_LEN}, and at most what the KV cache holds")
+    p.add_argument("--kv-cache-size", type=parse_size, default=None, metavar="SIZE",
+                   help="KV cache pool, e.g. 512M or 2G (default: a share of free memory)")
     p.add_argument("--concurrency", type=int, default=CONCURRENCY,
                    help="chat requests served at once (batched by the engine)")
     return p.parse_args(argv)
@@ -231,8 +236,11 @@ def main(argv=None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own startup probes, one line each
     from vlinfer.pipeline import Pipeline
     # max_num_seqs: the queue never runs more chats at once, so a larger KV pool would be memory never used.
-    pipe = Pipeline(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                    max_num_seqs=args.concurrency)
+    options = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                   max_model_len_cap=APP_MAX_MODEL_LEN, max_num_seqs=args.concurrency)
+    if args.kv_cache_size is not None:
+        options["kv_cache_bytes"] = args.kv_cache_size
+    pipe = Pipeline(args.model, **options)
     demo = build_demo(pipe)
     demo.queue(default_concurrency_limit=args.concurrency)
     try:

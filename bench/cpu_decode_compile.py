@@ -16,11 +16,21 @@ import time
 import torch
 
 
-def register_kernels_as_custom_ops(ops, variant: str) -> None:
+def register_kernels_as_custom_ops(runner, variant: str) -> None:
     """torch.compile cannot trace through our pybind kernels; as custom ops they stay single graph nodes. The
     norms, rotary and activation run the pure-torch reference, which inductor fuses itself. Ops are swapped on the
-    engine's op table instance (every layer holds the same one)."""
+    engine's op table instance (every layer holds the same one).
+
+    variant "views": the cache write mutates the layer's k_cache / v_cache, views of the one KV pool, as the engine
+    passes them. Sixty mutated graph inputs that alias one storage: AOTAutograd merges them into a synthetic base
+    and the functionalized write (auto_functionalized) cannot be re-inplaced, so every layer's write clones the
+    span of the pool its two views cover (about half of it) and copies it back.
+    variant "pool": the write mutates the whole pool tensor (one graph input, no aliasing) at a layer index, and
+    attention reads pool[0, i] / pool[1, i] views made inside the graph: inductor re-inplaces it, nothing is copied.
+    """
+    from vlinfer.layers import Attention
     from vlinfer.ops import reference
+    ops = runner.ctx.ops
     ext = ops.ext
 
     @torch.library.custom_op("vlinfer_bench::store_kvcache", mutates_args=("k_cache", "v_cache"))
@@ -30,6 +40,15 @@ def register_kernels_as_custom_ops(ops, variant: str) -> None:
 
     @store_kvcache.register_fake
     def _(key, value, k_cache, v_cache, slot_mapping):
+        return None
+
+    @torch.library.custom_op("vlinfer_bench::store_kvcache_pool", mutates_args=("kv_pool",))
+    def store_kvcache_pool(key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                           slot_mapping: torch.Tensor) -> None:
+        ext.store_kvcache(key, value, kv_pool[0, layer], kv_pool[1, layer], slot_mapping)
+
+    @store_kvcache_pool.register_fake
+    def _(key, value, kv_pool, layer, slot_mapping):
         return None
 
     @torch.library.custom_op("vlinfer_bench::decode_attention", mutates_args=())
@@ -45,10 +64,23 @@ def register_kernels_as_custom_ops(ops, variant: str) -> None:
     ops.paged_attention = lambda q, kc, vc, cu, lens, tables, scale: decode_attention(q, kc, vc, tables, lens, scale)
     for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "linear"):
         setattr(ops, op, getattr(reference, op))
+    if variant == "pool":
+        for i, layer in enumerate(runner.attention_layers):
+            assert layer.k_cache.data_ptr() == runner.kv_cache[0, i].data_ptr()
+            layer.kv_pool, layer.layer_index = runner.kv_cache, i
+
+        def forward(self, q, k, v):  # Attention.forward, with the write addressed as (pool, layer)
+            step = self.ctx.forward_context()
+            store_kvcache_pool(k, v, self.kv_pool, self.layer_index, step.slot_mapping)
+            o = decode_attention(q, self.kv_pool[0, self.layer_index], self.kv_pool[1, self.layer_index],
+                                 step.block_tables, step.seq_lens, self.scale)
+            return o.flatten(1)
+
+        Attention.forward = forward  # this child process only
 
 
 def measure(args) -> None:
-    """One mode in this process; prints 'RESULT first_call_s steady_step_ms checksum'."""
+    """One mode in this process; prints 'RESULT first_call_s steady_step_ms checksum graphs'."""
     if args.mode == "compile":
         import torch._inductor.config as inductor_config
         from vlinfer.engine import model_runner as model_runner_module
@@ -60,7 +92,7 @@ def measure(args) -> None:
     runner = llm.engine.model_runner
     model = runner.model
     if args.mode == "compile":
-        register_kernels_as_custom_ops(runner.ctx.ops, args.variant)
+        register_kernels_as_custom_ops(runner, args.variant)
         model = torch.compile(model, dynamic=False)
     rng = random.Random(args.seed)
     bs, b = runner.block_size, args.batch
@@ -99,7 +131,20 @@ def measure(args) -> None:
                     step()
             print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=25),
                   flush=True)
-    print(f"RESULT {first:.2f} {ms:.2f} {out.float().abs().mean().item():.6f}", flush=True)
+    from torch._dynamo.utils import counters  # graphs compiled over all calls: 1 means no recompiles, no breaks
+    graphs = counters["stats"]["unique_graphs"] if args.mode == "compile" else 0
+    print(f"RESULT {first:.2f} {ms:.2f} {out.float().abs().mean().item():.6f} {graphs}", flush=True)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "?"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return name + ", " + " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
 def main(argv=None):
@@ -112,39 +157,54 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3, help="timed steps after the first call and one warm-up")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", choices=["eager", "compile"], help=argparse.SUPPRESS)  # one mode, in a child
-    p.add_argument("--variant", default="pool", help=argparse.SUPPRESS)
+    p.add_argument("--variant", choices=["views", "pool"], default="pool", help=argparse.SUPPRESS)
     p.add_argument("--freezing", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help="child only: print a torch.profiler table")
+    p.add_argument("--threads", type=int, default=None,
+                   help="OMP_NUM_THREADS for every child (1 on a shared, loaded machine: OpenMP barriers of 2+ "
+                        "threads on oversubscribed cores cost ms each)")
+    p.add_argument("--log-dir", help="keep each child's stderr there (run with TORCH_LOGS=output_code to keep "
+                                     "the generated code)")
     args = p.parse_args(argv)
     if args.mode:
         measure(args)
         return 0
     print(f"{args.model} {args.dtype}, decode step of batch {args.batch}, contexts {args.min_context}-"
-          f"{args.max_context}, torch {torch.__version__}, {os.cpu_count()} CPUs; load average "
+          f"{args.max_context}, torch {torch.__version__}, {os.cpu_count()} CPUs ({cpu_name()}), "
+          f"{args.threads or torch.get_num_threads()} threads; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     rows = []
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
+    slow_steps = ["--steps", "1"]  # the views row copies about half the pool per layer: seconds per step
     for name, extra in [("eager (our kernels, prepacked linears)", ["--mode", "eager"]),
-                        ("torch.compile (inductor)", ["--mode", "compile"]),
-                        ("torch.compile (inductor, freezing)", ["--mode", "compile", "--freezing"])]:
+                        ("compile, cache write on per-layer pool views (old)",
+                         ["--mode", "compile", "--variant", "views"] + slow_steps),
+                        ("compile, cache write on the whole pool", ["--mode", "compile", "--variant", "pool"]),
+                        ("compile, whole pool, freezing", ["--mode", "compile", "--variant", "pool", "--freezing"])]:
         cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype, "--batch", str(args.batch),
                "--min-context", str(args.min_context), "--max-context", str(args.max_context),
                "--steps", str(args.steps), "--seed", str(args.seed)] + extra
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if args.log_dir:
+            os.makedirs(args.log_dir, exist_ok=True)
+            with open(os.path.join(args.log_dir, f"row{len(rows)}.log"), "w") as log:
+                log.write(done.stdout + done.stderr)
         result = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
         if done.returncode != 0 or not result:
-            rows.append((name, None, None, None, (done.stderr.strip().splitlines() or ["?"])[-1][:120]))
+            rows.append((name, None, None, None, 0, (done.stderr.strip().splitlines() or ["?"])[-1][:120]))
             continue
-        first, step, checksum = (float(x) for x in result[0].split()[1:])
-        rows.append((name, first, step, checksum, ""))
+        first, step, checksum, graphs = (float(x) for x in result[0].split()[1:])
+        rows.append((name, first, step, checksum, int(graphs), ""))
         print(f"  {name}: first call {first:.1f}s, step {step:.1f} ms", flush=True)
     eager_step = rows[0][2]
-    print("\n| decode step | first call (s) | steady step (ms) | vs eager | mean abs hidden |\n|---|---|---|---|---|")
-    for name, first, step, checksum, error in rows:
+    print("\n| decode step | first call (s) | steady step (ms) | vs eager | graphs compiled | mean abs hidden |\n"
+          "|---|---|---|---|---|---|")
+    for name, first, step, checksum, graphs, error in rows:
         if step is None:
-            print(f"| {name} | failed: {error} | | | |")
+            print(f"| {name} | failed: {error} | | | | |")
         else:
             ratio = f"{eager_step / step:.2f}x" if eager_step else "-"
-            print(f"| {name} | {first:.1f} | {step:.1f} | {ratio} | {checksum:.5f} |")
+            print(f"| {name} | {first:.1f} | {step:.1f} | {ratio} | {graphs or '-'} | {checksum:.5f} |")
     return 0
 
 

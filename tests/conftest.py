@@ -95,3 +95,20 @@ def assert_block_pool_empty(llm):
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks still in use"
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert not llm.engine.requests and not llm.engine.scheduler.has_unfinished()
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_with_context(tmp_path_factory):
+    """tiny_vl_with_context(n) -> folder of a tiny random Qwen3-VL (the embedded model's layout) that declares
+    max_position_embeddings=n: 262144 as the real Qwen3-VL checkpoints do, or a short one. Built once per n."""
+    from vlinfer.tiny_checkpoints import build_tiny_qwen3_vl
+    built = {}
+
+    def checkpoint(max_position_embeddings: int) -> str:
+        if max_position_embeddings not in built:
+            folder = tmp_path_factory.mktemp(f"qwen3-vl-{max_position_embeddings}-positions")
+            built[max_position_embeddings] = build_tiny_qwen3_vl(str(folder), seed=0,
+                                                                 max_position_embeddings=max_position_embeddings)
+        return built[max_position_embeddings]
+
+    return checkpoint

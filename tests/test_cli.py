@@ -133,3 +133,29 @@ def test_chat_through_stdin(smollm2_runs):
     # Streamed: the answer came out in several pieces, not at once.
     pieces = [c for c in chat.chunks if c.strip() and c.strip() != b">"]
     assert len(pieces) >= 2, chat.chunks
+
+
+def test_default_context_length_follows_the_model(tiny_vl_with_context, tmp_path):
+    """No --max-model-len: a model with 2048 positions runs at 2048 (a fixed default of 4096 used to exceed it);
+    one with 262144 (as Qwen3-VL declares) is capped at 8192 and then fitted to a small KV cache, with a warning."""
+    short, long = tiny_vl_with_context(2048), tiny_vl_with_context(262144)
+    common = ["--max-tokens", "4", "--max-pixels", str(64 * 64)]
+    commands = {
+        "generate 2048": vlinfer("-v", "generate", "Hello there.", "--model", short, *common),
+        "generate 262144": vlinfer("generate", "Describe it.", "--image", IMAGE, "--model", long,
+                                   "--kv-cache-size", "3M", *common),
+        "caption 262144": vlinfer("caption", IMAGE, "--out", str(tmp_path / "captions.jsonl"), "--model", long,
+                                  "--kv-cache-size", "3M", "--no-progress", *common),
+    }
+    procs = {name: subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, cmd in commands.items()}  # at once: their model loads overlap
+    results = {name: proc.communicate(timeout=240) for name, proc in procs.items()}
+    for name, proc in procs.items():
+        assert proc.returncode == 0, (name, results[name][1][-2000:])
+    out, err = results["generate 2048"]
+    assert out.strip() and "max_model_len=2048 (the model's max_position_embeddings=2048)" in err
+    for name in ("generate 262144", "caption 262144"):
+        err = results[name][1]
+        assert "max_model_len=3072: the KV cache" in err and "max_model_len_cap=8192" in err, (name, err[-2000:])
+    assert results["generate 262144"][0].strip()
+    assert '"caption"' in (tmp_path / "captions.jsonl").read_text()

@@ -46,32 +46,41 @@ def _stop(proc: subprocess.Popen) -> None:
         pass
 
 
+def _start(log_path: Path, *args: str) -> tuple[subprocess.Popen, int]:
+    """A demo server process with these arguments, on a free port; (process, port)."""
+    port = _free_port()
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "wb") as log:
+        # A new session: _stop kills the whole process group, not just the Python process.
+        proc = subprocess.Popen([sys.executable, str(DEMO), *args, "--port", str(port)], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, port
+
+
+def _wait_serving(proc: subprocess.Popen, url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the demo exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"the demo did not serve within {STARTUP_TIMEOUT}s:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """(url, port, log path) of a demo server on qwen3-vl-tiny; always stopped, whatever the tests do."""
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("demo") / "server.log"
-    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "wb") as log:
-        # A new session: the fixture kills the whole process group, not just the Python process.
-        proc = subprocess.Popen([sys.executable, str(DEMO), "--model", "qwen3-vl-tiny", "--port", str(port),
-                                 "--max-model-len", "4096", "--concurrency", "8"],
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc, port = _start(log_path, "--model", "qwen3-vl-tiny", "--max-model-len", "4096", "--concurrency", "8")
     url = f"http://127.0.0.1:{port}/"
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the demo exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the demo did not serve within {STARTUP_TIMEOUT}s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
+        _wait_serving(proc, url, log_path)
         yield url, port, log_path
     finally:
         _stop(proc)
@@ -303,3 +312,26 @@ def test_screenshot(server, tmp_path):
         colors = img.convert("RGB").getcolors(maxcolors=1 << 20)
     # A blank or error page has a handful of colours; the rendered app (text, sliders, buttons) has hundreds.
     assert colors is not None and len(colors) > 50, f"the screenshot looks blank ({len(colors or [])} colours)"
+
+
+def test_default_context_length_follows_the_model(tiny_vl_with_context, tmp_path):
+    """No --max-model-len: a 2048-position model serves at 2048 (a fixed 8192 default used to refuse to start);
+    a 262144-position one (as Qwen3-VL declares) at 8192, fitted down to a small KV cache, with a warning."""
+    runs = {2048: ((), 2048), 262144: (("--kv-cache-size", "3M"), 3072)}
+    demos = {}
+    try:
+        for positions, (extra, _) in runs.items():  # both at once: their startups overlap
+            log_path = tmp_path / f"demo-{positions}.log"
+            proc, port = _start(log_path, "--model", tiny_vl_with_context(positions), "--concurrency", "2", *extra)
+            demos[positions] = (proc, f"http://127.0.0.1:{port}/", log_path)
+        for positions, (proc, url, log_path) in demos.items():
+            _wait_serving(proc, url, log_path)
+            client = _client(url)
+            header = " ".join(str(c.get("props", {}).get("value")) for c in client.config["components"]
+                              if c.get("type") == "markdown")
+            assert f"**max context:** {runs[positions][1]} tokens" in header, header[:500]
+            assert _answer(_chat(client, "Hello?", [], max_tokens=4).result(timeout=60)[0])
+        assert "max_model_len=3072: the KV cache" in demos[262144][2].read_text()
+    finally:
+        for proc, _, _ in demos.values():
+            _stop(proc)

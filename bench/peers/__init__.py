@@ -57,7 +57,7 @@ def cache_dir() -> str:
     return path
 
 
-def run(name: str, request: dict, timeout: float = 1800) -> dict:
+def run(name: str, request: dict, timeout: float = 3600) -> dict:
     """Run one peer on `request`; returns its result dict, plus `process_s` (the subprocess's whole wall time) and
     `log` (its log file). Raises PeerError with the log's tail when it fails."""
     script = os.path.join(HERE, PEERS[name][2])

@@ -22,13 +22,16 @@ def handle(request: dict) -> dict:
     llm = llama_cpp.Llama(model_path=request["model"], n_ctx=request["n_ctx"], n_batch=512, n_threads=threads,
                           n_threads_batch=threads, logits_all=False, verbose=False)
     startup_s = time.perf_counter() - start
+    vocab = llm.n_vocab()
 
     def one(prompt, max_tokens):
         llm.reset()  # n_tokens = 0: the next eval drops the cache past position 0 and refills it
         llm.eval(prompt)
         out = []
         while True:
-            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            # Without logits_all, llama-cpp-python keeps no scores; the context holds the last token's logits.
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
+            out.append(int(np.argmax(logits)))
             if len(out) == max_tokens:
                 return out
             llm.eval(out[-1:])

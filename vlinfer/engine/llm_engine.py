@@ -6,7 +6,7 @@ from itertools import count
 import torch
 
 from vlinfer import model_loader, ops, platform
-from vlinfer.config import EngineConfig
+from vlinfer.config import MAX_FITTED_BATCHED_TOKENS, MIN_BATCHED_TOKENS, EngineConfig
 from vlinfer.engine.block_manager import BlockManager
 from vlinfer.engine.detokenizer import IncrementalDetokenizer
 from vlinfer.distributed import ParallelConfig, TPDriver
@@ -72,9 +72,12 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings={model_len}")
-        self.max_model_len = config.max_model_len or model_len
-        if config.max_num_batched_tokens is None:
-            config.max_num_batched_tokens = max(self.max_model_len, 2048)
+        fit_model_len = config.max_model_len is None
+        # Fitted: until the KV pool is sized (in _build), the longest it may become.
+        self.max_model_len = config.max_model_len or min(model_len, config.max_model_len_cap or model_len)
+        fit_batched_tokens = config.max_num_batched_tokens is None
+        if fit_batched_tokens:
+            config.max_num_batched_tokens = self._default_batched_tokens(fit_model_len)
         if config.kvcache_block_size is None:
             config.kvcache_block_size = platform.default_block_size(self.device)
         torch.manual_seed(config.seed)
@@ -82,6 +85,10 @@ class LLMEngine:
         get_model_class(self.hf_config)  # an unsupported architecture fails here, before the workers load
         check_tensor_parallel_shapes(self.text_config, config.tensor_parallel_size)
         self._build(config)
+        if fit_model_len:
+            self._fit_max_model_len(model_len)
+            if fit_batched_tokens:
+                config.max_num_batched_tokens = self._default_batched_tokens(fit_model_len)
         from vlinfer.multimodal import load_chat_template
         self.chat_template = load_chat_template(self.source.folder, self.tokenizer, self.is_multimodal)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -121,6 +128,31 @@ class LLMEngine:
                     num_blocks * self.model_runner.bytes_per_block / 2 ** 20,
                     " per rank" if self.driver is not None else "", num_blocks * config.kvcache_block_size)
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
+
+    def _default_batched_tokens(self, fitted: bool) -> int:
+        """max_num_batched_tokens when not given: a full-length prompt per step; for a fitted length, bounded
+        (config.MAX_FITTED_BATCHED_TOKENS says why)."""
+        tokens = min(self.max_model_len, MAX_FITTED_BATCHED_TOKENS) if fitted else self.max_model_len
+        return max(tokens, MIN_BATCHED_TOKENS)
+
+    def _fit_max_model_len(self, model_len: int) -> None:
+        """No max_model_len was given: if the KV pool holds fewer tokens than the model's length (at most
+        max_model_len_cap), the longest sequence the pool holds, in whole blocks."""
+        cfg = self.config
+        allowed = f"the model's max_position_embeddings={model_len}"
+        if self.max_model_len < model_len:
+            allowed = f"max_model_len_cap={cfg.max_model_len_cap}; the model allows {model_len}"
+        num_blocks = self.block_manager.num_blocks
+        pool_tokens = num_blocks * cfg.kvcache_block_size
+        if pool_tokens >= self.max_model_len:
+            logger.info("max_model_len=%d (%s)", self.max_model_len, allowed)
+            return
+        logger.warning("max_model_len=%d: the KV cache (%d blocks of %d tokens, %.1f MiB%s) holds fewer tokens than "
+                       "%s, so the context length is fitted to it. To raise it, raise kv_cache_bytes or "
+                       "memory_utilization; a max_model_len you pass is used as is, and must fit", pool_tokens,
+                       num_blocks, cfg.kvcache_block_size, num_blocks * self.model_runner.bytes_per_block / 2 ** 20,
+                       " per rank" if self.driver is not None else "", allowed)
+        self.max_model_len = pool_tokens
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op on one rank). Also runs when the engine is garbage collected

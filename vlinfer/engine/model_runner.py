@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from vlinfer import model_loader, platform
-from vlinfer.config import EngineConfig
+from vlinfer.config import MIN_FITTED_MODEL_LEN, EngineConfig
 from vlinfer.engine import graph_runner
 from vlinfer.engine.encoder_cache import EncoderCache
 from vlinfer.engine.scheduler import SchedulerOutput
@@ -120,6 +120,9 @@ class ModelRunner:
         return 2 * len(self.attention_layers) * self.block_size * self.num_kv_heads * self.head_dim * element
 
     def num_blocks_for_budget(self, max_model_len: int) -> int:
+        """KV blocks in the pool. With config.max_model_len given, the pool must hold one sequence of that length.
+        Without, max_model_len is the longest the engine may use and the pool may hold less, down to
+        MIN_FITTED_MODEL_LEN tokens: the engine then fits its max_model_len to the pool (LLMEngine._init)."""
         cfg = self.config
         per_seq = math.ceil(max_model_len / self.block_size)
         useful = cfg.max_num_seqs * per_seq  # more blocks than every sequence at full length is waste
@@ -133,11 +136,16 @@ class ModelRunner:
             peak = self.profile_peak_memory(max_model_len)
             fraction = cfg.memory_utilization or ACCELERATOR_DEFAULT_MEMORY_UTILIZATION
             budget = fraction * platform.total_memory(self.device) - peak
-        num_blocks = min(int(budget // self.bytes_per_block) - self.num_dummy_blocks, useful)
-        if num_blocks < per_seq:
-            raise ValueError(f"KV cache budget of {int(budget)} bytes holds {num_blocks} blocks of "
-                             f"{self.block_size} tokens, fewer than one sequence of max_model_len={max_model_len} "
-                             f"needs ({per_seq}); raise kv_cache_bytes / memory_utilization or lower max_model_len")
+        num_blocks = max(0, min(int(budget // self.bytes_per_block) - self.num_dummy_blocks, useful))
+        holds = f"KV cache budget of {int(budget)} bytes holds {num_blocks} blocks of {self.block_size} tokens"
+        if cfg.max_model_len is not None and num_blocks < per_seq:
+            raise ValueError(f"{holds}, fewer than one sequence of max_model_len={max_model_len} needs ({per_seq}); "
+                             "raise kv_cache_bytes / memory_utilization, lower max_model_len, or leave it unset to "
+                             "fit it to the KV cache")
+        shortest = min(max_model_len, MIN_FITTED_MODEL_LEN)
+        if cfg.max_model_len is None and num_blocks * self.block_size < shortest:
+            raise ValueError(f"{holds}, fewer than {shortest} tokens, the shortest max_model_len vlinfer fits to the "
+                             f"KV cache; raise kv_cache_bytes / memory_utilization")
         return num_blocks
 
     @torch.inference_mode()

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from vlinfer import platform
 from vlinfer.ops import reference
+from vlinfer.ops.per_step import PerStep
 from vlinfer.ops.reference import ReferenceOps
 
 logger = logging.getLogger("vlinfer")
@@ -52,6 +53,12 @@ def build_extension(isa: str):
                           verbose=False)
 
 
+def _decode_rows(cu_seqlens_q: torch.Tensor) -> torch.Tensor | None:
+    """Indices of the sequences that bring one query token this step; None when every one does."""
+    decode = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]) == 1
+    return None if bool(decode.all()) else decode.nonzero().squeeze(1)
+
+
 class CpuOps(ReferenceOps):
     name = "cpu-compiled"
 
@@ -66,6 +73,7 @@ class CpuOps(ReferenceOps):
         if platform.CPU_ISAS.index(self.isa) > platform.CPU_ISAS.index(best):
             raise RuntimeError(f"CPU kernels for {self.isa} cannot run on this CPU (it supports up to {best})")
         self.ext = build_extension(self.isa)
+        self._decode_rows = PerStep()  # this step's decode rows, shared by every layer
         self.bf16_attention = bool(self.ext.bf16_attention_available())
         self.bf16_linear = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         if self.bf16_attention:
@@ -89,13 +97,14 @@ class CpuOps(ReferenceOps):
     def paged_attention(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
         # The kernel reads int32 metadata; the model runner already builds it so, other callers may not.
         seq_lens, block_tables = seq_lens.to(torch.int32), block_tables.to(torch.int32)
-        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-        decode = q_lens == 1
-        if bool(decode.all()):
+        # Which rows decode, worked out once per step rather than in every layer (four small tensor ops and a host
+        # sync each time).
+        decode_rows = self._decode_rows.get(_decode_rows, cu_seqlens_q)
+        if decode_rows is None:
             return self.ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
         out = torch.empty_like(q)
-        if bool(decode.any()):
-            rows = decode.nonzero().squeeze(1)
+        if decode_rows.numel():
+            rows = decode_rows
             token_index = cu_seqlens_q[rows]
             out[token_index] = self.ext.paged_decode_attention(q[token_index], k_cache, v_cache, block_tables[rows],
                                                                seq_lens[rows], scale)

@@ -5,6 +5,7 @@ import os
 import signal
 import sys
 
+from vlinfer.config import APP_MAX_MODEL_LEN
 from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.serve import security
 from vlinfer.serve.app import ServeConfig, build_app, limit_malloc_arenas
@@ -34,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: $VLINFER_API_KEY; none when unset)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help=f"longest prompt + answer in tokens (default: the model's own, at most {APP_MAX_MODEL_LEN}, "
+                        "and at most what the KV cache holds)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--kv-cache-size", type=_size, default=None, metavar="SIZE", help="KV pool, e.g. 512M")
@@ -92,6 +95,7 @@ def main(argv=None) -> int:
         logger.warning("listening on %s without an API key: anyone who can reach this port can use the model",
                        args.host)
     options = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                   max_model_len_cap=APP_MAX_MODEL_LEN,
                    max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size)
     if args.kv_cache_size is not None:
         options["kv_cache_bytes"] = args.kv_cache_size

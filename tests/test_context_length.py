@@ -1,0 +1,82 @@
+"""max_model_len: left unset, the model's own length, fitted to the KV cache when the cache holds less (Qwen3-VL
+declares 262144 positions); given, used as is and refused when it does not fit. Through LLM and Pipeline here; the
+CLI, the server and the demo in their own test files."""
+import logging
+
+import pytest
+from images import picture
+
+from vlinfer import LLM, Pipeline, SamplingParams
+from vlinfer.config import MAX_FITTED_BATCHED_TOKENS
+
+# The tiny Qwen3-VL's KV cache in float32: 2 layers x 2 KV heads x head_dim 32 x (K, V) x 4 bytes per token.
+KV_BYTES_PER_TOKEN = 2 * 2 * 32 * 2 * 4
+FITTED = 3072  # tokens the pool below holds: a multiple of the block size (16)
+POOL = FITTED * KV_BYTES_PER_TOKEN
+ENGINE = dict(dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def long_context(tiny_vl_with_context):
+    return tiny_vl_with_context(262144)
+
+
+def test_unset_max_model_len_is_fitted_to_the_kv_cache(long_context, caplog):
+    with caplog.at_level(logging.WARNING, logger="vlinfer"):
+        llm = LLM(long_context, kv_cache_bytes=POOL, **ENGINE)
+    engine = llm.engine
+    assert engine.max_model_len == FITTED
+    assert engine.block_manager.num_blocks * engine.config.kvcache_block_size == FITTED
+    assert engine.scheduler.max_num_batched_tokens == FITTED  # follows the fitted length, not 262144
+    warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert f"max_model_len={FITTED}" in warning and "max_position_embeddings=262144" in warning
+    assert "kv_cache_bytes" in warning and "memory_utilization" in warning and "max_model_len" in warning
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match=f"more than max_model_len={FITTED}"):
+        llm.generate([[5] * (FITTED + 1)], use_tqdm=False)
+
+
+def test_a_fitted_length_bounds_the_step_not_the_prompt(long_context):
+    """A pool holding more than MAX_FITTED_BATCHED_TOKENS: the step budget stays bounded (prompts longer than it
+    prefill in chunks, as tests/test_scheduler.py checks), so the accelerators' memory profile, which runs before
+    the length is known, stays small."""
+    fitted = 2 * MAX_FITTED_BATCHED_TOKENS
+    llm = LLM(long_context, kv_cache_bytes=fitted * KV_BYTES_PER_TOKEN, **ENGINE)
+    assert llm.engine.max_model_len == fitted
+    assert llm.engine.scheduler.max_num_batched_tokens == MAX_FITTED_BATCHED_TOKENS
+
+
+def test_max_model_len_cap_bounds_the_unset_length(long_context, caplog):
+    with caplog.at_level(logging.WARNING, logger="vlinfer"):
+        llm = LLM(long_context, kv_cache_bytes=POOL, max_model_len_cap=1024, **ENGINE)
+    assert llm.engine.max_model_len == 1024
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # the pool holds the capped length
+    assert llm.engine.scheduler.max_num_batched_tokens == 2048
+
+
+def test_a_given_max_model_len_must_fit(long_context):
+    with pytest.raises(ValueError, match="fewer than one sequence of max_model_len=8192 needs"):
+        LLM(long_context, kv_cache_bytes=POOL, max_model_len=8192, **ENGINE)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=262144"):
+        LLM(long_context, kv_cache_bytes=POOL, max_model_len=262145, **ENGINE)
+    llm = LLM(long_context, kv_cache_bytes=POOL, max_model_len=1000, **ENGINE)
+    assert llm.engine.max_model_len == 1000
+
+
+def test_a_pool_too_small_for_a_useful_context_is_an_error(long_context):
+    with pytest.raises(ValueError, match="fewer than 2048 tokens, the shortest max_model_len vlinfer fits"):
+        LLM(long_context, kv_cache_bytes=1024 * KV_BYTES_PER_TOKEN, **ENGINE)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "8192"])
+def test_bad_max_model_len_cap(long_context, bad):
+    with pytest.raises(ValueError, match="max_model_len_cap must be a positive int"):
+        LLM(long_context, max_model_len_cap=bad, **ENGINE)
+
+
+def test_pipeline_on_a_262144_position_checkpoint(long_context):
+    pipe = Pipeline(long_context, kv_cache_bytes=POOL, **ENGINE)
+    assert pipe.engine.max_model_len == FITTED
+    answer = pipe(picture(64, 64, seed=0), "What is in this picture?", max_tokens=4, temperature=0)
+    assert isinstance(answer, str) and answer
