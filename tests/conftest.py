@@ -9,15 +9,32 @@ import torch
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+# A run started in the background by a non-interactive shell (`make test &` in a script, some CI steps) starts with
+# SIGINT ignored; Python keeps an inherited SIG_IGN, and so does every subprocess a test starts (a server, a
+# tensor-parallel script), which then cannot be stopped with the Ctrl-C a test sends. The suite runs with Python's
+# own handler instead.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def sigint_disposition() -> tuple:
+    """SIGINT's Python handler and whether the kernel ignores it (SIG_IGN set from C does not show in Python's)."""
+    with open("/proc/self/status") as f:
+        ignored = next((bool(int(line.split()[1], 16) & 1 << (signal.SIGINT - 1)) for line in f
+                        if line.startswith("SigIgn:")), None)
+    return signal.getsignal(signal.SIGINT), ignored
+
+
+SESSION_SIGINT = sigint_disposition()  # as the test run started
+
+
 @pytest.fixture(autouse=True)
-def signal_handlers_unchanged():
-    """A test must leave the process's Ctrl-C and SIGTERM handlers as it found them: an SIGINT left ignored
+def sigint_unchanged():
+    """Every test (and the fixtures set up before it) leaves Ctrl-C as the run started: an SIGINT left ignored
     (SIG_IGN) is inherited by every subprocess a later test starts, which then cannot be interrupted."""
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     yield
-    after = {sig: signal.getsignal(sig) for sig in before}
-    changed = {signal.Signals(sig).name: (before[sig], after[sig]) for sig in before if after[sig] != before[sig]}
-    assert not changed, f"signal handlers changed by this test (before, after): {changed}"
+    assert sigint_disposition() == SESSION_SIGINT, \
+        f"SIGINT (handler, ignored) changed from {SESSION_SIGINT} to {sigint_disposition()}"
 
 
 def package_dir(name: str) -> str:
@@ -99,15 +116,16 @@ def assert_block_pool_empty(llm):
 
 @pytest.fixture(scope="session")
 def tiny_vl_with_context(tmp_path_factory):
-    """tiny_vl_with_context(n) -> folder of a tiny random Qwen3-VL (the embedded model's layout) that declares
-    max_position_embeddings=n: 262144 as the real Qwen3-VL checkpoints do, or a short one. Built once per n."""
+    """tiny_vl_with_context(n) -> folder of a tiny random Qwen3-VL that declares max_position_embeddings=n: 262144
+    as the real Qwen3-VL checkpoints do, or a short one. Built once per n; otherwise the embedded model (same seed,
+    untied head), whose greedy answers are words."""
     from vlinfer.tiny_checkpoints import build_tiny_qwen3_vl
     built = {}
 
     def checkpoint(max_position_embeddings: int) -> str:
         if max_position_embeddings not in built:
             folder = tmp_path_factory.mktemp(f"qwen3-vl-{max_position_embeddings}-positions")
-            built[max_position_embeddings] = build_tiny_qwen3_vl(str(folder), seed=0,
+            built[max_position_embeddings] = build_tiny_qwen3_vl(str(folder), seed=0, tie_word_embeddings=False,
                                                                  max_position_embeddings=max_position_embeddings)
         return built[max_position_embeddings]
 

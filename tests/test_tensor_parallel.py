@@ -234,13 +234,11 @@ def test_del_closes_workers_and_leaves_no_shared_memory(text_checkpoints):
 
 
 SCRIPT = """
-import json, os, signal, sys, time
+import json, os, sys, time
 from vlinfer import LLM, SamplingParams
 
-# A user's program, where Ctrl-C raises KeyboardInterrupt: an ignored SIGINT is inherited across exec, and a test
-# run (or CI shell) that ignores it would otherwise make this script deaf to the signal the test sends.
-signal.signal(signal.SIGINT, signal.default_int_handler)
-
+# A user's program, where Ctrl-C raises KeyboardInterrupt (tests/conftest.py makes sure the run does not hand it an
+# ignored SIGINT).
 if __name__ == "__main__":
     path, mode = sys.argv[1], sys.argv[2]
     llm = LLM(path, tensor_parallel_size=2, dtype="float32", kv_cache_bytes=4 * 2 ** 20, max_model_len=256)

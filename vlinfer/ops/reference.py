@@ -166,3 +166,8 @@ class ReferenceOps:
     def describe(self) -> str:
         """What runs, for the start-up log line."""
         return self.name
+
+    def __deepcopy__(self, memo):
+        # A model copied deep (e.g. to cast a copy to another dtype) still runs on its engine's op table: loaded
+        # kernels are not data to duplicate.
+        return self
