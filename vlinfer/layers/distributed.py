@@ -42,11 +42,6 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def distributed_backend(device_type: str) -> str:
-    # (Belongs with the other per-device facts in vlinfer/platform.py; kept here until that file grows it.)
-    return {"cuda": "nccl", "npu": "hccl"}.get(device_type, "gloo")
-
-
 def new_backend(name: str, store, rank: int, size: int, timeout: timedelta):
     """A process group backend of this engine only, not registered with torch.distributed's global state."""
     if name == "gloo":
