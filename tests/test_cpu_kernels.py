@@ -282,7 +282,6 @@ def test_prepacked_linear_layers(dtype, caplog, cpu_context):
     for p in model.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
     plain = [(m.weight.clone(), None if m.bias is None else m.bias.clone()) for m in model]
-    x = torch.randn(7, 64, generator=g).to(dtype)
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         pack_weights(model)
     if _packs(dtype):
@@ -291,10 +290,26 @@ def test_prepacked_linear_layers(dtype, caplog, cpu_context):
     else:
         assert "linear layers keep plain torch.bfloat16 weights (cpu-compiled has no packed layout" in caplog.text
         assert not any(m.weight.is_mkldnn for m in model)
-    for m, (w, b) in zip(model, plain):
-        inp = x if m.weight.shape[1] == 64 else torch.randn(7, 96, generator=g).to(dtype)
-        ours, ref = m(inp), torch.nn.functional.linear(inp, w, b)
-        assert torch.equal(ours, ref) if dtype == torch.bfloat16 else torch.allclose(ours, ref, atol=1e-5, rtol=1e-5)
+    # Row counts on each side of the padding buckets (ops.cpu.linear_rows_bucket): exact, padded to a power of two,
+    # to a multiple of 64 and of 512.
+    for rows in (7, 9, 33, 100, 600):
+        for m, (w, b) in zip(model, plain):
+            inp = torch.randn(rows, m.weight.shape[1], generator=g).to(dtype)
+            ours, ref = m(inp), torch.nn.functional.linear(inp, w, b)
+            assert ours.shape == ref.shape
+            assert torch.equal(ours, ref) if dtype == torch.bfloat16 else torch.allclose(ours, ref, atol=1e-5,
+                                                                                         rtol=1e-5)
+
+
+def test_linear_rows_buckets():
+    """A prepacked linear runs at few distinct row counts (oneDNN keeps a JIT kernel per count): every count
+    maps to a bucket at least as large, and 1..4096 rows touch at most 30 buckets."""
+    from vlinfer.ops.cpu import linear_rows_bucket
+    buckets = {linear_rows_bucket(rows) for rows in range(1, 4097)}
+    assert all(linear_rows_bucket(rows) >= rows for rows in range(1, 4097))
+    assert [linear_rows_bucket(r) for r in (1, 8, 9, 17, 64, 65, 130, 512, 513, 1500)] == \
+        [1, 8, 16, 32, 64, 128, 192, 512, 1024, 1536]
+    assert len(buckets) <= 30, sorted(buckets)
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])

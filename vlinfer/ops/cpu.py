@@ -53,6 +53,17 @@ def build_extension(isa: str):
                           verbose=False)
 
 
+def linear_rows_bucket(rows: int) -> int:
+    """The row count a prepacked linear runs at: 1-8 exact (single streams and small batches pay nothing), then
+    powers of two to 64, multiples of 64 to 512, multiples of 512 above (chunked prefill sizes)."""
+    if rows <= 8:
+        return rows
+    if rows <= 64:
+        return 1 << (rows - 1).bit_length()
+    step = 64 if rows <= 512 else 512
+    return -(-rows // step) * step
+
+
 def _decode_rows(cu_seqlens_q: torch.Tensor) -> torch.Tensor | None:
     """Indices of the sequences that bring one query token this step; None when every one does."""
     decode = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]) == 1
@@ -147,9 +158,18 @@ class CpuOps(ReferenceOps):
 
     @staticmethod
     def linear(x, weight, bias=None):
-        if weight.is_mkldnn:
+        if not weight.is_mkldnn:
+            return F.linear(x, weight, bias)
+        rows = x.shape[0] if x.dim() == 2 else 0
+        padded = linear_rows_bucket(rows)
+        if padded == rows or rows == 0:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        return F.linear(x, weight, bias)
+        # oneDNN JITs (and keeps) one kernel per distinct row count of a prepacked linear, about half a MiB each:
+        # under continuous batching every new batch size grew the process. Rows padded to a few buckets bound
+        # that; rows are independent in a matmul, so the padding changes no real row's result.
+        x_padded = x.new_zeros(padded, x.shape[1])
+        x_padded[:rows] = x
+        return torch.ops.mkldnn._linear_pointwise(x_padded, weight, bias, "none", [], "")[:rows]
 
     def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         """oneDNN's blocked layout of a [out, in] weight, or None where this CPU / torch build has no packed linear
