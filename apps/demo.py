@@ -5,12 +5,13 @@ loop thread batches them (continuous batching), so the Gradio queue runs many ch
 one at a time. Needs the demo extra: pip install -e ".[demo]" (gradio)."""
 import argparse
 import logging
+import sys
 from pathlib import Path
 
 import gradio as gr
 
-from vlinfer.__main__ import _size as parse_size
-from vlinfer.config import APP_MAX_MODEL_LEN
+from vlinfer.app_options import FLAGS, add_engine_args, engine_options, flags_in_logs, name_flags
+from vlinfer.config import ANSWER_MAX_TOKENS, CHAT_TEMPERATURE, CHAT_TOP_P
 from vlinfer.engine.engine_loop import EngineLoop
 
 logger = logging.getLogger("vlinfer.demo")
@@ -22,6 +23,10 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp"}
 NOTICE_TITLE = "Not answered"
 CONCURRENCY = 16  # chat events the Gradio queue runs at once; the engine batches them
 MAX_TOKENS_LIMIT = 4096
+# The sliders' starting values: a chat UI's (README.md "Defaults" says why they differ from LLM's).
+SAMPLING_DEFAULTS = {"temperature": CHAT_TEMPERATURE, "top_p": CHAT_TOP_P, "max_tokens": ANSWER_MAX_TOKENS}
+# The engine's messages name this app's flags; --concurrency is its max_num_seqs.
+DEMO_FLAGS = {**FLAGS, "max_num_seqs": "--concurrency"}
 EMPTY_INPUT = {"text": "", "files": []}
 # Gradio shows chat images at full width; thumbnails keep a multi-image turn and its answer on one screen.
 # (Gradio 6 takes CSS in launch(): callers of build_demo pass css=DEMO_CSS there.)
@@ -147,6 +152,10 @@ def build_demo(pipe, loop: EngineLoop | None = None) -> gr.Blocks:
         except RuntimeError as e:  # the engine loop failed this request (logged there with the traceback)
             gr.Warning(str(e))
             yield shown + [{"role": "assistant", "content": answer}, notice(f"⚠️ {e}")], gr.skip()
+        except GeneratorExit:  # Stop, Clear or a closed tab: Gradio closed this generator
+            if stream.final is None:  # mid-answer: say so, an abort is otherwise invisible from outside
+                logger.info("request %s: stopped before it finished, aborted in the engine", stream.request_id)
+            raise
         finally:
             stream.abort()  # a no-op when it finished; on Stop it frees the request in the engine
 
@@ -183,11 +192,12 @@ def build_demo(pipe, loop: EngineLoop | None = None) -> gr.Blocks:
                     stop = gr.Button("Stop", variant="stop")
                     clear = gr.Button("Clear")
             with gr.Column(scale=1):
-                temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Temperature",
-                                        info="0 = greedy")
-                top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="Top-p")
-                max_tokens = gr.Slider(1, min(MAX_TOKENS_LIMIT, engine.max_model_len), value=256, step=1,
-                                       label="Max new tokens")
+                temperature = gr.Slider(0.0, 2.0, value=SAMPLING_DEFAULTS["temperature"], step=0.05,
+                                        label="Temperature", info="0 = greedy")
+                top_p = gr.Slider(0.05, 1.0, value=SAMPLING_DEFAULTS["top_p"], step=0.05, label="Top-p")
+                most_tokens = min(MAX_TOKENS_LIMIT, engine.max_model_len)
+                max_tokens = gr.Slider(1, most_tokens, value=min(SAMPLING_DEFAULTS["max_tokens"], most_tokens),
+                                       step=1, label="Max new tokens")
                 status = gr.Markdown(engine_status(), label="engine status")
                 gallery = None
                 if images and pipe.is_multimodal:  # only when examples/images holds pictures
@@ -210,7 +220,7 @@ def build_demo(pipe, loop: EngineLoop | None = None) -> gr.Blocks:
     return demo
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="vlinfer browser chat demo (Gradio)")
     p.add_argument("--model", default="qwen3-vl",
                    help="alias, local folder, .gguf or HF repo id (default qwen3-vl; without its weights on this "
@@ -218,37 +228,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve the local network")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="also open a public gradio.live link")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length per conversation (images count: ~1 token per 32x32 pixels); default: the "
-                        f"model's own, at most {APP_MAX_MODEL_LEN}, and at most what the KV cache holds")
-    p.add_argument("--kv-cache-size", type=parse_size, default=None, metavar="SIZE",
-                   help="KV cache pool, e.g. 512M or 2G (default: a share of free memory)")
+    add_engine_args(p, max_num_seqs=False)  # --max-model-len counts images too: ~1 token per 32x32 pixels
     p.add_argument("--concurrency", type=int, default=CONCURRENCY,
-                   help="chat requests served at once (batched by the engine)")
-    return p.parse_args(argv)
+                   help=f"chat requests served at once, batched by the engine: its max_num_seqs (default: "
+                        f"{CONCURRENCY})")
+    return p
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def demo_engine_options(args: argparse.Namespace) -> dict:
+    # max_num_seqs: the queue never runs more chats at once, so a larger KV pool would be memory never used.
+    return {**engine_options(args), "max_num_seqs": args.concurrency}
+
+
+def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own startup probes, one line each
     from vlinfer.pipeline import Pipeline
-    # max_num_seqs: the queue never runs more chats at once, so a larger KV pool would be memory never used.
-    options = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                   max_model_len_cap=APP_MAX_MODEL_LEN, max_num_seqs=args.concurrency)
-    if args.kv_cache_size is not None:
-        options["kv_cache_bytes"] = args.kv_cache_size
-    pipe = Pipeline(args.model, **options)
-    demo = build_demo(pipe)
-    demo.queue(default_concurrency_limit=args.concurrency)
-    try:
-        demo.launch(server_name=args.host, server_port=args.port, share=args.share, css=DEMO_CSS,
-                    allowed_paths=[str(EXAMPLES_DIR)])
-    finally:
-        demo.engine_loop.close()
+    with flags_in_logs(DEMO_FLAGS):
+        try:
+            pipe = Pipeline(args.model, **demo_engine_options(args))
+        except (ValueError, FileNotFoundError) as e:  # a mistyped --device, a KV budget too small, no model
+            print(f"error: {name_flags(str(e), DEMO_FLAGS)}", file=sys.stderr)
+            return 2
+        demo = build_demo(pipe)
+        demo.queue(default_concurrency_limit=args.concurrency)
+        try:
+            demo.launch(server_name=args.host, server_port=args.port, share=args.share, css=DEMO_CSS,
+                        allowed_paths=[str(EXAMPLES_DIR)])
+        finally:
+            demo.engine_loop.close()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -72,7 +72,10 @@ def main(argv=None):
         from vlinfer.ops.cpu import CpuOps
         best = platform.cpu_isa()
         levels = args.levels or platform.CPU_ISAS[:platform.CPU_ISAS.index(best) + 1]
-        impls = [CpuOps(isa=level) for level in levels]
+        impls = [CpuOps(isa=level, bf16_prefill_kernels=True) for level in levels]
+        if not CpuOps(isa=best).bf16_prefill_kernels and impls[-1].bf16_attention:
+            # AMX: the engine takes SDPA for bf16 prefill and vision attention; time its choice beside our kernels.
+            impls.append(CpuOps(isa=best))
     else:
         impls = [select(args.device)]
     names = [impl.describe() for impl in impls]

@@ -155,12 +155,12 @@ def run_vlinfer(args, path, requests, max_model_len):
     llm.generate([warm], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 
     timers = {"preprocess": 0.0, "vision": 0.0}
-    make_sequence, encode_images = engine.make_sequence, engine.model_runner.model.encode_images
+    make_sequences, encode_images = engine.make_sequences, engine.model_runner.model.encode_images
 
-    def timed_make_sequence(*a, **kw):
+    def timed_make_sequences(*a, **kw):
         t = time.perf_counter()
         try:
-            return make_sequence(*a, **kw)
+            return make_sequences(*a, **kw)
         finally:
             timers["preprocess"] += time.perf_counter() - t
 
@@ -172,7 +172,7 @@ def run_vlinfer(args, path, requests, max_model_len):
             synchronize(args.device)  # an accelerator runs the tower asynchronously: wait for it to count its time
             timers["vision"] += time.perf_counter() - t
 
-    engine.make_sequence = timed_make_sequence  # instance attributes shadow the methods for this run only
+    engine.make_sequences = timed_make_sequences  # instance attributes shadow the methods for this run only
     engine.model_runner.model.encode_images = timed_encode_images
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -201,8 +201,8 @@ def run_vlinfer(args, path, requests, max_model_len):
                  image_tokens=sum(i["num_tokens"] for o in outs for i in o.images),
                  prompt_ids=[o.prompt_token_ids for o in outs], outputs=[o.outputs[0].token_ids for o in outs])
     # The timing wrappers close over bound methods: drop them so no reference cycle keeps the engine alive.
-    del engine.make_sequence, engine.model_runner.model.encode_images
-    del engine, llm, outs, final, make_sequence, encode_images
+    del engine.make_sequences, engine.model_runner.model.encode_images
+    del engine, llm, outs, final, make_sequences, encode_images
     gc.collect()
     return stats
 
@@ -377,7 +377,7 @@ def main(argv=None):
     print(f"\n| vlinfer breakdown | seconds | share of total |\n|---|---|---|")
     print(f"| time to first token, mean | {v['ttft_mean']:.1f} | {v['ttft_mean'] / total:.0%} |")
     print(f"| time to first token, max | {v['ttft_max']:.1f} | {v['ttft_max'] / total:.0%} |")
-    print(f"| preprocessing (image load + processor, make_sequence) | {v['preprocess']:.1f} | "
+    print(f"| preprocessing (image load + processor, make_sequences) | {v['preprocess']:.1f} | "
           f"{v['preprocess'] / total:.0%} |")
     print(f"| vision tower (encode_images) | {v['vision']:.1f} | {v['vision'] / total:.0%} |")
     print(f"| rest (prefill + decode + scheduling) | {total - v['preprocess'] - v['vision']:.1f} | "

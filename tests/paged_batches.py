@@ -10,6 +10,13 @@ def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
+def rel_err_per_seq(a, b, cu_seqlens):
+    """The worst sequence's rel_err, each over its own rows (cu_seqlens bounds them): every sequence is held to its
+    own scale, so a long context's small outputs are not judged against a short context's large ones."""
+    bounds = cu_seqlens.tolist()
+    return max(rel_err(a[s:e], b[s:e]) for s, e in zip(bounds[:-1], bounds[1:]) if e > s)
+
+
 def make_batch(q_lens, kv_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, extra_width=1):
     """(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables); tables are extra_width blocks wider than the
     longest sequence needs, padded with -1."""

@@ -1,4 +1,6 @@
 """Bad requests get a clear error at generate, and the engine serves the next call."""
+import re
+
 import pytest
 
 from conftest import assert_block_pool_empty
@@ -30,7 +32,8 @@ def test_bad_prompt(llm, prompt, match):
         llm.generate([[1, 2, 3], prompt], SamplingParams(max_tokens=4), use_tqdm=False)
     good, bad = info.value.outputs
     assert len(good.outputs[0].token_ids) == 4 and good.error is None  # the good request in the call completed
-    assert bad.error and bad.outputs[0].finish_reason == "error"
+    assert re.search(match, bad.error) and bad.outputs[0].finish_reason == "error"  # its own reason, per request
+    assert bad.outputs[0].token_ids == [] and bad.outputs[0].text == ""
     serves_next_call(llm)
 
 

@@ -132,15 +132,16 @@ def test_free_clears_table_so_a_second_free_is_a_no_op():
     assert bm.num_free_blocks == 4 and all(blk.ref_count == 0 for blk in bm.blocks)
 
 
-def test_double_free_of_a_block_asserts():
+def test_double_free_of_a_block_raises():
     bm = BlockManager(4, 4)
     a = seq_of(range(6))
     compute(bm, a, 6)
     stale = list(a.block_table)
     bm.free(a)
     a.block_table = stale  # a stale table that still names the freed blocks
-    with pytest.raises(AssertionError, match="freed twice"):
+    with pytest.raises(RuntimeError, match=r"KV block \d+ freed twice"):  # an error, not an assert `python -O` drops
         bm.free(a)
+    assert all(blk.ref_count == 0 for blk in bm.blocks)  # refused before any count went negative
 
 
 # ----------------------------------------------------------------------------------------- prefix hit / miss

@@ -62,7 +62,9 @@ def smollm2_runs(request, tmp_path_factory):
     out, err = open(tmp / "gen.out", "w+"), open(tmp / "gen.err", "w+")
     generate = subprocess.Popen(vlinfer("generate", "What is the capital of France? Answer in one sentence.",
                                         "--max-tokens", "16", *SMALL), cwd=REPO, stdout=out, stderr=err)
-    chat = Streamed(vlinfer("chat", "--max-tokens", "24", *SMALL), f"/image {IMAGE}\nhello\n/exit\n",
+    # Greedy (the chat's default temperature is a sampling one), so the answer can be checked word for word.
+    chat = Streamed(vlinfer("chat", "--max-tokens", "24", "--temperature", "0", *SMALL),
+                    f"/image {IMAGE}\nhello\n/exit\n",
                     str(tmp / "chat.err"))
     yield {"generate": (generate, out, err), "chat": chat}
     for proc in (generate, chat.proc):
@@ -98,11 +100,23 @@ def test_missing_model_exit_code_and_tried_list():
     assert "known aliases" in res.stderr and "smollm2" in res.stderr and "Traceback" not in res.stderr
 
 
+def offline_answer(model: str, content, max_tokens: int, **mm_kwargs) -> str:
+    """What the same request answers through the Python API, greedy: what the CLI must print."""
+    from vlinfer import LLM, SamplingParams
+    llm = LLM(model, max_model_len=512, kv_cache_bytes=32 << 20)
+    out = llm.chat([{"role": "user", "content": content}], SamplingParams(temperature=0, max_tokens=max_tokens),
+                   use_tqdm=False, mm_processor_kwargs=mm_kwargs or None)[0]
+    return out.outputs[0].text
+
+
 def test_generate_with_images_on_the_embedded_vl_model():
-    res = subprocess.run(vlinfer("generate", "Describe these.", "--image", IMAGE, "--image", IMAGE, *TINY),
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(vlinfer("generate", "Describe these.", "--image", IMAGE, "--image", IMAGE, *TINY,
+                                 "--temperature", "0"), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip()  # meaningless words, but words
+    # Meaningless words, but the model's answer to both images and the text.
+    content = [{"type": "image", "image": IMAGE}, {"type": "image", "image": IMAGE},
+               {"type": "text", "text": "Describe these."}]
+    assert res.stdout == offline_answer("qwen3-vl-tiny", content, 4, max_pixels=64 * 64) + "\n"
     assert "MEANINGLESS" in res.stderr  # the loader says so, loudly
 
 
@@ -129,7 +143,7 @@ def test_chat_through_stdin(smollm2_runs):
     # /image on a text model: refused with a clear message, the chat goes on.
     assert "'smollm2' is a text-only model and cannot take images" in stderr and "--model qwen3-vl" in stderr
     answer = stdout.split("> ", 2)[2].rsplit("> ", 1)[0]  # prompts: before /image, before hello, before /exit
-    assert answer.strip(), stdout
+    assert answer == offline_answer("smollm2", "hello", 24) + "\n", stdout  # the rejected /image left no trace
     # Streamed: the answer came out in several pieces, not at once.
     pieces = [c for c in chat.chunks if c.strip() and c.strip() != b">"]
     assert len(pieces) >= 2, chat.chunks
@@ -153,9 +167,12 @@ def test_default_context_length_follows_the_model(tiny_vl_with_context, tmp_path
     for name, proc in procs.items():
         assert proc.returncode == 0, (name, results[name][1][-2000:])
     out, err = results["generate 2048"]
-    assert out.strip() and "max_model_len=2048 (the model's max_position_embeddings=2048)" in err
+    assert out == offline_answer(short, "Hello there.", 4) + "\n"
+    assert "--max-model-len=2048 (the model's max_position_embeddings=2048)" in err  # the CLI's flag
     for name in ("generate 262144", "caption 262144"):
         err = results[name][1]
-        assert "max_model_len=3072: the KV cache" in err and "max_model_len_cap=8192" in err, (name, err[-2000:])
+        # The CLI's flags, not the engine's keyword names (tests/test_app_errors.py)
+        assert "--max-model-len=3072: the KV cache" in err and "the default --max-model-len cap=8192" in err, \
+            (name, err[-2000:])
     assert results["generate 262144"][0].strip()
     assert '"caption"' in (tmp_path / "captions.jsonl").read_text()

@@ -7,7 +7,7 @@ import pytest
 from images import picture
 
 from vlinfer import LLM, Pipeline, SamplingParams
-from vlinfer.config import MAX_FITTED_BATCHED_TOKENS
+from vlinfer.config import DEFAULT_MAX_BATCHED_TOKENS
 
 # The tiny Qwen3-VL's KV cache in float32: 2 layers x 2 KV heads x head_dim 32 x (K, V) x 4 bytes per token.
 KV_BYTES_PER_TOKEN = 2 * 2 * 32 * 2 * 4
@@ -38,13 +38,13 @@ def test_unset_max_model_len_is_fitted_to_the_kv_cache(long_context, caplog):
 
 
 def test_a_fitted_length_bounds_the_step_not_the_prompt(long_context):
-    """A pool holding more than MAX_FITTED_BATCHED_TOKENS: the step budget stays bounded (prompts longer than it
+    """A pool holding more than DEFAULT_MAX_BATCHED_TOKENS: the step budget stays bounded (prompts longer than it
     prefill in chunks, as tests/test_scheduler.py checks), so the accelerators' memory profile, which runs before
     the length is known, stays small."""
-    fitted = 2 * MAX_FITTED_BATCHED_TOKENS
+    fitted = 2 * DEFAULT_MAX_BATCHED_TOKENS
     llm = LLM(long_context, kv_cache_bytes=fitted * KV_BYTES_PER_TOKEN, **ENGINE)
     assert llm.engine.max_model_len == fitted
-    assert llm.engine.scheduler.max_num_batched_tokens == MAX_FITTED_BATCHED_TOKENS
+    assert llm.engine.scheduler.max_num_batched_tokens == DEFAULT_MAX_BATCHED_TOKENS
 
 
 def test_max_model_len_cap_bounds_the_unset_length(long_context, caplog):
@@ -78,5 +78,10 @@ def test_bad_max_model_len_cap(long_context, bad):
 def test_pipeline_on_a_262144_position_checkpoint(long_context):
     pipe = Pipeline(long_context, kv_cache_bytes=POOL, **ENGINE)
     assert pipe.engine.max_model_len == FITTED
-    answer = pipe(picture(64, 64, seed=0), "What is in this picture?", max_tokens=4, temperature=0)
-    assert isinstance(answer, str) and answer
+    image = picture(64, 64, seed=0)
+    answer = pipe(image, "What is in this picture?", max_tokens=4, temperature=0)
+    # The fitted engine answers as one given a short length explicitly: the fit changes the bounds, not the model.
+    short = LLM(long_context, kv_cache_bytes=POOL, max_model_len=1024, **ENGINE)
+    ref = short.chat(pipe.messages("What is in this picture?", [image]), SamplingParams(temperature=0, max_tokens=4),
+                     use_tqdm=False)[0].outputs[0]
+    assert answer == ref.text and (len(ref.token_ids) == 4 or ref.finish_reason == "stop")

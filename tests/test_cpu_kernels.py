@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from paged_batches import fp32, make_batch, rel_err
+from paged_batches import fp32, make_batch, rel_err, rel_err_per_seq
 from vlinfer import platform
 from vlinfer.ops import reference
 from vlinfer.ops.cpu import CpuOps
@@ -17,16 +17,42 @@ from vlinfer.ops.dispatch import select
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # max abs error relative to max |reference|
 THIS_CPU = platform.cpu_isa()
+real_flags = platform.cpu_flags()
 LEVELS = sorted({"generic", THIS_CPU}, key=platform.CPU_ISAS.index)
 
 
 @pytest.fixture(scope="module", params=LEVELS)
 def cpu(request):
     """The kernels built for one level; each level is its own extension (its own cache entry)."""
-    ops = CpuOps(isa=request.param)
+    # bf16_prefill_kernels=True: the prefill and vision kernels are tested on every CPU that can run them, also
+    # where the engine prefers SDPA (AMX; test_bf16_prefill_kernels_follow_amx).
+    ops = CpuOps(isa=request.param, bf16_prefill_kernels=True)
     assert ops.isa == request.param
     assert ops.bf16_attention == (request.param == "avx512bf16"), "the bf16 kernels exist at that level only"
+    assert ops.bf16_prefill_kernels == ops.bf16_attention
     return ops
+
+
+@pytest.mark.parametrize("flags", [{"avx512_bf16"}, {"avx512_bf16", "amx_bf16", "amx_tile"}], ids=["no-amx", "amx"])
+def test_bf16_prefill_kernels_follow_amx(cpu_ops, monkeypatch, caplog, flags):
+    """With AMX, bf16 prefill and vision attention run SDPA (oneDNN's AMX path, ~3x our kernels there); without
+    it, our AVX512-BF16 kernels where built; decode stays ours. CPU flags mocked (the kernels built are this
+    machine's)."""
+    mocked = real_flags | flags if "amx_bf16" in flags else real_flags - {"amx_bf16"}
+    monkeypatch.setattr(platform, "cpu_flags", lambda: mocked)
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        ops = CpuOps(isa=cpu_ops.isa)
+    q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    if not ops.bf16_attention:
+        assert not ops.bf16_prefill_kernels and not ops._bf16_flash(q)
+        return
+    assert ops.bf16_prefill_kernels == ("amx_bf16" not in flags) == ops._bf16_flash(q)
+    if "amx_bf16" in flags:
+        assert "bf16 prefill and vision attention run SDPA (this CPU has AMX" in caplog.text
+    else:
+        assert "bf16 attention kernels (AVX512-BF16): decode, prefill, vision" in caplog.text
+
+
 
 
 def test_compiled_kernels_load_on_this_machine(caplog):
@@ -34,7 +60,8 @@ def test_compiled_kernels_load_on_this_machine(caplog):
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         ops = select("cpu")
     assert ops.name == "cpu-compiled" and ops.isa == THIS_CPU
-    assert f"ops: cpu-compiled ({THIS_CPU}) implementation for cpu" in caplog.text
+    assert f"ops: {ops.describe()} implementation for cpu" in caplog.text and ops.describe().startswith(
+        f"cpu-compiled ({THIS_CPU}")
     assert f"kernels built for {THIS_CPU}" in caplog.text
     assert "running the pure-torch reference" not in caplog.text
 
@@ -71,7 +98,19 @@ def test_paged_attention_decode_and_mixed(cpu, dtype, block_size, head_dim, gqa)
         scale = head_dim ** -0.5
         ref = reference.paged_attention(*args, scale)
         ours = cpu.paged_attention(*args, scale)
-        assert rel_err(ours, ref) < TOL[dtype]
+        assert rel_err_per_seq(ours, ref, args[3]) < TOL[dtype]
+
+
+def test_per_sequence_error_sees_an_off_by_one_the_global_max_hides():
+    """A kv length one short at the end of the longest context: against one global max (set by a one-token
+    context's large values) the error passes the bf16 bar; against that sequence's own scale it fails by far."""
+    q, k_cache, v_cache, cu, lens, tables = make_batch([1] * 6, [1, 15, 16, 17, 128, 400], 4, 2, 64, 16,
+                                                       torch.float32)
+    ref = reference.paged_attention(q, k_cache, v_cache, cu, lens, tables, 0.125)
+    short = lens.clone()
+    short[-1] -= 1
+    wrong = reference.paged_attention(q, k_cache, v_cache, cu, short, tables, 0.125)
+    assert rel_err(wrong, ref) < TOL[torch.bfloat16] < rel_err_per_seq(wrong, ref, cu)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -196,7 +235,7 @@ def test_vision_attention_dispatch(cpu):
     cu = torch.tensor([0, 15, 40], dtype=torch.int32)
     # float32 runs SDPA (exact against transformers), bit for bit.
     assert torch.equal(cpu.varlen_attention(q, k, v, cu, 0.125), reference.varlen_attention(q, k, v, cu, 0.125))
-    if not cpu.bf16_attention:  # below AVX512-BF16 bf16 runs SDPA too, bit for bit
+    if not cpu.bf16_prefill_kernels:  # below AVX512-BF16 bf16 runs SDPA too, bit for bit
         qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
         assert torch.equal(cpu.varlen_attention(qb, kb, vb, cu, 0.125), reference.varlen_attention(qb, kb, vb, cu, 0.125))
         return

@@ -13,11 +13,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+import gradio  # noqa: F401  (the demo's own dependency: a test dependency, imported, never skipped)
 import pytest
-
-pytest.importorskip("gradio", reason="the demo extra is not installed: pip install -e '.[demo]'")
-gradio_client = pytest.importorskip("gradio_client")
-from gradio_client import Client, handle_file  # noqa: E402
+from gradio_client import Client, handle_file
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "apps" / "demo.py"
@@ -264,18 +262,22 @@ def test_broken_image_gets_a_clear_message_and_server_keeps_serving(server, tmp_
 
 
 def test_stop_aborts_the_request_in_the_engine(server, tmp_path):
-    url, _, _ = server
+    url, _, log_path = server
     client, observer = _client(url), _client(url)
     job = _chat(client, "Talk for a long time.", [_image(tmp_path / "red.png")], max_tokens=4000)
     deadline = time.monotonic() + 60
     while len(job.outputs()) < 3:
         assert not job.done() and time.monotonic() < deadline, "the long request did not start streaming"
         time.sleep(0.05)
-    assert _active(observer) >= 1
+    assert _active(observer) == 1
+    request_id = re.findall(r"request (\S+): \d+ messages, \d+ images, max_tokens=4000", log_path.read_text())[-1]
     job.cancel()  # what the Stop button does: Gradio cancels the event and closes the generator
-    deadline = time.monotonic() + 15
-    while _active(observer):  # 4000 tokens would take minutes: only an abort empties the engine this fast
-        assert time.monotonic() < deadline, "the stopped request is still running in the engine"
+    # The demo logs the abort of an unfinished answer (one that ended by itself would not say so): the event, not
+    # how fast the engine emptied, shows that Stop freed it. The deadline only bounds a wait.
+    stopped = f"request {request_id}: stopped before it finished, aborted in the engine"
+    deadline = time.monotonic() + 60
+    while stopped not in log_path.read_text() or _active(observer):
+        assert time.monotonic() < deadline, "the stopped request was not aborted in the engine"
         time.sleep(0.2)
     assert _answer(_chat(client, "Still there?", [], max_tokens=4).result(timeout=60)[0])
 
@@ -286,9 +288,7 @@ def test_example_gallery_lists_the_example_images(server):
     suffixes = _demo_module().IMAGE_SUFFIXES
     expected = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in suffixes) if folder.is_dir() else []
     galleries = [c for c in _client(url).config["components"] if c.get("type") == "gallery"]
-    if not expected:  # no examples folder (yet): no gallery, and the page still serves
-        assert not galleries
-        return
+    assert expected, "examples/images ships the example pictures"  # else this test would check nothing
     assert len(galleries) == 1
     shown = sorted(Path(item["image"]["path"]).name for item in galleries[0]["props"]["value"])
     assert shown == expected
@@ -296,9 +296,9 @@ def test_example_gallery_lists_the_example_images(server):
 
 def test_screenshot(server, tmp_path):
     """One headless Chromium screenshot of the page. DEMO_SCREENSHOT=docs/demo.png refreshes the committed one."""
-    if shutil.which("chromium") is None:
-        pytest.skip("the browser is missing: install Debian's chromium (apt-get install -y chromium) to take the "
-                    "demo screenshot")
+    # A test dependency like the pip ones: missing, it fails the run rather than shrinking it.
+    assert shutil.which("chromium"), "the browser is missing: install Debian's chromium (apt-get install -y " \
+                                     "chromium) to take the demo screenshot"
     _, port, _ = server
     out = Path(os.environ.get("DEMO_SCREENSHOT") or tmp_path / "demo.png")
     if not out.is_absolute():
@@ -331,7 +331,7 @@ def test_default_context_length_follows_the_model(tiny_vl_with_context, tmp_path
                               if c.get("type") == "markdown")
             assert f"**max context:** {runs[positions][1]} tokens" in header, header[:500]
             assert _answer(_chat(client, "Hello?", [], max_tokens=4).result(timeout=60)[0])
-        assert "max_model_len=3072: the KV cache" in demos[262144][2].read_text()
+        assert "--max-model-len=3072: the KV cache" in demos[262144][2].read_text()  # the demo's flag
     finally:
         for proc, _, _ in demos.values():
             _stop(proc)

@@ -137,7 +137,7 @@ def test_padding_and_static_buffers(mrope):
     # The step is the runner's context's: a model reading another engine's context sees no step.
     other = graph_runner.GraphRunner(EchoModel(ModelContext(ReferenceOps())), ctx, torch.device("cpu"),
                                      ReplayBackend("cpu"), [1, 2], 4, mrope)
-    with pytest.raises(AssertionError, match="outside a model runner step"):
+    with pytest.raises(RuntimeError, match="outside a model runner step"):
         other.capture()
     # Eager: mixed steps, image rows, wider block tables than captured, batches above the largest bucket.
     assert not runner.can_run(step(3, 2, mrope, decode_only=False))

@@ -20,6 +20,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize 
 
 from vlinfer.multimodal.image_io import ImageLoadError, image_content_hash, load_image
 from vlinfer.multimodal.image_processor import ProcessedImages, Qwen3VLImageProcessor, smart_resize
+from vlinfer.multimodal.url_fetch import UrlPolicy
 
 QWEN3_VL_CONFIG = {
     "size": {"longest_edge": 16777216, "shortest_edge": 65536},
@@ -157,7 +158,44 @@ def test_smart_resize_matches_transformers():
         mx = int(rng.integers(mn, 20_000_000))
         if max(h, w) / min(h, w) > 200:
             continue
-        assert smart_resize(h, w, 32, mn, mx) == hf_smart_resize(h, w, 32, mn, mx)
+        theirs = hf_smart_resize(h, w, 32, mn, mx)
+        if theirs[0] * theirs[1] <= mx:  # where transformers keeps max_pixels, the grids are the same
+            assert smart_resize(h, w, 32, mn, mx) == theirs
+
+
+@pytest.mark.parametrize("hw, mn, mx, expected", [
+    ((10, 10), 65536, 50000, (192, 192)),     # below min_pixels, min above max: transformers gives 256x256
+    ((20, 300), 65536, 66000, (64, 992)),     # upscale to min rounds both sides past a max just above it
+    ((300, 57), 65536, 70000, (576, 96)),     # the same, the other orientation
+    ((40, 8000), 1024, 10240, (32, 320)),     # aspect ratio 200: one side stays 32, the other must shrink
+])
+def test_max_pixels_is_an_upper_bound(proc, hw, mn, mx, expected):
+    theirs = hf_smart_resize(*hw, 32, mn, mx)
+    assert theirs[0] * theirs[1] > mx  # the cases transformers lets past max_pixels
+    h, w = smart_resize(*hw, 32, mn, mx)
+    assert (h, w) == expected and h * w <= mx and h % 32 == 0 and w % 32 == 0
+    out = proc([rand_image(*hw, seed=4)], min_pixels=mn, max_pixels=mx)
+    assert out.sizes == [expected] and out.num_tokens == [h * w // 1024]
+    assert out.pixel_values.shape[0] == h * w // 256
+
+
+def test_max_pixels_below_one_patch_window_is_refused(proc):
+    with pytest.raises(ValueError, match="max_pixels=1000 is below one 32x32 patch window"):
+        proc([rand_image(64, 64)], max_pixels=1000)
+    assert proc([rand_image(64, 64)], max_pixels=1024, min_pixels=1).sizes == [(32, 32)]
+
+
+def test_detail_sets_the_pixel_budget(proc):
+    ims = [rand_image(800, 800, 1), rand_image(800, 800, 2), rand_image(800, 800, 3)]
+    # low: at most LOW_DETAIL_MAX_PIXELS = 512 x 512; high and auto (and unset): max_pixels as configured.
+    out = proc(ims, detail=["low", "high", None])
+    assert out.sizes == [(512, 512), (800, 800), (800, 800)] and out.num_tokens == [256, 625, 625]
+    assert proc(ims[:1], detail="auto").sizes == proc(ims[:1]).sizes == [(800, 800)]
+    assert proc(ims[:1], detail="low", max_pixels=256 * 256).sizes == [(256, 256)]  # the smaller budget wins
+    assert proc(ims[:1], detail="high", max_pixels=256 * 256).sizes == [(256, 256)]
+    assert proc.max_pixels_for("low") == 512 * 512 and proc.max_pixels_for("high") == proc.max_pixels
+    with pytest.raises(ValueError, match="detail must be one of auto, low, high, got 'medium'"):
+        proc(ims[:1], detail="medium")
 
 
 def test_validation(proc):
@@ -167,7 +205,7 @@ def test_validation(proc):
         smart_resize(10, 2500, 32, 1, 10**9)
     with pytest.raises(ValueError, match="smaller than the patch factor"):
         smart_resize(10, 10, 32, 0, 10**6)
-    # max_pixels wins over a larger min_pixels, as in transformers.
+    # max_pixels wins over a larger min_pixels (here as in transformers).
     assert smart_resize(1000, 1000, 32, 65536, 4096) == hf_smart_resize(1000, 1000, 32, 65536, 4096) == (64, 64)
     with pytest.raises(TypeError, match="load_image"):
         proc([np.zeros((32, 32, 3), np.uint8)])
@@ -339,9 +377,12 @@ def test_url_fetch_local_server():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_port}/x.png"
-        assert load_image(url, allow_url=True, url_timeout=5).size == (50, 30)
+        # The server's checks (vlinfer/multimodal/url_fetch.py): loopback is refused unless the policy allows it.
+        with pytest.raises(ImageLoadError, match="non-public address 127.0.0.1"):
+            load_image(url, url_policy=UrlPolicy())
+        assert load_image(url, url_policy=UrlPolicy(allow_private=True, timeout=5)).size == (50, 30)
         with pytest.raises(ImageLoadError, match="over the limit"):
-            load_image(url, allow_url=True, max_url_bytes=len(data) - 1)
+            load_image(url, url_policy=UrlPolicy(allow_private=True, max_bytes=len(data) - 1))
     finally:
         server.shutdown()
         server.server_close()

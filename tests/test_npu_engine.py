@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_block_pool_empty
+from conftest import assert_block_pool_empty, hf_qwen3_vl_processor
 from fake_torch_npu import fake_npu  # noqa: F401  (fixture)
 from images import picture
 from test_text_parity import BF16_LOGIT_TOLERANCE
@@ -154,15 +154,12 @@ def vl_checkpoint(tmp_path_factory):
 
 
 def hf_inputs(llm, text, images):
-    """Token ids expanded by our processor; pixels by transformers' own Qwen3-VL image processor."""
-    from transformers import Qwen2VLImageProcessor
-    ids = llm.engine.process_prompt({"prompt": text, "multi_modal_data": {"image": images}})[1]
+    """Token ids and pixels both from transformers' own Qwen3VLProcessor: its expansion, not fed ours."""
+    out = hf_qwen3_vl_processor(llm.engine.source.folder)(text=[text], images=images or None, return_tensors="pt")
+    ids = out["input_ids"][0].tolist()
     if not images:
         return ids, {}
-    proc = Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
-                                 image_std=[0.5] * 3, size={"shortest_edge": 65536, "longest_edge": 16777216})
-    px = proc(images=images, return_tensors="pt")
-    return ids, {"pixel_values": px["pixel_values"], "image_grid_thw": px["image_grid_thw"]}
+    return ids, {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
 
 VL_REQUESTS = [(VL_PROMPT, [IMAGE]), (TEXT_PROMPT, [])]

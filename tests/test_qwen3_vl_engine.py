@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import assert_block_pool_empty
+from conftest import assert_block_pool_empty, hf_qwen3_vl_processor
 from images import picture
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine import SchedulerOutput
@@ -50,24 +50,18 @@ def make_llm(path, **kw):
     return LLM(path, dtype="float32", **kw)
 
 
-def hf_inputs(llm, prompt_ids, images, max_pixels=None):
-    """Token ids expanded by our processor; pixels by transformers' own Qwen3-VL image processor, run on the
-    engine's device as ours is: torchvision's uint8 resize rounds differently on CUDA than on the CPU (one grey
-    level at some pixels, measured on an H200), and that, not the model, would separate the logits."""
-    from transformers import Qwen2VLImageProcessor
-    expanded = llm.engine.process_prompt({"prompt_token_ids": prompt_ids,
-                                          "multi_modal_data": {"image": images},
-                                          "mm_processor_kwargs": {"max_pixels": max_pixels} if max_pixels else {}})[1]
-    ids = torch.tensor([expanded])
-    kwargs = {"mm_token_type_ids": (ids == IMAGE).int()}
+def hf_inputs(llm, text, images, max_pixels=None):
+    """transformers' inputs for a prompt, all made by its own Qwen3VLProcessor: placeholders expanded (not fed ours)
+    and pixels preprocessed on the engine's device as ours are: torchvision's uint8 resize rounds differently on
+    CUDA than on the CPU (one grey level at some pixels, measured on an H200), and that, not the model, would
+    separate the logits."""
+    size = {"size": {"shortest_edge": 65536, "longest_edge": max_pixels}} if max_pixels else {}
+    out = hf_qwen3_vl_processor(llm.engine.source.folder)(text=[text], images=images or None, return_tensors="pt",
+                                                          device=llm.engine.device, **size)
+    kwargs = {"mm_token_type_ids": out["mm_token_type_ids"].cpu()}
     if images:
-        size = {"shortest_edge": 65536, "longest_edge": max_pixels or 16777216}
-        proc = Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
-                                     image_std=[0.5] * 3, size=size)
-        px = proc(images=images, return_tensors="pt", device=llm.engine.device)
-        px = {k: v.cpu() for k, v in px.items()}
-        kwargs.update(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"])
-    return ids, kwargs
+        kwargs.update(pixel_values=out["pixel_values"].cpu(), image_grid_thw=out["image_grid_thw"].cpu())
+    return out["input_ids"].cpu(), kwargs
 
 
 def hf_greedy(model, ids, kwargs, num_new=NUM_NEW):
@@ -87,7 +81,7 @@ def references(checkpoint):
     llm = make_llm(path)
     refs = []
     for text, images in CASES:
-        ids, kwargs = hf_inputs(llm, llm.tokenizer(text).input_ids, images)
+        ids, kwargs = hf_inputs(llm, text, images)
         refs.append(hf_greedy(model, ids, kwargs))
     return refs
 
@@ -108,7 +102,7 @@ def test_prompt_logits_match_transformers(checkpoint):
         engine.add_sequence(seq)  # holds its images in the encoder cache
         assert engine.block_manager.allocate(seq, seq.num_tokens)
         ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens]))
-        ids, kwargs = hf_inputs(llm, llm.tokenizer(text).input_ids, images)
+        ids, kwargs = hf_inputs(llm, text, images)
         assert ids[0].tolist() == seq.token_ids
         with torch.no_grad():
             ref = model(input_ids=ids, **kwargs).logits[0]
@@ -166,7 +160,7 @@ def test_prefix_cache_reuses_same_image_only(checkpoint, references):
     assert swapped.prompt_token_ids == first.prompt_token_ids
     first_image_token = first.prompt_token_ids.index(IMAGE)
     assert swapped.num_cached_tokens == first_image_token // 16 * 16
-    ids, kwargs = hf_inputs(llm, llm.tokenizer(PROMPT_1).input_ids, [other])
+    ids, kwargs = hf_inputs(llm, PROMPT_1, [other])
     assert swapped.outputs[0].token_ids == hf_greedy(checkpoint[1], ids, kwargs)
     assert_block_pool_empty(llm)
 
@@ -191,8 +185,7 @@ def test_chat_with_image_parts_and_per_request_pixels(checkpoint):
     text = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "What differs?"}]}],
         tokenize=False, add_generation_prompt=True, chat_template=llm.engine.chat_template)
-    ids, kwargs = hf_inputs(llm, llm.tokenizer(text, add_special_tokens=False).input_ids, [IMG_A, IMG_B],
-                            max_pixels=128 * 128)
+    ids, kwargs = hf_inputs(llm, text, [IMG_A, IMG_B], max_pixels=128 * 128)
     assert out.outputs[0].token_ids == hf_greedy(model, ids, kwargs)
     assert_block_pool_empty(llm)
 
@@ -248,11 +241,14 @@ def test_bad_image_is_a_per_request_error(checkpoint, references, bad):
     ({"prompt": PROMPT_1, "multi_modal_data": {"video": [IMG_A]}}, "only 'image'"),
     ({"prompt": PROMPT_1, "multi_modal_data": {"image": [IMG_A]}, "mm_processor_kwargs": {"dpi": 3}}, "dpi"),
 ])
-def test_bad_multimodal_requests(checkpoint, request_, match):
+def test_bad_multimodal_requests(checkpoint, references, request_, match):
     llm = make_llm(checkpoint[0])
     with pytest.raises(ValueError, match=match):
         llm.generate([requests()[2], request_], GREEDY, use_tqdm=False)
-    assert llm.generate([requests()[0]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0]
+    # and the next call is served, with transformers' answer
+    out = llm.generate([requests()[0]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == references[0][:2]
     assert_block_pool_empty(llm)
 
 
@@ -266,7 +262,7 @@ def test_different_images_are_never_confused(checkpoint):
                         GREEDY, use_tqdm=False)
     assert llm.engine.model_runner.num_images_encoded == 3
     for out, image in zip(outs, (IMG_A, one_pixel, other)):
-        ids, kwargs = hf_inputs(llm, llm.tokenizer(PROMPT_1).input_ids, [image])
+        ids, kwargs = hf_inputs(llm, PROMPT_1, [image])
         assert out.outputs[0].token_ids == hf_greedy(model, ids, kwargs)
     assert outs[0].outputs[0].token_ids != outs[2].outputs[0].token_ids  # same text, another image: other words
     # Run again: each image finds its own cached prefix, never the other's.

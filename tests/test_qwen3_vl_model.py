@@ -4,14 +4,12 @@ import math
 
 import pytest
 import torch
+from transformers import Qwen3VLConfig
+from transformers import Qwen3VLForConditionalGeneration as HFQwen3VL
 
-transformers = pytest.importorskip("transformers")
-from transformers import Qwen3VLConfig  # noqa: E402
-from transformers import Qwen3VLForConditionalGeneration as HFQwen3VL  # noqa: E402
-
-from vlinfer.layers import Attention, ForwardContext, ModelContext  # noqa: E402
-from vlinfer.model_loader import ModelSource, iterate_weights  # noqa: E402
-from vlinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration  # noqa: E402
+from vlinfer.layers import Attention, ForwardContext, ModelContext
+from vlinfer.model_loader import ModelSource, iterate_weights
+from vlinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from vlinfer.multimodal.mrope import mrope_positions  # noqa: E402
 from vlinfer.ops.cpu import CpuOps  # noqa: E402
 

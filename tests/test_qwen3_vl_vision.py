@@ -1,14 +1,12 @@
 """Qwen3-VL vision tower and MRoPE against transformers (float32, tiny random config)."""
 import pytest
 import torch
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-transformers = pytest.importorskip("transformers")
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration  # noqa: E402
-
-from vlinfer.layers import ModelContext  # noqa: E402
-from vlinfer.models.qwen3_vl_vision import Qwen3VLVisionModel, split_image_embeds  # noqa: E402
-from vlinfer.ops.cpu import CpuOps  # noqa: E402
-from vlinfer.multimodal.mrope import mrope_cos_sin, mrope_positions  # noqa: E402
+from vlinfer.layers import ModelContext
+from vlinfer.models.qwen3_vl_vision import Qwen3VLVisionModel, split_image_embeds
+from vlinfer.ops.cpu import CpuOps
+from vlinfer.multimodal.mrope import mrope_cos_sin, mrope_positions
 
 IMAGE, VSTART, VEND, VIDEO = 190, 191, 192, 193
 MERGE = 2

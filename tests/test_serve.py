@@ -9,17 +9,15 @@ import threading
 import time
 from types import SimpleNamespace
 
+import httpx
+import openai
 import pytest
 
-for _module in ("fastapi", "uvicorn", "httpx"):  # the server's own dependencies, not vlinfer's
-    pytest.importorskip(_module, reason="the server needs them: pip install fastapi uvicorn httpx")
-openai = pytest.importorskip("openai", reason="the server tests use the official client: pip install openai")
-import httpx  # noqa: E402
-
-from vlinfer.engine.engine_loop import EngineLoop  # noqa: E402
-from vlinfer.engine.llm_engine import LLMEngine  # noqa: E402
-from vlinfer.serve import ServeConfig, build_app  # noqa: E402
-from vlinfer.serve.testing import ServerThread, data_uri, png_bytes  # noqa: E402
+from vlinfer import LLM, SamplingParams
+from vlinfer.engine.engine_loop import EngineLoop
+from vlinfer.engine.llm_engine import LLMEngine
+from vlinfer.serve import ServeConfig, build_app
+from vlinfer.serve.testing import ServerThread, data_uri, png_bytes
 
 MODEL = "qwen3-vl-tiny"
 KEY = "test-key-0123456789"
@@ -44,6 +42,12 @@ def client(served):
         yield c
 
 
+@pytest.fixture(scope="module")
+def offline():
+    """The served engine's model and settings, offline: what a greedy request must answer, token for token."""
+    return LLM(MODEL, dtype="float32", max_model_len=2048, kv_cache_bytes=64 << 20)
+
+
 def image_messages(text="Describe the image.", image=IMAGE):
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
                                          {"type": "text", "text": text}]}]
@@ -55,15 +59,18 @@ def test_models(client):
     assert models[0].owned_by == "vlinfer"
 
 
-def test_chat_with_image_and_usage(client, served):
+def test_chat_with_image_and_usage(client, served, offline):
     r = client.chat.completions.create(model=MODEL, messages=image_messages(), max_tokens=8, temperature=0)
     choice = r.choices[0]
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
-    assert choice.message.role == "assistant" and isinstance(choice.message.content, str) and choice.message.content
-    assert choice.finish_reason in ("length", "stop")
+    # The answer and its counts are the offline engine's for the same conversation.
+    ref = offline.chat(image_messages(), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert choice.message.role == "assistant" and choice.message.content == ref.outputs[0].text
+    assert choice.finish_reason == ref.outputs[0].finish_reason
     u = r.usage
     # A 64x64 image is resized to the model's minimum 256x256: 64 image tokens, plus the chat template's text.
-    assert u.prompt_tokens > 64 and u.completion_tokens <= 8
+    assert ref.images == [{"size": [256, 256], "num_tokens": 64}]
+    assert u.prompt_tokens == len(ref.prompt_token_ids) and u.completion_tokens == len(ref.outputs[0].token_ids)
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
     assert 0 <= u.prompt_tokens_details.cached_tokens <= u.prompt_tokens
     again = client.chat.completions.create(model=MODEL, messages=image_messages(), max_tokens=8, temperature=0)
@@ -98,9 +105,11 @@ def test_stream_ends_with_done(served):
     assert lines[-1] == "data: [DONE]" and len(lines) >= 3
 
 
-def test_text_completion(client):
+def test_text_completion(client, offline):
     r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
-    assert r.object == "text_completion" and r.choices[0].text and r.choices[0].finish_reason == "length"
+    ref = offline.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert r.object == "text_completion" and r.choices[0].text == ref[0].outputs[0].text
+    assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 6
     streamed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
                                          temperature=0, stream=True)
@@ -124,7 +133,10 @@ def test_completion_logprobs(client):
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
-    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == r.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and top[token] == pytest.approx(logprob) == max(top.values())  # greedy: the best
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(4)]
 
 
 def test_n_with_seed_is_reproducible(client):
@@ -143,6 +155,107 @@ def test_stop_string(client):
     r = client.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0, stop=[stop])
     assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
     assert long.startswith(r.choices[0].text)
+
+
+def test_n_and_vllm_options_match_llm_generate(client, offline):
+    """n=2 with vLLM's detokenization options: choices indexed 0..n-1, the same completions as LLM.generate with
+    the same SamplingParams, and the stream rebuilds each choice."""
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    vllm = {"skip_special_tokens": True, "spaces_between_special_tokens": False, "include_stop_str_in_output": True}
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, n=2, seed=21, extra_body=vllm)
+    whole = client.chat.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1]
+    texts = [c.message.content for c in whole.choices]
+    assert texts[0] != texts[1]
+    expected = offline.chat(messages, SamplingParams(n=2, seed=21, temperature=1.0, max_tokens=8, **vllm),
+                            use_tqdm=False)[0]
+    assert [c.text for c in expected.outputs] == texts
+    assert whole.usage.completion_tokens == sum(len(c.token_ids) for c in expected.outputs)
+    streamed = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == {0: texts[0], 1: texts[1]}
+
+
+def test_skip_special_tokens_reaches_the_text(client, served, monkeypatch):
+    """The tiny model never says a special token by itself, so its second token is made <|box_start|> (one of the
+    tokenizer's special tokens) at the sampler's output: skipped by default, in the text when asked."""
+    box = served.engine.tokenizer.convert_tokens_to_ids("<|box_start|>")
+    runner = served.engine.model_runner
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda batch: [(seq, box if seq.num_output_tokens == 1 else token, lp)
+                                                          for seq, token, lp in execute(batch)])
+
+    def texts(**extra):
+        r = client.completions.create(model=MODEL, prompt="Count:", max_tokens=5, temperature=0, n=2,
+                                      extra_body={"ignore_eos": True, **extra})
+        assert [c.index for c in r.choices] == [0, 1]
+        return [c.text for c in r.choices]
+
+    kept, skipped = texts(skip_special_tokens=False), texts()
+    assert all("<|box_start|>" in text for text in kept) and not any("<|box_start|>" in t for t in skipped)
+    assert [text.replace("<|box_start|>", "") for text in kept] == skipped
+    assert texts(skip_special_tokens=True) == skipped
+
+
+def test_truncate_prompt_tokens_and_include_stop_str(client, served):
+    ids = served.engine.tokenizer("The quick brown fox jumps over the lazy dog and runs far away").input_ids
+    cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 4})
+    direct = client.completions.create(model=MODEL, prompt=ids[-4:], max_tokens=6, temperature=0)
+    whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert cut.usage.prompt_tokens == 4 and whole.usage.prompt_tokens == len(ids)
+    assert cut.choices[0].text == direct.choices[0].text
+    # Truncated, a prompt longer than the context is served.
+    over = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 3000}],
+                                          max_tokens=2, temperature=0, extra_body={"truncate_prompt_tokens": 100})
+    assert over.usage.prompt_tokens == 100
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
+    assert e.value.body["param"] == "truncate_prompt_tokens"
+    long = client.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0).choices[0].text
+    stop = long[len(long) // 2:len(long) // 2 + 3]
+    r = client.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0, stop=[stop],
+                                  extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == long[:long.find(stop) + len(stop)]
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(client, served):
+    """The sampler's token options reach the engine through OpenAI's / vLLM's request fields (ids as JSON string
+    keys), with the same effect as through LLM.generate; a bad id is a 400 naming the field."""
+    base = client.completions.create(model=MODEL, prompt="Count:", max_tokens=6, temperature=0)
+    first = base.choices[0].text
+    favoured = served.engine.tokenizer("Count:").input_ids[0]
+    biased = client.completions.create(model=MODEL, prompt="Count:", max_tokens=4, temperature=0,
+                                       logit_bias={str(favoured): 100})
+    assert served.engine.tokenizer(biased.choices[0].text, add_special_tokens=False).input_ids == [favoured] * 4
+    allowed = client.completions.create(model=MODEL, prompt="Count:", max_tokens=3, temperature=0,
+                                        extra_body={"allowed_token_ids": [favoured]})
+    assert allowed.choices[0].text == biased.choices[0].text[:len(allowed.choices[0].text)]
+    assert allowed.usage.completion_tokens == 3
+    word = first.split()[0] if first.split() else first
+    banned = client.completions.create(model=MODEL, prompt="Count:", max_tokens=6, temperature=0,
+                                       extra_body={"bad_words": [word]})
+    assert not banned.choices[0].text.lstrip().startswith(word)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logit_bias={"-3": 1})
+    assert e.value.body["param"] == "logit_bias"
+
+
+def test_image_detail_sets_the_image_tokens(client):
+    big = data_uri(png_bytes(seed=5, size=(800, 800)))
+
+    def prompt_tokens(detail):
+        url = {"url": big, **({"detail": detail} if detail else {})}
+        r = client.chat.completions.create(model=MODEL, max_tokens=1, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": url}, {"type": "text", "text": "Hi"}]}])
+        return r.usage.prompt_tokens
+
+    # low: 512 x 512 pixels at most, 256 image tokens; high and auto: the model's budget, 800 x 800, 625 tokens.
+    low, high = prompt_tokens("low"), prompt_tokens("high")
+    assert high - low == 625 - 256
+    assert prompt_tokens("auto") == prompt_tokens(None) == high
 
 
 def test_bad_image_is_a_400_with_a_message(client):
@@ -219,9 +332,21 @@ def test_metrics(served, client):
     assert values["vlinfer_engine_loop_alive"] == 1
 
 
-def test_concurrent_requests_share_the_batch(served, client):
+def test_concurrent_requests_share_the_batch(served, client, monkeypatch):
     """Requests from separate connections run in the same engine steps (continuous batching across clients)."""
     results, errors = [], []
+    # The engine's first step waits until all four requests are queued, so they arrive while it is busy however
+    # fast it runs: what is checked is that they then share steps, not how the clients' timing fell out.
+    all_queued, most_per_step = threading.Event(), [0]
+    step = served.engine.step
+
+    def gated_step():
+        all_queued.wait(timeout=60)
+        outputs = step()
+        most_per_step[0] = max(most_per_step[0], len({o.request_id for o in outputs}))
+        return outputs
+
+    monkeypatch.setattr(served.engine, "step", gated_step)
 
     def one(i):
         try:
@@ -234,14 +359,14 @@ def test_concurrent_requests_share_the_batch(served, client):
     threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    most_running, deadline = 0, time.monotonic() + 60
-    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
-        most_running = max(most_running, len(served.engine.scheduler.running))
+    deadline = time.monotonic() + 60
+    while served.loop.num_active() < 4 and not errors and time.monotonic() < deadline:
         time.sleep(0.005)
+    all_queued.set()
     for t in threads:
-        t.join(timeout=5)
+        t.join(timeout=120)
     assert not errors and results == [24] * 4, errors
-    assert most_running >= 2
+    assert most_per_step[0] == 4, f"at most {most_per_step[0]} of the 4 requests advanced in one step"
 
 
 def test_engine_failure_is_a_500_without_internals(served, client, monkeypatch):
@@ -301,7 +426,7 @@ def test_serve_cli_defaults_to_the_models_context_length(tiny_vl_with_context, t
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
         log = servers[262144][2]
         log.seek(0)
-        assert "max_model_len=3072: the KV cache" in log.read()
+        assert "--max-model-len=3072: the KV cache" in log.read()  # the server's flag, not the keyword
     finally:
         for proc, _, log in servers.values():
             if proc.poll() is None:

@@ -12,16 +12,13 @@ import sys
 import time
 from types import SimpleNamespace
 
+import httpx
+import openai
+import psutil
 import pytest
 
-for _module in ("fastapi", "uvicorn", "httpx", "psutil"):  # the server's own dependencies, not vlinfer's
-    pytest.importorskip(_module, reason="the server needs them: pip install fastapi uvicorn httpx")
-openai = pytest.importorskip("openai", reason="the server tests use the official client: pip install openai")
-import httpx  # noqa: E402
-import psutil  # noqa: E402
-
-from vlinfer import LLM, SamplingParams  # noqa: E402
-from vlinfer.serve.testing import data_uri, png_bytes  # noqa: E402
+from vlinfer import LLM, SamplingParams
+from vlinfer.serve.testing import data_uri, png_bytes
 
 MODEL = "qwen3-vl-tiny"
 ENGINE = dict(dtype="float32", max_model_len=2048, kv_cache_bytes=64 << 20)

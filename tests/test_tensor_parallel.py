@@ -1,6 +1,7 @@
-"""Tensor parallelism on CPU (gloo), 2 ranks, float32: the same greedy tokens as one rank, each rank holding and
-reading only its shard, failures that surface as errors within seconds, no orphan workers, two engines side by
-side, and the torchrun (multi-node) launch path on two local "nodes"."""
+"""Tensor parallelism on CPU (gloo), 2 ranks, float32: the same greedy tokens and prompt logits as transformers
+(and as one rank), each rank holding and reading only its shard, failures that surface as errors from the event
+itself (a closed connection, the watchdog, a worker's report) rather than a timeout, no orphan workers, two engines
+side by side, and the torchrun (multi-node) launch path on two local "nodes"."""
 import gc
 import json
 import os
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,22 +56,40 @@ def shm_entries() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def text_checkpoints(tmp_path_factory):
-    paths = {}
+def text_models(tmp_path_factory):
+    """name -> (checkpoint folder, the transformers model saved there)."""
+    models = {}
     for name, (family, tie, kv) in TEXT_MODELS.items():
-        paths[name] = str(tmp_path_factory.mktemp(name))
-        build_checkpoint(paths[name], tiny_text_config(family, tie, kv))
-    return paths
+        path = str(tmp_path_factory.mktemp(name))
+        models[name] = path, build_checkpoint(path, tiny_text_config(family, tie, kv))
+    return models
 
 
 @pytest.fixture(scope="module")
-def references(text_checkpoints):
-    """Greedy tokens and prompt logits of one rank."""
+def text_checkpoints(text_models):
+    return {name: path for name, (path, _) in text_models.items()}
+
+
+def hf_greedy(model, prompt: list[int], num_new: int = NUM_NEW) -> list[int]:
+    """transformers' arg-max continuation, EOS included (what ignore_eos=True generates)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(num_new):
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], 1)
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(text_models):
+    """Per model: transformers' greedy tokens and prompt logits (what every engine must give), and one rank's."""
     refs = {}
-    for name, path in text_checkpoints.items():
+    for name, (path, model) in text_models.items():
+        with torch.no_grad():
+            logits = torch.cat([model(torch.tensor([p])).logits[0] for p in PROMPTS[:3]])
         llm = LLM(path, **OPTIONS)
-        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-        refs[name] = tokens, prompt_logits(llm)
+        one_rank = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        refs[name] = SimpleNamespace(tokens=[hf_greedy(model, p) for p in PROMPTS], logits=logits,
+                                     one_rank_tokens=one_rank, one_rank_logits=prompt_logits(llm))
     return refs
 
 
@@ -97,16 +117,16 @@ def tp_engines(text_checkpoints):
 
 
 @pytest.mark.parametrize("name", list(TEXT_MODELS))
-def test_greedy_matches_one_rank(tp_engines, references, name):
-    llm = tp_engines[name]
-    ref_tokens, ref_logits = references[name]
+def test_greedy_matches_transformers_and_one_rank(tp_engines, references, name):
+    llm, ref = tp_engines[name], references[name]
     # max_num_batched_tokens=32: prompts are prefilled in chunks, batched with other requests' decodes.
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == ref_tokens
+    assert [o.outputs[0].token_ids for o in outs] == ref.tokens == ref.one_rank_tokens
     assert_block_pool_empty(llm)
     logits = prompt_logits(llm)
-    assert logits.shape == ref_logits.shape  # the whole vocabulary, gathered from both ranks' halves
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert logits.shape == ref.logits.shape  # the whole vocabulary, gathered from both ranks' halves
+    torch.testing.assert_close(logits, ref.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ref.one_rank_logits, ref.logits, rtol=1e-4, atol=1e-4)
 
 
 def test_each_rank_loads_only_its_shard(tp_engines, text_checkpoints):
@@ -154,11 +174,12 @@ def test_two_tp_engines_at_once(tp_engines, references):
                     if out.finished:
                         finished[out.request_id] = out.outputs[0].token_ids
     for name, request_ids, finished in zip(TEXT_MODELS, ids, done):
-        assert [finished[r] for r in request_ids] == references[name][0]
+        assert [finished[r] for r in request_ids] == references[name].tokens
 
 
-def test_qwen3_vl_with_images_matches_one_rank(tmp_path_factory):
-    from test_qwen3_vl_engine import CASES, requests
+def test_qwen3_vl_with_images_matches_transformers_and_one_rank(tmp_path_factory):
+    from transformers import Qwen3VLForConditionalGeneration
+    from test_qwen3_vl_engine import CASES, hf_greedy as hf_vl_greedy, hf_inputs, requests
     from vlinfer.tiny_checkpoints import build_tiny_qwen3_vl
     path = build_tiny_qwen3_vl(str(tmp_path_factory.mktemp("vl-kv1")), seed=0, num_heads=4, num_kv_heads=1,
                                head_dim=32, mrope_section=(6, 5, 5), vision_depth=2, deepstack_visual_indexes=[0, 1],
@@ -166,7 +187,12 @@ def test_qwen3_vl_with_images_matches_one_rank(tmp_path_factory):
     cases = requests()[:4]  # one image; two images around text; text only; a small image
     assert len(CASES) >= 4
     options = dict(dtype="float32", kv_cache_bytes=16 * 2 ** 20, max_model_len=1024, max_num_batched_tokens=48)
-    reference = [o.outputs[0].token_ids for o in LLM(path, **options).generate(cases, GREEDY, use_tqdm=False)]
+    one_rank = LLM(path, **options)
+    reference = [o.outputs[0].token_ids for o in one_rank.generate(cases, GREEDY, use_tqdm=False)]
+    model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    # transformers, with its own processor's placeholder expansion and pixels.
+    assert reference == [hf_vl_greedy(model, *hf_inputs(one_rank, text, images), num_new=NUM_NEW)
+                         for text, images in CASES[:4]]
     with LLM(path, tensor_parallel_size=2, **options) as llm:
         # A 48-token budget cuts prefill chunks through the images: each rank gets just its chunk's image rows.
         outs = llm.generate(cases, GREEDY, use_tqdm=False)
@@ -179,7 +205,18 @@ def test_qwen3_vl_with_images_matches_one_rank(tmp_path_factory):
         assert_block_pool_empty(llm)
 
 
-def test_killed_worker_is_an_error_within_seconds(text_checkpoints):
+def assert_seen_not_waited_out(error: BaseException) -> None:
+    """The failure was noticed from the event (a closed connection, the watchdog, the worker's own report), not by
+    waiting out distributed_timeout_s: checked on the error and its causes, not by a clock, which a loaded
+    machine could break."""
+    chain, e = [], error
+    while e is not None:
+        chain.append(str(e))
+        e = e.__cause__ or e.__context__
+    assert not any("timed out" in c.lower() or "did not answer within" in c for c in chain), chain
+
+
+def test_killed_worker_is_an_error_at_the_next_step(text_checkpoints):
     llm = LLM(text_checkpoints["llama-kv1"], tensor_parallel_size=2, **OPTIONS)
     engine = llm.engine
     (pid,) = engine.driver.worker_pids.values()
@@ -188,11 +225,13 @@ def test_killed_worker_is_an_error_within_seconds(text_checkpoints):
     for _ in range(3):
         engine.step()
     os.kill(pid, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(TensorParallelError, match=r"rank 1 .*killed by SIGKILL"):
+    steps = 0
+    with pytest.raises(TensorParallelError, match=r"rank 1 .*killed by SIGKILL") as info:
         while engine.has_unfinished_requests():
+            steps += 1
             engine.step()
-    assert time.monotonic() - start < 30
+    assert steps == 1, f"{steps} steps ran after the worker was killed"  # the first step that needs it fails
+    assert_seen_not_waited_out(info.value)
     with pytest.raises(TensorParallelError, match="closed"):  # and it stays an error, at once
         engine.step()
     assert not wait_gone([pid])
@@ -203,10 +242,9 @@ def test_worker_exception_is_reported(text_checkpoints, monkeypatch):
     monkeypatch.setenv("VLINFER_TEST_WORKER_FAULT", "1:4")  # rank 1 raises at its 4th step
     llm = LLM(text_checkpoints["qwen3-kv2"], tensor_parallel_size=2, **OPTIONS)
     (pid,) = llm.engine.driver.worker_pids.values()
-    start = time.monotonic()
-    with pytest.raises(TensorParallelError, match="(?s)rank 1.*injected fault at step 4"):
+    with pytest.raises(TensorParallelError, match="(?s)rank 1.*injected fault at step 4") as info:
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert time.monotonic() - start < 30
+    assert_seen_not_waited_out(info.value)
     assert not wait_gone([pid])
     assert_block_pool_empty(llm)  # the failed run's requests were aborted
 
@@ -215,10 +253,9 @@ def test_hung_worker_times_out(text_checkpoints, monkeypatch):
     monkeypatch.setenv("VLINFER_TEST_WORKER_FAULT", "1:4:hang")  # rank 1 stops answering at its 4th step
     llm = LLM(text_checkpoints["qwen3-kv2"], tensor_parallel_size=2, distributed_timeout_s=2, **OPTIONS)
     (pid,) = llm.engine.driver.worker_pids.values()
-    start = time.monotonic()
+    # The message names the 2 s timeout: that, not a clock bound on the test, shows which path fired.
     with pytest.raises(TensorParallelError, match="did not answer within distributed_timeout_s=2"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert time.monotonic() - start < 30
     assert not wait_gone([pid])  # the hung worker was stopped
 
 
@@ -231,6 +268,19 @@ def test_del_closes_workers_and_leaves_no_shared_memory(text_checkpoints):
     gc.collect()
     assert not wait_gone(pids)
     assert shm_entries() - before == set()
+
+
+def test_closing_the_last_engine_restores_sigterm(text_checkpoints):
+    """A TP engine closes its workers on SIGTERM through a handler of its own; once the last engine is closed the
+    process's SIGTERM is what it was before (its own process: other tests' engines hold the handler here)."""
+    code = (f"import signal\nfrom vlinfer import LLM\n"
+            f"llm = LLM({text_checkpoints['qwen3-kv2']!r}, tensor_parallel_size=2, **{OPTIONS!r})\n"
+            f"during = signal.getsignal(signal.SIGTERM)\n"
+            f"llm.close()\n"
+            f"print('DURING', during is not signal.SIG_DFL, 'AFTER', signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "DURING True AFTER True" in out.stdout
 
 
 SCRIPT = """
@@ -250,6 +300,8 @@ if __name__ == "__main__":
     else:
         print("WORKERS " + json.dumps(list(llm.engine.driver.worker_pids.values())), flush=True)
         params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        llm.generate([[5, 6, 7]] * 4, params, use_tqdm=False)
+        print("GENERATING []", flush=True)  # the next generate starts now: a signal from here on lands mid-generation
         while True:  # until interrupted: one generate can end (max_model_len) before the signal comes
             llm.generate([[5, 6, 7]] * 4, params, use_tqdm=False)
 """ % NUM_NEW
@@ -290,7 +342,7 @@ def test_signals_leave_no_orphans(text_checkpoints, tmp_path, sig):
     proc = start_script(tmp_path, "rank0", text_checkpoints["qwen3-kv2"], "signal", launcher=(sys.executable,))
     try:
         workers = read_marker(proc, "WORKERS ")
-        time.sleep(1.0)  # mid-generation
+        read_marker(proc, "GENERATING ")  # one generate done, the next one running: the signal lands mid-generation
         os.kill(proc.pid, sig)
         proc.wait(timeout=30)
         assert proc.returncode != 0
@@ -321,7 +373,7 @@ def test_torchrun_two_nodes(text_checkpoints, references, tmp_path):
                                   launcher=launcher, env={"OMP_NUM_THREADS": "1"}))
     try:
         tokens = read_marker(nodes[0], "TOKENS ")
-        assert tokens == references["llama-kv1"][0]
+        assert tokens == references["llama-kv1"].tokens
         for node in nodes:  # rank 0 closes the engine at exit; rank 1's LLM(...) then returns by exiting
             node.wait(timeout=60)
             assert node.returncode == 0, stderr_tail(node)

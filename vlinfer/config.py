@@ -7,14 +7,28 @@ INIT_SCHEMES = ("tcp://", "env://", "file://")  # the rendezvous URLs torch.dist
 # A max_model_len fitted to the KV cache is at least this long (or the model's own length when shorter): room for
 # a useful prompt and answer. A pool that holds fewer tokens is an error.
 MIN_FITTED_MODEL_LEN = 2048
-MIN_BATCHED_TOKENS = 2048  # the default max_num_batched_tokens is never below this
-# The default max_num_batched_tokens when max_model_len is fitted: on accelerators the memory profile that sizes
-# the KV pool (and so the fitted length) runs one step of max_num_batched_tokens, so that step cannot wait for
-# the length; bounded, it stays small next to the pool it measures.
-MAX_FITTED_BATCHED_TOKENS = 8192
+# The default max_num_batched_tokens (tokens per engine step), as vLLM bounds it: never the whole context of a
+# 262144-position model in one step (longer prompts prefill in chunks, batched with other requests' decodes), and
+# on accelerators the memory profile that sizes the KV pool runs one step of it, so it must stay small next to the
+# pool it measures. At least MIN_BATCHED_TOKENS, so short-context models still batch several prompts per step.
+DEFAULT_MAX_BATCHED_TOKENS = 8192
+MIN_BATCHED_TOKENS = 2048
+# The KV budget when neither kv_cache_bytes nor memory_utilization is given (ModelRunner.num_blocks_for_budget).
+CPU_DEFAULT_MEMORY_UTILIZATION = 0.4  # of the RAM still free after the weights are loaded
+ACCELERATOR_DEFAULT_MEMORY_UTILIZATION = 0.9  # of the device's total memory (weights and a profiled step included)
 # The CLI, the server and the demo run at the model's own context length, at most this (max_model_len_cap), when
 # no --max-model-len is given: enough for a chat with images, without a pool sized for 262144-token contexts.
 APP_MAX_MODEL_LEN = 8192
+# Sampling defaults of the entry points that differ from SamplingParams' (vLLM's); README.md "Defaults" says why.
+ANSWER_MAX_TOKENS = 512  # Pipeline, `vlinfer generate`, `vlinfer chat`, the demo: room for a full answer
+CAPTION_MAX_TOKENS = 128  # `vlinfer caption`: captions are short, and a batch ends with its longest one
+CHAT_TEMPERATURE = 0.7  # the chat UIs (`vlinfer chat`, the demo): varied replies that stay on topic
+CHAT_TOP_P = 0.9
+
+
+def default_batched_tokens(max_model_len: int) -> int:
+    """max_num_batched_tokens when none is given."""
+    return max(min(max_model_len, DEFAULT_MAX_BATCHED_TOKENS), MIN_BATCHED_TOKENS)
 
 
 @dataclass
@@ -27,8 +41,8 @@ class EngineConfig:
     max_model_len: int | None = None
     max_model_len_cap: int | None = None  # with max_model_len=None: use at most this many (the apps' default)
     max_num_seqs: int = 256
-    # Tokens per step. None: enough for a full-length prompt, at least 2048; with a fitted max_model_len, at most
-    # MAX_FITTED_BATCHED_TOKENS (longer prompts prefill in chunks), see LLMEngine._init.
+    # Tokens per step. None: default_batched_tokens(max_model_len), i.e. min(max_model_len, 8192), at least 2048;
+    # longer prompts prefill in chunks.
     max_num_batched_tokens: int | None = None
     # None: the device's default (platform.default_block_size): 16 on CPU, 128 on NPU, 256 on CUDA with flash_attn.
     kvcache_block_size: int | None = None
@@ -48,7 +62,9 @@ class EngineConfig:
     distributed_timeout_s: float = 60.0  # a step's collectives: how long a rank may wait for the others
     distributed_startup_timeout_s: float = 600.0  # workers starting, connecting and loading their shard
     seed: int = 0
-    allow_image_urls: bool = False  # fetch http(s) image URLs; off so a request cannot make the engine fetch
+    # Fetch http(s) image URLs: True with vlinfer.multimodal.UrlPolicy's limits (public hosts only), or a UrlPolicy.
+    # Off so a request cannot make the engine fetch.
+    allow_image_urls: bool = False
 
     def __post_init__(self):
         for name in ("max_num_seqs", "kvcache_block_size", "max_model_len", "max_model_len_cap",

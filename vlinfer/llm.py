@@ -1,4 +1,6 @@
 """The offline entry point, shaped like vLLM's `LLM` so its users can switch."""
+from collections import Counter
+
 from tqdm.auto import tqdm
 
 from vlinfer.engine.llm_engine import LLMEngine, PromptType
@@ -41,12 +43,12 @@ class LLM:
         seqs, order = [], {}
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             try:
-                seq = self.engine.make_sequence(prompt, params)
+                group = self.engine.make_sequences(prompt, params)  # n sequences for n completions
             except ValueError as e:  # a bad request is answered with its error; the others still run
                 results[i] = RequestOutput.rejected(f"rejected-{i}", prompt, str(e))
                 continue
-            seqs.append(seq)
-            order[seq.request_id] = i
+            seqs.extend(group)
+            order[group[0].parent_id] = i
         self._run(seqs, order, results, use_tqdm)
         if any(r.error for r in results):
             raise RequestError(results)
@@ -55,13 +57,18 @@ class LLM:
     def _run(self, seqs, order: dict[str, int], results: list, use_tqdm: bool) -> None:
         for seq in seqs:
             self.engine.add_sequence(seq)
-        bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm, unit="req")
+        sizes = Counter(seq.parent_id for seq in seqs)  # completions per request
+        done: dict[str, list[RequestOutput]] = {}
+        bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req")
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        bar.update(1)
+                        finished = done.setdefault(out.request_id, [])
+                        finished.append(out)
+                        if len(finished) == sizes[out.request_id]:
+                            results[order[out.request_id]] = _merge(finished)
+                            bar.update(1)
         except BaseException:
             for seq in seqs:  # a failed or interrupted run must not leave its requests holding blocks
                 self.engine.abort_request(seq.request_id)
@@ -74,8 +81,40 @@ class LLM:
              mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the model's chat template, then generate. Takes one conversation or a list of them; content may be
         a string or OpenAI-style parts ({"type": "text"}, {"type": "image", "image": ...},
-        {"type": "image_url", "image_url": {"url": ...}})."""
+        {"type": "image_url", "image_url": {"url": ...}}). Bad conversations are answered as generate answers bad
+        prompts: RequestError after the others finished, every output in `.outputs` in input order."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.chat_prompt(c, add_generation_prompt, chat_template, mm_processor_kwargs)
-                   for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        # As in generate, a conversation that cannot be run (vision tokens typed in its text, an unknown content
+        # part, a message that is not a dict) is answered with its error and the others still run.
+        prompts, rejected = {}, {}
+        for i, conversation in enumerate(conversations):
+            try:
+                prompts[i] = self.engine.chat_prompt(conversation, add_generation_prompt, chat_template,
+                                                     mm_processor_kwargs)
+            except ValueError as e:
+                rejected[i] = RequestOutput.rejected(f"rejected-{i}", None, str(e))
+        if not rejected:
+            return self.generate(list(prompts.values()), sampling_params, use_tqdm)
+        if isinstance(sampling_params, list):  # one per conversation: keep those of the ones that run
+            if len(sampling_params) != len(conversations):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(conversations)} conversations")
+            sampling_params = [sampling_params[i] for i in prompts]
+        try:
+            outputs = self.generate(list(prompts.values()), sampling_params, use_tqdm) if prompts else []
+        except RequestError as e:  # rejected by generate: the conversation's own index names it below
+            outputs = e.outputs
+        results = dict(rejected)
+        for i, out in zip(prompts, outputs):
+            results[i] = RequestOutput.rejected(f"rejected-{i}", out.prompt, out.error) if out.error else out
+        raise RequestError([results[i] for i in range(len(conversations))])
+
+
+def _merge(outputs: list[RequestOutput]) -> RequestOutput:
+    """One RequestOutput per request, as vLLM returns: its n completions in index order."""
+    if len(outputs) == 1:
+        return outputs[0]
+    outputs = sorted(outputs, key=lambda out: out.outputs[0].index)
+    first = outputs[0]
+    return RequestOutput(request_id=first.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+                         outputs=[out.outputs[0] for out in outputs], finished=True,
+                         num_cached_tokens=first.num_cached_tokens, images=first.images)

@@ -267,14 +267,14 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
             if f".{fragment}." in name:
                 target = name.replace(f".{fragment}.", f".{fused}.")
                 param = params[target]
-                param.weight_loader(param, tensor, shard_id)
+                _load_one(name, param.weight_loader, param, tensor, shard_id)
                 loaded.add((target, shard_id))
                 break
         else:
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
             param = params[name]
-            getattr(param, "weight_loader", _copy)(param, tensor)
+            _load_one(name, getattr(param, "weight_loader", _copy), param, tensor)
             loaded.add((name, None))
     loaded_names = {n for n, _ in loaded}
     missing = [n for n in params if n not in loaded_names and not (tied and n == "lm_head.weight")]
@@ -282,6 +282,15 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
         raise ValueError(f"checkpoint is missing weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
+def _load_one(name: str, loader, *args) -> None:
+    """A weight that does not fit its parameter (a config that disagrees with its checkpoint) names itself."""
+    try:
+        loader(*args)
+    except ValueError as e:
+        raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+
+
 def _copy(param: nn.Parameter, tensor) -> None:
-    assert param.shape == tensor.shape, f"shape mismatch {tuple(param.shape)} vs {tuple(tensor.shape)}"
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(tensor.shape)}")
     param.data.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor.full())

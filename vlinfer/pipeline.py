@@ -1,10 +1,9 @@
 """`Pipeline("qwen3-vl")`: images and text in, text out. A thin layer over LLM for the common cases."""
 from collections.abc import Iterable, Iterator
 
+from vlinfer.config import ANSWER_MAX_TOKENS
 from vlinfer.llm import LLM
 from vlinfer.sampling_params import SamplingParams
-
-DEFAULT_MAX_TOKENS = 512
 
 
 class Pipeline:
@@ -33,7 +32,7 @@ class Pipeline:
             if options:
                 raise ValueError("pass either sampling_params or sampling keyword options, not both")
             return sampling_params
-        options.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+        options.setdefault("max_tokens", ANSWER_MAX_TOKENS)  # SamplingParams' 16 would cut most answers short
         return SamplingParams(**options)
 
     def messages(self, prompt: str | None = None, images: Iterable | None = None) -> list[dict]:

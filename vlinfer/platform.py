@@ -17,11 +17,16 @@ def npu_available() -> bool:
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) != "auto":
-        dev = torch.device(device)
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):  # torch's message lists every backend it was built to know
+            raise ValueError(f"device={str(device)!r} is not a device; use 'auto', 'cpu', 'cuda', 'cuda:N' or "
+                             "'npu'") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} requested but CUDA is not available")
+            raise ValueError(f"device={str(device)!r}: CUDA is not available on this machine; use 'auto' or 'cpu'")
         if dev.type == "npu" and not npu_available():
-            raise ValueError(f"device {device!r} requested but torch_npu / the CANN runtime is not available")
+            raise ValueError(f"device={str(device)!r}: torch_npu / the CANN runtime is not available on this "
+                             "machine; use 'auto' or 'cpu'")
         return dev
     if torch.cuda.is_available():
         return torch.device("cuda")

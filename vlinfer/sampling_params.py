@@ -1,6 +1,52 @@
-from dataclasses import dataclass, field
+import difflib
+import functools
+from dataclasses import dataclass, field, fields, replace
+
+# vLLM SamplingParams fields vlinfer does not implement, with the value that means "off". vLLM code often spells
+# out every field, so the off value is accepted (there is nothing to do); any other value is refused by name
+# instead of being silently ignored.
+VLLM_FIELDS_OFF = {"best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
+                   "prompt_logprobs": None, "guided_decoding": None, "structured_outputs": None,
+                   "logits_processors": None, "detokenize": True, "output_kind": None, "extra_args": None}
 
 
+def _vllm_field_is_off(name: str, value, kwargs: dict) -> bool:
+    if name == "best_of":  # best_of == n samples n and returns all n: what n alone does
+        return value is None or value == kwargs.get("n", 1)
+    if name == "logits_processors":  # None or an empty list
+        return not value
+    off = VLLM_FIELDS_OFF[name]
+    return value is off if off is None or isinstance(off, bool) else value == off
+
+
+def _named_fields_only(cls):
+    """The dataclass __init__ raises a bare TypeError for an unknown keyword; this one raises a ValueError naming
+    every field it cannot take (and the field a typo was probably meant to be)."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        known = {f.name for f in fields(cls) if f.init}
+        problems = []
+        for name in [k for k in kwargs if k not in known]:
+            value = kwargs.pop(name)
+            if name in VLLM_FIELDS_OFF:
+                if not _vllm_field_is_off(name, value, kwargs):
+                    problems.append(f"SamplingParams.{name}={value!r} is not supported (a vLLM option vlinfer does "
+                                    f"not implement; leave it unset)")
+                continue
+            guess = difflib.get_close_matches(name, known, n=1)
+            problems.append(f"SamplingParams has no field {name!r}" +
+                            (f" (did you mean {guess[0]!r}?)" if guess else ""))
+        if problems:
+            raise ValueError("; ".join(problems))
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_named_fields_only
 @dataclass
 class SamplingParams:
     """Per-request sampling options, named and defaulted as in vLLM. temperature 0 means greedy."""
@@ -18,6 +64,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    n: int = 1  # completions per prompt, each with its own random stream (see for_completion)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # False: no space between two adjacent added tokens (vLLM's rule)
+    include_stop_str_in_output: bool = False  # keep the stop string, or a stop token's text (EOS too), as vLLM
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: the last max_model_len
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's range, [-100, 100])
+    allowed_token_ids: list[int] | None = None  # only these may be generated
+    bad_words: list[str] | None = None  # words never generated, at the start of the text or after a space
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -60,11 +114,59 @@ class SamplingParams:
              "must be a list of ints")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []), "stop_token_ids",
              "must be a list of non-negative ints")
+        need(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1, "n", "must be an int >= 1")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+            need(isinstance(getattr(self, name), bool), name, "must be True or False")
+        k = self.truncate_prompt_tokens
+        need(k is None or isinstance(k, int) and not isinstance(k, bool) and (k >= 1 or k == -1),
+             "truncate_prompt_tokens", "must be None, -1 (the model's max_model_len) or an int >= 1")
         if self.top_k == -1:
             self.top_k = 0
         self.stop_strings = stops
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check_token_options()
+
+    def _check_token_options(self) -> None:
+        """logit_bias, allowed_token_ids and bad_words as vLLM takes them; normalized to a dict of int -> float
+        (OpenAI's JSON keys are strings of ids) and lists. The model's vocabulary is checked by the engine."""
+        def fail(name: str, why: str):
+            raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        def token_id(key) -> int | None:
+            if isinstance(key, str) and key.strip().isdigit():
+                key = int(key)
+            return key if isinstance(key, int) and not isinstance(key, bool) and key >= 0 else None
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", "must be a dict of token id -> bias")
+            bias = {}
+            for key, value in self.logit_bias.items():
+                if token_id(key) is None:
+                    fail("logit_bias", f"has {key!r}, not a token id (a non-negative int)")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                    fail("logit_bias", f"has bias {value!r} for token {key!r}; biases are numbers in [-100, 100]")
+                bias[token_id(key)] = float(value)
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                fail("allowed_token_ids", "must be None or a non-empty list of token ids")
+            if any(token_id(t) is None or isinstance(t, str) for t in self.allowed_token_ids):
+                fail("allowed_token_ids", "must be a list of non-negative ints")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            if not isinstance(words, (list, tuple)) or \
+                    not all(isinstance(w, str) and w.strip() for w in words):
+                fail("bad_words", "must be a list of words (strings with more than spaces)")
+            self.bad_words = list(words)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def for_completion(self, index: int) -> "SamplingParams":
+        """The params of completion `index` of n: one completion and, when seeded, seed + index (vLLM's rule), so
+        completions draw different tokens and each is reproduced alone by SamplingParams(seed=seed + index)."""
+        seed = None if self.seed is None else (self.seed + index + 2 ** 63) % 2 ** 64 - 2 ** 63
+        return replace(self, n=1, seed=seed)

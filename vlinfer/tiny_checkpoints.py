@@ -28,7 +28,8 @@ def tiny_qwen3_vl_config(text_hidden: int = 128, text_layers: int = 2, num_heads
     """The real Qwen3-VL layout at a small width. mrope_section must sum to head_dim / 2 (the real model's
     [24, 20, 20] for head_dim 128). The real checkpoints declare max_position_embeddings=262144."""
     from transformers import Qwen3VLConfig
-    assert sum(mrope_section) == head_dim // 2, "mrope_section must cover head_dim / 2 frequencies"
+    if sum(mrope_section) != head_dim // 2:
+        raise ValueError(f"mrope_section={list(mrope_section)} must sum to head_dim / 2 = {head_dim // 2}")
     if deepstack_visual_indexes is None:
         deepstack_visual_indexes = list(range(min(vision_depth, 2)))
     return Qwen3VLConfig(
@@ -65,7 +66,8 @@ def build_tiny_qwen3_vl(folder: str, seed: int = 0, **config_overrides) -> str:
     """Write a seeded random Qwen3-VL checkpoint (safetensors, config, tokenizer, preprocessor config)."""
     from transformers import Qwen3VLForConditionalGeneration
     config = tiny_qwen3_vl_config(**config_overrides)
-    model = Qwen3VLForConditionalGeneration(config).eval()
+    with torch.random.fork_rng(devices=[]):  # transformers' init draws from the global RNG: the caller's, kept
+        model = Qwen3VLForConditionalGeneration(config).eval()
     _rescale(model, torch.Generator().manual_seed(seed))
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)

@@ -196,14 +196,18 @@ class ControlChannel:
         return [pickle.loads(p[:int(n)].numpy().tobytes()) for p, n in zip(parts, lengths)]
 
 
-def control_channel(store: dist.Store, rank: int, world: int, timeout: timedelta) -> ControlChannel:
-    backend = new_backend("gloo", dist.PrefixStore(f"{STORE_PREFIX}/control", store), rank, world, timeout)
+def control_channel(store: dist.Store, rank: int, world: int, timeout: timedelta,
+                    join_timeout: timedelta | None = None) -> ControlChannel:
+    backend = new_backend("gloo", dist.PrefixStore(f"{STORE_PREFIX}/control", store), rank, world, timeout,
+                          join_timeout)
     return ControlChannel(backend, rank, world)
 
 
-def device_group(store: dist.Store, rank: int, world: int, device: torch.device, timeout: timedelta) -> TPGroup:
+def device_group(store: dist.Store, rank: int, world: int, device: torch.device, timeout: timedelta,
+                 join_timeout: timedelta | None = None) -> TPGroup:
     name = platform.distributed_backend(device)
-    backend = new_backend(name, dist.PrefixStore(f"{STORE_PREFIX}/device", store), rank, world, timeout)
+    backend = new_backend(name, dist.PrefixStore(f"{STORE_PREFIX}/device", store), rank, world, timeout,
+                          join_timeout)
     return TPGroup(rank, world, backend)
 
 

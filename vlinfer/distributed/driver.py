@@ -105,6 +105,8 @@ def _shutdown(state: _State, polite: bool = True) -> None:
     _LIVE.discard(state)
     if state.restore_threads is not None and not _LIVE:
         torch.set_num_threads(state.restore_threads)
+    if not _LIVE:
+        _restore_sigterm_handler()
 
 
 _LIVE: set = set()  # states of open drivers, for the SIGTERM handler
@@ -129,6 +131,15 @@ def _install_sigterm_handler() -> None:
         return
     _previous_sigterm = current
     signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _restore_sigterm_handler() -> None:
+    """The last driver closed: the process's SIGTERM goes back to what it was before the first one (a handler
+    left behind would outlive every engine). Signal handlers can only be set from the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, _previous_sigterm or signal.SIG_DFL)
 
 
 def _watchdog(state_ref) -> None:
@@ -204,10 +215,11 @@ class TPDriver:
             if state.store is None:  # launched externally: meet at the launcher's address
                 state.store = connect_store(self.url, 0, self.world, self.startup_timeout)
             self._wait_for("hello", "connect")
-            state.channel = control_channel(state.store, 0, self.world, self.step_timeout)
+            state.channel = control_channel(state.store, 0, self.world, self.step_timeout, self.startup_timeout)
             logger.info("tensor parallel: %d ranks connected via %s", self.world, self.url)
             state.channel.broadcast(("init", init))
-            state.group = device_group(state.store, 0, self.world, self.device, self.step_timeout)
+            state.group = device_group(state.store, 0, self.world, self.device, self.step_timeout,
+                                       self.startup_timeout)
         except BaseException:
             self.close(polite=False)
             raise

@@ -77,7 +77,8 @@ class BlockManager:
         """Give a sequence with no blocks its cached prefix blocks. Returns the number of tokens whose KV is
         reused. The block holding the last token is never reused: that token must be recomputed for its logits,
         and writing its KV into a block other sequences read would be a hidden write to shared state."""
-        assert not seq.block_table
+        if seq.block_table:  # its blocks would leak: the scheduler frees a sequence before it allocates again
+            raise RuntimeError(f"sequence {seq.request_id} already holds {len(seq.block_table)} KV blocks")
         if not self.enable_prefix_caching:
             return 0
         hits = []
@@ -122,8 +123,9 @@ class BlockManager:
         # Tail blocks first: a shared prefix outlives the suffixes that depend on it.
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
+            if block.ref_count <= 0:  # a second free would hand one block to two sequences
+                raise RuntimeError(f"KV block {block_id} freed twice (by sequence {seq.request_id})")
             block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
                 if block.hash is None:  # holds nothing reusable: hand it out before cached blocks

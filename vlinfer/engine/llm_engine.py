@@ -6,7 +6,7 @@ from itertools import count
 import torch
 
 from vlinfer import model_loader, ops, platform
-from vlinfer.config import MAX_FITTED_BATCHED_TOKENS, MIN_BATCHED_TOKENS, EngineConfig
+from vlinfer.config import EngineConfig, default_batched_tokens
 from vlinfer.engine.block_manager import BlockManager
 from vlinfer.engine.detokenizer import IncrementalDetokenizer
 from vlinfer.distributed import ParallelConfig, TPDriver
@@ -52,8 +52,8 @@ class LLMEngine:
         self.config = config
         self.parallel = parallel
         self.driver: TPDriver | None = None
+        self.device = platform.resolve_device(config.device)  # a mistyped device fails before any model work
         self.source = model_loader.resolve_model(model)
-        self.device = platform.resolve_device(config.device)
         if config.tensor_parallel_size > 1:  # start the workers now: they import torch while we read the config
             self.driver = TPDriver(parallel, self.device.type)
             self.device = self.driver.device
@@ -77,18 +77,20 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(model_len, config.max_model_len_cap or model_len)
         fit_batched_tokens = config.max_num_batched_tokens is None
         if fit_batched_tokens:
-            config.max_num_batched_tokens = self._default_batched_tokens(fit_model_len)
+            config.max_num_batched_tokens = default_batched_tokens(self.max_model_len)
         if config.kvcache_block_size is None:
             config.kvcache_block_size = platform.default_block_size(self.device)
-        torch.manual_seed(config.seed)
+        # The engine's draws come from its own generators; torch's global RNG stays the caller's.
         self._seed_source = torch.Generator().manual_seed(config.seed)
         get_model_class(self.hf_config)  # an unsupported architecture fails here, before the workers load
         check_tensor_parallel_shapes(self.text_config, config.tensor_parallel_size)
         self._build(config)
         if fit_model_len:
             self._fit_max_model_len(model_len)
-            if fit_batched_tokens:
-                config.max_num_batched_tokens = self._default_batched_tokens(fit_model_len)
+            if fit_batched_tokens:  # the fitted length may be shorter than the step budget
+                config.max_num_batched_tokens = default_batched_tokens(self.max_model_len)
+        # After the fit: graphs are captured for the block tables of the length the engine will run.
+        self.model_runner.capture_graphs(self.max_model_len)
         from vlinfer.multimodal import load_chat_template
         self.chat_template = load_chat_template(self.source.folder, self.tokenizer, self.is_multimodal)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -123,17 +125,10 @@ class LLMEngine:
                                         self.eos_token_ids, self.driver)
         num_blocks = self.model_runner.num_blocks_for_budget(self.max_model_len)
         self.model_runner.allocate_kv_cache(num_blocks)
-        self.model_runner.capture_graphs(self.max_model_len)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB%s, %d tokens)", num_blocks, config.kvcache_block_size,
                     num_blocks * self.model_runner.bytes_per_block / 2 ** 20,
                     " per rank" if self.driver is not None else "", num_blocks * config.kvcache_block_size)
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, config.enable_prefix_caching)
-
-    def _default_batched_tokens(self, fitted: bool) -> int:
-        """max_num_batched_tokens when not given: a full-length prompt per step; for a fitted length, bounded
-        (config.MAX_FITTED_BATCHED_TOKENS says why)."""
-        tokens = min(self.max_model_len, MAX_FITTED_BATCHED_TOKENS) if fitted else self.max_model_len
-        return max(tokens, MIN_BATCHED_TOKENS)
 
     def _fit_max_model_len(self, model_len: int) -> None:
         """No max_model_len was given: if the KV pool holds fewer tokens than the model's length (at most
@@ -174,8 +169,12 @@ class LLMEngine:
         return ids
 
     # ---- requests ----
-    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], dict]:
-        """(prompt text, token ids, extra request fields) for any accepted prompt form; ValueError otherwise."""
+    def process_prompt(self, prompt: PromptType, truncate_prompt_tokens: int | None = None
+                       ) -> tuple[str | None, list[int], dict]:
+        """(prompt text, token ids, extra request fields) for any accepted prompt form; ValueError otherwise.
+        truncate_prompt_tokens=k keeps the last k prompt tokens (-1: max_model_len), counted after image
+        placeholders are expanded, as SamplingParams.truncate_prompt_tokens in vLLM."""
+        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
         extra = {}
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
@@ -212,9 +211,22 @@ class LLMEngine:
             images = list(images) if isinstance(images, (list, tuple)) else [images]
             mm_kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
             processed = self.input_processor.process(token_ids, images, mm_kwargs)
+            cut = 0 if keep is None else len(processed.token_ids) - keep
+            if cut > 0:
+                first_image = processed.mm_items[0].offset if processed.mm_items else len(processed.token_ids)
+                if cut > first_image:
+                    raise ValueError(f"truncate_prompt_tokens={truncate_prompt_tokens} keeps the last {keep} of "
+                                     f"{len(processed.token_ids)} prompt tokens, which cuts into image 0 (its "
+                                     f"placeholders start at token {first_image}); keep at least "
+                                     f"{len(processed.token_ids) - first_image}")
+                # All that is cut is text before the first image, where the expanded and the unexpanded prompt
+                # agree: cutting the unexpanded one recomputes placeholder offsets and rotary positions for it.
+                processed = self.input_processor.process(token_ids[cut:], images, mm_kwargs)
             token_ids = processed.token_ids
             extra = {"mm_items": processed.mm_items, "mrope_positions": processed.mrope_positions,
                      "mrope_position_delta": processed.mrope_position_delta, "images_info": processed.images}
+        elif keep is not None:
+            token_ids = token_ids[-keep:]
         vocab = self.text_config.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
@@ -223,32 +235,76 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
         return text, token_ids, extra
 
-    def make_sequence(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                      request_id: str | None = None) -> Sequence:
-        """Validate a request and build its Sequence without touching engine state."""
+    def make_sequences(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> list[Sequence]:
+        """Validate a request and build its sampling_params.n Sequences, one per completion, without touching
+        engine state. The prompt (and its images) is processed once; the completions share its token ids and
+        encoder inputs. With n > 1 each sequence's own id is f"{request_id}#{index}"."""
         sampling_params = sampling_params or SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}")
-        text, token_ids, extra = self.process_prompt(prompt)
+        text, token_ids, extra = self.process_prompt(prompt, sampling_params.truncate_prompt_tokens)
+        bad_words_token_ids = self.sampling_token_ids(sampling_params)
         if request_id is None:
             request_id = str(next(self._request_ids))
-        if request_id in self.requests:
+        n = sampling_params.n
+        ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+        if any(i in self.requests for i in {request_id, f"{request_id}#0", *ids}):
             raise ValueError(f"request id {request_id!r} is already in use")
-        # Every request samples from its own generator: seeded ones from their seed, others from a seed
-        # drawn from the engine's seed, so runs repeat and batch composition never changes a draw.
-        seed = sampling_params.seed
-        if seed is None:
-            seed = int(torch.randint(0, 2 ** 62, (), generator=self._seed_source))
-        generator = torch.Generator(device=self.device).manual_seed(seed)
         images_info = extra.pop("images_info", [])
-        seq = Sequence(token_ids, sampling_params, request_id=request_id, prompt=text, generator=generator, **extra)
-        seq.images_info = images_info
-        return seq
+        seqs = []
+        for index, seq_id in enumerate(ids):
+            params = sampling_params if n == 1 else sampling_params.for_completion(index)
+            # Every sequence samples from its own generator: seeded ones from their seed, others from a seed
+            # drawn from the engine's seed, so runs repeat and batch composition never changes a draw.
+            seed = params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2 ** 62, (), generator=self._seed_source))
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            seq = Sequence(token_ids, params, request_id=seq_id, prompt=text, generator=generator, **extra)
+            seq.parent_id, seq.index = request_id, index
+            seq.images_info = images_info
+            seq.bad_words_token_ids = bad_words_token_ids
+            seqs.append(seq)
+        return seqs
+
+    def sampling_token_ids(self, p: SamplingParams) -> list[list[int]]:
+        """Checks logit_bias and allowed_token_ids against the model's vocabulary (vLLM refuses ids outside it
+        too) and returns bad_words as token sequences, vLLM's way: each word as the start of the text and, when
+        that gives a different first token of the same length, after a space (mid-text). A sequence with a token
+        the model cannot produce can never appear and is left out."""
+        vocab = self.text_config.vocab_size
+        for name, ids in (("logit_bias", p.logit_bias or {}), ("allowed_token_ids", p.allowed_token_ids or [])):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"SamplingParams.{name} has token ids outside the vocabulary [0, {vocab}): "
+                                 f"{outside[:5]}")
+        words = []
+        for word in p.bad_words or []:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not plain:  # nothing the tokenizer can spell: nothing to ban
+                continue
+            words.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                words.append(spaced)
+        return [w for w in words if max(w) < vocab]
+
+    def make_sequence(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                      request_id: str | None = None) -> Sequence:
+        """make_sequences for callers that queue one sequence per request (the engine loop, the server)."""
+        if isinstance(sampling_params, SamplingParams) and sampling_params.n > 1:
+            raise ValueError(f"SamplingParams.n={sampling_params.n}: this call makes one completion; "
+                             "LLM.generate, LLM.chat and LLMEngine.add_request run n")
+        return self.make_sequences(prompt, sampling_params, request_id)[0]
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None, mm_processor_kwargs: dict | None = None) -> dict:
-        """One conversation (OpenAI-style content parts allowed) -> a prompt dict for add_request / generate."""
-        from vlinfer.multimodal.chat import message_texts, split_chat_images
+        """One conversation (OpenAI-style content parts allowed) -> a prompt dict for add_request / generate.
+        Whatever is wrong with the conversation is a ValueError, so callers answer it as a bad request."""
+        from vlinfer.multimodal.chat import image_details, message_texts, split_chat_images, with_image_details
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"a conversation must be a list of message dicts, got {type(messages).__name__}")
         template_messages, images = split_chat_images(messages)
         if images and not self.is_multimodal:
             raise ValueError(f"model {self.source.name!r} is a text-only model and does not accept images")
@@ -258,17 +314,26 @@ class LLMEngine:
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError(f"model {self.source.name!r} has no chat template; pass chat_template=")
-        text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, chat_template=template,
-                                                  add_generation_prompt=add_generation_prompt)
+        try:
+            text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, chat_template=template,
+                                                      add_generation_prompt=add_generation_prompt)
+        except ValueError:
+            raise
+        except Exception as e:  # jinja's TemplateError (a role the template refuses), a TypeError on odd content
+            raise ValueError(f"the chat template cannot render this conversation: {type(e).__name__}: {e}") from e
         prompt = {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
         if images:
             prompt["multi_modal_data"] = {"image": images}
+        mm_processor_kwargs = with_image_details(mm_processor_kwargs, image_details(messages))  # image_url.detail
         if mm_processor_kwargs:
             prompt["mm_processor_kwargs"] = mm_processor_kwargs
         return prompt
 
     def add_sequence(self, seq: Sequence) -> str:
-        self.requests[seq.request_id] = (seq, IncrementalDetokenizer(self.tokenizer, seq.num_prompt_tokens))
+        p = seq.sampling_params
+        self.requests[seq.request_id] = (seq, IncrementalDetokenizer(self.tokenizer, seq.num_prompt_tokens,
+                                                                     p.skip_special_tokens,
+                                                                     p.spaces_between_special_tokens))
         self.model_runner.encoder_cache.hold(seq)
         self.scheduler.add(seq)
         return seq.request_id
@@ -280,16 +345,24 @@ class LLMEngine:
 
     def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        return self.add_sequence(self.make_sequence(prompt, sampling_params, request_id))
+        """Queue a request; returns its id. With sampling_params.n > 1, step() outputs carry this id and, in
+        outputs[0].index, which completion advanced; abort_request(id) stops them all."""
+        seqs = self.make_sequences(prompt, sampling_params, request_id)
+        for seq in seqs:
+            self.add_sequence(seq)
+        return seqs[0].parent_id
 
     def abort_request(self, request_id: str) -> bool:
         entry = self.requests.get(request_id)
-        if entry is None:
-            return False
-        seq = entry[0]
+        seqs = [entry[0]] if entry is not None else \
+            [seq for seq, _ in list(self.requests.values()) if seq.parent_id == request_id]
+        for seq in seqs:
+            self._abort(seq)
+        return bool(seqs)
+
+    def _abort(self, seq: Sequence) -> None:
         self._finish(seq)
         seq.finish_reason = "abort"
-        return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -304,7 +377,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.waiting:
-                raise RuntimeError("scheduler could not place any waiting request; the KV pool is too small")
+                raise RuntimeError("scheduler could not place any waiting request; the KV pool is too small: raise "
+                                   "kv_cache_bytes / memory_utilization or lower max_model_len")
             return []
         sampled = self.model_runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -322,10 +396,12 @@ class LLMEngine:
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
         sent = len(seq.output_text)
-        seq.output_text += detok.step(seq.token_ids)
         # The sampler masks EOS and stop tokens until min_tokens, so one seen here past that point ends the request.
         is_stop_token = token_id in p.stop_token_ids or (token_id in self.eos_token_ids and not p.ignore_eos)
-        if is_stop_token and seq.num_output_tokens > p.min_tokens:
+        stops = is_stop_token and seq.num_output_tokens > p.min_tokens
+        if not stops or p.include_stop_str_in_output:  # vLLM leaves a stop token's text out unless asked for it
+            seq.output_text += detok.step(seq.token_ids)
+        if stops:
             seq.finish_reason = "stop"
             seq.stop_reason = token_id if token_id in p.stop_token_ids else None
         longest_stop = max(map(len, p.stop_strings), default=0)
@@ -336,7 +412,8 @@ class LLMEngine:
             hits = [(window.find(s), s) for s in p.stop_strings if s in window]
             if hits:
                 index, stop = min(hits)
-                seq.output_text = seq.output_text[:window_start + index]
+                end = window_start + index + (len(stop) if p.include_stop_str_in_output else 0)
+                seq.output_text = seq.output_text[:end]
                 seq.finish_reason, seq.stop_reason = "stop", stop
         if seq.finish_reason is None and (seq.num_output_tokens >= p.max_tokens or
                                           seq.num_tokens >= self.max_model_len):
@@ -344,8 +421,9 @@ class LLMEngine:
         finished = seq.finish_reason is not None
         if finished:
             self._finish(seq)
-        # While streaming, hold back text that could still turn out to be the start of a stop string.
-        hold = 0 if finished or not p.stop_strings else longest_stop - 1
+        # While streaming, hold back text that could still turn out to be the start of a stop string (unless the
+        # stop string is output too: then everything before its end is final).
+        hold = 0 if finished or not p.stop_strings or p.include_stop_str_in_output else longest_stop - 1
         visible = max(len(seq.output_text) - hold, seq.num_streamed_chars)
         out = self.make_output(seq, finished)
         out.outputs[0].delta_text = seq.output_text[seq.num_streamed_chars:visible]
@@ -356,9 +434,9 @@ class LLMEngine:
     @staticmethod
     def make_output(seq: Sequence, finished: bool) -> RequestOutput:
         completion = CompletionOutput(
-            index=0, text=seq.output_text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
+            index=seq.index, text=seq.output_text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason, logprobs=list(seq.output_logprobs) if seq.sampling_params.logprobs is not None
             else None)
-        return RequestOutput(request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+        return RequestOutput(request_id=seq.parent_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
                              outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens,
                              images=seq.images_info)

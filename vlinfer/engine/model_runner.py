@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from vlinfer import model_loader, platform
-from vlinfer.config import MIN_FITTED_MODEL_LEN, EngineConfig
+from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, CPU_DEFAULT_MEMORY_UTILIZATION, MIN_FITTED_MODEL_LEN,
+                            EngineConfig)
 from vlinfer.engine import graph_runner
 from vlinfer.engine.encoder_cache import EncoderCache
 from vlinfer.engine.scheduler import SchedulerOutput
@@ -22,9 +23,6 @@ from vlinfer.layers.linear import LinearBase
 from vlinfer.models import get_model_class
 
 logger = logging.getLogger("vlinfer")
-
-CPU_DEFAULT_MEMORY_UTILIZATION = 0.4  # of the RAM still free after the weights are loaded
-ACCELERATOR_DEFAULT_MEMORY_UTILIZATION = 0.9  # of the device's total memory
 
 
 def load_model(source, hf_config, device: torch.device, dtype: torch.dtype, ctx: ModelContext):
@@ -255,7 +253,10 @@ class ModelRunner:
         pixel_values = torch.cat([item.data["pixel_values"] for item in items]).to(self.device, self.dtype)
         grid_thw = torch.stack([item.data["grid_thw"] for item in items])
         for item, output in zip(items, self.model.encode_images(pixel_values, grid_thw)):
-            assert output[0].shape[0] == item.length, "encoder output does not match the placeholder count"
+            if output[0].shape[0] != item.length:
+                raise RuntimeError(f"the vision tower returned {output[0].shape[0]} embeddings for an image with "
+                                   f"{item.length} placeholder tokens (the checkpoint's merge size disagrees with "
+                                   "its preprocessor?)")
             self.encoder_cache.put(item.content_hash, output)
         self.num_images_encoded += len(items)
 

@@ -37,6 +37,10 @@ class Sequence:
                  generator: torch.Generator | None = None):
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
+        # A request with n completions runs as n sequences: each its own request_id (the engine's key), all sharing
+        # the request's id (parent_id), which outputs carry, with their completion index.
+        self.parent_id = self.request_id
+        self.index = 0
         self.prompt = prompt
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -54,6 +58,8 @@ class Sequence:
         self.mrope_position_delta = mrope_position_delta
         self.images_info: list[dict] = []
         self.generator = generator
+        # SamplingParams.bad_words as token sequences for this engine's tokenizer (LLMEngine.make_sequences).
+        self.bad_words_token_ids: list[list[int]] = []
         self.output_logprobs: list[dict[int, float]] = []
         self.output_text = ""
         self.num_streamed_chars = 0  # of output_text, how much step outputs have already handed out as deltas

@@ -41,11 +41,12 @@ def serve(url: str, rank: int, world: int, local_rank: int, parallel: ParallelCo
     store = connect_store(url, rank, world, startup)
     try:
         store.set(f"vlinfer/hello/{rank}", str(os.getpid()))
-        channel = control_channel(store, rank, world, IDLE_TIMEOUT)
+        channel = control_channel(store, rank, world, IDLE_TIMEOUT, startup)
         kind, init = channel.broadcast()
-        assert kind == "init", f"expected the init message, got {kind!r}"
+        if kind != "init":
+            raise RuntimeError(f"tensor-parallel rank {rank}: expected the init message from rank 0, got {kind!r}")
         device = rank_device(init["device_type"], local_rank)
-        group = device_group(store, rank, world, device, step_timeout)
+        group = device_group(store, rank, world, device, step_timeout, startup)
         runner = _build(init, device, group)
         store.set(f"vlinfer/ready/{rank}", "1")
         _loop(channel, runner, rank)

@@ -26,13 +26,15 @@ class ModelContext:
     step: ForwardContext | None = None  # set by the model runner for the duration of one forward
 
     def forward_context(self) -> ForwardContext:
-        assert self.step is not None, "attention called outside a model runner step"
+        if self.step is None:
+            raise RuntimeError("attention called outside a model runner step")
         return self.step
 
     @contextmanager
     def stepping(self, step: ForwardContext):
         """Make `step` the metadata attention reads while one forward runs; cleared after, even on error."""
-        assert self.step is None, "a step is already running on this model (one forward at a time per engine)"
+        if self.step is not None:
+            raise RuntimeError("a step is already running on this model (one forward at a time per engine)")
         self.step = step
         try:
             yield step

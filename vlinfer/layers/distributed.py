@@ -38,14 +38,20 @@ SINGLE = TPGroup(0, 1)
 
 
 def divide(numerator: int, denominator: int) -> int:
-    assert numerator % denominator == 0, f"{numerator} is not divisible by tensor parallel size {denominator}"
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by tensor_parallel_size={denominator}")
     return numerator // denominator
 
 
-def new_backend(name: str, store, rank: int, size: int, timeout: timedelta):
-    """A process group backend of this engine only, not registered with torch.distributed's global state."""
+def new_backend(name: str, store, rank: int, size: int, timeout: timedelta, join_timeout: timedelta | None = None):
+    """A process group backend of this engine only, not registered with torch.distributed's global state.
+    timeout bounds each collective; join_timeout (default: the same) the meeting of the ranks when the group is
+    made: gloo meets at construction, where a peer may still be starting (unpickling its init, importing), so a
+    short step timeout there failed start-up on a busy machine."""
     if name == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        backend = dist.ProcessGroupGloo(store, rank, size, join_timeout or timeout)
+        backend.set_timeout(timeout)
+        return backend
     if name == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

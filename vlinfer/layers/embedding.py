@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlinfer.layers.context import ModelContext
-from vlinfer.layers.linear import default_weight_loader
+from vlinfer.layers.linear import check_full_size, default_weight_loader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -20,6 +20,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        check_full_size(loaded, 0, self.num_embeddings)
         rows = max(0, min(self.shard_size, loaded.shape[0] - self.vocab_start))
         if rows < self.shard_size:  # the last rank's shard is padded when vocab % world != 0
             param.data.zero_()

@@ -15,9 +15,16 @@ def as_tensor(loaded) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else loaded.full()
 
 
+def check_full_size(loaded, dim: int, expected: int) -> None:
+    """A tensor about to be sliced must be whole first: narrowing a larger one would load part of it silently."""
+    if loaded.shape[dim] != expected:
+        raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} has {loaded.shape[dim]} rows along "
+                         f"dim {dim}, the model expects {expected}")
+
+
 def default_weight_loader(param: nn.Parameter, loaded) -> None:
-    assert param.shape == loaded.shape, \
-        f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}"
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
     param.data.copy_(as_tensor(loaded))
 
 
@@ -40,6 +47,7 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         if self.shard_dim is not None and self.tp.size > 1 and len(loaded.shape) > self.shard_dim:
             size = param.shape[self.shard_dim]
+            check_full_size(loaded, self.shard_dim, size * self.tp.size)
             loaded = loaded.narrow(self.shard_dim, self.tp.rank * size, size)
         default_weight_loader(param, loaded)
 
@@ -77,6 +85,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         world = self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // world
         size = divide(self.output_sizes[shard_id], world)
+        check_full_size(loaded, 0, self.output_sizes[shard_id])
         loaded = loaded.narrow(0, self.tp.rank * size, size)
         default_weight_loader(param.data.narrow(0, offset, size), loaded)
 
@@ -94,13 +103,15 @@ class QKVParallelLinear(LinearBase):
                  bias: bool = False):
         tp = ctx.tp
         self.head_dim = head_dim
+        self.total_sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
         self.num_heads = divide(num_heads, tp.size)
         if num_kv_heads >= tp.size:
             self.num_kv_heads = divide(num_kv_heads, tp.size)
             self.kv_head_start = tp.rank * self.num_kv_heads
         else:
-            assert tp.size % num_kv_heads == 0, \
-                f"tensor parallel size {tp.size} must be a multiple of num_key_value_heads={num_kv_heads}"
+            if tp.size % num_kv_heads:
+                raise ValueError(f"tensor_parallel_size={tp.size} must be a multiple of "
+                                 f"num_key_value_heads={num_kv_heads}")
             self.num_kv_heads = 1
             self.kv_head_start = tp.rank * num_kv_heads // tp.size
         super().__init__(ctx, hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, 0)
@@ -111,6 +122,7 @@ class QKVParallelLinear(LinearBase):
         kv_start = self.kv_head_start * self.head_dim
         offset, size, start = {"q": (0, q_size, self.tp.rank * q_size), "k": (q_size, kv_size, kv_start),
                                "v": (q_size + kv_size, kv_size, kv_start)}[shard_id]
+        check_full_size(loaded, 0, self.total_sizes[shard_id])
         default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
 

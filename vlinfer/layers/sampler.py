@@ -1,8 +1,28 @@
 """Turns the logits of each sequence's last position into its next token, with vLLM's sampling options.
 
-Order: raw logprobs are reported before any processing (as vLLM does), then penalties, min_tokens, temperature,
-top-k, top-p, min-p. Randomness comes from each sequence's own generator, so a seeded request draws the same
-tokens whatever else shares its batch."""
+The chain, per row, in this order (tests/test_sampling.py checks each step against transformers' logits processors
+on the same logits, and the whole chain against theirs in sequence):
+
+1. logprobs, when asked for: log_softmax of the raw model logits in float32, before anything below. This is vLLM's
+   default (logprobs_mode="raw_logprobs") and what the OpenAI API reports.
+2. process_logits, on every row (greedy ones too, so they change the arg-max):
+   a. logit_bias added (transformers' SequenceBiasLogitsProcessor with one-token sequences; vLLM adds it before
+      the penalties too);
+   b. repetition_penalty over prompt and output tokens (RepetitionPenaltyLogitsProcessor: positive logits divided,
+      negative ones multiplied), then presence and frequency penalties over output tokens only (OpenAI's and vLLM's
+      rule: logits -= presence * (count > 0) + frequency * count);
+   c. masks to -inf: every token outside allowed_token_ids; a bad word's last token when the output so far ends
+      with the rest of the word (vLLM: output tokens only, not the prompt); EOS and stop_token_ids while fewer than
+      min_tokens tokens are out (MinNewTokensLengthLogitsProcessor; EOS even under ignore_eos, as vLLM, whose
+      min_tokens masks all its stop ids). A masked logit stays -inf through a and b, so masks commute with them.
+   Greedy rows (temperature 0) take the arg-max here.
+3. warp_logits, on sampled rows: temperature, top-k, top-p, min-p, in transformers' order (TemperatureLogitsWarper,
+   TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper). vLLM applies min-p right after temperature, before top-k
+   and top-p: the two orders differ only when min_p is combined with top_k or top_p.
+4. One inverse-CDF draw per row from the row's own generator, which never lands on a token of probability 0.
+
+Randomness comes from each sequence's own generator, so a seeded request draws the same tokens whatever else shares
+its batch."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -10,6 +30,8 @@ from typing import Protocol
 import torch
 
 from vlinfer.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
 
 
 class Sequence(Protocol):
@@ -19,72 +41,189 @@ class Sequence(Protocol):
     token_ids: list[int]
     output_token_ids: list[int]
     num_output_tokens: int
+    bad_words_token_ids: list[list[int]]  # the tokenized bad_words (the engine tokenizes them once per request)
+    generator: torch.Generator | None
 
 
-def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
-    p = seq.sampling_params
-    if p.repetition_penalty != 1.0:
-        # transformers' rule, over prompt and output: positive logits shrink, negative ones grow.
-        ids = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
-        scores = logits[ids]
-        logits[ids] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+def _index(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[len(token_lists), vocab] float32: how often each token id occurs in each list, in one scatter."""
+    rows = [r for r, tokens in enumerate(token_lists) for _ in tokens]
+    cols = [t for tokens in token_lists for t in tokens]
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    # Ids past the logits (a tokenizer larger than the model's head) land in a spare column and are dropped.
+    cols_t = _index(cols, device).clamp_max(vocab)
+    counts.index_put_((_index(rows, device), cols_t), torch.ones(len(cols), device=device), accumulate=True)
+    return counts[:, :vocab]
+
+
+def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    rows, cols, values = [], [], []
+    for i, p in enumerate(params):
+        bias = p.logit_bias or {}
+        rows += [i] * len(bias)
+        cols += list(bias)
+        values += list(bias.values())
+    if rows:
+        logits.index_put_((_index(rows, logits.device), _index(cols, logits.device)),
+                          torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    vocab, dev = logits.shape[-1], logits.device
+    rep = [i for i, s in enumerate(seqs) if s.sampling_params.repetition_penalty != 1.0]
+    if rep:
+        rows = _index(rep, dev)
+        seen = _token_counts([seqs[i].token_ids for i in rep], vocab, dev) > 0
+        penalty = torch.tensor([seqs[i].sampling_params.repetition_penalty for i in rep], device=dev)[:, None]
+        x = logits[rows]
+        # transformers' rule, over prompt and output: negative logits grow more negative, the others shrink.
+        logits[rows] = torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
+    pf = [i for i, s in enumerate(seqs)
+          if (s.sampling_params.presence_penalty or s.sampling_params.frequency_penalty) and s.num_output_tokens]
+    if pf:
+        rows = _index(pf, dev)
+        counts = _token_counts([seqs[i].output_token_ids for i in pf], vocab, dev)
+        presence = torch.tensor([seqs[i].sampling_params.presence_penalty for i in pf], device=dev)[:, None]
+        frequency = torch.tensor([seqs[i].sampling_params.frequency_penalty for i in pf], device=dev)[:, None]
         # OpenAI's rule, over generated tokens only.
-        counts = torch.bincount(torch.tensor(seq.output_token_ids, device=logits.device),
-                                minlength=logits.shape[-1])[:logits.shape[-1]].to(logits.dtype)
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        logits[rows] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+
+
+def _bad_word_tokens(bad_words_token_ids: list[list[int]], output: list[int]) -> list[int]:
+    """vLLM's rule: a bad word's last token is banned when the output so far ends with the word's other tokens (a
+    one-token word is always banned)."""
+    banned = []
+    for word in bad_words_token_ids:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+            banned.append(word[-1])
+    return banned
+
+
+def _mask_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> None:
+    vocab, dev = logits.shape[-1], logits.device
+    allowed = [i for i, s in enumerate(seqs) if s.sampling_params.allowed_token_ids is not None]
+    if allowed:
+        ids = [seqs[i].sampling_params.allowed_token_ids for i in allowed]
+        blocked = torch.ones(len(allowed), vocab, dtype=torch.bool, device=dev)
+        entry_rows = _index([r for r, row in enumerate(ids) for _ in row], dev)
+        blocked[entry_rows, _index([t for row in ids for t in row], dev)] = False
+        allowed_rows = _index(allowed, dev)
+        logits[allowed_rows] = logits[allowed_rows].masked_fill(blocked, NEG_INF)
+    rows, cols = [], []
+    for i, seq in enumerate(seqs):
+        p = seq.sampling_params
+        banned = _bad_word_tokens(seq.bad_words_token_ids, seq.output_token_ids) if seq.bad_words_token_ids else []
+        if seq.num_output_tokens < p.min_tokens:
+            banned += p.stop_token_ids + sorted(eos_token_ids)
+        banned = [t for t in banned if t < vocab]  # an id past the head (a tokenizer's EOS) cannot be drawn anyway
+        rows += [i] * len(banned)
+        cols += banned
+    if rows:
+        logits[_index(rows, dev), _index(cols, dev)] = NEG_INF
+
+
+def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:
+    """Step 2 of the module docstring, in place on float32 logits [B, vocab]; returns them."""
+    params = [s.sampling_params for s in seqs]
+    _add_logit_bias(logits, params)
+    _apply_penalties(logits, seqs)
+    _mask_tokens(logits, seqs, eos_token_ids)
+    return logits
+
+
+def _top_k(x: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    # TopKLogitsWarper: drop what is below the k-th largest logit (ties with it stay). 0 is off: k = vocab.
+    k = torch.tensor([t if t > 0 else x.shape[-1] for t in top_k], device=x.device).clamp_max(x.shape[-1])
+    kth = x.topk(int(k.max()), -1).values.gather(1, (k - 1)[:, None])
+    return x.masked_fill(x < kth, NEG_INF)
+
+
+def _top_p(x: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    # TopPLogitsWarper, step for step: ascending order, drop a token while the mass up to and including it is at
+    # most 1 - top_p, never the most likely one. Rows with top_p 1 are left alone, as transformers does.
+    sorted_x, order = x.sort(-1)
+    cumulative = sorted_x.softmax(-1).cumsum(-1)
+    threshold = torch.tensor([1 - t for t in top_p], dtype=x.dtype, device=x.device)[:, None]
+    drop = (cumulative <= threshold) & torch.tensor([t < 1.0 for t in top_p], device=x.device)[:, None]
+    drop[:, -1] = False
+    return x.masked_fill(drop.scatter(1, order, drop), NEG_INF)
+
+
+def _min_p(x: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    # MinPLogitsWarper: drop tokens less likely than min_p times the most likely one (which always stays).
+    probs = x.softmax(-1)
+    floor = torch.tensor(min_p, dtype=x.dtype, device=x.device)[:, None] * probs.amax(-1, keepdim=True)
+    return x.masked_fill(probs < floor, NEG_INF)
+
+
+def warp_logits(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Step 3 of the module docstring on the processed logits of sampled rows [R, vocab] (params one per row)."""
+    x = x / torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)[:, None]
+    if any(p.top_k for p in params):
+        x = _top_k(x, [p.top_k for p in params])
+    if any(p.top_p < 1.0 for p in params):
+        x = _top_p(x, [p.top_p for p in params])
+    if any(p.min_p for p in params):
+        x = _min_p(x, [p.min_p for p in params])
+    return x
+
+
+def _uniform_draws(seqs: list[Sequence], rows: list[int], device) -> torch.Tensor:
+    """One uniform in [0, 1) per sampled row from that row's own generator: a seeded request draws the same tokens
+    whatever shares its batch, and the cost is one random number per row, not one per token."""
+    return torch.cat([torch.rand(1, generator=seqs[i].generator, device=device) for i in rows])
+
+
+def _inverse_cdf(probs: torch.Tensor, cdf: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The token where each row's CDF (probs.cumsum(-1)) first exceeds uniform * mass. Never a token of
+    probability 0: searching for the first CDF value strictly greater than the draw skips them (the first one >=
+    it would pick token 0 for a draw of 0, masked or not)."""
+    picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)
+    picked = picked.clamp_max(probs.shape[-1] - 1)
+    # Summed in order, the CDF only steps at tokens with probability. Summed in another order (a parallel scan on
+    # an accelerator), it can step by a rounding error at a masked token: such a pick moves to the nearest token
+    # with probability before it (the first one if there is none).
+    kept = probs > 0
+    positions = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
+    kept_at_or_before = torch.where(kept, positions, -1).cummax(-1).values.gather(1, picked[:, None]).squeeze(1)
+    return torch.where(kept_at_or_before >= 0, kept_at_or_before, kept.int().argmax(-1))
+
+
+def _logprob_entries(raw_logprobs: torch.Tensor, params: list[SamplingParams], tokens: list[int]):
+    """Per row, {token: raw logprob} of the `logprobs` most likely tokens plus the chosen one (vLLM's shape), or
+    None where the request did not ask."""
+    entries = [None] * len(tokens)
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            continue
+        entry = {}
+        if p.logprobs:
+            top = raw_logprobs[i].topk(p.logprobs)
+            entry = dict(zip(top.indices.tolist(), top.values.tolist()))
+        entry[tokens[i]] = raw_logprobs[i, tokens[i]].item()
+        entries[i] = entry
+    return entries
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]):
-    """logits [B, vocab] -> (token ids list[int], per-row {token: logprob} or None)."""
+    """logits [B, vocab] -> (token ids list[int], per-row {token: logprob} or None). Float32 logits are processed
+    in place (the runner's are a fresh tensor each step; a copy of [B, vocab] per step would cost more than all
+    the rest here)."""
     logits = logits.float()
     params = [s.sampling_params for s in seqs]
     raw_logprobs = torch.log_softmax(logits, -1) if any(p.logprobs is not None for p in params) else None
-    for i, (seq, p) in enumerate(zip(seqs, params)):
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            _apply_penalties(logits[i], seq)
-        if seq.num_output_tokens < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
-            if banned:
-                logits[i, list(banned)] = float("-inf")
+    logits = process_logits(logits, seqs, eos_token_ids)
     tokens = logits.argmax(-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
-        x = logits[rows] / torch.tensor([params[i].temperature for i in random_rows], device=logits.device)[:, None]
-        top_k = [params[i].top_k for i in random_rows]
-        if any(top_k):
-            k = torch.tensor([t if t > 0 else x.shape[-1] for t in top_k], device=x.device).clamp_max(x.shape[-1])
-            kth = x.topk(int(k.max()), -1).values.gather(1, (k - 1)[:, None])
-            x = x.masked_fill(x < kth, float("-inf"))
-        top_p = [params[i].top_p for i in random_rows]
-        if any(t < 1.0 for t in top_p):
-            sorted_x, order = x.sort(-1, descending=True)
-            probs = sorted_x.softmax(-1)
-            # Keep the smallest set whose mass reaches top_p: drop a token if the mass before it already does.
-            drop = (probs.cumsum(-1) - probs) > torch.tensor(top_p, device=x.device)[:, None]
-            x = x.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-        min_p = [params[i].min_p for i in random_rows]
-        probs = x.softmax(-1)
-        if any(min_p):
-            floor = torch.tensor(min_p, device=x.device)[:, None] * probs.max(-1, keepdim=True).values
-            probs = probs.masked_fill(probs < floor, 0.0)
-        # Inverse-CDF sampling with one uniform draw per row from that row's own generator: a seeded request
-        # draws the same tokens whatever shares its batch, and the cost is one random number, not one per token.
-        uniform = torch.cat([torch.rand(1, generator=seqs[i].generator, device=probs.device) for i in random_rows])
-        cdf = probs.cumsum(-1)
-        picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None]).squeeze(1)
-        tokens[rows] = picked.clamp_max(probs.shape[-1] - 1)
+        rows = _index(random_rows, logits.device)
+        probs = warp_logits(logits[rows], [params[i] for i in random_rows]).softmax(-1)
+        tokens[rows] = _inverse_cdf(probs, probs.cumsum(-1), _uniform_draws(seqs, random_rows, logits.device))
     token_list = tokens.tolist()
-    logprobs = [None] * len(seqs)
-    if raw_logprobs is not None:
-        for i, p in enumerate(params):
-            if p.logprobs is None:
-                continue
-            entry = {}
-            if p.logprobs:
-                top = raw_logprobs[i].topk(p.logprobs)
-                entry = dict(zip(top.indices.tolist(), top.values.tolist()))
-            entry[token_list[i]] = raw_logprobs[i, token_list[i]].item()
-            logprobs[i] = entry
+    logprobs = _logprob_entries(raw_logprobs, params, token_list) if raw_logprobs is not None else [None] * len(seqs)
     return token_list, logprobs

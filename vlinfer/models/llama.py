@@ -43,7 +43,9 @@ class LlamaMLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(ctx, config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(ctx, config.intermediate_size, config.hidden_size, bias=bias)
-        assert config.hidden_act == "silu", f"unsupported activation {config.hidden_act}"
+        if config.hidden_act != "silu":  # the fused SiLU-and-multiply is the only activation these layers run
+            raise ValueError(f"unsupported activation hidden_act={config.hidden_act!r} in the checkpoint's config; "
+                             "this model class runs 'silu' only")
         self.act_fn = SiluAndMul(ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -137,7 +137,8 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         [num_images, 3]. Returns per image (embeds [n_tokens, hidden], deepstack [num_deepstack, n_tokens, hidden]),
         n_tokens = t*h*w / merge^2 = the image's placeholder count."""
         visual = self.model.visual
-        assert visual is not None, "images are encoded on tensor-parallel rank 0 only"
+        if visual is None:
+            raise RuntimeError("images are encoded on tensor-parallel rank 0 only")
         embeds, deepstack = visual(pixel_values.to(visual.device), grid_thw)
         if deepstack:
             stacked = torch.stack(deepstack)

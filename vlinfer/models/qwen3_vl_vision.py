@@ -161,7 +161,10 @@ class Qwen3VLVisionModel(nn.Module):
 
         patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
         self.patch_embed = Qwen3VLVisionPatchEmbed(ctx, patch_dim, config.hidden_size)
-        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        # _weight: left uninitialized like every other parameter (the checkpoint fills it), so building the model
+        # draws nothing from torch's global RNG, which belongs to the caller.
+        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size,
+                                      _weight=torch.empty(config.num_position_embeddings, config.hidden_size))
         self.num_grid_per_side = int(config.num_position_embeddings ** 0.5)
 
         # Axial rotary: head_dim/4 frequencies, used once for the row and once for the column coordinate.

@@ -41,6 +41,32 @@ def split_chat_images(messages: list[dict]) -> tuple[list[dict], list]:
     return out, images
 
 
+def image_details(messages: list[dict]) -> list[str | None]:
+    """Each image part's OpenAI `detail` ("low", "high", "auto"; None when unset), in image order: from
+    image_url.detail, or a "detail" key beside "image" in vlinfer's own image parts. Run split_chat_images first:
+    it checks the shape this trusts."""
+    details = []
+    for message in messages:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else []:
+            if part.get("type") in IMAGE_PART_TYPES:
+                url = part.get("image_url")
+                details.append(url.get("detail") if isinstance(url, dict) else part.get("detail"))
+    return details
+
+
+def with_image_details(mm_processor_kwargs: dict | None, details: list[str | None]) -> dict | None:
+    """mm_processor_kwargs plus the per-image details, where a part set one (the image processor turns them into
+    pixel budgets); an image without one keeps the kwargs' own "detail", if any."""
+    if all(d is None for d in details):
+        return mm_processor_kwargs
+    kwargs = dict(mm_processor_kwargs or {})
+    default = kwargs.get("detail")
+    defaults = default if isinstance(default, (list, tuple)) else [default] * len(details)
+    kwargs["detail"] = [d if d is not None else fallback for d, fallback in zip(details, defaults)]
+    return kwargs
+
+
 def message_texts(messages: list[dict]):
     for message in messages:
         content = message.get("content", "")

@@ -12,8 +12,6 @@ import binascii
 import hashlib
 import io
 import re
-import urllib.error
-import urllib.request
 import warnings
 from pathlib import Path
 
@@ -22,11 +20,12 @@ import PIL.Image
 import PIL.ImageOps
 import torch
 
+from vlinfer.multimodal.url_fetch import UrlFetchError, UrlPolicy, fetch_image_url_sync
+
 # 128 Mi pixels (e.g. 16384 x 8192) decodes to ~400 MB of RGB: above any real photo, far below what a crafted
 # header can claim. PIL's own limits (warn above Image.MAX_IMAGE_PIXELS, raise above twice that) stay in force
 # under ours; a deployment that needs more must raise PIL's process-wide limit too.
 DEFAULT_MAX_IMAGE_PIXELS = 1 << 27
-DEFAULT_MAX_URL_BYTES = 20 * 2**20
 
 _PIL_BOMB_PIXELS = re.compile(r"\((\d+) pixels\)")
 
@@ -35,13 +34,13 @@ class ImageLoadError(ValueError):
     """The input could not be turned into an image (unreadable, corrupt, too large, refused source)."""
 
 
-def load_image(source, *, allow_url: bool = False, url_timeout: float = 10.0,
-               max_url_bytes: int = DEFAULT_MAX_URL_BYTES,
+def load_image(source, *, url_policy: UrlPolicy | None = None,
                max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS) -> PIL.Image.Image:
     """Decode `source` into an RGB PIL image.
 
-    source: a file path (str or Path), raw bytes, a base64 `data:` URI, an http(s) URL (only with allow_url=True),
-    a PIL image, or a uint8 / float-in-[0,1] tensor or ndarray laid out CHW, HWC or HW.
+    source: a file path (str or Path), raw bytes, a base64 `data:` URI, an http(s) URL (only with a url_policy:
+    fetched as the server fetches, vlinfer/multimodal/url_fetch.py), a PIL image, or a uint8 / float-in-[0,1]
+    tensor or ndarray laid out CHW, HWC or HW.
     max_image_pixels: width*height limit checked from the header before decoding (None: only PIL's own limit).
     """
     if isinstance(source, PIL.Image.Image):
@@ -58,10 +57,14 @@ def load_image(source, *, allow_url: bool = False, url_timeout: float = 10.0,
         if head.startswith("data:"):
             return _decode(_parse_data_uri(source), "data URI", max_image_pixels)
         if head.startswith(("http://", "https://")):
-            if not allow_url:
-                raise ImageLoadError("image URL loading is off (allow_url=False); send the image inline as a "
-                                     "base64 data URI or bytes instead")
-            return _decode(_fetch_url(source, url_timeout, max_url_bytes), _short(source), max_image_pixels)
+            if url_policy is None:
+                raise ImageLoadError("image URL loading is off (allow_image_urls=False); send the image inline as "
+                                     "a base64 data URI or bytes instead")
+            try:
+                data = fetch_image_url_sync(source, url_policy)
+            except UrlFetchError as e:
+                raise ImageLoadError(f"{e} ({_short(source)})") from None
+            return _decode(data, _short(source), max_image_pixels)
         return _open_path(Path(source), max_image_pixels)
     raise TypeError(f"unsupported image source type {type(source).__name__}; expected path, bytes, data URI, "
                     "URL, PIL.Image or tensor")
@@ -167,25 +170,6 @@ def _parse_data_uri(uri: str) -> bytes:
         return base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError) as e:
         raise ImageLoadError(f"data URI payload is not valid base64: {e}") from e
-
-
-def _fetch_url(url: str, timeout: float, max_bytes: int) -> bytes:
-    req = urllib.request.Request(url, headers={"User-Agent": "vlinfer-image-loader"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            length = resp.headers.get("Content-Length")
-            if length is not None and length.isdigit() and int(length) > max_bytes:
-                raise ImageLoadError(f"image at {_short(url)} is {length} bytes, over the limit of {max_bytes}")
-            # Read one byte past the cap: a server that lies about (or omits) Content-Length still can't make us
-            # buffer more than max_bytes + 1.
-            data = resp.read(max_bytes + 1)
-    except ImageLoadError:
-        raise
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise ImageLoadError(f"cannot fetch image from {_short(url)}: {e}") from e
-    if len(data) > max_bytes:
-        raise ImageLoadError(f"image at {_short(url)} exceeds the limit of {max_bytes} bytes")
-    return data
 
 
 def _short(s: str, n: int = 120) -> str:

@@ -33,28 +33,49 @@ _PIL_TO_TV = {
 }
 
 
+# OpenAI's image `detail`. "low" caps an image at 512 x 512 pixels, the size OpenAI's low detail uses: at most 256
+# image tokens with Qwen3-VL's 32-pixel merge windows, against up to 16384 under the model's own max_pixels.
+# "high" and "auto" keep max_pixels as configured (the checkpoint's, or the request's mm_processor_kwargs).
+LOW_DETAIL_MAX_PIXELS = 512 * 512
+DETAILS = ("auto", "low", "high")
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Target (h, w): both multiples of `factor`, h*w within [min_pixels, max_pixels], aspect ratio kept as
-    closely as possible. Same arithmetic as transformers' qwen2_vl smart_resize (round, then floor/ceil after a
-    uniform rescale), so grids agree exactly. Images smaller than `factor` are upscaled, as transformers does.
-    The max_pixels test runs first, so if min_pixels > max_pixels (say a per-request max under the config's min)
-    max_pixels wins, again as in transformers."""
+    """Target (h, w): both multiples of `factor`, h*w <= max_pixels, and >= min_pixels where max_pixels allows,
+    aspect ratio kept as closely as possible. max_pixels is a hard bound and wins whenever both cannot hold (a
+    min_pixels above it, or an upscale that rounding pushes past it).
+
+    The arithmetic is transformers' qwen2_vl smart_resize (round, then floor/ceil after a uniform rescale), so the
+    grids are the same wherever transformers' own result is within max_pixels. Where it is not, we differ:
+    transformers' upscale to min_pixels rounds both sides up past a max_pixels just above min_pixels (a small
+    image then comes out larger than max_pixels), and its downscale keeps a side at `factor` for extreme aspect
+    ratios even when the other side then overshoots. Here an upscale that overshoots is redone as the downscale to
+    max_pixels, and a side at `factor` shortens the other to fit."""
     if height <= 0 or width <= 0:
         raise ValueError(f"image size must be positive, got {height}x{width}")
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
         raise ValueError(f"image {height}x{width} has aspect ratio {ratio:.1f}, over the limit of "
                          f"{MAX_ASPECT_RATIO}")
+    if max_pixels < factor * factor:
+        raise ValueError(f"max_pixels={max_pixels} is below one {factor}x{factor} patch window "
+                         f"({factor * factor} pixels), the smallest image the model takes")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
+    if h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt((height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
+        # Only with a side clamped to `factor` (aspect ratio near the limit): shorten the other one.
+        if h_bar * w_bar > max_pixels:
+            if h_bar == factor:
+                w_bar = max_pixels // (factor * factor) * factor
+            else:
+                h_bar = max_pixels // (factor * factor) * factor
     if h_bar < factor or w_bar < factor:
         # Only reachable with min_pixels <= 0 (a side rounds to 0 and nothing scales it back up).
         raise ValueError(f"image {height}x{width} resizes to {h_bar}x{w_bar}, smaller than the patch factor "
@@ -157,14 +178,22 @@ class Qwen3VLImageProcessor:
 
     # ------------------------------------------------------------------------------------------------ processing
 
-    def __call__(self, images, device="cpu", min_pixels=None, max_pixels=None) -> ProcessedImages:
-        """Preprocess a list of PIL images. min_pixels / max_pixels: None (config values), an int for all images,
-        or a list with one entry (int or None) per image."""
+    def max_pixels_for(self, detail: str | None, max_pixels: int | None = None) -> int:
+        """An image's pixel budget under OpenAI's `detail` (see LOW_DETAIL_MAX_PIXELS)."""
+        if detail not in (None, *DETAILS):
+            raise ValueError(f"detail must be one of {', '.join(DETAILS)}, got {detail!r}")
+        budget = self.max_pixels if max_pixels is None else int(max_pixels)
+        return min(budget, LOW_DETAIL_MAX_PIXELS) if detail == "low" else budget
+
+    def __call__(self, images, device="cpu", min_pixels=None, max_pixels=None, detail=None) -> ProcessedImages:
+        """Preprocess a list of PIL images. min_pixels / max_pixels / detail: None (config values; detail "auto"),
+        one value for all images, or a list with one entry (or None) per image."""
         if isinstance(images, PIL.Image.Image):
             images = [images]
         n = len(images)
         mins = self._per_image(min_pixels, n, "min_pixels")
-        maxs = self._per_image(max_pixels, n, "max_pixels")
+        details = self._per_image(detail, n, "detail")
+        maxs = [self.max_pixels_for(d, m) for d, m in zip(details, self._per_image(max_pixels, n, "max_pixels"))]
         device = torch.device(device)
 
         # Size every image first so a bad one fails the call before any pixel work or device upload.

@@ -11,6 +11,7 @@ from vlinfer.engine.sequence import MultiModalItem
 from vlinfer.multimodal.image_io import ImageLoadError, image_content_hash, load_image
 from vlinfer.multimodal.image_processor import Qwen3VLImageProcessor
 from vlinfer.multimodal.mrope import mrope_positions
+from vlinfer.multimodal.url_fetch import UrlPolicy
 
 MAX_IMAGES_PER_PROMPT = 64
 
@@ -25,10 +26,11 @@ class ProcessedPrompt:
 
 
 class Qwen3VLInputProcessor:
-    def __init__(self, hf_config, tokenizer, folder: str, device: torch.device, allow_image_urls: bool = False):
+    def __init__(self, hf_config, tokenizer, folder: str, device: torch.device,
+                 allow_image_urls: bool | UrlPolicy = False):
         self.tokenizer = tokenizer
         self.device = device
-        self.allow_image_urls = allow_image_urls
+        self.url_policy = url_policy(allow_image_urls)
         has_config = any(os.path.exists(os.path.join(folder, f))
                          for f in ("preprocessor_config.json", "processor_config.json"))
         # Without the checkpoint's file, the published Qwen3-VL values (the class defaults) apply.
@@ -61,13 +63,16 @@ class Qwen3VLInputProcessor:
         if len(images) > MAX_IMAGES_PER_PROMPT:
             raise ValueError(f"{len(images)} images in one prompt; the limit is {MAX_IMAGES_PER_PROMPT}")
         kwargs = dict(mm_kwargs or {})
-        unknown = set(kwargs) - {"min_pixels", "max_pixels"}
+        # detail: OpenAI's image detail ("low", "high", "auto"), one for all images or one per image; chat
+        # image parts set it per image (image_url.detail).
+        unknown = set(kwargs) - {"min_pixels", "max_pixels", "detail"}
         if unknown:
-            raise ValueError(f"unknown mm_processor_kwargs {sorted(unknown)}; accepted: min_pixels, max_pixels")
+            raise ValueError(f"unknown mm_processor_kwargs {sorted(unknown)}; accepted: min_pixels, max_pixels, "
+                             "detail")
         pil_images = []
         for i, image in enumerate(images):
             try:
-                pil_images.append(load_image(image, allow_url=self.allow_image_urls))
+                pil_images.append(load_image(image, url_policy=self.url_policy))
             except (ImageLoadError, TypeError) as e:
                 raise ValueError(f"image {i}: {e}") from e
         try:
@@ -94,6 +99,17 @@ class Qwen3VLInputProcessor:
                                            self.vision_start_token_id, self.spatial_merge_size)
         info = [{"size": list(size), "num_tokens": n} for size, n in zip(processed.sizes, processed.num_tokens)]
         return ProcessedPrompt(expanded, items, positions, delta, info)
+
+
+def url_policy(allow_image_urls: bool | UrlPolicy) -> UrlPolicy | None:
+    """LLM(allow_image_urls=...) -> how image URLs are fetched: True takes UrlPolicy's defaults, the server's
+    checks with any public host allowed; None: URLs are refused."""
+    if isinstance(allow_image_urls, UrlPolicy):
+        return allow_image_urls
+    if not isinstance(allow_image_urls, bool):
+        raise ValueError(f"allow_image_urls must be True, False or a vlinfer.multimodal.UrlPolicy, got "
+                         f"{allow_image_urls!r}")
+    return UrlPolicy() if allow_image_urls else None
 
 
 def _combine(*keys: int) -> int:

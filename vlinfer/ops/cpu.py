@@ -73,9 +73,10 @@ def _decode_rows(cu_seqlens_q: torch.Tensor) -> torch.Tensor | None:
 class CpuOps(ReferenceOps):
     name = "cpu-compiled"
 
-    def __init__(self, device_type: str = "cpu", isa: str | None = None):
+    def __init__(self, device_type: str = "cpu", isa: str | None = None, bf16_prefill_kernels: bool | None = None):
         """isa: the instruction-set level to build and run; None takes the best this CPU has. Asking for a level
-        the CPU lacks raises (its code would die on an illegal instruction)."""
+        the CPU lacks raises (its code would die on an illegal instruction). bf16_prefill_kernels: run our bf16
+        prefill and vision attention kernels (True), SDPA (False), or decide from the CPU (None; see below)."""
         super().__init__(device_type)
         best = platform.cpu_isa()
         self.isa = isa or best
@@ -86,15 +87,26 @@ class CpuOps(ReferenceOps):
         self.ext = build_extension(self.isa)
         self._decode_rows = PerStep()  # this step's decode rows, shared by every layer
         self.bf16_attention = bool(self.ext.bf16_attention_available())
+        # Prefill-chunk and vision attention are matmul-shaped: where the CPU has AMX, torch's SDPA (oneDNN, AMX
+        # tiles) runs them 2.7-3.3x faster than our vdpbf16ps kernels (bench/ops.py, Xeon with amx_bf16), so
+        # they take SDPA there. Decode attention reads the cache once per token and stays ours everywhere.
+        if bf16_prefill_kernels is None:
+            bf16_prefill_kernels = "amx_bf16" not in platform.cpu_flags()
+        self.bf16_prefill_kernels = self.bf16_attention and bf16_prefill_kernels
         self.bf16_linear = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        if self.bf16_attention:
+        if self.bf16_prefill_kernels:
             logger.info("ops[cpu]: kernels built for %s; bf16 attention kernels (AVX512-BF16): decode, prefill, "
                         "vision", self.isa)
+        elif self.bf16_attention:
+            logger.info("ops[cpu]: kernels built for %s; bf16 decode attention kernel (AVX512-BF16); bf16 prefill "
+                        "and vision attention run SDPA (this CPU has AMX, which SDPA uses)", self.isa)
         else:
             logger.info("ops[cpu]: kernels built for %s; no AVX512-BF16 kernels at this level, so bf16 prefill and "
                         "vision attention run SDPA, decode the generic kernel", self.isa)
 
     def describe(self) -> str:
+        if self.bf16_attention and not self.bf16_prefill_kernels:
+            return f"{self.name} ({self.isa}, SDPA for bf16 prefill/vision)"
         return f"{self.name} ({self.isa})"
 
     def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping):
@@ -102,8 +114,10 @@ class CpuOps(ReferenceOps):
 
     def _bf16_flash(self, q) -> bool:
         """Whether attention_bf16.cpp's flash kernel takes these queries: bf16 only (in float32 SDPA is exact
-        against transformers), an even head_dim up to 128 (keys are packed as bf16 pairs), an AVX512-BF16 build."""
-        return q.dtype == torch.bfloat16 and q.shape[-1] <= 128 and q.shape[-1] % 2 == 0 and self.bf16_attention
+        against transformers), an even head_dim up to 128 (keys are packed as bf16 pairs), an AVX512-BF16 build on
+        a CPU without AMX (see __init__)."""
+        return q.dtype == torch.bfloat16 and q.shape[-1] <= 128 and q.shape[-1] % 2 == 0 and \
+            self.bf16_prefill_kernels
 
     def paged_attention(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
         # The kernel reads int32 metadata; the model runner already builds it so, other callers may not.

@@ -236,7 +236,8 @@ class NpuOps(ReferenceOps):
     @contextmanager
     def capturing(self, capture: "GraphCapture"):
         """Route these ops' decode paths to their graph forms while a decode graph is being captured."""
-        assert self._capture is None, "a decode graph is already being captured with these ops"
+        if self._capture is not None:
+            raise RuntimeError("a decode graph is already being captured with these ops")
         self._capture = capture
         try:
             yield capture

@@ -6,7 +6,6 @@ sequences (queueing never waits for an engine step) -> outputs come back through
 (call_soon_threadsafe, no thread per request) -> JSON or SSE. A client that goes away has its sequences aborted,
 which frees their KV blocks and encoder cache entries at once."""
 import asyncio
-import dataclasses
 import logging
 import os
 import re
@@ -23,8 +22,8 @@ from vlinfer.sampling_params import SamplingParams
 from vlinfer.serve import security
 from vlinfer.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from vlinfer.serve.metrics import Metrics
-from vlinfer.serve.protocol import (MAX_SEED, MAX_STOP_SEQUENCES, ApiError, ChatCompletionRequest, CompletionRequest,
-                                    Logprobs, error_body, new_id, now, parse_body, sse, usage)
+from vlinfer.serve.protocol import (MAX_STOP_SEQUENCES, ApiError, ChatCompletionRequest, CompletionRequest, Logprobs,
+                                    error_body, new_id, now, parse_body, sse, usage)
 
 logger = logging.getLogger("vlinfer.serve")
 
@@ -181,7 +180,12 @@ class Server:
         options = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                        repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
-                       stop_token_ids=req.stop_token_ids, seed=req.seed, logprobs=logprobs)
+                       stop_token_ids=req.stop_token_ids, seed=req.seed, logprobs=logprobs,
+                       skip_special_tokens=req.skip_special_tokens,
+                       spaces_between_special_tokens=req.spaces_between_special_tokens,
+                       include_stop_str_in_output=req.include_stop_str_in_output,
+                       truncate_prompt_tokens=req.truncate_prompt_tokens, logit_bias=req.logit_bias,
+                       allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
         options = {k: v for k, v in options.items() if v is not None}
         if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_SEQUENCES:
             raise ApiError(400, f"stop has {len(req.stop)} sequences; the limit is {MAX_STOP_SEQUENCES}",
@@ -211,8 +215,7 @@ class Server:
         seqs = []
         for prompt in prompts:
             for i in range(n):
-                p = params if params.seed is None or i == 0 else \
-                    dataclasses.replace(params, seed=(params.seed + i) % (MAX_SEED + 1))
+                p = params.for_completion(i)  # seed + i when seeded, as LLM.generate runs n completions
                 try:
                     seq = self.loop.make_sequence(prompt, p)
                 except ValueError as e:
@@ -310,7 +313,8 @@ class Server:
             role = "system" if message.role == "developer" else message.role
             if isinstance(message.content, list):
                 content = [{"type": "text", "text": part.text} if part.type == "text"
-                           else {"type": "image", "image": next(images)} for part in message.content]
+                           else {"type": "image", "image": next(images), "detail": part.image_url.detail}
+                           for part in message.content]
             else:
                 content = message.content or ""
             messages.append({"role": role, "content": content})

@@ -5,21 +5,14 @@ import os
 import signal
 import sys
 
-from vlinfer.config import APP_MAX_MODEL_LEN
+import uvicorn
+
+from vlinfer.app_options import add_engine_args, engine_options, flags_in_logs, name_flags, parse_size
 from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.serve import security
 from vlinfer.serve.app import ServeConfig, build_app, limit_malloc_arenas
 
 logger = logging.getLogger("vlinfer.serve")
-
-
-def _size(text: str) -> int:
-    units = {"k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,17 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                    "(default: $VLINFER_API_KEY; none when unset)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help=f"longest prompt + answer in tokens (default: the model's own, at most {APP_MAX_MODEL_LEN}, "
-                        "and at most what the KV cache holds)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--kv-cache-size", type=_size, default=None, metavar="SIZE", help="KV pool, e.g. 512M")
-    p.add_argument("--max-request-bytes", type=_size, default=32 * 2 ** 20, metavar="SIZE",
+    add_engine_args(p)
+    p.add_argument("--max-request-bytes", type=parse_size, default=32 * 2 ** 20, metavar="SIZE",
                    help="largest request body (413 past it); default 32M")
-    p.add_argument("--max-image-bytes", type=_size, default=20 * 2 ** 20, metavar="SIZE", help="default 20M")
+    p.add_argument("--max-image-bytes", type=parse_size, default=20 * 2 ** 20, metavar="SIZE", help="default 20M")
     p.add_argument("--max-image-pixels", type=int, default=1 << 25, help="per image, width x height; default 2^25")
     p.add_argument("--max-images-per-request", type=int, default=16)
     p.add_argument("--max-n", type=int, default=16, help="most sequences per request (n x prompts)")
@@ -61,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--malloc-arena-max", type=int, default=2,
                    help="glibc malloc arenas, so RSS comes back after bursts (0: glibc's default); default 2")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("-v", "--verbose", action="store_true", help="log everything: the same as --log-level debug")
     return p
 
 
@@ -77,10 +64,10 @@ def config_from_args(args) -> ServeConfig:
 
 
 def main(argv=None) -> int:
-    import uvicorn
-
     from vlinfer.engine.llm_engine import LLMEngine
     args = build_parser().parse_args(argv)
+    if args.verbose:
+        args.log_level = "debug"
     limit_malloc_arenas(args.malloc_arena_max)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -94,16 +81,16 @@ def main(argv=None) -> int:
     if config.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s without an API key: anyone who can reach this port can use the model",
                        args.host)
-    options = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                   max_model_len_cap=APP_MAX_MODEL_LEN,
-                   max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size)
-    if args.kv_cache_size is not None:
-        options["kv_cache_bytes"] = args.kv_cache_size
-    try:
-        engine = LLMEngine(args.model, **options)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    with flags_in_logs():  # the engine's messages name the flags set here (--max-model-len, --kv-cache-size)
+        try:
+            engine = LLMEngine(args.model, **engine_options(args))
+        except (ValueError, FileNotFoundError) as e:  # a mistyped --device, a KV budget too small, no model
+            print(f"error: {name_flags(str(e))}", file=sys.stderr)
+            return 2
+        return _serve(engine, args, config)
+
+
+def _serve(engine, args, config: ServeConfig) -> int:
     loop = EngineLoop(engine)
     # uvicorn shuts down gracefully on SIGTERM, then raises it again: exit through the finally below (engine
     # loop stopped, tensor-parallel workers closed) instead of dying on the default handler.

@@ -89,9 +89,14 @@ class _SamplingFields(_Strict):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = None
     mm_processor_kwargs: dict[str, int] | None = None
-    # Accepted so the refusal can say "not supported" instead of silently doing something else.
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None  # OpenAI's: token id (a string in JSON) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -112,8 +117,6 @@ class ChatCompletionRequest(_SamplingFields):
             return "tools", "tool and function calling is not supported by this server"
         if self.response_format is not None and self.response_format.get("type") != "text":
             return "response_format", "only response_format {\"type\": \"text\"} is supported"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
         return None
@@ -134,8 +137,6 @@ class CompletionRequest(_SamplingFields):
             return "suffix", "suffix is not supported"
         if self.best_of not in (None, self.n):
             return "best_of", "best_of other than n is not supported"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         return None
 
 

@@ -1,17 +1,14 @@
 """What stands between a request and the engine: the API key, the body size cap, and image sources.
 
-The engine's load_image trusts its caller (it opens local paths and, when allowed, any URL), so the server never
-hands it a string: it resolves every image source itself (base64 data URIs; http(s) URLs only to allowlisted hosts
-that resolve to public addresses, the connection pinned to the checked address; file:// URLs only below one root)
+The engine's load_image opens local paths, so the server never hands it a string: it resolves every image source
+itself (base64 data URIs; http(s) URLs only to allowlisted hosts that resolve to public addresses, through the
+fetch LLM(..., allow_image_urls=True) uses too, vlinfer/multimodal/url_fetch.py; file:// URLs only below one root)
 and passes decoded PIL images on."""
-import asyncio
 import base64
 import binascii
 import hmac
 import io
-import ipaddress
 import os
-import socket
 import stat
 import time
 import urllib.parse
@@ -19,14 +16,11 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import PIL.Image
 
 from vlinfer.multimodal.image_io import ImageLoadError, load_image
+from vlinfer.multimodal.url_fetch import UrlFetchError, UrlPolicy, fetch_image_url
 from vlinfer.serve.protocol import ApiError, error_body
-
-REDIRECT_STATUSES = (301, 302, 303, 307, 308)
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")  # IPv6 addresses that embed (and reach) an IPv4 one
 
 
 # ---- API key ----
@@ -149,123 +143,28 @@ class ImagePolicy:
         if self.allowed_local_root:
             self._root = Path(self.allowed_local_root).resolve(strict=True)
 
+    @property
+    def url_policy(self) -> UrlPolicy:
+        return UrlPolicy(allowed_hosts=self.allowed_url_hosts, allow_private=self.allow_private_urls,
+                         timeout=self.url_timeout, max_bytes=self.max_image_bytes, max_redirects=self.max_redirects,
+                         allowlist_name="this server's allowlist (--allowed-url-hosts)")
+
 
 def _bad(message: str, param: str, status: int = 400) -> ApiError:
     return ApiError(status, message, param=param, code="invalid_image")
 
 
-def is_public_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """False for loopback, private, link-local (cloud metadata at 169.254.169.254), CGNAT, multicast, reserved and
-    unspecified addresses, including IPv4 ones wrapped in IPv6 (mapped, 6to4, Teredo, NAT64)."""
-    if ip.version == 6:
-        embedded = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
-        if embedded is None and ip in _NAT64:
-            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-        if embedded is not None:
-            return is_public_address(embedded)
-    return ip.is_global and not (ip.is_multicast or ip.is_reserved or ip.is_unspecified)
-
-
-def host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
-    for entry in allowed:
-        if entry == "*" or host == entry or (entry.startswith("*.") and host.endswith(entry[1:])):
-            return True
-    return False
-
-
-async def _resolve(host: str, port: int, policy: ImagePolicy, param: str) -> str:
-    """The address to connect to. Every address the name resolves to must pass: any of them could be used."""
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as e:
-        raise _bad(f"cannot resolve image URL host {host!r}: {e}", param) from None
-    addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
-    if not addresses:
-        raise _bad(f"image URL host {host!r} has no address", param)
-    if not policy.allow_private_urls:
-        for ip in addresses:
-            if not is_public_address(ip):
-                raise _bad(f"image URL host {host!r} resolves to the non-public address {ip}; the server only "
-                           "fetches from public addresses", param)
-    return str(addresses[0])
-
-
-def _check_url(url: str, policy: ImagePolicy, param: str) -> urllib.parse.SplitResult:
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        raise _bad(f"image URL scheme {parts.scheme!r} is not supported (only http and https)", param)
-    host = (parts.hostname or "").lower()
-    if not host:
-        raise _bad("image URL has no host", param)
-    if not host_allowed(host, policy.allowed_url_hosts):
-        raise _bad(f"image URL host {host!r} is not in this server's allowlist (--allowed-url-hosts)", param)
-    try:
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError:
-        raise _bad("image URL has an invalid port", param) from None
-    return parts
-
-
 async def fetch_url(url: str, policy: ImagePolicy, param: str = "url") -> bytes:
-    """GET an image over http(s) within the policy: allowlisted hosts only, public addresses only (the connection
-    goes to the address that was checked, so DNS cannot change it in between), redirects re-checked the same way,
-    at most max_image_bytes, at most url_timeout seconds in all."""
+    """GET an image over http(s) within the policy, by the fetch the engine uses too (url_fetch.fetch_image_url:
+    allowlisted hosts, public addresses, pinned connections, no proxies, byte and time limits); its refusals are
+    400s naming `param`."""
     if not policy.allowed_url_hosts:
         raise _bad("image URLs are disabled on this server; send the image inline as a base64 data URI "
                    "(data:image/png;base64,...)", param)
-
-    async def follow(url: str) -> bytes:
-        # trust_env=False: a proxy from the environment would make the connection, not the checked address.
-        async with httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=policy.url_timeout) as client:
-            for _ in range(policy.max_redirects + 1):
-                body_or_next_url = await _get_once(client, url, policy, param)
-                if isinstance(body_or_next_url, bytes):
-                    return body_or_next_url
-                url = body_or_next_url
-            raise _bad(f"image URL redirected more than {policy.max_redirects} times", param)
-
     try:
-        return await asyncio.wait_for(follow(url), policy.url_timeout)  # the whole fetch, not each read
-    except asyncio.TimeoutError:
-        raise _bad(f"fetching the image URL took longer than {policy.url_timeout:g}s", param) from None
-    except httpx.HTTPError as e:
-        raise _bad(f"cannot fetch the image URL: {type(e).__name__}: {e}", param) from None
-
-
-async def _get_once(client: httpx.AsyncClient, url: str, policy: ImagePolicy, param: str) -> bytes | str:
-    """The body, or the next URL of a redirect."""
-    parts = _check_url(url, policy, param)
-    host = parts.hostname.lower()
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    address = await _resolve(host, port, policy, param)
-    pinned_host = f"[{address}]" if ":" in address else address
-    pinned = parts._replace(netloc=f"{pinned_host}:{port}").geturl()
-    host_header = parts.netloc.rpartition("@")[2]  # never forward userinfo
-    # identity: a compressed body could inflate a thousandfold inside one chunk, before the byte cap sees it.
-    request = client.build_request("GET", pinned, headers={"Host": host_header, "User-Agent": "vlinfer-server",
-                                                           "Accept-Encoding": "identity"},
-                                   extensions={"sni_hostname": host})  # TLS checks the certificate against host
-    response = await client.send(request, stream=True)
-    try:
-        if response.status_code in REDIRECT_STATUSES:
-            location = response.headers.get("location")
-            if not location:
-                raise _bad(f"image URL answered {response.status_code} without a Location", param)
-            return urllib.parse.urljoin(url, location)
-        if response.status_code != 200:
-            raise _bad(f"image URL answered HTTP {response.status_code}", param)
-        length = response.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > policy.max_image_bytes:
-            raise _bad(f"image URL body is {length} bytes, over the limit of {policy.max_image_bytes}", param)
-        chunks, size = [], 0
-        async for chunk in response.aiter_raw():  # as sent: never decompressed here
-            size += len(chunk)
-            if size > policy.max_image_bytes:  # a server may lie about or omit Content-Length
-                raise _bad(f"image URL body exceeds the limit of {policy.max_image_bytes} bytes", param)
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        await response.aclose()
+        return await fetch_image_url(url, policy.url_policy)
+    except UrlFetchError as e:
+        raise _bad(str(e), param) from None
 
 
 def decode_data_uri(uri: str, policy: ImagePolicy, param: str) -> bytes:

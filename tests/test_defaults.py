@@ -1,0 +1,162 @@
+"""README.md's defaults table against the code: each entry point's own defaults (argparse, signatures, EngineConfig,
+SamplingParams, the server's request handling, the demo's sliders) are read and written the way the table writes
+them, cell by cell, so a default changed in code or in the README alone fails here."""
+import dataclasses
+import importlib.util
+import inspect
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from vlinfer import LLM, Pipeline, SamplingParams
+from vlinfer.__main__ import _params, build_parser
+from vlinfer.app_options import ENGINE_DEFAULTS, FLAGS, engine_options
+from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, CPU_DEFAULT_MEMORY_UTILIZATION,
+                            DEFAULT_MAX_BATCHED_TOKENS, MIN_BATCHED_TOKENS, MIN_FITTED_MODEL_LEN, EngineConfig,
+                            default_batched_tokens)
+from vlinfer.serve import cli as serve_cli
+from vlinfer.serve.app import Server, ServeConfig
+from vlinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+COLUMNS = ("LLM", "Pipeline", "generate", "chat", "caption", "serve", "demo")
+ROWS = ("max_model_len", "max_num_batched_tokens", "temperature", "top_p", "max_tokens", "max_num_seqs",
+        "memory_utilization")
+
+
+def load_demo():
+    spec = importlib.util.spec_from_file_location("vlinfer_demo_defaults", ROOT / "apps" / "demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def readme_section() -> str:
+    return (ROOT / "README.md").read_text().split("\n## Defaults\n", 1)[1].split("\n## ", 1)[0]
+
+
+def readme_table() -> dict[str, dict[str, str]]:
+    """setting (the first `name` in its row's first cell) -> entry point -> cell text without backticks."""
+    lines = [line for line in readme_section().splitlines() if line.startswith("|")]
+
+    def cells(line):
+        return [c.strip().replace("`", "") for c in line.strip().strip("|").split("|")]
+
+    assert tuple(cells(lines[0])[1:8]) == COLUMNS, cells(lines[0])
+    table = {}
+    for line in lines[2:]:
+        name = re.search(r"`([a-z_]+)`", line.split("|")[1]).group(1)
+        table[name] = dict(zip(COLUMNS, cells(line)[1:8]))
+    return table
+
+
+def entry_points() -> dict[str, tuple[dict, dict]]:
+    """entry point -> (the engine options it passes to LLM, over EngineConfig's defaults; its default sampling, as
+    {field: value} or, for the server, per endpoint)."""
+    # LLM and Pipeline add no engine defaults of their own: every option goes through to EngineConfig.
+    for init in (LLM.__init__, Pipeline.__init__):
+        kinds = [p.kind for p in inspect.signature(init).parameters.values()]
+        assert kinds[-1] is inspect.Parameter.VAR_KEYWORD and len(kinds) == 3, inspect.signature(init)
+    assert ENGINE_DEFAULTS == {f.name: f.default for f in dataclasses.fields(EngineConfig)
+                               if f.default is not dataclasses.MISSING}
+    points = {"LLM": (ENGINE_DEFAULTS, dataclasses.asdict(SamplingParams())),
+              "Pipeline": (ENGINE_DEFAULTS, dataclasses.asdict(Pipeline.sampling_params()))}
+    cli = build_parser()
+    for command, argv in {"generate": ["generate", "hi"], "chat": ["chat"],
+                          "caption": ["caption", "x.png", "--out", "c.jsonl"]}.items():
+        args = cli.parse_args(argv)
+        points[command] = ({**ENGINE_DEFAULTS, **engine_options(args)}, dataclasses.asdict(_params(args)))
+    # The server: what a request that sets nothing gets (Server.sampling_params on a stand-in engine).
+    context = 12345
+    server = SimpleNamespace(engine=SimpleNamespace(max_model_len=context), config=ServeConfig(served_model_names=("m",)))
+    chat = Server.sampling_params(server, ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), None)
+    completion = Server.sampling_params(server, CompletionRequest(prompt="hi"), None)
+    assert chat.max_tokens == context  # unset: the room left in the context
+    serve = {"chat": dataclasses.asdict(chat), "completions": dataclasses.asdict(completion)}
+    points["serve"] = ({**ENGINE_DEFAULTS, **engine_options(serve_cli.build_parser().parse_args([]))}, serve)
+    demo = load_demo()
+    demo_sampling = dataclasses.asdict(Pipeline.sampling_params(**demo.SAMPLING_DEFAULTS))
+    points["demo"] = ({**ENGINE_DEFAULTS, **demo.demo_engine_options(demo.parse_args([]))}, demo_sampling)
+    return points
+
+
+def written(setting: str, engine: dict, sampling: dict) -> str:
+    """One cell, as the README writes it."""
+    if setting == "max_model_len":
+        if engine["max_model_len"] is not None:
+            return str(engine["max_model_len"])
+        cap = engine["max_model_len_cap"]
+        return "model's" if cap is None else f"model's, at most {cap}"
+    if setting == "max_num_batched_tokens":
+        given = engine["max_num_batched_tokens"]
+        return str(given) if given is not None else f"min(context, {DEFAULT_MAX_BATCHED_TOKENS})"
+    if setting == "max_num_seqs":
+        return str(engine["max_num_seqs"])
+    if setting == "memory_utilization":
+        assert engine["kv_cache_bytes"] is None
+        share = engine["memory_utilization"]
+        return str(share) if share is not None else \
+            f"{CPU_DEFAULT_MEMORY_UTILIZATION} / {ACCELERATOR_DEFAULT_MEMORY_UTILIZATION}"
+    if "chat" in sampling:  # the server, per endpoint
+        if setting == "max_tokens":
+            return f"rest of context (chat), {sampling['completions']['max_tokens']} (completions)"
+        assert sampling["chat"][setting] == sampling["completions"][setting]
+        sampling = sampling["chat"]
+    value = sampling[setting]
+    return str(float(value)) if setting in ("temperature", "top_p") else str(value)
+
+
+def test_the_readme_table_is_every_entry_points_defaults():
+    table, points = readme_table(), entry_points()
+    assert tuple(table) == ROWS
+    expected = {row: {column: written(row, *points[column]) for column in COLUMNS} for row in ROWS}
+    assert table == expected
+
+
+def test_the_rules_under_the_table_are_the_codes():
+    text = " ".join(readme_section().split())
+    assert (f"min(context length, {DEFAULT_MAX_BATCHED_TOKENS}), at least {MIN_BATCHED_TOKENS}") in text
+    assert f"down to {MIN_FITTED_MODEL_LEN}" in text
+    assert (f"{CPU_DEFAULT_MEMORY_UTILIZATION} of the RAM free after loading (CPU) / "
+            f"{ACCELERATOR_DEFAULT_MEMORY_UTILIZATION} of device memory") in text
+    assert [default_batched_tokens(n) for n in (262144, 16384, 8192, 3072, 2048, 512)] == \
+        [8192, 8192, 8192, 3072, 2048, 2048]
+
+
+def test_every_app_has_the_flags_the_table_names():
+    """The KV budget and memory share the errors mention, and the other engine settings, are flags in every app
+    (the demo's max_num_seqs is --concurrency), and the README names each."""
+    engine_flags = [flag for name, flag in FLAGS.items() if flag.startswith("--") and
+                    name not in ("temperature", "top_p", "max_tokens", "seed")]
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    parsers = {name: sub[name] for name in ("generate", "chat", "caption")}
+    parsers.update(serve=serve_cli.build_parser(), demo=load_demo().build_parser())
+    for name, parser in parsers.items():
+        have = {s for action in parser._actions for s in action.option_strings}
+        wanted = [("--concurrency" if name == "demo" and f == "--max-num-seqs" else f) for f in engine_flags]
+        assert [f for f in wanted if f not in have] == [], name
+        if name == "demo":
+            assert "--max-num-seqs" not in have  # one knob, not two
+    text = readme_section()
+    assert [f for f in engine_flags + ["--concurrency"] if f"`{f}`" not in text] == []
+
+
+def test_a_given_long_context_still_prefills_in_bounded_steps(tiny_vl_with_context):
+    """max_model_len given (not fitted) on a 262144-position model: the step budget is min(context, 8192), not the
+    whole context."""
+    bytes_per_token = 2 * 2 * 32 * 2 * 4  # the tiny Qwen3-VL's float32 KV
+    llm = LLM(tiny_vl_with_context(262144), dtype="float32", device="cpu", max_model_len=16384,
+              kv_cache_bytes=16384 * bytes_per_token)
+    assert llm.engine.max_model_len == 16384
+    assert llm.engine.scheduler.max_num_batched_tokens == DEFAULT_MAX_BATCHED_TOKENS
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "caption"])
+def test_verbose_before_or_after_the_subcommand(command):
+    rest = {"generate": ["hi"], "chat": [], "caption": ["x.png", "--out", "c.jsonl"]}[command]
+    parser = build_parser()
+    assert parser.parse_args(["-v", command, *rest]).verbose is True
+    assert parser.parse_args([command, *rest, "-v"]).verbose is True
+    assert parser.parse_args([command, *rest]).verbose is False

@@ -1,0 +1,112 @@
+"""What the apps share (`python -m vlinfer generate|chat|caption`, `serve`, apps/demo.py): the engine flags, with
+the defaults of README.md's defaults table, and the names of settings in messages.
+
+The engine's errors and warnings name its keyword arguments (`max_model_len=...`, `raise kv_cache_bytes`), which is
+what a Python caller can set; an app's user set flags, so an app shows those messages with its flags instead
+(`--max-model-len=...`, `raise --kv-cache-size`): name_flags on errors, flags_in_logs on the engine's log."""
+import argparse
+import contextlib
+import dataclasses
+import logging
+import re
+
+from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, APP_MAX_MODEL_LEN, CPU_DEFAULT_MEMORY_UTILIZATION,
+                            DEFAULT_MAX_BATCHED_TOKENS, MIN_BATCHED_TOKENS, EngineConfig)
+
+# Keyword argument (LLM / EngineConfig / SamplingParams) -> the flag that sets it in every app.
+FLAGS = {
+    "device": "--device", "dtype": "--dtype", "max_model_len": "--max-model-len",
+    "max_model_len_cap": "the default --max-model-len cap", "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_num_seqs": "--max-num-seqs", "kv_cache_bytes": "--kv-cache-size",
+    "memory_utilization": "--memory-utilization", "tensor_parallel_size": "--tensor-parallel-size",
+    "temperature": "--temperature", "top_p": "--top-p", "max_tokens": "--max-tokens", "seed": "--seed",
+}
+ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)
+                   if f.default is not dataclasses.MISSING}
+
+
+def parse_size(text: str) -> int:
+    """'512M', '2G', '1.5GiB', '1048576' -> bytes."""
+    units = {"k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: bool = True) -> None:
+    """The engine flags; defaults are the engine's own (None: the engine decides, as for LLM(...)), except the
+    context length, capped at APP_MAX_MODEL_LEN in engine_options. max_num_seqs=False: the app sets it itself."""
+    p.add_argument("--device", default=ENGINE_DEFAULTS["device"], help="cpu, cuda, cuda:1, npu, ... (default: auto)")
+    p.add_argument("--dtype", default=ENGINE_DEFAULTS["dtype"], help="float32, bfloat16, float16 (default: auto)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help=f"longest prompt + answer in tokens (default: the model's own, at most {APP_MAX_MODEL_LEN}, "
+                        "and at most what the KV cache holds)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="TOKENS",
+                   help=f"tokens per engine step; longer prompts prefill in chunks (default: the context length, at "
+                        f"most {DEFAULT_MAX_BATCHED_TOKENS}, at least {MIN_BATCHED_TOKENS})")
+    if max_num_seqs:
+        p.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS["max_num_seqs"], metavar="N",
+                       help=f"sequences the engine runs at once (default: {ENGINE_DEFAULTS['max_num_seqs']})")
+    p.add_argument("--kv-cache-size", dest="kv_cache_bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="KV cache pool, e.g. 512M or 2G (default: a share of free memory, see --memory-utilization)")
+    p.add_argument("--memory-utilization", type=float, default=None, metavar="SHARE",
+                   help="share of memory for the KV cache when --kv-cache-size is not given: of the RAM free after "
+                        f"loading on CPU (default {CPU_DEFAULT_MEMORY_UTILIZATION}), of device memory on accelerators "
+                        f"(default {ACCELERATOR_DEFAULT_MEMORY_UTILIZATION})")
+    p.add_argument("--tensor-parallel-size", type=int, default=ENGINE_DEFAULTS["tensor_parallel_size"], metavar="N",
+                   help="split the model over N ranks (default: 1)")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """LLM(...) keyword arguments from add_engine_args' flags."""
+    options = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                   max_model_len_cap=APP_MAX_MODEL_LEN, max_num_batched_tokens=args.max_num_batched_tokens,
+                   kv_cache_bytes=args.kv_cache_bytes, memory_utilization=args.memory_utilization,
+                   tensor_parallel_size=args.tensor_parallel_size)
+    if hasattr(args, "max_num_seqs"):
+        options["max_num_seqs"] = args.max_num_seqs
+    return options
+
+
+def _pattern(names) -> re.Pattern:
+    """A keyword name as messages write it: `SamplingParams.top_p`, or the bare name where it cannot be an English
+    word: names with an underscore anywhere, one-word names (device, seed) only as `name=`."""
+    alternatives = []
+    for name in sorted(names, key=len, reverse=True):
+        alternatives.append(rf"\bSamplingParams\.{name}\b")
+        alternatives.append(rf"\b{name}\b" if "_" in name else rf"\b{name}(?==)")
+    return re.compile("|".join(alternatives))
+
+
+def name_flags(message: str, flags: dict[str, str] = FLAGS) -> str:
+    """An engine message with each keyword name replaced by the app's flag: 'max_model_len=8192 ... raise
+    kv_cache_bytes' -> '--max-model-len=8192 ... raise --kv-cache-size'."""
+    if not flags:
+        return message
+    return _pattern(flags).sub(lambda m: flags[m.group(0).removeprefix("SamplingParams.")], message)
+
+
+class _FlagNames(logging.Filter):
+    def __init__(self, flags: dict[str, str]):
+        super().__init__()
+        self.flags = flags
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = name_flags(record.getMessage(), self.flags), None
+        return True
+
+
+@contextlib.contextmanager
+def flags_in_logs(flags: dict[str, str] = FLAGS):
+    """While an app runs, the engine's log lines (logger "vlinfer") name its flags; removed after, so nothing of the
+    app stays on the logger."""
+    logger, names = logging.getLogger("vlinfer"), _FlagNames(flags)
+    logger.addFilter(names)
+    try:
+        yield
+    finally:
+        logger.removeFilter(names)
