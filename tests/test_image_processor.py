@@ -1,11 +1,9 @@
 """Image input layer + Qwen3-VL image preprocessor, checked against transformers' fast Qwen2VLImageProcessor (what
 AutoImageProcessor builds for qwen3_vl), constructed locally with the published Qwen3-VL parameters."""
 import base64
-import http.server
 import io
 import json
 import struct
-import threading
 import warnings
 import zlib
 
@@ -18,6 +16,7 @@ from transformers.image_transforms import convert_to_rgb as hf_convert_to_rgb
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as hf_smart_resize
 
+from images import ImageServer
 from vlinfer.multimodal.image_io import ImageLoadError, image_content_hash, load_image
 from vlinfer.multimodal.image_processor import ProcessedImages, Qwen3VLImageProcessor, smart_resize
 from vlinfer.multimodal.url_fetch import UrlPolicy
@@ -361,22 +360,9 @@ def test_url_refused_by_default():
 
 def test_url_fetch_local_server():
     data = png_bytes(rand_image(30, 50, 2))
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = ImageServer(data)
     try:
-        url = f"http://127.0.0.1:{server.server_port}/x.png"
+        url = f"{server.url}/x.png"
         # The server's checks (vlinfer/multimodal/url_fetch.py): loopback is refused unless the policy allows it.
         with pytest.raises(ImageLoadError, match="non-public address 127.0.0.1"):
             load_image(url, url_policy=UrlPolicy())
@@ -384,8 +370,7 @@ def test_url_fetch_local_server():
         with pytest.raises(ImageLoadError, match="over the limit"):
             load_image(url, url_policy=UrlPolicy(allow_private=True, max_bytes=len(data) - 1))
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 def _png_header_only(w, h):

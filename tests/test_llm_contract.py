@@ -4,18 +4,16 @@ server's fetch (address checks, no proxies from the environment, byte and time l
 raises errors that `python -O` keeps."""
 import ast
 import asyncio
-import http.server
 import io
 import json
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
 from conftest import assert_block_pool_empty, build_checkpoint, tiny_text_config
-from images import picture
+from images import ImageServer, picture
 
 from vlinfer import LLM, RequestError, SamplingParams
 from vlinfer.multimodal.url_fetch import UrlFetchError, UrlPolicy, fetch_image_url_sync
@@ -98,36 +96,6 @@ def test_llm_leaves_the_global_rng_alone(qwen3_checkpoint, tiny_vl_with_context)
 
 
 # ---- image URLs: the server's fetch ----
-class ImageServer:
-    """A local HTTP server: /x.png the image, /slow.png holds the response until released."""
-
-    def __init__(self, data: bytes):
-        self.release = threading.Event()
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                if self.path == "/slow.png":
-                    server.release.wait(30)
-                self.send_response(200)
-                self.send_header("Content-Type", "image/png")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
 def image_server(monkeypatch):
     """Proxies in the environment point at a dead port: a fetch that used them would fail."""

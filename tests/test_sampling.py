@@ -13,36 +13,29 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from vlinfer import LLM, RequestError, SamplingParams
+from vlinfer.engine.sequence import Sequence
 from vlinfer.layers import sampler
 
 VOCAB = 50
 EOS = {2}
 
 
-class Seq:
-    """What the sampler reads of a sequence, built by hand."""
-
-    def __init__(self, params: SamplingParams, prompt, output=(), bad_words_token_ids=(), generator=None):
-        self.sampling_params = params
-        self.token_ids = list(prompt) + list(output)
-        self.num_prompt_tokens = len(prompt)
-        self.bad_words_token_ids = [list(w) for w in bad_words_token_ids]
-        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+def make_seq(params: SamplingParams, prompt, output=(), bad_words_token_ids=(), generator=None) -> Sequence:
+    """The engine's own Sequence with a prompt, tokens already generated and the tokenized bad words set, as the
+    sampler reads it at a step."""
+    seq = Sequence(list(prompt), params,
+                   generator=generator if generator is not None else torch.Generator().manual_seed(0))
+    for token in output:
+        seq.append_token(token)
+    seq.bad_words_token_ids = [list(w) for w in bad_words_token_ids]
+    return seq
 
 
 def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def processed(logits: torch.Tensor, seqs: list[Seq], eos=EOS) -> torch.Tensor:
+def processed(logits: torch.Tensor, seqs: list[Sequence], eos=EOS) -> torch.Tensor:
     """What sample() takes the arg-max of (greedy rows) or draws from (sampled rows)."""
     x = sampler.process_logits(logits.clone(), seqs, eos)
     rows = [i for i, s in enumerate(seqs) if not s.sampling_params.greedy]
@@ -82,7 +75,7 @@ def openai_penalties(presence: float, frequency: float, output: list[int]):
 @pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.8])
 def test_temperature_is_transformers_temperature_warper(temperature):
     logits = random_logits(3, seed=1)
-    seqs = [Seq(SamplingParams(temperature=temperature), [4, 5]) for _ in range(3)]
+    seqs = [make_seq(SamplingParams(temperature=temperature), [4, 5]) for _ in range(3)]
     ours = processed(logits, seqs)
     for i in range(3):
         assert_same(ours[i], hf([TemperatureLogitsWarper(temperature)], [4, 5], logits[i]))
@@ -91,7 +84,7 @@ def test_temperature_is_transformers_temperature_warper(temperature):
 def test_top_k_is_transformers_top_k_warper():
     ks = [1, 2, 7, 49, 50, 0]  # 0: off; rows of one batch with different k
     logits = random_logits(len(ks), seed=2)
-    ours = processed(logits, [Seq(SamplingParams(top_k=k), [4]) for k in ks])
+    ours = processed(logits, [make_seq(SamplingParams(top_k=k), [4]) for k in ks])
     for i, k in enumerate(ks):
         assert_same(ours[i], hf([TopKLogitsWarper(k)] if k else [], [4], logits[i]))
         assert (~ours[i].isneginf()).sum() == (k or VOCAB)
@@ -100,7 +93,7 @@ def test_top_k_is_transformers_top_k_warper():
 def test_top_p_is_transformers_top_p_warper():
     ps = [0.01, 0.2, 0.5, 0.75, 0.9, 0.99, 1.0]
     logits = (random_logits(1, seed=3) / 3).expand(len(ps), -1)  # one flat-ish row: each p keeps a different set
-    ours = processed(logits, [Seq(SamplingParams(top_p=p), [4]) for p in ps])
+    ours = processed(logits, [make_seq(SamplingParams(top_p=p), [4]) for p in ps])
     for i, p in enumerate(ps):
         assert_same(ours[i], hf([TopPLogitsWarper(p)] if p < 1 else [], [4], logits[i]))
     kept = (~ours.isneginf()).sum(-1).tolist()
@@ -110,7 +103,7 @@ def test_top_p_is_transformers_top_p_warper():
 def test_min_p_is_transformers_min_p_warper():
     ps = [0.0, 0.05, 0.1, 0.3, 0.6, 1.0]
     logits = (random_logits(1, seed=4) / 3).expand(len(ps), -1)  # one flat-ish row: each p keeps a different set
-    ours = processed(logits, [Seq(SamplingParams(min_p=p), [4]) for p in ps])
+    ours = processed(logits, [make_seq(SamplingParams(min_p=p), [4]) for p in ps])
     for i, p in enumerate(ps):
         assert_same(ours[i], hf([MinPLogitsWarper(p)] if p else [], [4], logits[i]))
     kept = (~ours.isneginf()).sum(-1).tolist()
@@ -121,7 +114,7 @@ def test_repetition_penalty_is_transformers_over_prompt_and_output():
     prompt, output = [3, 7, 7, 12, 40], [12, 19, 3, 19, 21]
     for penalty in (1.3, 0.7, 2.0):
         logits = random_logits(1, seed=5)
-        ours = processed(logits, [Seq(SamplingParams(repetition_penalty=penalty), prompt, output)])[0]
+        ours = processed(logits, [make_seq(SamplingParams(repetition_penalty=penalty), prompt, output)])[0]
         assert_same(ours, hf([RepetitionPenaltyLogitsProcessor(penalty)], prompt + output, logits[0]))
         for prompt_only in (7, 40):  # penalized though only the prompt has them
             assert ours[prompt_only] != logits[0, prompt_only]
@@ -134,7 +127,7 @@ def test_presence_and_frequency_penalties_are_openais_over_output_tokens(presenc
     prompt, output = [3, 9, 9, 30], [9, 14, 14, 14, 30, 8]
     logits = random_logits(2, seed=6)
     params = SamplingParams(presence_penalty=presence, frequency_penalty=frequency)
-    ours = processed(logits, [Seq(params, prompt, output), Seq(params, prompt)])
+    ours = processed(logits, [make_seq(params, prompt, output), make_seq(params, prompt)])
     assert_same(ours[0], hf([openai_penalties(presence, frequency, output)], prompt + output, logits[0]))
     assert torch.equal(ours[1], logits[1])  # nothing generated yet: the prompt's tokens are not penalized
     assert ours[0, 3] == logits[0, 3]  # a prompt-only token
@@ -144,7 +137,7 @@ def test_repetition_then_presence_and_frequency_in_vllms_order():
     prompt, output = [3, 9, 9, 30], [9, 14, 14, 30, 8, 3]
     logits = random_logits(1, seed=7)
     params = SamplingParams(repetition_penalty=1.7, presence_penalty=0.8, frequency_penalty=0.6)
-    ours = processed(logits, [Seq(params, prompt, output)])[0]
+    ours = processed(logits, [make_seq(params, prompt, output)])[0]
     ref = hf([RepetitionPenaltyLogitsProcessor(1.7), openai_penalties(0.8, 0.6, output)], prompt + output, logits[0])
     assert_same(ours, ref)
 
@@ -159,7 +152,7 @@ def test_min_tokens_masks_eos_and_stop_ids_as_transformers_min_new_tokens(ignore
     for num_out in range(6):
         output = [20 + i for i in range(num_out)]
         logits = random_logits(1, seed=8 + num_out)
-        ours = processed(logits, [Seq(params, prompt, output)], eos)[0]
+        ours = processed(logits, [make_seq(params, prompt, output)], eos)[0]
         ref = hf([MinNewTokensLengthLogitsProcessor(len(prompt), 3, [2, 5, 7, 11])], prompt + output, logits[0])
         assert_same(ours, ref)
         assert ours[[2, 5, 7, 11]].isneginf().all() == (num_out < 3)
@@ -168,7 +161,7 @@ def test_min_tokens_masks_eos_and_stop_ids_as_transformers_min_new_tokens(ignore
 def test_logit_bias_is_transformers_sequence_bias():
     biases = [{3: 5.0, 10: -2.5, 49: 100.0}, {0: -100.0}, None]
     logits = random_logits(3, seed=9)
-    ours = processed(logits, [Seq(SamplingParams(logit_bias=b, temperature=0), [4]) for b in biases])
+    ours = processed(logits, [make_seq(SamplingParams(logit_bias=b, temperature=0), [4]) for b in biases])
     for i, bias in enumerate(biases):
         ref = hf([SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])] if bias else [], [4], logits[i])
         assert_same(ours[i], ref)
@@ -177,7 +170,7 @@ def test_logit_bias_is_transformers_sequence_bias():
 def test_allowed_token_ids_is_transformers_prefix_constraint():
     allowed = [[3, 17, 40], [0], None, list(range(VOCAB))]
     logits = random_logits(len(allowed), seed=10)
-    ours = processed(logits, [Seq(SamplingParams(allowed_token_ids=a), [4]) for a in allowed])
+    ours = processed(logits, [make_seq(SamplingParams(allowed_token_ids=a), [4]) for a in allowed])
     for i, ids in enumerate(allowed):
         ref = hf([PrefixConstrainedLogitsProcessor(lambda _b, _s, ids=ids: ids, 1)] if ids else [], [4], logits[i])
         assert_same(ours[i], ref)
@@ -192,7 +185,7 @@ def test_bad_words_are_transformers_no_bad_words_over_the_output(output):
     """vLLM's bad_words: a word's last token is masked when the output so far ends with the rest of the word;
     transformers' NoBadWordsLogitsProcessor does the same given the output tokens."""
     logits = random_logits(1, seed=11)
-    ours = processed(logits, [Seq(SamplingParams(), [1, 2], output, BAD_WORDS)])[0]
+    ours = processed(logits, [make_seq(SamplingParams(), [1, 2], output, BAD_WORDS)])[0]
     assert_same(ours, hf([NoBadWordsLogitsProcessor(BAD_WORDS)], output, logits[0]))
 
 
@@ -200,7 +193,7 @@ def test_bad_words_look_at_the_output_not_the_prompt():
     """vLLM matches a word's prefix against generated tokens only: a prompt ending in 8 does not ban 9
     (transformers, which sees the prompt too, would)."""
     logits = random_logits(1, seed=12)
-    ours = processed(logits, [Seq(SamplingParams(), [1, 3, 4, 8], [], BAD_WORDS)])[0]
+    ours = processed(logits, [make_seq(SamplingParams(), [1, 3, 4, 8], [], BAD_WORDS)])[0]
     assert torch.isneginf(ours).nonzero().flatten().tolist() == [5]
     assert hf([NoBadWordsLogitsProcessor(BAD_WORDS)], [1, 3, 4, 8], logits[0]).isneginf().sum() == 2
 
@@ -213,7 +206,7 @@ def test_warpers_run_in_transformers_order():
     combos = [(0.7, 10, 0.9, 0.05), (1.3, 0, 0.6, 0.2), (0.5, 5, 1.0, 0.3), (1.0, 30, 0.8, 0.0), (2.0, 20, 0.95, 0.1)]
     logits = random_logits(len(combos), seed=13)
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in combos]
-    ours = processed(logits, [Seq(p, [4]) for p in params])
+    ours = processed(logits, [make_seq(p, [4]) for p in params])
     orders_differ = 0
     for i, (t, k, p, m) in enumerate(combos):
         temp, top_k = TemperatureLogitsWarper(t), [TopKLogitsWarper(k)] if k else []
@@ -237,7 +230,7 @@ def test_one_mixed_batch_is_each_rows_transformers_chain():
         (dict(temperature=1.0), [], []),
         (dict(temperature=0.6, min_p=0.1, frequency_penalty=-1.0, logit_bias={2: 50.0}, min_tokens=1), [2, 2, 7], []),
     ]
-    seqs = [Seq(SamplingParams(**kw), prompt, out, bad) for kw, out, bad in rows]
+    seqs = [make_seq(SamplingParams(**kw), prompt, out, bad) for kw, out, bad in rows]
     logits = random_logits(len(rows), seed=14)
     ours = processed(logits, seqs)
     for i, (kw, out, bad) in enumerate(rows):
@@ -290,7 +283,7 @@ def test_draws_follow_the_processed_distribution():
               TopKLogitsWarper(9), TopPLogitsWarper(0.85), MinPLogitsWarper(0.02)], prompt + output, logits[0])
     expected = ref.softmax(-1)
     generator = torch.Generator().manual_seed(1234)
-    seqs = [Seq(params, prompt, output, generator=generator) for _ in range(n)]
+    seqs = [make_seq(params, prompt, output, generator=generator) for _ in range(n)]
     tokens, _ = sampler.sample(logits.expand(n, -1).clone(), seqs, set())
     counts = torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).float()
     assert counts[expected == 0].sum() == 0, "a masked token was drawn"
@@ -317,7 +310,7 @@ def test_the_inverse_cdf_draw_never_returns_a_masked_token(monkeypatch, uniform)
     logits[2, 0] = 30.0  # token 0 the most likely, then masked by allowed_token_ids below
     params = [SamplingParams(allowed_token_ids=[7, 20, 33]), SamplingParams(top_k=3),
               SamplingParams(allowed_token_ids=[1, 5]), SamplingParams(top_p=0.3)]
-    seqs = [Seq(p, [4], [], [[0]] if i == 3 else []) for i, p in enumerate(params)]  # row 3: bad word [0]
+    seqs = [make_seq(p, [4], [], [[0]] if i == 3 else []) for i, p in enumerate(params)]  # row 3: bad word [0]
     probs = processed(logits, seqs).softmax(-1)
     tokens, _ = sampler.sample(logits.clone(), seqs, EOS)
     for row, token in enumerate(tokens):

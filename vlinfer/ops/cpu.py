@@ -90,8 +90,9 @@ class CpuOps(ReferenceOps):
         # Prefill-chunk and vision attention are matmul-shaped: where the CPU has AMX, torch's SDPA (oneDNN, AMX
         # tiles) runs them 2.7-3.3x faster than our vdpbf16ps kernels (bench/ops.py, Xeon with amx_bf16), so
         # they take SDPA there. Decode attention reads the cache once per token and stays ours everywhere.
+        has_amx = "amx_bf16" in platform.cpu_flags()
         if bf16_prefill_kernels is None:
-            bf16_prefill_kernels = "amx_bf16" not in platform.cpu_flags()
+            bf16_prefill_kernels = not has_amx
         self.bf16_prefill_kernels = self.bf16_attention and bf16_prefill_kernels
         self.bf16_linear = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         if self.bf16_prefill_kernels:
@@ -99,7 +100,8 @@ class CpuOps(ReferenceOps):
                         "vision", self.isa)
         elif self.bf16_attention:
             logger.info("ops[cpu]: kernels built for %s; bf16 decode attention kernel (AVX512-BF16); bf16 prefill "
-                        "and vision attention run SDPA (this CPU has AMX, which SDPA uses)", self.isa)
+                        "and vision attention run SDPA (%s)", self.isa,
+                        "this CPU has AMX, which SDPA uses" if has_amx else "bf16_prefill_kernels=False")
         else:
             logger.info("ops[cpu]: kernels built for %s; no AVX512-BF16 kernels at this level, so bf16 prefill and "
                         "vision attention run SDPA, decode the generic kernel", self.isa)
