@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU machines have these wheels on local disk; elsewhere pip fetches them.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install run test bench clean
+.PHONY: install run test test-full bench clean
 
 install: $(VENV)/.installed
 
@@ -21,8 +21,13 @@ $(VENV)/.installed: pyproject.toml
 run: install
 	$(BIN)/python examples/quickstart.py
 
+# The default run leaves out the tests marked slow (a Ray cluster, the real model end to end, long load tests);
+# test-full runs everything, and is what CI (.ci/run) runs.
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow" --durations=30
+
+test-full: install
+	$(BIN)/python -m pytest -q --durations=30
 
 bench: install
 	$(BIN)/python bench/throughput.py

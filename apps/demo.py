@@ -13,6 +13,7 @@ import gradio as gr
 from vlinfer.app_options import FLAGS, add_engine_args, engine_options, flags_in_logs, name_flags
 from vlinfer.config import ANSWER_MAX_TOKENS, CHAT_TEMPERATURE, CHAT_TOP_P
 from vlinfer.engine.engine_loop import EngineLoop
+from vlinfer.multimodal.video_io import VIDEO_EXTENSIONS
 
 logger = logging.getLogger("vlinfer.demo")
 
@@ -45,14 +46,20 @@ def _file_path(part) -> str | None:
     return getattr(part, "path", None)  # a FileData object
 
 
+def is_video_file(path: str) -> bool:
+    """Uploads are told apart by name: Gradio keeps the uploaded file's extension."""
+    return path.lower().endswith(VIDEO_EXTENSIONS)
+
+
 def is_notice(message: dict) -> bool:
     return (message.get("metadata") or {}).get("title") == NOTICE_TITLE
 
 
 def model_messages(history: list[dict]) -> list[dict]:
     """Chatbot history -> OpenAI-style messages: user images become {"type": "image", "image": path} parts,
-    text becomes {"type": "text"} parts; assistant turns are plain strings. Notices and the turns they reject
-    are dropped, so one bad image does not break every later turn."""
+    videos {"type": "video", "video": path} parts (sampled at the model's default fps), text becomes
+    {"type": "text"} parts; assistant turns are plain strings. Notices and the turns they reject are dropped,
+    so one bad image does not break every later turn."""
     out: list[dict] = []
     for message in history or []:
         role = message.get("role")
@@ -73,7 +80,9 @@ def model_messages(history: list[dict]) -> list[dict]:
             elif isinstance(part, dict) and part.get("type") == "text":
                 parts.append({"type": "text", "text": part.get("text", "")})
             elif role == "user" and _file_path(part):
-                parts.append({"type": "image", "image": _file_path(part)})
+                path = _file_path(part)
+                parts.append({"type": "video", "video": path} if is_video_file(path) else
+                             {"type": "image", "image": path})
             # anything else (components rendered in the chat) is display only
         if role != "user":  # only user turns carry images
             text = "".join(p["text"] for p in parts if p["type"] == "text")
@@ -84,8 +93,8 @@ def model_messages(history: list[dict]) -> list[dict]:
     return out
 
 
-def count_images(messages: list[dict]) -> int:
-    return sum(part.get("type") == "image" for m in messages if isinstance(m["content"], list) for part in m["content"])
+def count_images(messages: list[dict], kind: str = "image") -> int:
+    return sum(part.get("type") == kind for m in messages if isinstance(m["content"], list) for part in m["content"])
 
 
 def read_input(message) -> tuple[str, list[str]]:
@@ -125,19 +134,22 @@ def build_demo(pipe, loop: EngineLoop | None = None) -> gr.Blocks:
         text, files = read_input(message)
         history = list(history or [])
         if not text and not files:
-            gr.Warning("Type a question or attach an image.")
+            gr.Warning("Type a question or attach an image or a video.")
             yield history, gr.skip()
             return
         shown = history + [user_message(text, files)]
         try:
-            turn = pipe.messages(text or None, files)  # images first, then the text; ValueError when unusable
+            # images and videos first, then the text; ValueError when unusable
+            turn = pipe.messages(text or None, [f for f in files if not is_video_file(f)],
+                                 [f for f in files if is_video_file(f)])
             params = pipe.sampling_params(temperature=float(temperature), top_p=float(top_p),
                                           max_tokens=int(max_tokens))
             messages = model_messages(history) + turn
             stream = loop.submit(engine.chat_prompt(messages), params)
-            logger.info("request %s: %d messages, %d images, max_tokens=%d", stream.request_id, len(messages),
-                        count_images(messages), params.max_tokens)
-        except ValueError as e:  # a bad image, a prompt too long, bad sampling values: tell the user, keep serving
+            videos = count_images(messages, "video")
+            logger.info("request %s: %d messages, %d images, %smax_tokens=%d", stream.request_id, len(messages),
+                        count_images(messages), f"{videos} videos, " if videos else "", params.max_tokens)
+        except ValueError as e:  # a bad image or video, a prompt too long, bad sampling values: tell the user
             logger.info("rejected a request: %s", e)
             gr.Warning(f"Request rejected: {e}")
             yield shown + [notice(f"⚠️ Request rejected: {e}")], EMPTY_INPUT
@@ -169,8 +181,8 @@ def build_demo(pipe, loop: EngineLoop | None = None) -> gr.Blocks:
         return f"Requests in the engine now: **{loop.num_active()}** (all tabs share one batch)"
 
     embedded_notice = (
-        "> ⚠️ **This is vlinfer's embedded tiny random-weight Qwen3-VL: its words are meaningless.** It shows "
-        "the engine working (images in, streamed tokens out, batching across tabs) without the real weights. "
+        f"> ⚠️ **This is {engine.source.about}.** It shows the engine working (images in, streamed tokens out, "
+        "batching across tabs) without the real weights. "
         "For real answers: `huggingface-cli download Qwen/Qwen3-VL-2B-Instruct`, then restart.")
     with gr.Blocks(title="vlinfer demo") as demo:
         gr.Markdown(f"# vlinfer chat\n**Model:** `{pipe.model}` ({engine.source.path}) · **Device:** "
@@ -181,11 +193,12 @@ def build_demo(pipe, loop: EngineLoop | None = None) -> gr.Blocks:
         with gr.Row():
             with gr.Column(scale=2):
                 chatbot = gr.Chatbot(label="Chat", height=480, buttons=["copy"], elem_id="chat",
-                                     placeholder="Attach one or more images and ask about them."
+                                     placeholder="Attach images or a video and ask about them."
                                      if pipe.is_multimodal else "Ask a question.")
                 textbox = gr.MultimodalTextbox(
-                    file_types=["image"], file_count="multiple", sources=["upload"] if pipe.is_multimodal else [],
-                    placeholder="Ask about the images (the clip attaches one or several), Enter to send"
+                    file_types=["image", "video"], file_count="multiple",
+                    sources=["upload"] if pipe.is_multimodal else [],
+                    placeholder="Ask about images or videos (the clip attaches one or several), Enter to send"
                     if pipe.is_multimodal else "Ask a question, Enter to send (text-only model)",
                     label="message", show_label=False, autofocus=True)
                 with gr.Row():
@@ -224,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="vlinfer browser chat demo (Gradio)")
     p.add_argument("--model", default="qwen3-vl",
                    help="alias, local folder, .gguf or HF repo id (default qwen3-vl; without its weights on this "
-                        "machine it falls back to the embedded random-weight model)")
+                        "machine it falls back to the embedded toy model, which knows only drawn scenes)")
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve the local network")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="also open a public gradio.live link")

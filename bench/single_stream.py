@@ -55,7 +55,8 @@ def runs(args, prompt):
 
 def run_vlinfer(args, prompt):
     from vlinfer import LLM, SamplingParams
-    llm = LLM(args.model, dtype="float32", max_model_len=args.max_model_len)
+    # The dense float32 folder llama.cpp's F32 GGUF and vLLM are written from (bench/quantized.py runs the blocks).
+    llm = LLM(peers.hf_folder(args.model), dtype="float32", max_model_len=args.max_model_len)
 
     def generate(prompts, max_tokens):
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]

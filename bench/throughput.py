@@ -15,6 +15,13 @@ attended position); no padding.
 
     python bench/throughput.py                      # 64 requests, prompts and outputs 32-256, bf16, SmolLM2-135M
     python bench/throughput.py --num-requests 16 --skip-transformers --skip-vllm
+    python bench/throughput.py --structured         # the same workload unconstrained, then every request under a
+                                                    # JSON schema, in one engine: the overhead and compile times
+
+--structured (vlinfer only): the grammars of the distinct schemas are compiled before the timed runs (their compile
+times are printed, and llguidance's one-time tokenizer build), so the two timed runs differ only by the masks.
+EOS stays ignored, so both runs generate the same number of tokens; once a request's JSON is complete its grammar
+allows only EOS, so the share of tokens generated inside an open grammar is printed too.
 """
 import argparse
 import datetime
@@ -89,7 +96,9 @@ def make_workload(args):
 
 def run_vlinfer(args, prompts, out_lens):
     from vlinfer import LLM, SamplingParams
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_input + args.max_output + 8,
+    # The dense folder the peers read (the GGUF dequantized once): a GGUF given as is would run kept in its blocks
+    # (bench/quantized.py measures that), and the engines here must run the same dense weights.
+    llm = LLM(peers.hf_folder(args.model), dtype=args.dtype, max_model_len=args.max_input + args.max_output + 8,
               enforce_eager=args.enforce_eager)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
@@ -100,6 +109,89 @@ def run_vlinfer(args, prompts, out_lens):
     assert sum(map(len, outputs)) == sum(out_lens), (sum(map(len, outputs)), sum(out_lens))
     del llm
     return elapsed, outputs
+
+
+# Records the batch extracts: distinct schemas (requests take them in turn), arrays without a maximum so a grammar
+# can stay open for the whole output.
+STRUCTURED_SCHEMAS = [
+    {"type": "object", "required": ["records"], "properties": {"records": {"type": "array", "items": {
+        "type": "object", "required": ["id", "name", "tags"],
+        "properties": {"id": {"type": "integer", "minimum": 0}, "name": {"type": "string", "maxLength": 24},
+                       "tags": {"type": "array", "items": {"enum": ["red", "green", "blue", "new", "old"]}}}}}}},
+    {"type": "object", "required": ["items", "currency"], "properties": {
+        "items": {"type": "array", "items": {"type": "object", "required": ["sku", "qty", "price"], "properties": {
+            "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+            "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+            "price": {"type": "number", "minimum": 0, "maximum": 10000}}}},
+        "currency": {"enum": ["USD", "EUR", "GBP"]}}},
+    {"type": "object", "required": ["caption", "objects", "scene"], "properties": {
+        "caption": {"type": "string"}, "objects": {"type": "array", "items": {"type": "string", "maxLength": 16}},
+        "scene": {"enum": ["indoor", "outdoor", "unknown"]}}},
+    {"type": "array", "items": {"type": "object", "required": ["q", "a"], "properties": {
+        "q": {"type": "string", "maxLength": 80}, "a": {"type": "boolean"}}}},
+]
+
+
+def run_vlinfer_structured(args, prompts, out_lens):
+    """(unconstrained seconds, constrained seconds, report lines): one engine, the workload twice."""
+    import json as _json
+    from vlinfer import LLM, SamplingParams, StructuredOutputsParams
+    llm = LLM(peers.hf_folder(args.model), dtype=args.dtype, max_model_len=args.max_input + args.max_output + 8,
+              enforce_eager=args.enforce_eager)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    schemas = [StructuredOutputsParams(json=s) for s in STRUCTURED_SCHEMAS]
+    grammars = llm.engine.grammar_matchers
+    for c in schemas:
+        grammars.compile(c)
+    lines = [f"llguidance tokenizer ({grammars.vocab_size} tokens, once per engine): "
+             f"{grammars.tokenizer_seconds * 1e3:.0f} ms"]
+    for i, c in enumerate(schemas):
+        lines.append(f"grammar compile, schema {i} ({len(_json.dumps(c.json))} chars of JSON schema): "
+                     f"{grammars.compile_seconds[c.key] * 1e3:.1f} ms")
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, structured_outputs=schemas[0]), use_tqdm=False)
+    seconds = {}
+    for name in ("unconstrained", "json schema"):
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                                 structured_outputs=schemas[i % len(schemas)] if name != "unconstrained" else None)
+                  for i, n in enumerate(out_lens)]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds[name] = time.perf_counter() - start
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(out_lens)
+        print(f"vlinfer {name} done: {sum(out_lens) / seconds[name]:.1f} tok/s; {load()}", flush=True)
+    inside = valid = 0
+    for i, out in enumerate(outs):  # replay each output: tokens sampled while its grammar was still open
+        matcher = grammars.new_matcher(schemas[i % len(schemas)])
+        for token in out.outputs[0].token_ids:
+            if matcher.is_stopped():
+                break
+            matcher.consume_token(token)
+            inside += 1
+        text = out.outputs[0].text
+        try:
+            _json.loads(text)
+            valid += 1
+        except ValueError:
+            pass
+    lines.append(f"tokens generated inside an open grammar: {inside}/{sum(out_lens)} "
+                 f"({inside / sum(out_lens):.0%}); outputs that are complete JSON: {valid}/{len(outs)} (the rest "
+                 f"were cut by their max_tokens)")
+    del llm
+    return seconds["unconstrained"], seconds["json schema"], lines
+
+
+def structured_main(args, prompts, out_lens) -> int:
+    plain, constrained, lines = run_vlinfer_structured(args, prompts, out_lens)
+    tokens = sum(out_lens)
+    print(f"\nmachine: {machine()}")
+    print("\n| vlinfer run | output tokens | time (s) | output tok/s |\n|---|---|---|---|")
+    print(f"| unconstrained | {tokens} | {plain:.1f} | {tokens / plain:.1f} |")
+    print(f"| every request under a JSON schema | {tokens} | {constrained:.1f} | {tokens / constrained:.1f} |")
+    print(f"\nstructured outputs overhead: {1 - plain / constrained:.1%} of throughput "
+          f"({tokens / plain:.1f} -> {tokens / constrained:.1f} tok/s; target <= 10%)")
+    for line in lines:
+        print(line)
+    return 0
 
 
 def run_transformers(args, prompts, out_lens):
@@ -167,6 +259,8 @@ def main(argv=None):
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--vllm-kv-cache-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for the vLLM-CPU peer")
+    p.add_argument("--structured", action="store_true",
+                   help="vlinfer alone: the workload unconstrained and under JSON schemas (structured outputs)")
     args = p.parse_args(argv)
     prompts, out_lens = make_workload(args)
     dims = model_dims(args.model)
@@ -175,6 +269,8 @@ def main(argv=None):
     print(f"workload: {args.num_requests} requests, prompts {args.min_input}-{args.max_input} "
           f"({sum(map(len, prompts))} tokens), outputs {args.min_output}-{args.max_output} ({sum(out_lens)} tokens), "
           f"greedy, EOS ignored, {args.model} {args.dtype}; {flops / 1e12:.2f} TFLOP of model FLOPs", flush=True)
+    if args.structured:
+        return structured_main(args, prompts, out_lens)
     dtype = getattr(torch, args.dtype)
     peak_before = matmul_peak_gflops(dtype, "cpu")
 

@@ -11,6 +11,7 @@ batches. Both timings include image preprocessing and prompt tokenization.
     python bench/vlm_throughput.py                                      # 32 requests, 64 output tokens, 2B, bf16
     python bench/vlm_throughput.py --shape tiny --num-requests 4 --max-tokens 8  # quick end-to-end check
     python bench/vlm_throughput.py --device cuda                         # both engines on the GPU
+    python bench/vlm_throughput.py --video --num-requests 16             # 16 clips of 4-8 s, 448x448, 2 fps
 """
 import argparse
 import datetime
@@ -337,9 +338,13 @@ def main(argv=None):
     p.add_argument("--hf-batch-size", type=int, default=8)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--device", default="cpu", help="both engines run here: cpu or cuda")
+    import vlm_video  # the --video workload (bench/vlm_video.py)
+    vlm_video.add_args(p)
     args = p.parse_args(argv)
     folder = args.checkpoint or f"~/.cache/vlinfer/bench-qwen3-vl-{args.shape}-random"
     path = ensure_checkpoint(folder, args.shape, args.seed)
+    if args.video:
+        return vlm_video.main(args, path)
 
     from vlinfer.multimodal import Qwen3VLImageProcessor
     requests = make_workload(args)

@@ -34,4 +34,4 @@ with open(out) as f:
 captions = pipe.caption(paths[:2], max_tokens=8, temperature=0)
 print("pipe.caption:", captions)
 if pipe.embedded:
-    print("\nnote: the embedded random-weight Qwen3-VL wrote these captions, so they are MEANINGLESS")
+    print(f"\nnote: these captions are by {pipe.engine.source.about}")

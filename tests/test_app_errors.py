@@ -61,6 +61,7 @@ def _run_all(commands: dict[str, list[str]], timeout: float = 240) -> dict[str, 
     return results
 
 
+@pytest.mark.slow  # one subprocess per surface
 def test_a_mistyped_device_is_one_line_everywhere(tmp_path):
     vlinfer = [sys.executable, "-m", "vlinfer"]
     commands = {
@@ -82,6 +83,7 @@ def test_a_mistyped_device_is_one_line_everywhere(tmp_path):
             assert lines == [DEVICE_ERROR], (name, res.stderr[-2000:])
 
 
+@pytest.mark.slow  # one subprocess per surface
 def test_cli_errors_and_warnings_name_flags(tiny_vl_with_context):
     """The KV budget refusal and the fitted-length warning, through the CLI: flags, not keyword arguments."""
     model = tiny_vl_with_context(262144)

@@ -109,6 +109,7 @@ def offline_answer(model: str, content, max_tokens: int, **mm_kwargs) -> str:
     return out.outputs[0].text
 
 
+@pytest.mark.slow  # a CLI subprocess that loads a model
 def test_generate_with_images_on_the_embedded_vl_model():
     res = subprocess.run(vlinfer("generate", "Describe these.", "--image", IMAGE, "--image", IMAGE, *TINY,
                                  "--temperature", "0"), cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -120,6 +121,7 @@ def test_generate_with_images_on_the_embedded_vl_model():
     assert "MEANINGLESS" in res.stderr  # the loader says so, loudly
 
 
+@pytest.mark.slow  # a CLI subprocess that loads a model
 def test_bench_passes_arguments_through():
     res = subprocess.run(vlinfer("bench", "--model", "qwen3-vl-tiny", "--dtype", "float32", "--num-requests", "2",
                                  "--min-input", "4", "--max-input", "8", "--min-output", "2", "--max-output", "3",
@@ -128,6 +130,7 @@ def test_bench_passes_arguments_through():
     assert "workload: 2 requests" in res.stdout and "| vlinfer |" in res.stdout
 
 
+@pytest.mark.slow  # a CLI subprocess that loads a model
 def test_generate_text_model(smollm2_runs):
     proc, out, err = smollm2_runs["generate"]
     assert proc.wait(timeout=240) == 0, (err.seek(0), err.read())[1]
@@ -135,6 +138,7 @@ def test_generate_text_model(smollm2_runs):
     assert "Paris" in out.read()
 
 
+@pytest.mark.slow  # a CLI subprocess that loads a model
 def test_chat_through_stdin(smollm2_runs):
     chat = smollm2_runs["chat"]
     code, stdout, stderr = chat.wait(timeout=240)
@@ -149,6 +153,7 @@ def test_chat_through_stdin(smollm2_runs):
     assert len(pieces) >= 2, chat.chunks
 
 
+@pytest.mark.slow  # a CLI subprocess that loads a model
 def test_default_context_length_follows_the_model(tiny_vl_with_context, tmp_path):
     """No --max-model-len: a model with 2048 positions runs at 2048 (a fixed default of 4096 used to exceed it);
     one with 262144 (as Qwen3-VL declares) is capped at 8192 and then fitted to a small KV cache, with a warning."""

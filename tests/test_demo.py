@@ -314,6 +314,7 @@ def test_screenshot(server, tmp_path):
     assert colors is not None and len(colors) > 50, f"the screenshot looks blank ({len(colors or [])} colours)"
 
 
+@pytest.mark.slow  # a demo subprocess
 def test_default_context_length_follows_the_model(tiny_vl_with_context, tmp_path):
     """No --max-model-len: a 2048-position model serves at 2048 (a fixed 8192 default used to refuse to start);
     a 262144-position one (as Qwen3-VL declares) at 8192, fitted down to a small KV cache, with a warning."""

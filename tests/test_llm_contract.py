@@ -46,7 +46,7 @@ def test_chat_answers_bad_conversations_and_runs_the_others(vl):
             2: user([{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]),
             6: user("Name a colour.")}
     bad = {1: (user("look at <|image_pad|> this"), "special vision token"),
-           3: (user([{"type": "video", "video": "clip.mp4"}]), "unsupported content part type 'video'"),
+           3: (user([{"type": "video", "video": "clip.mp4"}]), "video 0: video file not found: clip.mp4"),
            4: (user("hi") + ["not a message"], "message 1 must be a dict"),
            5: (user("word " * 2000), "more than max_model_len=1024")}  # rejected by generate, after the template
     conversations = [good[i] if i in good else bad[i][0] for i in range(7)]

@@ -233,6 +233,7 @@ def test_default_vl_alias_falls_back_loudly(caplog, monkeypatch, tmp_path):
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
         source = resolve_model("qwen3-vl")
     assert source.embedded and source.name == "qwen3-vl"
-    assert source.path == resolve_model("qwen3-vl-tiny").path
-    assert any("MEANINGLESS" in r.getMessage() and "huggingface-cli download Qwen/Qwen3-VL-2B-Instruct" in
-               r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    assert source.path == resolve_model("qwen3-vl-toy").path and "drawn scenes" in source.about
+    assert any("TOY" in r.getMessage() and "knows NOTHING else" in r.getMessage() and
+               "huggingface-cli download Qwen/Qwen3-VL-2B-Instruct" in r.getMessage()
+               for r in caplog.records if r.levelno >= logging.WARNING)

@@ -238,7 +238,8 @@ def test_bad_image_is_a_per_request_error(checkpoint, references, bad):
 @pytest.mark.parametrize("request_, match", [
     ({"prompt": PROMPT_1, "multi_modal_data": {"image": []}}, "1 <|image_pad|> placeholder"),
     ({"prompt": PROMPT_0, "multi_modal_data": {"image": [IMG_A]}}, "0 <|image_pad|> placeholder"),
-    ({"prompt": PROMPT_1, "multi_modal_data": {"video": [IMG_A]}}, "only 'image'"),
+    ({"prompt": PROMPT_1, "multi_modal_data": {"audio": [IMG_A]}}, "'image' and 'video' are supported"),
+    ({"prompt": PROMPT_1, "multi_modal_data": {"image": [IMG_A], "video": [IMG_A]}}, "0 <|video_pad|> placeholder"),
     ({"prompt": PROMPT_1, "multi_modal_data": {"image": [IMG_A]}, "mm_processor_kwargs": {"dpi": 3}}, "dpi"),
 ])
 def test_bad_multimodal_requests(checkpoint, references, request_, match):

@@ -297,6 +297,8 @@ def test_health(served):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death is the point
 def test_health_is_503_when_the_engine_loop_died():
     class DyingEngine:  # its first look for work kills the loop thread, as an uncaught fatal error would
+        is_multimodal = False  # what the app reads of an engine before serving (its video limits)
+
         def has_unfinished_requests(self):
             raise SystemExit
 
@@ -394,6 +396,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow  # a server subprocess
 def test_serve_cli_defaults_to_the_models_context_length(tiny_vl_with_context, tmp_path):
     """`python -m vlinfer serve --model DIR` without --max-model-len: a 2048-position model serves at 2048 (a
     fixed 4096 default used to refuse to start); a 262144-position one at 8192, fitted down to a small KV cache."""

@@ -20,6 +20,8 @@ import pytest
 from vlinfer import LLM, SamplingParams
 from vlinfer.serve.testing import data_uri, png_bytes
 
+pytestmark = pytest.mark.slow  # a load test: 64 concurrent streams: `make test-full` and CI run it, `make test` leaves it out
+
 MODEL = "qwen3-vl-tiny"
 ENGINE = dict(dtype="float32", max_model_len=2048, kv_cache_bytes=64 << 20)
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--kv-cache-size", "64M"]  # the same engine

@@ -6,6 +6,8 @@ import torch
 from conftest import SMOLLM2_GGUF, assert_block_pool_empty, smollm2_dir
 from vlinfer import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 against transformers: `make test-full` and CI run it, `make test` leaves it out
+
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],

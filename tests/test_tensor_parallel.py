@@ -22,6 +22,8 @@ from vlinfer import LLM, SamplingParams
 from vlinfer.distributed import TensorParallelError
 from vlinfer.engine import SchedulerOutput
 
+pytestmark = pytest.mark.slow  # several processes per test (ranks, torchrun): `make test-full` and CI run it, `make test` leaves it out
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_NEW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)

@@ -156,10 +156,10 @@ def test_bf16_decode_on_the_cpu_fast_path_matches_transformers(tiny_checkpoint, 
     assert llm.engine.ops_implementation == "cpu-compiled" and llm.engine.dtype == torch.bfloat16
     steps = {}  # request id -> the logits each step sampled from
 
-    def recording_sample(logits, seqs, eos_token_ids):
+    def recording_sample(logits, seqs, eos_token_ids, *args, **kwargs):
         for row, seq in zip(logits, seqs):
             steps.setdefault(seq.request_id, []).append(row.float().clone())
-        return sample(logits, seqs, eos_token_ids)
+        return sample(logits, seqs, eos_token_ids, *args, **kwargs)
 
     sample = model_runner.sample
     monkeypatch.setattr(model_runner, "sample", recording_sample)

@@ -219,6 +219,7 @@ def test_special_tokens_and_the_spaces_between_them(wordpiece_llm):
     assert_block_pool_empty(wordpiece_llm)
 
 
+@pytest.mark.slow  # the real SmolLM2
 def test_real_model_special_tokens_and_the_eos_text():
     """SmolLM2 answers, then says <|im_end|> (its EOS): kept or skipped in the text as asked; when it ends the
     request, its text is left out unless include_stop_str_in_output, as vLLM does."""

@@ -4,7 +4,8 @@ from vlinfer.llm import LLM
 from vlinfer.model_loader import ModelNotFoundError
 from vlinfer.pipeline import Pipeline
 from vlinfer.outputs import CompletionOutput, RequestError, RequestOutput
-from vlinfer.sampling_params import SamplingParams
+from vlinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "Pipeline", "CompletionOutput", "LLMEngine", "ModelNotFoundError", "RequestError", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "Pipeline", "CompletionOutput", "LLMEngine", "ModelNotFoundError", "RequestError", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]

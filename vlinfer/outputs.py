@@ -22,6 +22,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     images: list[dict] = field(default_factory=list)  # per image: effective (resized) size [h, w] and num_tokens
+    # per video: num_frames, frames_indices, fps (source), timestamps, size, grid_thw, num_tokens (with the text)
+    videos: list[dict] = field(default_factory=list)
     error: str | None = None  # why the request was rejected; it then has no tokens and finish_reason "error"
 
     @classmethod

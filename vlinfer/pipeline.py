@@ -23,7 +23,8 @@ class Pipeline:
 
     @property
     def embedded(self) -> bool:
-        """True when running the embedded random-weight model: answers are meaningless."""
+        """True when running an embedded model (the toy, or the random-weight one): engine.source.about says what
+        its answers are worth."""
         return self.engine.source.embedded
 
     @staticmethod
@@ -35,27 +36,33 @@ class Pipeline:
         options.setdefault("max_tokens", ANSWER_MAX_TOKENS)  # SamplingParams' 16 would cut most answers short
         return SamplingParams(**options)
 
-    def messages(self, prompt: str | None = None, images: Iterable | None = None) -> list[dict]:
-        """One user turn: the images first, then the text (the layout Qwen3-VL was trained on)."""
-        images = list(images or [])
-        if images and not self.is_multimodal:
-            raise ValueError(f"model {self.model!r} is a text-only model and does not accept images")
+    def messages(self, prompt: str | None = None, images: Iterable | None = None,
+                 videos: Iterable | None = None) -> list[dict]:
+        """One user turn: the images and videos first, then the text (the layout Qwen3-VL was trained on)."""
+        images, videos = list(images or []), list(videos or [])
+        if (images or videos) and not self.is_multimodal:
+            raise ValueError(f"model {self.model!r} is a text-only model and does not accept "
+                             f"{'images' if images else 'videos'}")
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-        parts = [{"type": "image", "image": image} for image in images]
+        parts = [{"type": "image", "image": image} for image in images] + \
+            [{"type": "video", "video": video} for video in videos]
         if prompt:
             parts.append({"type": "text", "text": prompt})
         if not parts:
             raise ValueError("nothing to answer: give a prompt, an image, or both")
         return [{"role": "user", "content": parts}]
 
-    def __call__(self, image=None, prompt: str | None = None, *, images: Iterable | None = None,
-                 sampling_params: SamplingParams | None = None, mm_processor_kwargs: dict | None = None,
-                 **sampling) -> str:
+    def __call__(self, image=None, prompt: str | None = None, *, images: Iterable | None = None, video=None,
+                 videos: Iterable | None = None, sampling_params: SamplingParams | None = None,
+                 mm_processor_kwargs: dict | None = None, **sampling) -> str:
+        """video / videos: a path, bytes, data URI, frames (or (frames, metadata)); mm_processor_kwargs takes
+        fps, num_frames, max_frames, video_max_pixels ... for them."""
         if isinstance(image, str) and prompt is None and images is None and not self.is_multimodal:
             image, prompt = None, image  # text model: pipe("question")
         images = ([image] if image is not None else []) + list(images or [])
-        return self.chat(self.messages(prompt, images), sampling_params, mm_processor_kwargs, **sampling)
+        videos = ([video] if video is not None else []) + list(videos or [])
+        return self.chat(self.messages(prompt, images, videos), sampling_params, mm_processor_kwargs, **sampling)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
              mm_processor_kwargs: dict | None = None, **sampling) -> str:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields, replace
 # out every field, so the off value is accepted (there is nothing to do); any other value is refused by name
 # instead of being silently ignored.
 VLLM_FIELDS_OFF = {"best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
-                   "prompt_logprobs": None, "guided_decoding": None, "structured_outputs": None,
+                   "prompt_logprobs": None, "guided_decoding": None,
                    "logits_processors": None, "detokenize": True, "output_kind": None, "extra_args": None}
 
 
@@ -46,6 +46,59 @@ def _named_fields_only(cls):
     return cls
 
 
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate, vLLM's names and meaning: exactly one of `json` (a JSON schema,
+    a dict or a JSON string), `regex`, `choice` (the output is one of these strings), `grammar` (Lark or GBNF text)
+    or `json_object=True` (any JSON object). Checked when made: a schema that is not valid, a schema keyword the
+    backend (llguidance) does not implement, a regex or grammar that does not compile, an empty choice list, or
+    no or two constraints raise a ValueError naming the problem. disable_any_whitespace: JSON without whitespace
+    between tokens (vLLM's option), which keeps a small model from padding with newlines."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    kind: str = field(init=False, repr=False)  # which constraint is set: "json", "regex", "choice", ...
+    grammar_text: str = field(init=False, repr=False, compare=False)  # the llguidance grammar it compiles to
+
+    def __post_init__(self):
+        from vlinfer.structured import grammar_spec
+        owner = "StructuredOutputsParams"
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"{owner}.json_object must be True, False or None, got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"{owner}.disable_any_whitespace must be True or False, got "
+                             f"{self.disable_any_whitespace!r}")
+        chosen = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        chosen += ["json_object"] if self.json_object else []
+        if len(chosen) != 1:
+            raise ValueError(f"{owner} takes exactly one of json, regex, choice, grammar, json_object; got " +
+                             (" and ".join(chosen) if chosen else "none"))
+        self.kind = chosen[0]
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            self.json = grammar_spec.schema_dict(self.json, owner)
+            grammar_spec.check_json_schema(self.json, owner)
+            value = self.json
+        elif self.kind == "choice":
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(f"{owner}.choice must be a non-empty list of strings, got {self.choice!r}")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"{owner}.choice must hold non-empty strings only, got {self.choice!r}")
+            self.choice = value = list(self.choice)
+        elif self.kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise ValueError(f"{owner}.{self.kind} must be a non-empty string, got {value!r}")
+        self.grammar_text = grammar_spec.grammar_text(self.kind, value, self.disable_any_whitespace, owner)
+        grammar_spec.check_grammar(self.grammar_text, self.kind, owner)
+
+    @property
+    def key(self) -> str:
+        """What two equal constraints share (the engine's compile cache key)."""
+        return self.grammar_text
+
+
 @_named_fields_only
 @dataclass
 class SamplingParams:
@@ -72,6 +125,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's range, [-100, 100])
     allowed_token_ids: list[int] | None = None  # only these may be generated
     bad_words: list[str] | None = None  # words never generated, at the start of the text or after a space
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a schema/regex/choice/grammar
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -125,6 +179,15 @@ class SamplingParams:
         self.stop_strings = stops
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._check_token_options()
+        if isinstance(self.structured_outputs, dict):  # vLLM's server and JSON configs pass it as a dict
+            known = {f.name for f in fields(StructuredOutputsParams) if f.init}
+            unknown = sorted(set(self.structured_outputs) - known)
+            if unknown:
+                raise ValueError(f"SamplingParams.structured_outputs has no field(s) {unknown}; it takes "
+                                 f"{sorted(known)}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs", "must be None or a StructuredOutputsParams")
 
     def _check_token_options(self) -> None:
         """logit_bias, allowed_token_ids and bad_words as vLLM takes them; normalized to a dict of int -> float

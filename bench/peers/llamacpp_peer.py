@@ -14,11 +14,33 @@ import time
 from protocol import serve, time_runs  # beside this script
 
 
+def cpu_has_amx_int8() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and " amx_int8" in line for line in f)
+
+
+def without_extra_buffers(llama_cpp) -> None:
+    """Load models with use_extra_bufts off: on CPUs with AMX-INT8, ggml puts Q4/Q8 weights in its AMX buffer,
+    and ggml_backend_amx_mul_mat segfaults on the first decode on our machines (gdb backtrace, 2026-12-01); off,
+    llama.cpp runs its ordinary CPU kernels (AVX-512 VNNI here), as on any CPU without AMX. llama-cpp-python has no
+    argument for it, so the default model params it starts from are wrapped."""
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = False
+        return p
+    llama_cpp.llama_cpp.llama_model_default_params = params
+
+
 def handle(request: dict) -> dict:
     import llama_cpp
     import numpy as np
     start = time.perf_counter()
     threads = request["threads"]
+    extra_buffers = not cpu_has_amx_int8()
+    if not extra_buffers:
+        without_extra_buffers(llama_cpp)
     llm = llama_cpp.Llama(model_path=request["model"], n_ctx=request["n_ctx"], n_batch=512, n_threads=threads,
                           n_threads_batch=threads, logits_all=False, verbose=False)
     startup_s = time.perf_counter() - start
@@ -44,7 +66,8 @@ def handle(request: dict) -> dict:
     warmup_s = time.perf_counter() - start
     runs = time_runs(generate, request["runs"], tag="llamacpp_peer: ")
     return {"version": llama_cpp.__version__, "startup_s": startup_s, "warmup_s": warmup_s, "runs": runs,
-            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+            + ("" if extra_buffers else " (AMX/repack weight buffers off: ggml's AMX matmul crashes here)")}
 
 
 if __name__ == "__main__":

@@ -18,14 +18,16 @@ from vlinfer.layers.distributed import SINGLE
 from vlinfer.models import get_model_class
 from vlinfer.outputs import CompletionOutput, RequestOutput
 from vlinfer.sampling_params import SamplingParams
+from vlinfer.structured.matchers import GrammarMatchers
 
 logger = logging.getLogger("vlinfer")
 
 PromptType = str | list[int] | dict
 
 
-def check_tensor_parallel_shapes(text_config, tp: int) -> None:
-    """Query heads and the MLP split evenly; KV heads split evenly or, when fewer than ranks, replicate."""
+def check_tensor_parallel_shapes(text_config, tp: int, expert_parallel: bool = False) -> None:
+    """Query heads and the MLP split evenly; KV heads split evenly or, when fewer than ranks, replicate. MoE
+    experts split along their intermediate dimension, or (expert_parallel) whole experts over the ranks."""
     if tp == 1:
         return
     heads, kv = text_config.num_attention_heads, text_config.num_key_value_heads
@@ -36,6 +38,11 @@ def check_tensor_parallel_shapes(text_config, tp: int) -> None:
         problems.append(f"num_key_value_heads={kv} neither divides it nor is divisible by it")
     if text_config.intermediate_size % tp:
         problems.append(f"intermediate_size={text_config.intermediate_size} is not divisible by it")
+    num_experts = getattr(text_config, "num_experts", 0) or 0
+    if num_experts and expert_parallel and num_experts % tp:
+        problems.append(f"num_experts={num_experts} is not divisible by it (enable_expert_parallel)")
+    if num_experts and not expert_parallel and text_config.moe_intermediate_size % tp:
+        problems.append(f"moe_intermediate_size={text_config.moe_intermediate_size} is not divisible by it")
     if problems:
         raise ValueError(f"tensor_parallel_size={tp} does not fit this model: " + "; ".join(problems))
 
@@ -83,7 +90,7 @@ class LLMEngine:
         # The engine's draws come from its own generators; torch's global RNG stays the caller's.
         self._seed_source = torch.Generator().manual_seed(config.seed)
         get_model_class(self.hf_config)  # an unsupported architecture fails here, before the workers load
-        check_tensor_parallel_shapes(self.text_config, config.tensor_parallel_size)
+        check_tensor_parallel_shapes(self.text_config, config.tensor_parallel_size, config.enable_expert_parallel)
         self._build(config)
         if fit_model_len:
             self._fit_max_model_len(model_len)
@@ -106,8 +113,10 @@ class LLMEngine:
                                        "dtype": self.dtype, "device_type": self.device.type})
             group = self.driver.group
         # This engine's own op table and step state: another engine in the process never sees them.
-        self.model_context = ModelContext(ops.select(self.device.type, forced=config.ops), group)
-        net = load_model(self.source, self.hf_config, self.device, self.dtype, self.model_context)
+        self.model_context = ModelContext(ops.select(self.device.type, forced=config.ops), group,
+                                          expert_parallel=config.enable_expert_parallel)
+        net = load_model(self.source, self.hf_config, self.device, self.dtype, self.model_context,
+                         config.quantization)
         if self.driver is not None:
             self.driver.wait_ready()
         logger.info("loaded %s (%s) on %s in %s in %.1fs%s", self.source.name, type(net).__name__, self.device,
@@ -121,8 +130,10 @@ class LLMEngine:
             from vlinfer.multimodal import Qwen3VLInputProcessor
             self.input_processor = Qwen3VLInputProcessor(self.hf_config, self.tokenizer, self.source.folder,
                                                          self.device, config.allow_image_urls)
+        # Structured outputs over the logits' width; nothing is built until a request is constrained.
+        self.grammar_matchers = GrammarMatchers(self.tokenizer, self.text_config.vocab_size, self.eos_token_ids)
         self.model_runner = ModelRunner(config, self.hf_config, net, self.model_context, self.device, self.dtype,
-                                        self.eos_token_ids, self.driver)
+                                        self.eos_token_ids, self.driver, self.grammar_matchers)
         num_blocks = self.model_runner.num_blocks_for_budget(self.max_model_len)
         self.model_runner.allocate_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB%s, %d tokens)", num_blocks, config.kvcache_block_size,
@@ -204,16 +215,21 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if self.is_multimodal:
             mm_data = prompt.get("multi_modal_data") or {} if isinstance(prompt, dict) else {}
-            unknown = set(mm_data) - {"image"}
+            unknown = set(mm_data) - {"image", "video"}
             if unknown:
-                raise ValueError(f"unsupported multi_modal_data keys {sorted(unknown)}; only 'image' is supported")
+                raise ValueError(f"unsupported multi_modal_data keys {sorted(unknown)}; 'image' and 'video' are "
+                                 "supported")
             images = mm_data.get("image", [])
             images = list(images) if isinstance(images, (list, tuple)) else [images]
+            # One video is a path, bytes, a frames array or a (frames, metadata) pair; a list holds several.
+            videos = mm_data.get("video", [])
+            videos = list(videos) if isinstance(videos, list) else [videos]
             mm_kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
-            processed = self.input_processor.process(token_ids, images, mm_kwargs)
+            processed = self.input_processor.process(token_ids, images, mm_kwargs, videos)
             cut = 0 if keep is None else len(processed.token_ids) - keep
             if cut > 0:
-                first_image = processed.mm_items[0].offset if processed.mm_items else len(processed.token_ids)
+                first_image = processed.first_mm_token if processed.first_mm_token is not None else \
+                    len(processed.token_ids)
                 if cut > first_image:
                     raise ValueError(f"truncate_prompt_tokens={truncate_prompt_tokens} keeps the last {keep} of "
                                      f"{len(processed.token_ids)} prompt tokens, which cuts into image 0 (its "
@@ -221,10 +237,17 @@ class LLMEngine:
                                      f"{len(processed.token_ids) - first_image}")
                 # All that is cut is text before the first image, where the expanded and the unexpanded prompt
                 # agree: cutting the unexpanded one recomputes placeholder offsets and rotary positions for it.
-                processed = self.input_processor.process(token_ids[cut:], images, mm_kwargs)
+                processed = self.input_processor.process(token_ids[cut:], images, mm_kwargs, videos)
             token_ids = processed.token_ids
+            if processed.videos and len(token_ids) > self.max_model_len:
+                # Said here, naming the clips: "the prompt is too long" alone does not tell what to lower.
+                raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len="
+                                 f"{self.max_model_len}; its videos take "
+                                 f"{', '.join(str(v['num_tokens']) for v in processed.videos)} tokens: lower "
+                                 "fps / num_frames / max_frames / video_max_pixels in mm_processor_kwargs")
             extra = {"mm_items": processed.mm_items, "mrope_positions": processed.mrope_positions,
-                     "mrope_position_delta": processed.mrope_position_delta, "images_info": processed.images}
+                     "mrope_position_delta": processed.mrope_position_delta, "images_info": processed.images,
+                     "videos_info": processed.videos}
         elif keep is not None:
             token_ids = token_ids[-keep:]
         vocab = self.text_config.vocab_size
@@ -245,6 +268,9 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}")
         text, token_ids, extra = self.process_prompt(prompt, sampling_params.truncate_prompt_tokens)
         bad_words_token_ids = self.sampling_token_ids(sampling_params)
+        # Compiled here, in the caller's thread, once per distinct constraint (the cache): never in a step.
+        constraint = sampling_params.structured_outputs
+        compiled_grammar = self.grammar_matchers.compile(constraint) if constraint is not None else None
         if request_id is None:
             request_id = str(next(self._request_ids))
         n = sampling_params.n
@@ -252,6 +278,7 @@ class LLMEngine:
         if any(i in self.requests for i in {request_id, f"{request_id}#0", *ids}):
             raise ValueError(f"request id {request_id!r} is already in use")
         images_info = extra.pop("images_info", [])
+        videos_info = extra.pop("videos_info", [])
         seqs = []
         for index, seq_id in enumerate(ids):
             params = sampling_params if n == 1 else sampling_params.for_completion(index)
@@ -264,7 +291,10 @@ class LLMEngine:
             seq = Sequence(token_ids, params, request_id=seq_id, prompt=text, generator=generator, **extra)
             seq.parent_id, seq.index = request_id, index
             seq.images_info = images_info
+            seq.videos_info = videos_info
             seq.bad_words_token_ids = bad_words_token_ids
+            if compiled_grammar is not None:  # each completion walks the grammar on its own
+                seq.grammar_matcher = compiled_grammar.deep_copy()
             seqs.append(seq)
         return seqs
 
@@ -299,32 +329,41 @@ class LLMEngine:
         return self.make_sequences(prompt, sampling_params, request_id)[0]
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None, mm_processor_kwargs: dict | None = None) -> dict:
+                    chat_template: str | None = None, mm_processor_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> dict:
         """One conversation (OpenAI-style content parts allowed) -> a prompt dict for add_request / generate.
-        Whatever is wrong with the conversation is a ValueError, so callers answer it as a bad request."""
-        from vlinfer.multimodal.chat import image_details, message_texts, split_chat_images, with_image_details
+        tools: OpenAI tool definitions, rendered by the template (which must read them). Whatever is wrong with
+        the conversation is a ValueError, so callers answer it as a bad request."""
+        from vlinfer.multimodal.chat import (image_details, message_texts, split_chat_media, template_renders_tools,
+                                             with_image_details, with_video_options)
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"a conversation must be a list of message dicts, got {type(messages).__name__}")
-        template_messages, images = split_chat_images(messages)
-        if images and not self.is_multimodal:
-            raise ValueError(f"model {self.source.name!r} is a text-only model and does not accept images")
+        template_messages, images, videos = split_chat_media(messages)
+        if (images or videos) and not self.is_multimodal:
+            raise ValueError(f"model {self.source.name!r} is a text-only model and does not accept "
+                             f"{'images' if images else 'videos'}")
         if self.is_multimodal:
-            for text in message_texts(template_messages):
+            for text in message_texts(template_messages, tools):
                 self.input_processor.check_user_text(text)
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError(f"model {self.source.name!r} has no chat template; pass chat_template=")
+        if tools and not template_renders_tools(template):
+            raise ValueError(f"the chat template of model {self.source.name!r} does not render tools, so the model "
+                             "would never see them; pass a chat_template that does")
         try:
             text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, chat_template=template,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      **({"tools": tools} if tools else {}))
         except ValueError:
             raise
         except Exception as e:  # jinja's TemplateError (a role the template refuses), a TypeError on odd content
             raise ValueError(f"the chat template cannot render this conversation: {type(e).__name__}: {e}") from e
         prompt = {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
-        if images:
-            prompt["multi_modal_data"] = {"image": images}
+        if images or videos:
+            prompt["multi_modal_data"] = {"image": images, **({"video": videos} if videos else {})}
         mm_processor_kwargs = with_image_details(mm_processor_kwargs, image_details(messages))  # image_url.detail
+        mm_processor_kwargs = with_video_options(mm_processor_kwargs, messages)  # a video part's fps, num_frames
         if mm_processor_kwargs:
             prompt["mm_processor_kwargs"] = mm_processor_kwargs
         return prompt
@@ -395,6 +434,9 @@ class LLMEngine:
         seq.append_token(token_id)
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
+        grammar_error = None
+        if seq.grammar_matcher is not None:
+            grammar_error = GrammarMatchers.accept(seq.grammar_matcher, token_id)
         sent = len(seq.output_text)
         # The sampler masks EOS and stop tokens until min_tokens, so one seen here past that point ends the request.
         is_stop_token = token_id in p.stop_token_ids or (token_id in self.eos_token_ids and not p.ignore_eos)
@@ -418,6 +460,12 @@ class LLMEngine:
         if seq.finish_reason is None and (seq.num_output_tokens >= p.max_tokens or
                                           seq.num_tokens >= self.max_model_len):
             seq.finish_reason = "length"
+        if seq.finish_reason is None and grammar_error is not None:
+            # Only when other options (allowed_token_ids, bad_words, min_tokens) left the grammar no token: the
+            # output can no longer follow the constraint, so it ends here rather than run on unconstrained.
+            logger.warning("request %s: its structured output constraint refused token %d (%s); aborted",
+                           seq.request_id, token_id, grammar_error)
+            seq.finish_reason = "abort"
         finished = seq.finish_reason is not None
         if finished:
             self._finish(seq)
@@ -439,4 +487,4 @@ class LLMEngine:
             else None)
         return RequestOutput(request_id=seq.parent_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
                              outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens,
-                             images=seq.images_info)
+                             images=seq.images_info, videos=seq.videos_info)

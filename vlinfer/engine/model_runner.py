@@ -19,15 +19,21 @@ from vlinfer.engine.encoder_cache import EncoderCache
 from vlinfer.engine.scheduler import SchedulerOutput
 from vlinfer.engine.sequence import Sequence
 from vlinfer.layers import Attention, ForwardContext, ModelContext, ParallelLMHead, VocabParallelEmbedding, sample
+from vlinfer.layers.fused_moe import FusedMoE
 from vlinfer.layers.linear import LinearBase
+from vlinfer.layers.quantization import assign_methods, detect_quantization
+from vlinfer.layers.quantization.gguf import GgufQuantization, assign_gguf_embeddings
 from vlinfer.models import get_model_class
 
 logger = logging.getLogger("vlinfer")
 
 
-def load_model(source, hf_config, device: torch.device, dtype: torch.dtype, ctx: ModelContext):
+def load_model(source, hf_config, device: torch.device, dtype: torch.dtype, ctx: ModelContext,
+               quantization: str | None = None):
     """Build the model on ctx's op table for ctx.tp's rank (its shard of every split layer) and load that shard:
-    split weights are read lazily, only the rank's rows or columns of each (model_loader.CheckpointSlice)."""
+    split weights are read lazily, only the rank's rows or columns of each (model_loader.CheckpointSlice).
+    Each linear layer's quantization method is chosen from the checkpoint (or `quantization`, "int8" / "int4" on
+    load) before any weight is read, so a checkpoint vlinfer cannot run fails here, before the KV pool."""
     model_cls = get_model_class(hf_config)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -36,7 +42,14 @@ def load_model(source, hf_config, device: torch.device, dtype: torch.dtype, ctx:
             net = model_cls(hf_config, ctx).eval()
     finally:
         torch.set_default_dtype(default_dtype)
-    weights = model_loader.iterate_weights(source, hf_config, lazy=True)
+    tensors = model_loader.checkpoint_tensor_index(source)
+    quant = detect_quantization(hf_config, source.folder, tensors, quantization)
+    if quant is not None:
+        assign_methods(net, quant, tensors)
+    keep_gguf_blocks = isinstance(quant, GgufQuantization)  # else GGUF files are dequantized on load, as before
+    if keep_gguf_blocks:
+        assign_gguf_embeddings(net, tensors)
+    weights = model_loader.iterate_weights(source, hf_config, lazy=True, keep_gguf_blocks=keep_gguf_blocks)
     read_before = model_loader.checkpoint_bytes_read
     if hasattr(net, "load_weights"):  # models with more than one tower route their own tensors
         net.load_weights(weights)
@@ -58,8 +71,12 @@ def pack_weights(model: torch.nn.Module) -> None:
         if head.pack_weight(tied) and tied:
             logger.info("LM head tied to the embedding: a packed copy for the logits matmul (+%.0f MiB)",
                         head.weight.numel() * head.weight.element_size() / 2 ** 20)
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if experts:
+        packed_experts = sum(layer.pack_weight() for layer in experts)
+        logger.info("%d of %d MoE expert layers packed for %s", packed_experts, len(experts), experts[0].ops.name)
     if linears:
-        dtype = linears[0].weight.dtype
+        dtype = linears[0].params_dtype
         if packed:
             logger.info("%d of %d linear weights packed for %s (%s)", packed, len(linears), linears[0].ops.name,
                         dtype)
@@ -86,9 +103,12 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model: torch.nn.Module, ctx: ModelContext,
-                 device: torch.device, dtype: torch.dtype, eos_token_ids: set[int], driver=None):
+                 device: torch.device, dtype: torch.dtype, eos_token_ids: set[int], driver=None,
+                 grammar_matchers=None):
         self.config = config
         self.driver = driver  # rank 0 of a tensor-parallel engine: sends each step to the workers
+        # Rank 0's structured-output masks (vlinfer/structured/matchers.py); workers never sample, so never mask.
+        self.grammar_matchers = grammar_matchers
         self.hf_config = hf_config
         self.ctx = ctx  # the model's op table, tensor-parallel group and step metadata: this runner's alone
         self.model = model
@@ -322,7 +342,13 @@ class ModelRunner:
         logits = self._run(inputs)
         if logits is None:
             return []
-        tokens, logprobs = sample(logits, sample_seqs, self.eos_token_ids)
+        # Computed once the forward is queued: on an accelerator the host builds the masks while the device runs.
+        constrained = [i for i, seq in enumerate(sample_seqs) if seq.grammar_matcher is not None]
+        bitmask = None
+        if constrained:
+            bitmask = (constrained, self.grammar_matchers.fill_bitmask(
+                [sample_seqs[i].grammar_matcher for i in constrained]))
+        tokens, logprobs = sample(logits, sample_seqs, self.eos_token_ids, bitmask)
         return list(zip(sample_seqs, tokens, logprobs))
 
     @torch.inference_mode()

@@ -16,7 +16,8 @@ class SequenceStatus(Enum):
 
 @dataclass
 class MultiModalItem:
-    """One image (or later, video) in a prompt: the placeholder run it fills and what the encoder needs."""
+    """One image, or one temporal group (frame pair) of a video, in a prompt: the placeholder run it fills and what
+    the encoder needs."""
     modality: str
     offset: int  # index of its first placeholder token in token_ids
     length: int  # number of placeholder tokens it expands to
@@ -57,9 +58,13 @@ class Sequence:
         self.mrope_positions = mrope_positions
         self.mrope_position_delta = mrope_position_delta
         self.images_info: list[dict] = []
+        self.videos_info: list[dict] = []
         self.generator = generator
         # SamplingParams.bad_words as token sequences for this engine's tokenizer (LLMEngine.make_sequences).
         self.bad_words_token_ids: list[list[int]] = []
+        # SamplingParams.structured_outputs as this sequence's grammar matcher (an llguidance LLMatcher, advanced
+        # by every appended token; LLMEngine.make_sequences makes it); None when unconstrained.
+        self.grammar_matcher = None
         self.output_logprobs: list[dict[int, float]] = []
         self.output_text = ""
         self.num_streamed_chars = 0  # of output_text, how much step outputs have already handed out as deltas

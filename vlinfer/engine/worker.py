@@ -65,8 +65,8 @@ def _build(init: dict, device: torch.device, group):
     from vlinfer.engine.model_runner import ModelRunner, load_model
     from vlinfer.layers import ModelContext
     config = init["config"]
-    ctx = ModelContext(ops.select(device.type, forced=config.ops), group)
-    model = load_model(init["source"], init["hf_config"], device, init["dtype"], ctx)
+    ctx = ModelContext(ops.select(device.type, forced=config.ops), group, expert_parallel=config.enable_expert_parallel)
+    model = load_model(init["source"], init["hf_config"], device, init["dtype"], ctx, config.quantization)
     return ModelRunner(config, init["hf_config"], model, ctx, device, init["dtype"], set())
 
 

@@ -24,6 +24,9 @@ class ModelContext:
     ops: ReferenceOps
     tp: TPGroup = SINGLE
     step: ForwardContext | None = None  # set by the model runner for the duration of one forward
+    # MoE layers: each rank holds whole experts (EngineConfig.enable_expert_parallel) rather than a slice of every
+    # expert's intermediate dimension.
+    expert_parallel: bool = False
 
     def forward_context(self) -> ForwardContext:
         if self.step is None:

@@ -8,6 +8,11 @@ from vlinfer.layers.linear import check_full_size, default_weight_loader
 
 
 class VocabParallelEmbedding(nn.Module):
+    # A GGUF table kept in its blocks (layers/quantization/gguf.py): `weight` is uint8 block rows of this ggml type,
+    # looked up through the op table's gguf_embedding into embedding_dtype.
+    gguf_type: int | None = None
+    embedding_dtype: torch.dtype | None = None
+
     def __init__(self, ctx: ModelContext, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.ops = ctx.ops
@@ -29,12 +34,17 @@ class VocabParallelEmbedding(nn.Module):
         else:  # narrow on a lazy slice reads only this rank's rows
             default_weight_loader(param, loaded.narrow(0, self.vocab_start, rows))
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_type is not None:
+            return self.ops.gguf_embedding(ids, self.weight, self.gguf_type, self.embedding_dtype)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         local = input_ids - self.vocab_start
         in_shard = (local >= 0) & (local < self.shard_size)
-        y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * in_shard.unsqueeze(-1)
+        y = self.lookup(local.clamp(0, self.shard_size - 1)) * in_shard.unsqueeze(-1)
         return self.tp.all_reduce(y)
 
 
@@ -47,7 +57,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         """The logits matmul on the op table's weight layout (Qwen3-VL-2B's 151936-token head, 32-row decode
         steps: 59 -> 43 ms per step on oneDNN). Tied to the embedding: a packed copy (its size is logged by the
         caller); untied: the weight is replaced. False when the op table has no such layout."""
-        if self.packed_weight is not None or self.weight.is_mkldnn:
+        if self.packed_weight is not None or self.weight.is_mkldnn or self.gguf_type is not None:
             return False
         packed = self.ops.pack_linear_weight(self.weight)
         if packed is None:
@@ -59,6 +69,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         return True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.gguf_type is not None:
+            logits = self.tp.all_gather(self.ops.gguf_linear(hidden_states, self.weight, self.gguf_type))
+            return logits[..., :self.num_embeddings]
         weight = self.packed_weight if self.packed_weight is not None else self.weight
         logits = self.tp.all_gather(self.ops.linear(hidden_states, weight))
         return logits[..., :self.num_embeddings]

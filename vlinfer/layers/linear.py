@@ -28,14 +28,35 @@ def default_weight_loader(param: nn.Parameter, loaded) -> None:
     param.data.copy_(as_tensor(loaded))
 
 
+def _narrow_in_proportion(loaded, dim: int, start: int, length: int, full: int):
+    """Cut rows start..start+length of `full` features out of a tensor whose `dim` holds them in proportion (a
+    packed int4 weight has full/8 columns, group scales full/g): start and length must land on whole entries."""
+    size = loaded.shape[dim]
+    if (start * size) % full or (length * size) % full:
+        raise ValueError(f"cannot cut features {start}..{start + length} of {full} out of a checkpoint tensor of "
+                         f"shape {tuple(loaded.shape)} (dim {dim} holds {size} entries for {full} features): the "
+                         "shard does not start on a whole packed word / scale group")
+    return loaded.narrow(dim, start * size // full, length * size // full)
+
+
 class LinearBase(nn.Module):
-    """output_size and input_size are this rank's (already divided) sizes."""
+    """output_size and input_size are this rank's (already divided) sizes.
+
+    A layer is dense (method None: `weight` in the model dtype, the op table's `linear`) until assign.py gives it a
+    quantization method (layers/quantization/base.py) from the checkpoint; the method then declares the layer's
+    parameters and runs its matmul. Parameters a method declares carry a `quant_layout` (ParamLayout) and load through
+    `load_quantized`; dense ones through the loaders below, as before."""
 
     def __init__(self, ctx: ModelContext, input_size: int, output_size: int, bias: bool, shard_dim: int | None):
         super().__init__()
         self.ops = ctx.ops
         self.tp = ctx.tp  # the engine's group: collectives and shards follow it
         self.shard_dim = shard_dim  # 0: output features are split across ranks, 1: input features, None: whole
+        self.input_size, self.output_size = input_size, output_size
+        self.full_input_size = input_size * ctx.tp.size if shard_dim == 1 else input_size
+        self.shard_output_sizes = [output_size]  # this rank's rows of each fused shard (q, k, v / gate, up)
+        self.params_dtype = torch.get_default_dtype()  # the model's dtype: models are built under it
+        self.method = None  # a quantization LinearMethod; None: dense
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -45,14 +66,68 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        if hasattr(param, "quant_layout"):
+            return self.load_quantized(param, loaded)
         if self.shard_dim is not None and self.tp.size > 1 and len(loaded.shape) > self.shard_dim:
             size = param.shape[self.shard_dim]
             check_full_size(loaded, self.shard_dim, size * self.tp.size)
             loaded = loaded.narrow(self.shard_dim, self.tp.rank * size, size)
         default_weight_loader(param, loaded)
 
+    # ---- quantized layers (layers/quantization) ----
+    def set_method(self, method) -> None:
+        """Hold the parameters `method` declares instead of the dense weight (before any weight is loaded)."""
+        device = self.weight.device
+        specs = method.create_weights(self)
+        del self.weight
+        for name, spec in specs.items():
+            param = nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype, device=device), requires_grad=False)
+            param.weight_loader = self.weight_loader
+            param.quant_layout = spec.layout
+            self.register_parameter(name, param)
+        self.method = method
+
+    def output_shard(self, shard_id) -> tuple[int, int, int, int, int]:
+        """(shard index, first row in this rank's output, rows, first row in the checkpoint tensor, its rows)."""
+        return 0, 0, self.output_size, 0, self.output_size
+
+    def input_shard(self) -> tuple[int, int, int]:
+        """(first column in the checkpoint tensor, columns this rank holds, the tensor's columns)."""
+        if self.shard_dim == 1 and self.tp.size > 1:
+            return self.tp.rank * self.input_size, self.input_size, self.full_input_size
+        return 0, self.input_size, self.input_size
+
+    def load_quantized(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """Load one checkpoint tensor of a shard into a method-declared parameter, following its ParamLayout."""
+        layout = param.quant_layout
+        index, offset, rows, start, full_rows = self.output_shard(shard_id)
+        col_start, cols, full_cols = self.input_shard()
+        expected = tuple(layout.checkpoint_shape(full_rows, full_cols))
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)}, {self.method.describe()} expects "
+                             f"{expected} for {full_rows} output x {full_cols} input features")
+        if layout.convert_first:
+            loaded = layout.convert(as_tensor(loaded), full_rows, full_cols)
+        if not layout.per_shard:
+            if layout.output_dim is not None and rows != full_rows:
+                loaded = _narrow_in_proportion(loaded, layout.output_dim, start, rows, full_rows)
+            if layout.input_dim is not None and cols != full_cols:
+                loaded = _narrow_in_proportion(loaded, layout.input_dim, col_start, cols, full_cols)
+        tensor = as_tensor(loaded)
+        if layout.convert is not None and not layout.convert_first:
+            tensor = layout.convert(tensor)
+        target = param.data
+        if layout.per_shard:
+            target = target[index]
+        elif layout.output_dim is not None and rows != self.output_size:
+            per_row = param.shape[layout.output_dim] / self.output_size
+            target = target.narrow(layout.output_dim, round(offset * per_row), round(rows * per_row))
+        default_weight_loader(target, tensor)
+
     def pack_weight(self) -> bool:
         """Replace the weight by the op table's preferred layout, once, after loading; False when it has none."""
+        if self.method is not None:
+            return self.method.process_weights_after_loading(self)
         packed = self.ops.pack_linear_weight(self.weight)
         if packed is None:
             return False
@@ -60,6 +135,8 @@ class LinearBase(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.method is not None:
+            return self.method.apply(self, x, self.bias)
         return self.ops.linear(x, self.weight, self.bias)
 
 
@@ -72,6 +149,10 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, ctx: ModelContext, input_size: int, output_size: int, bias: bool = False):
         super().__init__(ctx, input_size, divide(output_size, ctx.tp.size), bias, 0)
 
+    def output_shard(self, shard_id):
+        size = self.output_size
+        return 0, 0, size, self.tp.rank * size, size * self.tp.size
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matmul, e.g. gate and up: each rank holds
@@ -80,8 +161,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, ctx: ModelContext, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(ctx, input_size, sum(output_sizes), bias)
+        self.shard_output_sizes = [divide(size, ctx.tp.size) for size in output_sizes]
+
+    def output_shard(self, shard_id: int):
+        world = self.tp.size
+        size = divide(self.output_sizes[shard_id], world)
+        return shard_id, sum(self.output_sizes[:shard_id]) // world, size, self.tp.rank * size, \
+            self.output_sizes[shard_id]
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
+        if hasattr(param, "quant_layout"):
+            return self.load_quantized(param, loaded, shard_id)
         world = self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // world
         size = divide(self.output_sizes[shard_id], world)
@@ -115,8 +205,20 @@ class QKVParallelLinear(LinearBase):
             self.num_kv_heads = 1
             self.kv_head_start = tp.rank * num_kv_heads // tp.size
         super().__init__(ctx, hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, 0)
+        self.shard_output_sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim,
+                                   self.num_kv_heads * head_dim]
+
+    def output_shard(self, shard_id: str):
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        kv_start = self.kv_head_start * self.head_dim
+        offset, size, start = {"q": (0, q_size, self.tp.rank * q_size), "k": (q_size, kv_size, kv_start),
+                               "v": (q_size + kv_size, kv_size, kv_start)}[shard_id]
+        return "qkv".index(shard_id), offset, size, start, self.total_sizes[shard_id]
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: str) -> None:
+        if hasattr(param, "quant_layout"):
+            return self.load_quantized(param, loaded, shard_id)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         kv_start = self.kv_head_start * self.head_dim
@@ -139,5 +241,8 @@ class RowParallelLinear(LinearBase):
             super().weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ops.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        bias = self.bias if self.tp.rank == 0 else None
+        if self.method is not None:
+            return self.tp.all_reduce(self.method.apply(self, x, bias))
+        y = self.ops.linear(x, self.weight, bias)
         return self.tp.all_reduce(y)

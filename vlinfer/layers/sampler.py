@@ -3,6 +3,9 @@
 The chain, per row, in this order (tests/test_sampling.py checks each step against transformers' logits processors
 on the same logits, and the whole chain against theirs in sequence):
 
+0. structured outputs: the grammar's token bitmask (layers/token_bitmask.py), for constrained rows, all in one
+   masked_fill. First, as vLLM applies it (before its sampler), so the logprobs below are over what the grammar
+   allows and every later step only sees allowed tokens.
 1. logprobs, when asked for: log_softmax of the raw model logits in float32, before anything below. This is vLLM's
    default (logprobs_mode="raw_logprobs") and what the OpenAI API reports.
 2. process_logits, on every row (greedy ones too, so they change the arg-max):
@@ -29,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from vlinfer.layers.token_bitmask import apply_token_bitmask
 from vlinfer.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -210,11 +214,14 @@ def _logprob_entries(raw_logprobs: torch.Tensor, params: list[SamplingParams], t
     return entries
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]):
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],
+           grammar_bitmask: tuple[list[int], torch.Tensor] | None = None):
     """logits [B, vocab] -> (token ids list[int], per-row {token: logprob} or None). Float32 logits are processed
     in place (the runner's are a fresh tensor each step; a copy of [B, vocab] per step would cost more than all
-    the rest here)."""
+    the rest here). grammar_bitmask: (rows, int32 [len(rows), ceil(vocab / 32)]) for the constrained rows."""
     logits = logits.float()
+    if grammar_bitmask is not None:
+        apply_token_bitmask(logits, *grammar_bitmask)
     params = [s.sampling_params for s in seqs]
     raw_logprobs = torch.log_softmax(logits, -1) if any(p.logprobs is not None for p in params) else None
     logits = process_logits(logits, seqs, eos_token_ids)

@@ -53,10 +53,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, ctx: ModelContext, config, qk_norm: bool = False):
+    def __init__(self, ctx: ModelContext, config, qk_norm: bool = False, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(ctx, config, qk_norm)
-        self.mlp = LlamaMLP(ctx, config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(ctx, config)  # MoE models pass their sparse block
         self.input_layernorm = RMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
 
@@ -72,12 +72,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, ctx: ModelContext, config, qk_norm: bool = False, rotary_emb: nn.Module | None = None):
+    def __init__(self, ctx: ModelContext, config, qk_norm: bool = False, rotary_emb: nn.Module | None = None,
+                 make_mlp=None):
+        """make_mlp(layer_index) -> the layer's MLP module (MoE models), or None: the dense LlamaMLP."""
         super().__init__()
         # One rotary for all layers: its cos/sin are computed once per step and shared.
         self.rotary_emb = rotary_emb or RotaryEmbedding(config, config.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(ctx, config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(ctx, config, qk_norm) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(ctx, config, qk_norm, make_mlp(i) if make_mlp else None)
+                                     for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -45,8 +45,8 @@ class MRotaryEmbedding(nn.Module):
 class Qwen3VLTextModel(LlamaModel):
     """The Qwen3 decoder (qk_norm) with interleaved multimodal rotary and DeepStack injection after early layers."""
 
-    def __init__(self, ctx: ModelContext, config):
-        super().__init__(ctx, config, qk_norm=True, rotary_emb=MRotaryEmbedding(config))
+    def __init__(self, ctx: ModelContext, config, make_mlp=None):
+        super().__init__(ctx, config, qk_norm=True, rotary_emb=MRotaryEmbedding(config), make_mlp=make_mlp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
                 visual_mask: torch.Tensor | None = None, deepstack_embeds=None) -> torch.Tensor:
@@ -77,10 +77,10 @@ class Qwen3VLModel(nn.Module):
     encodes each image once (encoder cache) and sends the rows of image embeddings and DeepStack features a step
     needs with that step's inputs (vlinfer/engine/model_runner.py), so the other ranks neither build nor read it."""
 
-    def __init__(self, ctx: ModelContext, config):
+    def __init__(self, ctx: ModelContext, config, make_mlp=None):
         super().__init__()
         self.visual = Qwen3VLVisionModel(config.vision_config, ctx) if ctx.tp.rank == 0 else None
-        self.language_model = Qwen3VLTextModel(ctx, config.text_config)
+        self.language_model = Qwen3VLTextModel(ctx, config.text_config, make_mlp)
 
 
 class _TextWeights(nn.Module):
@@ -103,12 +103,16 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         super().__init__()
         self.config = config
         text = config.text_config
-        self.model = Qwen3VLModel(ctx, config)
+        self.model = Qwen3VLModel(ctx, config, self.text_mlp_factory(ctx, text))
         self.lm_head = ParallelLMHead(ctx, text.vocab_size, text.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
         self.spatial_merge_size = config.vision_config.spatial_merge_size
         self.num_deepstack = len(config.vision_config.deepstack_visual_indexes)
+
+    def text_mlp_factory(self, ctx: ModelContext, text_config):
+        """make_mlp(layer_index) for the decoder's layers (the MoE variant's sparse blocks); None: dense MLPs."""
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load an HF Qwen3-VL checkpoint stream: `model.visual.*` goes to the vision tower, the rest (names

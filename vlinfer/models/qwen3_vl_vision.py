@@ -197,6 +197,13 @@ class Qwen3VLVisionModel(nn.Module):
             if name not in params:
                 raise KeyError(f"unexpected vision weight {name!r}")
             param = params[name]
+            if hasattr(param, "quant_layout"):  # a quantized linear's parameter (layers/quantization): its layer loads it
+                try:
+                    param.weight_loader(param, tensor)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor 'model.visual.{name}': {e}") from None
+                loaded.add(name)
+                continue
             if name == "patch_embed.proj.weight":
                 tensor = tensor.reshape(param.shape)  # Conv3d [E, C, T, P, P] -> Linear [E, C*T*P*P]
             if tensor.shape != param.shape:

@@ -5,6 +5,8 @@ _MODELS = {
     "LlamaForCausalLM": ("vlinfer.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("vlinfer.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("vlinfer.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3MoeForCausalLM": ("vlinfer.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Qwen3VLMoeForConditionalGeneration": ("vlinfer.models.qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
 }
 
 

@@ -1,13 +1,26 @@
-"""OpenAI-style chat messages with image content parts -> template messages + the images, in order."""
+"""OpenAI-style chat messages with image and video content parts -> template messages + the images and videos, in
+order."""
 import os
 from importlib import resources
 
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 
 
+VIDEO_PART_TYPES = ("video", "video_url")
+
+
 def split_chat_images(messages: list[dict]) -> tuple[list[dict], list]:
     """Returns (messages whose image parts are reduced to {"type": "image"}, the image sources in order)."""
-    out, images = [], []
+    out, images, videos = split_chat_media(messages)
+    if videos:
+        raise ValueError("this conversation has video parts; use split_chat_media")
+    return out, images
+
+
+def split_chat_media(messages: list[dict]) -> tuple[list[dict], list, list]:
+    """Returns (messages whose image and video parts are reduced to {"type": "image"} / {"type": "video"}, the
+    image sources in order, the video sources in order)."""
+    out, images, videos = [], [], []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
             raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
@@ -30,15 +43,41 @@ def split_chat_images(messages: list[dict]) -> tuple[list[dict], list]:
                     raise ValueError(f"message {i} part {j}: an image part needs 'image' or 'image_url': {{'url'}}")
                 images.append(source)
                 parts.append({"type": "image"})
+            elif kind in VIDEO_PART_TYPES:
+                source = part.get("video", part.get("video_url"))
+                if isinstance(source, dict):
+                    source = source.get("url")
+                if source is None:
+                    raise ValueError(f"message {i} part {j}: a video part needs 'video' or 'video_url': {{'url'}}")
+                videos.append(source)
+                parts.append({"type": "video"})
             else:
                 raise ValueError(f"message {i} part {j}: unsupported content part type {kind!r}; "
-                                 "use 'text', 'image' or 'image_url'")
+                                 "use 'text', 'image', 'image_url', 'video' or 'video_url'")
         if all(p["type"] == "text" for p in parts):
             # Text-only parts become a plain string: text models' templates expect one.
             out.append({**message, "content": "".join(p["text"] for p in parts)})
         else:
             out.append({**message, "content": parts})
-    return out, images
+    return out, images, videos
+
+
+def with_video_options(mm_processor_kwargs: dict | None, messages: list[dict]) -> dict | None:
+    """mm_processor_kwargs plus what each video part sets beside its source (fps, num_frames, max_frames, ...), as
+    per-video lists the video processor reads; a video part without a key keeps the kwargs' own value. Run
+    split_chat_media first: it checks the shape this trusts."""
+    from vlinfer.multimodal.video_processor import VIDEO_OPTIONS
+    parts = [part for message in messages if isinstance(message.get("content"), list)
+             for part in message["content"] if part.get("type") in VIDEO_PART_TYPES]
+    own = [{k: part[k] for k in VIDEO_OPTIONS if k in part} for part in parts]
+    if not any(own):
+        return mm_processor_kwargs
+    kwargs = dict(mm_processor_kwargs or {})
+    for key in {k for d in own for k in d}:
+        default = kwargs.get(key)
+        defaults = default if isinstance(default, (list, tuple)) else [default] * len(parts)
+        kwargs[key] = [d.get(key, fallback) for d, fallback in zip(own, defaults)]
+    return kwargs
 
 
 def image_details(messages: list[dict]) -> list[str | None]:
@@ -67,13 +106,30 @@ def with_image_details(mm_processor_kwargs: dict | None, details: list[str | Non
     return kwargs
 
 
-def message_texts(messages: list[dict]):
+def message_texts(messages: list[dict], tools: list | None = None):
+    """Every text the template puts in the prompt from the caller: content, the names and arguments of earlier
+    tool calls, and the tool definitions (as the template writes them, JSON)."""
+    import json
     for message in messages:
         content = message.get("content", "")
         if isinstance(content, str):
             yield content
-        else:
+        elif content is not None:
             yield from (p["text"] for p in content if p.get("type") == "text")
+        for call in message.get("tool_calls") or []:
+            function = call.get("function", call) if isinstance(call, dict) else {}
+            yield str(function.get("name", ""))
+            arguments = function.get("arguments", "")
+            yield arguments if isinstance(arguments, str) else json.dumps(arguments)
+    if tools:
+        yield json.dumps(tools, ensure_ascii=False)
+
+
+def template_renders_tools(template: str) -> bool:
+    """Whether a chat template reads the `tools` variable (a template that does not would drop them silently)."""
+    import jinja2
+    import jinja2.meta
+    return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
 
 
 def load_chat_template(folder: str, tokenizer, multimodal: bool) -> str | None:

@@ -1,6 +1,7 @@
-"""Turns a Qwen3-VL request (token ids with one <|image_pad|> per image, plus the images) into what the engine
-runs: placeholders expanded to each image's token count, one MultiModalItem per image with its preprocessed
-pixels and content hash, and the request's 3-row rotary positions."""
+"""Turns a Qwen3-VL request (token ids with one <|image_pad|> per image and one <|video_pad|> per video, plus the
+images and videos) into what the engine runs: placeholders expanded to each image's token count and each clip's
+timestamped groups, one MultiModalItem per image and per temporal group with its preprocessed pixels and content
+hash, and the request's 3-row rotary positions."""
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ from vlinfer.multimodal.image_io import ImageLoadError, image_content_hash, load
 from vlinfer.multimodal.image_processor import Qwen3VLImageProcessor
 from vlinfer.multimodal.mrope import mrope_positions
 from vlinfer.multimodal.url_fetch import UrlPolicy
+from vlinfer.multimodal.video_processor import VIDEO_OPTIONS
+from vlinfer.multimodal.video_prompt import VideoPrompts
 
 MAX_IMAGES_PER_PROMPT = 64
 
@@ -23,6 +26,8 @@ class ProcessedPrompt:
     mrope_positions: torch.Tensor | None = None
     mrope_position_delta: int = 0
     images: list[dict] = field(default_factory=list)  # per image: effective (resized) size and token count
+    videos: list[dict] = field(default_factory=list)  # per video: frames used, their times, size, grid, tokens
+    first_mm_token: int | None = None  # index of the first token an image or video placeholder expanded to
 
 
 class Qwen3VLInputProcessor:
@@ -43,6 +48,7 @@ class Qwen3VLInputProcessor:
         self.special_ids = {i for i in (self.image_token_id, self.video_token_id, self.vision_start_token_id,
                                         self.vision_end_token_id) if i is not None}
         self.special_strings = [t for t in tokenizer.convert_ids_to_tokens(sorted(self.special_ids)) if t]
+        self.videos = VideoPrompts(hf_config, tokenizer, folder)
 
     def check_user_text(self, text: str) -> None:
         """Text from a user must not smuggle in vision tokens: only real images may create placeholders."""
@@ -51,40 +57,60 @@ class Qwen3VLInputProcessor:
             raise ValueError(f"text contains the special vision token(s) {found}; pass images as image content "
                              "parts or multi_modal_data instead of writing their tokens")
 
-    def process(self, token_ids: list[int], images: list, mm_kwargs: dict | None = None) -> ProcessedPrompt:
-        if self.video_token_id is not None and self.video_token_id in token_ids:
-            raise ValueError("video inputs are not supported yet (the prompt contains <|video_pad|>)")
+    def process(self, token_ids: list[int], images: list, mm_kwargs: dict | None = None,
+                videos: list | None = None) -> ProcessedPrompt:
+        """Expand every <|image_pad|> to its image's tokens and every <|video_pad|> to its clip's (see
+        vlinfer/multimodal/video_prompt.py), in prompt order, with one MultiModalItem per image and per temporal
+        group of a clip."""
+        videos = list(videos or [])
         num_placeholders = token_ids.count(self.image_token_id)
         if num_placeholders != len(images):
             raise ValueError(f"the prompt has {num_placeholders} <|image_pad|> placeholder(s) but {len(images)} "
                              "image(s) were given; write one <|vision_start|><|image_pad|><|vision_end|> per image")
-        if not images:
+        num_video_placeholders = token_ids.count(self.video_token_id) if self.video_token_id is not None else 0
+        if num_video_placeholders != len(videos):
+            raise ValueError(f"the prompt has {num_video_placeholders} <|video_pad|> placeholder(s) but "
+                             f"{len(videos)} video(s) were given; write one "
+                             "<|vision_start|><|video_pad|><|vision_end|> per video")
+        if not images and not videos:
             return ProcessedPrompt(list(token_ids))
-        if len(images) > MAX_IMAGES_PER_PROMPT:
-            raise ValueError(f"{len(images)} images in one prompt; the limit is {MAX_IMAGES_PER_PROMPT}")
+        if len(images) + len(videos) > MAX_IMAGES_PER_PROMPT:
+            raise ValueError(f"{len(images) + len(videos)} images and videos in one prompt; the limit is "
+                             f"{MAX_IMAGES_PER_PROMPT}")
         kwargs = dict(mm_kwargs or {})
         # detail: OpenAI's image detail ("low", "high", "auto"), one for all images or one per image; chat
-        # image parts set it per image (image_url.detail).
-        unknown = set(kwargs) - {"min_pixels", "max_pixels", "detail"}
+        # image parts set it per image (image_url.detail). Video options: one value for all videos or one per video.
+        unknown = set(kwargs) - {"min_pixels", "max_pixels", "detail", *VIDEO_OPTIONS}
         if unknown:
             raise ValueError(f"unknown mm_processor_kwargs {sorted(unknown)}; accepted: min_pixels, max_pixels, "
-                             "detail")
+                             f"detail, {', '.join(VIDEO_OPTIONS)}")
+        video_kwargs = {k: kwargs.pop(k) for k in VIDEO_OPTIONS if k in kwargs}
         pil_images = []
         for i, image in enumerate(images):
             try:
                 pil_images.append(load_image(image, url_policy=self.url_policy))
             except (ImageLoadError, TypeError) as e:
                 raise ValueError(f"image {i}: {e}") from e
-        try:
-            processed = self.image_processor(pil_images, device=self.device, **kwargs)
-        except ValueError as e:
-            raise ValueError(f"image preprocessing failed: {e}") from e
-        expanded, items, offset_patch = [], [], 0
-        image_index = 0
+        processed = None
+        if images:
+            try:
+                processed = self.image_processor(pil_images, device=self.device, **kwargs)
+            except ValueError as e:
+                raise ValueError(f"image preprocessing failed: {e}") from e
+        clips = self.videos.load(videos, video_kwargs, self.url_policy, self.device)
+        expanded, items, grids, offset_patch = [], [], [], 0
+        image_index = video_index = 0
+        first_mm_token = None
         for token in token_ids:
+            if token == self.video_token_id:
+                first_mm_token = len(expanded) if first_mm_token is None else first_mm_token
+                grids.extend(self.videos.expand(clips[video_index], expanded, items))
+                video_index += 1
+                continue
             if token != self.image_token_id:
                 expanded.append(token)
                 continue
+            first_mm_token = len(expanded) if first_mm_token is None else first_mm_token
             n = processed.num_tokens[image_index]
             t, h, w = processed.grid_thw[image_index].tolist()
             patches = processed.pixel_values[offset_patch:offset_patch + t * h * w]
@@ -93,12 +119,18 @@ class Qwen3VLInputProcessor:
             key = _combine(image_content_hash(pil_images[image_index]), *processed.sizes[image_index])
             items.append(MultiModalItem("image", len(expanded), n, key,
                                         {"pixel_values": patches, "grid_thw": processed.grid_thw[image_index]}))
+            grids.append((t, h, w))
             expanded.extend([self.image_token_id] * n)
             image_index += 1
-        positions, delta = mrope_positions(expanded, processed.grid_thw, self.image_token_id,
-                                           self.vision_start_token_id, self.spatial_merge_size)
-        info = [{"size": list(size), "num_tokens": n} for size, n in zip(processed.sizes, processed.num_tokens)]
-        return ProcessedPrompt(expanded, items, positions, delta, info)
+        # A clip's temporal groups are positioned as images of one frame pair each (transformers' get_rope_index
+        # splits video_grid_thw per group the same way): every vision placeholder run is one grid, in order.
+        markers = [self.image_token_id if t == self.video_token_id else t for t in expanded]
+        positions, delta = mrope_positions(markers, grids, self.image_token_id, self.vision_start_token_id,
+                                           self.spatial_merge_size)
+        info = [] if processed is None else \
+            [{"size": list(size), "num_tokens": n} for size, n in zip(processed.sizes, processed.num_tokens)]
+        return ProcessedPrompt(expanded, items, positions, delta, info, [clip.info for clip in clips],
+                               first_mm_token)
 
 
 def url_policy(allow_image_urls: bool | UrlPolicy) -> UrlPolicy | None:

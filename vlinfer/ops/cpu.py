@@ -25,18 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from vlinfer import platform
-from vlinfer.ops import reference
+from vlinfer.ops import cpu_moe, cpu_quant, gguf_cpu, gguf_reference, reference
 from vlinfer.ops.per_step import PerStep
+from vlinfer.ops.cpu_isa_flags import ISA_FLAGS
 from vlinfer.ops.reference import ReferenceOps
 
 logger = logging.getLogger("vlinfer")
 SOURCES = tuple(os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cpu", name)
                 for name in ("paged_ops.cpp", "attention_bf16.cpp"))
-# Compiler flags per instruction-set level (platform.CPU_ISAS). Explicit -m flags rather than -march=native: the
-# build must not depend on the machine that compiles it, only on the level asked for.
-_AVX2 = ("-mavx2", "-mfma", "-mf16c")
-_AVX512 = _AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
-ISA_FLAGS = {"generic": (), "avx2": _AVX2, "avx512": _AVX512, "avx512bf16": _AVX512 + ("-mavx512bf16",)}
 # dtypes whose prepacked linear oneDNN runs (bf16 needs AVX512-BF16 or AMX, checked at packing time)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -171,6 +167,57 @@ class CpuOps(ReferenceOps):
         if x.dim() != 2:
             return reference.silu_and_mul(x)
         return self.ext.silu_and_mul(x)
+
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, expert_offset=0):
+        """Grouped GEMMs over the pairs sorted by expert (ops/cpu_moe.py), our SiLU-and-multiply between."""
+        return cpu_moe.fused_moe(x, router_logits, w13, w2, top_k, renormalize, expert_offset, self.silu_and_mul)
+
+    def pack_moe_weights(self, w13, w2):
+        return cpu_moe.pack_moe_weights(w13, w2)
+
+    # Quantized linears: torch's int8 / int4 CPU kernels and oneDNN's int8 GEMM (ops/cpu_quant.py).
+    def pack_quantized_linear(self, scheme: str, tensors: dict) -> dict:
+        packed = cpu_quant.pack(scheme, tensors, cpu_quant.has_int8_dot_product())
+        if "cpu" in packed:
+            op = {"w8a8_dynamic": self.w8a8_dynamic_linear, "w8a8_static": self.w8a8_static_linear}.get(
+                scheme, self.weight_only_linear)
+            cpu_quant.check_kernel(scheme, packed, op)
+        return packed
+
+    weight_only_linear = staticmethod(cpu_quant.weight_only_linear)
+    w8a8_dynamic_linear = staticmethod(cpu_quant.w8a8_dynamic_linear)
+    w8a8_static_linear = staticmethod(cpu_quant.w8a8_static_linear)
+
+    # GGUF Q8_0 / Q4_0 / Q4_1 block weights: our kernels (ops/gguf_cpu.py), built when the first GGUF layer packs.
+    gguf_kernels: gguf_cpu.GgufCpuKernels | None = None
+
+    def pack_gguf_weight(self, weight, ggml_type):
+        if self.gguf_kernels is None:
+            try:
+                self.gguf_kernels = gguf_cpu.GgufCpuKernels(self.isa)
+            except Exception as e:  # no compiler: the layers run the reference, loudly
+                logger.warning("ops[cpu]: GGUF kernels unavailable (%s: %s); GGUF layers run the pure-torch "
+                               "reference (dequantize + matmul per call)", type(e).__name__, str(e)[:200])
+                return None
+            logger.info("ops[cpu]: GGUF Q8_0/Q4_0/Q4_1 kernels built for %s", self.gguf_kernels.isa)
+        return weight.contiguous()
+
+    def gguf_linear(self, x, weight, ggml_type, bias=None):
+        kernels = self.gguf_kernels
+        # No kernels: their build failed, which pack_gguf_weight logged. float16 activations: the kernels take
+        # float32 / bfloat16 only, and the reference defines the op for every dtype.
+        if kernels is None or x.dtype not in PACKED_DTYPES:
+            return gguf_reference.gguf_linear(x, weight, ggml_type, bias)
+        rows = x.reshape(-1, x.shape[-1])  # the kernel takes [M, K]; leading dims are rows
+        out = kernels.ext.gguf_linear(rows, weight, ggml_type, bias, kernels.small_m_max, kernels.tile)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def gguf_embedding(self, ids, weight, ggml_type, dtype):
+        kernels = self.gguf_kernels
+        if kernels is None:
+            return gguf_reference.gguf_embedding(ids, weight, ggml_type, dtype)
+        rows = kernels.dequantize(weight.index_select(0, ids.reshape(-1)), ggml_type)
+        return rows.to(dtype).reshape(*ids.shape, -1)
 
     @staticmethod
     def linear(x, weight, bias=None):

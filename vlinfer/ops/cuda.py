@@ -1,5 +1,6 @@
 """CUDA implementation of the attention ops: our Triton KV cache write (kernels/triton/store_kvcache.py),
-FlashAttention's varlen and paged-KV calls where `flash_attn` is installed, torch SDPA / matmuls otherwise. Rotary,
+FlashAttention's varlen and paged-KV calls where `flash_attn` is installed, torch SDPA / matmuls otherwise; the fused
+MoE on our Triton kernels (ops/cuda_moe.py, kernels/triton/fused_moe.py), loaded when an MoE layer first asks. Rotary,
 norms and SwiGLU stay on the pure-torch reference, which on CUDA is a handful of elementwise kernels.
 
 - Block size: flash_attn's paged KV cache (`block_table`) needs a page block size that is a multiple of 256 (its
@@ -24,7 +25,7 @@ import os
 
 import torch
 
-from vlinfer.ops import reference
+from vlinfer.ops import cuda_moe, cuda_quant, moe_reference, reference
 from vlinfer.ops.per_step import PerStep
 from vlinfer.ops.reference import ReferenceOps
 
@@ -119,6 +120,59 @@ class CudaOps(ReferenceOps):
         if self._triton_store is None:  # warned at load
             return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
         self._triton_store(key, value, k_cache, v_cache, slot_mapping)
+
+    # ---- fused MoE (vlinfer/ops/cuda_moe.py, kernels/triton/fused_moe.py) ----
+
+    def _moe_kernel(self):
+        """The checked Triton fused_experts, or None (logged once) when it cannot run here; loaded on first use, so
+        dense models never compile it. features["moe"] says which ("triton" or "reference")."""
+        if "moe" not in self.features:
+            try:
+                kernel = cuda_moe.load_kernel().fused_experts
+                cuda_moe.check_kernel(kernel, torch.device(self.device_type))
+                self._triton_moe, self.features["moe"] = kernel, "triton"
+            except Exception as e:  # triton missing, no driver, a kernel that compiles or computes wrong, ...
+                self._triton_moe, self.features["moe"] = None, "reference"
+                logger.warning("ops[cuda]: Triton fused MoE unavailable (%s); MoE layers run the pure-torch "
+                               "reference (a loop over experts with host syncs: no CUDA graphs)", _reason(e))
+        return self._triton_moe
+
+    def pack_moe_weights(self, w13, w2):
+        self._moe_kernel()  # at load: the kernels read w13 [E, 2I, H] / w2 [E, H, I] as loaded
+        return None
+
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, expert_offset=0):
+        kernel = self._moe_kernel()
+        if kernel is None:  # warned at load
+            return moe_reference.fused_moe(x, router_logits, w13, w2, top_k, renormalize, expert_offset)
+        return cuda_moe.fused_moe(kernel, x, router_logits, w13, w2, top_k, renormalize, expert_offset)
+
+    # ---- quantized linears (vlinfer/ops/cuda_quant.py, kernels/triton/int8_gemm.py, weight_only_gemm.py) ----
+
+    def _quant_kernels(self):
+        """The checked Triton quantized GEMMs, or None (logged once): loaded at the first quantized layer's pack, so
+        dense models never compile them. features["quantized_linear"] says which ("triton" or "reference")."""
+        if "quantized_linear" not in self.features:
+            try:
+                self._triton_quant = cuda_quant.QuantKernels(torch.device(self.device_type))
+                self.features["quantized_linear"] = "triton"
+            except Exception as e:
+                self._triton_quant, self.features["quantized_linear"] = None, "reference"
+                logger.warning("ops[cuda]: Triton quantized GEMMs unavailable (%s); quantized linears run the "
+                               "pure-torch reference (dequantize + matmul)", _reason(e))
+        return self._triton_quant
+
+    def pack_quantized_linear(self, scheme, tensors):
+        return cuda_quant.pack(self._quant_kernels(), scheme, tensors)
+
+    def w8a8_dynamic_linear(self, x, packed, bias=None):
+        return cuda_quant.w8a8_dynamic_linear(self._quant_kernels(), x, packed, bias)
+
+    def w8a8_static_linear(self, x, packed, bias=None):
+        return cuda_quant.w8a8_static_linear(self._quant_kernels(), x, packed, bias)
+
+    def weight_only_linear(self, x, packed, bias=None):
+        return cuda_quant.weight_only_linear(self._quant_kernels(), x, packed, bias)
 
     # ---- paged attention ----
 

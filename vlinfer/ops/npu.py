@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlinfer.ops import reference
+from vlinfer.ops import npu_moe, npu_quant, reference
 from vlinfer.ops.per_step import PerStep
 from vlinfer.ops.reference import ReferenceOps
 
@@ -383,6 +383,28 @@ class NpuOps(ReferenceOps):
         # silu(first half) * second half along the last dim, i.e. SiluAndMul on the merged gate_up projection
         # (§2.7).
         return self._torch_npu.npu_swiglu(x, -1)
+
+    # ---- fused MoE: gating top-k softmax, init routing v2, grouped matmuls, finalize (npu_moe.py) ----
+
+    def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, expert_offset=0):
+        return npu_moe.fused_moe(self._torch_npu, x, router_logits, w13, w2, top_k, renormalize, expert_offset)
+
+    def pack_moe_weights(self, w13, w2):
+        return None  # the grouped matmuls take w13 / w2 as transposed views of the loaded layout
+
+    # ---- quantized linears: the calls vllm-ascend makes (npu_quant.py) ----
+
+    def pack_quantized_linear(self, scheme, tensors):
+        return npu_quant.pack(scheme, tensors)
+
+    def w8a8_dynamic_linear(self, x, packed, bias=None):
+        return npu_quant.w8a8_dynamic_linear(self, x, packed, bias)
+
+    def w8a8_static_linear(self, x, packed, bias=None):
+        return npu_quant.w8a8_static_linear(self, x, packed, bias)
+
+    def weight_only_linear(self, x, packed, bias=None):
+        return npu_quant.weight_only_linear(self, x, packed, bias)
 
 
 # ---- feature detection ----

@@ -7,6 +7,8 @@ state an implementation keeps (loaded kernels, per-step caches)."""
 import torch
 import torch.nn.functional as F
 
+from vlinfer.ops import gguf_reference, moe_reference, quant_reference
+
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
@@ -157,6 +159,31 @@ class ReferenceOps:
     gelu_tanh = staticmethod(gelu_tanh)
     varlen_attention = staticmethod(varlen_attention)
     linear = staticmethod(linear)
+    fused_moe = staticmethod(moe_reference.fused_moe)
+
+    def pack_moe_weights(self, w13: torch.Tensor, w2: torch.Tensor):
+        """(w13, w2) in the layout this implementation's `fused_moe` runs fastest on, or None to keep them as they
+        are. MoE layers call it once after loading; `fused_moe` then receives what it returned."""
+        return moe_reference.pack_moe_weights(w13, w2)
+
+    # Quantized linears (definitions in quant_reference.py): each receives what pack_quantized_linear returned.
+    w8a8_dynamic_linear = staticmethod(quant_reference.w8a8_dynamic_linear)
+    w8a8_static_linear = staticmethod(quant_reference.w8a8_static_linear)
+    weight_only_linear = staticmethod(quant_reference.weight_only_linear)
+
+    def pack_quantized_linear(self, scheme: str, tensors: dict) -> dict:
+        """A quantized linear's tensors (quant_reference's canonical layout) laid out for this implementation's
+        quantized ops, once after loading. An implementation that changes the layout overrides those ops too."""
+        return quant_reference.pack_quantized_linear(scheme, tensors)
+
+    # GGUF Q8_0 / Q4_0 / Q4_1 weights in their blocks (definitions in gguf_reference.py).
+    gguf_linear = staticmethod(gguf_reference.gguf_linear)
+    gguf_embedding = staticmethod(gguf_reference.gguf_embedding)
+
+    def pack_gguf_weight(self, weight: torch.Tensor, ggml_type: int) -> torch.Tensor | None:
+        """A GGUF block weight laid out for this implementation's gguf_linear (None: it runs on the file's blocks,
+        the reference dequantizing them on every call)."""
+        return None
 
     def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The weight in the layout this implementation's `linear` runs fastest on, or None to keep it as it is.

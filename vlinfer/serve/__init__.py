@@ -12,8 +12,8 @@ def main(argv=None) -> int:
     try:
         from vlinfer.serve.cli import main as run
     except ImportError as e:
-        print(f"error: the server needs FastAPI, uvicorn and httpx ({e.name} is missing): "
-              "pip install fastapi uvicorn httpx", file=sys.stderr)
+        print(f"error: the server needs FastAPI, uvicorn, httpx and prometheus_client ({e.name} is missing): "
+              "pip install fastapi uvicorn httpx prometheus_client", file=sys.stderr)
         return 2
     return run(argv)
 

@@ -20,10 +20,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.sampling_params import SamplingParams
 from vlinfer.serve import security
+from vlinfer.serve.constraints import forced_tool, output_constraint
 from vlinfer.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from vlinfer.serve.metrics import Metrics
 from vlinfer.serve.protocol import (MAX_STOP_SEQUENCES, ApiError, ChatCompletionRequest, CompletionRequest, Logprobs,
                                     error_body, new_id, now, parse_body, sse, usage)
+from vlinfer.serve.tool_calls import ToolCallParser, parse_tool_calls
+from vlinfer.multimodal.video_io import VideoLimits
+from vlinfer.multimodal.video_processor import VIDEO_OPTIONS
+from vlinfer.serve.video import check_video_options, video_bytes
 
 logger = logging.getLogger("vlinfer.serve")
 
@@ -37,6 +42,12 @@ class ServeConfig:
     max_n: int = 16  # choices per request (n) times prompts per /v1/completions request
     max_pending: int = 1024  # sequences queued or running before new requests get 503
     trim_memory_when_idle: bool = True  # hand freed heap pages back to the OS once a burst is over (glibc)
+    # vLLM's structured-outputs option: JSON the server constrains has no free whitespace (a request's own
+    # structured_outputs.disable_any_whitespace wins). Small models otherwise pad JSON with newlines.
+    disable_any_whitespace: bool = False
+    # What one video may cost (frames sampled, seconds, frame size): the engine's video limits while it serves
+    # this app (--max-video-frames, --max-video-seconds).
+    video: VideoLimits = field(default_factory=lambda: VideoLimits(max_frames=768, max_seconds=3600.0))
 
 
 def _sampling_error(e: ValueError) -> ApiError:
@@ -106,7 +117,7 @@ class _Run:
         self.done[i] = True
         self.server.sequence_done()
         m, out = self.server.metrics, self.last[i]
-        m.finished.inc(reason=reason)
+        m.finished.labels(reason=reason).inc()
         if out is None:
             return
         n = len(out.outputs[0].token_ids)
@@ -137,7 +148,9 @@ class Server:
         self.loop = loop
         self.engine = loop.engine
         self.config = config
-        self.metrics = Metrics()
+        if self.engine.is_multimodal:  # this engine serves this app: the server's video caps are its limits
+            self.engine.input_processor.videos.limits = config.video
+        self.metrics = Metrics(loop, lambda: self.in_flight)
         self.in_flight = 0
         self.created = now()
         self._trim_pending = False
@@ -185,7 +198,8 @@ class Server:
                        spaces_between_special_tokens=req.spaces_between_special_tokens,
                        include_stop_str_in_output=req.include_stop_str_in_output,
                        truncate_prompt_tokens=req.truncate_prompt_tokens, logit_bias=req.logit_bias,
-                       allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
+                       allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+                       structured_outputs=output_constraint(req, self.config.disable_any_whitespace))
         options = {k: v for k, v in options.items() if v is not None}
         if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_SEQUENCES:
             raise ApiError(400, f"stop has {len(req.stop)} sequences; the limit is {MAX_STOP_SEQUENCES}",
@@ -201,13 +215,22 @@ class Server:
             raise _sampling_error(e) from None
 
     def check_mm_kwargs(self, kwargs: dict | None) -> None:
+        """Image sizes (min_pixels, max_pixels) and the video keys (fps, num_frames, ...; serve/video.py), each
+        checked here so a bad value is a 400 naming it before anything is decoded."""
+        video = {}
         for key, value in (kwargs or {}).items():
+            if key in VIDEO_OPTIONS:
+                video[key] = value
+                continue
             if key not in ("min_pixels", "max_pixels"):
-                raise ApiError(400, f"unknown mm_processor_kwargs key {key!r}; accepted: min_pixels, max_pixels",
-                               param="mm_processor_kwargs")
-            if not 1 <= value <= self.config.images.max_image_pixels:
-                raise ApiError(400, f"mm_processor_kwargs.{key} must be in [1, {self.config.images.max_image_pixels}]",
-                               param="mm_processor_kwargs")
+                raise ApiError(400, f"unknown mm_processor_kwargs key {key!r}; accepted: min_pixels, max_pixels, "
+                                    f"{', '.join(VIDEO_OPTIONS)}", param="mm_processor_kwargs")
+            if isinstance(value, bool) or not isinstance(value, int) or \
+                    not 1 <= value <= self.config.images.max_image_pixels:
+                raise ApiError(400, f"mm_processor_kwargs.{key} must be an integer in "
+                                    f"[1, {self.config.images.max_image_pixels}]", param="mm_processor_kwargs")
+        if video:
+            check_video_options(video, self.engine, self.config.video)
 
     def submit(self, prompts: list, params: SamplingParams, n: int, requested_max_tokens: int | None,
                event_loop) -> list:
@@ -309,17 +332,26 @@ class Server:
         from jinja2.exceptions import TemplateError
         images = iter(self.load_images(sources, fetched))
         messages = []
-        for message in req.messages:
+        for i, message in enumerate(req.messages):
             role = "system" if message.role == "developer" else message.role
             if isinstance(message.content, list):
                 content = [{"type": "text", "text": part.text} if part.type == "text"
+                           else {"type": "video", "video": video_bytes(part.video_url.url, self.config.images,
+                                                                        f"messages.{i}.content.{j}.video_url.url")}
+                           if part.type == "video_url"
                            else {"type": "image", "image": next(images), "detail": part.image_url.detail}
-                           for part in message.content]
+                           for j, part in enumerate(message.content)]
             else:
                 content = message.content or ""
-            messages.append({"role": role, "content": content})
+            entry = {"role": role, "content": content}
+            if message.tool_calls:  # an earlier answer's calls, written back by the template in its own format
+                entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
+            messages.append(entry)
+        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
         try:
-            return self.engine.chat_prompt(messages, mm_processor_kwargs=req.mm_processor_kwargs)
+            return self.engine.chat_prompt(messages, mm_processor_kwargs=req.mm_processor_kwargs, tools=tools)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages", code="invalid_value") from None
         except TemplateError as e:  # the template refuses this conversation (e.g. a system message not first)
@@ -426,9 +458,11 @@ async def _respond(request: Request, run: _Run, req, model: str, chat: bool, fmt
     kind = "chat.completion" if chat else "text_completion"
     headers = {"X-Request-Id": request_id}
     count = len(run.streams)
+    tools = _tool_mode(req) if chat else None
     if req.stream:
         head = {"id": request_id, "object": kind + (".chunk" if chat else ""), "created": created, "model": model}
         sent, offsets = [0] * count, [0] * count  # per choice: tokens whose logprobs went out, text length
+        parsers = [ToolCallParser(bare=tools == "bare") for _ in range(count)] if tools else None
 
         def chunk(item):
             if item is None:  # before any token: a chat stream opens each choice with its role
@@ -439,10 +473,17 @@ async def _respond(request: Request, run: _Run, req, model: str, chat: bool, fmt
             c = out.outputs[0]
             logprobs = _choice_logprobs(fmt, out, sent[i], sent[i] + new_tokens, chat, offsets[i])
             sent[i], offsets[i] = sent[i] + new_tokens, offsets[i] + len(c.delta_text)
-            if not (c.delta_text or c.finish_reason or logprobs):
+            finish = c.finish_reason
+            if not chat:
+                body = {"text": c.delta_text}
+            elif parsers:  # content and tool call deltas; a possible start of <tool_call> waits for more
+                body = {"delta": parsers[i].feed(c.delta_text, final=finish is not None).openai()}
+                finish = _finish_reason(finish, parsers[i].calls)
+            else:
+                body = {"delta": {"content": c.delta_text} if c.delta_text else {}}
+            if not (body.get("text") or body.get("delta") or finish or logprobs):
                 return None  # e.g. held back as a possible stop string, or half a multi-byte character
-            body = {"delta": {"content": c.delta_text} if c.delta_text else {}} if chat else {"text": c.delta_text}
-            return {**head, "choices": [{"index": i, **body, "logprobs": logprobs, "finish_reason": c.finish_reason}]}
+            return {**head, "choices": [{"index": i, **body, "logprobs": logprobs, "finish_reason": finish}]}
 
         def usage_chunk():
             return {**head, "choices": [], "usage": _usage(run, req.n)}
@@ -455,11 +496,36 @@ async def _respond(request: Request, run: _Run, req, model: str, chat: bool, fmt
     choices = []
     for i, out in enumerate(run.last):
         c = out.outputs[0]
-        body = {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
+        finish = c.finish_reason
+        if not chat:
+            body = {"text": c.text}
+        elif tools:
+            content, calls = parse_tool_calls(c.text, bare=tools == "bare")
+            message = {"role": "assistant", "content": None if calls and not content.strip() else content}
+            if calls:
+                message["tool_calls"] = [call.openai() for call in calls]
+            body, finish = {"message": message}, _finish_reason(finish, calls)
+        else:
+            body = {"message": {"role": "assistant", "content": c.text}}
         choices.append({"index": i, **body, "logprobs": _choice_logprobs(fmt, out, 0, len(c.token_ids), chat),
-                        "finish_reason": c.finish_reason})
+                        "finish_reason": finish})
     return JSONResponse({"id": request_id, "object": kind, "created": created, "model": model, "choices": choices,
                          "usage": _usage(run, req.n)}, headers=headers)
+
+
+def _tool_mode(req) -> str | None:
+    """How the answer's tool calls are read: None (no tools, or tool_choice "none": the text is content),
+    "auto" (<tool_call> blocks anywhere in the text) or "bare" (a forced call: the constrained text is the call
+    object itself)."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return "bare" if forced_tool(req) else "auto"
+
+
+def _finish_reason(reason: str | None, calls: list) -> str | None:
+    """An answer that ended by itself after calling tools finished to have them run (OpenAI's "tool_calls"); one
+    cut by max_tokens keeps "length", so a truncated call is never mistaken for a complete one."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _check_complete(run: _Run) -> None:
@@ -517,7 +583,7 @@ def build_app(loop: EngineLoop, config: ServeConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(server.metrics.render(engine, loop, server.in_flight), media_type=METRICS_CONTENT_TYPE)
+        return Response(server.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():

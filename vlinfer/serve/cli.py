@@ -9,6 +9,7 @@ import uvicorn
 
 from vlinfer.app_options import add_engine_args, engine_options, flags_in_logs, name_flags, parse_size
 from vlinfer.engine.engine_loop import EngineLoop
+from vlinfer.multimodal.video_io import VideoLimits
 from vlinfer.serve import security
 from vlinfer.serve.app import ServeConfig, build_app, limit_malloc_arenas
 
@@ -27,11 +28,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                    "(default: $VLINFER_API_KEY; none when unset)")
     add_engine_args(p)
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="serve --replicas engines with Ray Serve behind this one endpoint: ADDRESS of the Ray "
+                        "cluster's head ('auto': the one this machine is in), or none to start one here "
+                        "(needs pip install 'vlinfer[ray]')")
+    p.add_argument("--replicas", type=int, default=1, help="with --ray: engine replicas (default: 1)")
     p.add_argument("--max-request-bytes", type=parse_size, default=32 * 2 ** 20, metavar="SIZE",
                    help="largest request body (413 past it); default 32M")
     p.add_argument("--max-image-bytes", type=parse_size, default=20 * 2 ** 20, metavar="SIZE", help="default 20M")
     p.add_argument("--max-image-pixels", type=int, default=1 << 25, help="per image, width x height; default 2^25")
     p.add_argument("--max-images-per-request", type=int, default=16)
+    p.add_argument("--max-video-frames", type=int, default=768, metavar="N",
+                   help="most frames sampled from one video (sampling clamps to it; a request asking for more "
+                        "gets 400); default 768, the Qwen3-VL video processor's max_frames")
+    p.add_argument("--max-video-seconds", type=float, default=3600.0, metavar="S",
+                   help="longest video accepted, by its container's duration (400 past it); default 3600")
     p.add_argument("--max-n", type=int, default=16, help="most sequences per request (n x prompts)")
     p.add_argument("--max-pending", type=int, default=1024, help="sequences in flight before 503")
     p.add_argument("--image-formats", default="png,jpeg,webp,gif,bmp", metavar="FORMATS",
@@ -44,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url-timeout", type=float, default=10.0, help="seconds per image URL, redirects included")
     p.add_argument("--allowed-local-root", default=None, metavar="DIR",
                    help="serve file:// image URLs from below this folder only; default: file URLs refused")
+    p.add_argument("--structured-outputs-disable-any-whitespace", action="store_true",
+                   help="JSON constrained by response_format, a forced tool_choice or structured_outputs has no "
+                        "free whitespace (vLLM's disable_any_whitespace; a request's own structured_outputs wins)")
     p.add_argument("--malloc-arena-max", type=int, default=2,
                    help="glibc malloc arenas, so RSS comes back after bursts (0: glibc's default); default 2")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -57,10 +71,15 @@ def config_from_args(args) -> ServeConfig:
         max_images=args.max_images_per_request, allowed_url_hosts=tuple(args.allowed_url_hosts.split(",")),
         allow_private_urls=args.allow_private_urls, url_timeout=args.url_timeout,
         allowed_local_root=args.allowed_local_root, image_formats=tuple(args.image_formats.split(",")))
+    for flag, value in (("--max-video-frames", args.max_video_frames), ("--max-video-seconds", args.max_video_seconds)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
+    video = VideoLimits(max_frames=args.max_video_frames, max_seconds=args.max_video_seconds)
     return ServeConfig(served_model_names=tuple(args.served_model_name or [args.model]),
                        api_key=args.api_key or os.environ.get("VLINFER_API_KEY") or None,
                        max_body_bytes=args.max_request_bytes, images=images, max_n=args.max_n,
-                       max_pending=args.max_pending)
+                       max_pending=args.max_pending,
+                       disable_any_whitespace=args.structured_outputs_disable_any_whitespace, video=video)
 
 
 def main(argv=None) -> int:
@@ -81,6 +100,8 @@ def main(argv=None) -> int:
     if config.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s without an API key: anyone who can reach this port can use the model",
                        args.host)
+    if args.ray is not None:
+        return _serve_on_ray(args, config)
     with flags_in_logs():  # the engine's messages name the flags set here (--max-model-len, --kv-cache-size)
         try:
             engine = LLMEngine(args.model, **engine_options(args))
@@ -88,6 +109,20 @@ def main(argv=None) -> int:
             print(f"error: {name_flags(str(e))}", file=sys.stderr)
             return 2
         return _serve(engine, args, config)
+
+
+def _serve_on_ray(args, config: ServeConfig) -> int:
+    from vlinfer.integrations import MissingDependencyError
+    if args.replicas < 1:
+        print(f"error: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
+        return 2
+    try:
+        from vlinfer.integrations import ray_serve
+        return ray_serve.run(args.model, engine_options(args), config, args.replicas, args.host, args.port,
+                             args.ray or None)
+    except (MissingDependencyError, ValueError, FileNotFoundError) as e:
+        print(f"error: {name_flags(str(e))}", file=sys.stderr)
+        return 2
 
 
 def _serve(engine, args, config: ServeConfig) -> int:

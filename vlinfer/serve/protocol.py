@@ -57,13 +57,73 @@ class ImagePart(_Strict):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(_Strict):
+    url: str
+
+
+class VideoPart(_Strict):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON string, as the server answered it
+
+
+class AssistantToolCall(_Strict):
+    """A call of an earlier assistant turn, sent back with the conversation."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None  # None: an assistant turn that only called tools
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this answers
+
+
+# OpenAI's rule for function names (also what keeps a name safe inside the template's JSON and our schema).
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Strict):
@@ -93,10 +153,17 @@ class _SamplingFields(_Strict):
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None
-    mm_processor_kwargs: dict[str, int] | None = None
+    mm_processor_kwargs: dict[str, int | float | bool] | None = None  # app.check_mm_kwargs checks each key's type
     logit_bias: dict[str, Any] | None = None  # OpenAI's: token id (a string in JSON) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's; vLLM takes it on completions too
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: StructuredOutputsParams' fields
+    # vLLM's older spelling of structured_outputs: refused by name, never ignored (the output would be unconstrained)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -105,18 +172,40 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
+
+    def tool_problem(self) -> tuple[str, str] | None:
+        """Tools, tool_choice and tool turns that cannot be served, found before any work is done."""
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            return "tools", f"tools names a function twice: {sorted(n for n in set(names) if names.count(n) > 1)}"
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            return "tool_choice", f"tool_choice names the function {choice.function.name!r}, which is not in tools " \
+                                  f"({names})"
+        if choice == "required" and not names:
+            return "tool_choice", 'tool_choice "required" needs tools'
+        for i, message in enumerate(self.messages):
+            if message.tool_calls and message.role != "assistant":
+                return f"messages.{i}.tool_calls", "only assistant messages carry tool_calls"
+            if message.role == "tool" and message.content is None:
+                return f"messages.{i}.content", "a tool message needs content: the tool's result"
+            for j, call in enumerate(message.tool_calls or []):
+                try:
+                    json.loads(call.function.arguments)
+                except json.JSONDecodeError as e:
+                    return f"messages.{i}.tool_calls.{j}.function.arguments", f"arguments is not valid JSON: {e}"
+        return None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools or self.functions or self.function_call not in (None, "none") or \
-                self.tool_choice not in (None, "none", "auto"):
-            return "tools", "tool and function calling is not supported by this server"
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            return "response_format", "only response_format {\"type\": \"text\"} is supported"
+        if self.functions or self.function_call not in (None, "none"):
+            return "functions", "the legacy functions / function_call fields are not supported; use tools"
+        problem = self.tool_problem() or _constraint_problem(self)
+        if problem:
+            return problem
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
         return None
@@ -137,11 +226,22 @@ class CompletionRequest(_SamplingFields):
             return "suffix", "suffix is not supported"
         if self.best_of not in (None, self.n):
             return "best_of", "best_of other than n is not supported"
-        return None
+        return _constraint_problem(self)
+
+
+def _constraint_problem(req: _SamplingFields) -> tuple[str, str] | None:
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(req, name) is not None:
+            return name, f"{name} is vLLM's older field; send structured_outputs: {{{name[7:]!r}: ...}}"
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema_ is None):
+        return "response_format", ('response_format {"type": "json_schema"} needs "json_schema": {"name": ..., '
+                                   '"schema": {...}}')
+    return None
 
 
 # ---- validation errors -> one clear message ----
-_UNION_LABELS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "ImagePart"}
+_UNION_LABELS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "ImagePart", "NamedToolChoice"}
 
 
 def _clean_loc(loc) -> str:

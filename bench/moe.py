@@ -1,0 +1,275 @@
+"""Mixture-of-experts throughput: vlinfer vs transformers `generate` (its default experts implementation), side by
+side in one run on the same random-weight Qwen3-MoE checkpoint and the same token ids.
+
+The checkpoint has Qwen3-30B-A3B's layer shapes (hub config.json: hidden 2048, 32 query / 4 KV heads of 128, 128
+experts, top-8, moe_intermediate 768, norm_topk_prob, every layer MoE, vocab 151936, rope theta 1e6) at reduced
+depth (4 layers by default), random weights (transformers' init), built once and cached. bf16 where the CPU has
+native bf16 (AVX512-BF16 or AMX), float32 otherwise (platform.cpu_has_native).
+
+Two workloads, each on both engines:
+- offline batch: seeded random prompt token ids and output lengths, greedy, EOS ignored (transformers: left-padded
+  batches, each generating its longest output; only requested tokens count). Reported with its share of this
+  machine's matmul peak (MFU), measured in this run as bench/throughput.py does.
+- single-stream decode: one prompt, then `--decode-tokens` greedy tokens; time per token = (time for n tokens - time
+  for 1) / (n - 1), so the prefill is not counted. Reported with its share of this machine's memory bandwidth
+  (measured in this run: the best of a few sums over a 1 GiB buffer), counting the bytes one decode step must read:
+  every non-expert weight, the LM head, and the experts actually used (top_k distinct experts per layer for one
+  token: 3 x hidden x moe_intermediate weights each).
+
+Model FLOPs (the same for both engines): per forwarded token and layer 2 x (attention projections + router +
+top_k experts x 3 x H x I), plus causal attention (4 x q_dim per attended position), plus 2 x the LM head per sampled
+token.
+
+    python bench/moe.py                                        # 30B-A3B shapes, 4 layers, both engines
+    python bench/moe.py --shape tiny --num-requests 4 --max-output 8 --decode-tokens 4   # quick end-to-end check
+"""
+import argparse
+import gc
+import os
+import random
+import shutil
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `vlinfer bench` loads this file by its path
+from throughput import machine  # noqa: E402
+from vlm_throughput import load, matmul_peak_gflops  # noqa: E402
+
+
+def qwen3_moe_config(shape: str, layers: int):
+    """Qwen3-30B-A3B's published values (layers reduced), or a tiny one for a quick check."""
+    from transformers import Qwen3MoeConfig
+    common = dict(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], hidden_act="silu",
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, vocab_size=151936,
+                  max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if shape == "tiny":
+        return Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                              intermediate_size=96, **common)
+    return Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          intermediate_size=6144, **common)
+
+
+def ensure_checkpoint(folder: str, shape: str, layers: int, dtype: torch.dtype, seed: int) -> str:
+    """Build the random checkpoint once (safetensors in the per-expert hub layout that save_pretrained writes, the
+    Qwen tokenizer) into a temporary folder renamed when complete; reuse it afterwards."""
+    config = qwen3_moe_config(shape, layers)
+    name = f"qwen3-moe-{shape}-{config.num_hidden_layers}l-{str(dtype).split('.')[-1]}"
+    folder = os.path.join(os.path.abspath(os.path.expanduser(folder)), name)
+    if os.path.exists(os.path.join(folder, ".complete")):
+        return folder
+    from transformers import Qwen3MoeForCausalLM
+    from vlinfer.tiny_checkpoints import qwen_tokenizer_files
+    print(f"building the random {name} checkpoint in {folder} (once) ...", flush=True)
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM._from_config(config, dtype=dtype).eval()
+    partial = folder + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    model.save_pretrained(partial, safe_serialization=True)
+    del model
+    gc.collect()
+    tokenizer_dir = qwen_tokenizer_files()
+    for file in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, file), partial)
+    open(os.path.join(partial, ".complete"), "w").close()
+    shutil.rmtree(folder, ignore_errors=True)
+    os.rename(partial, folder)
+    print(f"built in {time.perf_counter() - start:.0f}s", flush=True)
+    return folder
+
+
+def dims(config) -> dict:
+    h, layers = config.hidden_size, config.num_hidden_layers
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    expert = 3 * h * config.moe_intermediate_size
+    attention = h * (2 * q_dim + 2 * kv_dim)  # q, k, v, o
+    return dict(layers=layers, q_dim=q_dim, top_k=config.num_experts_per_tok, expert=expert,
+                active_layer=attention + h * config.num_experts + config.num_experts_per_tok * expert,
+                dense_layer=attention + h * config.num_experts + 2 * h,  # what every token reads but the experts
+                head=h * config.vocab_size)
+
+
+def model_flops(d: dict, prompt_lens, out_lens) -> float:
+    total = 0.0
+    for p, n in zip(prompt_lens, out_lens):
+        forwarded = p + n - 1
+        attended = forwarded * (forwarded + 1) // 2
+        total += 2 * d["layers"] * d["active_layer"] * forwarded + 2 * d["head"] * n
+        total += 4 * d["layers"] * d["q_dim"] * attended
+    return total
+
+
+def decode_step_bytes(d: dict, element: int) -> float:
+    """Weights one decode step of one sequence reads: non-expert layer weights, top_k experts per layer, LM head."""
+    return element * (d["layers"] * (d["dense_layer"] + d["top_k"] * d["expert"]) + d["head"])
+
+
+def memory_bandwidth_gbs() -> float:
+    """Read bandwidth now: the best of five sums over a 1 GiB float32 buffer (all threads)."""
+    buf = torch.ones(256 * 1024 * 1024)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    del buf
+    return 1024 ** 3 / best / 1e9
+
+
+def make_workload(args):
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(args.min_input, args.max_input))]
+               for _ in range(args.num_requests)]
+    outputs = [rng.randint(args.min_output, args.max_output) for _ in range(args.num_requests)]
+    return prompts, outputs
+
+
+def single_prompt(args):
+    rng = random.Random(args.seed + 1)
+    return [rng.randrange(100, 40000) for _ in range(args.decode_prompt)]
+
+
+class Vlinfer:
+    name = "vlinfer"
+
+    def __init__(self, path, dtype, max_len):
+        from vlinfer import LLM
+        self.llm = LLM(path, dtype=dtype, max_model_len=max_len)
+        self.generate([[1, 2, 3]], [4])  # warm-up
+
+    def generate(self, prompts, out_lens):
+        from vlinfer import SamplingParams
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+
+class Transformers:
+    name = "transformers"
+
+    def __init__(self, path, dtype, batch_size):
+        from transformers import AutoModelForCausalLM
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()  # default experts impl.
+        self.batch_size = batch_size
+        self.generate([[1, 2, 3]], [4])
+
+    def generate(self, prompts, out_lens):
+        outputs = []
+        for i in range(0, len(prompts), self.batch_size):
+            batch, lens = prompts[i:i + self.batch_size], out_lens[i:i + self.batch_size]
+            width = max(map(len, batch))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            with torch.inference_mode():
+                out = self.model.generate(ids, attention_mask=mask, max_new_tokens=max(lens),
+                                          min_new_tokens=max(lens), do_sample=False, pad_token_id=0)
+            outputs.extend(row[width:width + n] for row, n in zip(out.tolist(), lens))
+        return outputs
+
+    def implementation(self) -> str:
+        return getattr(self.model.config, "_experts_implementation", None) or "default"
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    result = fn(*args)
+    return time.perf_counter() - start, result
+
+
+def measure(engine, prompts, out_lens, stream_prompt, decode_tokens):
+    batch_s, outputs = timed(engine.generate, prompts, out_lens)
+    one_s, _ = timed(engine.generate, [stream_prompt], [1])
+    many_s, _ = timed(engine.generate, [stream_prompt], [decode_tokens])
+    return dict(batch_s=batch_s, outputs=outputs, per_token_s=max(many_s - one_s, 1e-9) / (decode_tokens - 1))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="30b-a3b", choices=["30b-a3b", "tiny"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto: bf16 where the CPU has native bf16, float32 otherwise")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--min-input", type=int, default=32)
+    p.add_argument("--max-input", type=int, default=256)
+    p.add_argument("--min-output", type=int, default=32)
+    p.add_argument("--max-output", type=int, default=128)
+    p.add_argument("--decode-prompt", type=int, default=32)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--folder", default="~/.cache/vlinfer/bench")
+    p.add_argument("--skip-transformers", action="store_true")
+    args = p.parse_args(argv)
+    if args.decode_tokens < 2:
+        p.error("--decode-tokens must be at least 2 (the first token is the prefill's)")
+    from vlinfer import platform
+    if args.dtype == "auto":
+        dtype = torch.bfloat16 if platform.cpu_has_native(torch.bfloat16) else torch.float32
+    else:
+        dtype = getattr(torch, args.dtype)
+    path = ensure_checkpoint(args.folder, args.shape, args.layers, dtype, args.seed)
+    config = qwen3_moe_config(args.shape, args.layers)
+    d = dims(config)
+    prompts, out_lens = make_workload(args)
+    stream_prompt = single_prompt(args)
+    flops = model_flops(d, list(map(len, prompts)), out_lens)
+    dtype_name = str(dtype).split(".")[-1]
+    print(f"machine: {machine()}")
+    print(f"model: random Qwen3-MoE, {args.shape} shapes, {config.num_hidden_layers} layers, {config.num_experts} "
+          f"experts top-{config.num_experts_per_tok}, hidden {config.hidden_size}, moe_intermediate "
+          f"{config.moe_intermediate_size}, {dtype_name}")
+    print(f"batch: {args.num_requests} requests, prompts {args.min_input}-{args.max_input} "
+          f"({sum(map(len, prompts))} tokens), outputs {args.min_output}-{args.max_output} ({sum(out_lens)} tokens), "
+          f"greedy, EOS ignored; {flops / 1e12:.2f} TFLOP of model FLOPs")
+    print(f"single stream: a {args.decode_prompt}-token prompt, {args.decode_tokens} decode tokens", flush=True)
+    peak_before, bw_before = matmul_peak_gflops(dtype, "cpu"), memory_bandwidth_gbs()
+    max_len = max(args.max_input + args.max_output, args.decode_prompt + args.decode_tokens) + 8
+
+    rows = []
+    engine = Vlinfer(path, dtype, max_len)
+    rows.append((engine.name, measure(engine, prompts, out_lens, stream_prompt, args.decode_tokens)))
+    print(f"vlinfer done; {load()}", flush=True)
+    del engine
+    gc.collect()
+    if not args.skip_transformers:
+        engine = Transformers(path, dtype, args.hf_batch_size)
+        name = f"transformers generate (batch {args.hf_batch_size}, experts: {engine.implementation()})"
+        rows.append((name, measure(engine, prompts, out_lens, stream_prompt, args.decode_tokens)))
+        print(f"transformers done; {load()}", flush=True)
+        del engine
+        gc.collect()
+    peak = max(peak_before, matmul_peak_gflops(dtype, "cpu"))
+    bandwidth = max(bw_before, memory_bandwidth_gbs())
+    step_bytes = decode_step_bytes(d, torch.tensor([], dtype=dtype).element_size())
+
+    print(f"\nmachine: {machine()}")
+    print(f"\n| engine | batch output tok/s | batch MFU ({dtype_name}) | single-stream ms/token | single-stream tok/s "
+          f"| share of memory bandwidth |\n|---|---|---|---|---|---|")
+    for name, r in rows:
+        print(f"| {name} | {sum(out_lens) / r['batch_s']:.1f} | {flops / r['batch_s'] / peak / 1e9:.1%} | "
+              f"{r['per_token_s'] * 1e3:.1f} | {1 / r['per_token_s']:.1f} | "
+              f"{step_bytes / r['per_token_s'] / bandwidth / 1e9:.1%} |")
+    print(f"\nMFU: model FLOPs / time / this machine's {dtype_name} matmul peak {peak:.0f} GFLOP/s (oneDNN 2048x2048x8192 "
+          f"prepacked, best of 5, before and after the engines). Bandwidth: {step_bytes / 1e9:.3f} GB of weights per "
+          f"decode step (non-expert weights, LM head, {d['top_k']} experts per layer) / time per token / "
+          f"{bandwidth:.1f} GB/s (best 1 GiB sum).")
+    if len(rows) > 1:
+        (_, ours), (name, theirs) = rows
+        print(f"vlinfer / {name}: batch {theirs['batch_s'] / ours['batch_s']:.2f}x, single stream "
+              f"{theirs['per_token_s'] / ours['per_token_s']:.2f}x (target: >= 3x on the batch)")
+        same = sum(a == b for a, b in zip(ours["outputs"], theirs["outputs"]))
+        print(f"greedy outputs identical for {same}/{len(prompts)} requests ({dtype_name}: near-tied logits of "
+              "random weights diverge)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

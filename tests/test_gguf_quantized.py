@@ -1,0 +1,156 @@
+"""GGUF Q8_0 / Q4_0 / Q4_1 weights kept in their blocks: our CPU kernels (kernels/cpu/gguf_blocks.cpp) against the
+pure-torch reference (vlinfer/ops/gguf_reference.py) over shapes and both SIMD builds this CPU runs (its best
+level and AVX2); tiny GGUF files of each type, written with the `gguf` package, against transformers loading the
+same file (it dequantizes); the real SmolLM2-135M Q4_1 file kept in blocks against transformers; and
+quantization="int8" on it.
+
+Tolerances: float32 results are within float32 summation-order noise of a float64 matmul on the dequantized
+weights (the kernel dequantizes exactly as gguf-py does and does not quantize activations); bfloat16 within bf16
+rounding of the reference, which casts the dequantized weight to bf16 (the kernel keeps it in float32 for few
+rows, so it is the more precise of the two)."""
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from conftest import SMOLLM2_GGUF, assert_block_pool_empty, smollm2_dir
+from gguf_checkpoints import write_tiny_llama_gguf
+from vlinfer import LLM, SamplingParams, platform
+from vlinfer.ops import gguf_reference
+from vlinfer.ops.gguf_cpu import GgufCpuKernels
+
+TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
+THIS_CPU = platform.cpu_isa()
+# This CPU's best level (the engine's build) and AVX2 forced, where the CPU runs it (CI may be AVX2-only).
+LEVELS = sorted({THIS_CPU} | ({"avx2"} if platform.CPU_ISAS.index(THIS_CPU) >= platform.CPU_ISAS.index("avx2")
+                              else set()), key=platform.CPU_ISAS.index)
+# (M, K, N): decode rows, small batches on both sides of the register / tiled switch, prefill sizes
+SHAPES = [(1, 32, 1), (1, 576, 193), (3, 96, 37), (8, 64, 65), (9, 160, 31), (77, 96, 129), (600, 64, 67)]
+
+
+def blocks(type_name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    return torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name]).copy())
+
+
+@pytest.fixture(scope="module", params=LEVELS)
+def kernels(request):
+    k = GgufCpuKernels(request.param)
+    assert k.isa == ("avx512" if request.param.startswith("avx512") else request.param)
+    return k
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_dequantize_is_gguf_py_bit_for_bit(kernels, type_name):
+    w = blocks(type_name, 37, 96)
+    expected = torch.from_numpy(gguf.quants.dequantize(w.numpy(), gguf.GGMLQuantizationType[type_name]))
+    assert torch.equal(gguf_reference.dequantize(w, TYPES[type_name]), expected)
+    assert torch.equal(kernels.dequantize(w, TYPES[type_name]), expected)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_linear_matches_the_reference(kernels, type_name):
+    ggml_type = TYPES[type_name]
+    gen = torch.Generator().manual_seed(0)
+    for m, k, n in SHAPES:
+        w = blocks(type_name, n, k, seed=m + k + n)
+        dense = gguf_reference.dequantize(w, ggml_type)
+        x = torch.randn(m, k, generator=gen)
+        bias = torch.randn(n, generator=gen)
+        exact = (x.double() @ dense.double().T + bias.double()).float()
+        got = kernels.linear(x, w, ggml_type, bias)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        err = ((got - exact).abs().max() / exact.abs().max()).item()
+        assert err < 2e-6, (m, k, n, err)
+        ref = gguf_reference.gguf_linear(x, w, ggml_type, bias)
+        assert ((ref - exact).abs().max() / exact.abs().max()).item() < 2e-6
+        xb = x.bfloat16()
+        got_bf16 = kernels.linear(xb, w, ggml_type)
+        ref_bf16 = gguf_reference.gguf_linear(xb, w, ggml_type).float()
+        assert got_bf16.dtype == torch.bfloat16
+        assert ((got_bf16.float() - ref_bf16).abs().max() / ref_bf16.abs().max()).item() < 2e-2, (m, k, n)
+
+
+def test_bad_blocks_are_refused_naming_the_problem(kernels):
+    w = blocks("Q4_1", 4, 64)
+    with pytest.raises(ValueError, match="not kept quantized"):
+        kernels.linear(torch.randn(1, 64), w, 6)  # Q5_0
+    with pytest.raises(RuntimeError, match="features"):
+        kernels.linear(torch.randn(1, 96), w, 3)
+
+
+# ---- whole models ----
+
+@pytest.fixture(scope="module")
+def tiny_gguf_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-gguf")
+    # Q4_0 with its own (untied) LM head in blocks; the others tie it to the embedding.
+    return {t: write_tiny_llama_gguf(str(folder / f"tiny-{t}.gguf"), t, seed=i, tie_embeddings=t != "Q4_0")
+            for i, t in enumerate(TYPES)}
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_tiny_gguf_kept_in_blocks_matches_transformers(tiny_gguf_files, type_name):
+    import os
+
+    from transformers import AutoModelForCausalLM
+    path = tiny_gguf_files[type_name]
+    llm = LLM(path, dtype="float32", kv_cache_bytes=8 * 2 ** 20, max_model_len=256)
+    model = llm.engine.model_runner.model
+    weights = dict(model.named_parameters())
+    assert weights["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.uint8
+    assert weights["model.layers.1.mlp.down_proj.weight"].dtype == torch.uint8
+    assert model.model.embed_tokens.weight.dtype == torch.uint8 and model.lm_head.gguf_type == TYPES[type_name]
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == (type_name != "Q4_0")
+    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                               dtype=torch.float32)
+    prompts = [[5, 17, 99, 200, 3, 44, 120], list(range(30, 70))]  # decode-sized and a tiled-path prefill
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            expected = ref.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20,
+                                    do_sample=False)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == expected, type_name
+    assert_block_pool_empty(llm)
+
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "List three primary colours."}],
+]
+
+
+@pytest.mark.slow  # the real SmolLM2 and transformers, twice
+def test_smollm2_q4_1_kept_in_blocks_matches_transformers():
+    """The real file: 120 Q4_1 linears and the Q8_0 embedding / tied LM head stay in blocks (about 96 MB against
+    538 MB of float32), and greedy decoding gives transformers' tokens on the dequantized weights."""
+    from transformers import AutoModelForCausalLM
+    llm = LLM("smollm2", dtype="float32", kv_cache_bytes=64 * 2 ** 20, max_model_len=512)
+    model = llm.engine.model_runner.model
+    block_params = [p for p in model.parameters() if p.dtype == torch.uint8]
+    assert len(block_params) == 30 * 4 + 1  # qkv, o, gate_up, down per layer + the embedding table
+    assert llm.engine.model_context.ops.gguf_kernels is not None
+    ref = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    tok = llm.tokenizer
+    outs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
+    for chat, out in zip(CHATS, outs):
+        prompt = tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False).input_ids
+        with torch.no_grad():
+            expected = ref.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):]
+        assert out.outputs[0].token_ids == expected.tolist(), (out.outputs[0].text, tok.decode(expected))
+    assert "Paris" in outs[0].outputs[0].text
+
+
+@pytest.mark.slow  # the real SmolLM2 and transformers, twice
+def test_smollm2_int8_on_load_answers_sensibly():
+    """quantization="int8": the GGUF is dequantized on load, then every linear is quantized to int8 per channel."""
+    llm = LLM("smollm2", dtype="float32", quantization="int8", kv_cache_bytes=64 * 2 ** 20, max_model_len=512)
+    model = llm.engine.model_runner.model
+    assert not any(p.dtype == torch.uint8 for p in model.parameters())
+    out = llm.chat([CHATS[0]], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
+    print(f"\nSmolLM2-135M int8 on load: {CHATS[0][0]['content']!r} -> {out!r}")
+    assert "Paris" in out

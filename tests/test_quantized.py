@@ -1,0 +1,196 @@
+"""Quantized checkpoints (issue 14, layers/quantization): tiny random Qwen3 and Qwen3-VL checkpoints written in
+each compressed-tensors format (tests/quantized_checkpoints.py, with the compressed-tensors package), FP8 block
+checkpoints and quantize-on-load, each greedy-decoded by vlinfer and by transformers running the same dequantized
+weights (for W8A8 the reference linear also quantizes its activations, as the op does). float32 compute: tokens
+must match exactly. Bad checkpoints fail while loading, before the KV pool, naming the tensor or layer."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import build_checkpoint
+from tests.quantized_checkpoints import write_compressed_tensors, write_fp8_block
+from vlinfer import LLM, SamplingParams
+from vlinfer.ops import cpu_quant, quant_reference
+
+PROMPT = [3, 17, 92, 44, 5, 8, 250, 31]
+NEW_TOKENS = 8
+
+
+def _text_config():
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                       tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+                       pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+
+@pytest.fixture(scope="module")
+def dense_qwen3(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen3-dense"))
+    build_checkpoint(path, _text_config(), seed=3)
+    return path
+
+
+def _reference_tokens(dense_path: str, dequantized: dict, activations=None, vl: bool = False) -> list[int]:
+    """Greedy tokens of transformers on the dense model with `dequantized` weights substituted. activations:
+    {module name: fn(x) -> x as the quantized op sees it} (W8A8's activation quantization)."""
+    from transformers import AutoModelForCausalLM, Qwen3VLForConditionalGeneration
+    cls = Qwen3VLForConditionalGeneration if vl else AutoModelForCausalLM
+    model = cls.from_pretrained(dense_path, dtype=torch.float32).eval()
+    missing = set(dequantized) - set(model.state_dict())
+    assert not missing, missing
+    model.load_state_dict(dequantized, strict=False)
+    for name, fn in (activations or {}).items():
+        linear = model.get_submodule(name)
+        linear.forward = (lambda lin, f: lambda x: F.linear(f(x), lin.weight, lin.bias))(linear, fn)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[0, len(PROMPT):].tolist()
+
+
+def _vlinfer_tokens(path: str, **options) -> tuple[list[int], LLM]:
+    llm = LLM(path, dtype="float32", kv_cache_bytes=4 << 20, **options)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                       use_tqdm=False)
+    return out[0].outputs[0].token_ids, llm
+
+
+def _per_token(x):
+    x_q, scale = quant_reference.quantize_per_token(x.reshape(-1, x.shape[-1]))
+    return (x_q.float() * scale[:, None]).reshape(x.shape)
+
+
+def _per_tensor(scale, zero):
+    def fn(x):
+        x_q = torch.round(x / scale + zero).clamp(-128, 127)
+        return (x_q - zero) * scale
+    return fn
+
+
+def _methods(llm) -> set[str]:
+    from vlinfer.layers.linear import LinearBase
+    return {m.method.describe() if m.method is not None else "dense"
+            for m in llm.engine.model_runner.model.modules() if isinstance(m, LinearBase)}
+
+
+@pytest.mark.parametrize("scheme,group", [("w4a16", 128), ("w4a16_asym", 64), ("w8a16", 128), ("w8a16_group", 64),
+                                          ("w8a8_dynamic", 128), ("w8a8_static", 128)])
+def test_compressed_tensors_greedy_matches_transformers(dense_qwen3, tmp_path, scheme, group):
+    path = str(tmp_path / scheme)
+    dequantized, tensors = write_compressed_tensors(dense_qwen3, path, scheme, group_size=group)
+    activations = None
+    if scheme.startswith("w8a8") and not cpu_quant.has_int8_dot_product():
+        pass  # without VNNI / AMX-INT8 the CPU runs W8A8 layers as W8A16 (logged): float activations
+    elif scheme == "w8a8_dynamic":
+        activations = {name[: -len(".weight")]: _per_token for name in dequantized}
+    elif scheme == "w8a8_static":
+        activations = {name[: -len(".weight")]: _per_tensor(0.02, 3.0) for name in dequantized}
+    expected = _reference_tokens(dense_qwen3, dequantized, activations)
+    got, llm = _vlinfer_tokens(path)
+    methods = _methods(llm)
+    llm.close()
+    assert got == expected, (scheme, methods)
+    assert "dense" not in methods and len(methods) == 1, methods
+
+
+def test_qwen3_vl_w4a16_keeps_the_vision_tower_dense(tmp_path):
+    from vlinfer.tiny_checkpoints import build_tiny_qwen3_vl
+    dense = build_tiny_qwen3_vl(str(tmp_path / "vl-dense"), seed=1)
+    path = str(tmp_path / "vl-w4a16")
+    dequantized, _ = write_compressed_tensors(dense, path, "w4a16", group_size=128)
+    assert dequantized and all(".visual." not in name for name in dequantized)
+    expected = _reference_tokens(dense, dequantized, vl=True)
+    got, llm = _vlinfer_tokens(path)
+    visual = {type(m.method).__name__ if m.method else "dense"
+              for n, m in llm.engine.model_runner.model.named_modules() if n.startswith("model.visual.")
+              and hasattr(m, "method")}
+    llm.close()
+    assert got == expected
+    assert visual == {"dense"}
+
+
+def test_fp8_block_checkpoint_is_dequantized_on_load(dense_qwen3, tmp_path):
+    path = str(tmp_path / "fp8")
+    dequantized, _ = write_fp8_block(dense_qwen3, path)
+    expected = _reference_tokens(dense_qwen3, dequantized)
+    got, llm = _vlinfer_tokens(path)
+    methods = _methods(llm)
+    llm.close()
+    assert got == expected
+    assert methods == {"dense"}  # dequantized after loading, then an ordinary dense layer
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantize_on_load_matches_transformers_on_the_same_weights(dense_qwen3, kind):
+    from safetensors.torch import load_file
+    from vlinfer.layers.quantization.on_load import quantize_symmetric
+    state = load_file(os.path.join(dense_qwen3, "model.safetensors"))
+    dequantized = {}
+    for name, w in state.items():
+        if name.endswith("_proj.weight"):
+            q, scale = quantize_symmetric(w, 8 if kind == "int8" else 4, None if kind == "int8" else 128)
+            dequantized[name] = quant_reference.dequantize_weight(q, scale, None)
+    expected = _reference_tokens(dense_qwen3, dequantized)
+    got, llm = _vlinfer_tokens(dense_qwen3, quantization=kind)
+    methods = _methods(llm)
+    llm.close()
+    assert got == expected
+    assert methods == {f"{kind} on load ({'per channel' if kind == 'int8' else 'group 128'})"}
+
+
+def _edit_config(path: str, edit) -> None:
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    edit(config["quantization_config"])
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def _fails_before_kv_pool(monkeypatch, path: str, match: str, **options) -> None:
+    from vlinfer.engine.model_runner import ModelRunner
+    allocated = []
+    monkeypatch.setattr(ModelRunner, "allocate_kv_cache", lambda self, n: allocated.append(n))
+    with pytest.raises(ValueError, match=match):
+        LLM(path, dtype="float32", kv_cache_bytes=4 << 20, **options)
+    assert not allocated
+
+
+def test_bad_quantized_checkpoints_fail_before_the_kv_pool_naming_the_problem(dense_qwen3, tmp_path, monkeypatch):
+    path = str(tmp_path / "bad")
+    write_compressed_tensors(dense_qwen3, path, "w8a8_dynamic")
+    # an unsupported scheme: float (FP8) weights in a config group
+    _edit_config(path, lambda q: q["config_groups"]["group_0"]["weights"].update(type="float"))
+    _fails_before_kv_pool(monkeypatch, path, r"config_groups\.group_0: float weights .* not supported")
+    # an unknown quant_method
+    _edit_config(path, lambda q: q.update(quant_method="awq"))
+    _fails_before_kv_pool(monkeypatch, path, r"quant_method='awq' is not supported")
+    # quantization on load of an already quantized checkpoint
+    write_compressed_tensors(dense_qwen3, path, "w4a16")
+    _fails_before_kv_pool(monkeypatch, path, r"already quantized", quantization="int8")
+    _fails_before_kv_pool(monkeypatch, dense_qwen3, r"quantization must be None, 'int8' or 'int4'",
+                          quantization="fp4")
+
+
+def test_scales_of_the_wrong_shape_are_named(dense_qwen3, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+    path = str(tmp_path / "bad-scale")
+    write_compressed_tensors(dense_qwen3, path, "w4a16", group_size=64)
+    file = os.path.join(path, "model.safetensors")
+    state = load_file(file)
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    state[name] = state[name][:, :1].contiguous()  # one scale per row where the config says groups of 64
+    save_file(state, file, metadata={"format": "pt"})
+    _fails_before_kv_pool(monkeypatch, path, rf"checkpoint tensor '{name}': shape mismatch: checkpoint \(128, 1\)")
+
+
+def test_a_fused_layer_with_mixed_schemes_is_refused_naming_it(dense_qwen3, tmp_path, monkeypatch):
+    path = str(tmp_path / "mixed")
+    write_compressed_tensors(dense_qwen3, path, "w8a16", ignore=("model.layers.0.self_attn.k_proj",))
+    _fails_before_kv_pool(monkeypatch, path, r"layer model\.layers\.0\.self_attn\.qkv_proj: its fused shards are "
+                                             r"quantized differently \(model\.layers\.0\.self_attn\.q_proj: w8a16.*"
+                                             r"k_proj: dense")

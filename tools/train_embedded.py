@@ -1,0 +1,339 @@
+"""Trains vlinfer's embedded Qwen3-VL on the drawn scenes of vlinfer/scenes.py, with transformers' own
+Qwen3VLForConditionalGeneration (autograd lives here; vlinfer stays inference-only), the real Qwen3 tokenizer and
+the Qwen3-VL chat template vlinfer ships. Run once by the maintainers, not at install:
+
+    python tools/train_embedded.py                          # the shipped run: rewrites vlinfer/embedded/
+    python tools/train_embedded.py --steps 20 --out /tmp/x  # a short run (what the reproducibility test does)
+    python tools/train_embedded.py --evaluate               # score the shipped model under vlinfer
+
+Small on disk: the model keeps Qwen3's 151,936-token vocabulary, but only the tokens the world's prompts and
+answers use (a few hundred) have learned rows. Training computes the loss over the full vocabulary exactly: every
+other row is zero, so its logit is exactly 0, and the softmax over 151,936 tokens equals a softmax over the world's
+tokens plus one logit of log(151936 - n) for the rest. The package stores those n rows and the rest of the
+weights (vlinfer/embedded/); vlinfer.embedded rebuilds the full Hugging Face checkpoint from them.
+
+Seeded: the same seed, thread count and library versions give the same weights (tests/test_embedded_model.py
+trains a short run twice and compares the hashes)."""
+import argparse
+import functools
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from vlinfer import embedded_vl as embedded  # noqa: E402
+from vlinfer import scenes  # noqa: E402
+from vlinfer.tiny_checkpoints import QWEN3_VL_SPECIAL, qwen_tokenizer_files, tiny_qwen3_vl_config  # noqa: E402
+
+TRAIN_SEED = 1  # scenes seed of the shipped run; EVAL_SEED (never trained on) is in vlinfer.embedded
+VOCAB_SEED = 7  # scenes whose texts define the world's vocabulary (with every prompt and answer form)
+IM_START, IM_END, NEWLINE = 151644, 151645, 198
+ASSISTANT = 77091  # "assistant"
+
+
+def load_tokenizer_and_template():
+    from importlib import resources
+
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_files())
+    template = resources.files("vlinfer.multimodal").joinpath("templates/qwen3_vl.jinja").read_text()
+    return tokenizer, template
+
+
+@functools.lru_cache(maxsize=1)
+def world_texts() -> tuple[str, ...]:
+    """Every kind of text the world produces: prompts, captions, questions, answers."""
+    texts = list(scenes.CAPTION_PROMPTS)
+    rng = random.Random(VOCAB_SEED)
+    for _ in range(4000):
+        scene = scenes.random_scene(rng)
+        texts.append(scenes.caption(scene))
+        for q, a in scenes.questions(scene, rng):
+            texts += [q, a]
+    return tuple(texts)
+
+
+def world_vocabulary(tokenizer, template) -> list[int]:
+    """Sorted token ids of the world: its texts inside the chat template, and the template's own tokens."""
+    ids = {tokenizer.pad_token_id, *QWEN3_VL_SPECIAL.values()}
+    for text in sorted(set(world_texts())):
+        ids.update(tokenizer(text)["input_ids"])
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]},
+                    {"role": "assistant", "content": "x"}]
+    ids.update(tokenizer(tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=template,
+                                                       add_generation_prompt=True))["input_ids"])
+    return sorted(ids)
+
+
+def conversation(scene, qa, rng: random.Random, max_turns: int):
+    """1..max_turns question turns about one picture (the picture comes with the first), in random order: the
+    caption is one of them half the time. Every turn is sometimes first, as at inference."""
+    turns = [(rng.choice(scenes.CAPTION_PROMPTS), scenes.caption(scene))] + list(qa)
+    rng.shuffle(turns)
+    turns = turns[:rng.randint(1, max_turns)]
+    messages = []
+    for i, (q, a) in enumerate(turns):
+        content = ([{"type": "image"}] if i == 0 else []) + [{"type": "text", "text": q}]
+        messages += [{"role": "user", "content": content}, {"role": "assistant", "content": a}]
+    return messages
+
+
+def answer_mask(ids: torch.Tensor) -> torch.Tensor:
+    """True at the tokens the model must produce: each assistant answer and its <|im_end|>."""
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for b in range(ids.shape[0]):
+        row, inside = ids[b].tolist(), False
+        for t in range(len(row)):
+            if inside:
+                mask[b, t] = True
+                inside = row[t] != IM_END
+            elif t >= 2 and row[t - 2:t + 1] == [IM_START, ASSISTANT, NEWLINE]:
+                inside = True
+    return mask
+
+
+class Batcher:
+    """Turns scenes into model inputs with transformers' Qwen3VLProcessor (which expands <|image_pad|>) and maps
+    Qwen3's token ids to the compact ids of the world's vocabulary."""
+
+    def __init__(self, tokenizer, template, vocab: list[int]):
+        from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+        tokenizer.padding_side = "right"
+        image_processor = Qwen2VLImageProcessor(**embedded.PREPROCESSOR_KWARGS)
+        self.processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                          video_processor=Qwen3VLVideoProcessor(), chat_template=template)
+        self.template = template
+        self.compact = torch.full((embedded.VOCAB_SIZE,), -1, dtype=torch.long)
+        self.compact[torch.tensor(vocab)] = torch.arange(len(vocab))
+
+    def __call__(self, conversations: list, images: list) -> dict:
+        texts = [self.processor.tokenizer.apply_chat_template(c, tokenize=False, chat_template=self.template)
+                 for c in conversations]
+        out = self.processor(text=texts, images=images, return_tensors="pt", padding=True)
+        ids = out["input_ids"]
+        compact = self.compact[ids]
+        if (compact < 0).any():
+            unknown = sorted(set(ids[compact < 0].tolist()))[:5]
+            raise ValueError(f"tokens {unknown} are outside the world's vocabulary")
+        targets = answer_mask(ids) & out["attention_mask"].bool()
+        return dict(input_ids=compact, attention_mask=out["attention_mask"], pixel_values=out["pixel_values"],
+                    image_grid_thw=out["image_grid_thw"], mm_token_type_ids=out["mm_token_type_ids"],
+                    targets=targets)
+
+
+def compact_model(shape: dict, vocab: list[int], seed: int):
+    """The Qwen3-VL shape with only the world's vocabulary rows, special token ids renumbered to match."""
+    from transformers import Qwen3VLForConditionalGeneration
+    config = tiny_qwen3_vl_config(**shape)
+    config.text_config.vocab_size = len(vocab)
+    index = {token: i for i, token in enumerate(vocab)}
+    for name, token in QWEN3_VL_SPECIAL.items():
+        setattr(config, name, index[token])
+    torch.manual_seed(seed)
+    return Qwen3VLForConditionalGeneration(config)
+
+
+def losses(model, batch: dict, rest: int):
+    """Per target token: the cross entropy over the full vocabulary, and whether greedy decoding picks the target
+    (the zero rows count as one more candidate, logit 0). Target t is predicted at position t - 1."""
+    hidden = model.model(**{k: v for k, v in batch.items() if k != "targets"}).last_hidden_state
+    targets = batch["targets"][:, 1:]
+    h = hidden[:, :-1][targets]
+    labels = batch["input_ids"][:, 1:][targets]
+    logits = model.lm_head(h)
+    full = torch.cat([logits, torch.zeros_like(logits[:, :1])], dim=1)  # the zero rows' shared logit
+    log_z = torch.logsumexp(torch.cat([logits, torch.full_like(logits[:, :1], math.log(rest))], dim=1), dim=1)
+    nll = log_z - logits.gather(1, labels[:, None])[:, 0]
+    return nll, full.argmax(1) == labels, targets
+
+
+def sample_batch(rng: random.Random, size: int, max_turns: int, batcher: Batcher, max_objects: int) -> dict:
+    convs, images = [], []
+    for _ in range(size):
+        scene = scenes.random_scene(rng, max_objects)
+        images.append(scenes.draw(scene, rng.randrange(2 ** 31)))
+        convs.append(conversation(scene, scenes.questions(scene, rng), rng, max_turns))
+    return batcher(convs, images)
+
+
+def teacher_forced_accuracy(model, batcher: Batcher, rest: int, seed: int, count: int) -> dict:
+    """Single-turn exact-match rates on held-out scenes: a turn whose every token is the argmax is exactly what
+    greedy decoding answers. Caption exact match is stricter than the caption bar (colours and shapes named)."""
+    rng = random.Random(seed)
+    hits = {"caption": [], "question": []}
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, count, 16):
+            convs, images = [], []
+            for _ in range(min(16, count - start)):
+                scene = scenes.random_scene(rng)
+                image = scenes.draw(scene, rng.randrange(2 ** 31))
+                qa = scenes.questions(scene, rng)
+                for q, a in [(rng.choice(scenes.CAPTION_PROMPTS), scenes.caption(scene)), rng.choice(qa)]:
+                    images.append(image)
+                    convs.append([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]},
+                                  {"role": "assistant", "content": a}])
+            batch = batcher(convs, images)
+            _, correct, targets = losses(model, batch, rest)
+            per_row = torch.zeros(targets.shape[0], dtype=torch.long).index_add_(
+                0, targets.nonzero()[:, 0], (~correct).long())
+            for i, wrong in enumerate(per_row.tolist()):
+                hits["caption" if i % 2 == 0 else "question"].append(wrong == 0)
+    model.train()
+    return {k: sum(v) / len(v) for k, v in hits.items()}
+
+
+def train(out: str, steps: int, batch_size: int, seed: int, threads: int, lr: float, max_turns: int,
+          shape: dict, log_every: int = 50, eval_every: int = 0, eval_count: int = 64, stop_after: int | None = None,
+          snapshot_every: int = 0) -> dict:
+    """Train and write the compact model to `out`; returns its manifest. `steps` sets the schedule; stop_after
+    ends the run early (the weights equal that step's snapshot of the full run); snapshot_every writes the model
+    so far to out/step-N as it goes. The caller's thread count and deterministic-algorithms setting are restored
+    afterwards."""
+    if stop_after is not None and not 0 < stop_after <= steps:
+        raise ValueError(f"stop_after={stop_after} must be in 1..steps={steps}")
+    saved = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(threads)  # float sums depend on how work is split: part of the recipe
+    torch.use_deterministic_algorithms(True)
+    try:
+        return _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_every, eval_every, eval_count,
+                      stop_after or steps, snapshot_every)
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.use_deterministic_algorithms(saved[1])
+
+
+def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_every, eval_every, eval_count, stop_after,
+           snapshot_every) -> dict:
+    tokenizer, template = load_tokenizer_and_template()
+    vocab = world_vocabulary(tokenizer, template)
+    rest = embedded.VOCAB_SIZE - len(vocab)
+    batcher = Batcher(tokenizer, template, vocab)
+    model = compact_model(shape, vocab, seed).train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0}],
+                                  lr=lr, betas=(0.9, 0.98))
+    warmup = max(1, min(100, steps // 10))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1, (s + 1) / warmup) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1, s / steps)))))
+    rng = random.Random(seed * 1_000_003 + TRAIN_SEED)
+    start, history = time.time(), []
+    for step in range(1, stop_after + 1):
+        batch = sample_batch(rng, batch_size, max_turns, batcher, objects_cap(step, steps))
+        nll, correct, _ = losses(model, batch, rest)
+        loss = nll.mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        history.append(loss.item())
+        if step % log_every == 0 or step == steps:
+            print(f"step {step}/{steps} loss {sum(history[-log_every:]) / len(history[-log_every:]):.4f} "
+                  f"token acc {correct.float().mean().item():.3f} {time.time() - start:.0f}s", flush=True)
+        if eval_every and (step % eval_every == 0 or step == stop_after):
+            print(f"  held-out teacher-forced exact match: "
+                  f"{teacher_forced_accuracy(model, batcher, rest, embedded.EVAL_SEED + 1, eval_count)}", flush=True)
+        if snapshot_every and step % snapshot_every == 0 and step < stop_after:
+            info = dict(steps=steps, stop_after=step, batch_size=batch_size, seed=seed, threads=threads, lr=lr,
+                        max_turns=max_turns, shape=shape, train_seconds=round(time.time() - start),
+                        torch=torch.__version__, machine=cpu_name())
+            embedded.write_compact(os.path.join(out, f"step-{step}"), model.state_dict(), vocab, shape, info)
+    info = dict(steps=steps, stop_after=stop_after, batch_size=batch_size, seed=seed, threads=threads, lr=lr,
+                max_turns=max_turns, shape=shape, train_seconds=round(time.time() - start),
+                final_loss=round(sum(history[-50:]) / len(history[-50:]), 5), torch=torch.__version__,
+                machine=cpu_name())
+    return embedded.write_compact(out, model.state_dict(), vocab, shape, info)
+
+
+def objects_cap(step: int, steps: int) -> int:
+    """A curriculum: scenes of one object first, up to scenes.MAX_OBJECTS by a quarter of the run. A lone object
+    ties each colour and shape word to what it looks like before the model must tell objects apart."""
+    return min(scenes.MAX_OBJECTS, 1 + step * scenes.MAX_OBJECTS // max(1, steps // 4))
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def evaluate(model, seed: int = embedded.EVAL_SEED, count: int = 200, **llm_kwargs) -> dict:
+    """Score a model (an LLM, or anything LLM() takes) on `count` scenes of `seed`, greedy, through vlinfer: the
+    caption must name exactly the scene's (colour, shape) pairs; each question's answer must equal the truth."""
+    from vlinfer import LLM, SamplingParams
+    llm = model if isinstance(model, LLM) else LLM(model, **llm_kwargs)
+    params = SamplingParams(temperature=0, max_tokens=48)
+    items = []
+    for i, (scene, image, qa) in enumerate(scenes.generate(seed, count)):
+        prompt = scenes.CAPTION_PROMPTS[i % len(scenes.CAPTION_PROMPTS)]
+        items.append((scene, image, prompt, None))
+        items += [(scene, image, q, a) for q, a in qa]
+    conversations = [[{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": q}]}]
+                     for _, image, q, _ in items]
+    outs = llm.chat(conversations, params, use_tqdm=False)
+    captions_right, answers_right, answers, failures = 0, 0, 0, []
+    exact = 0
+    for (scene, _, q, truth), out in zip(items, outs):
+        text = out.outputs[0].text.strip()
+        if truth is None:
+            wanted = {(o.colour, o.shape) for o in scene.objects}
+            ok = scenes.parse_caption(text) == wanted
+            captions_right += ok
+            exact += text == scenes.caption(scene)
+            truth = scenes.caption(scene)
+        else:
+            ok = text == truth
+            answers += 1
+            answers_right += ok
+        if not ok:
+            failures.append(dict(question=q, answer=text, truth=truth))
+    return dict(scenes=count, caption_accuracy=captions_right / count, caption_exact=exact / count,
+                questions=answers, answer_accuracy=answers_right / max(1, answers), failures=failures)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=embedded.PACKAGE_DIR, help="folder for the compact weights (default: the package's)")
+    p.add_argument("--steps", type=int, default=embedded.TRAINING["steps"])
+    p.add_argument("--batch-size", type=int, default=embedded.TRAINING["batch_size"])
+    p.add_argument("--seed", type=int, default=embedded.TRAINING["seed"])
+    p.add_argument("--threads", type=int, default=embedded.TRAINING["threads"])
+    p.add_argument("--lr", type=float, default=embedded.TRAINING["lr"])
+    p.add_argument("--max-turns", type=int, default=embedded.TRAINING["max_turns"])
+    p.add_argument("--eval-every", type=int, default=0, help="teacher-forced held-out check every N steps")
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--stop-after", type=int, default=None, help="end after N steps of the --steps schedule")
+    p.add_argument("--snapshot-every", type=int, default=0, help="write the model so far to OUT/step-N every N steps")
+    p.add_argument("--evaluate", action="store_true", help="only score the model in --out under vlinfer")
+    p.add_argument("--eval-scenes", type=int, default=200)
+    args = p.parse_args(argv)
+    if not args.evaluate:
+        info = train(args.out, args.steps, args.batch_size, args.seed, args.threads, args.lr, args.max_turns,
+                     dict(embedded.SHAPE), log_every=args.log_every,
+                     eval_every=args.eval_every, stop_after=args.stop_after, snapshot_every=args.snapshot_every)
+        print(json.dumps(info, indent=1))
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = embedded.build_checkpoint(args.out, tmp)
+        scores = evaluate(folder, seed=embedded.EVAL_SEED, count=args.eval_scenes, dtype="float32",
+                                   max_model_len=512, kv_cache_bytes=256 << 20)
+    print(json.dumps({k: v for k, v in scores.items() if k != "failures"}, indent=1))
+    for failure in scores["failures"][:10]:
+        print("  wrong:", failure)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""vlinfer's embedded Qwen3-VL: a toy trained on the drawn scenes of vlinfer/scenes.py (tools/train_embedded.py),
+so offline it describes and answers questions about pictures of that world truthfully, and knows nothing else.
+
+The package ships it compact (vlinfer/data/qwen3_vl_scenes.*): the real Qwen3-VL layout and Qwen3's full
+151,936-token vocabulary, but only the few hundred tokens the world uses have learned embedding and output rows;
+every other row is zero (its logit is exactly 0, which training accounts for). build_checkpoint writes the full
+Hugging Face checkpoint from it (float32, like any other folder vlinfer or transformers loads)."""
+import hashlib
+import json
+import os
+import shutil
+
+import torch
+
+PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+WEIGHTS = "qwen3_vl_scenes.safetensors"
+MANIFEST = "qwen3_vl_scenes.json"
+VOCAB_SIZE = 151936
+VOCAB_ROWS = ("model.language_model.embed_tokens.weight", "lm_head.weight")  # stored for the world's tokens only
+# The model's shape (vlinfer.tiny_checkpoints.tiny_qwen3_vl_config's arguments) and the shipped training run.
+SHAPE = dict(text_hidden=128, text_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, mrope_section=(6, 5, 5),
+             vision_depth=2, vision_hidden=96, vision_heads=4, tie_word_embeddings=False)
+TRAINING = dict(steps=800, stop_after=800, batch_size=16, seed=0, threads=1, lr=0.004, max_turns=4)
+EVAL_SEED = 1_000_000  # scenes never used in training: the held-out evaluation
+PREPROCESSOR_KWARGS = dict(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5, 0.5, 0.5],
+                           image_std=[0.5, 0.5, 0.5], do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
+                           do_resize=True, resample=3, size={"shortest_edge": 65536, "longest_edge": 16777216})
+
+
+def sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def write_compact(folder: str, state_dict: dict, vocab: list[int], shape: dict, training: dict) -> dict:
+    """Save a trained compact model (vocabulary rows for `vocab` only) and its manifest; returns the manifest."""
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    tensors = {name: t.detach().to(torch.float32).contiguous() for name, t in state_dict.items()}
+    tensors["vocab_ids"] = torch.tensor(vocab, dtype=torch.int64)
+    path = os.path.join(folder, WEIGHTS)
+    save_file(tensors, path)
+    manifest = dict(shape={k: list(v) if isinstance(v, tuple) else v for k, v in shape.items()},
+                    vocab_rows=len(vocab), sha256=sha256(path), training=training)
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+    return manifest
+
+
+def read_manifest(folder: str = PACKAGE_DIR) -> dict:
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"the embedded Qwen3-VL is not in {folder} ({MANIFEST} missing); "
+                                "tools/train_embedded.py trains it")
+    with open(path) as f:
+        return json.load(f)
+
+
+def build_checkpoint(compact_folder: str, folder: str) -> str:
+    """The full Hugging Face checkpoint (safetensors, config, Qwen3 tokenizer, preprocessor config) of a compact
+    model: vocabulary rows scattered into zero matrices of VOCAB_SIZE rows."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from vlinfer.tiny_checkpoints import qwen_tokenizer_files, tiny_qwen3_vl_config
+    manifest = read_manifest(compact_folder)
+    weights = os.path.join(compact_folder, WEIGHTS)
+    if sha256(weights) != manifest["sha256"]:
+        raise ValueError(f"{weights} does not match the sha256 in its manifest: the file is damaged or stale")
+    tensors = load_file(weights)
+    vocab = tensors.pop("vocab_ids")
+    for name in VOCAB_ROWS:
+        full = torch.zeros(VOCAB_SIZE, tensors[name].shape[1])
+        full[vocab] = tensors[name]
+        tensors[name] = full
+    shape = {k: tuple(v) if isinstance(v, list) else v for k, v in manifest["shape"].items()}
+    with torch.random.fork_rng(devices=[]):  # the init is overwritten; keep the caller's RNG as it was
+        model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(**shape)).eval()
+    model.load_state_dict(tensors, strict=True)
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer_dir = qwen_tokenizer_files()
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), folder)
+    with open(os.path.join(folder, "preprocessor_config.json"), "w") as f:
+        json.dump({"image_processor_type": "Qwen2VLImageProcessorFast", **PREPROCESSOR_KWARGS}, f, indent=2)
+    return folder

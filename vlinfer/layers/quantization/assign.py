@@ -1,0 +1,47 @@
+"""Gives every linear layer of a built model its quantization method, before any weight is read: the checkpoint
+format (a CheckpointQuantization) is asked once per checkpoint shard of each layer (q_proj, k_proj and v_proj for
+the fused qkv_proj), the shards must agree, and the layer then declares the parameters its method loads."""
+import logging
+from collections import Counter
+
+from torch import nn
+
+from vlinfer.layers.linear import LinearBase
+from vlinfer.layers.quantization.base import CheckpointQuantization, TensorIndex
+
+logger = logging.getLogger("vlinfer")
+
+
+def shard_prefixes(module_name: str, packed_modules_mapping: dict) -> list[str]:
+    """Checkpoint module names of a layer: its own name, or for a fused layer each shard's, in shard order."""
+    parent, _, leaf = module_name.rpartition(".")
+    shards = [(shard_id, fragment) for fragment, (fused, shard_id) in packed_modules_mapping.items() if fused == leaf]
+    if not shards:
+        return [module_name]
+    order = {"q": 0, "k": 1, "v": 2}
+    shards.sort(key=lambda item: order.get(item[0], item[0]) if isinstance(item[0], str) else item[0])
+    return [f"{parent}.{fragment}" if parent else fragment for _, fragment in shards]
+
+
+def assign_methods(model: nn.Module, quantization: CheckpointQuantization, tensors: TensorIndex) -> Counter:
+    """Set each LinearBase's method from `quantization`; returns how many layers got each (for the load log).
+    Raises ValueError naming the layer when its fused shards would need different methods."""
+    packed = getattr(model, "packed_modules_mapping", {})
+    counts = Counter()
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LinearBase):
+            continue
+        prefixes = shard_prefixes(name, packed)
+        methods = [quantization.method_for(layer, prefix, tensors) for prefix in prefixes]
+        signatures = [None if m is None else m.signature() for m in methods]
+        if len(set(signatures)) > 1:
+            found = ", ".join(f"{p}: {'dense' if m is None else m.describe()}" for p, m in zip(prefixes, methods))
+            raise ValueError(f"layer {name}: its fused shards are quantized differently ({found}); they run as one "
+                             "matmul and must share one scheme")
+        method = methods[0]
+        if method is not None:
+            layer.set_method(method)
+        counts["dense" if method is None else method.describe()] += 1
+    summary = ", ".join(f"{n} {what}" for what, n in counts.most_common())
+    logger.info("quantization (%s): linear layers %s", quantization.describe(), summary)
+    return counts

@@ -1,0 +1,7 @@
+"""Compiler flags per CPU instruction-set level (platform.CPU_ISAS), shared by every C++ kernel build (ops/cpu.py,
+ops/gguf_cpu.py). Explicit -m flags rather than -march=native: a build must not depend on the machine that compiles
+it, only on the level asked for."""
+AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+AVX512_FLAGS = AVX2_FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
+ISA_FLAGS = {"generic": (), "avx2": AVX2_FLAGS, "avx512": AVX512_FLAGS,
+             "avx512bf16": AVX512_FLAGS + ("-mavx512bf16",)}

@@ -1,0 +1,93 @@
+"""The fused MoE op on CPU: two grouped GEMMs over the (token, slot) pairs sorted by expert.
+
+Same result as ops/moe_reference.fused_moe. Where the reference loops over the experts that got tokens, this runs
+the whole layer as: route (float32 softmax, top-k, renormalize, cast back), one stable argsort of the pairs by
+expert, a gather of their rows, `torch._grouped_mm` against every expert's gate/up rows at once, SiLU-and-multiply,
+`torch._grouped_mm` against the down projections, then the routing weights and the sum over each token's top-k.
+No Python loop over experts: a decode step over 128 experts is a fixed handful of tensor ops.
+
+torch's CPU grouped GEMM needs every row stride to be a multiple of 16 bytes (pytorch/pytorch#161717): hidden and
+intermediate sizes that are not (tiny test models) are padded once with zeros at packing time, where zero gate
+and up rows give silu(0) * 0 = 0 and zero down columns add nothing, so the padding changes no value."""
+import torch
+import torch.nn.functional as F
+
+from vlinfer.ops.moe_reference import check_moe_shapes, route
+
+STRIDE_BYTES = 16  # torch._grouped_mm's CPU alignment rule for row strides
+
+
+def _aligned(size: int, dtype: torch.dtype) -> int:
+    step = max(1, STRIDE_BYTES // torch.empty((), dtype=dtype).element_size())
+    return -(-size // step) * step
+
+
+def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor):
+    """(w13, w2) padded to grouped-GEMM-aligned hidden / intermediate sizes, or None when they already are."""
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    hidden_p, inter_p = _aligned(hidden, w13.dtype), _aligned(inter, w13.dtype)
+    if (hidden_p, inter_p) == (hidden, inter):
+        return None
+    w13_p = w13.new_zeros(num_experts, 2 * inter_p, hidden_p)
+    w13_p[:, :inter, :hidden] = w13[:, :inter]  # gate rows
+    w13_p[:, inter_p:inter_p + inter, :hidden] = w13[:, inter:]  # up rows
+    w2_p = w2.new_zeros(num_experts, hidden_p, inter_p)
+    w2_p[:, :hidden, :inter] = w2
+    return w13_p, w2_p
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              renormalize: bool, expert_offset: int = 0, silu_and_mul=None) -> torch.Tensor:
+    """ops/moe_reference.fused_moe on w13 / w2 as loaded or as pack_moe_weights padded them. silu_and_mul: the op
+    table's kernel for the activation (the reference's by default)."""
+    tokens, hidden = x.shape
+    if w13.dim() == 3 and w13.shape[2] == hidden:  # as loaded (not padded)
+        check_moe_shapes(x, router_logits, w13, w2, expert_offset)
+        padded = pack_moe_weights(w13, w2)
+        if padded is not None:  # sizes the grouped GEMM cannot take, never packed: padded for this call
+            w13, w2 = padded
+    else:
+        _check_padded(x, router_logits, w13, w2, expert_offset)
+    num_local, _, hidden_p = w13.shape
+    weights, ids = route(router_logits, top_k, renormalize, x.dtype)
+    out = x.new_zeros(tokens * top_k, hidden)
+    local_ids = ids.flatten() - expert_offset  # one entry per (token, slot) pair, token-major
+    if num_local < router_logits.shape[1]:  # expert parallel: only this rank's experts' pairs
+        pairs = ((local_ids >= 0) & (local_ids < num_local)).nonzero().squeeze(1)
+        local_ids = local_ids[pairs]
+    else:
+        pairs = None
+    if local_ids.numel():
+        order = local_ids.argsort(stable=True)
+        sorted_pairs = order if pairs is None else pairs[order]
+        offs = torch.bincount(local_ids, minlength=num_local).cumsum(0).to(torch.int32)
+        rows = x[sorted_pairs // top_k]
+        if hidden_p != hidden:
+            rows = F.pad(rows, (0, hidden_p - hidden))
+        gate_up = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=offs)
+        act = silu_and_mul(gate_up) if silu_and_mul is not None else _silu_and_mul(gate_up)
+        down = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
+        if hidden_p != hidden:
+            down = down[:, :hidden]
+        out[sorted_pairs] = down * weights.flatten()[sorted_pairs, None]
+    return out.view(tokens, top_k, hidden).sum(1)
+
+
+def _check_padded(x, router_logits, w13, w2, expert_offset: int) -> None:
+    """Shapes of weights pack_moe_weights padded, against the activations; raises naming the mismatch."""
+    hidden = x.shape[1]
+    ok = (w13.dim() == 3 and w2.dim() == 3 and w13.shape[2] == _aligned(hidden, x.dtype) and w13.shape[1] % 2 == 0
+          and tuple(w2.shape) == (w13.shape[0], w13.shape[2], w13.shape[1] // 2) and router_logits.dim() == 2
+          and router_logits.shape[0] == x.shape[0])
+    if not ok:
+        raise ValueError(f"fused_moe: w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} (padded for the grouped GEMM) do "
+                         f"not fit x {tuple(x.shape)} and router_logits {tuple(router_logits.shape)}")
+    if expert_offset < 0 or expert_offset + w13.shape[0] > router_logits.shape[1]:
+        raise ValueError(f"fused_moe: local experts [{expert_offset}, {expert_offset + w13.shape[0]}) are outside "
+                         f"the {router_logits.shape[1]} routed experts")
+
+
+def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate) * up

@@ -1,0 +1,187 @@
+"""The toy world the embedded Qwen3-VL knows: seeded drawings of a few coloured shapes on a plain background, each
+with its true caption and simple question / answer pairs. tools/train_embedded.py trains on them; the tests score
+the trained model on scenes from a seed training never used; examples/images/draw.py draws the example pictures
+in it. PIL only: a scene is a small spec (background, objects) and the drawing follows from it."""
+import math
+import random
+from dataclasses import dataclass
+
+from PIL import Image, ImageDraw
+
+SHAPES = ("circle", "square", "triangle", "star", "house")
+PLURAL = {"circle": "circles", "square": "squares", "triangle": "triangles", "star": "stars", "house": "houses"}
+COLOURS = {"red": (215, 40, 40), "green": (40, 165, 60), "blue": (45, 95, 225), "yellow": (240, 205, 35),
+           "purple": (140, 60, 185), "orange": (245, 135, 25)}
+BACKGROUNDS = {"white": (248, 248, 248), "grey": (150, 150, 150), "black": (22, 22, 22)}
+NUMBERS = ("zero", "one", "two", "three", "four")
+MAX_OBJECTS = 3
+GRID = 3  # objects sit in distinct cells of a GRID x GRID layout, so they never overlap
+# Canvas sizes (width, height) the world is drawn at: the examples' 320 x 240 and a few near it.
+SIZES = ((320, 240), (256, 256), (240, 320), (288, 288))
+CAPTION_PROMPTS = ("Describe this image.", "Describe the image.", "Describe this picture.", "What is in this image?",
+                   "What is in this picture?", "What do you see?", "Caption this image.")
+
+
+@dataclass(frozen=True)
+class SceneObject:
+    shape: str
+    colour: str
+    cx: float  # centre and half-size in pixels
+    cy: float
+    half: float
+
+
+@dataclass(frozen=True)
+class Scene:
+    width: int
+    height: int
+    background: str
+    objects: tuple
+
+    def groups(self) -> list[tuple[str, str, int]]:
+        """(colour, shape, count) per kind of object, in the caption's fixed order: by shape, then by colour."""
+        counts = {}
+        for o in self.objects:
+            counts[(o.shape, o.colour)] = counts.get((o.shape, o.colour), 0) + 1
+        order = sorted(counts, key=lambda k: (SHAPES.index(k[0]), list(COLOURS).index(k[1])))
+        return [(colour, shape, counts[(shape, colour)]) for shape, colour in order]
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def _phrase(colour: str, shape: str, count: int) -> str:
+    if count == 1:
+        return f"{_article(colour)} {colour} {shape}"
+    return f"{NUMBERS[count]} {colour} {PLURAL[shape]}"
+
+
+def caption(scene: Scene) -> str:
+    """'A red circle, two blue squares and a yellow star on a white background.'"""
+    parts = [_phrase(*g) for g in scene.groups()]
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    text = f"{listed} on {_article(scene.background)} {scene.background} background."
+    return text[0].upper() + text[1:]
+
+
+def parse_caption(text: str) -> set[tuple[str, str]]:
+    """The (colour, shape) pairs a caption names: what the evaluation compares with the scene's objects."""
+    words = text.lower().replace(",", " ").replace(".", " ").split()
+    singular = {**{s: s for s in SHAPES}, **{p: s for s, p in PLURAL.items()}}
+    return {(words[i - 1], singular[w]) for i, w in enumerate(words) if w in singular and i > 0
+            and words[i - 1] in COLOURS}
+
+
+def _answer(word: str) -> str:
+    return word[0].upper() + word[1:] + "."
+
+
+def questions(scene: Scene, rng: random.Random) -> list[tuple[str, str]]:
+    """One question of each kind the scene can answer truthfully, with its answer (one word and a full stop)."""
+    by_shape, by_colour = {}, {}
+    for o in scene.objects:
+        by_shape.setdefault(o.shape, set()).add(o.colour)
+        by_colour.setdefault(o.colour, []).append(o.shape)
+    present = {(o.colour, o.shape) for o in scene.objects}
+    qa = []
+    shape = rng.choice(sorted(by_shape))
+    if len(by_shape[shape]) == 1:  # every object of this shape has one colour: the question has one answer
+        n = sum(o.shape == shape for o in scene.objects)
+        q = f"What colour is the {shape}?" if n == 1 else f"What colour are the {PLURAL[shape]}?"
+        qa.append((q, _answer(next(iter(by_shape[shape])))))
+    shape = rng.choice(SHAPES)
+    qa.append((f"How many {PLURAL[shape]} are there?",
+               _answer(NUMBERS[sum(o.shape == shape for o in scene.objects)])))
+    if rng.random() < 0.5:
+        colour, shape = rng.choice(sorted(present))
+    else:  # a near miss: a kind of object that is not there, sharing its colour or shape with one that is
+        colour, shape = rng.choice(sorted(present))
+        while (colour, shape) in present:
+            if rng.random() < 0.5:
+                colour = rng.choice(list(COLOURS))
+            else:
+                shape = rng.choice(SHAPES)
+    qa.append((f"Is there {_article(colour)} {colour} {shape}?", "Yes." if (colour, shape) in present else "No."))
+    unique = [c for c, shapes in by_colour.items() if len(shapes) == 1]
+    if unique:
+        colour = rng.choice(sorted(unique))
+        qa.append((f"What shape is the {colour} object?", _answer(by_colour[colour][0])))
+    qa.append(("What colour is the background?", _answer(scene.background)))
+    qa.append(("How many objects are there?", _answer(NUMBERS[len(scene.objects)])))
+    return qa
+
+
+def random_scene(rng: random.Random, max_objects: int = MAX_OBJECTS) -> Scene:
+    """1..max_objects objects (training starts with few: one object teaches what each word looks like)."""
+    width, height = rng.choice(SIZES)
+    background = rng.choice(list(BACKGROUNDS))
+    cells = rng.sample(range(GRID * GRID), rng.randint(1, max_objects))
+    cell_w, cell_h = width / GRID, height / GRID
+    objects = []
+    # Repeats of one kind are common enough to teach counting: a later object copies an earlier one's kind often.
+    for i, cell in enumerate(cells):
+        if i and rng.random() < 0.3:
+            earlier = objects[rng.randrange(i)]
+            shape, colour = earlier.shape, earlier.colour
+        else:
+            shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
+        half = min(cell_w, cell_h) * rng.uniform(0.28, 0.44)
+        slack_x, slack_y = cell_w / 2 - half, cell_h / 2 - half
+        cx = (cell % GRID + 0.5) * cell_w + rng.uniform(-slack_x, slack_x)
+        cy = (cell // GRID + 0.5) * cell_h + rng.uniform(-slack_y, slack_y)
+        objects.append(SceneObject(shape, colour, cx, cy, half))
+    return Scene(width, height, background, tuple(objects))
+
+
+def _jitter(rgb, rng: random.Random, amount: int = 12):
+    return tuple(max(0, min(255, c + rng.randint(-amount, amount))) for c in rgb)
+
+
+def _star(cx, cy, half):
+    points = []
+    for k in range(10):
+        r = half if k % 2 == 0 else half * 0.42
+        angle = -math.pi / 2 + k * math.pi / 5
+        points.append((cx + r * math.cos(angle), cy + r * math.sin(angle)))
+    return points
+
+
+def _draw_object(d: ImageDraw.ImageDraw, o: SceneObject, fill) -> None:
+    x0, y0, x1, y1 = o.cx - o.half, o.cy - o.half, o.cx + o.half, o.cy + o.half
+    if o.shape == "circle":
+        d.ellipse([x0, y0, x1, y1], fill=fill)
+    elif o.shape == "square":
+        d.rectangle([x0, y0, x1, y1], fill=fill)
+    elif o.shape == "triangle":
+        d.polygon([(o.cx, y0), (x1, y1), (x0, y1)], fill=fill)
+    elif o.shape == "star":
+        d.polygon(_star(o.cx, o.cy, o.half), fill=fill)
+    elif o.shape == "house":  # walls in the colour, a darker roof of the same colour, a dark door
+        roof = tuple(int(c * 0.6) for c in fill)
+        wall_top = o.cy - 0.1 * o.half
+        d.rectangle([x0 + 0.15 * o.half, wall_top, x1 - 0.15 * o.half, y1], fill=fill)
+        d.polygon([(x0, wall_top + 1), (o.cx, y0), (x1, wall_top + 1)], fill=roof)
+        d.rectangle([o.cx - 0.18 * o.half, o.cy + 0.4 * o.half, o.cx + 0.18 * o.half, y1], fill=(60, 40, 25))
+    else:
+        raise ValueError(f"unknown shape {o.shape!r}; the world has {SHAPES}")
+
+
+def draw(scene: Scene, seed: int = 0) -> Image.Image:
+    """The scene as an RGB picture; `seed` only varies the small colour jitter, never what is drawn."""
+    rng = random.Random(seed)
+    img = Image.new("RGB", (scene.width, scene.height), _jitter(BACKGROUNDS[scene.background], rng, 8))
+    d = ImageDraw.Draw(img)
+    for o in scene.objects:
+        _draw_object(d, o, _jitter(COLOURS[o.colour], rng))
+    return img
+
+
+def generate(seed: int, count: int) -> list[tuple[Scene, Image.Image, list[tuple[str, str]]]]:
+    """`count` scenes of one seed: (scene, picture, questions with answers). Same seed, same scenes."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        scene = random_scene(rng)
+        out.append((scene, draw(scene, rng.randrange(2 ** 31)), questions(scene, rng)))
+    return out

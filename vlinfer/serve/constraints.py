@@ -1,0 +1,54 @@
+"""A request's output constraint, from whichever field asks for one: OpenAI's `response_format` (json_object,
+json_schema), vLLM's `structured_outputs` extra field, or a tool_choice that forces a call ("required", a named
+function: the call object's JSON schema, see tool_calls.call_schema). At most one may constrain a request; each
+problem is a 400 naming the field it came from, before anything is queued."""
+from vlinfer.sampling_params import StructuredOutputsParams
+from vlinfer.serve.protocol import ApiError, NamedToolChoice
+from vlinfer.serve.tool_calls import call_schema
+
+
+def _build(param: str, **kwargs) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as e:
+        raise ApiError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+    except TypeError:  # a field StructuredOutputsParams does not have
+        from dataclasses import fields
+        known = sorted(f.name for f in fields(StructuredOutputsParams) if f.init)
+        unknown = sorted(set(kwargs) - set(known))
+        raise ApiError(400, f"{param} has no field(s) {unknown}; it takes {known}", param=param,
+                       code="invalid_value") from None
+
+
+def forced_tool(req) -> str | None:
+    """"*" when tool_choice is "required", the function's name when it names one, else None."""
+    choice = getattr(req, "tool_choice", None)
+    if isinstance(choice, NamedToolChoice):
+        return choice.function.name
+    return "*" if choice == "required" else None
+
+
+def output_constraint(req, disable_any_whitespace: bool = False) -> StructuredOutputsParams | None:
+    """disable_any_whitespace: the server's default (vLLM's --structured-outputs-config option); a request's own
+    structured_outputs.disable_any_whitespace wins."""
+    fmt = req.response_format
+    asked = [name for name, on in (("response_format", fmt is not None and fmt.type != "text"),
+                                   ("structured_outputs", req.structured_outputs is not None),
+                                   ("tool_choice", forced_tool(req) is not None)) if on]
+    if len(asked) > 1:
+        raise ApiError(400, f"{' and '.join(asked)} both constrain the output; send one of them", param=asked[1],
+                       code="invalid_value")
+    if not asked:
+        return None
+    if asked[0] == "response_format":
+        if fmt.type == "json_object":
+            return _build("response_format", json_object=True, disable_any_whitespace=disable_any_whitespace)
+        return _build("response_format.json_schema.schema", json=fmt.json_schema.schema_,
+                      disable_any_whitespace=disable_any_whitespace)
+    if asked[0] == "structured_outputs":
+        return _build("structured_outputs", **{"disable_any_whitespace": disable_any_whitespace,
+                                               **req.structured_outputs})
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    name = forced_tool(req)
+    return _build("tools", json=call_schema(tools, None if name == "*" else name),
+                  disable_any_whitespace=disable_any_whitespace)
