@@ -86,7 +86,7 @@ def main() -> None:
             rows.append((f"ray, {replicas} replica(s) (steady; start-up {t2 - n2 / rate:.1f} s)", rate, s.tokens))
         # Per block, start-up excluded: the same identity job over few and over many blocks, the difference.
         times = {}
-        for blocks in (8, 72):
+        for blocks in (8, 520):
             ds = ray.data.from_items([{"path": str(i)} for i in range(blocks * args.batch_size)],
                                      override_num_blocks=blocks)
             start = time.perf_counter()
