@@ -56,6 +56,26 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+
+def sigkill_after_lines(cmd: list[str], out, lines: int, timeout: float, cwd: str) -> None:
+    """Run cmd and SIGKILL it once the file `out` holds `lines` complete lines: a job killed halfway, for the
+    resume tests. Fails when the job ends (or the timeout passes) before it can be killed."""
+    import subprocess
+    import time
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + timeout
+        while time.time() < deadline and proc.poll() is None:
+            if out.exists() and out.read_bytes().count(b"\n") >= lines:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before it could be killed halfway"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
 def sigint_disposition() -> tuple:
     """SIGINT's Python handler and whether the kernel ignores it (SIG_IGN set from C does not show in Python's)."""
     with open("/proc/self/status") as f:

@@ -3,15 +3,14 @@ with SIGKILL then resumed without redoing or losing any image. Uses the embedded
 tokens per picture and 4 output tokens, so the whole file stays well under a minute and a half."""
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
+from conftest import sigkill_after_lines
 from vlinfer import LLM, RequestError, SamplingParams
 from vlinfer.caption import DEFAULT_PROMPT, CaptionInputError, caption_files, collect_images, read_records
 
@@ -147,20 +146,7 @@ def cli(*args) -> list[str]:
 
 def test_kill_then_resume(image_dir, tmp_path):
     out = tmp_path / "captions.jsonl"
-    proc = subprocess.Popen(cli(str(image_dir), "--out", str(out), "--batch-size", "2"), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            if out.exists() and out.read_bytes().count(b"\n") >= 10:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, "the run ended before it could be killed halfway"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    sigkill_after_lines(cli(str(image_dir), "--out", str(out), "--batch-size", "2"), out, 10, 120, REPO)
     before = out.read_text()
     done_before = before.count("\n")
     assert 10 <= done_before < 50, done_before

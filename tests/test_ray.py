@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import sigkill_after_lines
 from vlinfer import LLM, SamplingParams
 from vlinfer.caption import caption_files, collect_images
 from vlinfer.integrations import MissingDependencyError
@@ -143,20 +144,7 @@ def cli(cluster: str, *args) -> list[str]:
 
 def test_cli_killed_halfway_then_resumed(cluster, images, reference, tmp_path):
     out = tmp_path / "captions.jsonl"
-    proc = subprocess.Popen(cli(cluster, str(images), "--out", str(out), "--batch-size", "8"), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline and proc.poll() is None:
-            if out.exists() and out.read_bytes().count(b"\n") >= 40:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the job ended before it could be killed halfway"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    sigkill_after_lines(cli(cluster, str(images), "--out", str(out), "--batch-size", "8"), out, 40, 240, REPO)
     before = out.read_text()
     done_before = before.count("\n")
     assert 40 <= done_before < 200, done_before
