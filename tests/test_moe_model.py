@@ -273,3 +273,51 @@ def test_expert_parallel_needs_divisible_experts():
         check_tensor_parallel_shapes(config, 4, expert_parallel=True)
     with pytest.raises(ValueError, match="moe_intermediate_size=48 is not divisible by it"):
         check_tensor_parallel_shapes(config, 32, expert_parallel=False)
+
+
+# ---- quantized experts ----
+
+@pytest.mark.parametrize("scheme", ["w4a16_asym", "w8a16", "fp8"])
+def test_quantized_experts_are_dequantized_on_load_and_match(moe_models, tmp_path, scheme, caplog):
+    """A quantized Qwen3-MoE (compressed-tensors or FP8 blocks: every linear layer and every expert projection,
+    the router dense as llm-compressor leaves it): the experts are dequantized on load (logged, with their count),
+    the other layers run their method; 32 greedy tokens equal transformers' on the same dequantized weights. A
+    quantized projection missing one of its tensors is named."""
+    import logging
+
+    from quantized_checkpoints import write_compressed_tensors, write_fp8_block
+    from transformers import Qwen3MoeForCausalLM
+    src = moe_models["qwen3-moe"][1]["per-expert"]
+    path = str(tmp_path / scheme)
+    if scheme == "fp8":
+        dequantized, written = write_fp8_block(src, path)
+    else:  # groups of 16 divide every input width here (64, 48, 96)
+        dequantized, written = write_compressed_tensors(src, path, scheme, group_size=16)
+    expert_projections = [n for n in dequantized if ".experts." in n]
+    assert len(expert_projections) == 2 * NUM_EXPERTS * 3  # two sparse layers of 6 experts x gate, up, down
+    reference = tmp_path / "reference"
+    shutil.copytree(src, reference)
+    with safe_open(os.path.join(src, "model.safetensors"), "pt") as f:
+        dense = {n: f.get_tensor(n) for n in f.keys()}
+    save_file({**dense, **dequantized}, os.path.join(reference, "model.safetensors"))
+    model = Qwen3MoeForCausalLM.from_pretrained(str(reference), dtype=torch.float32).eval()
+    model.set_experts_implementation("eager")
+    expected = []
+    for prompt in TEXT_PROMPTS:  # plain argmax steps: EOS may come up (generate's min_new_tokens would forbid it)
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(NUM_NEW):
+                ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        expected.append(ids[0, len(prompt):].tolist())
+    with caplog.at_level(logging.WARNING, logger="vlinfer"):
+        llm = make_llm(path)
+    assert f"the MoE experts' {len(expert_projections)} quantized projections are dequantized on load" in caplog.text
+    got = [o.outputs[0].token_ids for o in llm.generate(TEXT_PROMPTS, GREEDY, use_tqdm=False)]
+    llm.close()
+    assert got == expected
+    # One expert projection without its scales: loading names it.
+    scale = "weight_scale_inv" if scheme == "fp8" else "weight_scale"
+    broken = {n: t for n, t in written.items() if n != f"model.layers.2.mlp.experts.4.up_proj.{scale}"}
+    save_file({k: v.contiguous() for k, v in broken.items()}, os.path.join(path, "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"model\.layers\.2\.mlp\.experts\.4\.up_proj.*{scale}"):
+        make_llm(path)

@@ -2,7 +2,7 @@
 Qwen3VLForConditionalGeneration (autograd lives here; vlinfer stays inference-only), the real Qwen3 tokenizer and
 the Qwen3-VL chat template vlinfer ships. Run once by the maintainers, not at install:
 
-    python tools/train_embedded.py                          # the shipped run: rewrites vlinfer/embedded/
+    python tools/train_embedded.py                          # the shipped run: rewrites vlinfer/data/
     python tools/train_embedded.py --steps 20 --out /tmp/x  # a short run (what the reproducibility test does)
     python tools/train_embedded.py --evaluate               # score the shipped model under vlinfer
 
@@ -11,6 +11,10 @@ answers use (a few hundred) have learned rows. Training computes the loss over t
 other row is zero, so its logit is exactly 0, and the softmax over 151,936 tokens equals a softmax over the world's
 tokens plus one logit of log(151936 - n) for the rest. The package stores those n rows and the rest of the
 weights (vlinfer/embedded/); vlinfer.embedded rebuilds the full Hugging Face checkpoint from them.
+
+The vision tower also learns from an auxiliary loss: a linear head on its merged features predicts what each
+region of the picture shows (background, or the shape and colour there; location_targets). The head is dropped, so
+the shipped model is a plain Qwen3-VL. Without it the tiny model never learned to look at the picture.
 
 Seeded: the same seed, thread count and library versions give the same weights (tests/test_embedded_model.py
 trains a short run twice and compares the hashes)."""
@@ -144,7 +148,7 @@ def compact_model(shape: dict, vocab: list[int], seed: int):
 def losses(model, batch: dict, rest: int):
     """Per target token: the cross entropy over the full vocabulary, and whether greedy decoding picks the target
     (the zero rows count as one more candidate, logit 0). Target t is predicted at position t - 1."""
-    hidden = model.model(**{k: v for k, v in batch.items() if k != "targets"}).last_hidden_state
+    hidden = model.model(**{k: v for k, v in batch.items() if k not in ("targets", "scenes")}).last_hidden_state
     targets = batch["targets"][:, 1:]
     h = hidden[:, :-1][targets]
     labels = batch["input_ids"][:, 1:][targets]
@@ -156,12 +160,49 @@ def losses(model, batch: dict, rest: int):
 
 
 def sample_batch(rng: random.Random, size: int, max_turns: int, batcher: Batcher, max_objects: int) -> dict:
-    convs, images = [], []
+    """Model inputs for `size` conversations, one picture each; batch["scenes"] holds their scenes."""
+    convs, images, drawn = [], [], []
     for _ in range(size):
         scene = scenes.random_scene(rng, max_objects)
+        drawn.append(scene)
         images.append(scenes.draw(scene, rng.randrange(2 ** 31)))
         convs.append(conversation(scene, scenes.questions(scene, rng), rng, max_turns))
-    return batcher(convs, images)
+    return dict(batcher(convs, images), scenes=drawn)
+
+
+# Per-location targets for the vision tower (an auxiliary loss during training only; the shipped model has no extra
+# parameters): what each merged vision token covers, class 0 the background, then one class per (shape, colour).
+# Without them the tiny model never learns to look: the language model answers from its prior and the background
+# colour, and the vision features collapse to one vector (their differences between pictures fell to 1-5% of their
+# size in every run without this loss).
+LOCATION_CLASSES = 1 + len(scenes.SHAPES) * len(scenes.COLOURS)
+LOCATION_LOSS_WEIGHT = 1.0
+LOCATION_MIN_COVER = 0.15  # an object covering less of a token's area than this leaves it background
+
+
+def location_targets(drawn: list, grid_thw: torch.Tensor, patch: int, merge: int) -> torch.Tensor:
+    """The class of every merged vision token of the batch's pictures, in the vision tower's output order (picture
+    by picture, raster over its merged grid): the object covering most of the token's area, if it covers at least
+    LOCATION_MIN_COVER of it."""
+    import numpy as np
+    colours = list(scenes.COLOURS)
+    labels = []
+    for scene, (t, h, w) in zip(drawn, grid_thw.tolist()):
+        index = np.asarray(scenes.object_index_map(scene))
+        classes = [0] + [1 + scenes.SHAPES.index(o.shape) * len(colours) + colours.index(o.colour)
+                         for o in scene.objects]
+        gh, gw = h // merge, w // merge
+        ys = np.linspace(0, scene.height, gh + 1).round().astype(int)
+        xs = np.linspace(0, scene.width, gw + 1).round().astype(int)
+        for _ in range(t):
+            for i in range(gh):
+                for j in range(gw):
+                    region = index[ys[i]:ys[i + 1], xs[j]:xs[j + 1]]
+                    counts = np.bincount(region.ravel(), minlength=len(classes))
+                    counts[0] = 0
+                    best = int(counts.argmax())
+                    labels.append(classes[best] if counts[best] >= LOCATION_MIN_COVER * region.size else 0)
+    return torch.tensor(labels)
 
 
 def teacher_forced_accuracy(model, batcher: Batcher, rest: int, seed: int, count: int) -> dict:
@@ -193,7 +234,7 @@ def teacher_forced_accuracy(model, batcher: Batcher, rest: int, seed: int, count
 
 def train(out: str, steps: int, batch_size: int, seed: int, threads: int, lr: float, max_turns: int,
           shape: dict, log_every: int = 50, eval_every: int = 0, eval_count: int = 64, stop_after: int | None = None,
-          snapshot_every: int = 0) -> dict:
+          snapshot_every: int = 0, weight_decay: float = embedded.TRAINING["weight_decay"]) -> dict:
     """Train and write the compact model to `out`; returns its manifest. `steps` sets the schedule; stop_after
     ends the run early (the weights equal that step's snapshot of the full run); snapshot_every writes the model
     so far to out/step-N as it goes. The caller's thread count and deterministic-algorithms setting are restored
@@ -205,51 +246,69 @@ def train(out: str, steps: int, batch_size: int, seed: int, threads: int, lr: fl
     torch.use_deterministic_algorithms(True)
     try:
         return _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_every, eval_every, eval_count,
-                      stop_after or steps, snapshot_every)
+                      stop_after or steps, snapshot_every, weight_decay)
     finally:
         torch.set_num_threads(saved[0])
         torch.use_deterministic_algorithms(saved[1])
 
 
 def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_every, eval_every, eval_count, stop_after,
-           snapshot_every) -> dict:
+           snapshot_every, weight_decay) -> dict:
     tokenizer, template = load_tokenizer_and_template()
     vocab = world_vocabulary(tokenizer, template)
     rest = embedded.VOCAB_SIZE - len(vocab)
     batcher = Batcher(tokenizer, template, vocab)
     model = compact_model(shape, vocab, seed).train()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0}],
-                                  lr=lr, betas=(0.9, 0.98))
+    # Every matrix decays, embeddings and the vision tower's included. Most of them feed a norm (RMSNorm in the
+    # language model, LayerNorm in the vision merger), so the loss does not depend on their scale and Adam's steps,
+    # orthogonal to them, only grow it; without decay the vision features grew ~750x in 2000 steps (0.07 -> 52 per
+    # element, the images' differences a 5% ripple on a common vector), which shrank their effective learning rate
+    # until the model stopped learning from the pictures (it answered the prior and the background colour only).
+    location_head = torch.nn.Linear(model.config.text_config.hidden_size, LOCATION_CLASSES)  # see location_targets
+    trained = list(model.parameters()) + list(location_head.parameters())
+    decay = [p for p in trained if p.dim() >= 2]
+    no_decay = [p for p in trained if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                   {"params": no_decay, "weight_decay": 0}], lr=lr, betas=(0.9, 0.98))
     warmup = max(1, min(100, steps // 10))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1, s / steps)))))
     rng = random.Random(seed * 1_000_003 + TRAIN_SEED)
-    start, history = time.time(), []
+    # The auxiliary location head reads the vision tower's merged features (captured by a hook, so the model's own
+    # forward computes them once); it trains with the model and is dropped.
+    vision_features = []
+    model.model.visual.register_forward_hook(lambda module, args, out: vision_features.append(out.pooler_output))
+    vision = model.config.vision_config
+    start, history, location_history = time.time(), [], []
     for step in range(1, stop_after + 1):
         batch = sample_batch(rng, batch_size, max_turns, batcher, objects_cap(step, steps))
+        vision_features.clear()
         nll, correct, _ = losses(model, batch, rest)
-        loss = nll.mean()
+        where = location_targets(batch["scenes"], batch["image_grid_thw"], vision.patch_size,
+                                 vision.spatial_merge_size)
+        location = torch.nn.functional.cross_entropy(location_head(vision_features[0]), where)
+        loss = nll.mean() + LOCATION_LOSS_WEIGHT * location
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         schedule.step()
-        history.append(loss.item())
+        history.append(nll.mean().item())
+        location_history.append(location.item())
         if step % log_every == 0 or step == steps:
             print(f"step {step}/{steps} loss {sum(history[-log_every:]) / len(history[-log_every:]):.4f} "
+                  f"location loss {sum(location_history[-log_every:]) / len(location_history[-log_every:]):.4f} "
                   f"token acc {correct.float().mean().item():.3f} {time.time() - start:.0f}s", flush=True)
         if eval_every and (step % eval_every == 0 or step == stop_after):
             print(f"  held-out teacher-forced exact match: "
                   f"{teacher_forced_accuracy(model, batcher, rest, embedded.EVAL_SEED + 1, eval_count)}", flush=True)
         if snapshot_every and step % snapshot_every == 0 and step < stop_after:
             info = dict(steps=steps, stop_after=step, batch_size=batch_size, seed=seed, threads=threads, lr=lr,
-                        max_turns=max_turns, shape=shape, train_seconds=round(time.time() - start),
-                        torch=torch.__version__, machine=cpu_name())
+                        max_turns=max_turns, weight_decay=weight_decay, shape=shape,
+                        train_seconds=round(time.time() - start), torch=torch.__version__, machine=cpu_name())
             embedded.write_compact(os.path.join(out, f"step-{step}"), model.state_dict(), vocab, shape, info)
     info = dict(steps=steps, stop_after=stop_after, batch_size=batch_size, seed=seed, threads=threads, lr=lr,
-                max_turns=max_turns, shape=shape, train_seconds=round(time.time() - start),
+                max_turns=max_turns, weight_decay=weight_decay, shape=shape, train_seconds=round(time.time() - start),
                 final_loss=round(sum(history[-50:]) / len(history[-50:]), 5), torch=torch.__version__,
                 machine=cpu_name())
     return embedded.write_compact(out, model.state_dict(), vocab, shape, info)
@@ -312,6 +371,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=embedded.TRAINING["threads"])
     p.add_argument("--lr", type=float, default=embedded.TRAINING["lr"])
     p.add_argument("--max-turns", type=int, default=embedded.TRAINING["max_turns"])
+    p.add_argument("--weight-decay", type=float, default=embedded.TRAINING["weight_decay"])
     p.add_argument("--eval-every", type=int, default=0, help="teacher-forced held-out check every N steps")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--stop-after", type=int, default=None, help="end after N steps of the --steps schedule")
@@ -321,8 +381,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not args.evaluate:
         info = train(args.out, args.steps, args.batch_size, args.seed, args.threads, args.lr, args.max_turns,
-                     dict(embedded.SHAPE), log_every=args.log_every,
-                     eval_every=args.eval_every, stop_after=args.stop_after, snapshot_every=args.snapshot_every)
+                     dict(embedded.SHAPE), log_every=args.log_every, eval_every=args.eval_every,
+                     stop_after=args.stop_after, snapshot_every=args.snapshot_every, weight_decay=args.weight_decay)
         print(json.dumps(info, indent=1))
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

@@ -147,7 +147,8 @@ def _star(cx, cy, half):
     return points
 
 
-def _draw_object(d: ImageDraw.ImageDraw, o: SceneObject, fill) -> None:
+def _draw_object(d: ImageDraw.ImageDraw, o: SceneObject, fill, flat: bool = False) -> None:
+    """flat: every part in `fill` (the house's roof and door too), for object_index_map."""
     x0, y0, x1, y1 = o.cx - o.half, o.cy - o.half, o.cx + o.half, o.cy + o.half
     if o.shape == "circle":
         d.ellipse([x0, y0, x1, y1], fill=fill)
@@ -158,11 +159,12 @@ def _draw_object(d: ImageDraw.ImageDraw, o: SceneObject, fill) -> None:
     elif o.shape == "star":
         d.polygon(_star(o.cx, o.cy, o.half), fill=fill)
     elif o.shape == "house":  # walls in the colour, a darker roof of the same colour, a dark door
-        roof = tuple(int(c * 0.6) for c in fill)
+        roof = fill if flat else tuple(int(c * 0.6) for c in fill)
         wall_top = o.cy - 0.1 * o.half
         d.rectangle([x0 + 0.15 * o.half, wall_top, x1 - 0.15 * o.half, y1], fill=fill)
         d.polygon([(x0, wall_top + 1), (o.cx, y0), (x1, wall_top + 1)], fill=roof)
-        d.rectangle([o.cx - 0.18 * o.half, o.cy + 0.4 * o.half, o.cx + 0.18 * o.half, y1], fill=(60, 40, 25))
+        if not flat:
+            d.rectangle([o.cx - 0.18 * o.half, o.cy + 0.4 * o.half, o.cx + 0.18 * o.half, y1], fill=(60, 40, 25))
     else:
         raise ValueError(f"unknown shape {o.shape!r}; the world has {SHAPES}")
 
@@ -174,6 +176,16 @@ def draw(scene: Scene, seed: int = 0) -> Image.Image:
     d = ImageDraw.Draw(img)
     for o in scene.objects:
         _draw_object(d, o, _jitter(COLOURS[o.colour], rng))
+    return img
+
+
+def object_index_map(scene: Scene) -> Image.Image:
+    """A greyscale picture of the scene's size: at each pixel 1 + the index of the object drawn there, 0 on the
+    background (the training's per-location targets, tools/train_embedded.py)."""
+    img = Image.new("L", (scene.width, scene.height), 0)
+    d = ImageDraw.Draw(img)
+    for i, o in enumerate(scene.objects):
+        _draw_object(d, o, i + 1, flat=True)
     return img
 
 

@@ -59,6 +59,7 @@ class LLMEngine:
         self.config = config
         self.parallel = parallel
         self.driver: TPDriver | None = None
+        self.grammar_matchers: GrammarMatchers | None = None  # built in _init; close() may run before
         self.device = platform.resolve_device(config.device)  # a mistyped device fails before any model work
         self.source = model_loader.resolve_model(model)
         if config.tensor_parallel_size > 1:  # start the workers now: they import torch while we read the config
@@ -163,6 +164,8 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op on one rank). Also runs when the engine is garbage collected
         and at interpreter exit."""
+        if self.grammar_matchers is not None:
+            self.grammar_matchers.close()
         if self.driver is not None:
             self.driver.close()
 

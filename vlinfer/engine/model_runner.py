@@ -339,15 +339,18 @@ class ModelRunner:
         """Run one step. Returns [(seq, token_id, logprobs or None)] for sequences that finished their chunk."""
         inputs, sample_seqs = self.prepare(batch)
         inputs.compute_logits = sample_tokens and bool(sample_seqs)
-        logits = self._run(inputs)
+        # Structured-output masks depend only on tokens already consumed: they are computed on the grammar's mask
+        # thread while this thread runs the forward (on an accelerator, while the device runs), then collected.
+        constrained = [i for i, seq in enumerate(sample_seqs) if seq.grammar_matcher is not None]
+        masks = None
+        if inputs.compute_logits and constrained:
+            masks = self.grammar_matchers.start_bitmask([sample_seqs[i].grammar_matcher for i in constrained])
+        try:
+            logits = self._run(inputs)
+        finally:
+            bitmask = (constrained, masks.result()) if masks is not None else None
         if logits is None:
             return []
-        # Computed once the forward is queued: on an accelerator the host builds the masks while the device runs.
-        constrained = [i for i, seq in enumerate(sample_seqs) if seq.grammar_matcher is not None]
-        bitmask = None
-        if constrained:
-            bitmask = (constrained, self.grammar_matchers.fill_bitmask(
-                [sample_seqs[i].grammar_matcher for i in constrained]))
         tokens, logprobs = sample(logits, sample_seqs, self.eos_token_ids, bitmask)
         return list(zip(sample_seqs, tokens, logprobs))
 

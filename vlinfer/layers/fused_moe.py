@@ -10,7 +10,13 @@ Either way one all-reduce sums the ranks. The router is small and replicated: ev
 same way.
 
 The loaders take checkpoint tensors (or lazy model_loader.CheckpointSlice objects) and read only this rank's
-part: one expert's gate/up/down, or a layer's fused 3-D tensor in either of two layouts, decided by shape."""
+part: one expert's gate/up/down, or a layer's fused 3-D tensor in either of two layouts, decided by shape.
+
+Quantized experts (compressed-tensors W8A8 / W8A16 / W4A16, FP8 blocks, one expert projection per tensor set) open
+by dequantizing on load: each projection's tensors fill a staging linear layer that holds the checkpoint's method
+for it (chosen per projection, as for any linear layer), and once complete its float weight goes into the fused
+layout. The fused op then runs dense experts: the checkpoint opens and equals its dequantized weights, but it is
+not smaller or faster in memory (logged; kernels on kept-quantized experts are not built)."""
 import torch
 from torch import nn
 
@@ -26,6 +32,7 @@ class FusedMoE(nn.Module):
     def __init__(self, ctx: ModelContext, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool):
         super().__init__()
+        self.ctx = ctx
         self.ops, self.tp = ctx.ops, ctx.tp
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -50,6 +57,10 @@ class FusedMoE(nn.Module):
         self.w13_weight.loaded_by_owner = self.w2_weight.loaded_by_owner = True
         # (local expert, gate/up/down) already loaded: a checkpoint missing one is an error, not zeros.
         self._loaded = torch.zeros(e, 3, dtype=torch.bool, device="cpu")
+        # The checkpoint's quantization (assign_methods sets it) and the staging layers of quantized projections
+        # being filled: (global expert, part) -> (staging linear, names of its parameters not yet loaded).
+        self.checkpoint_quantization, self.tensor_index, self.checkpoint_prefix = None, None, None
+        self._staging: dict[tuple[int, str], tuple[ReplicatedLinear, set[str]]] = {}
 
     # ---- loading ----
 
@@ -85,6 +96,41 @@ class FusedMoE(nn.Module):
             rows = self.w13_weight.data[local].narrow(0, _PARTS[part] * length, length)
             rows.copy_(loaded.narrow(0, start, length))
         self._loaded[local, _PARTS[part]] = True
+
+    def set_checkpoint_quantization(self, quantization, tensors, prefix: str) -> None:
+        """Before loading (quantization/assign.py): the checkpoint's format, its tensor index and this layer's
+        checkpoint module name, so each expert projection can be given the method its tensors call for."""
+        self.checkpoint_quantization, self.tensor_index, self.checkpoint_prefix = quantization, tensors, prefix
+
+    def load_expert_tensor(self, expert: int, part: str, suffix: str, loaded) -> None:
+        """One tensor of one expert projection, `...experts.E.{part}_proj.{suffix}`: a dense `weight` loads as is;
+        the tensors of a quantized projection are staged until all are in, then dequantized into the fused layout."""
+        key = (expert, part)
+        if self._local(expert) is None:
+            return  # another rank's expert: not read at all
+        if key not in self._staging:
+            h, i = self.hidden_size, self.intermediate_size
+            staging = ReplicatedLinear(self.ctx, i, h) if part == "down" else ReplicatedLinear(self.ctx, h, i)
+            prefix = f"{self.checkpoint_prefix}.experts.{expert}.{part}_proj"
+            method = None if self.checkpoint_quantization is None else \
+                self.checkpoint_quantization.expert_method_for(staging, prefix, self.tensor_index)
+            if method is None:
+                if suffix != "weight":
+                    raise ValueError(f"{suffix!r} next to a dense expert projection (the checkpoint's quantization "
+                                     "does not quantize it)")
+                return self.load_expert(expert, part, loaded)
+            staging.set_method(method)
+            self._staging[key] = (staging, {name for name, _ in staging.named_parameters()})
+        staging, pending = self._staging[key]
+        if suffix not in pending:
+            raise ValueError(f"unexpected tensor {suffix!r} for a {staging.method.describe()} expert projection "
+                             f"(it holds {sorted(n for n, _ in staging.named_parameters())})")
+        param = getattr(staging, suffix)
+        param.weight_loader(param, loaded)
+        pending.discard(suffix)
+        if not pending:
+            del self._staging[key]
+            self.load_expert(expert, part, staging.method.dequantized_weight(staging))
 
     def load_fused(self, part: str, loaded) -> None:
         """All experts of the layer in one 3-D tensor, in either layout:
@@ -128,7 +174,10 @@ class FusedMoE(nn.Module):
     def missing_experts(self) -> list[str]:
         """What the checkpoint has not filled, as 'expert 3 down_proj' (global ids)."""
         names = ("gate_proj", "up_proj", "down_proj")
-        return [f"expert {self.expert_offset + e} {names[p]}" for e, p in (~self._loaded).nonzero().tolist()]
+        missing = [f"expert {self.expert_offset + e} {names[p]}" for e, p in (~self._loaded).nonzero().tolist()]
+        missing += [f"expert {e} {part}_proj.{name}" for (e, part), (_, pending) in self._staging.items()
+                    for name in sorted(pending)]
+        return missing
 
     # ---- running ----
 

@@ -17,8 +17,10 @@ from vlinfer.layers import ModelContext, ParallelLMHead
 from vlinfer.layers.fused_moe import FusedMoE
 from vlinfer.models.llama import LlamaForCausalLM, LlamaModel
 
-EXPERT_TENSOR = re.compile(r"^(?P<layer>.+\.mlp)\.experts\.(?:(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight"
-                           r"|(?P<fused>gate_up|down)_proj)$")
+# One expert's projection tensor (`weight`, or a quantized projection's `weight_packed`, `weight_scale`, ...), or a
+# layer's fused 3-D tensor.
+EXPERT_TENSOR = re.compile(r"^(?P<layer>.+\.mlp)\.experts\.(?:(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\."
+                           r"(?P<suffix>weight\w*|input_scale|input_zero_point)|(?P<fused>gate_up|down)_proj)$")
 
 
 def is_sparse_layer(config, layer_index: int) -> bool:
@@ -59,7 +61,7 @@ def route_expert_tensors(model: nn.Module, weights: Iterable):
             if match["fused"]:
                 layer.load_fused(match["fused"], tensor)
             else:
-                layer.load_expert(int(match["expert"]), match["proj"], tensor)
+                layer.load_expert_tensor(int(match["expert"]), match["proj"], match["suffix"], tensor)
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
 

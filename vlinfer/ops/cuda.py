@@ -19,22 +19,20 @@ the sync-free matmul decode, with CUDA graphs): the engine tests pass there (ben
 calls have not met a real flash_attn yet. tests/test_cuda_ops.py runs CudaOps on CPU tensors with the Triton
 kernel under the Triton interpreter and an emulated flash_attn (tests/fake_flash_attn.py).
 """
-import importlib.util
 import logging
-import os
 
 import torch
 
 from vlinfer.ops import cuda_moe, cuda_quant, moe_reference, reference
 from vlinfer.ops.per_step import PerStep
 from vlinfer.ops.reference import ReferenceOps
+from vlinfer.ops.triton_source import load_triton_module
 
 logger = logging.getLogger("vlinfer")
 NAME = "cuda"
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_BLOCK_MULTIPLE = 256  # flash_attn's paged KV: page_block_size % 256 == 0
-KERNEL_SOURCE = os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "triton", "store_kvcache.py")
 
 
 class CudaOps(ReferenceOps):
@@ -58,7 +56,7 @@ class CudaOps(ReferenceOps):
         device = torch.device(device_type)
 
         try:
-            store = load_triton_kernel().store_kvcache
+            store = load_triton_module("store_kvcache").store_kvcache
             _check_cache_write(store, device)
             self._triton_store = store
             self.features["cache_write"] = "triton"
@@ -244,18 +242,6 @@ class CudaOps(ReferenceOps):
 def _reason(e: Exception) -> str:
     text = str(e).splitlines()[0][:200] if str(e) else ""
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def load_triton_kernel():
-    """kernels/triton/store_kvcache.py as a module, loaded by file path under a private name (not `kernels`).
-    Loaded afresh each call: triton reads TRITON_INTERPRET when the kernel is decorated."""
-    source = os.path.abspath(KERNEL_SOURCE)
-    if not os.path.exists(source):
-        raise FileNotFoundError(f"kernel source {source} is missing (vlinfer must run from its source tree)")
-    spec = importlib.util.spec_from_file_location("_vlinfer_triton_store_kvcache", source)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _check_cache_write(store, device: torch.device) -> None:

@@ -6,26 +6,14 @@ CudaOps loads and checks the kernels the first time an MoE layer asks (pack_moe_
 fused_moe call), not at engine start: a dense model pays nothing for them. A Triton that is missing or fails the
 check is a warning, and the op runs the reference (a Python loop over the experts that received tokens, with a host
 sync: no CUDA graphs for such a model)."""
-import importlib.util
-import os
-
 import torch
 
 from vlinfer.ops import moe_reference
-
-KERNEL_SOURCE = os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "triton", "fused_moe.py")
-
+from vlinfer.ops.triton_source import load_triton_module
 
 def load_kernel():
-    """kernels/triton/fused_moe.py as a module, by file path under a private name, loaded afresh (triton reads
-    TRITON_INTERPRET when the kernels are decorated)."""
-    source = os.path.abspath(KERNEL_SOURCE)
-    if not os.path.exists(source):
-        raise FileNotFoundError(f"kernel source {source} is missing (vlinfer must run from its source tree)")
-    spec = importlib.util.spec_from_file_location("_vlinfer_triton_fused_moe", source)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """kernels/triton/fused_moe.py as a module, loaded afresh."""
+    return load_triton_module("fused_moe")
 
 
 def check_kernel(fused_experts, device: torch.device) -> None:

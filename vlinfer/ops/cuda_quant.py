@@ -10,34 +10,22 @@ W8A16 / W4A16) behind the definitions in quant_reference.py. CudaOps' quantized-
   runs the reference (dequantize + matmul) on the device.
 Not run on a GPU yet: tests/test_quantized_cuda_ops.py runs the kernels under the Triton interpreter on CPU tensors.
 """
-import importlib.util
 import logging
-import os
 
 import torch
 
 from vlinfer.ops import quant_reference
+from vlinfer.ops.triton_source import load_triton_module
 
 logger = logging.getLogger("vlinfer")
-KERNEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "triton")
-
-
-def _load(name: str):
-    source = os.path.abspath(os.path.join(KERNEL_DIR, f"{name}.py"))
-    if not os.path.exists(source):
-        raise FileNotFoundError(f"kernel source {source} is missing (vlinfer must run from its source tree)")
-    spec = importlib.util.spec_from_file_location(f"_vlinfer_triton_{name}", source)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class QuantKernels:
     """The loaded Triton modules, checked on tiny problems against the reference on `device`."""
 
     def __init__(self, device: torch.device):
-        self.int8 = _load("int8_gemm")
-        self.weight_only = _load("weight_only_gemm")
+        self.int8 = load_triton_module("int8_gemm")
+        self.weight_only = load_triton_module("weight_only_gemm")
         self._check(device)
 
     def _check(self, device):

@@ -9,6 +9,10 @@ the per-step token bitmask of every constrained sequence.
   state advances with every token it appends. A preempted sequence keeps its tokens, so its matcher stays exact.
 - fill_bitmask computes the next-token masks of a step's constrained sequences in one call on llguidance's
   thread pool, into one int32 [rows, ceil(vocab / 32)] tensor the sampler applies (layers/token_bitmask.py).
+  start_bitmask runs it on this object's own mask thread and returns a Future: a matcher's mask depends only on
+  the tokens it has already consumed, so the model runner starts the masks before the forward and collects them
+  after (llguidance releases the GIL while it computes), and the masks cost the step only what the forward
+  leaves of the CPU.
 
 An engine's requests come from several threads (server handlers make sequences while the loop steps), so the
 cache and the lazy tokenizer are guarded by a lock; the matchers themselves are touched by the loop thread only."""
@@ -16,6 +20,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -37,6 +42,7 @@ class GrammarMatchers:
         self._lock = threading.Lock()
         self._ll_tokenizer = None
         self._executor = None
+        self._mask_thread = None  # runs fill_bitmask beside the forward (start_bitmask)
         self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar text -> a fresh compiled LLMatcher
         self.compile_seconds: dict[str, float] = {}  # grammar text -> how long its compile took (benchmarks)
         self.tokenizer_seconds = 0.0
@@ -93,6 +99,18 @@ class GrammarMatchers:
         self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
                                                row_bytes, len(matchers))
         return bitmask
+
+    def start_bitmask(self, matchers: list) -> Future:
+        """fill_bitmask(matchers) on the mask thread. The caller must not advance these matchers before the result
+        is collected."""
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlinfer-grammar-mask")
+        return self._mask_thread.submit(self.fill_bitmask, matchers)
+
+    def close(self) -> None:
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown(wait=True)
+            self._mask_thread = None
 
     @staticmethod
     def accept(matcher, token_id: int) -> str | None:

@@ -6,6 +6,7 @@ from collections import Counter
 
 from torch import nn
 
+from vlinfer.layers.fused_moe import FusedMoE
 from vlinfer.layers.linear import LinearBase
 from vlinfer.layers.quantization.base import CheckpointQuantization, TensorIndex
 
@@ -44,4 +45,16 @@ def assign_methods(model: nn.Module, quantization: CheckpointQuantization, tenso
         counts["dense" if method is None else method.describe()] += 1
     summary = ", ".join(f"{n} {what}" for what, n in counts.most_common())
     logger.info("quantization (%s): linear layers %s", quantization.describe(), summary)
+    moe_layers = [(name, layer) for name, layer in model.named_modules() if isinstance(layer, FusedMoE)]
+    for name, layer in moe_layers:
+        layer.set_checkpoint_quantization(quantization, tensors, name)
+    quantized_experts = sum(1 for name in tensors if ".experts." in name and name.endswith(QUANTIZED_SUFFIXES))
+    if moe_layers and quantized_experts:
+        logger.warning("quantization (%s): the MoE experts' %d quantized projections are dequantized on load to the "
+                       "compute dtype and run dense (no kept-quantized expert kernels yet): they open and match, but "
+                       "take dense memory", quantization.describe(), quantized_experts)
     return counts
+
+
+# A checkpoint tensor with one of these suffixes carries a quantized projection's scales.
+QUANTIZED_SUFFIXES = (".weight_scale", ".weight_scale_inv")

@@ -88,6 +88,11 @@ class LinearMethod:
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def dequantized_weight(self, layer) -> torch.Tensor:
+        """The loaded weight as float32 [out, in], the checkpoint-form parameters freed: for consumers that run
+        dense (the MoE experts, layers/fused_moe.py)."""
+        raise ValueError(f"{self.describe()} weights cannot be dequantized")
+
 
 class CheckpointQuantization:
     """A checkpoint format's rules for choosing each layer's method (compressed-tensors, FP8, msModelSlim, GGUF,
@@ -99,6 +104,12 @@ class CheckpointQuantization:
         """The method for the checkpoint module `prefix` (e.g. "model.layers.0.self_attn.q_proj") of `layer`;
         None: dense. Raises ValueError naming the tensor when what is present does not fit the format."""
         return None
+
+    def expert_method_for(self, layer, prefix: str, tensors: TensorIndex) -> LinearMethod | None:
+        """The method for one MoE expert projection `prefix` (e.g. "model.layers.0.mlp.experts.3.gate_proj"), whose
+        staging linear is `layer` (layers/fused_moe.py dequantizes what it loads). Formats store experts as they
+        store linear layers."""
+        return self.method_for(layer, prefix, tensors)
 
     def describe(self) -> str:
         return self.name

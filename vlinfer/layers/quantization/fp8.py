@@ -43,12 +43,16 @@ class Fp8BlockMethod(LinearMethod):
         specs["weight_scale_inv"] = ParamSpec((n, blocks), torch.float32, layout)
         return specs
 
-    def process_weights_after_loading(self, layer) -> bool:
+    def dequantized_weight(self, layer) -> torch.Tensor:
         bk = self.block[1]
         k = layer.input_size
         scale = layer.weight_scale_inv.data.repeat_interleave(bk, 1)[:, :k]
-        weight = (layer.weight.data.float() * scale).to(layer.params_dtype)
+        weight = layer.weight.data.float() * scale
         del layer.weight, layer.weight_scale_inv
+        return weight
+
+    def process_weights_after_loading(self, layer) -> bool:
+        weight = self.dequantized_weight(layer).to(layer.params_dtype)
         layer.method = None  # from here on an ordinary dense layer, packed like one
         layer.weight = nn.Parameter(weight, requires_grad=False)
         layer.pack_weight()

@@ -8,6 +8,7 @@ import logging
 import torch
 
 from vlinfer.layers.quantization.base import LinearMethod, ParamLayout, ParamSpec
+from vlinfer.ops.quant_reference import dequantize_weight
 
 logger = logging.getLogger("vlinfer")
 
@@ -123,6 +124,10 @@ class IntWeightMethod(LinearMethod):
     def process_weights_after_loading(self, layer) -> bool:
         layer.quantized = layer.ops.pack_quantized_linear(self.scheme, self.canonical_weight(layer))
         return True
+
+    def dequantized_weight(self, layer) -> torch.Tensor:
+        tensors = self.canonical_weight(layer)
+        return dequantize_weight(tensors["weight"], tensors["weight_scale"], tensors["weight_zero"])
 
     def apply(self, layer, x, bias):
         return layer.ops.weight_only_linear(x, layer.quantized, bias)

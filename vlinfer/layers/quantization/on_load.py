@@ -59,6 +59,9 @@ class OnLoadQuantization(CheckpointQuantization):
         self.kind = kind
         self.name = f"{kind} quantized on load"
 
+    def expert_method_for(self, layer, prefix: str, tensors: TensorIndex) -> LinearMethod | None:
+        return None  # MoE experts stay dense: they are dequantized for the fused op, so quantizing them saves nothing
+
     def method_for(self, layer, prefix: str, tensors: TensorIndex) -> LinearMethod | None:
         if prefix.startswith(VISION_PREFIXES):
             return None
