@@ -15,6 +15,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from conftest import REPO, assert_block_pool_empty
 from vlinfer import LLM, SamplingParams, StructuredOutputsParams
@@ -250,7 +251,7 @@ def test_token_bitmask_unpacks_and_masks_only_its_rows():
     """The bit layout (bit t % 32 of word t // 32, bit 31 the sign bit) against a per-token loop; logits wider than
     the mask's vocabulary get -inf past it; unconstrained rows are untouched."""
     import torch
-    from vlinfer.layers.token_bitmask import apply_token_bitmask, unpack_bitmask
+    from vlinfer.ops.token_bitmask_reference import apply_token_bitmask, unpack_bitmask
     vocab = 100
     allowed = torch.rand(3, vocab, generator=torch.Generator().manual_seed(0)) < 0.3
     allowed[:, 31] = allowed[:, 63] = True  # the sign bit of two words
@@ -266,3 +267,24 @@ def test_token_bitmask_unpacks_and_masks_only_its_rows():
     every_row = torch.zeros(3, vocab)
     apply_token_bitmask(every_row, [0, 1, 2], bitmask)
     assert torch.equal(torch.isinf(every_row), ~allowed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_bitmask_kernel_equals_the_reference(dtype):
+    """The CPU op table's kernel (kernels/cpu/paged_ops.cpp) against ops/token_bitmask_reference.py: random masks
+    with all-ones and all-zeros words, a vocabulary that is not a multiple of 32, logits wider than the mask, only
+    some rows constrained and out of order."""
+    from vlinfer.ops.cpu import CpuOps
+    from vlinfer.ops.token_bitmask_reference import apply_token_bitmask
+    ops = CpuOps()
+    g = torch.Generator().manual_seed(0)
+    for vocab, words in ((100, 4), (49157, 1537), (130, 4)):  # the last: 130 logits, a 128-token mask
+        bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, words), dtype=torch.int32, generator=g)
+        bitmask[0, 1] = -1  # every token of a word allowed
+        bitmask[1, 2] = 0  # none
+        logits = torch.randn(5, vocab, generator=g).to(dtype)
+        ours, ref = logits.clone(), logits.clone()
+        ops.apply_token_bitmask(ours, [4, 0, 2], bitmask)
+        apply_token_bitmask(ref, [4, 0, 2], bitmask)
+        assert torch.equal(ours, ref), vocab
+        assert torch.isinf(ours[[0, 2, 4]]).any() and not torch.isinf(ours[[1, 3]]).any()

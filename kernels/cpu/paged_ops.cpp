@@ -1,5 +1,5 @@
 // CPU kernels for the engine's hot ops: paged decode attention, the paged KV-cache write, in-place rotary, RMSNorm
-// (plain and fused with the residual add), SiLU-and-multiply and tanh GELU. The AVX512-BF16 attention kernels (bf16
+// (plain and fused with the residual add), SiLU-and-multiply, tanh GELU and the structured-output token bitmask. The AVX512-BF16 attention kernels (bf16
 // decode, the vision tower's attention) are in attention_bf16.cpp and registered here.
 // bfloat16 / float32 storage, float32 accumulation, OpenMP over independent (sequence, head) pairs.
 // Semantics are defined by vlinfer/ops/reference.py; tests compare against it.
@@ -333,6 +333,47 @@ at::Tensor gelu_tanh_(at::Tensor& x) {
 
 }  // namespace
 
+// Structured outputs: logits[rows[i], t] = -inf wherever bit t % 32 of word t / 32 of bitmask[i] is clear (the
+// layout llguidance and xgrammar write), and past the mask's 32 * words tokens. One pass over the words; a word of
+// all ones (most of them inside a JSON string) costs one compare. Defined by ops/token_bitmask_reference.py.
+template <typename scalar_t>
+void apply_token_bitmask_impl(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bitmask) {
+  const int64_t vocab = logits.size(1), words = bitmask.size(1), count = rows.size(0);
+  scalar_t* base = logits.data_ptr<scalar_t>();
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  const uint32_t* masks = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const scalar_t neg_inf = static_cast<scalar_t>(-std::numeric_limits<float>::infinity());
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      scalar_t* row = base + row_ids[i] * vocab;
+      const uint32_t* mask = masks + i * words;
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        const uint32_t word = w < words ? mask[w] : 0u;
+        if (word == 0xFFFFFFFFu) continue;
+        const int64_t n = std::min<int64_t>(32, vocab - w * 32);
+        for (int64_t b = 0; b < n; ++b) {
+          if (!((word >> b) & 1u)) row[w * 32 + b] = neg_inf;
+        }
+      }
+    }
+  });
+}
+
+void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits must be a contiguous [B, vocab] tensor");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(),
+              "bitmask must be a contiguous int32 [rows, words] tensor");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.size(0) == bitmask.size(0),
+              "rows must be int64 [rows], one per bitmask row");
+  if (rows.size(0)) {
+    const int64_t lo = rows.min().item<int64_t>(), hi = rows.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < logits.size(0), "rows must index the logits' rows");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "apply_token_bitmask", [&] {
+    apply_token_bitmask_impl<scalar_t>(logits, rows, bitmask);
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("store_kvcache", &store_kvcache, "paged KV-cache write (CPU)");
@@ -340,6 +381,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
+  m.def("apply_token_bitmask", &apply_token_bitmask, "grammar token bitmask applied to logits rows in place (CPU)");
   m.def("gelu_tanh_", &gelu_tanh_, "tanh-approximated GELU in place (CPU)");
   m.def("bf16_attention_available", &bf16_attention_available, "built with AVX512-BF16");
   m.def("prefill_attention", &prefill_attention, "bf16 causal attention of prefill chunks over the paged cache (CPU)");

@@ -351,7 +351,7 @@ class ModelRunner:
             bitmask = (constrained, masks.result()) if masks is not None else None
         if logits is None:
             return []
-        tokens, logprobs = sample(logits, sample_seqs, self.eos_token_ids, bitmask)
+        tokens, logprobs = sample(logits, sample_seqs, self.eos_token_ids, bitmask, self.ctx.ops.apply_token_bitmask)
         return list(zip(sample_seqs, tokens, logprobs))
 
     @torch.inference_mode()

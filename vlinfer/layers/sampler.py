@@ -3,8 +3,8 @@
 The chain, per row, in this order (tests/test_sampling.py checks each step against transformers' logits processors
 on the same logits, and the whole chain against theirs in sequence):
 
-0. structured outputs: the grammar's token bitmask (layers/token_bitmask.py), for constrained rows, all in one
-   masked_fill. First, as vLLM applies it (before its sampler), so the logprobs below are over what the grammar
+0. structured outputs: the grammar's token bitmask (the op table's apply_token_bitmask, defined in
+   ops/token_bitmask_reference.py), for constrained rows, all in one pass. First, as vLLM applies it (before its sampler), so the logprobs below are over what the grammar
    allows and every later step only sees allowed tokens.
 1. logprobs, when asked for: log_softmax of the raw model logits in float32, before anything below. This is vLLM's
    default (logprobs_mode="raw_logprobs") and what the OpenAI API reports.
@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from vlinfer.layers.token_bitmask import apply_token_bitmask
+from vlinfer.ops import token_bitmask_reference
 from vlinfer.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -215,10 +215,12 @@ def _logprob_entries(raw_logprobs: torch.Tensor, params: list[SamplingParams], t
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],
-           grammar_bitmask: tuple[list[int], torch.Tensor] | None = None):
+           grammar_bitmask: tuple[list[int], torch.Tensor] | None = None,
+           apply_token_bitmask=token_bitmask_reference.apply_token_bitmask):
     """logits [B, vocab] -> (token ids list[int], per-row {token: logprob} or None). Float32 logits are processed
     in place (the runner's are a fresh tensor each step; a copy of [B, vocab] per step would cost more than all
-    the rest here). grammar_bitmask: (rows, int32 [len(rows), ceil(vocab / 32)]) for the constrained rows."""
+    the rest here). grammar_bitmask: (rows, int32 [len(rows), ceil(vocab / 32)]) for the constrained rows, applied
+    by `apply_token_bitmask` (the engine passes its op table's)."""
     logits = logits.float()
     if grammar_bitmask is not None:
         apply_token_bitmask(logits, *grammar_bitmask)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from vlinfer import platform
-from vlinfer.ops import cpu_moe, cpu_quant, gguf_cpu, gguf_reference, reference
+from vlinfer.ops import cpu_moe, cpu_quant, gguf_cpu, gguf_reference, reference, token_bitmask_reference
 from vlinfer.ops.per_step import PerStep
 from vlinfer.ops.cpu_isa_flags import ISA_FLAGS
 from vlinfer.ops.reference import ReferenceOps
@@ -167,6 +167,11 @@ class CpuOps(ReferenceOps):
         if x.dim() != 2:
             return reference.silu_and_mul(x)
         return self.ext.silu_and_mul(x)
+
+    def apply_token_bitmask(self, logits, rows, bitmask):
+        if logits.device.type != "cpu" or logits.dim() != 2 or not logits.is_contiguous():
+            return token_bitmask_reference.apply_token_bitmask(logits, rows, bitmask)
+        self.ext.apply_token_bitmask(logits, torch.tensor(rows, dtype=torch.long), bitmask.contiguous())
 
     def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, expert_offset=0):
         """Grouped GEMMs over the pairs sorted by expert (ops/cpu_moe.py), our SiLU-and-multiply between."""

@@ -7,7 +7,7 @@ state an implementation keeps (loaded kernels, per-step caches)."""
 import torch
 import torch.nn.functional as F
 
-from vlinfer.ops import gguf_reference, moe_reference, quant_reference
+from vlinfer.ops import gguf_reference, moe_reference, quant_reference, token_bitmask_reference
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -160,6 +160,7 @@ class ReferenceOps:
     varlen_attention = staticmethod(varlen_attention)
     linear = staticmethod(linear)
     fused_moe = staticmethod(moe_reference.fused_moe)
+    apply_token_bitmask = staticmethod(token_bitmask_reference.apply_token_bitmask)
 
     def pack_moe_weights(self, w13: torch.Tensor, w2: torch.Tensor):
         """(w13, w2) in the layout this implementation's `fused_moe` runs fastest on, or None to keep them as they

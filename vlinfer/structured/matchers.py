@@ -8,7 +8,7 @@ the per-step token bitmask of every constrained sequence.
   caller's thread under the engine loop), not in a step; each sequence gets a copy of the compiled matcher, whose
   state advances with every token it appends. A preempted sequence keeps its tokens, so its matcher stays exact.
 - fill_bitmask computes the next-token masks of a step's constrained sequences in one call on llguidance's
-  thread pool, into one int32 [rows, ceil(vocab / 32)] tensor the sampler applies (layers/token_bitmask.py).
+  thread pool, into one int32 [rows, ceil(vocab / 32)] tensor the sampler applies (ops.apply_token_bitmask).
   start_bitmask runs it on this object's own mask thread and returns a Future: a matcher's mask depends only on
   the tokens it has already consumed, so the model runner starts the masks before the forward and collects them
   after (llguidance releases the GIL while it computes), and the masks cost the step only what the forward

@@ -1,8 +1,11 @@
-"""Applies grammar token bitmasks (structured outputs) to a batch's logits in one vectorized step.
+"""The definition of the structured-output mask op, `ops.apply_token_bitmask`: grammar token bitmasks applied to
+a batch's logits.
 
 A bitmask row is int32 [ceil(vocab / 32)] with bit t % 32 of word t // 32 set when token t is allowed: the layout
-llguidance and xgrammar write. Plain torch ops (shift, and, masked_fill), so the same code runs on CPU, CUDA and
-NPU tensors; the engine computes the masks on the host and this moves them to the logits' device in one copy."""
+llguidance and xgrammar write. Plain torch ops (shift, and, masked_fill), so this runs on CPU, CUDA and NPU tensors
+(the engine computes the masks on the host; this moves them to the logits' device in one copy). The CPU op table
+runs our kernel instead (kernels/cpu/paged_ops.cpp): unpacking to a [rows, vocab] boolean and filling costs ~20 ms
+a step for 64 rows of 49K tokens, the kernel's one pass over the words a fraction of a millisecond."""
 import torch
 
 NEG_INF = float("-inf")
