@@ -4,8 +4,8 @@ The chain, per row, in this order (tests/test_sampling.py checks each step again
 on the same logits, and the whole chain against theirs in sequence):
 
 0. structured outputs: the grammar's token bitmask (the op table's apply_token_bitmask, defined in
-   ops/token_bitmask_reference.py), for constrained rows, all in one pass. First, as vLLM applies it (before its sampler), so the logprobs below are over what the grammar
-   allows and every later step only sees allowed tokens.
+   ops/token_bitmask_reference.py), for constrained rows, all in one pass. First, as vLLM applies it (before its
+   sampler), so the logprobs below are over what the grammar allows and every later step only sees allowed tokens.
 1. logprobs, when asked for: log_softmax of the raw model logits in float32, before anything below. This is vLLM's
    default (logprobs_mode="raw_logprobs") and what the OpenAI API reports.
 2. process_logits, on every row (greedy ones too, so they change the arg-max):
