@@ -228,6 +228,19 @@ def test_compiled_once_per_distinct_constraint(tiny_vl):
     assert c.key in grammars.compile_seconds
 
 
+def test_mask_thread_gives_the_masks_of_the_loop_thread(tiny_vl):
+    """start_bitmask (the mask thread an accelerator's step overlaps with its forward) fills what fill_bitmask
+    fills, for matchers at different points of their grammars."""
+    grammars = tiny_vl.engine.grammar_matchers
+    matchers = [grammars.new_matcher(StructuredOutputsParams(choice=["yes", "no"])),
+                grammars.new_matcher(StructuredOutputsParams(regex=r"[a-c]{2}"))]
+    token = tiny_vl.engine.tokenizer.encode("a", add_special_tokens=False)[0]
+    assert matchers[1].consume_token(token)
+    expected = grammars.fill_bitmask(matchers)
+    assert torch.equal(grammars.start_bitmask(matchers).result(), expected)
+    assert not torch.equal(expected[0], expected[1])
+
+
 def test_caption_cli_with_a_json_schema(tmp_path):
     from vlinfer.__main__ import main
     schema_file = tmp_path / "schema.json"
@@ -282,6 +295,7 @@ def test_cpu_bitmask_kernel_equals_the_reference(dtype):
         bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, words), dtype=torch.int32, generator=g)
         bitmask[0, 1] = -1  # every token of a word allowed
         bitmask[1, 2] = 0  # none
+        bitmask[2, -1] = 0  # none, in the last word (short of 32 tokens when the vocabulary is not a multiple)
         logits = torch.randn(5, vocab, generator=g).to(dtype)
         ours, ref = logits.clone(), logits.clone()
         ops.apply_token_bitmask(ours, [4, 0, 2], bitmask)

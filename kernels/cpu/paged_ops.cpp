@@ -335,7 +335,8 @@ at::Tensor gelu_tanh_(at::Tensor& x) {
 
 // Structured outputs: logits[rows[i], t] = -inf wherever bit t % 32 of word t / 32 of bitmask[i] is clear (the
 // layout llguidance and xgrammar write), and past the mask's 32 * words tokens. One pass over the words; a word of
-// all ones (most of them inside a JSON string) costs one compare. Defined by ops/token_bitmask_reference.py.
+// all ones (most of them inside a JSON string) costs one compare, one of all zeros a vector fill. Defined by
+// ops/token_bitmask_reference.py.
 template <typename scalar_t>
 void apply_token_bitmask_impl(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& bitmask) {
   const int64_t vocab = logits.size(1), words = bitmask.size(1), count = rows.size(0);
@@ -351,6 +352,10 @@ void apply_token_bitmask_impl(at::Tensor& logits, const at::Tensor& rows, const 
         const uint32_t word = w < words ? mask[w] : 0u;
         if (word == 0xFFFFFFFFu) continue;
         const int64_t n = std::min<int64_t>(32, vocab - w * 32);
+        if (word == 0u) {  // outside a string most words allow nothing: a straight fill the compiler vectorizes
+          std::fill_n(row + w * 32, n, neg_inf);
+          continue;
+        }
         for (int64_t b = 0; b < n; ++b) {
           if (!((word >> b) & 1u)) row[w * 32 + b] = neg_inf;
         }

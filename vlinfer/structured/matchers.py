@@ -10,9 +10,9 @@ the per-step token bitmask of every constrained sequence.
 - fill_bitmask computes the next-token masks of a step's constrained sequences in one call on llguidance's
   thread pool, into one int32 [rows, ceil(vocab / 32)] tensor the sampler applies (ops.apply_token_bitmask).
   start_bitmask runs it on this object's own mask thread and returns a Future: a matcher's mask depends only on
-  the tokens it has already consumed, so the model runner starts the masks before the forward and collects them
-  after (llguidance releases the GIL while it computes), and the masks cost the step only what the forward
-  leaves of the CPU.
+  the tokens it has already consumed, so when an accelerator runs the forward the model runner starts the masks
+  before it and collects them after (llguidance releases the GIL while it computes). On the CPU the runner calls
+  fill_bitmask after the forward: there the forward holds every core.
 
 An engine's requests come from several threads (server handlers make sequences while the loop steps), so the
 cache and the lazy tokenizer are guarded by a lock; the matchers themselves are touched by the loop thread only."""
