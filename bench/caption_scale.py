@@ -9,25 +9,15 @@ the per-block overhead and how close 2 replicas come to one process; on a cluste
 """
 import argparse
 import os
-import platform
+import sys
 import tempfile
 import time
 
 import numpy as np
 from PIL import Image
 
-
-def cpu_name() -> str:
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        name = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
-        have = set(next(line for line in text.splitlines() if line.startswith("flags")).split(":", 1)[1].split())
-        flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have)
-    except (OSError, StopIteration):
-        name = platform.processor()
-    return f"{name}, {os.cpu_count()} cores, {flags}"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from machine import machine  # noqa: E402
 
 
 def make_images(folder: str, n: int) -> list[str]:
@@ -99,7 +89,7 @@ def main() -> None:
         ray.shutdown()
     base = rows[0][1]
     print(f"\ncaptioning {args.images} images ({args.model}, {args.max_tokens} tokens each, batch "
-          f"{args.batch_size}) on {cpu_name()}, {time.strftime('%Y-%m-%d')}\n")
+          f"{args.batch_size}) on {machine()}\n")
     print(f"| run | images/s | tokens | vs single process |\n|---|---:|---:|---:|")
     for name, rate, tokens in rows:
         print(f"| {name} | {rate:.2f} | {tokens} | {rate / base:.2f}x |")

@@ -15,6 +15,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from machine import machine  # noqa: E402
+
 
 def register_kernels_as_custom_ops(runner, variant: str) -> None:
     """torch.compile cannot trace through our pybind kernels; as custom ops they stay single graph nodes. The
@@ -136,17 +139,6 @@ def measure(args) -> None:
     print(f"RESULT {first:.2f} {ms:.2f} {out.float().abs().mean().item():.6f} {graphs}", flush=True)
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return "?"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    return name + ", " + " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -170,9 +162,7 @@ def main(argv=None):
         measure(args)
         return 0
     print(f"{args.model} {args.dtype}, decode step of batch {args.batch}, contexts {args.min_context}-"
-          f"{args.max_context}, torch {torch.__version__}, {os.cpu_count()} CPUs ({cpu_name()}), "
-          f"{args.threads or torch.get_num_threads()} threads; load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+          f"{args.max_context}, {args.threads or torch.get_num_threads()} threads; {machine()}", flush=True)
     rows = []
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
     slow_steps = ["--steps", "1"]  # the views row copies about half the pool per layer: seconds per step

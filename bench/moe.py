@@ -34,8 +34,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `vlinfer bench` loads this file by its path
-from throughput import machine  # noqa: E402
-from vlm_throughput import load, matmul_peak_gflops  # noqa: E402
+import text_workload  # noqa: E402
+from machine import bandwidth_gbs, load, machine, matmul_peak_gflops  # noqa: E402
 
 
 def qwen3_moe_config(shape: str, layers: int):
@@ -111,26 +111,6 @@ def decode_step_bytes(d: dict, element: int) -> float:
     return element * (d["layers"] * (d["dense_layer"] + d["top_k"] * d["expert"]) + d["head"])
 
 
-def memory_bandwidth_gbs() -> float:
-    """Read bandwidth now: the best of five sums over a 1 GiB float32 buffer (all threads)."""
-    buf = torch.ones(256 * 1024 * 1024)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - start)
-    del buf
-    return 1024 ** 3 / best / 1e9
-
-
-def make_workload(args):
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(args.min_input, args.max_input))]
-               for _ in range(args.num_requests)]
-    outputs = [rng.randint(args.min_output, args.max_output) for _ in range(args.num_requests)]
-    return prompts, outputs
-
-
 def single_prompt(args):
     rng = random.Random(args.seed + 1)
     return [rng.randrange(100, 40000) for _ in range(args.decode_prompt)]
@@ -196,15 +176,10 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto: bf16 where the CPU has native bf16, float32 otherwise")
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--min-input", type=int, default=32)
-    p.add_argument("--max-input", type=int, default=256)
-    p.add_argument("--min-output", type=int, default=32)
-    p.add_argument("--max-output", type=int, default=128)
+    text_workload.add_args(p, num_requests=32, max_output=128)
     p.add_argument("--decode-prompt", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--hf-batch-size", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--folder", default="~/.cache/vlinfer/bench")
     p.add_argument("--skip-transformers", action="store_true")
     args = p.parse_args(argv)
@@ -218,7 +193,7 @@ def main(argv=None):
     path = ensure_checkpoint(args.folder, args.shape, args.layers, dtype, args.seed)
     config = qwen3_moe_config(args.shape, args.layers)
     d = dims(config)
-    prompts, out_lens = make_workload(args)
+    prompts, out_lens = text_workload.make(args)
     stream_prompt = single_prompt(args)
     flops = model_flops(d, list(map(len, prompts)), out_lens)
     dtype_name = str(dtype).split(".")[-1]
@@ -230,7 +205,7 @@ def main(argv=None):
           f"({sum(map(len, prompts))} tokens), outputs {args.min_output}-{args.max_output} ({sum(out_lens)} tokens), "
           f"greedy, EOS ignored; {flops / 1e12:.2f} TFLOP of model FLOPs")
     print(f"single stream: a {args.decode_prompt}-token prompt, {args.decode_tokens} decode tokens", flush=True)
-    peak_before, bw_before = matmul_peak_gflops(dtype, "cpu"), memory_bandwidth_gbs()
+    peak_before, bw_before = matmul_peak_gflops(dtype, "cpu"), bandwidth_gbs()[0]
     max_len = max(args.max_input + args.max_output, args.decode_prompt + args.decode_tokens) + 8
 
     rows = []
@@ -247,7 +222,7 @@ def main(argv=None):
         del engine
         gc.collect()
     peak = max(peak_before, matmul_peak_gflops(dtype, "cpu"))
-    bandwidth = max(bw_before, memory_bandwidth_gbs())
+    bandwidth = max(bw_before, bandwidth_gbs()[0])
     step_bytes = decode_step_bytes(d, torch.tensor([], dtype=dtype).element_size())
 
     print(f"\nmachine: {machine()}")

@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
 from peers.protocol import time_runs  # noqa: E402
-from single_stream import bandwidth_gbs  # noqa: E402
-from throughput import load, machine, model_dims  # noqa: E402
+from machine import bandwidth_gbs, load, machine  # noqa: E402
+from throughput import model_dims  # noqa: E402
 
 # name -> (model source, dtype, quantization, bytes per linear weight, bytes per LM head weight)
 ENGINES = {

@@ -17,30 +17,14 @@ import argparse
 import os
 import random
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
 from peers.protocol import time_runs  # noqa: E402
-from throughput import load, machine, model_dims  # noqa: E402
-
-
-def bandwidth_gbs() -> tuple[float, float]:
-    """(read, copy) GB/s now: best of 5 sums of a 1 GiB float32 tensor (reads it once) and copies of a 512 MiB one
-    (reads and writes it once), far beyond any cache."""
-    big = torch.ones(2 ** 28)
-    src, dst = torch.ones(2 ** 27), torch.empty(2 ** 27)
-    read = copy = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        big.sum()
-        read = min(read, time.perf_counter() - start)
-        start = time.perf_counter()
-        dst.copy_(src)
-        copy = min(copy, time.perf_counter() - start)
-    return big.nbytes / read / 1e9, 2 * src.nbytes / copy / 1e9
+from machine import bandwidth_gbs, load, machine  # noqa: E402
+from throughput import model_dims  # noqa: E402
 
 
 def same_tokens(a: list, b: list) -> str:

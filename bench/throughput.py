@@ -24,10 +24,7 @@ EOS stays ignored, so both runs generate the same number of tokens; once a reque
 allows only EOS, so the share of tokens generated inside an open grammar is printed too.
 """
 import argparse
-import datetime
 import os
-import platform as py_platform
-import random
 import sys
 import time
 
@@ -35,31 +32,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `vlinfer bench` loads this file by its path
 import peers  # noqa: E402
-from vlm_throughput import load, matmul_peak_gflops  # noqa: E402
-
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile",
-             "amx_bf16", "amx_int8")
-
-
-def machine() -> str:
-    """CPU model, the SIMD/matrix flags that decide the kernels, cores, torch, time and load: printed with every
-    figure, since the figures only mean something next to them."""
-    name, flags = py_platform.processor() or py_platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    name = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
-    have = " ".join(f for f in CPU_FLAGS if f in flags) or "none of " + " ".join(CPU_FLAGS)
-    return (f"{name}, {os.cpu_count()} cores, flags: {have}; torch {torch.__version__}, {torch.get_num_threads()} "
-            f"threads; {datetime.datetime.now().isoformat(timespec='seconds')}; {load()}")
-
+import text_workload  # noqa: E402
+from machine import load, machine, matmul_peak_gflops  # noqa: E402
 
 def model_dims(model: str) -> dict:
     from vlinfer import model_loader
@@ -84,14 +58,6 @@ def model_flops(dims: dict, prompt_lens, out_lens) -> float:
         total += 2 * dims["layer_params"] * forwarded + 2 * dims["head_params"] * n
         total += 4 * dims["layers"] * dims["q_dim"] * attended
     return total
-
-
-def make_workload(args):
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(args.min_input, args.max_input))]
-               for _ in range(args.num_requests)]
-    outputs = [rng.randint(args.min_output, args.max_output) for _ in range(args.num_requests)]
-    return prompts, outputs
 
 
 def run_vlinfer(args, prompts, out_lens):
@@ -253,12 +219,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--min-input", type=int, default=32)
-    p.add_argument("--max-input", type=int, default=256)
-    p.add_argument("--min-output", type=int, default=32)
-    p.add_argument("--max-output", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    text_workload.add_args(p, num_requests=64, max_output=256)
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--skip-transformers", action="store_true")
@@ -269,7 +230,7 @@ def main(argv=None):
     p.add_argument("--structured", action="store_true",
                    help="vlinfer alone: the workload unconstrained and under JSON schemas (structured outputs)")
     args = p.parse_args(argv)
-    prompts, out_lens = make_workload(args)
+    prompts, out_lens = text_workload.make(args)
     dims = model_dims(args.model)
     flops = model_flops(dims, list(map(len, prompts)), out_lens)
     print(f"machine: {machine()}")

@@ -14,11 +14,9 @@ batches. Both timings include image preprocessing and prompt tokenization.
     python bench/vlm_throughput.py --video --num-requests 16             # 16 clips of 4-8 s, 448x448, 2 fps
 """
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform as py_platform
 import random
 import shutil
 import sys
@@ -26,6 +24,9 @@ import time
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `vlinfer bench --vlm` loads this file by its path
+from machine import load, machine, matmul_peak_gflops, synchronize  # noqa: E402
 
 IMAGE, VIDEO, VISION_START, VISION_END = 151655, 151656, 151652, 151653
 PAD = 151643  # <|endoftext|>, Qwen's pad token
@@ -102,11 +103,6 @@ def ensure_checkpoint(folder: str, shape: str, seed: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- workload
-
-def load() -> str:
-    """The load average: other processes on a small machine skew both engines' timings."""
-    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1/5/15 min)"
-
 
 def parse_size(text: str) -> tuple[int, int]:
     """'WxH' -> (width, height)."""
@@ -290,37 +286,6 @@ def workload_flops(path, image_patches, prompt_lens, max_tokens) -> dict[str, fl
             "decode": decode}
 
 
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def matmul_peak_gflops(dtype, device: str) -> float:
-    """This machine's bf16 matmul rate now: the best of a few 2048 x 2048 x 8192 oneDNN matmuls on prepacked
-    weights (what our linear layers run) on CPU; the best of a few 8192^3 torch.matmul on a GPU."""
-    if device.startswith("cuda"):
-        a = torch.randn(8192, 8192, device=device).to(dtype)
-        flops = 2 * 8192 ** 3
-
-        def matmul():
-            torch.matmul(a, a)
-    else:
-        x = torch.randn(2048, 2048).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(8192, 2048).to(dtype), None)
-        flops = 2 * 2048 * 2048 * 8192
-
-        def matmul():
-            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    best = float("inf")
-    for _ in range(5):
-        synchronize(device)
-        start = time.perf_counter()
-        matmul()
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return flops / best / 1e9
-
-
 # ------------------------------------------------------------------------------------------------- main
 
 def main(argv=None):
@@ -352,9 +317,7 @@ def main(argv=None):
     image_tokens = [proc.num_image_tokens(im.height, im.width) for _, im in requests]
     max_model_len = -(-(max(image_tokens) + 64 + args.max_tokens) // 256) * 256
     accelerator = f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
-    print(f"machine: {py_platform.machine()}, nproc {os.cpu_count()}, torch threads {torch.get_num_threads()}, "
-          f"torch {torch.__version__}{accelerator}; {datetime.datetime.now().isoformat(timespec='seconds')}; "
-          f"{load()}")
+    print(f"machine: {machine()}{accelerator}")
     print(f"workload: {args.num_requests} requests, one image each ({args.min_image_size} to {args.max_image_size}, "
           f"{sum(image_tokens)} image tokens, {min(image_tokens)}-{max(image_tokens)} per image), "
           f"{args.max_tokens} output tokens each (EOS ignored, greedy), Qwen3-VL {args.shape} random weights "

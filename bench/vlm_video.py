@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 import vlm_throughput as base
+from machine import load, machine, synchronize
 
 VIDEO_PROMPT = ("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>{question}<|im_end|>\n"
                 "<|im_start|>assistant\n")
@@ -121,7 +122,7 @@ class Timer:
             try:
                 return fn(*a, **kw)
             finally:
-                base.synchronize(self.device)
+                synchronize(self.device)
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
         return timed
 
@@ -220,7 +221,7 @@ def run_transformers(args, path, requests):
         outputs.extend(generate(inputs, args.max_tokens))
         all_rows.extend(rows)
         print(f"  transformers batch {i // args.hf_batch_size + 1}/{-(-len(requests) // args.hf_batch_size)} "
-              f"done at {time.perf_counter() - start:.0f}s; {base.load()}", flush=True)
+              f"done at {time.perf_counter() - start:.0f}s; {load()}", flush=True)
     elapsed = time.perf_counter() - start
     del model
     gc.collect()
@@ -240,8 +241,7 @@ def breakdown(name: str, s: dict) -> None:
 
 def main(args, path: str) -> int:
     ensure_video_config(path)
-    print(f"machine: nproc {os.cpu_count()}, torch threads {torch.get_num_threads()}, torch {torch.__version__}; "
-          f"{base.load()}")
+    print(f"machine: {machine()}")
     with tempfile.TemporaryDirectory(prefix="vlinfer-bench-clips-") as folder:
         t = time.perf_counter()
         requests = make_workload(args, folder)
@@ -254,11 +254,11 @@ def main(args, path: str) -> int:
               flush=True)
         v = run_vlinfer(args, path, requests, max_model_len, tokens)
         print(f"vlinfer done: {v['tokens'] / v['seconds']:.1f} tok/s, {v['seconds']:.1f}s ({v['frames']} frames, "
-              f"{v['video_tokens']} video tokens, {v['steps']} steps); {base.load()}", flush=True)
+              f"{v['video_tokens']} video tokens, {v['steps']} steps); {load()}", flush=True)
         h = None
         if not args.skip_transformers:
             h = run_transformers(args, path, requests)
-            print(f"transformers done: {h['tokens'] / h['seconds']:.1f} tok/s, {h['seconds']:.1f}s; {base.load()}",
+            print(f"transformers done: {h['tokens'] / h['seconds']:.1f} tok/s, {h['seconds']:.1f}s; {load()}",
                   flush=True)
     print("\n| engine | output tokens | time (s) | output tok/s |\n|---|---|---|---|")
     print(f"| vlinfer | {v['tokens']} | {v['seconds']:.1f} | {v['tokens'] / v['seconds']:.1f} |")
