@@ -41,10 +41,11 @@ def test_package_ships_the_trained_model_small():
     assert trained == embedded_vl.TRAINING, "the shipped weights are not from the recorded training run"
 
 
-# Not met yet (measured on the shipped 4000-step run, 200 held-out scenes: captions 44%, answers 76%): strict, so
-# the marker must go when a longer training run meets the bar. The bar itself is the and stays.
-NOT_MET = pytest.mark.xfail(strict=True, reason="the shipped toy is undertrained: held-out captions 44% and answers "
-                                                "76% right, under the 90% bar (tools/train_embedded.py)")
+# Not met yet (measured on the shipped 6000-step run, 200 held-out scenes: captions 86%, answers 91%; on the 40
+# scenes below captions 75%, answers 93%): strict, so the marker must go when a training run meets the bar. The bar
+# itself is the and stays.
+NOT_MET = pytest.mark.xfail(strict=True, reason="the shipped toy's captions are under the bar: held-out captions 86% "
+                                                "right (75% of these 40), answers 91% (tools/train_embedded.py)")
 
 
 @NOT_MET
@@ -56,7 +57,6 @@ def test_toy_describes_held_out_scenes(toy):
     assert_block_pool_empty(toy[1])
 
 
-@NOT_MET
 def test_example_image_gets_a_true_caption(toy):
     out = toy[1].chat([{"role": "user", "content": [
         {"type": "image", "image": os.path.join(REPO, "examples", "images", "red_house.png")},

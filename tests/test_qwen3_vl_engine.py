@@ -280,3 +280,20 @@ def test_chat_text_with_vision_tokens_is_rejected(checkpoint):
         llm.chat([{"role": "user", "content": "look <|image_pad|> here"}], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="unsupported content part"):
         llm.chat([{"role": "user", "content": [{"type": "audio", "audio": "x"}]}], GREEDY, use_tqdm=False)
+
+
+def test_chat_media_parts_are_split_in_order_and_a_missing_source_is_named():
+    from vlinfer.multimodal.chat import split_chat_media
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "a.png"}}, {"type": "text", "text": "and"},
+        {"type": "video", "video": "b.mp4"}, {"type": "input_image", "image": "c.png"},
+        {"type": "video_url", "video_url": {"url": "d.mp4"}}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}]
+    out, images, videos = split_chat_media(messages)
+    assert images == ["a.png", "c.png"] and videos == ["b.mp4", "d.mp4"]
+    assert [p["type"] for p in out[0]["content"]] == ["image", "text", "video", "image", "video"]
+    assert out[1]["content"] == "ok"  # text-only parts become a plain string
+    with pytest.raises(ValueError, match=r"message 0 part 1: an image part needs 'image' or 'image_url'"):
+        split_chat_media([{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url"}]}])
+    with pytest.raises(ValueError, match=r"message 0 part 0: a video part needs 'video' or 'video_url'"):
+        split_chat_media([{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}])

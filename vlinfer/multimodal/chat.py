@@ -35,22 +35,16 @@ def split_chat_media(messages: list[dict]) -> tuple[list[dict], list, list]:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
                 parts.append({"type": "text", "text": part.get("text", "")})
-            elif kind in IMAGE_PART_TYPES:
-                source = part.get("image", part.get("image_url"))
+            elif kind in IMAGE_PART_TYPES or kind in VIDEO_PART_TYPES:
+                media = "image" if kind in IMAGE_PART_TYPES else "video"
+                source = part.get(media, part.get(f"{media}_url"))
                 if isinstance(source, dict):
                     source = source.get("url")
                 if source is None:
-                    raise ValueError(f"message {i} part {j}: an image part needs 'image' or 'image_url': {{'url'}}")
-                images.append(source)
-                parts.append({"type": "image"})
-            elif kind in VIDEO_PART_TYPES:
-                source = part.get("video", part.get("video_url"))
-                if isinstance(source, dict):
-                    source = source.get("url")
-                if source is None:
-                    raise ValueError(f"message {i} part {j}: a video part needs 'video' or 'video_url': {{'url'}}")
-                videos.append(source)
-                parts.append({"type": "video"})
+                    raise ValueError(f"message {i} part {j}: {'an' if media == 'image' else 'a'} {media} part needs "
+                                     f"'{media}' or '{media}_url': {{'url'}}")
+                (images if media == "image" else videos).append(source)
+                parts.append({"type": media})
             else:
                 raise ValueError(f"message {i} part {j}: unsupported content part type {kind!r}; "
                                  "use 'text', 'image', 'image_url', 'video' or 'video_url'")

@@ -1,8 +1,8 @@
-"""Headless Chromium screenshot of a running demo with a video question asked in it:
-`python apps/screenshot_video.py CLIP.mp4 [--port 7860] [--out docs/demo-video.png]`.
+"""Headless Chromium screenshot of a running demo with a question about a picture or a clip asked in it:
+`python apps/screenshot_chat.py FILE [--question "..."] [--port 7860] [--out docs/demo.png]` (an image or a video).
 
-apps/screenshot.sh shoots the page as it loads; a clip in the chat needs the page driven, so this talks to Chromium
-over its DevTools protocol (the `websockets` package Gradio already depends on): load the page, put the clip in the
+apps/screenshot.sh shoots the page as it loads; a file in the chat needs the page driven, so this talks to Chromium
+over its DevTools protocol (the `websockets` package Gradio already depends on): load the page, put the file in the
 message box's file input, type the question, send, wait for the streamed answer, capture. Needs Debian's
 `chromium` (apt-get install -y chromium); the flags keep it offline, as screenshot.sh does."""
 import argparse
@@ -18,7 +18,7 @@ import time
 import urllib.request
 
 
-async def _drive(ws_url: str, page_url: str, clip: str, question: str, wait_s: float) -> bytes:
+async def _drive(ws_url: str, page_url: str, media: str, question: str, wait_s: float) -> bytes:
     import websockets
     async with websockets.connect(ws_url, max_size=1 << 26) as ws:
         ids = iter(range(1, 1 << 30))
@@ -49,14 +49,14 @@ async def _drive(ws_url: str, page_url: str, clip: str, question: str, wait_s: f
         await until("!!document.querySelector('#chat') && !!document.querySelector('input[type=file]')", 60)
         root = (await call("DOM.getDocument", depth=-1, pierce=True))["root"]["nodeId"]
         node = (await call("DOM.querySelector", nodeId=root, selector="input[type=file]"))["nodeId"]
-        await call("DOM.setFileInputFiles", nodeId=node, files=[os.path.abspath(clip)])
+        await call("DOM.setFileInputFiles", nodeId=node, files=[os.path.abspath(media)])
         await asyncio.sleep(2)  # the upload and its thumbnail
         await js("""(() => { const box = document.querySelector('textarea');
                   box.value = %s; box.dispatchEvent(new Event('input', {bubbles: true})); })()""" % json.dumps(question))
         await until("!!document.querySelector('button.submit-button')", 10)
         await js("document.querySelector('button.submit-button').click()")
-        # the clip shows in the chat as a video player, then the answer streams in under it
-        await until("!!document.querySelector('#chat video') && "
+        # the file shows in the chat (a picture or a video player), then the answer streams in under it
+        await until("!!document.querySelector('#chat video, #chat img') && "
                     "document.querySelectorAll('#chat .message-row, #chat .message').length >= 2", 120)
         await asyncio.sleep(wait_s)
         shot = await call("Page.captureScreenshot", format="png")
@@ -65,10 +65,10 @@ async def _drive(ws_url: str, page_url: str, clip: str, question: str, wait_s: f
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("clip")
+    p.add_argument("media", help="an image or a video file")
     p.add_argument("--port", type=int, default=7860, help="the running demo's port")
-    p.add_argument("--out", default="docs/demo-video.png")
-    p.add_argument("--question", default="What happens in this clip?")
+    p.add_argument("--out", default="docs/demo.png")
+    p.add_argument("--question", default="Describe this image.")
     p.add_argument("--wait", type=float, default=6.0, help="seconds of streaming before the shot")
     args = p.parse_args(argv)
     browser = shutil.which("chromium")
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
             if time.monotonic() > deadline:
                 raise RuntimeError("chromium's DevTools endpoint did not come up")
             time.sleep(0.3)
-        png = asyncio.run(_drive(pages[0]["webSocketDebuggerUrl"], f"http://127.0.0.1:{args.port}/", args.clip,
+        png = asyncio.run(_drive(pages[0]["webSocketDebuggerUrl"], f"http://127.0.0.1:{args.port}/", args.media,
                                  args.question, args.wait))
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "wb") as f:
