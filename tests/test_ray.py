@@ -246,3 +246,22 @@ def test_without_ray_the_flags_say_what_to_install(monkeypatch, tmp_path, capsys
     (tmp_path / "a.png").write_bytes(b"")
     assert main(["caption", str(tmp_path), "--out", str(tmp_path / "o.jsonl"), "--ray"]) == 2
     assert "pip install 'vlinfer[ray]'" in capsys.readouterr().err
+
+
+def test_parquet_parts_share_one_schema_whatever_their_rows(tmp_path):
+    """Parts written from blocks where no row has an error, where every caption is missing, or both kinds mix: the
+    folder reads back as one table (a column inferred as null in one part and string in another did not)."""
+    import pyarrow.parquet as pq
+    from vlinfer.integrations.ray_caption import _Writer
+    out = str(tmp_path / "captions.parquet")
+    writer = _Writer(out)
+    ok = {"path": "a.png", "caption": "words", "tokens": 4, "size": [32, 32], "num_image_tokens": 1, "error": None}
+    broken = {"path": "b.png", "caption": None, "tokens": 0, "size": None, "num_image_tokens": None,
+              "error": "image 0: cannot identify image file"}
+    writer.write([ok])
+    writer.write([broken])
+    writer.write([dict(ok, path="c.png"), dict(broken, path="d.png")])
+    writer.close()
+    rows = pq.read_table(out).to_pylist()
+    assert sorted(r["path"] for r in rows) == ["a.png", "b.png", "c.png", "d.png"]
+    assert {r["path"]: r for r in rows}["a.png"] == ok and {r["path"]: r for r in rows}["b.png"] == broken

@@ -139,7 +139,11 @@ class _Writer:
         import pyarrow as pa
         import pyarrow.parquet as pq
         name = os.path.join(self.out, f"part-{self.part:06d}.parquet")
-        pq.write_table(pa.Table.from_pylist(records), name + ".tmp")
+        # One schema for every part: inferred per block, a block without an error (or a caption) typed that column
+        # null, and a folder of parts with null and string columns failed to read back as one table.
+        schema = pa.schema([("path", pa.string()), ("caption", pa.string()), ("tokens", pa.int64()),
+                            ("size", pa.list_(pa.int64())), ("num_image_tokens", pa.int64()), ("error", pa.string())])
+        pq.write_table(pa.Table.from_pylist(records, schema=schema), name + ".tmp")
         os.replace(name + ".tmp", name)  # a part is whole or absent: a kill never leaves half of one
         self.part += 1
 
