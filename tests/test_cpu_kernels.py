@@ -301,6 +301,77 @@ def test_padding_slots_with_nan_never_reach_the_output(cpu, impl, dtype):
     assert torch.isfinite(out).all() and torch.allclose(out, clean, atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
+# (experts, N, K, rows per expert): K off the 32-element vector (the masked tail), N off the 4-row tile and the
+# 64-row block, groups of 0..9 rows (more than one 4-row pass), rows past the last group left out.
+EXPERT_MATMUL_GRID = [(4, 8, 64, [1, 0, 2, 1]), (8, 70, 48, [0, 5, 1, 0, 9, 0, 3, 4]), (3, 130, 100, [2, 2, 7]),
+                      (16, 64, 2048, [1] * 16), (5, 33, 17, [0, 0, 0, 0, 6])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])  # bf16: vdpbf16ps path
+@pytest.mark.parametrize("case", EXPERT_MATMUL_GRID, ids=lambda c: f"e{c[0]}-n{c[1]}-k{c[2]}")
+def test_expert_matmul_equals_grouped_matmul(cpu, case, dtype):
+    experts, n, k, counts = case
+    g = torch.Generator().manual_seed(n * k)
+    w = (torch.randn(experts, n, k, generator=g) / k ** 0.5).to(dtype)
+    x = torch.randn(sum(counts) + 2, k, generator=g).to(dtype)  # the last two rows belong to no expert
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    expected = torch.zeros(x.shape[0], n)
+    start = 0
+    for e, count in enumerate(counts):
+        expected[start:start + count] = x[start:start + count].float() @ w[e].float().T
+        start += count
+    out = cpu.ext.expert_matmul(x, w, ends)
+    assert out.dtype == dtype and out.shape == (x.shape[0], n)
+    assert (out[-2:] == 0).all()
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+def test_expert_matmul_rejects_bad_groups(cpu_ops):
+    w = torch.zeros(2, 8, 16)
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        cpu_ops.ext.expert_matmul(torch.zeros(3, 16), w, torch.tensor([2, 1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="at most the row count"):
+        cpu_ops.ext.expert_matmul(torch.zeros(3, 16), w, torch.tensor([2, 4], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_ops.ext.expert_matmul(torch.zeros(3, 16), w, torch.tensor([2, 3]))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_ops.ext.expert_matmul(torch.zeros(3, 16).bfloat16(), w, torch.tensor([2, 3], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows, n, k", [(1, 576, 576), (3, 70, 100), (5, 130, 1536), (9, 64, 17), (8, 3, 40)],
+                         ids=lambda v: str(v))
+def test_int8_weight_linear_equals_the_reference(cpu, rows, n, k, dtype):
+    """The few-row int8 kernel (K off the 16-lane vector, N off the 4-row tile and the 64-channel block, rows past
+    one 4-row pass) against dequantize + matmul in float32."""
+    g = torch.Generator().manual_seed(rows * n + k)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.02
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    expected = x.float() @ (q.float() * scale[:, None]).T
+    out = cpu.ext.int8_weight_linear(x, q, scale)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+def test_int8_layers_take_the_few_row_kernel_up_to_its_bound(cpu_ops, monkeypatch):
+    """Up to cpu_quant.INT8_SMALL_ROWS rows an int8 layer runs our kernel, above it dequantize + the dense matmul;
+    both equal the reference."""
+    from vlinfer.ops import cpu_quant, quant_reference
+    g = torch.Generator().manual_seed(0)
+    tensors = {"weight": torch.randint(-128, 128, (96, 64), generator=g, dtype=torch.int8),
+               "weight_scale": torch.rand(96, 1, generator=g) * 0.02}
+    packed = cpu_ops.pack_quantized_linear("w8a16", tensors)
+    calls = []
+    kernel = packed["cpu"]["small_rows"]
+    packed["cpu"]["small_rows"] = lambda *a: calls.append(a[0].shape[0]) or kernel(*a)
+    for rows in (1, cpu_quant.INT8_SMALL_ROWS, cpu_quant.INT8_SMALL_ROWS + 1, 40):
+        x = torch.randn(rows, 64, generator=g)
+        out = cpu_ops.weight_only_linear(x, packed, None)
+        assert rel_err(out, quant_reference.weight_only_linear(x, packed, None)) < TOL[torch.float32]
+    assert calls == [1, cpu_quant.INT8_SMALL_ROWS]
+
+
 def _packs(dtype) -> bool:
     """Whether oneDNN runs a packed linear of this dtype on this CPU (bf16 needs AVX512-BF16 or AMX)."""
     return dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()

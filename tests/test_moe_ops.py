@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fake_torch_npu import FakeNpuError, install
-from vlinfer.ops import dispatch, moe_reference
+from vlinfer.ops import cpu_moe, dispatch, moe_reference
 from vlinfer.ops.cpu import CpuOps
 from vlinfer.ops.cuda import CudaOps
 from vlinfer.ops.npu import NpuOps
@@ -114,6 +114,25 @@ def test_cpu_fused_moe_equals_reference(cpu_ops, case):
     check(cpu_ops, case, torch.float32)
     if case[0] <= 130:
         check(cpu_ops, case, torch.bfloat16)
+
+
+@pytest.mark.parametrize("tokens, dtype, takes_kernel", [(2, torch.bfloat16, True), (12, torch.bfloat16, True),
+                                                       (200, torch.bfloat16, False), (2, torch.float32, False)],
+                         ids=["decode-bf16", "small-batch-bf16", "prefill-bf16", "decode-fp32"])
+def test_cpu_small_groups_run_the_expert_kernel(cpu_ops, tokens, dtype, takes_kernel):
+    """bf16 steps with at most cpu_moe.SMALL_GROUP_ROWS rows per active expert run expert_matmul (both
+    projections), the rest torch's grouped GEMM; the result equals the reference either way."""
+    calls = []
+
+    def spy(rows, w, offs):
+        calls.append(rows.shape[0])
+        return cpu_ops.ext.expert_matmul(rows, w, offs)
+
+    x, logits, w13, w2, k, renorm, offset = make_case((tokens, 64, 8, 64, 48, 64, 0, "random"), dtype)
+    expected = moe_reference.fused_moe(x.float(), logits.float(), w13.float(), w2.float(), k, renorm, offset)
+    ours = cpu_moe.fused_moe(x, logits, w13, w2, k, renorm, offset, cpu_ops.silu_and_mul, spy)
+    assert calls == ([tokens * k] * 2 if takes_kernel else [])
+    assert rel_err(ours, expected) < TOL[dtype]
 
 
 @pytest.mark.parametrize("case", GRID, ids=case_id)

@@ -32,7 +32,7 @@ from vlinfer.ops.reference import ReferenceOps
 
 logger = logging.getLogger("vlinfer")
 SOURCES = tuple(os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cpu", name)
-                for name in ("paged_ops.cpp", "attention_bf16.cpp"))
+                for name in ("paged_ops.cpp", "attention_bf16.cpp", "moe_experts.cpp", "int8_linear.cpp"))
 # dtypes whose prepacked linear oneDNN runs (bf16 needs AVX512-BF16 or AMX, checked at packing time)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -174,15 +174,18 @@ class CpuOps(ReferenceOps):
         self.ext.apply_token_bitmask(logits, torch.tensor(rows, dtype=torch.long), bitmask.contiguous())
 
     def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, expert_offset=0):
-        """Grouped GEMMs over the pairs sorted by expert (ops/cpu_moe.py), our SiLU-and-multiply between."""
-        return cpu_moe.fused_moe(x, router_logits, w13, w2, top_k, renormalize, expert_offset, self.silu_and_mul)
+        """Grouped GEMMs over the pairs sorted by expert (ops/cpu_moe.py), our SiLU-and-multiply between; small
+        groups in bf16 on our expert_matmul kernel."""
+        return cpu_moe.fused_moe(x, router_logits, w13, w2, top_k, renormalize, expert_offset, self.silu_and_mul,
+                                 self.ext.expert_matmul)
 
     def pack_moe_weights(self, w13, w2):
         return cpu_moe.pack_moe_weights(w13, w2)
 
-    # Quantized linears: torch's int8 / int4 CPU kernels and oneDNN's int8 GEMM (ops/cpu_quant.py).
+    # Quantized linears: our int8 kernel for few rows, torch's int8 / int4 CPU kernels and oneDNN's int8 GEMM
+    # (ops/cpu_quant.py).
     def pack_quantized_linear(self, scheme: str, tensors: dict) -> dict:
-        packed = cpu_quant.pack(scheme, tensors, cpu_quant.has_int8_dot_product())
+        packed = cpu_quant.pack(scheme, tensors, cpu_quant.has_int8_dot_product(), self.ext.int8_weight_linear)
         if "cpu" in packed:
             op = {"w8a8_dynamic": self.w8a8_dynamic_linear, "w8a8_static": self.w8a8_static_linear}.get(
                 scheme, self.weight_only_linear)

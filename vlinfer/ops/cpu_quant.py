@@ -1,5 +1,6 @@
-"""CPU kernels for the quantized linears (definitions: ops/quant_reference.py), all stock torch:
-- W8A16 per channel: `aten._weight_int8pack_mm` (int8 weight [N, K], scales [N] in x's dtype).
+"""CPU kernels for the quantized linears (definitions: ops/quant_reference.py):
+- W8A16 per channel: up to INT8_SMALL_ROWS rows (decode steps, small batches) our kernel (kernels/cpu/int8_linear.cpp,
+  the op table's `int8_weight_linear`: int8 weight [N, K], float32 scales [N]); above, dequantize + the dense matmul.
 - W4A16 (groups of 32..256): `aten._convert_weight_to_int4pack_for_cpu` at load (on the machine that runs, never
   cached) + `aten._weight_int4pack_mm_for_cpu`, scales and float zeros [K/g, N, 2]: w = (u - 8) * scale + zero
   with u = q + 8, zero = -zp * scale (the reference's (q - zp) * scale, rounded once more).
@@ -8,8 +9,8 @@
   activations are quantized as the reference does, the matmul runs with x scale 1 and the weight scales, and the
   per-token scales multiply the rows after. Without VNNI / AMX a W8A8 layer runs as W8A16 on its int8 weight
   (activations stay float; logged), which is not the reference's numerics but the faster honest choice there.
-Above DENSE_ROWS rows (prefill chunks) the weight-only kernels stream the whole weight for every few rows and lose
-to dequantize + the dense matmul (oneDNN / AMX), so those calls take the reference path: see DENSE_ROWS.
+Above INT8_SMALL_ROWS / DENSE_ROWS rows (prefill chunks) the weight-only kernels stream the whole weight for every
+few rows and lose to dequantize + the dense matmul (oneDNN / AMX), so those calls take the reference path.
 
 Each layout is checked once at pack time against the reference on a small input; a kernel torch does not take for
 this shape or dtype is logged and the layer keeps the reference path."""
@@ -21,12 +22,19 @@ import torch.nn.functional as F
 from vlinfer.ops import quant_reference
 
 logger = logging.getLogger("vlinfer")
-# Rows above which weight-only layers dequantize (per call) and run the dense matmul instead. Measured 2026-12-01 on
-# the Xeon with AMX (bf16, 2048 x 2048, 2 threads, under heavy machine load, so the ratios matter, not the times):
-# int8pack_mm 37 / 48 / 114 / 361 ms at 1 / 32 / 64 / 256 rows, int4pack 26 / 88 / 116 / 286, dequantize + matmul
-# 306 / 319 / 423 / 320: the kernels win up to ~256 rows, dequantize-per-call from there (the lead re-measures on a
-# quiet machine with bench/quantized.py).
+# Rows above which int4 layers dequantize (per call) and run the dense matmul instead. Measured 2026-12-01 on the
+# Xeon with AMX (bf16, 2048 x 2048, 2 threads, under heavy machine load, so the ratios matter, not the times):
+# int4pack 26 / 88 / 116 / 286 ms at 1 / 32 / 64 / 256 rows, dequantize + matmul 306 / 319 / 423 / 320.
 DENSE_ROWS = 256
+# Rows up to which int8 weight-only layers run our kernel. Measured 2026-12-02 on the 2-vCPU Xeon with AMX, idle,
+# SmolLM2's [1536, 576] projection and a [49152, 576] LM-head-sized one, ms at 1 / 32 / 64 / 256 rows:
+#   float32: ours 0.05 / 0.63 / 2.3 / 3.2 and 3.0 / 20 / 61 / 121; torch's _weight_int8pack_mm 0.6 / 16 / 36 / 70
+#            and 19 / 557 / 1154 / 2541 (10-25x slower: no fast float32 path); dequantize + matmul - / 0.85 / 1.3 /
+#            1.8 and - / 108 / 115 / 148
+#   bfloat16: ours 0.06 / 0.47 / 0.87 / 4.0 and 3.6 / 14 / 29 / 139; int8pack 0.06 / 0.38 / 0.82 / 3.6 and
+#            4.1 / 25 / 53 / 212; dequantize + matmul - / 0.35 / 0.43 / 0.66 and - / 50 / 63 / 67
+# so ours up to 32 rows, dequantize + matmul (oneDNN, AMX in bf16) above; int8pack is nowhere much ahead.
+INT8_SMALL_ROWS = 32
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 INT4_GROUPS = (32, 64, 128, 256)
 
@@ -43,13 +51,14 @@ def _groups(packed: dict) -> int:
     return packed["weight_scale"].numel() // weight.shape[0]
 
 
-def pack(scheme: str, tensors: dict, int8_dot: bool) -> dict:
+def pack(scheme: str, tensors: dict, int8_dot: bool, int8_small_rows) -> dict:
+    """int8_small_rows: the op table's few-row int8 kernel, int8_weight_linear(x, weight, scales)."""
     packed = quant_reference.pack_quantized_linear(scheme, tensors)
     weight = packed["weight"]
     n, k = weight.shape
     try:
         if scheme in ("w8a16", "w4a16") or (scheme.startswith("w8a8") and not int8_dot):
-            kernel = _pack_weight_only(scheme, packed, n, k)
+            kernel = _pack_weight_only(scheme, packed, n, k, int8_small_rows)
             if scheme.startswith("w8a8") and kernel is not None:
                 logger.info("ops[cpu]: no VNNI / AMX-INT8 on this CPU: W8A8 layer [%d x %d] runs as W8A16 (float "
                             "activations)", n, k)
@@ -64,7 +73,7 @@ def pack(scheme: str, tensors: dict, int8_dot: bool) -> dict:
     return packed
 
 
-def _pack_weight_only(scheme: str, packed: dict, n: int, k: int) -> dict | None:
+def _pack_weight_only(scheme: str, packed: dict, n: int, k: int, int8_small_rows) -> dict | None:
     scale, zero = packed["weight_scale"].float().reshape(n, -1), packed.get("weight_zero")
     groups = scale.shape[1]
     if scheme != "w4a16":
@@ -72,8 +81,8 @@ def _pack_weight_only(scheme: str, packed: dict, n: int, k: int) -> dict | None:
             logger.info("ops[cpu]: int8 layer [%d x %d] with %s runs dequantize + matmul (the int8 kernel takes "
                         "symmetric per-channel scales)", n, k, "zero points" if zero is not None else "group scales")
             return None
-        return {"kind": "int8", "weight": packed["weight"].contiguous(),
-                "scales": {dtype: scale.reshape(n).to(dtype) for dtype in KERNEL_DTYPES}}
+        return {"kind": "int8", "weight": packed["weight"].contiguous(), "small_rows": int8_small_rows,
+                "scale": scale.reshape(n).contiguous()}
     group = k // groups
     if group not in INT4_GROUPS:
         logger.info("ops[cpu]: int4 layer [%d x %d] with groups of %d runs dequantize + matmul (kernel groups: %s)",
@@ -104,12 +113,14 @@ def _pack_w8a8(scheme: str, packed: dict) -> dict:
 def weight_only_linear(x: torch.Tensor, packed: dict, bias: torch.Tensor | None, dense_rows: int = DENSE_ROWS):
     kernel = packed.get("cpu")
     rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if kernel is not None and kernel["kind"] == "int8":
+        dense_rows = min(dense_rows, INT8_SMALL_ROWS)
     if kernel is None or x.dtype not in KERNEL_DTYPES or rows > dense_rows or rows == 0 or \
             kernel["kind"] not in ("int8", "int4"):
         return quant_reference.weight_only_linear(x, packed, bias)
     x2 = x.reshape(rows, x.shape[-1]).contiguous()
     if kernel["kind"] == "int8":
-        y = torch.ops.aten._weight_int8pack_mm(x2, kernel["weight"], kernel["scales"][x.dtype])
+        y = kernel["small_rows"](x2, kernel["weight"], kernel["scale"])
     else:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, kernel["weight"], kernel["group"],
                                                        kernel["scale_zeros"][x.dtype])
