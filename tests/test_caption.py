@@ -177,3 +177,20 @@ def test_cli_refuses_before_loading_the_model(image_dir, tmp_path, monkeypatch):
     assert main(["caption", str(image_dir), "--out", str(out), "--model", "no-such-model"]) == 2
     assert main(["caption", str(tmp_path / "nothing*.png"), "--out", str(tmp_path / "o.jsonl")]) == 2
     assert loads == []  # both refused up front, before the model load (seen, not inferred from a clock)
+
+
+def test_records_and_the_parquet_schema_share_one_field_list():
+    """make_record's and error_record's records have exactly caption.IMAGE_RECORD_FIELDS, in order, and the Ray
+    captioner's Parquet schema types each of them: a field added to the record cannot be dropped from the table."""
+    from types import SimpleNamespace
+
+    from vlinfer.caption import IMAGE_RECORD_FIELDS, VIDEO_FIELDS, error_record, make_record
+    from vlinfer.integrations.ray_caption import parquet_schema
+    completion = SimpleNamespace(text=" a red square ", token_ids=[1, 2, 3], finish_reason="stop")
+    ok = make_record("a.png", SimpleNamespace(error=None, images=[{"size": [32, 32], "num_tokens": 4}],
+                                              outputs=[completion]))
+    broken = make_record("b.png", SimpleNamespace(error="image 0: cannot identify image file"))
+    assert tuple(ok) == tuple(broken) == tuple(error_record("c.png", "x")) == IMAGE_RECORD_FIELDS
+    assert ok["caption"] == "a red square" and broken["error"] == "cannot identify image file"
+    assert tuple(error_record("c.mp4", "x", video=True)) == IMAGE_RECORD_FIELDS + VIDEO_FIELDS
+    assert tuple(parquet_schema().names) == IMAGE_RECORD_FIELDS

@@ -163,15 +163,25 @@ def image_limits(llm, max_pixels: int | None) -> dict | None:
     return {"max_pixels": max_pixels}
 
 
+# The fields of an image's caption record, in order: make_record and error_record write exactly these (a clip's
+# record adds VIDEO_FIELDS), and the Ray captioner's columns and Parquet schema are built from them.
+IMAGE_RECORD_FIELDS = ("path", "caption", "tokens", "size", "num_image_tokens", "error")
+VIDEO_FIELDS = ("num_frames", "grid_thw", "num_video_tokens", "duration")
+
+
+def error_record(path: str, error: str, video: bool = False) -> dict:
+    """The record of an input that produced no caption."""
+    record = {"path": path, "caption": None, "tokens": 0, "size": None, "num_image_tokens": None, "error": error}
+    return {**record, **_video_fields({})} if video else record
+
+
 def make_record(path: str, output, structured: bool = False, video: bool = False) -> dict:
     """One output line. structured (a --json-schema run): the caption is the parsed JSON record the constraint
     produced; an output that does not parse (cut short by max_tokens) is recorded as an error saying so.
     video: the path is a clip; its line also has num_frames (sampled), grid_thw and num_video_tokens, and size is
     each frame's as the model saw it."""
     if output.error:  # one image per request, so the processor's "image 0: " prefix says nothing
-        record = {"path": path, "caption": None, "tokens": 0, "size": None, "num_image_tokens": None,
-                  "error": output.error.removeprefix("video 0: " if video else "image 0: ")}
-        return {**record, **_video_fields({})} if video else record
+        return error_record(path, output.error.removeprefix("video 0: " if video else "image 0: "), video)
     image = (output.videos if video else output.images)[0] if (output.videos if video else output.images) else {}
     completion = output.outputs[0]
     caption, error = completion.text.strip(), None
@@ -189,8 +199,7 @@ def make_record(path: str, output, structured: bool = False, video: bool = False
 
 
 def _video_fields(info: dict) -> dict:
-    return {"num_frames": info.get("num_frames"), "grid_thw": info.get("grid_thw"),
-            "num_video_tokens": info.get("num_video_tokens"), "duration": info.get("duration")}
+    return {name: info.get(name) for name in VIDEO_FIELDS}
 
 
 # ---- the run ----

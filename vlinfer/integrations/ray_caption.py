@@ -17,13 +17,25 @@ import math
 import os
 import time
 
-from vlinfer.caption import CaptionInputError, CaptionSummary, check_output, image_limits, make_record, read_records
+from vlinfer.caption import (IMAGE_RECORD_FIELDS, CaptionInputError, CaptionSummary, check_output, error_record,
+                             image_limits, make_record, read_records)
 from vlinfer.integrations import require_ray
 
 logger = logging.getLogger("vlinfer")
 
 TABLE_SUFFIXES = (".parquet", ".jsonl", ".json")
-RECORD_FIELDS = ("path", "caption", "tokens", "size", "num_image_tokens", "error")
+
+
+def parquet_schema():
+    """caption.IMAGE_RECORD_FIELDS as one pyarrow schema for every part (a field added there without a type here
+    fails at the first write, never dropped from the table)."""
+    import pyarrow as pa
+    types = {"path": pa.string(), "caption": pa.string(), "tokens": pa.int64(), "size": pa.list_(pa.int64()),
+             "num_image_tokens": pa.int64(), "error": pa.string()}
+    if set(types) != set(IMAGE_RECORD_FIELDS):
+        raise KeyError(f"Parquet types {sorted(types)} do not match the caption record's fields "
+                       f"{sorted(IMAGE_RECORD_FIELDS)}")
+    return pa.schema([(name, types[name]) for name in IMAGE_RECORD_FIELDS])
 
 
 def _remote(path: str) -> bool:
@@ -67,7 +79,7 @@ class CaptionStage:
                 params = SamplingParams(**{**self.sampling, **(json.loads(sampling_json) if sampling_json else {})})
             except (ValueError, TypeError) as e:  # a row's bad options: its error, not the job's
                 for i in indices:
-                    records[i] = _error_record(rows[i]["path"], f"sampling: {e}")
+                    records[i] = error_record(rows[i]["path"], f"sampling: {e}")
                 continue
             conversations = []
             for i in indices:
@@ -76,7 +88,7 @@ class CaptionStage:
                     image = row.get("bytes") or (_read_remote(row["path"]) if _remote(row["path"]) else row["path"])
                 except OSError as e:
                     image = None
-                    records[i] = _error_record(row["path"], f"cannot read {row['path']!r}: {e}")
+                    records[i] = error_record(row["path"], f"cannot read {row['path']!r}: {e}")
                 conversations.append([{"role": "user", "content": [
                     {"type": "image", "image": image}, {"type": "text", "text": row.get("prompt") or self.prompt}]}])
             try:
@@ -86,11 +98,7 @@ class CaptionStage:
             for i, output in zip(indices, outputs):
                 if records[i] is None:
                     records[i] = make_record(rows[i]["path"], output)
-        return {name: [r[name] for r in records] for name in RECORD_FIELDS}
-
-
-def _error_record(path: str, error: str) -> dict:
-    return {"path": path, "caption": None, "tokens": 0, "size": None, "num_image_tokens": None, "error": error}
+        return {name: [r[name] for r in records] for name in IMAGE_RECORD_FIELDS}
 
 
 # ---- outputs: a JSONL file, or a folder of Parquet part files ----
@@ -141,9 +149,7 @@ class _Writer:
         name = os.path.join(self.out, f"part-{self.part:06d}.parquet")
         # One schema for every part: inferred per block, a block without an error (or a caption) typed that column
         # null, and a folder of parts with null and string columns failed to read back as one table.
-        schema = pa.schema([("path", pa.string()), ("caption", pa.string()), ("tokens", pa.int64()),
-                            ("size", pa.list_(pa.int64())), ("num_image_tokens", pa.int64()), ("error", pa.string())])
-        pq.write_table(pa.Table.from_pylist(records, schema=schema), name + ".tmp")
+        pq.write_table(pa.Table.from_pylist(records, schema=parquet_schema()), name + ".tmp")
         os.replace(name + ".tmp", name)  # a part is whole or absent: a kill never leaves half of one
         self.part += 1
 
