@@ -75,8 +75,8 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
         rows = x[sorted_pairs // top_k]
         if hidden_p != hidden:
             rows = F.pad(rows, (0, hidden_p - hidden))
-        if expert_matmul is not None and x.dtype == torch.bfloat16 and \
-                local_ids.numel() <= SMALL_GROUP_ROWS * int((counts > 0).sum()):
+        if expert_matmul is not None and x.dtype == torch.bfloat16 and w13.is_contiguous() and \
+                w2.is_contiguous() and local_ids.numel() <= SMALL_GROUP_ROWS * int((counts > 0).sum()):
             matmul = expert_matmul
         else:
             matmul = _grouped_matmul
