@@ -321,3 +321,31 @@ def test_quantized_experts_are_dequantized_on_load_and_match(moe_models, tmp_pat
     save_file({k: v.contiguous() for k, v in broken.items()}, os.path.join(path, "model.safetensors"))
     with pytest.raises(ValueError, match=rf"model\.layers\.2\.mlp\.experts\.4\.up_proj.*{scale}"):
         make_llm(path)
+
+
+def test_bf16_on_the_cpu_runs_the_expert_kernel_within_bf16_tolerance(moe_models, references, monkeypatch):
+    """bfloat16 on the CPU op table: a step with at most cpu_moe.SMALL_GROUP_ROWS rows per active expert (the
+    5-token prompt: 10 pairs over 6 experts; every decode step here) runs kernels/cpu/moe_experts.cpp, and the
+    prompt's logits stay within bf16 tolerance of transformers' float32 ones (2e-2 of the largest, the op's bound);
+    the 61-token prompt runs the grouped GEMM. Both requests then decode to the end."""
+    llm = LLM(moe_models["qwen3-moe"][1]["per-expert"], dtype="bfloat16", kv_cache_bytes=16 * 2 ** 20,
+              max_model_len=1024)
+    ops = llm.engine.model_runner.ctx.ops
+    assert ops.name == "cpu-compiled"
+    calls = []
+    kernel = ops.ext.expert_matmul
+    monkeypatch.setattr(ops.ext, "expert_matmul", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    engine = llm.engine
+    for req, (ids, ref, _) in zip(requests("qwen3-moe"), references["qwen3-moe"]):
+        seq = engine.make_sequence(req)
+        engine.add_sequence(seq)
+        assert engine.block_manager.allocate(seq, seq.num_tokens)
+        before = len(calls)
+        ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens])).float()
+        assert (len(calls) > before) == (len(ids) == 5), len(ids)  # TEXT_PROMPTS: 5 and 61 tokens
+        assert ((ours - ref).abs().max() / ref.abs().max()).item() < 2e-2
+        engine.abort_request(seq.request_id)
+    calls.clear()
+    outs = llm.generate(requests("qwen3-moe"), GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == NUM_NEW for o in outs) and calls
+    assert_block_pool_empty(llm)
