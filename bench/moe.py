@@ -240,7 +240,8 @@ def main(argv=None):
         gc.collect()
     peak = max(peak_before, matmul_peak_gflops(dtype, "cpu"))
     bandwidth = max(bw_before, bandwidth_gbs()[0])
-    step_bytes = decode_step_bytes(d, torch.tensor([], dtype=dtype).element_size())
+    element = torch.tensor([], dtype=dtype).element_size()
+    step_bytes = decode_step_bytes(d, element)
 
     print(f"\nmachine: {machine()}")
     print(f"\n| engine | batch output tok/s | batch MFU ({dtype_name}) | single-stream ms/token | single-stream tok/s "
@@ -253,7 +254,7 @@ def main(argv=None):
           f"prepacked, best of 5, before and after the engines). Bandwidth: {step_bytes / 1e9:.3f} GB of weights per "
           f"decode step (non-expert weights, LM head, {d['top_k']} experts per layer) / time per token / "
           f"{bandwidth:.1f} GB/s (best 1 GiB sum).")
-    floor_bytes = batch_decode_bytes(d, config, out_lens, torch.tensor([], dtype=dtype).element_size())
+    floor_bytes = batch_decode_bytes(d, config, out_lens, element)
     floor_s = floor_bytes / bandwidth / 1e9
     print(f"Batch floor: its {max(out_lens)} decode steps read {floor_bytes / 1e9:.1f} GB of weights (every expert a "
           f"running sequence routes to, each step), {floor_s:.1f} s at {bandwidth:.1f} GB/s before any prefill; "

@@ -11,7 +11,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+
+#include "tile_sizes.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -51,23 +52,10 @@ inline void tile_avx512(const float* x, const int8_t* q, int64_t k, float* out, 
     for (int c = 0; c < C; ++c) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
-template <int R>
-inline void tile_rows(const float* x, const int8_t* q, int64_t cols, int64_t k, float* out, int64_t ldo) {
-  switch (cols) {
-    case 4: tile_avx512<R, 4>(x, q, k, out, ldo); break;
-    case 3: tile_avx512<R, 3>(x, q, k, out, ldo); break;
-    case 2: tile_avx512<R, 2>(x, q, k, out, ldo); break;
-    default: tile_avx512<R, 1>(x, q, k, out, ldo); break;
-  }
-}
-
 void tile(const float* x, int64_t rows, const int8_t* q, int64_t cols, int64_t k, float* out, int64_t ldo) {
-  switch (rows) {
-    case 4: tile_rows<4>(x, q, cols, k, out, ldo); break;
-    case 3: tile_rows<3>(x, q, cols, k, out, ldo); break;
-    case 2: tile_rows<2>(x, q, cols, k, out, ldo); break;
-    default: tile_rows<1>(x, q, cols, k, out, ldo); break;
-  }
+  with_tile_size(rows, cols, [&](auto r, auto c) {
+    tile_avx512<decltype(r)::value, decltype(c)::value>(x, q, k, out, ldo);
+  });
 }
 #else
 // rows x cols sums of x[r] * q[c] over k, any build: a plain loop the compiler vectorizes for its level.
@@ -91,7 +79,8 @@ void tile(const float* x, int64_t rows, const int8_t* q, int64_t cols, int64_t k
 at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), "int8_weight_linear: x must be [M, K] and the "
               "weight [N, K]");
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "int8_weight_linear: the weight must be contiguous int8");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(),
+              "int8_weight_linear: the weight must be contiguous int8");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == q.size(0), "int8_weight_linear: scales must be "
               "float32 [N]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int8_weight_linear: x must be "

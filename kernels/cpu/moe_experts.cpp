@@ -16,8 +16,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "tile_sizes.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -84,28 +85,14 @@ inline void tile_bf16(const uint16_t* x, const uint16_t* w, int64_t k, c10::BFlo
     for (int c = 0; c < C; ++c) out[r * ldo + c] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r][c]));
 }
 
-// Rows x cols of any size up to kRows x kCols, dispatched to the fixed-size tile.
-template <int R>
-inline void tile_bf16_rows(const uint16_t* x, const uint16_t* w, int64_t cols, int64_t k, c10::BFloat16* out,
-                           int64_t ldo) {
-  switch (cols) {
-    case 4: tile_bf16<R, 4>(x, w, k, out, ldo); break;
-    case 3: tile_bf16<R, 3>(x, w, k, out, ldo); break;
-    case 2: tile_bf16<R, 2>(x, w, k, out, ldo); break;
-    default: tile_bf16<R, 1>(x, w, k, out, ldo); break;
-  }
-}
-
+// Rows x cols of any size up to kRows x kCols, on the fixed-size tile.
 void tile(const c10::BFloat16* x, int64_t rows, const c10::BFloat16* w, int64_t cols, int64_t k, c10::BFloat16* out,
           int64_t ldo) {
   const auto* xs = reinterpret_cast<const uint16_t*>(x);
   const auto* ws = reinterpret_cast<const uint16_t*>(w);
-  switch (rows) {
-    case 4: tile_bf16_rows<4>(xs, ws, cols, k, out, ldo); break;
-    case 3: tile_bf16_rows<3>(xs, ws, cols, k, out, ldo); break;
-    case 2: tile_bf16_rows<2>(xs, ws, cols, k, out, ldo); break;
-    default: tile_bf16_rows<1>(xs, ws, cols, k, out, ldo); break;
-  }
+  with_tile_size(rows, cols, [&](auto r, auto c) {
+    tile_bf16<decltype(r)::value, decltype(c)::value>(xs, ws, k, out, ldo);
+  });
 }
 #endif
 
@@ -147,7 +134,8 @@ void expert_matmul_impl(const at::Tensor& x, const at::Tensor& w, const std::vec
 // x [P, K] rows sorted by expert; w [E, N, K]; ends [E] int32, the cumulative row count at each expert's end (what
 // torch._grouped_mm calls offs). Returns [P, N]: row p times its expert's w^T.
 at::Tensor expert_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ends) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2), "expert_matmul: x must be [P, K] and w [E, N, K]");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2),
+              "expert_matmul: x must be [P, K] and w [E, N, K]");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "expert_matmul: x and w must share a dtype");
   TORCH_CHECK(ends.dim() == 1 && ends.size(0) == w.size(0) && ends.scalar_type() == at::kInt,
               "expert_matmul: ends must be int32 [E]");
