@@ -1,13 +1,16 @@
 """GGUF Q8_0 / Q4_0 / Q4_1 weights kept in their blocks: our CPU kernels (kernels/cpu/gguf_blocks.cpp) against the
-pure-torch reference (vlinfer/ops/gguf_reference.py) over shapes and both SIMD builds this CPU runs (its best
-level and AVX2); tiny GGUF files of each type, written with the `gguf` package, against transformers loading the
-same file (it dequantizes); the real SmolLM2-135M Q4_1 file kept in blocks against transformers; and
-quantization="int8" on it.
+pure-torch reference (vlinfer/ops/gguf_reference.py) over shapes and every build this CPU runs (generic, AVX2,
+AVX-512 without and with VNNI); tiny GGUF files of each type, written with the `gguf` package, against
+transformers loading the same file (it dequantizes); the real SmolLM2-135M Q4_1 file kept in blocks against
+transformers; and quantization="int8" on it.
 
-Tolerances: float32 results are within float32 summation-order noise of a float64 matmul on the dequantized
-weights (the kernel dequantizes exactly as gguf-py does and does not quantize activations); bfloat16 within bf16
-rounding of the reference, which casts the dequantized weight to bf16 (the kernel keeps it in float32 for few
-rows, so it is the more precise of the two)."""
+The op holds the activations as two int8 digits per element, per 32 along K (gguf_reference.quantize_activations),
+then takes integer block products. The transformers references run their linears on the same quantized activations
+(patched into every nn.Linear, as tests/test_quantized.py does for W8A8); the real SmolLM2 is also checked against
+plain float activations.
+Tolerances: float32 results are within float32 rounding noise of a float64 matmul of the quantized activations and
+the dequantized weights (the kernel's integer block sums are exact); bfloat16 within bf16 rounding of the
+reference (both compute in float32 and round the result once)."""
 import gguf
 import numpy as np
 import pytest
@@ -21,11 +24,13 @@ from vlinfer.ops.gguf_cpu import GgufCpuKernels
 
 TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
 THIS_CPU = platform.cpu_isa()
-# This CPU's best level (the engine's build) and AVX2 forced, where the CPU runs it (CI may be AVX2-only).
-LEVELS = sorted({THIS_CPU} | ({"avx2"} if platform.CPU_ISAS.index(THIS_CPU) >= platform.CPU_ISAS.index("avx2")
-                              else set()), key=platform.CPU_ISAS.index)
-# (M, K, N): decode rows, small batches on both sides of the register / tiled switch, prefill sizes
-SHAPES = [(1, 32, 1), (1, 576, 193), (3, 96, 37), (8, 64, 65), (9, 160, 31), (77, 96, 129), (600, 64, 67)]
+# Every level up to this CPU's best (the engine's build): CI may be AVX2-only, or AVX-512 with VNNI.
+LEVELS = platform.CPU_ISAS[:platform.CPU_ISAS.index(THIS_CPU) + 1]
+BUILD_NAMES = {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512bf16": "avx512-vnni"}
+# (M, K, N): decode rows, small batches, prefill sizes; N a whole number of 16-row groups, groups and tail rows,
+# tail rows only
+SHAPES = [(1, 32, 1), (1, 576, 193), (2, 64, 15), (3, 96, 37), (5, 64, 16), (8, 64, 65), (9, 160, 31),
+          (77, 96, 129), (600, 64, 67)]
 
 
 def blocks(type_name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -36,7 +41,7 @@ def blocks(type_name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
 @pytest.fixture(scope="module", params=LEVELS)
 def kernels(request):
     k = GgufCpuKernels(request.param)
-    assert k.isa == ("avx512" if request.param.startswith("avx512") else request.param)
+    assert k.isa == BUILD_NAMES[request.param]
     return k
 
 
@@ -54,32 +59,73 @@ def test_linear_matches_the_reference(kernels, type_name):
     gen = torch.Generator().manual_seed(0)
     for m, k, n in SHAPES:
         w = blocks(type_name, n, k, seed=m + k + n)
+        packed = kernels.pack(w, ggml_type)
+        assert packed.shape == (n, k // 32, w.shape[1] // (k // 32)) and packed.dtype == torch.uint8
         dense = gguf_reference.dequantize(w, ggml_type)
         x = torch.randn(m, k, generator=gen)
         bias = torch.randn(n, generator=gen)
-        exact = (x.double() @ dense.double().T + bias.double()).float()
-        got = kernels.linear(x, w, ggml_type, bias)
+        exact = (gguf_reference.quantize_activations(x).double() @ dense.double().T + bias.double()).float()
+        got = kernels.linear(x, packed, ggml_type, bias)
         assert got.shape == (m, n) and got.dtype == torch.float32
         err = ((got - exact).abs().max() / exact.abs().max()).item()
         assert err < 2e-6, (m, k, n, err)
         ref = gguf_reference.gguf_linear(x, w, ggml_type, bias)
         assert ((ref - exact).abs().max() / exact.abs().max()).item() < 2e-6
-        xb = x.bfloat16()
-        got_bf16 = kernels.linear(xb, w, ggml_type)
-        ref_bf16 = gguf_reference.gguf_linear(xb, w, ggml_type).float()
-        assert got_bf16.dtype == torch.bfloat16
-        assert ((got_bf16.float() - ref_bf16).abs().max() / ref_bf16.abs().max()).item() < 2e-2, (m, k, n)
+        # the activations' two digits keep the result within ~1e-5 of unquantized x
+        unquantized = (x.double() @ dense.double().T + bias.double()).float()
+        assert ((got - unquantized).abs().max() / unquantized.abs().max()).item() < 5e-5
+        for dtype in (torch.bfloat16, torch.float16):
+            xh = x.to(dtype)
+            got_half = kernels.linear(xh, packed, ggml_type)
+            ref_half = gguf_reference.gguf_linear(xh, w, ggml_type).float()
+            assert got_half.dtype == dtype
+            assert ((got_half.float() - ref_half).abs().max() / ref_half.abs().max()).item() < 1e-2, (m, k, n)
+
+
+def test_activation_quantization_rule():
+    """Per 32 along K: d = max|x| / 127, x ~ (256 q1 + q2) * d / 256 with q1, q2 int8; an all-zero block stays zero.
+    The error is at most half a unit (d / 512) and far below the one-digit rule's (d / 2)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 64, generator=gen) * torch.tensor([0.01, 1.0, 300.0])[:, None]
+    x[2, 32:] = 0
+    got = gguf_reference.quantize_activations(x)
+    d = x.reshape(3, 2, 32).abs().amax(-1, keepdim=True) / 127
+    units = got.reshape(3, 2, 32) / (d / 256)
+    units = torch.where(d > 0, units, torch.zeros_like(units))
+    assert torch.allclose(units, units.round(), atol=1e-3) and units.abs().max() <= 256 * 127 + 127
+    err = (got - x).reshape(3, 2, 32).abs()
+    assert torch.all(err <= d / 512 * 1.001 + 1e-30)
+    assert err.max() > 0 and torch.all(got[2, 32:] == 0)
+    one_digit = torch.round(x.reshape(3, 2, 32) / d) * d  # llama.cpp's single int8
+    assert (one_digit - x.reshape(3, 2, 32))[:, 0].abs().max() > 50 * err.max()
 
 
 def test_bad_blocks_are_refused_naming_the_problem(kernels):
     w = blocks("Q4_1", 4, 64)
+    packed = kernels.pack(w, 3)
     with pytest.raises(ValueError, match="not kept quantized"):
-        kernels.linear(torch.randn(1, 64), w, 6)  # Q5_0
+        kernels.linear(torch.randn(1, 64), packed, 6)  # Q5_0
     with pytest.raises(RuntimeError, match="features"):
-        kernels.linear(torch.randn(1, 96), w, 3)
+        kernels.linear(torch.randn(1, 96), packed, 3)
+    with pytest.raises(RuntimeError, match="packed by gguf_pack"):
+        kernels.linear(torch.randn(1, 64), w, 3)  # the file's blocks, not packed
+    with pytest.raises(RuntimeError, match="whole 20-byte blocks"):
+        kernels.pack(w[:, :30], 3)
 
 
 # ---- whole models ----
+
+def quantize_linear_inputs(model):
+    """The transformers reference with every nn.Linear on the GGUF op's quantized activations (every linear of
+    these files, the LM head included, is in Q8_0 / Q4_0 / Q4_1 blocks)."""
+    import torch.nn.functional as F
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for linear in linears:
+        linear.forward = (lambda lin: lambda x: F.linear(gguf_reference.quantize_activations(x).to(x.dtype),
+                                                          lin.weight, lin.bias))(linear)
+    assert linears
+    return model
+
 
 @pytest.fixture(scope="module")
 def tiny_gguf_files(tmp_path_factory):
@@ -102,9 +148,13 @@ def test_tiny_gguf_kept_in_blocks_matches_transformers(tiny_gguf_files, type_nam
     assert weights["model.layers.1.mlp.down_proj.weight"].dtype == torch.uint8
     assert model.model.embed_tokens.weight.dtype == torch.uint8 and model.lm_head.gguf_type == TYPES[type_name]
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == (type_name != "Q4_0")
-    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                               dtype=torch.float32)
-    prompts = [[5, 17, 99, 200, 3, 44, 120], list(range(30, 70))]  # decode-sized and a tiled-path prefill
+    # linears and the LM head run the kernel on their packed groups; embedding lookups read the file's rows
+    assert weights["model.layers.0.self_attn.qkv_proj.weight"].dim() == 3
+    head = model.lm_head.packed_weight if type_name != "Q4_0" else model.lm_head.weight
+    assert head.dim() == 3 and model.model.embed_tokens.weight.dim() == 2
+    ref = quantize_linear_inputs(AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32))
+    prompts = [[5, 17, 99, 200, 3, 44, 120], list(range(30, 70))]  # a short prompt and a longer prefill
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
@@ -126,22 +176,28 @@ CHATS = [
 @pytest.mark.slow  # the real SmolLM2 and transformers, twice
 def test_smollm2_q4_1_kept_in_blocks_matches_transformers():
     """The real file: 120 Q4_1 linears and the Q8_0 embedding / tied LM head stay in blocks (about 96 MB against
-    538 MB of float32), and greedy decoding gives transformers' tokens on the dequantized weights."""
+    538 MB of float32), and greedy decoding gives transformers' tokens on the dequantized weights, both with the
+    op's quantized activations and with plain float ones."""
     from transformers import AutoModelForCausalLM
     llm = LLM("smollm2", dtype="float32", kv_cache_bytes=64 * 2 ** 20, max_model_len=512)
     model = llm.engine.model_runner.model
     block_params = [p for p in model.parameters() if p.dtype == torch.uint8]
     assert len(block_params) == 30 * 4 + 1  # qkv, o, gate_up, down per layer + the embedding table
+    assert sum(p.dim() == 3 for p in block_params) == 30 * 4 and model.lm_head.packed_weight.dim() == 3
     assert llm.engine.model_context.ops.gguf_kernels is not None
-    ref = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    quantized = quantize_linear_inputs(AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF,
+                                                                            dtype=torch.float32))
     tok = llm.tokenizer
     outs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
     for chat, out in zip(CHATS, outs):
         prompt = tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
                      add_special_tokens=False).input_ids
-        with torch.no_grad():
-            expected = ref.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):]
-        assert out.outputs[0].token_ids == expected.tolist(), (out.outputs[0].text, tok.decode(expected))
+        # the op's activations, and plain float ones: the two digits keep even these near ties
+        for ref in (quantized, plain):
+            with torch.no_grad():
+                expected = ref.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):]
+            assert out.outputs[0].token_ids == expected.tolist(), (out.outputs[0].text, tok.decode(expected))
     assert "Paris" in outs[0].outputs[0].text
 
 

@@ -43,7 +43,10 @@ CPU_ISAS = ("generic", "avx2", "avx512", "avx512bf16")
 _ISA_NEEDS = {
     "avx2": {"avx2", "fma", "f16c"},
     "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"},
-    "avx512bf16": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"},
+    # Every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later, Zen 4 and later) has AVX512-VNNI too; the
+    # GGUF kernels' integer dot products use it at this level.
+    "avx512bf16": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16",
+                   "avx512_vnni"},
 }
 # Native half-precision arithmetic on x86: without it torch's bf16 matmul crawls (0.3 GFLOP/s against 140 for
 # float32 on an AVX2-only EPYC), so "auto" computes in float32 there.

@@ -1,26 +1,46 @@
-// Linear layers on GGUF Q8_0 / Q4_0 / Q4_1 weights kept in their GGUF blocks: y[M, N] = x[M, K] @ W[N, K]^T, W a
-// uint8 [N, K / 32 * block_bytes] tensor holding the file's blocks row after row (blocks run along K, as ggml's
-// ne[0]). Semantics are defined by vlinfer/ops/gguf_reference.py (dequantize the way gguf-py does, then a float32
-// matmul); tests compare against it.
+// Linear layers on GGUF Q8_0 / Q4_0 / Q4_1 weights: y[M, N] = X(x)[M, K] @ W[N, K]^T with integer dot products per
+// block. X(x) is x held as two int8 digits per element, per 32 along K: x ~ d * (q1 + q2 / 256), q1 the int8 of
+// llama.cpp's Q8 rule (d = max|x| / 127) and q2 the int8 of what q1 left (|x - d q1| <= d / 2). One digit, as
+// llama.cpp has it, moves the real SmolLM2-135M's greedy answers (the first token of "What is the capital of
+// France?" flips from "The" to "L'": llama.cpp answers "L'Étoile, la Cité, ..."); two leave a relative error of
+// ~1e-5 of the block's largest value, under bf16 rounding, for twice the dot products: still far under the memory
+// time. The op is defined by vlinfer/ops/gguf_reference.py (quantize_activations, gguf_linear); tests compare.
 //
-// Few rows (decode, small batches): each 32-weight block's integers are converted to float32 in registers and
-// multiplied into float32 accumulators for every row of x, with the block's scales factored out (Q4_1:
-// d * sum(q * x) + m * sum(x), sum(x) per 32 activations computed once per call), so each weight byte is read from
-// memory once per call and a block costs 7-9 vector operations. The activations are not quantized (llama.cpp
-// quantizes them to Q8 per 32 for int8 dot products): results stay within float32 summation-order noise of a
-// float32 matmul on the dequantized weights, which greedy decoding against transformers needs.
-// Dequantizing (the tiled path and embedding rows) follows gguf-py exactly (Q8_0: q * d; Q4_0: (q - 8) * d; Q4_1:
-// q * d + m, each product and sum rounded once: this file is built with -ffp-contract=off so the compiler does not
-// fuse them).
-// Many rows (prefill): each thread dequantizes a tile of weight rows into a buffer that stays in cache and runs the
-// BLAS / oneDNN matmul on it, so the arithmetic runs at the dense matmul rate.
-// Work is split over output rows N with at::parallel_for. AVX-512 and AVX2 paths are chosen at compile time by the
-// -m flags of the build (vlinfer/ops/gguf_cpu.py builds one extension per instruction-set level).
+// Weights are repacked once at load (gguf_pack) from the file's block rows into groups of 16 output rows, so that
+// one 512-bit integer dot product (vpdpbusd; vpmaddubsw + vpmaddwd without VNNI, two 256-bit halves on AVX2) takes
+// four weights of each of the 16 rows against four activations broadcast to all of them, and every lane of the
+// result belongs to one output row: no horizontal sums, each block's 16 scales one fp16 -> fp32 conversion. Per
+// 16 rows x 32 weights that is 16 dot products, 8-12 unpacking operations and ~6 others, against 12 float
+// operations per row x 32 weights when each block was converted to float32 and multiplied with float activations
+// (~6 GB/s, compute-bound). The packed layout has the same bytes per weight as the file (a group of 16 Q4_1 blocks
+// of 20 bytes is 320 bytes: 256 of nibbles, 16 fp16 d, 16 fp16 m).
+//
+// Packed layout, uint8 [N, nblocks, block_bytes] (3-D, so a packed weight is never mistaken for the file's 2-D
+// blocks): groups g = 0 .. N/16-1, then the N % 16 tail rows in the file's own row layout. Group g, block b at
+// byte (g * nblocks + b) * 16 * block_bytes:
+//   Q4_0 / Q4_1: 4 chunks p of 64 bytes, byte 4r + i of chunk p = qs[4p + i] of row r (low nibble: weight 4p + i,
+//                high nibble: weight 16 + 4p + i); then d[16] fp16; Q4_1 then m[16] fp16.
+//   Q8_0:        8 chunks p of 64 bytes, byte 4r + i of chunk p = qs[4p + i] of row r plus 128 (unsigned); d[16].
+// So chunk j's (unpacked) bytes always meet activations 4j .. 4j+3 of the block.
+//
+// Per block, with Q = 256 q1 + q2 the activations' integers, dx = d / 256 their unit and sq = sum(Q):
+//   Q4_1:  y += dw * (dx * sum(u * Q)) + m * (dx * sq)         u = nibble
+//   Q4_0:  y += dw * (dx * (sum(u * Q) - 8 * sq))              (the file's weight is (u - 8) * dw)
+//   Q8_0:  y += dw * (dx * (sum(u * Q) - 128 * sq))            u = qs + 128
+// sum(u * Q) = 256 sum(u * q1) + sum(u * q2) is exact in int32 (|.| < 2^31 for Q8_0's u <= 255), so results differ
+// from the reference (a float32 matmul of X(x) and the dequantized weights) only by float32 rounding. Two
+// accumulators per output (even and odd blocks) keep the FMA chain short.
+// Dequantizing (embedding rows, which stay in the file's layout) follows gguf-py exactly; this file is built with
+// -ffp-contract=off so the compiler fuses neither that `q * d + m` nor the activations' `x - q1 * d`.
+// Work is split over groups with at::parallel_for. The SIMD path is chosen at compile time by the -m flags of the
+// build (vlinfer/ops/gguf_cpu.py builds one extension per instruction-set level); the tail rows and the generic
+// build run the scalar path, which is the same arithmetic in the same order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -33,6 +53,7 @@ namespace {
 // ggml type ids (ggml.h: GGML_TYPE_Q4_0 = 2, Q4_1 = 3, Q8_0 = 8).
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
 constexpr int64_t kBlock = 32;
+constexpr int64_t kGroup = 16;  // output rows per packed group
 
 int64_t block_bytes(int64_t type) {
   switch (type) {
@@ -44,43 +65,23 @@ int64_t block_bytes(int64_t type) {
   return 0;
 }
 
+template <int64_t TYPE>
+constexpr int64_t kBlockBytes = TYPE == kQ8_0 ? 34 : TYPE == kQ4_1 ? 20 : 18;
+template <int64_t TYPE>
+constexpr int64_t kQuantBytes = TYPE == kQ8_0 ? 32 : 16;  // bytes of quants per block
+template <int64_t TYPE>
+constexpr int32_t kOffset = TYPE == kQ8_0 ? 128 : TYPE == kQ4_0 ? 8 : 0;  // the unsigned weight's zero
+
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);
-#else
   return c10::detail::fp16_ieee_to_fp32_value(bits);
-#endif
 }
 
-// The float32 value of every fp16 bit pattern (256 KiB, built once): a block's scale becomes one table load the
-// SIMD paths broadcast from memory, instead of a conversion on the vector ports for every block.
-const float* half_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(65536);
-    for (uint32_t bits = 0; bits < 65536; ++bits) t[bits] = c10::detail::fp16_ieee_to_fp32_value(static_cast<uint16_t>(bits));
-    return t;
-  }();
-  return table.data();
-}
-
-inline float half_at(const float* table, const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return table[bits];
-}
-
-// Few-row dot products factor each block's scales out of its 32 products: for Q4_1,
-//   sum_j (q_j * d + m) * x_j = d * sum_j q_j * x_j + m * sum_j x_j,
-// with sum_j x_j (xsum, one per 32 activations) computed once per call and shared by all N weight rows; Q8_0 and
-// Q4_0 are d * sum_j q_j * x_j (Q4_0 with q_j - 8). The integer q_j are exact in float32, so this is the same real
-// sum as the dequantized matmul, rounded in a different order: within float32 summation noise of it (tests check
-// against a float64 matmul), at 7-9 vector operations per block instead of 12-15.
-// One block dequantized to 32 floats (scalar; also the reference for the SIMD paths). Element j < 16 of a Q4 block
-// is the low nibble of qs[j], element j + 16 its high nibble.
+// One block of the file's layout dequantized to 32 floats as gguf-py does. Element j < 16 of a Q4 block is the low
+// nibble of qs[j], element j + 16 its high nibble.
 template <int64_t TYPE>
-inline void dequant_block_scalar(const uint8_t* blk, float* out) {
+inline void dequant_block(const uint8_t* blk, float* out) {
   const float d = half_to_float(blk);
   if constexpr (TYPE == kQ8_0) {
     const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
@@ -101,230 +102,308 @@ inline void dequant_block_scalar(const uint8_t* blk, float* out) {
   }
 }
 
-#if defined(__AVX512F__)
-// A block as two 16-float vectors: elements 0..15 and 16..31.
-template <int64_t TYPE>
-inline void dequant_block(const uint8_t* blk, __m512& lo, __m512& hi) {
-  const __m512 d = _mm512_set1_ps(half_to_float(blk));
-  if constexpr (TYPE == kQ8_0) {
-    const __m128i* qs = reinterpret_cast<const __m128i*>(blk + 2);
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs))), d);
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs + 1))), d);
-  } else {
-    const int off = TYPE == kQ4_1 ? 4 : 2;
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off)));
-    __m512i ql = _mm512_and_si512(q, _mm512_set1_epi32(0xF));
-    __m512i qh = _mm512_srli_epi32(q, 4);
-    if constexpr (TYPE == kQ4_0) {
-      ql = _mm512_sub_epi32(ql, _mm512_set1_epi32(8));
-      qh = _mm512_sub_epi32(qh, _mm512_set1_epi32(8));
-      lo = _mm512_mul_ps(_mm512_cvtepi32_ps(ql), d);
-      hi = _mm512_mul_ps(_mm512_cvtepi32_ps(qh), d);
-    } else {
-      const __m512 m = _mm512_set1_ps(half_to_float(blk + 2));
-      lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ql), d), m);
-      hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(qh), d), m);
+// ---- the activations: two int8 digits per element, per 32 along K ----
+
+struct QuantizedRows {
+  std::vector<int8_t> q1, q2;  // [M, K] the digits: x ~ dx * (256 q1 + q2)
+  std::vector<float> dx;       // [M, nblocks] the unit, max|x| / 127 / 256
+  std::vector<int32_t> sq;     // [M, nblocks] sums of 256 q1 + q2
+  std::vector<float> sx;       // [M, nblocks] dx * sq (Q4_1's m term)
+};
+
+// d = max|x| / 127, q1 = round-half-even(x * (1 / d)), q2 = round-half-even((x - q1 * d) * (256 / d)) clamped to
+// [-127, 127]: the reference's quantize_activations to the bit (each product and difference rounded once).
+QuantizedRows quantize_rows(const float* x, int64_t m_rows, int64_t k) {
+  const int64_t nblocks = k / kBlock;
+  QuantizedRows r{std::vector<int8_t>(m_rows * k), std::vector<int8_t>(m_rows * k),
+                  std::vector<float>(m_rows * nblocks), std::vector<int32_t>(m_rows * nblocks),
+                  std::vector<float>(m_rows * nblocks)};
+  at::parallel_for(0, m_rows * nblocks, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* xb = x + i * kBlock;
+      float amax = 0.f;
+      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float d = amax / 127.f;
+      const float inv = d != 0.f ? 1.f / d : 0.f;
+      const float inv256 = inv * 256.f;
+      int32_t sum = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        const float q1 = std::nearbyint(xb[j] * inv);
+        const float rest = xb[j] - q1 * d;
+        const float q2 = std::min(127.f, std::max(-127.f, std::nearbyint(rest * inv256)));
+        r.q1[i * kBlock + j] = static_cast<int8_t>(q1);
+        r.q2[i * kBlock + j] = static_cast<int8_t>(q2);
+        sum += 256 * static_cast<int32_t>(q1) + static_cast<int32_t>(q2);
+      }
+      r.dx[i] = d / 256.f;
+      r.sq[i] = sum;
+      r.sx[i] = r.dx[i] * static_cast<float>(sum);
     }
-  }
+  });
+  return r;
 }
 
-template <int64_t TYPE>
-inline void dequant_block_to(const uint8_t* blk, float* out) {
-  __m512 lo, hi;
-  dequant_block<TYPE>(blk, lo, hi);
-  _mm512_storeu_ps(out, lo);
-  _mm512_storeu_ps(out + 16, hi);
-}
+// ---- packing ----
 
-// Rows [n0, n1) of W against MT rows of x (float32, row stride ldx): y[m][n] = sum_k x[m][k] W[n][k]. xsum[m][b]
-// (row stride nblocks) is the sum of x[m]'s block b (used by Q4_1 only). Two accumulators per x row (even and odd
-// blocks) keep the FMA latency chain off the critical path.
-template <int64_t TYPE, int MT>
-void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t nblocks, const float* x, int64_t ldx, const float* xsum,
-              int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  constexpr int64_t bb = TYPE == kQ8_0 ? 34 : TYPE == kQ4_1 ? 20 : 18;
-  const float* ht = half_table();
-  const __m512i low4 = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    __m512 acc[MT][2];
-    float acc_m[MT][2];
-    for (int m = 0; m < MT; ++m) {
-      acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-      acc_m[m][0] = acc_m[m][1] = 0.f;
-    }
-    auto block = [&](int64_t b, int half) {
-      const uint8_t* blk = row + b * bb;
-      const __m512 d = _mm512_set1_ps(half_at(ht, blk));
-      __m512 q_lo, q_hi;
-      if constexpr (TYPE == kQ8_0) {
-        const __m128i* qs = reinterpret_cast<const __m128i*>(blk + 2);
-        q_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs)));
-        q_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs + 1)));
-      } else {
-        const __m512i q = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (TYPE == kQ4_1 ? 4 : 2))));
-        __m512i ql = _mm512_and_si512(q, low4), qh = _mm512_srli_epi32(q, 4);
-        if constexpr (TYPE == kQ4_0) {
-          ql = _mm512_sub_epi32(ql, eight);
-          qh = _mm512_sub_epi32(qh, eight);
+template <int64_t TYPE>
+void pack_group(const uint8_t* w, int64_t row_bytes, int64_t nblocks, int64_t g, uint8_t* out) {
+  constexpr int64_t bb = kBlockBytes<TYPE>, qb = kQuantBytes<TYPE>;
+  constexpr int64_t qoff = bb - qb;  // quants follow the scales in a file block
+  for (int64_t b = 0; b < nblocks; ++b) {
+    uint8_t* dst = out + (g * nblocks + b) * kGroup * bb;
+    for (int64_t r = 0; r < kGroup; ++r) {
+      const uint8_t* blk = w + (g * kGroup + r) * row_bytes + b * bb;
+      for (int64_t p = 0; p < qb / 4; ++p)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t v = blk[qoff + 4 * p + i];
+          dst[p * 64 + 4 * r + i] = TYPE == kQ8_0 ? static_cast<uint8_t>(v ^ 0x80) : v;  // int8 + 128
         }
-        q_lo = _mm512_cvtepi32_ps(ql);
-        q_hi = _mm512_cvtepi32_ps(qh);
-      }
-      const float* xb = x + b * kBlock;
-      for (int m = 0; m < MT; ++m) {
-        const __m512 t = _mm512_fmadd_ps(q_hi, _mm512_loadu_ps(xb + m * ldx + 16),
-                                         _mm512_mul_ps(q_lo, _mm512_loadu_ps(xb + m * ldx)));
-        acc[m][half] = _mm512_fmadd_ps(t, d, acc[m][half]);
-      }
-      if constexpr (TYPE == kQ4_1) {
-        const float mn = half_at(ht, blk + 2);
-        for (int m = 0; m < MT; ++m) acc_m[m][half] = std::fma(mn, xsum[m * nblocks + b], acc_m[m][half]);
-      }
-    };
-    int64_t b = 0;
-    for (; b + 2 <= nblocks; b += 2) {
-      block(b, 0);
-      block(b + 1, 1);
+      std::memcpy(dst + kGroup * qb + 2 * r, blk, 2);  // d
+      if (TYPE == kQ4_1) std::memcpy(dst + kGroup * qb + 2 * kGroup + 2 * r, blk + 2, 2);  // m
     }
-    if (b < nblocks) block(b, 0);
-    for (int m = 0; m < MT; ++m)
-      y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) + (acc_m[m][0] + acc_m[m][1]);
   }
 }
 
-#elif defined(__AVX2__)
-inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+// ---- one output row, scalar: the tail rows of every build, and every row of the generic build ----
 
-// A block as four 8-float vectors: elements 0..7, 8..15, 16..23, 24..31.
 template <int64_t TYPE>
-inline void dequant_block(const uint8_t* blk, __m256 v[4]) {
-  const __m256 d = _mm256_set1_ps(half_to_float(blk));
+inline int32_t block_dot_scalar(const uint8_t* blk, const int8_t* q) {
+  int32_t s = 0;
   if constexpr (TYPE == kQ8_0) {
-    for (int i = 0; i < 4; ++i) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i));
-      v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
-    }
+    const uint8_t* qs = blk + 2;
+    for (int j = 0; j < 32; ++j) s += (static_cast<int32_t>(qs[j] ^ 0x80)) * q[j];
   } else {
-    const int off = TYPE == kQ4_1 ? 4 : 2;
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off));
-    const __m128i mask = _mm_set1_epi8(0xF);
-    const __m128i ql = _mm_and_si128(q, mask), qh = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    __m256i qi[4] = {_mm256_cvtepu8_epi32(ql), _mm256_cvtepu8_epi32(_mm_srli_si128(ql, 8)),
-                     _mm256_cvtepu8_epi32(qh), _mm256_cvtepu8_epi32(_mm_srli_si128(qh, 8))};
-    if constexpr (TYPE == kQ4_0) {
-      for (int i = 0; i < 4; ++i)
-        v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(qi[i], _mm256_set1_epi32(8))), d);
-    } else {
-      const __m256 m = _mm256_set1_ps(half_to_float(blk + 2));
-      for (int i = 0; i < 4; ++i) v[i] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(qi[i]), d), m);
-    }
+    const uint8_t* qs = blk + (TYPE == kQ4_1 ? 4 : 2);
+    for (int j = 0; j < 16; ++j) s += (qs[j] & 0xF) * q[j] + (qs[j] >> 4) * q[j + 16];
   }
+  return s;
 }
 
+// y[m * ldy] for activation rows [m0, m1) and one weight row in the file's layout.
 template <int64_t TYPE>
-inline void dequant_block_to(const uint8_t* blk, float* out) {
-  __m256 v[4];
-  dequant_block<TYPE>(blk, v);
-  for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, v[i]);
-}
-
-template <int64_t TYPE, int MT>
-void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t nblocks, const float* x, int64_t ldx, const float* xsum,
-              int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  constexpr int64_t bb = TYPE == kQ8_0 ? 34 : TYPE == kQ4_1 ? 20 : 18;
-  const float* ht = half_table();
-  const __m128i low4 = _mm_set1_epi8(0xF);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    __m256 acc[MT][2];
-    float acc_m[MT][2];
-    for (int m = 0; m < MT; ++m) {
-      acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-      acc_m[m][0] = acc_m[m][1] = 0.f;
-    }
-    auto block = [&](int64_t b, int half) {
-      const uint8_t* blk = row + b * bb;
-      const __m256 d = _mm256_set1_ps(half_at(ht, blk));
-      __m256 v[4];  // q of elements 0..7, 8..15, 16..23, 24..31
-      if constexpr (TYPE == kQ8_0) {
-        for (int i = 0; i < 4; ++i)
-          v[i] = _mm256_cvtepi32_ps(
-              _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i))));
-      } else {
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (TYPE == kQ4_1 ? 4 : 2)));
-        __m128i ql = _mm_and_si128(q, low4), qh = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
-        if constexpr (TYPE == kQ4_0) {
-          ql = _mm_sub_epi8(ql, _mm_set1_epi8(8));
-          qh = _mm_sub_epi8(qh, _mm_set1_epi8(8));
-          v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ql));
-          v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(ql, 8)));
-          v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qh));
-          v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(qh, 8)));
-        } else {
-          v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ql));
-          v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(ql, 8)));
-          v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(qh));
-          v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(qh, 8)));
-        }
-      }
-      const float* xb = x + b * kBlock;
-      for (int m = 0; m < MT; ++m) {
-        const float* xm = xb + m * ldx;
-        const __m256 t0 = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xm + 16), _mm256_mul_ps(v[0], _mm256_loadu_ps(xm)));
-        const __m256 t1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xm + 24), _mm256_mul_ps(v[1], _mm256_loadu_ps(xm + 8)));
-        acc[m][half] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), d, acc[m][half]);
-      }
-      if constexpr (TYPE == kQ4_1) {
-        const float mn = half_at(ht, blk + 2);
-        for (int m = 0; m < MT; ++m) acc_m[m][half] = std::fma(mn, xsum[m * nblocks + b], acc_m[m][half]);
-      }
-    };
-    int64_t b = 0;
-    for (; b + 2 <= nblocks; b += 2) {
-      block(b, 0);
-      block(b + 1, 1);
-    }
-    if (b < nblocks) block(b, 0);
-    for (int m = 0; m < MT; ++m) y[m * ldy + n] = hsum256(_mm256_add_ps(acc[m][0], acc[m][1])) + (acc_m[m][0] + acc_m[m][1]);
-  }
-}
-
-#else  // generic x86-64: scalar
-template <int64_t TYPE>
-inline void dequant_block_to(const uint8_t* blk, float* out) { dequant_block_scalar<TYPE>(blk, out); }
-
-// (xsum unused: the scalar path dequantizes each block as gguf-py does and multiplies.)
-template <int64_t TYPE, int MT>
-void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t nblocks, const float* x, int64_t ldx, const float*,
-              int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  constexpr int64_t bb = TYPE == kQ8_0 ? 34 : TYPE == kQ4_1 ? 20 : 18;
-  float wf[kBlock];
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    float acc[MT] = {};
+void row_scalar(const uint8_t* row, int64_t nblocks, const QuantizedRows& a, int64_t m0, int64_t m1, float* y,
+                int64_t ldy) {
+  constexpr int64_t bb = kBlockBytes<TYPE>;
+  const int64_t k = nblocks * kBlock;
+  for (int64_t m = m0; m < m1; ++m) {
+    float acc[2] = {0.f, 0.f};
     for (int64_t b = 0; b < nblocks; ++b) {
-      dequant_block_scalar<TYPE>(row + b * bb, wf);
-      for (int m = 0; m < MT; ++m) {
-        const float* xm = x + m * ldx + b * kBlock;
-        float s = 0.f;
-        for (int j = 0; j < kBlock; ++j) s += wf[j] * xm[j];
-        acc[m] += s;
-      }
+      const uint8_t* blk = row + b * bb;
+      const int64_t i = m * nblocks + b;
+      const int64_t at = m * k + b * kBlock;
+      const int32_t s = 256 * block_dot_scalar<TYPE>(blk, a.q1.data() + at) + block_dot_scalar<TYPE>(blk, a.q2.data() + at)
+                        - kOffset<TYPE> * a.sq[i];
+      float& c = acc[b & 1];
+      c = std::fma(half_to_float(blk), static_cast<float>(s) * a.dx[i], c);
+      if constexpr (TYPE == kQ4_1) c = std::fma(half_to_float(blk + 2), a.sx[i], c);
     }
-    for (int m = 0; m < MT; ++m) y[m * ldy + n] = acc[m];
+    y[m * ldy] = acc[0] + acc[1];
   }
+}
+
+#if defined(__AVX512F__)
+// 16 lanes = the group's 16 rows. The block's integer sum per lane: sum over chunks j of the 4 unsigned weight
+// bytes of w[j] times the 4 int8 activations xq[4j .. 4j+3], broadcast to every lane.
+inline __m512i broadcast4(const int8_t* x4) {
+  int32_t v;
+  std::memcpy(&v, x4, 4);
+  return _mm512_set1_epi32(v);
+}
+
+#if defined(__AVX512VNNI__)
+template <int64_t TYPE>
+inline __m512i block_dot(const __m512i w[8], const __mmask64*, const int8_t* xq) {
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  for (int j = 0; j < 8; j += 2) {
+    s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast4(xq + 4 * j));
+    s1 = _mm512_dpbusd_epi32(s1, w[j + 1], broadcast4(xq + 4 * j + 4));
+  }
+  return _mm512_add_epi32(s0, s1);
+}
+#else
+// vpmaddubsw adds u8 x s8 pairs into int16: Q4 pairs stay within 2 * 15 * 127, but Q8_0's unsigned weights reach
+// 2 * 255 * 127, so Q8_0 comes here as |w - 128| with w's sign moved onto x (`negative`: llama.cpp's vpsignb
+// trick), which makes the sum signed: no 128 offset to take off.
+template <int64_t TYPE>
+inline __m512i block_dot(const __m512i w[8], const __mmask64* negative, const int8_t* xq) {
+  const __m512i ones = _mm512_set1_epi16(1);
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  for (int j = 0; j < 8; j += 2) {
+    __m512i x0 = broadcast4(xq + 4 * j), x1 = broadcast4(xq + 4 * j + 4);
+    if constexpr (TYPE == kQ8_0) {
+      x0 = _mm512_mask_sub_epi8(x0, negative[j], _mm512_setzero_si512(), x0);
+      x1 = _mm512_mask_sub_epi8(x1, negative[j + 1], _mm512_setzero_si512(), x1);
+    }
+    s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(_mm512_maddubs_epi16(w[j], x0), ones));
+    s1 = _mm512_add_epi32(s1, _mm512_madd_epi16(_mm512_maddubs_epi16(w[j + 1], x1), ones));
+  }
+  return _mm512_add_epi32(s0, s1);
 }
 #endif
 
+template <int64_t TYPE, int MT>
+void group_rows(const uint8_t* grp, int64_t nblocks, const QuantizedRows& a, int64_t m0, float* y, int64_t ldy) {
+  constexpr int64_t gbb = kGroup * kBlockBytes<TYPE>, qb = kQuantBytes<TYPE>, chunks = qb / 4;
+#if defined(__AVX512VNNI__)
+  constexpr int32_t offset = kOffset<TYPE>;
+#else
+  constexpr int32_t offset = TYPE == kQ8_0 ? 0 : kOffset<TYPE>;  // Q8_0 went signed (block_dot)
+#endif
+  const int64_t k = nblocks * kBlock;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* blk = grp + b * gbb;
+    __m512i w[8];
+    __mmask64 negative[8];
+    for (int p = 0; p < chunks; ++p) w[p] = _mm512_loadu_si512(blk + 64 * p);
+    if constexpr (TYPE != kQ8_0) {
+      for (int p = 0; p < 4; ++p) {
+        w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(w[p], 4), low4);
+        w[p] = _mm512_and_si512(w[p], low4);
+      }
+    }
+#if !defined(__AVX512VNNI__)
+    if constexpr (TYPE == kQ8_0) {
+      for (int p = 0; p < 8; ++p) {
+        const __m512i signed_w = _mm512_xor_si512(w[p], _mm512_set1_epi8(static_cast<char>(0x80)));
+        negative[p] = _mm512_movepi8_mask(signed_w);
+        w[p] = _mm512_abs_epi8(signed_w);
+      }
+    }
+#endif
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kGroup * qb)));
+    __m512 mn = _mm512_setzero_ps();
+    if constexpr (TYPE == kQ4_1)
+      mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kGroup * qb + 2 * kGroup)));
+    for (int m = 0; m < MT; ++m) {
+      const int64_t i = (m0 + m) * nblocks + b, at = (m0 + m) * k + b * kBlock;
+      __m512i s = _mm512_add_epi32(_mm512_slli_epi32(block_dot<TYPE>(w, negative, a.q1.data() + at), 8),
+                                   block_dot<TYPE>(w, negative, a.q2.data() + at));
+      if constexpr (offset != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(offset * a.sq[i]));
+      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a.dx[i]));
+      __m512& c = acc[m][b & 1];
+      c = _mm512_fmadd_ps(d, t, c);
+      if constexpr (TYPE == kQ4_1) c = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sx[i]), c);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(y + (m0 + m) * ldy, _mm512_add_ps(acc[m][0], acc[m][1]));
+}
+constexpr int kRowsPerPass = 4;
+
+#elif defined(__AVX2__)
+// 8 lanes: the group is run as two halves of 8 rows (bytes 0..31 and 32..63 of each chunk, d[0..7] and d[8..15]).
+// vpmaddubsw as in the AVX-512 build without VNNI: Q8_0 weights signed, their sign moved onto x (vpsignb).
+inline __m256i broadcast4(const int8_t* x4) {
+  int32_t v;
+  std::memcpy(&v, x4, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int64_t TYPE>
+inline __m256i block_dot(const __m256i w[8], const int8_t* xq) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+  for (int j = 0; j < 8; j += 2) {
+    __m256i w0 = w[j], w1 = w[j + 1], x0 = broadcast4(xq + 4 * j), x1 = broadcast4(xq + 4 * j + 4);
+    if constexpr (TYPE == kQ8_0) {
+      x0 = _mm256_sign_epi8(x0, w0);
+      x1 = _mm256_sign_epi8(x1, w1);
+      w0 = _mm256_sign_epi8(w0, w0);
+      w1 = _mm256_sign_epi8(w1, w1);
+    }
+    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones));
+    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones));
+  }
+  return _mm256_add_epi32(s0, s1);
+}
+
+template <int64_t TYPE, int MT>
+void group_rows(const uint8_t* grp, int64_t nblocks, const QuantizedRows& a, int64_t m0, float* y, int64_t ldy) {
+  constexpr int64_t gbb = kGroup * kBlockBytes<TYPE>, qb = kQuantBytes<TYPE>, chunks = qb / 4;
+  constexpr int32_t offset = TYPE == kQ8_0 ? 0 : kOffset<TYPE>;  // Q8_0 went signed
+  const int64_t k = nblocks * kBlock;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MT][2];
+    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const uint8_t* blk = grp + b * gbb;
+      __m256i w[8];
+      for (int p = 0; p < chunks; ++p)
+        w[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * p + 32 * h));
+      if constexpr (TYPE == kQ8_0) {
+        for (int p = 0; p < 8; ++p) w[p] = _mm256_xor_si256(w[p], _mm256_set1_epi8(static_cast<char>(0x80)));
+      } else {
+        for (int p = 0; p < 4; ++p) {
+          w[p + 4] = _mm256_and_si256(_mm256_srli_epi16(w[p], 4), low4);
+          w[p] = _mm256_and_si256(w[p], low4);
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kGroup * qb + 16 * h)));
+      __m256 mn = _mm256_setzero_ps();
+      if constexpr (TYPE == kQ4_1)
+        mn = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kGroup * qb + 2 * kGroup + 16 * h)));
+      for (int m = 0; m < MT; ++m) {
+        const int64_t i = (m0 + m) * nblocks + b, at = (m0 + m) * k + b * kBlock;
+        __m256i s = _mm256_add_epi32(_mm256_slli_epi32(block_dot<TYPE>(w, a.q1.data() + at), 8),
+                                     block_dot<TYPE>(w, a.q2.data() + at));
+        if constexpr (offset != 0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(offset * a.sq[i]));
+        const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.dx[i]));
+        __m256& c = acc[m][b & 1];
+        c = _mm256_fmadd_ps(d, t, c);
+        if constexpr (TYPE == kQ4_1) c = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sx[i]), c);
+      }
+    }
+    for (int m = 0; m < MT; ++m) _mm256_storeu_ps(y + (m0 + m) * ldy + 8 * h, _mm256_add_ps(acc[m][0], acc[m][1]));
+  }
+}
+constexpr int kRowsPerPass = 2;
+
+#else  // generic x86-64: each packed group's rows, scalar, in the same order as the SIMD lanes
+template <int64_t TYPE>
+inline int32_t packed_dot_scalar(const uint8_t* blk, int64_t r, const int8_t* xq) {
+  int32_t s = 0;
+  for (int64_t p = 0; p < kQuantBytes<TYPE> / 4; ++p)
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t v = blk[p * 64 + 4 * r + j];
+      if (TYPE == kQ8_0) {
+        s += v * xq[4 * p + j];
+      } else {
+        s += (v & 0xF) * xq[4 * p + j] + (v >> 4) * xq[16 + 4 * p + j];
+      }
+    }
+  return s;
+}
+
+template <int64_t TYPE, int MT>
+void group_rows(const uint8_t* grp, int64_t nblocks, const QuantizedRows& a, int64_t m0, float* y, int64_t ldy) {
+  constexpr int64_t gbb = kGroup * kBlockBytes<TYPE>, qb = kQuantBytes<TYPE>;
+  const int64_t k = nblocks * kBlock;
+  for (int64_t r = 0; r < kGroup; ++r)
+    for (int m = 0; m < MT; ++m) {
+      float acc[2] = {0.f, 0.f};
+      for (int64_t b = 0; b < nblocks; ++b) {
+        const uint8_t* blk = grp + b * gbb;
+        const int64_t i = (m0 + m) * nblocks + b, at = (m0 + m) * k + b * kBlock;
+        const int32_t s = 256 * packed_dot_scalar<TYPE>(blk, r, a.q1.data() + at) +
+                          packed_dot_scalar<TYPE>(blk, r, a.q2.data() + at) - kOffset<TYPE> * a.sq[i];
+        float& c = acc[b & 1];
+        c = std::fma(half_to_float(blk + kGroup * qb + 2 * r), static_cast<float>(s) * a.dx[i], c);
+        if constexpr (TYPE == kQ4_1) c = std::fma(half_to_float(blk + kGroup * qb + 2 * kGroup + 2 * r), a.sx[i], c);
+      }
+      y[(m0 + m) * ldy + r] = acc[0] + acc[1];
+    }
+}
+constexpr int kRowsPerPass = 1;
+#endif
+
 const char* isa_name() {
-#if defined(__AVX512F__)
+#if defined(__AVX512VNNI__)
+  return "avx512-vnni";
+#elif defined(__AVX512F__)
   return "avx512";
 #elif defined(__AVX2__)
   return "avx2";
@@ -333,64 +412,31 @@ const char* isa_name() {
 #endif
 }
 
-template <int64_t TYPE>
-void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t nblocks, int64_t n0, int64_t n1, float* out) {
-  constexpr int64_t bb = TYPE == kQ8_0 ? 34 : TYPE == kQ4_1 ? 20 : 18;
-  const int64_t k = nblocks * kBlock;
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t b = 0; b < nblocks; ++b) dequant_block_to<TYPE>(w + n * row_bytes + b * bb, out + (n - n0) * k + b * kBlock);
-}
+constexpr int64_t kRowsPerTile = 32;
 
 template <int64_t TYPE>
-void small_m_linear(const uint8_t* w, int64_t row_bytes, int64_t nblocks, int64_t n_rows, const float* x,
-                    int64_t m_rows, float* y) {
-  const int64_t k = nblocks * kBlock;
-  // Block sums of x, [m_rows, nblocks]: Q4_1's m term (see dot_rows); the same for every weight row.
-  std::vector<float> xsum(m_rows * nblocks);
-  for (int64_t i = 0; TYPE == kQ4_1 && i < m_rows * nblocks; ++i) {
-    float s = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) s += x[i * kBlock + j];
-    xsum[i] = s;
-  }
-  const float* xs = xsum.data();
-  // Grain: enough rows per task that a thread streams a few KiB of weights between synchronizations.
-  const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(row_bytes, 1));
-  at::parallel_for(0, n_rows, grain, [&](int64_t n0, int64_t n1) {
-    int64_t m = 0;
-    for (; m + 4 <= m_rows; m += 4)
-      dot_rows<TYPE, 4>(w, row_bytes, nblocks, x + m * k, k, xs + m * nblocks, n0, n1, y + m * n_rows, n_rows);
-    const float* xm = x + m * k;
-    const float* xsm = xs + m * nblocks;
-    float* ym = y + m * n_rows;
-    switch (m_rows - m) {
-      case 3: dot_rows<TYPE, 3>(w, row_bytes, nblocks, xm, k, xsm, n0, n1, ym, n_rows); break;
-      case 2: dot_rows<TYPE, 2>(w, row_bytes, nblocks, xm, k, xsm, n0, n1, ym, n_rows); break;
-      case 1: dot_rows<TYPE, 1>(w, row_bytes, nblocks, xm, k, xsm, n0, n1, ym, n_rows); break;
-      default: break;
-    }
-  });
-}
-
-// Many rows: tiles of `tile` weight rows dequantized per thread (float32, then cast to x's dtype) and multiplied
-// by the matmul library into the output's columns.
-template <int64_t TYPE>
-void tiled_linear(const uint8_t* w, int64_t row_bytes, int64_t nblocks, int64_t n_rows, const at::Tensor& x,
-                  at::Tensor& y, int64_t tile) {
-  const int64_t k = nblocks * kBlock;
-  const int64_t tiles = (n_rows + tile - 1) / tile;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    // The pool's threads do not inherit the caller's inference mode; the tensors made here are scratch.
-    c10::InferenceMode guard;
-    auto buffer = at::empty({tile, k}, at::kFloat);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * tile, rows = std::min(tile, n_rows - n0);
-      dequantize_rows<TYPE>(w, row_bytes, nblocks, n0, n0 + rows, buffer.data_ptr<float>());
-      auto wt = buffer.narrow(0, 0, rows);
-      auto out = y.narrow(1, n0, rows);
-      if (x.scalar_type() == at::kFloat) {
-        at::mm_out(out, x, wt.t());
-      } else {
-        out.copy_(at::mm(x, wt.to(x.scalar_type()).t()));
+void packed_linear(const uint8_t* w, int64_t n_rows, int64_t nblocks, const QuantizedRows& a, int64_t m_rows,
+                   float* y) {
+  constexpr int64_t bb = kBlockBytes<TYPE>;
+  const int64_t groups = n_rows / kGroup, tail = n_rows % kGroup;
+  const int64_t group_bytes = kGroup * nblocks * bb;
+  const uint8_t* tail_rows = w + groups * group_bytes;
+  // One task per group (and one for the tail): a group is 16 rows x K of weights, a few KiB to stream. Within a
+  // thread, activation rows go in tiles of kRowsPerTile (their int8 rows stay in L2 while the groups stream past).
+  at::parallel_for(0, groups + (tail ? 1 : 0), 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t m0 = 0; m0 < m_rows; m0 += kRowsPerTile) {
+      const int64_t m1 = std::min(m_rows, m0 + kRowsPerTile);
+      for (int64_t g = g0; g < g1; ++g) {
+        if (g == groups) {
+          for (int64_t r = 0; r < tail; ++r)
+            row_scalar<TYPE>(tail_rows + r * nblocks * bb, nblocks, a, m0, m1, y + groups * kGroup + r, n_rows);
+          continue;
+        }
+        const uint8_t* grp = w + g * group_bytes;
+        float* yg = y + g * kGroup;
+        int64_t m = m0;
+        for (; m + kRowsPerPass <= m1; m += kRowsPerPass) group_rows<TYPE, kRowsPerPass>(grp, nblocks, a, m, yg, n_rows);
+        for (; m < m1; ++m) group_rows<TYPE, 1>(grp, nblocks, a, m, yg, n_rows);
       }
     }
   });
@@ -414,47 +460,58 @@ int64_t check_weight(const at::Tensor& w, int64_t type) {
   return w.size(1) / bb;
 }
 
-// y = x @ dequantize(w)^T (+ bias). x: [M, K] float32 or bfloat16; returns [M, N] in x's dtype.
-// small_m_max: row counts up to this run the register path, above it the tiled matmul path.
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& bias,
-                       int64_t small_m_max, int64_t tile) {
+// The file's blocks [N, nblocks * block_bytes] -> the packed layout [N, nblocks, block_bytes] (see the top).
+at::Tensor gguf_pack(const at::Tensor& w, int64_t type) {
   const int64_t nblocks = check_weight(w, type);
+  const int64_t n_rows = w.size(0), bb = block_bytes(type);
+  auto out = at::empty({n_rows, nblocks, bb}, w.options());
+  const int64_t groups = n_rows / kGroup;
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  dispatch_type(type, [&](auto t) {
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) pack_group<decltype(t)::value>(src, w.size(1), nblocks, g, dst);
+    });
+  });
+  std::memcpy(dst + groups * kGroup * w.size(1), src + groups * kGroup * w.size(1), (n_rows % kGroup) * w.size(1));
+  return out;
+}
+
+// y = Q8(x) @ dequantize(w)^T (+ bias). x: [M, K] in any float dtype; w: packed (gguf_pack); y in x's dtype.
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == block_bytes(type),
+              "gguf_linear takes a weight packed by gguf_pack (uint8 [N, K / 32, block_bytes]); got ",
+              w.scalar_type(), " ", w.sizes());
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  const int64_t nblocks = w.size(1);
   TORCH_CHECK(x.size(1) == nblocks * kBlock, "x has ", x.size(1), " features, the GGUF weight ", nblocks * kBlock);
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-  TORCH_CHECK(tile > 0, "tile must be positive");
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be a floating-point tensor");
   const int64_t m_rows = x.size(0), n_rows = w.size(0);
-  at::Tensor y;
-  if (m_rows <= small_m_max) {
-    auto xf = x.to(at::kFloat).contiguous();
-    auto yf = at::empty({m_rows, n_rows}, x.options().dtype(at::kFloat));
-    if (m_rows > 0) {
-      dispatch_type(type, [&](auto t) {
-        small_m_linear<decltype(t)::value>(w.data_ptr<uint8_t>(), w.size(1), nblocks, n_rows, xf.data_ptr<float>(),
-                                           m_rows, yf.data_ptr<float>());
-      });
-    }
-    y = x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
-  } else {
-    auto xc = x.contiguous();
-    y = at::empty({m_rows, n_rows}, x.options());
+  auto xf = x.to(at::kFloat).contiguous();
+  auto yf = at::empty({m_rows, n_rows}, x.options().dtype(at::kFloat));
+  if (m_rows > 0 && n_rows > 0) {
+    const QuantizedRows a = quantize_rows(xf.data_ptr<float>(), m_rows, nblocks * kBlock);
     dispatch_type(type, [&](auto t) {
-      tiled_linear<decltype(t)::value>(w.data_ptr<uint8_t>(), w.size(1), nblocks, n_rows, xc, y, tile);
+      packed_linear<decltype(t)::value>(w.data_ptr<uint8_t>(), n_rows, nblocks, a, m_rows, yf.data_ptr<float>());
     });
   }
+  at::Tensor y = x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
 
-// dequantize(w) as float32 [N, K]: the large-batch path's tiles, and embedding rows.
+// dequantize(w) as float32 [N, K] from the file's layout: embedding rows.
 at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type) {
   const int64_t nblocks = check_weight(w, type);
-  const int64_t n_rows = w.size(0);
+  const int64_t n_rows = w.size(0), row_bytes = w.size(1);
   auto out = at::empty({n_rows, nblocks * kBlock}, at::kFloat);
   dispatch_type(type, [&](auto t) {
     constexpr int64_t TYPE = decltype(t)::value;
     at::parallel_for(0, n_rows, 16, [&](int64_t n0, int64_t n1) {
-      dequantize_rows<TYPE>(w.data_ptr<uint8_t>(), w.size(1), nblocks, n0, n1, out.data_ptr<float>() + n0 * nblocks * kBlock);
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t b = 0; b < nblocks; ++b)
+          dequant_block<TYPE>(w.data_ptr<uint8_t>() + n * row_bytes + b * kBlockBytes<TYPE>,
+                              out.data_ptr<float>() + (n * nblocks + b) * kBlock);
     });
   });
   return out;
@@ -463,9 +520,9 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_linear", &gguf_linear, "x @ dequantize(GGUF Q8_0/Q4_0/Q4_1 blocks)^T (CPU)", py::arg("x"),
-        py::arg("weight"), py::arg("ggml_type"), py::arg("bias") = py::none(), py::arg("small_m_max") = 8,
-        py::arg("tile") = 64);
+  m.def("gguf_pack", &gguf_pack, "GGUF Q8_0/Q4_0/Q4_1 blocks to the kernel's 16-row groups (CPU)");
+  m.def("gguf_linear", &gguf_linear, "int8 activations per 32 @ packed GGUF Q8_0/Q4_0/Q4_1 weights^T (CPU)",
+        py::arg("x"), py::arg("weight"), py::arg("ggml_type"), py::arg("bias") = py::none());
   m.def("gguf_dequantize", &gguf_dequantize, "GGUF Q8_0/Q4_0/Q4_1 blocks to float32 [N, K] (CPU)");
   m.def("isa", &isa_name, "the SIMD path this build runs");
 }

@@ -208,17 +208,14 @@ class CpuOps(ReferenceOps):
                                "reference (dequantize + matmul per call)", type(e).__name__, str(e)[:200])
                 return None
             logger.info("ops[cpu]: GGUF Q8_0/Q4_0/Q4_1 kernels built for %s", self.gguf_kernels.isa)
-        return weight.contiguous()
+        return self.gguf_kernels.pack(weight, ggml_type)
 
     def gguf_linear(self, x, weight, ggml_type, bias=None):
-        kernels = self.gguf_kernels
-        # No kernels: their build failed, which pack_gguf_weight logged. float16 activations: the kernels take
-        # float32 / bfloat16 only, and the reference defines the op for every dtype.
-        if kernels is None or x.dtype not in PACKED_DTYPES:
+        # A packed weight (3-D) runs the kernel; the file's blocks (2-D: the kernels failed to build, which
+        # pack_gguf_weight logged) run the reference.
+        if weight.dim() == 2:
             return gguf_reference.gguf_linear(x, weight, ggml_type, bias)
-        rows = x.reshape(-1, x.shape[-1])  # the kernel takes [M, K]; leading dims are rows
-        out = kernels.ext.gguf_linear(rows, weight, ggml_type, bias, kernels.small_m_max, kernels.tile)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return self.gguf_kernels.linear(x, weight, ggml_type, bias)
 
     def gguf_embedding(self, ids, weight, ggml_type, dtype):
         kernels = self.gguf_kernels

@@ -4,4 +4,4 @@ it, only on the level asked for."""
 AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 AVX512_FLAGS = AVX2_FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 ISA_FLAGS = {"generic": (), "avx2": AVX2_FLAGS, "avx512": AVX512_FLAGS,
-             "avx512bf16": AVX512_FLAGS + ("-mavx512bf16",)}
+             "avx512bf16": AVX512_FLAGS + ("-mavx512bf16", "-mavx512vnni")}

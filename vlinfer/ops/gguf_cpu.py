@@ -1,19 +1,16 @@
 """Our CPU kernels for GGUF Q8_0 / Q4_0 / Q4_1 linear layers (kernels/cpu/gguf_blocks.cpp), built on first use
 with torch's extension builder, one extension per instruction-set level like vlinfer/ops/cpu.py's kernels. A
-separate extension (rather than more sources in cpu.py's) because it is built with -ffp-contract=off: the kernel
-dequantizes each block exactly as gguf-py does, which a compiler fusing `q * d + m` into one FMA would change.
+separate extension (rather than more sources in cpu.py's) because it is built with -ffp-contract=off: embedding rows
+are dequantized exactly as gguf-py does, which a compiler fusing `q * d + m` into one FMA would change.
 
-Which path runs at which row count: up to SMALL_M_MAX rows (decode steps, small batches) each block's integers are
-converted in registers and multiplied with its scales factored out (Q4_1: d * sum(q * x) + m * sum(x)), each weight
-byte read once; above it each thread dequantizes tiles of TILE rows
-and runs the dense matmul on them (prefill). The crossover was measured with bench/quantized.py --ops."""
+The linear runs llama.cpp's arithmetic for these types (activations quantized to int8 per 32, integer dot products
+per block; gguf_reference.gguf_linear defines it) on weights repacked once at load into groups of 16 output rows
+(`pack`), at every row count: the integer path outruns dequantizing to float32 and a float matmul in prefill too."""
 import os
 
 from vlinfer.ops.gguf_reference import block_bytes
 
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cpu", "gguf_blocks.cpp")
-SMALL_M_MAX = 8
-TILE = 64
 
 
 def build_gguf_extension(isa: str):
@@ -30,18 +27,20 @@ def build_gguf_extension(isa: str):
 
 
 class GgufCpuKernels:
-    """The built extension for one level, with the row-count switch."""
+    """The built extension for one level."""
 
-    def __init__(self, isa: str, small_m_max: int = SMALL_M_MAX, tile: int = TILE):
+    def __init__(self, isa: str):
         self.ext = build_gguf_extension(isa)
         self.isa = self.ext.isa()
-        self.small_m_max, self.tile = small_m_max, tile
 
-    def linear(self, x, weight, ggml_type: int, bias=None):
+    def pack(self, weight, ggml_type: int):
+        """The file's blocks [N, K / 32 * block_bytes] -> the kernel's layout [N, K / 32, block_bytes]."""
+        return self.ext.gguf_pack(weight.contiguous(), ggml_type)
+
+    def linear(self, x, packed, ggml_type: int, bias=None):
         block_bytes(ggml_type)  # a clear error for a type the kernel does not take
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        y = self.ext.gguf_linear(x2, weight, ggml_type, bias, self.small_m_max, self.tile)
+        y = self.ext.gguf_linear(x.reshape(-1, shape[-1]), packed, ggml_type, bias)
         return y.reshape(*shape[:-1], y.shape[-1])
 
     def dequantize(self, weight, ggml_type: int):

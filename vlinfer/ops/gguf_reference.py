@@ -1,7 +1,15 @@
 """The GGUF block formats vlinfer keeps quantized in memory (Q8_0, Q4_0, Q4_1) and the pure-torch ops that define
 their meaning: `dequantize` follows gguf-py's `dequantize_blocks` operation for operation (so it is bit-identical
-to what transformers loads from the same file), `gguf_linear` is a matmul on the dequantized weight in x's dtype.
-The compiled CPU kernels (kernels/cpu/gguf_blocks.cpp) are tested against these.
+to what transformers loads from the same file); `gguf_linear` is a float32 matmul of the dequantized weight with
+the activations as the kernel holds them (`quantize_activations`: two int8 digits per element, per 32 along K),
+cast to x's dtype. The compiled CPU kernels (kernels/cpu/gguf_blocks.cpp) are tested against these; their integer
+block sums are exact, so they differ from this only by float32 rounding.
+
+Why two digits: llama.cpp quantizes these layers' activations to one int8 per element (its Q8 rule, d = max|x| /
+127), about 1% of error per layer, and that is enough to change the real SmolLM2-135M's greedy answer to "What is
+the capital of France?" from "The capital of France is Paris." to llama.cpp's own "L'Étoile, la Cité, ...". The
+second digit holds what the first left (|x - d q1| <= d / 2) in units of d / 256: ~1e-5 of the block's largest
+value, below bf16 rounding, at the cost of a second integer dot product per block.
 
 A GGUF weight is kept as the file stores it: uint8 [N, K / 32 * block_bytes], one row of blocks per output
 feature, blocks running along K (ggml's ne[0]). Layouts (ggml-common.h):
@@ -55,9 +63,22 @@ def dequantize(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
     return w.reshape(rows, -1)
 
 
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K a multiple of 32) as the GGUF linear sees it, in float32. Per 32 along K: d = max|x| / 127,
+    q1 = round-half-even(x * (1 / d)), q2 = round-half-even((x - q1 * d) * (256 / d)) clamped to [-127, 127], both
+    int8; returns (256 q1 + q2) * (d / 256). Each product and difference is rounded once, as the kernel does."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q1 = torch.round(blocks * inverse)
+    q2 = torch.round((blocks - q1 * d) * (inverse * 256)).clamp(-127, 127)
+    return ((q1 * 256 + q2) * (d / 256)).reshape(x.shape)
+
+
 def gguf_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None = None):
-    """x [..., K] @ dequantize(weight)^T (+ bias), computed in x's dtype (the dequantized weight is cast to it)."""
-    return F.linear(x, dequantize(weight, ggml_type).to(x.dtype), bias)
+    """quantize_activations(x) [..., K] @ dequantize(weight)^T in float32, cast to x's dtype (+ bias)."""
+    y = F.linear(quantize_activations(x), dequantize(weight, ggml_type)).to(x.dtype)
+    return y if bias is None else y + bias
 
 
 def gguf_embedding(ids: torch.Tensor, weight: torch.Tensor, ggml_type: int, dtype: torch.dtype) -> torch.Tensor:
