@@ -2,8 +2,9 @@
 kernel level this CPU runs (generic, AVX2, AVX-512, AVX512-BF16: platform.cpu_isa), each its own build.
 
     python bench/ops.py     # CPU: paged decode attention, prefill+decode mix, cache write, rotary, norms, SiLU-and-
-                            # multiply, GELU, vision attention, linear (prepacked weights)
+                            # multiply, GELU, vision attention, linear (prepacked weights), GGUF Q4_1 / Q8_0 linears
     python bench/ops.py --levels avx512bf16   # one level only
+    python bench/ops.py --gguf-only           # the GGUF linears alone
 """
 import argparse
 import itertools
@@ -62,11 +63,32 @@ def linear_rows(dtype, repeat, impls):
     return rows
 
 
+def gguf_rows(repeat, impls):
+    """GGUF linears (SmolLM2's gate/up projection in Q4_1, its 49152-token LM head in Q8_0): the reference
+    (dequantize + matmul per call) vs each implementation's gguf_linear on the layout its pack_gguf_weight makes."""
+    import gguf
+    from vlinfer.ops import gguf_reference
+    rows = []
+    for type_name, ggml_type, out_features, in_features, row_counts in [("Q4_1", 3, 3072, 576, (1, 32, 512)),
+                                                                        ("Q8_0", 8, 49152, 576, (1, 32))]:
+        dense = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)).numpy()
+        blocks = torch.from_numpy(gguf.quants.quantize(dense, gguf.GGMLQuantizationType[type_name]).copy())
+        packed = [impl.pack_gguf_weight(blocks, ggml_type) for impl in impls]
+        for tokens in row_counts:
+            x = torch.randn(tokens, in_features)
+            times = [timed(lambda: impl.gguf_linear(x, weight if weight is not None else blocks, ggml_type), repeat)
+                     for impl, weight in zip(impls, packed)]
+            rows.append((f"GGUF {type_name} linear {tokens} x {in_features} -> {out_features} float32",
+                         timed(lambda: gguf_reference.gguf_linear(x, blocks, ggml_type), repeat), *times))
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--levels", nargs="*", help="CPU kernel levels to time (default: every level this CPU runs)")
+    p.add_argument("--gguf-only", action="store_true", help="time the GGUF linears only")
     args = p.parse_args(argv)
     if args.device == "cpu":
         from vlinfer.ops.cpu import CpuOps
@@ -90,7 +112,7 @@ def main(argv=None):
         rows.append((label, timed(ref_fn, args.repeat), *times))
 
     rows = []
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in () if args.gguf_only else (torch.bfloat16, torch.float32):
         dt = str(dtype).replace("torch.", "")
         for batch, ctx, heads, kv_heads, head_dim in [(32, 1024, 16, 8, 128), (32, 1024, 9, 3, 64),
                                                       (64, 256, 9, 3, 64), (8, 4096, 16, 2, 128)]:
@@ -136,6 +158,7 @@ def main(argv=None):
                     lambda: reference.varlen_attention(vq, vk, vv, cu, 0.125), "varlen_attention", vq, vk, vv, cu,
                     0.125)
         rows.extend(linear_rows(dtype, args.repeat, impls))
+    rows.extend(gguf_rows(args.repeat, impls))
     header = " | ".join(f"{name} (ms)" for name in names)
     print(f"\n| op and shape | reference (ms) | {header} | best speedup |\n|---|---|{'---|' * len(names)}---|")
     for label, ref_ms, *dev_ms in rows:

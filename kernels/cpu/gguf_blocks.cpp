@@ -164,7 +164,7 @@ void pack_group(const uint8_t* w, int64_t row_bytes, int64_t nblocks, int64_t g,
   }
 }
 
-// ---- one output row, scalar: the tail rows of every build, and every row of the generic build ----
+// ---- one output row in the file's layout, scalar: the tail rows (N % 16) of every build ----
 
 template <int64_t TYPE>
 inline int32_t block_dot_scalar(const uint8_t* blk, const int8_t* q) {

@@ -8,8 +8,6 @@ per block; gguf_reference.gguf_linear defines it) on weights repacked once at lo
 (`pack`), at every row count: the integer path outruns dequantizing to float32 and a float matmul in prefill too."""
 import os
 
-from vlinfer.ops.gguf_reference import block_bytes
-
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cpu", "gguf_blocks.cpp")
 
 
@@ -38,10 +36,12 @@ class GgufCpuKernels:
         return self.ext.gguf_pack(weight.contiguous(), ggml_type)
 
     def linear(self, x, packed, ggml_type: int, bias=None):
-        block_bytes(ggml_type)  # a clear error for a type the kernel does not take
-        shape = x.shape
-        y = self.ext.gguf_linear(x.reshape(-1, shape[-1]), packed, ggml_type, bias)
-        return y.reshape(*shape[:-1], y.shape[-1])
+        # Called ~120 times per decode step of a small model: no Python work beyond the reshape (the kernel checks
+        # the type, the layout and the shapes).
+        if x.dim() == 2:
+            return self.ext.gguf_linear(x, packed, ggml_type, bias)
+        y = self.ext.gguf_linear(x.reshape(-1, x.shape[-1]), packed, ggml_type, bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def dequantize(self, weight, ggml_type: int):
         return self.ext.gguf_dequantize(weight, ggml_type)
