@@ -477,7 +477,8 @@ at::Tensor gguf_pack(const at::Tensor& w, int64_t type) {
   return out;
 }
 
-// y = Q8(x) @ dequantize(w)^T (+ bias). x: [M, K] in any float dtype; w: packed (gguf_pack); y in x's dtype.
+// y = X(x) @ dequantize(w)^T (+ bias), X(x) the two-digit activations (top of the file). x: [M, K] in any float
+// dtype; w: packed (gguf_pack); y in x's dtype.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == block_bytes(type),
               "gguf_linear takes a weight packed by gguf_pack (uint8 [N, K / 32, block_bytes]); got ",

@@ -3,9 +3,10 @@ with torch's extension builder, one extension per instruction-set level like vli
 separate extension (rather than more sources in cpu.py's) because it is built with -ffp-contract=off: embedding rows
 are dequantized exactly as gguf-py does, which a compiler fusing `q * d + m` into one FMA would change.
 
-The linear runs llama.cpp's arithmetic for these types (activations quantized to int8 per 32, integer dot products
-per block; gguf_reference.gguf_linear defines it) on weights repacked once at load into groups of 16 output rows
-(`pack`), at every row count: the integer path outruns dequantizing to float32 and a float matmul in prefill too."""
+The linear takes integer dot products per block against activations held as two int8 digits per 32 along K
+(gguf_reference.gguf_linear and quantize_activations define it), on weights repacked once at load into groups of 16
+output rows (`pack`), at every row count: the integer path outruns dequantizing to float32 and a float matmul in
+prefill too."""
 import os
 
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cpu", "gguf_blocks.cpp")
