@@ -10,8 +10,8 @@ Two workloads, greedy, EOS ignored:
 
 A single-stream decode step reads every weight once, so its limit is bandwidth / weight bytes per step. The bytes
 per step are counted for each engine's weight format (linear weights and the LM head: float32 4 bytes a weight,
-bfloat16 2, int8 1 plus a float scale per row, Q4_1 20 bytes per 32 weights, the Q8_0 embedding / tied LM head 34
-per 32). The read bandwidth is measured in the same run (bench/single_stream.py's sum of a 1 GiB tensor, best of
+bfloat16 2, int8 34 bytes per 32 (held as Q8_0 blocks of d = 1, ops/cpu_quant.py) plus a float scale per row,
+Q4_1 20 bytes per 32 weights, the Q8_0 embedding / tied LM head 34 per 32). The read bandwidth is measured in the same run (bench/single_stream.py's sum of a 1 GiB tensor, best of
 5, before and after the engines; the higher is used), and each decode rate is shown as its share of that limit.
 
 Dense and int8 runs load the GGUF dequantized to a float32 safetensors folder (written once by bench/peers, the
@@ -34,19 +34,19 @@ from peers.protocol import time_runs  # noqa: E402
 from machine import bandwidth_gbs, load, machine  # noqa: E402
 from throughput import model_dims  # noqa: E402
 
-# name -> (model source, dtype, quantization, bytes per linear weight, bytes per LM head weight)
+# name -> (model source, dtype, quantization, bytes per linear weight, bytes per LM head weight, float32 row scales)
 ENGINES = {
-    "vlinfer fp32": ("dense", "float32", None, 4.0, 4.0),
-    "vlinfer bf16": ("dense", "bfloat16", None, 2.0, 2.0),
-    "vlinfer int8": ("dense", "float32", "int8", 1.0, 4.0),
-    "vlinfer Q4_1 (GGUF blocks)": ("gguf", "float32", None, 20 / 32, 34 / 32),
+    "vlinfer fp32": ("dense", "float32", None, 4.0, 4.0, False),
+    "vlinfer bf16": ("dense", "bfloat16", None, 2.0, 2.0, False),
+    "vlinfer int8": ("dense", "float32", "int8", 34 / 32, 4.0, True),
+    "vlinfer Q4_1 (GGUF blocks)": ("gguf", "float32", None, 20 / 32, 34 / 32, False),
 }
 LLAMACPP = ("llama.cpp Q4_1", 20 / 32, 34 / 32)
 
 
-def step_bytes(dims: dict, per_linear: float, per_head: float) -> float:
+def step_bytes(dims: dict, per_linear: float, per_head: float, row_scales: bool = False) -> float:
     scales = 4 * dims["layers"] * (dims["q_dim"] + 2 * dims["kv_dim"] + dims["hidden"] + 3 * dims["intermediate"]) \
-        if per_linear == 1.0 else 0  # int8: one float32 scale per output row
+        if row_scales else 0
     return dims["layer_params"] * per_linear + dims["head_params"] * per_head + scales
 
 
@@ -64,7 +64,7 @@ def workloads(args):
 
 def run_vlinfer(name, args, single, batch):
     from vlinfer import LLM, SamplingParams
-    source, dtype, quantization, _, _ = ENGINES[name]
+    source, dtype, quantization = ENGINES[name][:3]
     model = peers.hf_folder(args.model) if source == "dense" else args.model
     start = time.perf_counter()
     llm = LLM(model, dtype=dtype, quantization=quantization, max_model_len=512, kv_cache_bytes=args.kv_cache_mib * 2 ** 20)

@@ -159,11 +159,18 @@ def losses(model, batch: dict, rest: int):
     return nll, full.argmax(1) == labels, targets
 
 
-def sample_batch(rng: random.Random, size: int, max_turns: int, batcher: Batcher, max_objects: int) -> dict:
-    """Model inputs for `size` conversations, one picture each; batch["scenes"] holds their scenes."""
+def sample_batch(rng: random.Random, size: int, max_turns: int, batcher: Batcher, max_objects: int,
+                 objects_power: float = 0.0) -> dict:
+    """Model inputs for `size` conversations, one picture each; batch["scenes"] holds their scenes. A scene has n
+    objects (1..max_objects) with weight n ** objects_power: 0 draws every count equally often (the world's own
+    mix, as the held-out scenes have it); 1 shows three-object scenes three times as often as lone objects."""
     convs, images, drawn = [], [], []
+    counts = range(1, max_objects + 1)
     for _ in range(size):
-        scene = scenes.random_scene(rng, max_objects)
+        if objects_power:
+            scene = scenes.random_scene(rng, max_objects, rng.choices(counts, [n ** objects_power for n in counts])[0])
+        else:
+            scene = scenes.random_scene(rng, max_objects)
         drawn.append(scene)
         images.append(scenes.draw(scene, rng.randrange(2 ** 31)))
         convs.append(conversation(scene, scenes.questions(scene, rng), rng, max_turns))
@@ -234,7 +241,8 @@ def teacher_forced_accuracy(model, batcher: Batcher, rest: int, seed: int, count
 
 def train(out: str, steps: int, batch_size: int, seed: int, threads: int, lr: float, max_turns: int,
           shape: dict, log_every: int = 50, eval_every: int = 0, eval_count: int = 64, stop_after: int | None = None,
-          snapshot_every: int = 0, weight_decay: float = embedded.TRAINING["weight_decay"]) -> dict:
+          snapshot_every: int = 0, weight_decay: float = embedded.TRAINING["weight_decay"],
+          objects_power: float = embedded.TRAINING["objects_power"]) -> dict:
     """Train and write the compact model to `out`; returns its manifest. `steps` sets the schedule; stop_after
     ends the run early (the weights equal that step's snapshot of the full run); snapshot_every writes the model
     so far to out/step-N as it goes. The caller's thread count and deterministic-algorithms setting are restored
@@ -246,14 +254,14 @@ def train(out: str, steps: int, batch_size: int, seed: int, threads: int, lr: fl
     torch.use_deterministic_algorithms(True)
     try:
         return _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_every, eval_every, eval_count,
-                      stop_after or steps, snapshot_every, weight_decay)
+                      stop_after or steps, snapshot_every, weight_decay, objects_power)
     finally:
         torch.set_num_threads(saved[0])
         torch.use_deterministic_algorithms(saved[1])
 
 
 def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_every, eval_every, eval_count, stop_after,
-           snapshot_every, weight_decay) -> dict:
+           snapshot_every, weight_decay, objects_power) -> dict:
     tokenizer, template = load_tokenizer_and_template()
     vocab = world_vocabulary(tokenizer, template)
     rest = embedded.VOCAB_SIZE - len(vocab)
@@ -281,7 +289,7 @@ def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_ever
     vision = model.config.vision_config
     start, history, location_history = time.time(), [], []
     for step in range(1, stop_after + 1):
-        batch = sample_batch(rng, batch_size, max_turns, batcher, objects_cap(step, steps))
+        batch = sample_batch(rng, batch_size, max_turns, batcher, objects_cap(step, steps), objects_power)
         vision_features.clear()
         nll, correct, _ = losses(model, batch, rest)
         where = location_targets(batch["scenes"], batch["image_grid_thw"], vision.patch_size,
@@ -304,11 +312,12 @@ def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_ever
                   f"{teacher_forced_accuracy(model, batcher, rest, embedded.EVAL_SEED + 1, eval_count)}", flush=True)
         if snapshot_every and step % snapshot_every == 0 and step < stop_after:
             info = dict(steps=steps, stop_after=step, batch_size=batch_size, seed=seed, threads=threads, lr=lr,
-                        max_turns=max_turns, weight_decay=weight_decay, shape=shape,
+                        max_turns=max_turns, weight_decay=weight_decay, objects_power=objects_power, shape=shape,
                         train_seconds=round(time.time() - start), torch=torch.__version__, machine=cpu_name())
             embedded.write_compact(os.path.join(out, f"step-{step}"), model.state_dict(), vocab, shape, info)
     info = dict(steps=steps, stop_after=stop_after, batch_size=batch_size, seed=seed, threads=threads, lr=lr,
-                max_turns=max_turns, weight_decay=weight_decay, shape=shape, train_seconds=round(time.time() - start),
+                max_turns=max_turns, weight_decay=weight_decay, objects_power=objects_power, shape=shape,
+                train_seconds=round(time.time() - start),
                 final_loss=round(sum(history[-50:]) / len(history[-50:]), 5), torch=torch.__version__,
                 machine=cpu_name())
     return embedded.write_compact(out, model.state_dict(), vocab, shape, info)
@@ -372,6 +381,8 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=embedded.TRAINING["lr"])
     p.add_argument("--max-turns", type=int, default=embedded.TRAINING["max_turns"])
     p.add_argument("--weight-decay", type=float, default=embedded.TRAINING["weight_decay"])
+    p.add_argument("--objects-power", type=float, default=embedded.TRAINING["objects_power"],
+                   help="a training scene has n objects with weight n ** this (0: uniform)")
     p.add_argument("--eval-every", type=int, default=0, help="teacher-forced held-out check every N steps")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--stop-after", type=int, default=None, help="end after N steps of the --steps schedule")
@@ -382,7 +393,8 @@ def main(argv=None) -> int:
     if not args.evaluate:
         info = train(args.out, args.steps, args.batch_size, args.seed, args.threads, args.lr, args.max_turns,
                      dict(embedded.SHAPE), log_every=args.log_every, eval_every=args.eval_every,
-                     stop_after=args.stop_after, snapshot_every=args.snapshot_every, weight_decay=args.weight_decay)
+                     stop_after=args.stop_after, snapshot_every=args.snapshot_every, weight_decay=args.weight_decay,
+                     objects_power=args.objects_power)
         print(json.dumps(info, indent=1))
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,8 +20,8 @@ VOCAB_ROWS = ("model.language_model.embed_tokens.weight", "lm_head.weight")  # s
 # The model's shape (vlinfer.tiny_checkpoints.tiny_qwen3_vl_config's arguments) and the shipped training run.
 SHAPE = dict(text_hidden=128, text_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, mrope_section=(6, 5, 5),
              vision_depth=2, vision_hidden=96, vision_heads=4, tie_word_embeddings=False)
-TRAINING = dict(steps=6000, stop_after=6000, batch_size=16, seed=0, threads=2, lr=0.003, max_turns=4,
-                weight_decay=0.1)
+TRAINING = dict(steps=7000, stop_after=7000, batch_size=16, seed=0, threads=2, lr=0.003, max_turns=4,
+                weight_decay=0.1, objects_power=1.0)
 EVAL_SEED = 1_000_000  # scenes never used in training: the held-out evaluation
 # Pictures up to 76,800 pixels: the scenes' 320 x 240 at full size, so a shape (45-70 px across) spans 3-4 patches
 # of 16. Shrunk to 28,672 pixels (2-3 patches) the tiny tower mixed up stars and triangles, houses and squares.

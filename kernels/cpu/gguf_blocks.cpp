@@ -477,9 +477,11 @@ at::Tensor gguf_pack(const at::Tensor& w, int64_t type) {
   return out;
 }
 
-// y = X(x) @ dequantize(w)^T (+ bias), X(x) the two-digit activations (top of the file). x: [M, K] in any float
-// dtype; w: packed (gguf_pack); y in x's dtype.
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& bias) {
+// y = X(x) @ dequantize(w)^T (* row_scale) (+ bias), X(x) the two-digit activations (top of the file). x: [M, K]
+// in any float dtype; w: packed (gguf_pack); y in x's dtype. row_scale (float32 [N]) scales each output feature
+// before the cast: per-channel int8 weights run here as Q8_0 blocks of d = 1 (exact) times their channel's scale.
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& row_scale) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == block_bytes(type),
               "gguf_linear takes a weight packed by gguf_pack (uint8 [N, K / 32, block_bytes]); got ",
               w.scalar_type(), " ", w.sizes());
@@ -495,6 +497,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, c
     dispatch_type(type, [&](auto t) {
       packed_linear<decltype(t)::value>(w.data_ptr<uint8_t>(), n_rows, nblocks, a, m_rows, yf.data_ptr<float>());
     });
+  }
+  if (row_scale.has_value() && row_scale->defined()) {
+    TORCH_CHECK(row_scale->scalar_type() == at::kFloat && row_scale->dim() == 1 && row_scale->size(0) == n_rows,
+                "row_scale must be float32 [", n_rows, "], got ", row_scale->scalar_type(), " ", row_scale->sizes());
+    yf.mul_(*row_scale);
   }
   at::Tensor y = x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
   if (bias.has_value() && bias->defined()) y.add_(*bias);
@@ -523,7 +530,8 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_pack", &gguf_pack, "GGUF Q8_0/Q4_0/Q4_1 blocks to the kernel's 16-row groups (CPU)");
   m.def("gguf_linear", &gguf_linear, "int8 activations per 32 @ packed GGUF Q8_0/Q4_0/Q4_1 weights^T (CPU)",
-        py::arg("x"), py::arg("weight"), py::arg("ggml_type"), py::arg("bias") = py::none());
+        py::arg("x"), py::arg("weight"), py::arg("ggml_type"), py::arg("bias") = py::none(),
+        py::arg("row_scale") = py::none());
   m.def("gguf_dequantize", &gguf_dequantize, "GGUF Q8_0/Q4_0/Q4_1 blocks to float32 [N, K] (CPU)");
   m.def("isa", &isa_name, "the SIMD path this build runs");
 }

@@ -1,7 +1,7 @@
 // CPU kernels for the engine's hot ops: paged decode attention, the paged KV-cache write, in-place rotary, RMSNorm
 // (plain and fused with the residual add), SiLU-and-multiply, tanh GELU and the structured-output token bitmask. The AVX512-BF16 attention kernels (bf16
 // decode, the vision tower's attention) are in attention_bf16.cpp, the MoE experts' small-batch matmul in
-// moe_experts.cpp, the int8 weight-only linear for few rows in int8_linear.cpp; all are registered here.
+// moe_experts.cpp; all are registered here.
 // bfloat16 / float32 storage, float32 accumulation, OpenMP over independent (sequence, head) pairs.
 // Semantics are defined by vlinfer/ops/reference.py; tests compare against it.
 #include <torch/extension.h>
@@ -24,8 +24,6 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
                        double scale, at::Tensor& out);
 // kernels/cpu/moe_experts.cpp
 at::Tensor expert_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ends);
-// kernels/cpu/int8_linear.cpp
-at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
 
 namespace {
 
@@ -396,6 +394,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_attention_available", &bf16_attention_available, "built with AVX512-BF16");
   m.def("prefill_attention", &prefill_attention, "bf16 causal attention of prefill chunks over the paged cache (CPU)");
   m.def("vision_attention", &vision_attention, "bf16 varlen bidirectional attention (CPU, AVX512-BF16)");
-  m.def("int8_weight_linear", &int8_weight_linear, "x @ (int8 weight * per-channel scale)^T for few rows (CPU)");
   m.def("expert_matmul", &expert_matmul, "rows sorted by expert times their expert's [N, K] weight, transposed (CPU)");
 }

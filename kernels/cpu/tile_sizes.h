@@ -1,4 +1,4 @@
-// The few-row kernels' (moe_experts.cpp, int8_linear.cpp) microkernels are templates over their tile's rows and
+// The few-row expert kernel's (moe_experts.cpp) microkernels are templates over their tile's rows and
 // columns, 1..4 each, so the accumulators stay in registers; this turns a runtime tile size into those constants.
 #pragma once
 

@@ -32,7 +32,7 @@ from vlinfer.ops.reference import ReferenceOps
 
 logger = logging.getLogger("vlinfer")
 SOURCES = tuple(os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cpu", name)
-                for name in ("paged_ops.cpp", "attention_bf16.cpp", "moe_experts.cpp", "int8_linear.cpp"))
+                for name in ("paged_ops.cpp", "attention_bf16.cpp", "moe_experts.cpp"))
 # dtypes whose prepacked linear oneDNN runs (bf16 needs AVX512-BF16 or AMX, checked at packing time)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -182,10 +182,10 @@ class CpuOps(ReferenceOps):
     def pack_moe_weights(self, w13, w2):
         return cpu_moe.pack_moe_weights(w13, w2)
 
-    # Quantized linears: our int8 kernel for few rows, torch's int8 / int4 CPU kernels and oneDNN's int8 GEMM
+    # Quantized linears: our GGUF block kernel for per-channel int8, torch's int4 CPU kernel and oneDNN's int8 GEMM
     # (ops/cpu_quant.py).
     def pack_quantized_linear(self, scheme: str, tensors: dict) -> dict:
-        packed = cpu_quant.pack(scheme, tensors, cpu_quant.has_int8_dot_product(), self.ext.int8_weight_linear)
+        packed = cpu_quant.pack(scheme, tensors, cpu_quant.has_int8_dot_product(), self.block_kernels())
         if "cpu" in packed:
             op = {"w8a8_dynamic": self.w8a8_dynamic_linear, "w8a8_static": self.w8a8_static_linear}.get(
                 scheme, self.weight_only_linear)
@@ -196,19 +196,27 @@ class CpuOps(ReferenceOps):
     w8a8_dynamic_linear = staticmethod(cpu_quant.w8a8_dynamic_linear)
     w8a8_static_linear = staticmethod(cpu_quant.w8a8_static_linear)
 
-    # GGUF Q8_0 / Q4_0 / Q4_1 block weights: our kernels (ops/gguf_cpu.py), built when the first GGUF layer packs.
+    # GGUF Q8_0 / Q4_0 / Q4_1 block weights (and per-channel int8, as Q8_0 blocks): our kernels (ops/gguf_cpu.py),
+    # built when the first such layer packs.
     gguf_kernels: gguf_cpu.GgufCpuKernels | None = None
+    gguf_build_error: str | None = None
 
-    def pack_gguf_weight(self, weight, ggml_type):
-        if self.gguf_kernels is None:
+    def block_kernels(self) -> gguf_cpu.GgufCpuKernels | None:
+        """The GGUF block kernels for this CPU, built on first use; None (logged once) where they do not build."""
+        if self.gguf_kernels is None and self.gguf_build_error is None:
             try:
                 self.gguf_kernels = gguf_cpu.GgufCpuKernels(self.isa)
             except Exception as e:  # no compiler: the layers run the reference, loudly
-                logger.warning("ops[cpu]: GGUF kernels unavailable (%s: %s); GGUF layers run the pure-torch "
-                               "reference (dequantize + matmul per call)", type(e).__name__, str(e)[:200])
+                self.gguf_build_error = f"{type(e).__name__}: {str(e)[:200]}"
+                logger.warning("ops[cpu]: GGUF block kernels unavailable (%s); GGUF and int8 layers run the "
+                               "pure-torch reference (dequantize + matmul per call)", self.gguf_build_error)
                 return None
             logger.info("ops[cpu]: GGUF Q8_0/Q4_0/Q4_1 kernels built for %s", self.gguf_kernels.isa)
-        return self.gguf_kernels.pack(weight, ggml_type)
+        return self.gguf_kernels
+
+    def pack_gguf_weight(self, weight, ggml_type):
+        kernels = self.block_kernels()
+        return None if kernels is None else kernels.pack(weight, ggml_type)
 
     def gguf_linear(self, x, weight, ggml_type, bias=None):
         # A packed weight (3-D) runs the kernel; the file's blocks (2-D: the kernels failed to build, which

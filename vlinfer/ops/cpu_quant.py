@@ -1,16 +1,21 @@
 """CPU kernels for the quantized linears (definitions: ops/quant_reference.py):
-- W8A16 per channel: up to INT8_SMALL_ROWS rows (decode steps, small batches) our kernel (kernels/cpu/int8_linear.cpp,
-  the op table's `int8_weight_linear`: int8 weight [N, K], float32 scales [N]); above, dequantize + the dense matmul.
+- W8A16 per channel: our GGUF block kernel (kernels/cpu/gguf_blocks.cpp) at every row count, the int8 weight held as
+  Q8_0 blocks of d = 1 (gguf_reference.q8_0_blocks: exact) and the channel scales applied to its float32 result.
+  Its activations are two int8 digits per 32 (gguf_reference.quantize_activations), integer dot products (VNNI,
+  vpmaddubsw without it): each activation within 1/(127 * 512) of its block's largest, so the outputs stay within
+  ~2e-5 of the largest output of the float-activation reference, far under bf16 rounding (tests bound it at 1e-4).
+  In memory 34 bytes per 32 weights (the blocks' fp16 ones) against 32.
 - W4A16 (groups of 32..256): `aten._convert_weight_to_int4pack_for_cpu` at load (on the machine that runs, never
   cached) + `aten._weight_int4pack_mm_for_cpu`, scales and float zeros [K/g, N, 2]: w = (u - 8) * scale + zero
-  with u = q + 8, zero = -zp * scale (the reference's (q - zp) * scale, rounded once more).
+  with u = q + 8, zero = -zp * scale (the reference's (q - zp) * scale, rounded once more). Above DENSE_ROWS rows
+  (prefill chunks) it streams the whole weight for every few rows and loses to dequantize + the dense matmul
+  (oneDNN / AMX), so those calls take the reference path.
 - W8A8 (int8 x int8): oneDNN `onednn.qlinear_prepack` + `onednn.qlinear_pointwise`, only where the CPU has VNNI or
   AMX-INT8 (elsewhere int8 products go through vpmaddubsw's saturating int16 path or torch's scalar loop): the
   activations are quantized as the reference does, the matmul runs with x scale 1 and the weight scales, and the
   per-token scales multiply the rows after. Without VNNI / AMX a W8A8 layer runs as W8A16 on its int8 weight
-  (activations stay float; logged), which is not the reference's numerics but the faster honest choice there.
-Above INT8_SMALL_ROWS / DENSE_ROWS rows (prefill chunks) the weight-only kernels stream the whole weight for every
-few rows and lose to dequantize + the dense matmul (oneDNN / AMX), so those calls take the reference path.
+  (activations as the W8A16 kernel holds them; logged), which is not the reference's numerics but the faster honest
+  choice there.
 
 Each layout is checked once at pack time against the reference on a small input; a kernel torch does not take for
 this shape or dtype is logged and the layer keeps the reference path."""
@@ -19,24 +24,22 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from vlinfer.ops import quant_reference
+from vlinfer.ops import gguf_reference, quant_reference
 
 logger = logging.getLogger("vlinfer")
 # Rows above which int4 layers dequantize (per call) and run the dense matmul instead. Measured 2026-12-01 on the
 # Xeon with AMX (bf16, 2048 x 2048, 2 threads, under heavy machine load, so the ratios matter, not the times):
 # int4pack 26 / 88 / 116 / 286 ms at 1 / 32 / 64 / 256 rows, dequantize + matmul 306 / 319 / 423 / 320.
 DENSE_ROWS = 256
-# Rows up to which int8 weight-only layers run our kernel. Measured 2026-12-02 on the 2-vCPU Xeon with AMX, idle,
-# SmolLM2's [1536, 576] projection and a [49152, 576] LM-head-sized one, ms at 1 / 32 / 64 / 256 rows:
-#   float32: ours 0.05 / 0.63 / 2.3 / 3.2 and 3.0 / 20 / 61 / 121; torch's _weight_int8pack_mm 0.6 / 16 / 36 / 70
-#            and 19 / 557 / 1154 / 2541 (10-25x slower: no fast float32 path); dequantize + matmul - / 0.85 / 1.3 /
-#            1.8 and - / 108 / 115 / 148
-#   bfloat16: ours 0.06 / 0.47 / 0.87 / 4.0 and 3.6 / 14 / 29 / 139; int8pack 0.06 / 0.38 / 0.82 / 3.6 and
-#            4.1 / 25 / 53 / 212; dequantize + matmul - / 0.35 / 0.43 / 0.66 and - / 50 / 63 / 67
-# so ours up to 32 rows, dequantize + matmul (oneDNN, AMX in bf16) above; int8pack is nowhere much ahead.
-INT8_SMALL_ROWS = 32
+# int8 per-channel layers run the block kernel at every row count. Measured 2026-12-02 on the 2-vCPU AMD EPYC
+# (AVX512-VNNI and -BF16, no AMX, idle), SmolLM2's [3072 x 576] projection, ms at 1 / 16 / 48 / 256 rows: block
+# kernel (float32 x) 0.027 / 0.17 / 0.44 / 2.96; prepacked dense float32 0.081 / 0.19 / 0.66 / 2.40, bfloat16
+# 0.057 / 0.11 / 0.34 / 1.17. The former float int8 kernel took 1.38 ms at 48 rows (and dequantize + matmul above
+# 32). So int8 beats dense float32 up to batch sizes and loses to it by ~20% on long prefill chunks; the bf16 matmul
+# (vdpbf16ps) outruns the two-digit integer dots beyond a few rows on such CPUs.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 INT4_GROUPS = (32, 64, 128, 256)
+Q8_0 = 8  # ggml type id
 
 
 def has_int8_dot_product() -> bool:
@@ -51,17 +54,18 @@ def _groups(packed: dict) -> int:
     return packed["weight_scale"].numel() // weight.shape[0]
 
 
-def pack(scheme: str, tensors: dict, int8_dot: bool, int8_small_rows) -> dict:
-    """int8_small_rows: the op table's few-row int8 kernel, int8_weight_linear(x, weight, scales)."""
+def pack(scheme: str, tensors: dict, int8_dot: bool, gguf_kernels) -> dict:
+    """gguf_kernels: the op table's GGUF block kernels (ops/gguf_cpu.py), None where they did not build (logged
+    there; int8 weight-only layers then run the reference)."""
     packed = quant_reference.pack_quantized_linear(scheme, tensors)
     weight = packed["weight"]
     n, k = weight.shape
     try:
         if scheme in ("w8a16", "w4a16") or (scheme.startswith("w8a8") and not int8_dot):
-            kernel = _pack_weight_only(scheme, packed, n, k, int8_small_rows)
+            kernel = _pack_weight_only(scheme, packed, n, k, gguf_kernels)
             if scheme.startswith("w8a8") and kernel is not None:
-                logger.info("ops[cpu]: no VNNI / AMX-INT8 on this CPU: W8A8 layer [%d x %d] runs as W8A16 (float "
-                            "activations)", n, k)
+                logger.info("ops[cpu]: no VNNI / AMX-INT8 on this CPU: W8A8 layer [%d x %d] runs as W8A16 (int8 "
+                            "weights, activations as the W8A16 kernel holds them)", n, k)
         else:
             kernel = _pack_w8a8(scheme, packed)
     except RuntimeError as e:  # torch's kernel refused this shape: keep the reference, say so
@@ -73,15 +77,19 @@ def pack(scheme: str, tensors: dict, int8_dot: bool, int8_small_rows) -> dict:
     return packed
 
 
-def _pack_weight_only(scheme: str, packed: dict, n: int, k: int, int8_small_rows) -> dict | None:
+def _pack_weight_only(scheme: str, packed: dict, n: int, k: int, gguf_kernels) -> dict | None:
     scale, zero = packed["weight_scale"].float().reshape(n, -1), packed.get("weight_zero")
     groups = scale.shape[1]
     if scheme != "w4a16":
-        if groups != 1 or zero is not None:
+        if groups != 1 or zero is not None or k % gguf_reference.BLOCK or gguf_kernels is None:
+            why = ("zero points" if zero is not None else "group scales" if groups != 1 else
+                   f"K = {k} not a multiple of {gguf_reference.BLOCK}" if k % gguf_reference.BLOCK else
+                   "no GGUF kernels")
             logger.info("ops[cpu]: int8 layer [%d x %d] with %s runs dequantize + matmul (the int8 kernel takes "
-                        "symmetric per-channel scales)", n, k, "zero points" if zero is not None else "group scales")
+                        "symmetric per-channel scales and K in blocks of 32)", n, k, why)
             return None
-        return {"kind": "int8", "weight": packed["weight"].contiguous(), "small_rows": int8_small_rows,
+        blocks = gguf_reference.q8_0_blocks(packed["weight"].contiguous())
+        return {"kind": "int8", "weight": gguf_kernels.pack(blocks, Q8_0), "linear": gguf_kernels.linear,
                 "scale": scale.reshape(n).contiguous()}
     group = k // groups
     if group not in INT4_GROUPS:
@@ -112,18 +120,14 @@ def _pack_w8a8(scheme: str, packed: dict) -> dict:
 
 def weight_only_linear(x: torch.Tensor, packed: dict, bias: torch.Tensor | None, dense_rows: int = DENSE_ROWS):
     kernel = packed.get("cpu")
+    if kernel is not None and kernel["kind"] == "int8" and x.numel():
+        return kernel["linear"](x, kernel["weight"], Q8_0, bias, kernel["scale"])
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if kernel is not None and kernel["kind"] == "int8":
-        dense_rows = min(dense_rows, INT8_SMALL_ROWS)
-    if kernel is None or x.dtype not in KERNEL_DTYPES or rows > dense_rows or rows == 0 or \
-            kernel["kind"] not in ("int8", "int4"):
+    if kernel is None or kernel["kind"] != "int4" or x.dtype not in KERNEL_DTYPES or rows > dense_rows or rows == 0:
         return quant_reference.weight_only_linear(x, packed, bias)
     x2 = x.reshape(rows, x.shape[-1]).contiguous()
-    if kernel["kind"] == "int8":
-        y = kernel["small_rows"](x2, kernel["weight"], kernel["scale"])
-    else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, kernel["weight"], kernel["group"],
-                                                       kernel["scale_zeros"][x.dtype])
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, kernel["weight"], kernel["group"],
+                                                   kernel["scale_zeros"][x.dtype])
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])

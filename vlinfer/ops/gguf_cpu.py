@@ -36,12 +36,14 @@ class GgufCpuKernels:
         """The file's blocks [N, K / 32 * block_bytes] -> the kernel's layout [N, K / 32, block_bytes]."""
         return self.ext.gguf_pack(weight.contiguous(), ggml_type)
 
-    def linear(self, x, packed, ggml_type: int, bias=None):
+    def linear(self, x, packed, ggml_type: int, bias=None, row_scale=None):
+        """row_scale (float32 [N]) multiplies each output feature before the cast and the bias: per-channel int8
+        weights run as Q8_0 blocks of d = 1 (ops/cpu_quant.py)."""
         # Called ~120 times per decode step of a small model: no Python work beyond the reshape (the kernel checks
         # the type, the layout and the shapes).
         if x.dim() == 2:
-            return self.ext.gguf_linear(x, packed, ggml_type, bias)
-        y = self.ext.gguf_linear(x.reshape(-1, x.shape[-1]), packed, ggml_type, bias)
+            return self.ext.gguf_linear(x, packed, ggml_type, bias, row_scale)
+        y = self.ext.gguf_linear(x.reshape(-1, x.shape[-1]), packed, ggml_type, bias, row_scale)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def dequantize(self, weight, ggml_type: int):

@@ -63,6 +63,17 @@ def dequantize(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
     return w.reshape(rows, -1)
 
 
+def q8_0_blocks(q: torch.Tensor) -> torch.Tensor:
+    """An int8 [N, K] weight (K a multiple of 32) as Q8_0 blocks of d = 1: dequantize gives q back exactly, so a
+    per-channel int8 layer is this times its channel scales (how the CPU runs W8A16, ops/cpu_quant.py)."""
+    n, k = q.shape
+    if q.dtype != torch.int8 or k % BLOCK:
+        raise ValueError(f"Q8_0 blocks take an int8 [N, K] weight with K a multiple of {BLOCK}, got {q.dtype} "
+                         f"{tuple(q.shape)}")
+    d = torch.ones(n, k // BLOCK, 1, dtype=torch.float16).view(torch.uint8)
+    return torch.cat([d, q.reshape(n, -1, BLOCK).view(torch.uint8)], dim=-1).reshape(n, -1)
+
+
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """x [..., K] (K a multiple of 32) as the GGUF linear sees it, in float32. Per 32 along K: d = max|x| / 127,
     q1 = round-half-even(x * (1 / d)), q2 = round-half-even((x - q1 * d) * (256 / d)) clamped to [-127, 127], both
