@@ -1,6 +1,7 @@
-"""Quantized weights on CPU: SmolLM2-135M dense float32 and bfloat16, int8 (quantized on load), and the Q4_1 GGUF
-kept in its blocks (our kernels, kernels/cpu/gguf_blocks.cpp), side by side with llama.cpp on the same Q4_1 file
-(llama-cpp-python built from source in .venv-llamacpp by `make peers`; skipped, saying so, when absent).
+"""Quantized weights on CPU: SmolLM2-135M dense float32 and bfloat16, int8 (quantized on load; float32 and bfloat16
+compute), and the Q4_1 GGUF kept in its blocks (our kernels, kernels/cpu/gguf_blocks.cpp), side by side with
+llama.cpp on the same Q4_1 file (llama-cpp-python built from source in .venv-llamacpp by `make peers`; skipped,
+saying so, when absent).
 
 Two workloads, greedy, EOS ignored:
 - single stream: one 32-token prompt (seeded ids) and 128 new tokens. Each engine runs the prompt alone (1 token)
@@ -39,6 +40,7 @@ ENGINES = {
     "vlinfer fp32": ("dense", "float32", None, 4.0, 4.0, False),
     "vlinfer bf16": ("dense", "bfloat16", None, 2.0, 2.0, False),
     "vlinfer int8": ("dense", "float32", "int8", 34 / 32, 4.0, True),
+    "vlinfer int8 bf16": ("dense", "bfloat16", "int8", 34 / 32, 2.0, True),
     "vlinfer Q4_1 (GGUF blocks)": ("gguf", "float32", None, 20 / 32, 34 / 32, False),
 }
 LLAMACPP = ("llama.cpp Q4_1", 20 / 32, 34 / 32)

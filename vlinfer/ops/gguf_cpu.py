@@ -6,7 +6,8 @@ are dequantized exactly as gguf-py does, which a compiler fusing `q * d + m` int
 The linear takes integer dot products per block against activations held as two int8 digits per 32 along K
 (gguf_reference.gguf_linear and quantize_activations define it), on weights repacked once at load into groups of 16
 output rows (`pack`), at every row count: the integer path outruns dequantizing to float32 and a float matmul in
-prefill too."""
+prefill too. Per-channel int8 layers run here too, as Q8_0 blocks of d = 1 with their channel scales applied to the
+result (`row_scale`; ops/cpu_quant.py)."""
 import os
 
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cpu", "gguf_blocks.cpp")
