@@ -93,9 +93,13 @@ def test_compressed_tensors_greedy_matches_transformers(dense_qwen3, tmp_path, s
     expected = _reference_tokens(dense_qwen3, dequantized, activations)
     got, llm = _vlinfer_tokens(path)
     methods = _methods(llm)
+    block_kernels_built = llm.engine.model_context.ops.gguf_kernels is not None
     llm.close()
     assert got == expected, (scheme, methods)
     assert "dense" not in methods and len(methods) == 1, methods
+    # Only per-channel int8 weight-only layers run on the GGUF block kernels; other schemes never build them.
+    runs_int8_weight_only = scheme == "w8a16" or (scheme.startswith("w8a8") and not cpu_quant.has_int8_dot_product())
+    assert block_kernels_built == runs_int8_weight_only, (scheme, methods)
 
 
 def test_qwen3_vl_w4a16_keeps_the_vision_tower_dense(tmp_path):

@@ -167,7 +167,7 @@ def sample_batch(rng: random.Random, size: int, max_turns: int, batcher: Batcher
     convs, images, drawn = [], [], []
     counts = range(1, max_objects + 1)
     for _ in range(size):
-        if objects_power:
+        if objects_power:  # (0 keeps randint's draws: runs from before this option replay unchanged)
             scene = scenes.random_scene(rng, max_objects, rng.choices(counts, [n ** objects_power for n in counts])[0])
         else:
             scene = scenes.random_scene(rng, max_objects)

@@ -112,12 +112,12 @@ def questions(scene: Scene, rng: random.Random) -> list[tuple[str, str]]:
     return qa
 
 
-def random_scene(rng: random.Random, max_objects: int = MAX_OBJECTS, objects: int | None = None) -> Scene:
+def random_scene(rng: random.Random, max_objects: int = MAX_OBJECTS, count: int | None = None) -> Scene:
     """1..max_objects objects, uniformly (training starts with few: one object teaches what each word looks like),
-    or exactly `objects` of them (the training chooses how often each count comes; the world's scenes are these)."""
+    or exactly `count` of them (the training chooses how often each count comes; the world's scenes are these)."""
     width, height = rng.choice(SIZES)
     background = rng.choice(list(BACKGROUNDS))
-    cells = rng.sample(range(GRID * GRID), rng.randint(1, max_objects) if objects is None else objects)
+    cells = rng.sample(range(GRID * GRID), rng.randint(1, max_objects) if count is None else count)
     cell_w, cell_h = width / GRID, height / GRID
     objects = []
     # Repeats of one kind are common enough to teach counting: a later object copies an earlier one's kind often.

@@ -185,7 +185,7 @@ class CpuOps(ReferenceOps):
     # Quantized linears: our GGUF block kernel for per-channel int8, torch's int4 CPU kernel and oneDNN's int8 GEMM
     # (ops/cpu_quant.py).
     def pack_quantized_linear(self, scheme: str, tensors: dict) -> dict:
-        packed = cpu_quant.pack(scheme, tensors, cpu_quant.has_int8_dot_product(), self.block_kernels())
+        packed = cpu_quant.pack(scheme, tensors, cpu_quant.has_int8_dot_product(), self.block_kernels)
         if "cpu" in packed:
             op = {"w8a8_dynamic": self.w8a8_dynamic_linear, "w8a8_static": self.w8a8_static_linear}.get(
                 scheme, self.weight_only_linear)

@@ -49,20 +49,16 @@ def has_int8_dot_product() -> bool:
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
 
 
-def _groups(packed: dict) -> int:
-    weight = packed["weight"]
-    return packed["weight_scale"].numel() // weight.shape[0]
-
-
-def pack(scheme: str, tensors: dict, int8_dot: bool, gguf_kernels) -> dict:
-    """gguf_kernels: the op table's GGUF block kernels (ops/gguf_cpu.py), None where they did not build (logged
-    there; int8 weight-only layers then run the reference)."""
+def pack(scheme: str, tensors: dict, int8_dot: bool, block_kernels) -> dict:
+    """block_kernels(): the op table's GGUF block kernels (ops/gguf_cpu.py), built on the first call, None where they
+    did not build (logged there; int8 weight-only layers then run the reference). Called only for a layer that runs
+    on them, so int4 and W8A8 checkpoints never build them."""
     packed = quant_reference.pack_quantized_linear(scheme, tensors)
     weight = packed["weight"]
     n, k = weight.shape
     try:
         if scheme in ("w8a16", "w4a16") or (scheme.startswith("w8a8") and not int8_dot):
-            kernel = _pack_weight_only(scheme, packed, n, k, gguf_kernels)
+            kernel = _pack_weight_only(scheme, packed, n, k, block_kernels)
             if scheme.startswith("w8a8") and kernel is not None:
                 logger.info("ops[cpu]: no VNNI / AMX-INT8 on this CPU: W8A8 layer [%d x %d] runs as W8A16 (int8 "
                             "weights, activations as the W8A16 kernel holds them)", n, k)
@@ -77,14 +73,16 @@ def pack(scheme: str, tensors: dict, int8_dot: bool, gguf_kernels) -> dict:
     return packed
 
 
-def _pack_weight_only(scheme: str, packed: dict, n: int, k: int, gguf_kernels) -> dict | None:
+def _pack_weight_only(scheme: str, packed: dict, n: int, k: int, block_kernels) -> dict | None:
     scale, zero = packed["weight_scale"].float().reshape(n, -1), packed.get("weight_zero")
     groups = scale.shape[1]
     if scheme != "w4a16":
-        if groups != 1 or zero is not None or k % gguf_reference.BLOCK or gguf_kernels is None:
-            why = ("zero points" if zero is not None else "group scales" if groups != 1 else
-                   f"K = {k} not a multiple of {gguf_reference.BLOCK}" if k % gguf_reference.BLOCK else
-                   "no GGUF kernels")
+        why = ("zero points" if zero is not None else "group scales" if groups != 1 else
+               f"K = {k} not a multiple of {gguf_reference.BLOCK}" if k % gguf_reference.BLOCK else None)
+        gguf_kernels = block_kernels() if why is None else None
+        if why is None and gguf_kernels is None:
+            why = "no GGUF kernels"
+        if why is not None:
             logger.info("ops[cpu]: int8 layer [%d x %d] with %s runs dequantize + matmul (the int8 kernel takes "
                         "symmetric per-channel scales and K in blocks of 32)", n, k, why)
             return None
