@@ -340,13 +340,14 @@ def test_expert_matmul_rejects_bad_groups(cpu_ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows, n, k", [(1, 576, 576), (3, 70, 96), (33, 130, 1536), (100, 40, 64), (8, 3, 32)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize("rows, n, k", [(1, 576, 576), (3, 70, 96), (33, 130, 1536), (100, 56, 64), (8, 3, 32),
+                                        (7, 48, 64)], ids=lambda v: str(v))
 def test_int8_layers_run_the_block_kernel_at_every_row_count(cpu_ops, rows, n, k, dtype):
     """A per-channel int8 layer runs the GGUF block kernel as Q8_0 blocks of d = 1 times its channel scales (N off
     the 16-row group, rows past one 32-row tile): equal to the reference on the activations as the kernel holds
-    them (float32 rounding), and within ~1e-5 of the float-activation W8A16 reference (the documented tolerance)."""
-    from vlinfer.ops import gguf_reference, quant_reference
+    them (float32 rounding), and within ~1e-5 of the float-activation W8A16 reference (the documented tolerance).
+    bf16 activations from BF16_PANEL_ROWS rows take the bf16 panels instead, where this CPU has AVX512-BF16."""
+    from vlinfer.ops import cpu_quant, gguf_reference, quant_reference
     g = torch.Generator().manual_seed(rows * n + k)
     tensors = {"weight": torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8),
                "weight_scale": torch.rand(n, 1, generator=g) * 0.02}
@@ -355,6 +356,12 @@ def test_int8_layers_run_the_block_kernel_at_every_row_count(cpu_ops, rows, n, k
     x = torch.randn(rows, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype)
     out = cpu_ops.weight_only_linear(x, packed, bias)
+    kernels = cpu_ops.block_kernels()
+    assert kernels.bf16_panels == (cpu_ops.isa == "avx512bf16")
+    if dtype == torch.bfloat16 and rows >= cpu_quant.BF16_PANEL_ROWS and kernels.bf16_panels:
+        assert torch.equal(out, kernels.int8_linear_bf16(x, packed["cpu"]["weight"], packed["cpu"]["scale"], bias))
+    else:
+        assert torch.equal(out, kernels.linear(x, packed["cpu"]["weight"], 8, bias, packed["cpu"]["scale"]))
     w = tensors["weight"].float() * tensors["weight_scale"]
     held = F.linear(gguf_reference.quantize_activations(x), w).to(dtype) + bias
     assert out.dtype == dtype and out.shape == (rows, n)

@@ -82,6 +82,40 @@ def test_linear_matches_the_reference(kernels, type_name):
             assert ((got_half.float() - ref_half).abs().max() / ref_half.abs().max()).item() < 1e-2, (m, k, n)
 
 
+# (M, K, N) for int8_linear_bf16: 8-row tiles and the rows after them, N as 16-row groups in pairs, an odd group
+# count (one group on its own) and tail rows, tail rows only
+INT8_BF16_SHAPES = [(1, 32, 16), (8, 64, 32), (9, 96, 48), (17, 160, 70), (100, 64, 56), (3, 32, 5)]
+
+
+def test_int8_bf16_panels_exist_exactly_at_the_avx512_bf16_level(kernels):
+    """bf16 activations against per-channel int8 weights (Q8_0 blocks of d = 1): widened to bf16 panels, float32
+    sums, one rounding to bf16; equal to the exact product within that rounding. Built only where vdpbf16ps is."""
+    assert kernels.bf16_panels == (kernels.isa == "avx512-vnni")  # the AVX512-BF16 level's build name
+    gen = torch.Generator().manual_seed(3)
+    for m, k, n in INT8_BF16_SHAPES:
+        q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        scale = torch.rand(n, generator=gen) * 0.02
+        packed = kernels.pack(gguf_reference.q8_0_blocks(q), 8)
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        bias = torch.randn(n, generator=gen).bfloat16()
+        if not kernels.bf16_panels:
+            with pytest.raises(RuntimeError, match="needs an AVX512-BF16 build"):
+                kernels.int8_linear_bf16(x, packed, scale, bias)
+            continue
+        got = kernels.int8_linear_bf16(x, packed, scale, bias)
+        exact = (x.double() @ (q.double() * scale.double()[:, None]).T + bias.double()).float()
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        # one bf16 rounding of each output: within half a unit, 2^-8 of itself (float32 sums add ~1e-6)
+        assert torch.all((got.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-5 * exact.abs().max()), (m, k, n)
+        assert torch.equal(kernels.int8_linear_bf16(x[None], packed, scale, bias), got[None])  # 3-D input
+    if kernels.bf16_panels:
+        packed = kernels.pack(gguf_reference.q8_0_blocks(torch.ones(16, 64, dtype=torch.int8)), 8)
+        with pytest.raises(RuntimeError, match="x must be bfloat16"):
+            kernels.int8_linear_bf16(torch.randn(2, 64), packed, torch.ones(16))
+        with pytest.raises(RuntimeError, match="row_scale must be float32"):
+            kernels.int8_linear_bf16(torch.randn(2, 64).bfloat16(), packed, torch.ones(15))
+
+
 def test_activation_quantization_rule():
     """Per 32 along K: d = max|x| / 127, x ~ (256 q1 + q2) * d / 256 with q1, q2 int8; an all-zero block stays zero.
     The error is at most half a unit (d / 512) and far below the one-digit rule's (d / 2)."""

@@ -508,6 +508,156 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, c
   return y;
 }
 
+// ---- int8 per-channel weights against bfloat16 activations: AVX512-BF16 builds ----
+// Where the CPU has vdpbf16ps, bf16 activations meet an int8 layer (Q8_0 blocks of d = 1, gguf_reference.q8_0_blocks)
+// as bf16 too: each task turns one or two 16-row groups into bf16 "panels" (an int8 weight is exact in bf16) and
+// runs every activation row against them, so each conversion is paid once per call and row count, not per row.
+// Beyond a dozen rows this outruns the two-digit integer dots (two products per weight and the activations'
+// quantization) and, per row, matches the prepacked bf16 matmul (measured in ops/cpu_quant.py). No activation
+// quantization: the products are exact in float32, accumulated in float32, times the channel scale, plus the bias,
+// rounded once to bf16.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+constexpr bool kBf16Panels = true;
+constexpr int kPanelRows = 8;    // activation rows per tile: 8 x 2 accumulators, 2 panel vectors, 1 broadcast
+constexpr int kPanelGroups = 2;  // 16-row groups per task
+
+// Group `grp`'s Q8_0 blocks (unsigned bytes q + 128, chunk p holding weights 4p .. 4p+3 of each row) -> panel[kp],
+// 16 dwords: dword r = (w[r][2kp], w[r][2kp + 1]) as two bf16. |q| <= 128 is exact in bf16, so the bf16 is the
+// float's upper half and no rounding happens.
+inline void group_panel_bf16(const uint8_t* grp, int64_t nblocks, __m512i* panel) {
+  constexpr int64_t gbb = kGroup * kBlockBytes<kQ8_0>;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t b = 0; b < nblocks; ++b) {
+    for (int p = 0; p < 8; ++p) {
+      const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(grp + b * gbb + 64 * p), flip);  // int8 q, 4 per row
+      __m512i w[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m512i q = _mm512_srai_epi32(i == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * i), 24);
+        w[i] = _mm512_castps_si512(_mm512_cvtepi32_ps(q));
+      }
+      panel[16 * b + 2 * p] = _mm512_or_si512(_mm512_srli_epi32(w[0], 16), _mm512_and_si512(w[1], high));
+      panel[16 * b + 2 * p + 1] = _mm512_or_si512(_mm512_srli_epi32(w[2], 16), _mm512_and_si512(w[3], high));
+    }
+  }
+}
+
+// R activation rows x C groups: lane j of acc[r][c] is output feature 16 c + j of row r. Per pair of K, one panel
+// vector per group and the rows' pair broadcast to all lanes: no horizontal sums.
+template <int R, int C>
+void panel_tile(const uint32_t* x, int64_t kpairs, const __m512i* panel, const float* scale, const float* bias,
+                c10::BFloat16* y, int64_t ldy) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < kpairs; ++kp) {
+    __m512bh w[C];
+    for (int c = 0; c < C; ++c) w[c] = (__m512bh)_mm512_loadu_si512(panel + c * kpairs + kp);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * kpairs + kp]));
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, w[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const __m512 s = _mm512_loadu_ps(scale + 16 * c);
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + 16 * c) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[r][c], s, bv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16 * c), (__m256i)out);
+    }
+  }
+}
+
+template <int C>
+void panel_rows(const uint32_t* x, int64_t m_rows, int64_t kpairs, const __m512i* panel, const float* scale,
+                const float* bias, c10::BFloat16* y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + kPanelRows <= m_rows; m += kPanelRows)
+    panel_tile<kPanelRows, C>(x + m * kpairs, kpairs, panel, scale, bias, y + m * ldy, ldy);
+  const int64_t rest = m_rows - m;
+  x += m * kpairs;
+  y += m * ldy;
+  switch (rest) {  // the last rows, on a tile of their own size
+    case 1: panel_tile<1, C>(x, kpairs, panel, scale, bias, y, ldy); break;
+    case 2: panel_tile<2, C>(x, kpairs, panel, scale, bias, y, ldy); break;
+    case 3: panel_tile<3, C>(x, kpairs, panel, scale, bias, y, ldy); break;
+    case 4: panel_tile<4, C>(x, kpairs, panel, scale, bias, y, ldy); break;
+    case 5: panel_tile<5, C>(x, kpairs, panel, scale, bias, y, ldy); break;
+    case 6: panel_tile<6, C>(x, kpairs, panel, scale, bias, y, ldy); break;
+    case 7: panel_tile<7, C>(x, kpairs, panel, scale, bias, y, ldy); break;
+    default: break;
+  }
+}
+
+void int8_bf16_groups(const uint16_t* x, int64_t m_rows, const uint8_t* w, int64_t groups, int64_t nblocks,
+                      const float* scale, const float* bias, c10::BFloat16* y, int64_t n_rows) {
+  const int64_t kpairs = nblocks * kBlock / 2, group_bytes = kGroup * nblocks * kBlockBytes<kQ8_0>;
+  const auto* x32 = reinterpret_cast<const uint32_t*>(x);
+  const int64_t tasks = (groups + kPanelGroups - 1) / kPanelGroups;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<__m512i> panel(kPanelGroups * kpairs);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t * kPanelGroups, count = std::min<int64_t>(kPanelGroups, groups - g);
+      for (int64_t c = 0; c < count; ++c) group_panel_bf16(w + (g + c) * group_bytes, nblocks, panel.data() + c * kpairs);
+      const float* bias_g = bias ? bias + g * kGroup : nullptr;
+      if (count == 2)
+        panel_rows<2>(x32, m_rows, kpairs, panel.data(), scale + g * kGroup, bias_g, y + g * kGroup, n_rows);
+      else
+        panel_rows<1>(x32, m_rows, kpairs, panel.data(), scale + g * kGroup, bias_g, y + g * kGroup, n_rows);
+    }
+  });
+}
+#else
+constexpr bool kBf16Panels = false;
+#endif
+
+// y = x @ (q * row_scale)^T (+ bias) for bf16 x and an int8 per-channel layer packed as Q8_0 blocks of d = 1, on
+// the bf16 panels above (AVX512-BF16 builds only: `bf16_panels_available`). The N % 16 tail rows, in the file's
+// layout, are scalar.
+at::Tensor int8_linear_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& row_scale,
+                            const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(kBf16Panels, "int8_linear_bf16 needs an AVX512-BF16 build of the GGUF kernels");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == kBlockBytes<kQ8_0>,
+              "int8_linear_bf16 takes Q8_0 blocks packed by gguf_pack (uint8 [N, K / 32, 34]); got ",
+              w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
+  const int64_t nblocks = w.size(1), m_rows = x.size(0), n_rows = w.size(0), k = nblocks * kBlock;
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the int8 weight ", k);
+  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.dim() == 1 && row_scale.size(0) == n_rows,
+              "row_scale must be float32 [", n_rows, "], got ", row_scale.scalar_type(), " ", row_scale.sizes());
+  auto xc = x.contiguous();
+  auto scale = row_scale.contiguous();
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n_rows, "bias must be [", n_rows, "]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  auto y = at::empty({m_rows, n_rows}, x.options());
+  if (m_rows == 0 || n_rows == 0) return y;
+  const int64_t groups = n_rows / kGroup;
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  const auto* xp = xc.data_ptr<c10::BFloat16>();
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  int8_bf16_groups(reinterpret_cast<const uint16_t*>(xp), m_rows, w.data_ptr<uint8_t>(), groups, nblocks,
+                   scale.data_ptr<float>(), bp, yp, n_rows);
+#endif
+  // Tail rows in the file's layout: d (fp16, 1) then 32 int8 per block.
+  const uint8_t* tail = w.data_ptr<uint8_t>() + groups * kGroup * nblocks * kBlockBytes<kQ8_0>;
+  for (int64_t r = 0; r < n_rows - groups * kGroup; ++r) {
+    const int64_t n = groups * kGroup + r;
+    for (int64_t m = 0; m < m_rows; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nblocks; ++b) {
+        const int8_t* qs = reinterpret_cast<const int8_t*>(tail + (r * nblocks + b) * kBlockBytes<kQ8_0> + 2);
+        for (int j = 0; j < kBlock; ++j) acc += static_cast<float>(xp[m * k + b * kBlock + j]) * qs[j];
+      }
+      yp[m * n_rows + n] = static_cast<c10::BFloat16>(acc * scale.data_ptr<float>()[n] + (bp ? bp[n] : 0.f));
+    }
+  }
+  return y;
+}
+
 // dequantize(w) as float32 [N, K] from the file's layout: embedding rows.
 at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type) {
   const int64_t nblocks = check_weight(w, type);
@@ -533,5 +683,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("ggml_type"), py::arg("bias") = py::none(),
         py::arg("row_scale") = py::none());
   m.def("gguf_dequantize", &gguf_dequantize, "GGUF Q8_0/Q4_0/Q4_1 blocks to float32 [N, K] (CPU)");
+  m.def("int8_linear_bf16", &int8_linear_bf16, "bf16 x @ (int8 Q8_0 blocks of d = 1 * row_scale)^T (+ bias) (CPU, "
+        "AVX512-BF16)", py::arg("x"), py::arg("weight"), py::arg("row_scale"), py::arg("bias") = py::none());
+  m.def("bf16_panels_available", [] { return kBf16Panels; }, "built with AVX512-BF16: int8_linear_bf16 runs");
   m.def("isa", &isa_name, "the SIMD path this build runs");
 }

@@ -4,7 +4,9 @@
   Its activations are two int8 digits per 32 (gguf_reference.quantize_activations), integer dot products (VNNI,
   vpmaddubsw without it): each activation within 1/(127 * 512) of its block's largest, so the outputs stay within
   ~2e-5 of the largest output of the float-activation reference, far under bf16 rounding (tests bound it at 1e-4).
-  In memory 34 bytes per 32 weights (the blocks' fp16 ones) against 32.
+  In memory 34 bytes per 32 weights (the blocks' fp16 ones) against 32. In bfloat16 compute from BF16_PANEL_ROWS
+  rows, on CPUs with AVX512-BF16, the same packed weights run `int8_linear_bf16`: widened to bf16 once per call,
+  products against the bf16 activations as they are (no digits), as fast as the prepacked dense bf16 matmul.
 - W4A16 (groups of 32..256): `aten._convert_weight_to_int4pack_for_cpu` at load (on the machine that runs, never
   cached) + `aten._weight_int4pack_mm_for_cpu`, scales and float zeros [K/g, N, 2]: w = (u - 8) * scale + zero
   with u = q + 8, zero = -zp * scale (the reference's (q - zp) * scale, rounded once more). Above DENSE_ROWS rows
@@ -31,12 +33,16 @@ logger = logging.getLogger("vlinfer")
 # Xeon with AMX (bf16, 2048 x 2048, 2 threads, under heavy machine load, so the ratios matter, not the times):
 # int4pack 26 / 88 / 116 / 286 ms at 1 / 32 / 64 / 256 rows, dequantize + matmul 306 / 319 / 423 / 320.
 DENSE_ROWS = 256
-# int8 per-channel layers run the block kernel at every row count. Measured 2026-12-02 on the 2-vCPU AMD EPYC
-# (AVX512-VNNI and -BF16, no AMX, idle), SmolLM2's [3072 x 576] projection, ms at 1 / 16 / 48 / 256 rows: block
-# kernel (float32 x) 0.027 / 0.17 / 0.44 / 2.96; prepacked dense float32 0.081 / 0.19 / 0.66 / 2.40, bfloat16
-# 0.057 / 0.11 / 0.34 / 1.17. The former float int8 kernel took 1.38 ms at 48 rows (and dequantize + matmul above
-# 32). So int8 beats dense float32 up to batch sizes and loses to it by ~20% on long prefill chunks; the bf16 matmul
-# (vdpbf16ps) outruns the two-digit integer dots beyond a few rows on such CPUs.
+# int8 per-channel layers run the block kernel at every row count in float32. Measured 2026-12-02 on the 2-vCPU AMD
+# EPYC (AVX512-VNNI and -BF16, no AMX, idle), SmolLM2's [3072 x 576] projection, ms at 1 / 16 / 48 / 256 rows: block
+# kernel (float32 x) 0.027 / 0.17 / 0.44 / 2.96; prepacked dense float32 0.081 / 0.19 / 0.66 / 2.40. The former
+# float int8 kernel took 1.38 ms at 48 rows (and dequantize + matmul above 32). So in float32 int8 beats dense up to
+# batch sizes and loses to it by ~20% on long prefill chunks.
+# bf16 activations from BF16_PANEL_ROWS rows run int8_linear_bf16 where the CPU has AVX512-BF16 (same machine and
+# shape, ms at 1 / 4 / 8 / 16 / 48 / 256 / 1024 rows): block kernel 0.021 / 0.035 / 0.063 / 0.118 / 0.326 / 1.81 /
+# 8.00; bf16 panels 0.048 / 0.048 / 0.057 / 0.089 / 0.227 / 1.04 / 4.03; prepacked dense bf16 0.040 / 0.041 /
+# 0.056 / 0.087 / 0.207 / 0.98 / 4.09.
+BF16_PANEL_ROWS = 8
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 INT4_GROUPS = (32, 64, 128, 256)
 Q8_0 = 8  # ggml type id
@@ -88,6 +94,7 @@ def _pack_weight_only(scheme: str, packed: dict, n: int, k: int, block_kernels) 
             return None
         blocks = gguf_reference.q8_0_blocks(packed["weight"].contiguous())
         return {"kind": "int8", "weight": gguf_kernels.pack(blocks, Q8_0), "linear": gguf_kernels.linear,
+                "linear_bf16": gguf_kernels.int8_linear_bf16 if gguf_kernels.bf16_panels else None,
                 "scale": scale.reshape(n).contiguous()}
     group = k // groups
     if group not in INT4_GROUPS:
@@ -119,6 +126,9 @@ def _pack_w8a8(scheme: str, packed: dict) -> dict:
 def weight_only_linear(x: torch.Tensor, packed: dict, bias: torch.Tensor | None, dense_rows: int = DENSE_ROWS):
     kernel = packed.get("cpu")
     if kernel is not None and kernel["kind"] == "int8" and x.numel():
+        if (x.dtype == torch.bfloat16 and kernel["linear_bf16"] is not None
+                and x.numel() >= BF16_PANEL_ROWS * x.shape[-1]):
+            return kernel["linear_bf16"](x, kernel["weight"], kernel["scale"], bias)
         return kernel["linear"](x, kernel["weight"], Q8_0, bias, kernel["scale"])
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if kernel is None or kernel["kind"] != "int4" or x.dtype not in KERNEL_DTYPES or rows > dense_rows or rows == 0:

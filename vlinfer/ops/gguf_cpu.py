@@ -7,7 +7,8 @@ The linear takes integer dot products per block against activations held as two 
 (gguf_reference.gguf_linear and quantize_activations define it), on weights repacked once at load into groups of 16
 output rows (`pack`), at every row count: the integer path outruns dequantizing to float32 and a float matmul in
 prefill too. Per-channel int8 layers run here too, as Q8_0 blocks of d = 1 with their channel scales applied to the
-result (`row_scale`; ops/cpu_quant.py)."""
+result (`row_scale`; ops/cpu_quant.py); with bf16 activations from a few rows up, where the CPU has AVX512-BF16,
+they run `int8_linear_bf16` instead: the int8 weights widened to bf16 panels once per call, vdpbf16ps products."""
 import os
 
 SOURCE = os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cpu", "gguf_blocks.cpp")
@@ -32,6 +33,7 @@ class GgufCpuKernels:
     def __init__(self, isa: str):
         self.ext = build_gguf_extension(isa)
         self.isa = self.ext.isa()
+        self.bf16_panels = bool(self.ext.bf16_panels_available())  # int8_linear_bf16 runs (AVX512-BF16 builds)
 
     def pack(self, weight, ggml_type: int):
         """The file's blocks [N, K / 32 * block_bytes] -> the kernel's layout [N, K / 32, block_bytes]."""
@@ -45,6 +47,14 @@ class GgufCpuKernels:
         if x.dim() == 2:
             return self.ext.gguf_linear(x, packed, ggml_type, bias, row_scale)
         y = self.ext.gguf_linear(x.reshape(-1, x.shape[-1]), packed, ggml_type, bias, row_scale)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def int8_linear_bf16(self, x, packed, row_scale, bias=None):
+        """bf16 x against an int8 per-channel layer (Q8_0 blocks of d = 1, `pack`ed) as bf16 panels, no activation
+        quantization: the faster path from about 8 rows where the CPU has AVX512-BF16 (ops/cpu_quant.py)."""
+        if x.dim() == 2:
+            return self.ext.int8_linear_bf16(x, packed, row_scale, bias)
+        y = self.ext.int8_linear_bf16(x.reshape(-1, x.shape[-1]), packed, row_scale, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def dequantize(self, weight, ggml_type: int):
