@@ -10,7 +10,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 // kernels/cpu/attention_bf16.cpp
 bool bf16_attention_available();
@@ -204,12 +209,55 @@ struct Rows {
   int64_t offset(int64_t r) const { return (r / inner) * stride_outer + (r % inner) * stride_inner; }
 };
 
+#if defined(__AVX512F__)
+// 16 bf16 <-> float32 at a time. The compiler does not vectorize c10::BFloat16's scalar rounding: bf16 RMSNorm ran
+// 4x slower than float32 on the same rows ([64, 576]: 41 against 10 us). Rounding is c10's: to nearest even,
+// NaN to 0x7FC0 (tested on integers, which -ffast-math cannot fold).
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512i bf16_bits(__m512 v) {  // round to nearest even; the bf16 in the low 16 bits of each lane
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+}
+inline __m512 round16(__m512 v, c10::BFloat16) {  // v rounded to bf16, as float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+}
+inline __m512 round16(__m512 v, float) { return v; }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+template <typename T>
+constexpr bool kVector16 = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>;
+#else
+template <typename T>
+constexpr bool kVector16 = false;
+#endif
+
 template <typename scalar_t>
 inline void rms_norm_row(const float* xf, const scalar_t* w, scalar_t* y, int64_t dim, float eps) {
   float sum = 0.f;
   for (int64_t d = 0; d < dim; ++d) sum += xf[d] * xf[d];
   const float r = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
-  for (int64_t d = 0; d < dim; ++d) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  if constexpr (kVector16<scalar_t>) {
+    const __m512 rv = _mm512_set1_ps(r);
+    for (; d + 16 <= dim; d += 16) {
+      const __m512 normed = round16(_mm512_mul_ps(_mm512_loadu_ps(xf + d), rv), scalar_t{});
+      store16(y + d, _mm512_mul_ps(load16(w + d), normed));
+    }
+  }
+#endif
+  for (; d < dim; ++d) {
     const scalar_t normed = static_cast<scalar_t>(xf[d] * r);  // rounded to the activation dtype first
     y[d] = static_cast<scalar_t>(to_f(w[d]) * to_f(normed));
   }
@@ -225,7 +273,13 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, at
     std::vector<float> xf(rows.dim);
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* src = xp + rows.offset(r);
-      for (int64_t d = 0; d < rows.dim; ++d) xf[d] = to_f(src[d]);
+      int64_t d = 0;
+#if defined(__AVX512F__)
+      if constexpr (kVector16<scalar_t>) {
+        for (; d + 16 <= rows.dim; d += 16) _mm512_storeu_ps(xf.data() + d, load16(src + d));
+      }
+#endif
+      for (; d < rows.dim; ++d) xf[d] = to_f(src[d]);
       rms_norm_row<scalar_t>(xf.data(), wp, op + r * rows.dim, rows.dim, static_cast<float>(eps));
     }
   });
@@ -255,7 +309,17 @@ void add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(dim);
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t d = 0; d < dim; ++d) {
+      int64_t d = 0;
+#if defined(__AVX512F__)
+      if constexpr (kVector16<scalar_t>) {
+        for (; d + 16 <= dim; d += 16) {
+          const __m512 sum = round16(_mm512_add_ps(load16(xp + t * dim + d), load16(rp + t * dim + d)), scalar_t{});
+          store16(np + t * dim + d, sum);
+          _mm512_storeu_ps(xf.data() + d, sum);
+        }
+      }
+#endif
+      for (; d < dim; ++d) {
         const scalar_t sum = static_cast<scalar_t>(to_f(xp[t * dim + d]) + to_f(rp[t * dim + d]));
         np[t * dim + d] = sum;
         xf[d] = to_f(sum);
