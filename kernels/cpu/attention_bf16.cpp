@@ -27,6 +27,8 @@
 #define VLINFER_BF16_ATTENTION 1
 #endif
 
+#include "decode_vectors.h"
+
 namespace {
 
 #ifdef VLINFER_BF16_ATTENTION
@@ -35,27 +37,6 @@ constexpr int64_t kBlockQ = 48;   // query rows per work item (a multiple of 12:
 constexpr int64_t kBlockK = 256;  // keys per online-softmax step (a multiple of the 64-key score tile)
 constexpr int kScoreRows = 6;     // query rows per score tile (6 x 64 keys = 24 accumulators)
 constexpr int64_t kMaxVectors = 8;  // head_dim up to 128 (padded to 16-lane vectors)
-// The masked-score and initial-max value: finite, because -ffast-math lets the compiler assume no infinities.
-constexpr float kLowest = std::numeric_limits<float>::lowest();
-
-// exp for the softmax, whose inputs are s - max <= 0: range reduction by ln2 and a degree-6 polynomial (~1 ulp),
-// the power of two applied by vscalefps. Inputs are clamped at -100 so the masked kLowest scores give 2^-144 * p,
-// which rounds to 0 in bfloat16 and is nothing next to the row's maximum term of 1.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 inline __m512bh broadcast_pair(const uint16_t* pair) {
   int32_t bits;
@@ -303,62 +284,14 @@ void flash_attention(const uint16_t* q, int64_t q_st, int64_t q_sh, int64_t n_q,
 
 // ----------------------------------------------------------------------------------------- paged decode attention
 
-// A head's rows are head_dim apart from the next head's, so consecutive tokens are a cache-line run every
-// kv_heads * head_dim elements: a stride the hardware prefetcher follows poorly. Fetch kPrefetch tokens ahead; the
-// first kv head of a sequence fetches the whole row, which the others then find in L2. (Walking all heads token by
-// token instead, one pass for the sequence, measured slower: the value accumulators of every head no longer fit in
-// registers.) 8 -> 16 tokens ahead: 0.75 -> 0.73 ms for a 64-sequence SmolLM2 decode layer (AMD EPYC, 2 threads).
-constexpr int64_t kPrefetch = 16;
 
-// `lines` 64-byte lines from `row` on (0: nothing).
-inline void prefetch_row(const uint16_t* row, int64_t lines) {
-  for (int64_t i = 0; i < lines; ++i) _mm_prefetch(reinterpret_cast<const char*>(row + 32 * i), _MM_HINT_T0);
-}
-
-// Lane j of the result is the sum of v[j]'s 16 lanes: halves, then quarters of all 16 vectors added pairwise with
-// 128-bit shuffles, then a 4 x 4 transpose-and-add inside each 128-bit lane, which leaves v[4k + L]'s sum at lane
-// 4L + k; one permute puts it at lane 4k + L.
-inline __m512 sum16(const __m512 v[16]) {
-  __m512 x[8], y[4];
-  for (int i = 0; i < 8; ++i)  // 128-bit lanes 0-1: v[2i]'s halves added; 2-3: v[2i + 1]'s
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // 128-bit lane L: 4 partial sums of v[4i + L]
-    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
-  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(y[0], y[1]), _mm512_unpackhi_ps(y[0], y[1]));
-  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(y[2], y[3]), _mm512_unpackhi_ps(y[2], y[3]));
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
-}
-
-// Token t's cache row, walked in order: the block and offset advance by one each step. Deriving them per token as
-// t / block_size and t % block_size cost an integer division per row read (a runtime block size), about a third
-// of the kernel's time on 64-dim heads.
-struct RowCursor {
-  const int32_t* table;
-  int64_t block_size, stride_block, stride_tok;
-  int64_t block = 0, offset = 0;
-  const uint16_t* row(const uint16_t* base) const { return base + table[block] * stride_block + offset * stride_tok; }
-  void next() {
-    if (++offset == block_size) {
-      offset = 0;
-      ++block;
-    }
-  }
-  RowCursor ahead(int64_t tokens) const {  // the cursor `tokens` rows further on
-    RowCursor c = *this;
-    for (int64_t i = 0; i < tokens; ++i) c.next();
-    return c;
-  }
-};
 
 // One (sequence, kv head): NB = head_dim / 32 bf16 vectors per row. Query heads of the group are served in chunks
 // of kHeadsPerPass so their float32 value accumulators stay in registers.
 template <int NB>
 void decode_one(const uint16_t* q, int64_t q_stride_h, int64_t group, const uint16_t* k_base, const uint16_t* v_base,
                 const int32_t* table, int64_t block_size, int64_t c_stride_block, int64_t c_stride_tok, int64_t len,
-                float scale, uint16_t* out, int64_t o_stride_h, int64_t row_offset, int64_t prefetch_lines,
+                float scale, uint16_t* out, int64_t o_stride_h, int64_t row_offset, int64_t row_lines,
                 std::vector<float>& scores, std::vector<uint16_t>& probs, std::vector<float>& inv_sum) {
   constexpr int64_t kHeadsPerPass = 8 / NB;  // 16 accumulators
   const int64_t padded = round_up(len, 16);
@@ -374,7 +307,7 @@ void decode_one(const uint16_t* q, int64_t q_stride_h, int64_t group, const uint
     const int64_t n = std::min<int64_t>(16, len - t0);
     for (int64_t i = 0; i < n; ++i, cur.next(), pre.next()) {
       rows[i] = cur.row(k_base);
-      if (t0 + i + kPrefetch < len) prefetch_row(pre.row(k_base) - row_offset, prefetch_lines);
+      if (t0 + i + kPrefetch < len) prefetch_lines(pre.row(k_base) - row_offset, row_lines);
     }
     for (int64_t i = n; i < 16; ++i) rows[i] = rows[0];  // lanes past the end: masked to kLowest below
     for (int64_t g = 0; g < group; ++g) {
@@ -417,7 +350,7 @@ void decode_one(const uint16_t* q, int64_t q_stride_h, int64_t group, const uint
       const uint16_t* v1 = t + 1 < len ? cur.row(v_base) : nullptr;
       cur.next();
       for (int64_t ahead = t + kPrefetch; ahead < std::min(t + kPrefetch + 2, len); ++ahead, pre.next())
-        prefetch_row(pre.row(v_base) - row_offset, prefetch_lines);
+        prefetch_lines(pre.row(v_base) - row_offset, row_lines);
       __m512bh pairs[2 * NB];
       for (int i = 0; i < NB; ++i) {
         const __m512i a = _mm512_loadu_si512(v0 + 32 * i), b = v1 ? _mm512_loadu_si512(v1 + 32 * i) : zero;

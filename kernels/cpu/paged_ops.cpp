@@ -17,6 +17,8 @@
 #include <immintrin.h>
 #endif
 
+#include "decode_vectors.h"
+
 // kernels/cpu/attention_bf16.cpp
 bool bf16_attention_available();
 bool paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -110,6 +112,121 @@ void paged_decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
   });
 }
 
+#if defined(__AVX512F__)
+// float32 decode on AVX-512, the bf16 kernel's structure with FMAs (attention_bf16.cpp): per sequence, each kv head
+// in turn (the first prefetching whole token rows), scores 16 keys at a time summed by sum16, softmax with exp512,
+// then the value rows weighted per query head, NV = head_dim / 16 vectors per row. The generic loop above took
+// 2.4x as long as bf16 on SmolLM2's decode batch (8.3 against 3.4 s of a 38 s run, AMD EPYC).
+template <int NV>
+void decode_one_f32(const float* q, int64_t q_stride_h, int64_t group, const float* k_base, const float* v_base,
+                    const int32_t* table, int64_t block_size, int64_t stride_block, int64_t stride_tok, int64_t len,
+                    float scale, float* out, int64_t o_stride_h, int64_t row_offset, int64_t row_lines,
+                    std::vector<float>& scores, std::vector<float>& inv_sum) {
+  constexpr int64_t kHeadsPerPass = NV <= 4 ? 4 : 2;  // value accumulators: kHeadsPerPass x NV <= 16 registers
+  const int64_t padded = (len + 15) / 16 * 16;
+  scores.resize(group * padded);
+  inv_sum.resize(group);
+  const RowCursor start{table, block_size, stride_block, stride_tok};
+  const __m512 vscale = _mm512_set1_ps(scale);
+  RowCursor cur = start, pre = start.ahead(kPrefetch);
+  const float* rows[16];
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - t0);
+    for (int64_t i = 0; i < n; ++i, cur.next(), pre.next()) {
+      rows[i] = cur.row(k_base);
+      if (t0 + i + kPrefetch < len) prefetch_lines(pre.row(k_base) - row_offset, row_lines);
+    }
+    for (int64_t i = n; i < 16; ++i) rows[i] = rows[0];  // lanes past the end: masked to kLowest below
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 qv[NV];
+      for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + g * q_stride_h + 16 * i);
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        acc[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[j]));
+        for (int i = 1; i < NV; ++i) acc[j] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(rows[j] + 16 * i), acc[j]);
+      }
+      _mm512_storeu_ps(scores.data() + g * padded + t0, _mm512_mul_ps(sum16(acc), vscale));
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {  // softmax, unnormalized; the value sum is divided by the row sum at the end
+    float* sg = scores.data() + g * padded;
+    for (int64_t t = len; t < padded; ++t) sg[t] = kLowest;
+    __m512 mx = _mm512_set1_ps(kLowest);
+    for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+      _mm512_storeu_ps(sg + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
+    const int64_t heads = std::min(kHeadsPerPass, group - g0);
+    __m512 acc[kHeadsPerPass][NV];
+    for (int64_t h = 0; h < kHeadsPerPass; ++h)
+      for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_setzero_ps();
+    RowCursor vcur = start, vpre = start.ahead(kPrefetch);
+    for (int64_t t = 0; t < len; ++t, vcur.next(), vpre.next()) {
+      const float* v = vcur.row(v_base);
+      if (t + kPrefetch < len) prefetch_lines(vpre.row(v_base) - row_offset, g0 == 0 ? row_lines : 0);
+      __m512 vv[NV];
+      for (int i = 0; i < NV; ++i) vv[i] = _mm512_loadu_ps(v + 16 * i);
+      for (int64_t h = 0; h < kHeadsPerPass; ++h) {
+        if (h >= heads) break;
+        const __m512 p = _mm512_set1_ps(scores[(g0 + h) * padded + t]);
+        for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_fmadd_ps(p, vv[i], acc[h][i]);
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const __m512 inv = _mm512_set1_ps(inv_sum[g0 + h]);
+      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + (g0 + h) * o_stride_h + 16 * i, _mm512_mul_ps(acc[h][i], inv));
+    }
+  }
+}
+
+// true when it ran: float32, head_dim 64 or 128, contiguous head_dim.
+bool paged_decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& tables, const at::Tensor& lens, double scale, at::Tensor& out) {
+  if (q.scalar_type() != at::kFloat || (q.size(2) != 64 && q.size(2) != 128)) return false;
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads;
+  const int64_t max_blocks = tables.size(1);
+  const int64_t sb = k_cache.stride(0), st = k_cache.stride(1), sh = k_cache.stride(2);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const bool whole_rows = sh == head_dim && st == num_kv_heads * sh;  // see paged_decode_bf16
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, inv_sum;
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        const int64_t offset = whole_rows ? kvh * sh : 0;
+        const int64_t lines = !whole_rows ? head_dim / 16 : kvh == 0 ? head_dim / 16 * num_kv_heads : 0;
+        const float* qb = qp + b * q.stride(0) + kvh * group * q.stride(1);
+        float* ob = op + b * out.stride(0) + kvh * group * out.stride(1);
+        if (head_dim == 64)
+          decode_one_f32<4>(qb, q.stride(1), group, kp + kvh * sh, vp + kvh * sh, tp + b * max_blocks, block_size, sb,
+                            st, lp[b], static_cast<float>(scale), ob, out.stride(1), offset, lines, scores, inv_sum);
+        else
+          decode_one_f32<8>(qb, q.stride(1), group, kp + kvh * sh, vp + kvh * sh, tp + b * max_blocks, block_size, sb,
+                            st, lp[b], static_cast<float>(scale), ob, out.stride(1), offset, lines, scores, inv_sum);
+      }
+    }
+  });
+  return true;
+}
+#else
+bool paged_decode_attention_f32(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, double, at::Tensor&) {
+  return false;
+}
+#endif
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
@@ -123,6 +240,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto lens = seq_lens.contiguous();
   auto out = at::empty_like(q);
   if (paged_decode_attention_bf16(q, k_cache, v_cache, tables, lens, scale, out)) return out;
+  if (paged_decode_attention_f32(q, k_cache, v_cache, tables, lens, scale, out)) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     paged_decode_attention_impl<scalar_t>(q, k_cache, v_cache, tables, lens, scale, out);
   });
