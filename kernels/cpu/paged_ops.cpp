@@ -2,7 +2,7 @@
 // (plain and fused with the residual add), SiLU-and-multiply, tanh GELU and the structured-output token bitmask. The AVX512-BF16 attention kernels (bf16
 // decode, the vision tower's attention) are in attention_bf16.cpp, the MoE experts' small-batch matmul in
 // moe_experts.cpp; all are registered here.
-// bfloat16 / float32 storage, float32 accumulation, OpenMP over independent (sequence, head) pairs.
+// bfloat16 / float32 storage, float32 accumulation, OpenMP over independent rows or sequences.
 // Semantics are defined by vlinfer/ops/reference.py; tests compare against it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
