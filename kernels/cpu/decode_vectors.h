@@ -2,6 +2,7 @@
 // one (paged_ops.cpp, AVX-512). Scalar pieces for every build, vector pieces where the build has AVX-512.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -69,6 +70,20 @@ struct RowCursor {
     return c;
   }
 };
+
+// The next (up to) 16 key rows from `cur` into rows[], prefetching kPrefetch rows ahead through `pre`; past the
+// end, rows[] repeats the first row (the caller masks those scores). Returns how many are real.
+template <typename T>
+inline int64_t next_rows16(RowCursor& cur, RowCursor& pre, const T* base, int64_t t0, int64_t len, int64_t row_offset,
+                           int64_t row_lines, const T* rows[16]) {
+  const int64_t n = std::min<int64_t>(16, len - t0);
+  for (int64_t i = 0; i < n; ++i, cur.next(), pre.next()) {
+    rows[i] = cur.row(base);
+    if (t0 + i + kPrefetch < len) prefetch_lines(pre.row(base) - row_offset, row_lines);
+  }
+  for (int64_t i = n; i < 16; ++i) rows[i] = rows[0];
+  return n;
+}
 
 #if defined(__AVX512F__)
 // exp for the softmax, whose inputs are s - max <= 0: range reduction by ln2 and a degree-6 polynomial (~1 ulp),

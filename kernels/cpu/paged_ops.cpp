@@ -131,12 +131,7 @@ void decode_one_f32(const float* q, int64_t q_stride_h, int64_t group, const flo
   RowCursor cur = start, pre = start.ahead(kPrefetch);
   const float* rows[16];
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
-    const int64_t n = std::min<int64_t>(16, len - t0);
-    for (int64_t i = 0; i < n; ++i, cur.next(), pre.next()) {
-      rows[i] = cur.row(k_base);
-      if (t0 + i + kPrefetch < len) prefetch_lines(pre.row(k_base) - row_offset, row_lines);
-    }
-    for (int64_t i = n; i < 16; ++i) rows[i] = rows[0];  // lanes past the end: masked to kLowest below
+    next_rows16(cur, pre, k_base, t0, len, row_offset, row_lines, rows);  // lanes past the end: masked below
     for (int64_t g = 0; g < group; ++g) {
       __m512 qv[NV];
       for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + g * q_stride_h + 16 * i);
