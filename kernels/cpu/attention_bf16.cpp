@@ -291,7 +291,7 @@ void flash_attention(const uint16_t* q, int64_t q_st, int64_t q_sh, int64_t n_q,
 template <int NB>
 void decode_one(const uint16_t* q, int64_t q_stride_h, int64_t group, const uint16_t* k_base, const uint16_t* v_base,
                 const int32_t* table, int64_t block_size, int64_t c_stride_block, int64_t c_stride_tok, int64_t len,
-                float scale, uint16_t* out, int64_t o_stride_h, int64_t row_offset, int64_t row_lines,
+                float scale, uint16_t* out, int64_t o_stride_h, const HeadPrefetch& fetch,
                 std::vector<float>& scores, std::vector<uint16_t>& probs, std::vector<float>& inv_sum) {
   constexpr int64_t kHeadsPerPass = 8 / NB;  // 16 accumulators
   const int64_t padded = round_up(len, 16);
@@ -304,7 +304,7 @@ void decode_one(const uint16_t* q, int64_t q_stride_h, int64_t group, const uint
   RowCursor cur = start, pre = start.ahead(kPrefetch);
   const uint16_t* rows[16];
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
-    next_rows16(cur, pre, k_base, t0, len, row_offset, row_lines, rows);  // lanes past the end: masked below
+    next_rows16(cur, pre, k_base, t0, len, fetch, rows);  // lanes past the end: masked below
     for (int64_t g = 0; g < group; ++g) {
       const uint16_t* qg = q + g * q_stride_h;
       __m512bh qv[NB];
@@ -345,7 +345,7 @@ void decode_one(const uint16_t* q, int64_t q_stride_h, int64_t group, const uint
       const uint16_t* v1 = t + 1 < len ? cur.row(v_base) : nullptr;
       cur.next();
       for (int64_t ahead = t + kPrefetch; ahead < std::min(t + kPrefetch + 2, len); ++ahead, pre.next())
-        prefetch_lines(pre.row(v_base) - row_offset, row_lines);
+        prefetch_lines(pre.row(v_base) - fetch.offset, fetch.lines);
       __m512bh pairs[2 * NB];
       for (int i = 0; i < NB; ++i) {
         const __m512i a = _mm512_loadu_si512(v0 + 32 * i), b = v1 ? _mm512_loadu_si512(v1 + 32 * i) : zero;
@@ -384,23 +384,20 @@ void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t c_stride_block = k_cache.stride(0), c_stride_tok = k_cache.stride(1), c_stride_h = k_cache.stride(2);
-  // One work item per sequence, its kv heads in turn: the first head's pass prefetches whole token rows (every
-  // head's part: kv_heads * head_dim contiguous elements when the cache is [blocks, block_size, kv_heads, d]), so
-  // the other heads read the sequence's blocks from L2. Per (sequence, head) items each fetched a third of every
-  // row from memory at a 384-byte stride (SmolLM2), and ran at about half the speed.
-  const bool whole_rows = c_stride_h == NB * 32 && c_stride_tok == num_kv_heads * c_stride_h;
+  // One work item per sequence, its kv heads in turn (head_prefetch: the first head fetches whole token rows, the
+  // others read the sequence's blocks from L2). Per (sequence, head) items each fetched a third of every row from
+  // memory at a 384-byte stride (SmolLM2), and ran at about half the speed.
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv_sum;  // per-thread buffers, reused across work items
     std::vector<uint16_t> probs;
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-        const int64_t offset = whole_rows ? kvh * c_stride_h : 0;
-        const int64_t lines = !whole_rows ? NB : kvh == 0 ? NB * num_kv_heads : 0;
+        const HeadPrefetch fetch = head_prefetch(kvh, num_kv_heads, NB * 32, NB, c_stride_h, c_stride_tok);
         decode_one<NB>(qp + b * q.stride(0) + kvh * group * q.stride(1), q.stride(1), group,
                        kp + kvh * c_stride_h, vp + kvh * c_stride_h, tables + b * max_blocks, block_size,
                        c_stride_block, c_stride_tok, lens[b], scale,
-                       op + b * out.stride(0) + kvh * group * out.stride(1), out.stride(1), offset, lines, scores,
-                       probs, inv_sum);
+                       op + b * out.stride(0) + kvh * group * out.stride(1), out.stride(1), fetch, scores, probs,
+                       inv_sum);
       }
     }
   });

@@ -50,8 +50,8 @@ inline void prefetch_lines(const void* row, int64_t lines) {
 }
 
 // Token t's cache row, walked in order: the block and offset advance by one each step. Deriving them per token as
-// t / block_size and t % block_size cost an integer division per row read (a runtime block size), about a third
-// of the kernel's time on 64-dim heads.
+// t / block_size and t % block_size cost an integer division per row read (a runtime block size): 0.73 -> 0.63 ms
+// for a cache-resident 64-sequence bf16 decode layer on 64-dim heads when it went.
 struct RowCursor {
   const int32_t* table;
   int64_t block_size, stride_block, stride_tok;
@@ -71,18 +71,30 @@ struct RowCursor {
   }
 };
 
+// What kv head kvh's pass prefetches, per token: `offset` elements back from its part of the row to where the
+// prefetch starts, and how many 64-byte `lines` (head_lines per head). Where a token's row holds every head's part
+// contiguously (the cache as [blocks, block_size, kv_heads, head_dim]) the first head fetches the whole row and the
+// others find it in L2; otherwise each head fetches its own part.
+struct HeadPrefetch {
+  int64_t offset, lines;
+};
+inline HeadPrefetch head_prefetch(int64_t kvh, int64_t kv_heads, int64_t head_dim, int64_t head_lines,
+                                  int64_t stride_h, int64_t stride_tok) {
+  if (stride_h != head_dim || stride_tok != kv_heads * stride_h) return {0, head_lines};
+  return {kvh * stride_h, kvh == 0 ? head_lines * kv_heads : 0};
+}
+
 // The next (up to) 16 key rows from `cur` into rows[], prefetching kPrefetch rows ahead through `pre`; past the
-// end, rows[] repeats the first row (the caller masks those scores). Returns how many are real.
+// end, rows[] repeats the first row (the caller masks those scores).
 template <typename T>
-inline int64_t next_rows16(RowCursor& cur, RowCursor& pre, const T* base, int64_t t0, int64_t len, int64_t row_offset,
-                           int64_t row_lines, const T* rows[16]) {
+inline void next_rows16(RowCursor& cur, RowCursor& pre, const T* base, int64_t t0, int64_t len,
+                        const HeadPrefetch& fetch, const T* rows[16]) {
   const int64_t n = std::min<int64_t>(16, len - t0);
   for (int64_t i = 0; i < n; ++i, cur.next(), pre.next()) {
     rows[i] = cur.row(base);
-    if (t0 + i + kPrefetch < len) prefetch_lines(pre.row(base) - row_offset, row_lines);
+    if (t0 + i + kPrefetch < len) prefetch_lines(pre.row(base) - fetch.offset, fetch.lines);
   }
   for (int64_t i = n; i < 16; ++i) rows[i] = rows[0];
-  return n;
 }
 
 #if defined(__AVX512F__)

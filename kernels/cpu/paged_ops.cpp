@@ -120,7 +120,7 @@ void paged_decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
 template <int NV>
 void decode_one_f32(const float* q, int64_t q_stride_h, int64_t group, const float* k_base, const float* v_base,
                     const int32_t* table, int64_t block_size, int64_t stride_block, int64_t stride_tok, int64_t len,
-                    float scale, float* out, int64_t o_stride_h, int64_t row_offset, int64_t row_lines,
+                    float scale, float* out, int64_t o_stride_h, const HeadPrefetch& fetch,
                     std::vector<float>& scores, std::vector<float>& inv_sum) {
   constexpr int64_t kHeadsPerPass = NV <= 4 ? 4 : 2;  // value accumulators: kHeadsPerPass x NV <= 16 registers
   const int64_t padded = (len + 15) / 16 * 16;
@@ -131,7 +131,7 @@ void decode_one_f32(const float* q, int64_t q_stride_h, int64_t group, const flo
   RowCursor cur = start, pre = start.ahead(kPrefetch);
   const float* rows[16];
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
-    next_rows16(cur, pre, k_base, t0, len, row_offset, row_lines, rows);  // lanes past the end: masked below
+    next_rows16(cur, pre, k_base, t0, len, fetch, rows);  // lanes past the end: masked below
     for (int64_t g = 0; g < group; ++g) {
       __m512 qv[NV];
       for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + g * q_stride_h + 16 * i);
@@ -165,7 +165,7 @@ void decode_one_f32(const float* q, int64_t q_stride_h, int64_t group, const flo
     RowCursor vcur = start, vpre = start.ahead(kPrefetch);
     for (int64_t t = 0; t < len; ++t, vcur.next(), vpre.next()) {
       const float* v = vcur.row(v_base);
-      if (t + kPrefetch < len) prefetch_lines(vpre.row(v_base) - row_offset, g0 == 0 ? row_lines : 0);
+      if (t + kPrefetch < len) prefetch_lines(vpre.row(v_base) - fetch.offset, g0 == 0 ? fetch.lines : 0);
       __m512 vv[NV];
       for (int i = 0; i < NV; ++i) vv[i] = _mm512_loadu_ps(v + 16 * i);
       for (int64_t h = 0; h < kHeadsPerPass; ++h) {
@@ -195,21 +195,19 @@ bool paged_decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, 
   float* op = out.data_ptr<float>();
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
-  const bool whole_rows = sh == head_dim && st == num_kv_heads * sh;  // see paged_decode_bf16
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv_sum;
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-        const int64_t offset = whole_rows ? kvh * sh : 0;
-        const int64_t lines = !whole_rows ? head_dim / 16 : kvh == 0 ? head_dim / 16 * num_kv_heads : 0;
+        const HeadPrefetch fetch = head_prefetch(kvh, num_kv_heads, head_dim, head_dim / 16, sh, st);
         const float* qb = qp + b * q.stride(0) + kvh * group * q.stride(1);
         float* ob = op + b * out.stride(0) + kvh * group * out.stride(1);
         if (head_dim == 64)
           decode_one_f32<4>(qb, q.stride(1), group, kp + kvh * sh, vp + kvh * sh, tp + b * max_blocks, block_size, sb,
-                            st, lp[b], static_cast<float>(scale), ob, out.stride(1), offset, lines, scores, inv_sum);
+                            st, lp[b], static_cast<float>(scale), ob, out.stride(1), fetch, scores, inv_sum);
         else
           decode_one_f32<8>(qb, q.stride(1), group, kp + kvh * sh, vp + kvh * sh, tp + b * max_blocks, block_size, sb,
-                            st, lp[b], static_cast<float>(scale), ob, out.stride(1), offset, lines, scores, inv_sum);
+                            st, lp[b], static_cast<float>(scale), ob, out.stride(1), fetch, scores, inv_sum);
       }
     }
   });
