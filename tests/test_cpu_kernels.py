@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from paged_batches import fp32, make_batch, rel_err, rel_err_per_seq
 from vlinfer import platform
-from vlinfer.ops import reference
+from vlinfer.ops import cpu_moe, reference
 from vlinfer.ops.cpu import CpuOps
 from vlinfer.ops.dispatch import select
 
@@ -36,8 +36,9 @@ def cpu(request):
 
 @pytest.mark.parametrize("flags", [{"avx512_bf16"}, {"avx512_bf16", "amx_bf16", "amx_tile"}], ids=["no-amx", "amx"])
 def test_bf16_prefill_kernels_follow_amx(cpu_ops, monkeypatch, caplog, flags):
-    """With AMX, bf16 prefill and vision attention run SDPA (oneDNN's AMX path, ~3x our kernels there); without
-    it, our AVX512-BF16 kernels where built; decode stays ours. CPU flags mocked (the kernels built are this
+    """With AMX, bf16 prefill and vision attention run SDPA (oneDNN's AMX path, ~3x our kernels there) and bf16
+    MoE experts keep the plain layout (the grouped GEMM's AMX tiles for prefill); without it, our AVX512-BF16
+    kernels where built (attention, expert panels); decode attention stays ours. CPU flags mocked (the kernels built are this
     machine's)."""
     mocked = real_flags | flags if "amx_bf16" in flags else real_flags - {"amx_bf16"}
     monkeypatch.setattr(platform, "cpu_flags", lambda: mocked)
@@ -45,15 +46,16 @@ def test_bf16_prefill_kernels_follow_amx(cpu_ops, monkeypatch, caplog, flags):
         ops = CpuOps(isa=cpu_ops.isa)
     q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     if not ops.bf16_attention:
-        assert not ops.bf16_prefill_kernels and not ops._bf16_flash(q)
+        assert not ops.bf16_prefill_kernels and not ops._bf16_flash(q) and not ops.moe_panels
         return
-    assert ops.bf16_prefill_kernels == ("amx_bf16" not in flags) == ops._bf16_flash(q)
+    assert ops.bf16_prefill_kernels == ("amx_bf16" not in flags) == ops._bf16_flash(q) == ops.moe_panels
     if "amx_bf16" in flags:
         assert "bf16 prefill and vision attention run SDPA (this CPU has AMX" in caplog.text
+        assert "bf16 MoE experts run on the grouped GEMM, small groups on expert_matmul (this CPU has AMX)" in \
+            caplog.text
     else:
         assert "bf16 attention kernels (AVX512-BF16): decode, prefill, vision" in caplog.text
-
-
+        assert "bf16 MoE experts run in 32-output panels" in caplog.text
 
 
 def test_compiled_kernels_load_on_this_machine(caplog):
@@ -343,6 +345,43 @@ def test_expert_matmul_rejects_bad_groups(cpu_ops):
         cpu_ops.ext.expert_matmul(torch.zeros(3, 16), w, torch.tensor([2, 3]))
     with pytest.raises(RuntimeError, match="share a dtype"):
         cpu_ops.ext.expert_matmul(torch.zeros(3, 16).bfloat16(), w, torch.tensor([2, 3], dtype=torch.int32))
+
+
+# (experts, N, K, rows per expert) for the panel kernel: N in whole 32-output panels, an odd count of them (a work
+# item of one panel), K even, groups of 0..20 rows (the 4-row tile, the 8-row tile and its tails).
+EXPERT_PANEL_GRID = [(4, 64, 64, [1, 0, 2, 1]), (8, 96, 48, [0, 5, 1, 0, 9, 0, 3, 4]), (3, 160, 100, [2, 13, 20]),
+                     (16, 64, 2048, [1] * 16)]
+
+
+@pytest.mark.parametrize("case", EXPERT_PANEL_GRID, ids=lambda c: f"e{c[0]}-n{c[1]}-k{c[2]}")
+def test_expert_panel_matmul_equals_grouped_matmul(cpu, case):
+    """Weights packed by cpu_moe.to_panels; AVX512-BF16 builds run it, every other level refuses by name."""
+    experts, n, k, counts = case
+    g = torch.Generator().manual_seed(n * k)
+    w = (torch.randn(experts, n, k, generator=g) / k ** 0.5).bfloat16()
+    x = torch.randn(sum(counts) + 2, k, generator=g).bfloat16()  # the last two rows belong to no expert
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    panels = cpu_moe.to_panels(w)
+    assert bool(cpu.ext.expert_panels_available()) == (cpu.isa == "avx512bf16")
+    if not cpu.ext.expert_panels_available():
+        with pytest.raises(RuntimeError, match="needs an AVX512-BF16 build"):
+            cpu.ext.expert_panel_matmul(x, panels, ends)
+        return
+    expected = torch.zeros(x.shape[0], n)
+    start = 0
+    for e, count in enumerate(counts):
+        expected[start:start + count] = x[start:start + count].float() @ w[e].float().T
+        start += count
+    out = cpu.ext.expert_panel_matmul(x, panels, ends)
+    assert out.dtype == torch.bfloat16 and out.shape == (x.shape[0], n)
+    assert (out[-2:] == 0).all()
+    assert rel_err(out, expected) < TOL[torch.bfloat16]
+    with pytest.raises(RuntimeError, match="panels must be contiguous bf16"):
+        cpu.ext.expert_panel_matmul(x, w, ends)  # the plain [E, N, K] layout
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        cpu.ext.expert_panel_matmul(x.float(), panels, ends)
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        cpu.ext.expert_panel_matmul(x, panels, ends.flip(0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from conftest import assert_block_pool_empty, hf_qwen3_vl_processor, qwen_tokenizer_dir
 from images import picture
-from vlinfer import LLM, SamplingParams
+from vlinfer import LLM, SamplingParams, platform
 from vlinfer.engine import SchedulerOutput
 from vlinfer.layers import ModelContext
 from vlinfer.layers.fused_moe import FusedMoE
@@ -324,17 +324,20 @@ def test_quantized_experts_are_dequantized_on_load_and_match(moe_models, tmp_pat
 
 
 def test_bf16_on_the_cpu_runs_the_expert_kernel_within_bf16_tolerance(moe_models, references, monkeypatch):
-    """bfloat16 on the CPU op table: a step with at most cpu_moe.SMALL_GROUP_ROWS rows per active expert (the
-    5-token prompt: 10 pairs over 6 experts; every decode step here) runs kernels/cpu/moe_experts.cpp, and the
-    prompt's logits stay within bf16 tolerance of transformers' float32 ones (2e-2 of the largest, the op's bound);
-    the 61-token prompt runs the grouped GEMM. Both requests then decode to the end."""
+    """bfloat16 on the CPU op table, on the path this CPU takes: with expert panels (AVX512-BF16, no AMX) every step
+    runs expert_panel_matmul; otherwise a step with at most cpu_moe.SMALL_GROUP_ROWS rows per active expert (the
+    5-token prompt: 10 pairs over 6 experts; every decode step here) runs expert_matmul and the 61-token prompt the
+    grouped GEMM. The prompt's logits stay within bf16 tolerance of transformers' float32 ones (2e-2 of the
+    largest, the op's bound), and both requests then decode to the end."""
     llm = LLM(moe_models["qwen3-moe"][1]["per-expert"], dtype="bfloat16", kv_cache_bytes=16 * 2 ** 20,
               max_model_len=1024)
     ops = llm.engine.model_runner.ctx.ops
     assert ops.name == "cpu-compiled"
+    assert ops.moe_panels == (ops.ext.expert_panels_available() and "amx_bf16" not in platform.cpu_flags())
     calls = []
-    kernel = ops.ext.expert_matmul
-    monkeypatch.setattr(ops.ext, "expert_matmul", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    name = "expert_panel_matmul" if ops.moe_panels else "expert_matmul"
+    kernel = getattr(ops.ext, name)
+    monkeypatch.setattr(ops.ext, name, lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
     engine = llm.engine
     for req, (ids, ref, _) in zip(requests("qwen3-moe"), references["qwen3-moe"]):
         seq = engine.make_sequence(req)
@@ -342,7 +345,7 @@ def test_bf16_on_the_cpu_runs_the_expert_kernel_within_bf16_tolerance(moe_models
         assert engine.block_manager.allocate(seq, seq.num_tokens)
         before = len(calls)
         ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens])).float()
-        assert (len(calls) > before) == (len(ids) == 5), len(ids)  # TEXT_PROMPTS: 5 and 61 tokens
+        assert (len(calls) > before) == (ops.moe_panels or len(ids) == 5), len(ids)  # TEXT_PROMPTS: 5, 61 tokens
         assert ((ours - ref).abs().max() / ref.abs().max()).item() < 2e-2
         engine.abort_request(seq.request_id)
     calls.clear()

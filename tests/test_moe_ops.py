@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fake_torch_npu import FakeNpuError, install
+from vlinfer import platform
 from vlinfer.ops import cpu_moe, dispatch, moe_reference
 from vlinfer.ops.cpu import CpuOps
 from vlinfer.ops.cuda import CudaOps
@@ -70,10 +71,13 @@ def rel_err(ours, expected):
     return ((ours.float() - expected).abs().max() / scale).item()
 
 
-def check(ops, case, dtype):
-    x, logits, w13, w2, k, renorm, offset = args = make_case(case, dtype)
+def check(ops, case, dtype, packed=False):
+    """ops.fused_moe against the reference; packed: on the weights in ops.pack_moe_weights' layout."""
+    x, logits, w13, w2, k, renorm, offset = make_case(case, dtype)
     expected = moe_reference.fused_moe(x.float(), logits.float(), w13.float(), w2.float(), k, renorm, offset)
-    ours = ops.fused_moe(*args)
+    if packed:
+        w13, w2 = ops.pack_moe_weights(w13, w2) or (w13, w2)
+    ours = ops.fused_moe(x, logits, w13, w2, k, renorm, offset)
     assert ours.shape == x.shape and ours.dtype == dtype
     assert not ours.isnan().any()
     assert rel_err(ours, expected) < TOL[dtype], case_id(case)
@@ -111,9 +115,33 @@ def npu_env():
 
 @pytest.mark.parametrize("case", GRID, ids=case_id)
 def test_cpu_fused_moe_equals_reference(cpu_ops, case):
+    """On the weights as loaded and on what pack_moe_weights made of them (bf16 panels where this CPU takes them)."""
     check(cpu_ops, case, torch.float32)
+    check(cpu_ops, case, torch.float32, packed=True)
     if case[0] <= 130:
         check(cpu_ops, case, torch.bfloat16)
+    check(cpu_ops, case, torch.bfloat16, packed=True)
+
+
+def test_cpu_panels_run_every_group_size(cpu_ops, monkeypatch):
+    """Panel-packed bf16 experts (AVX512-BF16 without AMX) run expert_panel_matmul for both projections at every
+    group size, decode to prefill; a float32 call on them is refused by name."""
+    if not cpu_ops.moe_panels:
+        assert not cpu_ops.ext.expert_panels_available() or "amx_bf16" in platform.cpu_flags()
+        return
+    calls = []
+    kernel = cpu_ops.ext.expert_panel_matmul
+    monkeypatch.setattr(cpu_ops.ext, "expert_panel_matmul", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    for tokens in (1, 12, 200):
+        case = (tokens, 8, 2, 64, 48, 8, 0, "random")
+        calls.clear()
+        check(cpu_ops, case, torch.bfloat16, packed=True)
+        assert calls == [tokens * 2] * 2
+    x, logits, w13, w2, k, renorm, offset = make_case(GRID[1], torch.bfloat16)
+    p13, p2 = cpu_ops.pack_moe_weights(w13, w2)
+    assert p13.dim() == 5 and p13.shape[3:] == (32, 2)
+    with pytest.raises(ValueError, match="panel-packed experts run only in bfloat16"):
+        cpu_ops.fused_moe(x.float(), logits.float(), p13, p2, k, renorm, offset)
 
 
 @pytest.mark.parametrize("tokens, dtype, takes_kernel", [(2, torch.bfloat16, True), (12, torch.bfloat16, True),

@@ -31,6 +31,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
                        double scale, at::Tensor& out);
 // kernels/cpu/moe_experts.cpp
 at::Tensor expert_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ends);
+at::Tensor expert_panel_matmul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& ends);
+bool expert_panels_available();
 
 namespace {
 
@@ -570,4 +572,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "bf16 causal attention of prefill chunks over the paged cache (CPU)");
   m.def("vision_attention", &vision_attention, "bf16 varlen bidirectional attention (CPU, AVX512-BF16)");
   m.def("expert_matmul", &expert_matmul, "rows sorted by expert times their expert's [N, K] weight, transposed (CPU)");
+  m.def("expert_panel_matmul", &expert_panel_matmul, "expert_matmul on weights packed in 32-output bf16 panels "
+        "(CPU, AVX512-BF16)");
+  m.def("expert_panels_available", &expert_panels_available, "built with AVX512-BF16: expert_panel_matmul runs");
 }

@@ -13,6 +13,11 @@ projection of 128 experts, H 2048, I 768): 1 row per expert 28 vs 46 ms, 2 rows 
 16 rows 106 vs 47 ms; so up to SMALL_GROUP_ROWS rows per active expert on average the kernel runs, above it the
 grouped GEMM (oneDNN, AMX tiles). In float32 torch's grouped GEMM (MKL) already runs near the bandwidth.
 
+bf16 on CPUs with AVX512-BF16 and no AMX packs each expert's weights once into 32-output panels (pack_moe_weights
+with panels=True; kernels/cpu/moe_experts.cpp expert_panel_matmul) and runs every group size on them: decode steps'
+expert reads at 1.3-1.6x expert_matmul's rate, prefill at ~580 against the grouped GEMM's ~380 GFLOP/s (2-vCPU EPYC;
+figures in the kernel's header). With AMX the grouped GEMM's oneDNN tiles keep prefill, and the plain layout stays.
+
 torch's CPU grouped GEMM needs every row stride to be a multiple of 16 bytes (pytorch/pytorch#161717): hidden and
 intermediate sizes that are not (tiny test models) are padded once with zeros at packing time, where zero gate
 and up rows give silu(0) * 0 = 0 and zero down columns add nothing, so the padding changes no value."""
@@ -23,42 +28,65 @@ from vlinfer.ops.moe_reference import check_moe_shapes, route
 
 STRIDE_BYTES = 16  # torch._grouped_mm's CPU alignment rule for row strides
 SMALL_GROUP_ROWS = 3  # rows per active expert up to which expert_matmul beats the grouped GEMM (see above)
+PANEL = 32  # outputs per panel of expert_panel_matmul's layout
 
 
-def _aligned(size: int, dtype: torch.dtype) -> int:
-    step = max(1, STRIDE_BYTES // torch.empty((), dtype=dtype).element_size())
+def _aligned(size: int, dtype: torch.dtype, step_bytes: int = STRIDE_BYTES) -> int:
+    step = max(1, step_bytes // torch.empty((), dtype=dtype).element_size())
     return -(-size // step) * step
 
 
-def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor):
-    """(w13, w2) padded to grouped-GEMM-aligned hidden / intermediate sizes, or None when they already are."""
+def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor, panels: bool = False):
+    """(w13, w2) padded to grouped-GEMM-aligned hidden / intermediate sizes, or None when they already are; with
+    panels (bf16 only), padded so that every projection has whole 32-output panels and pairs of k, then packed into
+    expert_panel_matmul's [E, N / 32, K / 2, 32, 2] layout."""
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
-    hidden_p, inter_p = _aligned(hidden, w13.dtype), _aligned(inter, w13.dtype)
-    if (hidden_p, inter_p) == (hidden, inter):
+    panels = panels and w13.dtype == torch.bfloat16
+    # Panels: w2's outputs (hidden) in whole panels, w13's 2 * inter too; every k (hidden, inter) even.
+    hidden_p = _aligned(hidden, w13.dtype, PANEL * 2 if panels else STRIDE_BYTES)
+    inter_p = _aligned(inter, w13.dtype, PANEL if panels else STRIDE_BYTES)
+    if (hidden_p, inter_p) != (hidden, inter):
+        w13_p = w13.new_zeros(num_experts, 2 * inter_p, hidden_p)
+        w13_p[:, :inter, :hidden] = w13[:, :inter]  # gate rows
+        w13_p[:, inter_p:inter_p + inter, :hidden] = w13[:, inter:]  # up rows
+        w2_p = w2.new_zeros(num_experts, hidden_p, inter_p)
+        w2_p[:, :hidden, :inter] = w2
+        w13, w2 = w13_p, w2_p
+    elif not panels:
         return None
-    w13_p = w13.new_zeros(num_experts, 2 * inter_p, hidden_p)
-    w13_p[:, :inter, :hidden] = w13[:, :inter]  # gate rows
-    w13_p[:, inter_p:inter_p + inter, :hidden] = w13[:, inter:]  # up rows
-    w2_p = w2.new_zeros(num_experts, hidden_p, inter_p)
-    w2_p[:, :hidden, :inter] = w2
-    return w13_p, w2_p
+    if panels:
+        return to_panels(w13), to_panels(w2)
+    return w13, w2
+
+
+def to_panels(w: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] -> [E, N / 32, K / 2, 32, 2]: per panel of 32 outputs and pair of k, the outputs' two weights."""
+    e, n, k = w.shape
+    return w.reshape(e, n // PANEL, PANEL, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-              renormalize: bool, expert_offset: int = 0, silu_and_mul=None, expert_matmul=None) -> torch.Tensor:
-    """ops/moe_reference.fused_moe on w13 / w2 as loaded or as pack_moe_weights padded them. silu_and_mul: the op
-    table's kernel for the activation (the reference's by default); expert_matmul: the op table's small-group
-    kernel for bf16 (None: the grouped GEMM always)."""
+              renormalize: bool, expert_offset: int = 0, silu_and_mul=None, expert_matmul=None,
+              expert_panel_matmul=None) -> torch.Tensor:
+    """ops/moe_reference.fused_moe on w13 / w2 as loaded or as pack_moe_weights padded or packed them. silu_and_mul:
+    the op table's kernel for the activation (the reference's by default); expert_matmul: the op table's
+    small-group kernel for bf16 (None: the grouped GEMM always); expert_panel_matmul: the kernel for panel-packed
+    weights (5-D), which then runs every group."""
     tokens, hidden = x.shape
-    if w13.dim() == 3 and w13.shape[2] == hidden:  # as loaded (not padded)
+    if w13.dim() == 5:  # panels: [E, N / 32, K / 2, 32, 2]
+        if expert_panel_matmul is None or x.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16:
+            raise ValueError(f"fused_moe: panel-packed experts run only in bfloat16 on expert_panel_matmul (x "
+                             f"{x.dtype}, weights {w13.dtype}, kernel {'given' if expert_panel_matmul else 'none'})")
+        _check_padded(x, router_logits, _plain_shape(w13), _plain_shape(w2), expert_offset, panels=True)
+    elif w13.dim() == 3 and w13.shape[2] == hidden:  # as loaded (not padded)
         check_moe_shapes(x, router_logits, w13, w2, expert_offset)
         padded = pack_moe_weights(w13, w2)
         if padded is not None:  # sizes the grouped GEMM cannot take, never packed: padded for this call
             w13, w2 = padded
     else:
-        _check_padded(x, router_logits, w13, w2, expert_offset)
-    num_local, _, hidden_p = w13.shape
+        _check_padded(x, router_logits, w13.shape, w2.shape, expert_offset, panels=False)
+    num_local, hidden_p = w13.shape[0], (w13.shape[2] * 2 if w13.dim() == 5 else w13.shape[2])
     weights, ids = route(router_logits, top_k, renormalize, x.dtype)
     out = x.new_zeros(tokens, hidden)
     local_ids = ids.flatten() - expert_offset  # one entry per (token, slot) pair, token-major
@@ -75,7 +103,9 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
         rows = x[sorted_pairs // top_k]
         if hidden_p != hidden:
             rows = F.pad(rows, (0, hidden_p - hidden))
-        if expert_matmul is not None and x.dtype == torch.bfloat16 and w13.is_contiguous() and \
+        if w13.dim() == 5:
+            matmul = expert_panel_matmul
+        elif expert_matmul is not None and x.dtype == torch.bfloat16 and w13.is_contiguous() and \
                 w2.is_contiguous() and local_ids.numel() <= SMALL_GROUP_ROWS * int((counts > 0).sum()):
             matmul = expert_matmul
         else:
@@ -98,17 +128,25 @@ def _grouped_matmul(rows: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> 
     return torch._grouped_mm(rows, w.transpose(-2, -1), offs=offs)
 
 
-def _check_padded(x, router_logits, w13, w2, expert_offset: int) -> None:
-    """Shapes of weights pack_moe_weights padded, against the activations; raises naming the mismatch."""
+def _plain_shape(w: torch.Tensor) -> torch.Size:
+    """The [E, N, K] shape of panel-packed weights."""
+    e, n_panels, pairs, panel, two = w.shape
+    return torch.Size((e, n_panels * panel, pairs * two))
+
+
+def _check_padded(x, router_logits, w13: torch.Size, w2: torch.Size, expert_offset: int, panels: bool) -> None:
+    """[E, N, K] shapes of the weights pack_moe_weights padded (or packed into panels), against the activations;
+    raises naming the mismatch."""
     hidden = x.shape[1]
-    ok = (w13.dim() == 3 and w2.dim() == 3 and w13.shape[2] == _aligned(hidden, x.dtype) and w13.shape[1] % 2 == 0
-          and tuple(w2.shape) == (w13.shape[0], w13.shape[2], w13.shape[1] // 2) and router_logits.dim() == 2
+    hidden_p = _aligned(hidden, x.dtype, PANEL * 2 if panels else STRIDE_BYTES)
+    ok = (len(w13) == 3 and len(w2) == 3 and w13[2] == hidden_p and w13[1] % 2 == 0
+          and tuple(w2) == (w13[0], w13[2], w13[1] // 2) and router_logits.dim() == 2
           and router_logits.shape[0] == x.shape[0])
     if not ok:
-        raise ValueError(f"fused_moe: w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} (padded for the grouped GEMM) do "
+        raise ValueError(f"fused_moe: w13 {tuple(w13)}, w2 {tuple(w2)} (padded for the grouped GEMM) do "
                          f"not fit x {tuple(x.shape)} and router_logits {tuple(router_logits.shape)}")
-    if expert_offset < 0 or expert_offset + w13.shape[0] > router_logits.shape[1]:
-        raise ValueError(f"fused_moe: local experts [{expert_offset}, {expert_offset + w13.shape[0]}) are outside "
+    if expert_offset < 0 or expert_offset + w13[0] > router_logits.shape[1]:
+        raise ValueError(f"fused_moe: local experts [{expert_offset}, {expert_offset + w13[0]}) are outside "
                          f"the {router_logits.shape[1]} routed experts")
 
 
