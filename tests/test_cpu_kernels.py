@@ -316,21 +316,27 @@ EXPERT_MATMUL_GRID = [(4, 8, 64, [1, 0, 2, 1]), (8, 70, 48, [0, 5, 1, 0, 9, 0, 3
                       (16, 64, 2048, [1] * 16), (5, 33, 17, [0, 0, 0, 0, 6])]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])  # bf16: vdpbf16ps path
-@pytest.mark.parametrize("case", EXPERT_MATMUL_GRID, ids=lambda c: f"e{c[0]}-n{c[1]}-k{c[2]}")
-def test_expert_matmul_equals_grouped_matmul(cpu, case, dtype):
+def expert_groups(case, dtype):
+    """(x, w, ends, expected) for (experts, N, K, rows per expert): x sorted by expert plus two rows of no expert,
+    expected each row times its expert's w^T in float32 (zero for the last two)."""
     experts, n, k, counts = case
     g = torch.Generator().manual_seed(n * k)
     w = (torch.randn(experts, n, k, generator=g) / k ** 0.5).to(dtype)
-    x = torch.randn(sum(counts) + 2, k, generator=g).to(dtype)  # the last two rows belong to no expert
+    x = torch.randn(sum(counts) + 2, k, generator=g).to(dtype)
     ends = torch.tensor(counts).cumsum(0).to(torch.int32)
     expected = torch.zeros(x.shape[0], n)
-    start = 0
-    for e, count in enumerate(counts):
-        expected[start:start + count] = x[start:start + count].float() @ w[e].float().T
-        start += count
+    starts = [0] + ends.tolist()
+    for e in range(experts):
+        expected[starts[e]:starts[e + 1]] = x[starts[e]:starts[e + 1]].float() @ w[e].float().T
+    return x, w, ends, expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])  # bf16: vdpbf16ps path
+@pytest.mark.parametrize("case", EXPERT_MATMUL_GRID, ids=lambda c: f"e{c[0]}-n{c[1]}-k{c[2]}")
+def test_expert_matmul_equals_grouped_matmul(cpu, case, dtype):
+    x, w, ends, expected = expert_groups(case, dtype)
     out = cpu.ext.expert_matmul(x, w, ends)
-    assert out.dtype == dtype and out.shape == (x.shape[0], n)
+    assert out.dtype == dtype and out.shape == expected.shape
     assert (out[-2:] == 0).all()
     assert rel_err(out, expected) < TOL[dtype]
 
@@ -356,24 +362,15 @@ EXPERT_PANEL_GRID = [(4, 64, 64, [1, 0, 2, 1]), (8, 96, 48, [0, 5, 1, 0, 9, 0, 3
 @pytest.mark.parametrize("case", EXPERT_PANEL_GRID, ids=lambda c: f"e{c[0]}-n{c[1]}-k{c[2]}")
 def test_expert_panel_matmul_equals_grouped_matmul(cpu, case):
     """Weights packed by cpu_moe.to_panels; AVX512-BF16 builds run it, every other level refuses by name."""
-    experts, n, k, counts = case
-    g = torch.Generator().manual_seed(n * k)
-    w = (torch.randn(experts, n, k, generator=g) / k ** 0.5).bfloat16()
-    x = torch.randn(sum(counts) + 2, k, generator=g).bfloat16()  # the last two rows belong to no expert
-    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x, w, ends, expected = expert_groups(case, torch.bfloat16)
     panels = cpu_moe.to_panels(w)
     assert bool(cpu.ext.expert_panels_available()) == (cpu.isa == "avx512bf16")
     if not cpu.ext.expert_panels_available():
         with pytest.raises(RuntimeError, match="needs an AVX512-BF16 build"):
             cpu.ext.expert_panel_matmul(x, panels, ends)
         return
-    expected = torch.zeros(x.shape[0], n)
-    start = 0
-    for e, count in enumerate(counts):
-        expected[start:start + count] = x[start:start + count].float() @ w[e].float().T
-        start += count
     out = cpu.ext.expert_panel_matmul(x, panels, ends)
-    assert out.dtype == torch.bfloat16 and out.shape == (x.shape[0], n)
+    assert out.dtype == torch.bfloat16 and out.shape == expected.shape
     assert (out[-2:] == 0).all()
     assert rel_err(out, expected) < TOL[torch.bfloat16]
     with pytest.raises(RuntimeError, match="panels must be contiguous bf16"):
