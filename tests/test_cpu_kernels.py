@@ -48,7 +48,9 @@ def test_bf16_prefill_kernels_follow_amx(cpu_ops, monkeypatch, caplog, flags):
     if not ops.bf16_attention:
         assert not ops.bf16_prefill_kernels and not ops._bf16_flash(q) and not ops.moe_panels
         return
-    assert ops.bf16_prefill_kernels == ("amx_bf16" not in flags) == ops._bf16_flash(q) == ops.moe_panels
+    assert ops.bf16_prefill_kernels == ("amx_bf16" not in flags) == ops._bf16_flash(q) == ops.moe_panels == \
+        (torch.bfloat16 in ops.panel_dtypes)
+    assert torch.float32 in ops.panel_dtypes  # float32 panels on every AVX-512 level, AMX or not
     if "amx_bf16" in flags:
         assert "bf16 prefill and vision attention run SDPA (this CPU has AMX" in caplog.text
         assert "bf16 MoE experts run on the grouped GEMM, small groups on expert_matmul (this CPU has AMX)" in \
@@ -452,11 +454,57 @@ def _packs(dtype) -> bool:
     return dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def _layout(weight) -> str:
+    return "panels" if weight.dim() > 2 else "onednn" if weight.is_mkldnn else "plain"
+
+
+def _expected_layout(ops, n: int, k: int, dtype) -> str:
+    """Where this CPU's kernels take panels (float32 on AVX-512, bf16 on AVX512-BF16 without AMX) and the shape
+    fits (whole 32-output panels, even k, a panel of at most PANEL_BYTES): panels; else oneDNN where it packs."""
+    from vlinfer.ops.cpu import PANEL_BYTES
+    level = platform.CPU_ISAS.index(ops.isa)
+    takes = level >= platform.CPU_ISAS.index("avx512") if dtype == torch.float32 else \
+        ops.isa == "avx512bf16" and "amx_bf16" not in platform.cpu_flags()
+    assert (dtype in ops.panel_dtypes) == takes
+    if takes and n % 32 == 0 and k % 2 == 0 and 32 * k * torch.empty((), dtype=dtype).element_size() <= PANEL_BYTES:
+        return "panels"
+    return "onednn" if _packs(dtype) else "plain"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(64, 64, 1), (96, 48, 3), (960, 576, 5), (576, 1536, 17), (3072, 576, 130),
+                                   (64, 2, 2), (64, 4096, 9)], ids=lambda s: f"{s[0]}x{s[1]}-rows{s[2]}")
+def test_panel_linear_equals_f_linear(cpu, shape, dtype):
+    """Dense panels (kernels/cpu/panel_linear.cpp) at every level: the product within one rounding of the float32
+    F.linear, with and without bias, at 1..130 rows (the 4-row tiles, the 8-row tiles, row blocks over the cores);
+    a level without them refuses by name."""
+    from vlinfer.ops.cpu import dense_panels
+    n, k, rows = shape
+    g = torch.Generator().manual_seed(n + k)
+    w, x, b = (torch.randn(n, k, generator=g) * 0.1).to(dtype), torch.randn(rows, k, generator=g).to(dtype), \
+        torch.randn(n, generator=g).to(dtype)
+    panels = dense_panels(w)
+    if not cpu.ext.panel_linear_available(dtype):
+        assert platform.CPU_ISAS.index(cpu.isa) < platform.CPU_ISAS.index("avx512" if dtype == torch.float32
+                                                                          else "avx512bf16")
+        with pytest.raises(RuntimeError, match="has no .* panels"):
+            cpu.ext.panel_linear(x, panels)
+        return
+    for bias in (None, b):
+        ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        out = cpu.ext.panel_linear(x, panels, bias)
+        assert out.dtype == dtype and out.shape == ref.shape
+        assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu.ext.panel_linear(x[:, :-2], panels)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_prepacked_linear_layers(dtype, caplog, cpu_context):
-    """pack_weights swaps every vlinfer linear layer's weight for oneDNN's packed layout in place (no second copy)
-    where this CPU runs that dtype packed, and says so either way; the layers' outputs stay F.linear's: bit for bit
-    in bf16, to float32 rounding in float32."""
+    """pack_weights swaps every vlinfer linear layer's weight for the op table's layout in place (no second copy):
+    our panels where this CPU takes them, else oneDNN's packed layout where it runs that dtype packed, and says so
+    either way; the layers' outputs stay F.linear's: to float32 rounding in float32, in bf16 bit for bit on oneDNN
+    and within one bf16 rounding on the panels (another summation order)."""
     from torch import nn
     from vlinfer.engine.model_runner import pack_weights
     from vlinfer.layers import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -469,21 +517,26 @@ def test_prepacked_linear_layers(dtype, caplog, cpu_context):
     plain = [(m.weight.clone(), None if m.bias is None else m.bias.clone()) for m in model]
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         pack_weights(model)
-    if _packs(dtype):
+    layouts = [_expected_layout(ctx.ops, *w.shape, dtype) for w, _ in plain]
+    assert [_layout(m.weight) for m in model] == layouts
+    if "plain" not in layouts:
         assert "3 of 3 linear weights packed for cpu-compiled" in caplog.text
-        assert all(m.weight.is_mkldnn and m.weight.shape == w.shape for m, (w, _) in zip(model, plain))
+        assert all(m.weight.shape == w.shape for m, (w, _) in zip(model, plain) if m.weight.is_mkldnn)
     else:
         assert "linear layers keep plain torch.bfloat16 weights (cpu-compiled has no packed layout" in caplog.text
-        assert not any(m.weight.is_mkldnn for m in model)
     # Row counts on each side of the padding buckets (ops.cpu.linear_rows_bucket): exact, padded to a power of two,
     # to a multiple of 64 and of 512.
     for rows in (7, 9, 33, 100, 600):
-        for m, (w, b) in zip(model, plain):
-            inp = torch.randn(rows, m.weight.shape[1], generator=g).to(dtype)
+        for m, (w, b), layout in zip(model, plain, layouts):
+            inp = torch.randn(rows, w.shape[1], generator=g).to(dtype)
             ours, ref = m(inp), torch.nn.functional.linear(inp, w, b)
             assert ours.shape == ref.shape
-            assert torch.equal(ours, ref) if dtype == torch.bfloat16 else torch.allclose(ours, ref, atol=1e-5,
-                                                                                         rtol=1e-5)
+            if dtype == torch.float32:
+                assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-5)
+            elif layout == "panels":
+                assert rel_err(ours, F.linear(inp.float(), w.float(), b.float() if b is not None else None)) < 1e-2
+            else:
+                assert torch.equal(ours, ref)
 
 
 def test_linear_rows_buckets():
@@ -534,5 +587,8 @@ def test_engine_runs_prepacked_linears(qwen3_checkpoint):
     from vlinfer.layers.linear import LinearBase
     llm = LLM(qwen3_checkpoint[0], dtype="float32", kv_cache_bytes=1 << 22)
     layers = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, LinearBase)]
-    assert layers and all(m.weight.is_mkldnn for m in layers)
-    assert llm.engine.model_runner.model.lm_head.packed_weight.is_mkldnn  # tied to the embedding
+    ops = llm.engine.model_runner.ctx.ops
+    assert layers and all(_layout(m.weight) == _expected_layout(ops, m.output_size, m.input_size, torch.float32)
+                          for m in layers)
+    head = llm.engine.model_runner.model.lm_head
+    assert _layout(head.packed_weight) == _expected_layout(ops, *head.weight.shape, torch.float32)  # tied

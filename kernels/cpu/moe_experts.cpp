@@ -9,7 +9,7 @@
 // ops/cpu_moe.py hands it to oneDNN instead.
 //
 // expert_panel_matmul is the same product on weights repacked once at load into 32-output panels (ops/cpu_moe.py
-// pack_moe_weights, bf16 on AVX512-BF16 builds of CPUs without AMX): each panel holds, per pair of k, the 32
+// pack_moe_weights, bf16 on AVX512-BF16 builds of CPUs without AMX; kernels/cpu/panels.h): each panel holds, per pair of k, the 32
 // outputs' two weights side by side, so one 64-byte load feeds vdpbf16ps for 16 outputs against a broadcast pair of
 // x: no horizontal sums, and each work item streams one contiguous panel. It runs every group size, decode and
 // prefill alike. Measured on the 2-vCPU EPYC (AVX512-BF16, no AMX), 128 experts, H 2048, I 768, 32 tokens x top-8
@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "panels.h"
 #include "tile_sizes.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -137,64 +138,6 @@ void expert_matmul_impl(const at::Tensor& x, const at::Tensor& w, const std::vec
   });
 }
 
-#ifdef VLINFER_BF16_EXPERTS
-constexpr int64_t kPanel = 32;            // outputs per panel: two vdpbf16ps accumulators of 16
-constexpr int64_t kPanelPrefetch = 1024;  // elements ahead in the panel's stream (2 KB; within noise of 512-2048)
-
-// R rows x P panels of 32 outputs over k = 2 * pairs. x rows of ldx elements; panel p starts panel_stride elements
-// after panel p - 1; each pair step reads 64 contiguous bytes of every panel.
-template <int R, int P>
-inline void panel_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, int64_t pairs,
-                       c10::BFloat16* out, int64_t ldo) {
-  __m512 acc[R][2 * P];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 2 * P; ++c) acc[r][c] = _mm512_setzero_ps();
-  const auto* x32 = reinterpret_cast<const int32_t*>(x);  // one int32 = one pair of bf16 x values
-  for (int64_t kp = 0; kp < pairs; ++kp) {
-    __m512bh wv[2 * P];
-    for (int p = 0; p < P; ++p) {
-      const uint16_t* wp = w + p * panel_stride + kp * 2 * kPanel;
-      wv[2 * p] = (__m512bh)_mm512_loadu_si512(wp);
-      wv[2 * p + 1] = (__m512bh)_mm512_loadu_si512(wp + kPanel);
-      _mm_prefetch(reinterpret_cast<const char*>(wp + kPanelPrefetch), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wp + kPanelPrefetch + kPanel), _MM_HINT_T0);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x32[r * (ldx / 2) + kp]);
-      for (int c = 0; c < 2 * P; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 2 * P; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
-}
-
-// All `rows` rows of one group against P panels: up to 4 rows share every weight load (decode); more rows go 8 at
-// a time, panel by panel, the panel (32 x k bf16, 128 KB at k = 2048) re-read from L2 for each 8.
-template <int P>
-void panel_rows(const uint16_t* x, int64_t rows, int64_t k, const uint16_t* w, int64_t panel_stride,
-                c10::BFloat16* out, int64_t ldo) {
-  const int64_t pairs = k / 2;
-  if (rows <= 4) {
-    with_tile_size(rows, 1, [&](auto r, auto) {
-      panel_tile<decltype(r)::value, P>(x, k, w, panel_stride, pairs, out, ldo);
-    });
-    return;
-  }
-  for (int p = 0; p < P; ++p) {
-    const uint16_t* wp = w + p * panel_stride;
-    c10::BFloat16* op = out + p * kPanel;
-    int64_t r0 = 0;
-    for (; r0 + 8 <= rows; r0 += 8) panel_tile<8, 1>(x + r0 * k, k, wp, panel_stride, pairs, op + r0 * ldo, ldo);
-    for (; r0 < rows; r0 += 4) {
-      with_tile_size(std::min<int64_t>(4, rows - r0), 1, [&](auto r, auto) {
-        panel_tile<decltype(r)::value, 1>(x + r0 * k, k, wp, panel_stride, pairs, op + r0 * ldo, ldo);
-      });
-    }
-  }
-}
-#endif
-
 }  // namespace
 
 // x [P, K] rows sorted by expert; w [E, N, K]; ends [E] int32, the cumulative row count at each expert's end (what
@@ -246,8 +189,8 @@ at::Tensor expert_panel_matmul(const at::Tensor& x, const at::Tensor& panels, co
   }
   auto out = at::empty({x.size(0), n}, x.options());
   out.narrow(0, bounds.back(), x.size(0) - bounds.back()).zero_();
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+  const auto* xp = xc.data_ptr<c10::BFloat16>();
+  const auto* wp = panels.data_ptr<c10::BFloat16>();
   auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t panel_stride = k * kPanel;
   // Work items: (expert with rows, two adjacent panels): 64 outputs, two contiguous streams.
@@ -258,12 +201,12 @@ at::Tensor expert_panel_matmul(const at::Tensor& x, const at::Tensor& panels, co
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const auto [e, p] = items[item];
-      const uint16_t* w = wp + (e * n_panels + p) * panel_stride;
-      const uint16_t* xe = xp + bounds[e] * k;
+      const c10::BFloat16* w = wp + (e * n_panels + p) * panel_stride;
+      const c10::BFloat16* xe = xp + bounds[e] * k;
       c10::BFloat16* oe = op + bounds[e] * n + p * kPanel;
       const int64_t rows = bounds[e + 1] - bounds[e];
-      if (p + 1 < n_panels) panel_rows<2>(xe, rows, k, w, panel_stride, oe, n);
-      else panel_rows<1>(xe, rows, k, w, panel_stride, oe, n);
+      if (p + 1 < n_panels) panel_rows<2>(xe, rows, k, w, panel_stride, nullptr, oe, n);
+      else panel_rows<1>(xe, rows, k, w, panel_stride, nullptr, oe, n);
     }
   });
   return out;

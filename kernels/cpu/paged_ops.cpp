@@ -33,6 +33,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
 at::Tensor expert_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ends);
 at::Tensor expert_panel_matmul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& ends);
 bool expert_panels_available();
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias);
+bool panel_linear_available(at::ScalarType dtype);
 
 namespace {
 
@@ -575,4 +577,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expert_panel_matmul", &expert_panel_matmul, "expert_matmul on weights packed in 32-output bf16 panels "
         "(CPU, AVX512-BF16)");
   m.def("expert_panels_available", &expert_panels_available, "built with AVX512-BF16: expert_panel_matmul runs");
+  m.def("panel_linear", &panel_linear, "x @ w^T (+ bias) on weights packed in 32-output panels (CPU, AVX-512)",
+        py::arg("x"), py::arg("panels"), py::arg("bias") = py::none());
+  m.def("panel_linear_available", &panel_linear_available, "whether this build runs panel_linear for a dtype");
 }

@@ -58,7 +58,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         steps: 59 -> 43 ms per step on oneDNN; GGUF blocks regrouped for the CPU's integer kernel). Tied to the
         embedding: a packed copy (its size is logged by the caller); untied: the weight is replaced. False when the
         op table has no such layout."""
-        if self.packed_weight is not None or self.weight.is_mkldnn:
+        if self.packed_weight is not None or self.weight.is_mkldnn or self.weight.dim() != 2:
             return False
         if self.gguf_type is not None:
             packed = self.ops.pack_gguf_weight(self.weight.data, self.gguf_type)

@@ -34,9 +34,12 @@ from vlinfer.ops.reference import ReferenceOps
 
 logger = logging.getLogger("vlinfer")
 SOURCES = tuple(os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cpu", name)
-                for name in ("paged_ops.cpp", "attention_bf16.cpp", "moe_experts.cpp"))
+                for name in ("paged_ops.cpp", "attention_bf16.cpp", "moe_experts.cpp", "panel_linear.cpp"))
 # dtypes whose prepacked linear oneDNN runs (bf16 needs AVX512-BF16 or AMX, checked at packing time)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# Largest panel (32 x K weights) a dense linear takes panels for: the 8-row tiles re-read it from L2 (1 MB here);
+# past it oneDNN led at prefill sizes (kernels/cpu/panel_linear.cpp).
+PANEL_BYTES = 256 * 1024
 
 
 def build_extension(isa: str):
@@ -53,6 +56,14 @@ def build_extension(isa: str):
     flags = ["-O3", "-fopenmp", "-ffast-math", *ISA_FLAGS[isa], f"-DVLINFER_HEADERS_DIGEST={digest}"]
     return load_extension(f"vlinfer_cpu_kernels_{isa}", sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
                           verbose=False)
+
+
+def dense_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> panel_linear's layout (kernels/cpu/panels.h): float32 [N / 32, K, 32], bf16 [N / 32, K / 2, 32, 2]."""
+    n, k = weight.shape
+    if weight.dtype == torch.bfloat16:
+        return cpu_moe.to_panels(weight[None])[0]
+    return weight.reshape(n // cpu_moe.PANEL, cpu_moe.PANEL, k).transpose(1, 2).contiguous()
 
 
 def linear_rows_bucket(rows: int) -> int:
@@ -99,6 +110,13 @@ class CpuOps(ReferenceOps):
         # bf16 experts in 32-output panels (ops/cpu_moe.py): faster than the grouped GEMM at every group size on
         # AVX512-BF16 without AMX; with AMX the grouped GEMM's oneDNN tiles keep the prefill.
         self.moe_panels = bool(self.ext.expert_panels_available()) and not has_amx
+        # Dense linears in 32-output panels (kernels/cpu/panel_linear.cpp): float32 on AVX-512 builds, bf16 on
+        # AVX512-BF16 builds without AMX (with AMX, oneDNN's tiles).
+        self.panel_dtypes = tuple(dtype for dtype in (torch.float32, torch.bfloat16)
+                                  if self.ext.panel_linear_available(dtype) and
+                                  (dtype == torch.float32 or not has_amx))
+        logger.info("ops[cpu]: dense linears in 32-output panels for %s; oneDNN's prepacked layout otherwise",
+                    ", ".join(str(d).split(".")[-1] for d in self.panel_dtypes) or "no dtype at this level")
         logger.info("ops[cpu]: bf16 MoE experts run %s", "in 32-output panels (expert_panel_matmul)" if self.moe_panels
                     else "on the grouped GEMM, small groups on expert_matmul" + (" (this CPU has AMX)" if has_amx
                                                                                  else " (no AVX512-BF16 build)"))
@@ -244,8 +262,10 @@ class CpuOps(ReferenceOps):
         rows = kernels.dequantize(weight.index_select(0, ids.reshape(-1)), ggml_type)
         return rows.to(dtype).reshape(*ids.shape, -1)
 
-    @staticmethod
-    def linear(x, weight, bias=None):
+    def linear(self, x, weight, bias=None):
+        if not weight.is_mkldnn and weight.dim() > 2:  # 32-output panels (pack_linear_weight)
+            y = self.ext.panel_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
         if not weight.is_mkldnn:
             return F.linear(x, weight, bias)
         rows = x.shape[0] if x.dim() == 2 else 0
@@ -263,9 +283,16 @@ class CpuOps(ReferenceOps):
         return torch.ops.mkldnn._linear_pointwise(x_padded, weight, bias, "none", [], "")[:rows]
 
     def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """oneDNN's blocked layout of a [out, in] weight, or None where this CPU / torch build has no packed linear
-        for its dtype (the layer then keeps F.linear; ModelRunner logs which)."""
-        if weight.is_mkldnn or weight.dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        """Our 32-output panels of a [out, in] weight where the kernels run them (see __init__) and the shape fits
+        (whole panels, pairs of k, a panel of at most PANEL_BYTES); else oneDNN's blocked layout; None where this
+        CPU / torch build has neither for its dtype (the layer then keeps F.linear; ModelRunner logs which)."""
+        if weight.is_mkldnn or weight.dim() != 2:
+            return None
+        n, k = weight.shape
+        if weight.dtype in self.panel_dtypes and n % cpu_moe.PANEL == 0 and k % 2 == 0 and \
+                cpu_moe.PANEL * k * weight.element_size() <= PANEL_BYTES:
+            return dense_panels(weight.detach())
+        if weight.dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
             return None
         if weight.dtype == torch.bfloat16 and not self.bf16_linear:
             return None
