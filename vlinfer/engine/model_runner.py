@@ -367,8 +367,12 @@ class ModelRunner:
         return self._run(inputs).cpu()
 
     def describe(self) -> dict:
-        """What this rank holds: parameter shapes and bytes, KV pool, checkpoint bytes it read."""
-        params = {name: (tuple(p.shape), p.numel() * p.element_size()) for name, p in self.model.named_parameters()}
+        """What this rank holds: parameter shapes and bytes (a linear's weight packed in panels by its [out, in]
+        shape as loaded), KV pool, checkpoint bytes it read."""
+        loaded = {f"{name}.weight": (m.output_size, m.input_size) for name, m in self.model.named_modules()
+                  if isinstance(m, LinearBase)}
+        params = {name: (loaded[name] if p.dim() > 2 and name in loaded else tuple(p.shape),
+                         p.numel() * p.element_size()) for name, p in self.model.named_parameters()}
         kv = self.kv_cache
         return {"device": str(self.device), "params": params, "param_bytes": sum(b for _, b in params.values()),
                 "kv_cache_shape": tuple(kv.shape) if kv is not None else None,
