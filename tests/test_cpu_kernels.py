@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from paged_batches import fp32, make_batch, rel_err, rel_err_per_seq
 from vlinfer import platform
-from vlinfer.ops import cpu_moe, reference
+from vlinfer.ops import cpu_panels, reference
 from vlinfer.ops.cpu import CpuOps
 from vlinfer.ops.dispatch import select
 
@@ -363,9 +363,9 @@ EXPERT_PANEL_GRID = [(4, 64, 64, [1, 0, 2, 1]), (8, 96, 48, [0, 5, 1, 0, 9, 0, 3
 
 @pytest.mark.parametrize("case", EXPERT_PANEL_GRID, ids=lambda c: f"e{c[0]}-n{c[1]}-k{c[2]}")
 def test_expert_panel_matmul_equals_grouped_matmul(cpu, case):
-    """Weights packed by cpu_moe.to_panels; AVX512-BF16 builds run it, every other level refuses by name."""
+    """Weights packed by cpu_panels.to_panels; AVX512-BF16 builds run it, every other level refuses by name."""
     x, w, ends, expected = expert_groups(case, torch.bfloat16)
-    panels = cpu_moe.to_panels(w)
+    panels = cpu_panels.to_panels(w)
     assert bool(cpu.ext.expert_panels_available()) == (cpu.isa == "avx512bf16")
     if not cpu.ext.expert_panels_available():
         with pytest.raises(RuntimeError, match="needs an AVX512-BF16 build"):
@@ -478,12 +478,11 @@ def test_panel_linear_equals_f_linear(cpu, shape, dtype):
     """Dense panels (kernels/cpu/panel_linear.cpp) at every level: the product within one rounding of the float32
     F.linear, with and without bias, at 1..130 rows (the 4-row tiles, the 8-row tiles, row blocks over the cores);
     a level without them refuses by name."""
-    from vlinfer.ops.cpu import dense_panels
     n, k, rows = shape
     g = torch.Generator().manual_seed(n + k)
     w, x, b = (torch.randn(n, k, generator=g) * 0.1).to(dtype), torch.randn(rows, k, generator=g).to(dtype), \
         torch.randn(n, generator=g).to(dtype)
-    panels = dense_panels(w)
+    panels = cpu_panels.to_panels(w)
     if not cpu.ext.panel_linear_available(dtype):
         assert platform.CPU_ISAS.index(cpu.isa) < platform.CPU_ISAS.index("avx512" if dtype == torch.float32
                                                                           else "avx512bf16")

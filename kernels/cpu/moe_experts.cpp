@@ -9,12 +9,13 @@
 // ops/cpu_moe.py hands it to oneDNN instead.
 //
 // expert_panel_matmul is the same product on weights repacked once at load into 32-output panels (ops/cpu_moe.py
-// pack_moe_weights, bf16 on AVX512-BF16 builds of CPUs without AMX; kernels/cpu/panels.h): each panel holds, per pair of k, the 32
-// outputs' two weights side by side, so one 64-byte load feeds vdpbf16ps for 16 outputs against a broadcast pair of
-// x: no horizontal sums, and each work item streams one contiguous panel. It runs every group size, decode and
-// prefill alike. Measured on the 2-vCPU EPYC (AVX512-BF16, no AMX), 128 experts, H 2048, I 768, 32 tokens x top-8
-// (110 active experts): gate/up 20.6 -> 12.7-16.5 ms, down 12.4 -> 7.0-9.0 ms against expert_matmul; 512 tokens:
-// 65-71 -> 44-48 ms and 35-43 -> 22-25 ms against torch._grouped_mm (~580 against ~380 GFLOP/s).
+// pack_moe_weights, bf16 on AVX512-BF16 builds of CPUs without AMX; the tiles in panels.h): each panel holds, per
+// pair of k, the 32 outputs' two weights side by side, so one 64-byte load feeds vdpbf16ps for 16 outputs against
+// a broadcast pair of x: no horizontal sums, and each work item streams one contiguous panel. It runs every group
+// size, decode and prefill alike. Measured on the 2-vCPU EPYC (AVX512-BF16, no AMX), 128 experts, H 2048, I 768,
+// 32 tokens x top-8 (110 active experts): gate/up 20.6 -> 12.7-16.5 ms, down 12.4 -> 7.0-9.0 ms against
+// expert_matmul; 512 tokens: 65-71 -> 44-48 ms and 35-43 -> 22-25 ms against torch._grouped_mm (~580 against ~380
+// GFLOP/s).
 //
 // float32 accumulation. AVX512-BF16 builds run bf16 through vdpbf16ps (bf16 pair products into float32 lanes);
 // every other build and dtype runs a plain loop the compiler vectorizes for its level (-ffast-math allows the
@@ -138,6 +139,28 @@ void expert_matmul_impl(const at::Tensor& x, const at::Tensor& w, const std::vec
   });
 }
 
+// The groups' row bounds from ends [E] int32 (the cumulative row count at each expert's end), checked against the
+// row count, and the [rows, n] output with the rows past the last group (no expert's) zeroed.
+std::vector<int64_t> group_bounds(const at::Tensor& ends, int64_t experts, int64_t rows, const char* name) {
+  TORCH_CHECK(ends.dim() == 1 && ends.size(0) == experts && ends.scalar_type() == at::kInt, name,
+              ": ends must be int32 [E]");
+  auto ends_c = ends.contiguous();
+  const int32_t* ep = ends_c.data_ptr<int32_t>();
+  std::vector<int64_t> bounds(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) {
+    bounds[e + 1] = ep[e];
+    TORCH_CHECK(bounds[e + 1] >= bounds[e] && bounds[e + 1] <= rows, name, ": ends must be non-decreasing and at "
+                "most the row count");
+  }
+  return bounds;
+}
+
+at::Tensor group_output(const at::Tensor& x, int64_t n, const std::vector<int64_t>& bounds) {
+  auto out = at::empty({x.size(0), n}, x.options());
+  out.narrow(0, bounds.back(), x.size(0) - bounds.back()).zero_();
+  return out;
+}
+
 }  // namespace
 
 // x [P, K] rows sorted by expert; w [E, N, K]; ends [E] int32, the cumulative row count at each expert's end (what
@@ -146,20 +169,10 @@ at::Tensor expert_matmul(const at::Tensor& x, const at::Tensor& w, const at::Ten
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2),
               "expert_matmul: x must be [P, K] and w [E, N, K]");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "expert_matmul: x and w must share a dtype");
-  TORCH_CHECK(ends.dim() == 1 && ends.size(0) == w.size(0) && ends.scalar_type() == at::kInt,
-              "expert_matmul: ends must be int32 [E]");
+  const auto bounds = group_bounds(ends, w.size(0), x.size(0), "expert_matmul");
   TORCH_CHECK(w.is_contiguous(), "expert_matmul: w must be contiguous");
   auto xc = x.contiguous();
-  auto ends_c = ends.contiguous();
-  std::vector<int64_t> bounds(w.size(0) + 1, 0);
-  const int32_t* ep = ends_c.data_ptr<int32_t>();
-  for (int64_t e = 0; e < w.size(0); ++e) {
-    bounds[e + 1] = ep[e];
-    TORCH_CHECK(bounds[e + 1] >= bounds[e] && bounds[e + 1] <= x.size(0), "expert_matmul: ends must be "
-                "non-decreasing and at most the row count");
-  }
-  auto out = at::empty({x.size(0), w.size(1)}, x.options());
-  out.narrow(0, bounds.back(), x.size(0) - bounds.back()).zero_();  // rows past the last group: no expert's
+  auto out = group_output(x, w.size(1), bounds);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "expert_matmul", [&] {
     expert_matmul_impl<scalar_t>(xc, w, bounds, out);
   });
@@ -177,18 +190,9 @@ at::Tensor expert_panel_matmul(const at::Tensor& x, const at::Tensor& panels, co
   const int64_t experts = panels.size(0), n_panels = panels.size(1), k = panels.size(2) * 2, n = n_panels * kPanel;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kBFloat16,
               "expert_panel_matmul: x must be bf16 [P, ", k, "], got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(ends.dim() == 1 && ends.size(0) == experts && ends.scalar_type() == at::kInt,
-              "expert_panel_matmul: ends must be int32 [E]");
+  const auto bounds = group_bounds(ends, experts, x.size(0), "expert_panel_matmul");
   auto xc = x.contiguous();
-  auto ends_c = ends.contiguous();
-  std::vector<int64_t> bounds(experts + 1, 0);
-  for (int64_t e = 0; e < experts; ++e) {
-    bounds[e + 1] = ends_c.data_ptr<int32_t>()[e];
-    TORCH_CHECK(bounds[e + 1] >= bounds[e] && bounds[e + 1] <= x.size(0), "expert_panel_matmul: ends must be "
-                "non-decreasing and at most the row count");
-  }
-  auto out = at::empty({x.size(0), n}, x.options());
-  out.narrow(0, bounds.back(), x.size(0) - bounds.back()).zero_();
+  auto out = group_output(x, n, bounds);
   const auto* xp = xc.data_ptr<c10::BFloat16>();
   const auto* wp = panels.data_ptr<c10::BFloat16>();
   auto* op = out.data_ptr<c10::BFloat16>();

@@ -2,7 +2,7 @@
 // dense linears (panel_linear.cpp). A panel holds 32 consecutive output rows of a [N, K] weight, k-major: float32
 // [K][32] (one k: 32 outputs, two zmm loads, an FMA each against the broadcast x[k]); bf16 [K / 2][32][2] (one
 // pair of k: 32 outputs' two weights side by side, vdpbf16ps against the broadcast pair of x). No horizontal sums,
-// and a work item streams its panels front to back. Packing: ops/cpu_moe.py to_panels, ops/cpu.py.
+// and a work item streams its panels front to back. Packing: vlinfer/ops/cpu_panels.py to_panels.
 #pragma once
 
 #include <torch/extension.h>
@@ -82,9 +82,7 @@ template <int P, typename T>
 void panel_rows(const T* x, int64_t rows, int64_t k, const T* w, int64_t panel_stride, const float* bias, T* out,
                 int64_t ldo) {
   if (rows <= 4) {
-    with_tile_size(rows, 1, [&](auto r, auto) {
-      panel_tile<decltype(r)::value, P>(x, k, w, panel_stride, k, bias, out, ldo);
-    });
+    with_rows(rows, [&](auto r) { panel_tile<decltype(r)::value, P>(x, k, w, panel_stride, k, bias, out, ldo); });
     return;
   }
   for (int p = 0; p < P; ++p) {
@@ -94,7 +92,7 @@ void panel_rows(const T* x, int64_t rows, int64_t k, const T* w, int64_t panel_s
     int64_t r0 = 0;
     for (; r0 + 8 <= rows; r0 += 8) panel_tile<8, 1>(x + r0 * k, k, wp, panel_stride, k, bp, op + r0 * ldo, ldo);
     for (; r0 < rows; r0 += 4) {
-      with_tile_size(std::min<int64_t>(4, rows - r0), 1, [&](auto r, auto) {
+      with_rows(std::min<int64_t>(4, rows - r0), [&](auto r) {
         panel_tile<decltype(r)::value, 1>(x + r0 * k, k, wp, panel_stride, k, bp, op + r0 * ldo, ldo);
       });
     }

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from vlinfer import platform
-from vlinfer.ops import cpu_moe, cpu_quant, gguf_cpu, gguf_reference, reference, token_bitmask_reference
+from vlinfer.ops import cpu_moe, cpu_panels, cpu_quant, gguf_cpu, gguf_reference, reference, token_bitmask_reference
 from vlinfer.ops.per_step import PerStep
 from vlinfer.ops.cpu_isa_flags import ISA_FLAGS
 from vlinfer.ops.reference import ReferenceOps
@@ -60,14 +60,6 @@ def build_extension(isa: str):
     flags = ["-O3", "-fopenmp", "-ffast-math", *ISA_FLAGS[isa], f"-DVLINFER_HEADERS_DIGEST={digest}"]
     return load_extension(f"vlinfer_cpu_kernels_{isa}", sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
                           verbose=False)
-
-
-def dense_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> panel_linear's layout (kernels/cpu/panels.h): float32 [N / 32, K, 32], bf16 [N / 32, K / 2, 32, 2]."""
-    n, k = weight.shape
-    if weight.dtype == torch.bfloat16:
-        return cpu_moe.to_panels(weight[None])[0]
-    return weight.reshape(n // cpu_moe.PANEL, cpu_moe.PANEL, k).transpose(1, 2).contiguous()
 
 
 def linear_rows_bucket(rows: int) -> int:
@@ -293,9 +285,9 @@ class CpuOps(ReferenceOps):
         if weight.is_mkldnn or weight.dim() != 2:
             return None
         n, k = weight.shape
-        if weight.dtype in self.panel_dtypes and n % cpu_moe.PANEL == 0 and k % 2 == 0 and \
-                cpu_moe.PANEL * k * weight.element_size() <= PANEL_BYTES:
-            return dense_panels(weight.detach())
+        if weight.dtype in self.panel_dtypes and n % cpu_panels.PANEL == 0 and k % 2 == 0 and \
+                cpu_panels.PANEL * k * weight.element_size() <= PANEL_BYTES:
+            return cpu_panels.to_panels(weight.detach())
         if weight.dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
             return None
         if weight.dtype == torch.bfloat16 and not self.bf16_linear:

@@ -24,11 +24,11 @@ and up rows give silu(0) * 0 = 0 and zero down columns add nothing, so the paddi
 import torch
 import torch.nn.functional as F
 
+from vlinfer.ops.cpu_panels import PANEL, plain_shape, to_panels
 from vlinfer.ops.moe_reference import check_moe_shapes, route
 
 STRIDE_BYTES = 16  # torch._grouped_mm's CPU alignment rule for row strides
 SMALL_GROUP_ROWS = 3  # rows per active expert up to which expert_matmul beats the grouped GEMM (see above)
-PANEL = 32  # outputs per panel of expert_panel_matmul's layout
 
 
 def _aligned(size: int, dtype: torch.dtype, step_bytes: int = STRIDE_BYTES) -> int:
@@ -60,12 +60,6 @@ def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor, panels: bool = False):
     return w13, w2
 
 
-def to_panels(w: torch.Tensor) -> torch.Tensor:
-    """[E, N, K] -> [E, N / 32, K / 2, 32, 2]: per panel of 32 outputs and pair of k, the outputs' two weights."""
-    e, n, k = w.shape
-    return w.reshape(e, n // PANEL, PANEL, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
-
-
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
               renormalize: bool, expert_offset: int = 0, silu_and_mul=None, expert_matmul=None,
               expert_panel_matmul=None) -> torch.Tensor:
@@ -78,7 +72,7 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
         if expert_panel_matmul is None or x.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16:
             raise ValueError(f"fused_moe: panel-packed experts run only in bfloat16 on expert_panel_matmul (x "
                              f"{x.dtype}, weights {w13.dtype}, kernel {'given' if expert_panel_matmul else 'none'})")
-        _check_padded(x, router_logits, _plain_shape(w13), _plain_shape(w2), expert_offset, panels=True)
+        _check_padded(x, router_logits, plain_shape(w13), plain_shape(w2), expert_offset, panels=True)
     elif w13.dim() == 3 and w13.shape[2] == hidden:  # as loaded (not padded)
         check_moe_shapes(x, router_logits, w13, w2, expert_offset)
         padded = pack_moe_weights(w13, w2)
@@ -86,7 +80,7 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
             w13, w2 = padded
     else:
         _check_padded(x, router_logits, w13.shape, w2.shape, expert_offset, panels=False)
-    num_local, hidden_p = w13.shape[0], (w13.shape[2] * 2 if w13.dim() == 5 else w13.shape[2])
+    num_local, _, hidden_p = plain_shape(w13) if w13.dim() == 5 else w13.shape
     weights, ids = route(router_logits, top_k, renormalize, x.dtype)
     out = x.new_zeros(tokens, hidden)
     local_ids = ids.flatten() - expert_offset  # one entry per (token, slot) pair, token-major
@@ -126,12 +120,6 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
 def _grouped_matmul(rows: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows sorted by expert times their expert's [N, K] weight, transposed (the expert_matmul contract)."""
     return torch._grouped_mm(rows, w.transpose(-2, -1), offs=offs)
-
-
-def _plain_shape(w: torch.Tensor) -> torch.Size:
-    """The [E, N, K] shape of panel-packed weights."""
-    e, n_panels, pairs, panel, two = w.shape
-    return torch.Size((e, n_panels * panel, pairs * two))
 
 
 def _check_padded(x, router_logits, w13: torch.Size, w2: torch.Size, expert_offset: int, panels: bool) -> None:
