@@ -17,6 +17,7 @@
 #include <immintrin.h>
 #endif
 
+#include "decode_layer.h"
 #include "decode_vectors.h"
 
 // kernels/cpu/attention_bf16.cpp
@@ -35,6 +36,7 @@ at::Tensor expert_panel_matmul(const at::Tensor& x, const at::Tensor& panels, co
 bool expert_panels_available();
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias);
 bool panel_linear_available(at::ScalarType dtype);
+// kernels/cpu/decode_layer.cpp composes the entry points below (hence outside the anonymous namespace)
 
 namespace {
 
@@ -224,6 +226,8 @@ bool paged_decode_attention_f32(const at::Tensor&, const at::Tensor&, const at::
 }
 #endif
 
+}  // namespace
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
@@ -272,6 +276,8 @@ void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   });
 }
 
+namespace {
+
 // Neox rotary in place on x [T, heads, D] with float32 cos/sin [T, D]: x = x*cos + rotate_half(x)*sin.
 template <typename scalar_t>
 void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -296,6 +302,8 @@ void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+}  // namespace
+
 void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [T, heads, D] with contiguous D");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin must be float32");
@@ -304,6 +312,8 @@ void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin)
     rotary_impl<scalar_t>(x, cos, sin);
   });
 }
+
+namespace {
 
 // ---- Norms and the gated activation, one pass each. The reference's rounding points are kept: in bfloat16 the
 // normalized value is rounded before the weight multiplies it (as transformers does), so outputs match it bit for
@@ -400,6 +410,8 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, at
   });
 }
 
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == x.size(-1),
               "weight must be contiguous [D] in x's dtype");
@@ -409,6 +421,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   });
   return out;
 }
+
+namespace {
 
 // (norm(x + residual), x + residual) for contiguous [T, D]: the sum is rounded to the activation dtype (it is the
 // residual stream the next layer reads) and the norm is taken of the rounded sum, as the reference does.
@@ -444,6 +458,8 @@ void add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at
   });
 }
 
+}  // namespace
+
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                                      double eps) {
   TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes(), "x and residual must be [T, D]");
@@ -457,6 +473,8 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& resi
   });
   return {out, new_residual};
 }
+
+namespace {
 
 // silu(gate) * up for x = [gate | up] [T, 2I] -> [T, I]; silu rounded to the activation dtype before the product.
 template <typename scalar_t>
@@ -478,6 +496,8 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
+}  // namespace
+
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2 * intermediate]");
   auto xc = x.contiguous();
@@ -487,6 +507,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   });
   return out;
 }
+
+namespace {
 
 // tanh-approximated GELU in place (the vision MLP's gelu_pytorch_tanh), written as x * sigmoid(2u) with
 // u = sqrt(2/pi) * (x + 0.044715 x^3): the same function as 0.5 x (1 + tanh(u)) without its cancellation for
@@ -580,4 +602,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "x @ w^T (+ bias) on weights packed in 32-output panels (CPU, AVX-512)",
         py::arg("x"), py::arg("panels"), py::arg("bias") = py::none());
   m.def("panel_linear_available", &panel_linear_available, "whether this build runs panel_linear for a dtype");
+  // module_local: each instruction-set level's extension registers its own class (tests load several at once).
+  py::class_<DenseDecodeStack>(m, "DenseDecodeStack", py::module_local(),
+                               "a dense model's decoder layers for decode steps, one call a step (CPU; projections "
+                               "on panels, AVX-512)")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, double>(), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"), py::arg("qk_eps"))
+      .def("add_layer", &DenseDecodeStack::add_layer, py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"),
+           py::arg("qkv_bias"), py::arg("q_norm"), py::arg("k_norm"), py::arg("o"), py::arg("o_bias"),
+           py::arg("gate_up"), py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"))
+      .def("forward", &DenseDecodeStack::forward)
+      .def_property_readonly("num_layers", &DenseDecodeStack::num_layers);
 }

@@ -75,6 +75,13 @@ def pack_weights(model: torch.nn.Module) -> None:
     if experts:
         packed_experts = sum(layer.pack_weight() for layer in experts)
         logger.info("%d of %d MoE expert layers packed for %s", packed_experts, len(experts), experts[0].ops.name)
+    for decoder in (m for m in model.modules() if hasattr(m, "fuse_decode")):
+        if decoder.fuse_decode():
+            logger.info("decode steps run all %d decoder layers in one op call (%s)", len(decoder.layers),
+                        decoder.ctx.ops.name)
+        else:
+            logger.info("decode steps run the %d decoder layers module by module (%s has no fused form for them)",
+                        len(decoder.layers), decoder.ctx.ops.name)
     if linears:
         dtype = linears[0].params_dtype
         if packed:

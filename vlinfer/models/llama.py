@@ -60,6 +60,22 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
 
+    def decode_weights(self) -> dict | None:
+        """This layer's weights by name for an op table's fused decode layers (ops.dense_decode_stack), or None
+        where it has no fused form: a sparse MLP, quantized projections, or tensor parallel (the row-parallel
+        projections' all-reduce)."""
+        attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, LlamaMLP):
+            return None
+        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        if attn.o_proj.tp.size != 1 or any(linear.method is not None for linear in linears):
+            return None
+        q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+        return dict(input_norm=self.input_layernorm.weight, post_norm=self.post_attention_layernorm.weight,
+                    qkv=attn.qkv_proj.weight, qkv_bias=attn.qkv_proj.bias, q_norm=q_norm, k_norm=k_norm,
+                    o=attn.o_proj.weight, o_bias=attn.o_proj.bias, gate_up=mlp.gate_up_proj.weight,
+                    gate_up_bias=mlp.gate_up_proj.bias, down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias)
+
     def forward(self, rope, hidden_states, residual):
         if residual is None:
             residual = hidden_states
@@ -82,14 +98,41 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList([LlamaDecoderLayer(ctx, config, qk_norm, make_mlp(i) if make_mlp else None)
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
+        self.ctx = ctx
+        self.decode_stack = None  # the layers fused for decode steps (fuse_decode), where the op table has them
+
+    def fuse_decode(self) -> bool:
+        """Let decode steps run every layer in one op call (ops.dense_decode_stack), once after packing; False where
+        a layer has no fused form or the op table fuses none."""
+        weights = [layer.decode_weights() for layer in self.layers]
+        if not weights or any(w is None for w in weights):
+            return False
+        attn = self.layers[0].self_attn
+        qk_eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
+        self.decode_stack = self.ctx.ops.dense_decode_stack(
+            weights, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            scale=attn.attn.scale, eps=self.layers[0].input_layernorm.eps, qk_eps=qk_eps)
+        return self.decode_stack is not None
+
+    def run_layers(self, rope, hidden_states: torch.Tensor):
+        """Every decoder layer: (the last layer's mlp output, residual). A decode-only step runs the fused stack where
+        there is one."""
+        step = self.ctx.forward_context()
+        if self.decode_stack is not None and step.decode_only:
+            caches = [layer.self_attn.attn for layer in self.layers]
+            return self.decode_stack.forward(hidden_states, *rope, [c.k_cache for c in caches],
+                                             [c.v_cache for c in caches], step.slot_mapping, step.block_tables,
+                                             step.seq_lens)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(rope, hidden_states, residual)
+        return hidden_states, residual
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(rope, hidden_states, residual)
+        hidden_states, residual = self.run_layers(rope, hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

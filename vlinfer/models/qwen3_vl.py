@@ -53,17 +53,21 @@ class Qwen3VLTextModel(LlamaModel):
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         num_deepstack = 0 if deepstack_embeds is None or visual_mask is None else len(deepstack_embeds)
         rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            hidden_states, residual = layer(rope, hidden_states, residual)
-            if i < num_deepstack:
-                # HF adds DeepStack features to the layer's output, i.e. the full residual stream. Ours is split
-                # as (mlp_out, residual); materialize the sum so rounding matches HF's (res + mlp) + ds, and let
-                # the next layer start un-fused (residual None). The add would happen in the next layer's fused
-                # add-norm anyway, so this costs only the masked update.
-                hidden_states = hidden_states + residual
-                hidden_states[visual_mask] = hidden_states[visual_mask] + deepstack_embeds[i].to(hidden_states.dtype)
-                residual = None
+        if not num_deepstack:  # text-only steps (every decode step): the shared decoder loop, fused where it can be
+            hidden_states, residual = self.run_layers(rope, hidden_states)
+        else:
+            residual = None
+            for i, layer in enumerate(self.layers):
+                hidden_states, residual = layer(rope, hidden_states, residual)
+                if i < num_deepstack:
+                    # HF adds DeepStack features to the layer's output, i.e. the full residual stream. Ours is split
+                    # as (mlp_out, residual); materialize the sum so rounding matches HF's (res + mlp) + ds, and let
+                    # the next layer start un-fused (residual None). The add would happen in the next layer's fused
+                    # add-norm anyway, so this costs only the masked update.
+                    hidden_states = hidden_states + residual
+                    deepstack = deepstack_embeds[i].to(hidden_states.dtype)
+                    hidden_states[visual_mask] = hidden_states[visual_mask] + deepstack
+                    residual = None
         if residual is None:
             return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)

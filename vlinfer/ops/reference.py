@@ -191,6 +191,15 @@ class ReferenceOps:
         Layers call it once after loading (model_runner.pack_weights); ops never see the layers themselves."""
         return None
 
+    def dense_decode_stack(self, layers: list[dict], num_heads: int, num_kv_heads: int, head_dim: int,
+                           scale: float, eps: float, qk_eps: float):
+        """An object whose forward(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens) runs a
+        dense model's decoder layers for a decode step (one token per sequence) in one call and returns the last
+        layer's (mlp output, residual); or None, and the layers run module by module. `layers`: per layer its
+        packed weights by name (LlamaDecoderLayer.decode_weights). Models ask once after packing
+        (model_runner.pack_weights); the reference fuses nothing."""
+        return None
+
     def describe(self) -> str:
         """What runs, for the start-up log line."""
         return self.name
