@@ -97,13 +97,31 @@ def test_paged_attention_decode_and_mixed(cpu, dtype, block_size, head_dim, gqa)
     num_kv_heads = 2
     # Decodes with lengths at and across block edges, then a mixed batch: prefill from scratch, a chunk after a
     # cached prefix, and decodes.
-    for q_lens, kv_lens in [([1] * 6, [1, 15, 16, 17, 128, 129]),
+    for q_lens, kv_lens in [([1] * 6, [1, 15, 16, 17, 128, 129]), ([1], [300]),
                             ([1, 7, 1, 33, 1], [40, 7, 200, 161, 16])]:
         args = make_batch(q_lens, kv_lens, num_kv_heads * gqa, num_kv_heads, head_dim, block_size, dtype)
         scale = head_dim ** -0.5
         ref = reference.paged_attention(*args, scale)
         ours = cpu.paged_attention(*args, scale)
         assert rel_err_per_seq(ours, ref, args[3]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_attention_splits_a_single_stream_by_kv_head(cpu, dtype):
+    """Fewer sequences than threads: one work item per (sequence, kv head) instead of per sequence (a single
+    stream's attention on every core, kernels/cpu/decode_vectors.h DecodeItems); bit for bit the one-thread result,
+    where each sequence is one item."""
+    args = make_batch([1], [300], 8, 4, 64, 16, dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = cpu.ext.paged_decode_attention(args[0], *args[1:3], args[5], args[4], 0.125)
+        torch.set_num_threads(max(2, threads))
+        split = cpu.ext.paged_decode_attention(args[0], *args[1:3], args[5], args[4], 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(split, one_thread)
+    assert rel_err(split, reference.paged_attention(*args, 0.125)) < TOL[dtype]
 
 
 def test_per_sequence_error_sees_an_off_by_one_the_global_max_hides():

@@ -386,13 +386,16 @@ void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int64_t c_stride_block = k_cache.stride(0), c_stride_tok = k_cache.stride(1), c_stride_h = k_cache.stride(2);
   // One work item per sequence, its kv heads in turn (head_prefetch: the first head fetches whole token rows, the
   // others read the sequence's blocks from L2). Per (sequence, head) items each fetched a third of every row from
-  // memory at a 384-byte stride (SmolLM2), and ran at about half the speed.
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  // memory at a 384-byte stride (SmolLM2), and ran at about half the speed: only with fewer sequences than threads
+  // (DecodeItems).
+  const DecodeItems items(batch, num_kv_heads, at::get_num_threads());
+  at::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv_sum;  // per-thread buffers, reused across work items
     std::vector<uint16_t> probs;
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-        const HeadPrefetch fetch = head_prefetch(kvh, num_kv_heads, NB * 32, NB, c_stride_h, c_stride_tok);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = items.sequence(item);
+      for (int64_t kvh = items.first_head(item); kvh < items.end_head(item); ++kvh) {
+        const HeadPrefetch fetch = items.fetch(kvh, NB * 32, NB, c_stride_h, c_stride_tok);
         decode_one<NB>(qp + b * q.stride(0) + kvh * group * q.stride(1), q.stride(1), group,
                        kp + kvh * c_stride_h, vp + kvh * c_stride_h, tables + b * max_blocks, block_size,
                        c_stride_block, c_stride_tok, lens[b], scale,

@@ -84,6 +84,24 @@ inline HeadPrefetch head_prefetch(int64_t kvh, int64_t kv_heads, int64_t head_di
   return {kvh * stride_h, kvh == 0 ? head_lines * kv_heads : 0};
 }
 
+// A decode attention kernel's work items: one per sequence, its kv heads in turn (head_prefetch), or one per
+// (sequence, kv head) when there are fewer sequences than threads, each fetching its own head's part of the rows: a
+// single stream's attention otherwise ran on one core while the others waited.
+struct DecodeItems {
+  int64_t batch, kv_heads;
+  bool per_head;
+  DecodeItems(int64_t batch, int64_t kv_heads, int64_t threads)
+      : batch(batch), kv_heads(kv_heads), per_head(batch < threads && kv_heads > 1) {}
+  int64_t count() const { return per_head ? batch * kv_heads : batch; }
+  int64_t sequence(int64_t item) const { return per_head ? item / kv_heads : item; }
+  int64_t first_head(int64_t item) const { return per_head ? item % kv_heads : 0; }
+  int64_t end_head(int64_t item) const { return per_head ? item % kv_heads + 1 : kv_heads; }
+  HeadPrefetch fetch(int64_t kvh, int64_t head_dim, int64_t head_lines, int64_t stride_h, int64_t stride_tok) const {
+    if (per_head) return {0, head_lines};
+    return head_prefetch(kvh, kv_heads, head_dim, head_lines, stride_h, stride_tok);
+  }
+};
+
 // The next (up to) 16 key rows from `cur` into rows[], prefetching kPrefetch rows ahead through `pre`; past the
 // end, rows[] repeats the first row (the caller masks those scores).
 template <typename T>

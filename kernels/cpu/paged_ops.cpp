@@ -201,11 +201,13 @@ bool paged_decode_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, 
   float* op = out.data_ptr<float>();
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  const DecodeItems items(batch, num_kv_heads, at::get_num_threads());
+  at::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, inv_sum;
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-        const HeadPrefetch fetch = head_prefetch(kvh, num_kv_heads, head_dim, head_dim / 16, sh, st);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = items.sequence(item);
+      for (int64_t kvh = items.first_head(item); kvh < items.end_head(item); ++kvh) {
+        const HeadPrefetch fetch = items.fetch(kvh, head_dim, head_dim / 16, sh, st);
         const float* qb = qp + b * q.stride(0) + kvh * group * q.stride(1);
         float* ob = op + b * out.stride(0) + kvh * group * out.stride(1);
         if (head_dim == 64)
