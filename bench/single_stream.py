@@ -10,8 +10,12 @@ step. The bandwidth is measured in the same run (the sum of a 1 GiB float32 tens
 best of 5, before and after the engines; the higher is used), and each engine's decode rate is given as its share
 of that limit.
 
+This machine's memory rate moves by up to 2x within minutes (the sum measured 40-75 GB/s in one session), so one
+engine can run in a fast spell and the next in a slow one. --rounds N runs vlinfer and llama.cpp N times each,
+alternately (vlinfer kept loaded), and keeps each one's best; vLLM-CPU runs once (its start-up takes a minute).
+
     python bench/single_stream.py
-    python bench/single_stream.py --skip-vllm --repeat 5
+    python bench/single_stream.py --skip-vllm --repeat 5 --rounds 3
 """
 import argparse
 import os
@@ -37,7 +41,8 @@ def runs(args, prompt):
             dict(name="whole", prompts=[prompt], max_tokens=[args.output_len], repeat=args.repeat)]
 
 
-def run_vlinfer(args, prompt):
+def vlinfer_engine(args):
+    """run(args, prompt) -> (runs, note) on one loaded engine, for every round."""
     from vlinfer import LLM, SamplingParams
     # The dense float32 folder llama.cpp's F32 GGUF and vLLM are written from (bench/quantized.py runs the blocks).
     llm = LLM(peers.hf_folder(args.model), dtype="float32", max_model_len=args.max_model_len)
@@ -47,9 +52,16 @@ def run_vlinfer(args, prompt):
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     generate([[1, 2, 3]], [4])  # warm-up
-    result = time_runs(generate, runs(args, prompt), tag="vlinfer: ")
-    del llm
-    return result, ""
+    return lambda args, prompt: (time_runs(generate, runs(args, prompt), tag="vlinfer: "), "")
+
+
+def merge(best: dict | None, got: dict) -> dict:
+    """Every round's seconds per run; the outputs of the first."""
+    if best is None:
+        return got
+    for name, run in got.items():
+        best[name]["seconds"] += run["seconds"]
+    return best
 
 
 def run_peer(name, args, prompt):
@@ -73,6 +85,8 @@ def run_peer(name, args, prompt):
     except peers.PeerError as e:
         print(e, flush=True)
         return None
+    for run, result in r["runs"].items():
+        print(f"{peers.label(name)}: {run}: " + ", ".join(f"{s:.2f}s" for s in result["seconds"]), flush=True)
     note = f"{peers.label(name)} {r['version']}: start-up {r['startup_s']:.1f}s (not timed), warm-up {r['warmup_s']:.1f}s"
     if "system_info" in r:
         note += f"; {r['system_info']}"
@@ -87,6 +101,7 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1, help="vlinfer and llama.cpp alternately, this many times each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-llamacpp", action="store_true")
     p.add_argument("--skip-vllm", action="store_true")
@@ -98,25 +113,32 @@ def main(argv=None):
     step_bytes = 4 * (dims["layer_params"] + dims["head_params"])
     print(f"machine: {machine()}")
     print(f"workload: one request, {args.prompt_len} prompt tokens (seeded ids), {args.output_len} output tokens, "
-          f"greedy, EOS ignored, {args.model} float32, best of {args.repeat}", flush=True)
+          f"greedy, EOS ignored, {args.model} float32, best of {args.repeat} x {args.rounds} round(s)", flush=True)
     bw_before = bandwidth_gbs()
 
-    rows, notes = [], []  # (name, runs)
-    engines = [("vlinfer", run_vlinfer)]
+    results, notes = {}, {}  # per engine: every round's runs merged; its note
+    alternating = [("vlinfer", vlinfer_engine(args))]
     if not args.skip_llamacpp:
-        engines.append(("llama.cpp", lambda a, pr: run_peer("llama.cpp", a, pr)))
+        alternating.append(("llama.cpp", lambda a, pr: run_peer("llama.cpp", a, pr)))
+    engines = [alternating] * args.rounds
     if not args.skip_vllm:
-        engines.append(("vLLM-CPU", lambda a, pr: run_peer("vllm", a, pr)))
-    for name, run in engines:
-        got = run(args, prompt)
-        if got is None:
-            continue
-        rows.append((name, got[0]))
-        if got[1]:
-            notes.append(got[1])
-        print(f"{name} done; {load()}", flush=True)
+        engines.append([("vLLM-CPU", lambda a, pr: run_peer("vllm", a, pr))])
+    bandwidths = [bw_before]
+    for round_engines in engines:
+        for name, run in round_engines:
+            got = run(args, prompt)
+            if got is None:
+                continue
+            results[name] = merge(results.get(name), got[0])
+            if got[1]:
+                notes[name] = got[1]
+            print(f"{name} done; {load()}", flush=True)
+        if args.rounds > 1:
+            bandwidths.append(bandwidth_gbs())
+    rows = list(results.items())
     bw_after = bandwidth_gbs()
-    read, copy = max(bw_before[0], bw_after[0]), max(bw_before[1], bw_after[1])
+    bandwidths.append(bw_after)
+    read, copy = max(b[0] for b in bandwidths), max(b[1] for b in bandwidths)
     limit = read * 1e9 / step_bytes
 
     print(f"\nmachine: {machine()}")
@@ -128,13 +150,14 @@ def main(argv=None):
         decode = (n - 1) / (whole - first)
         print(f"| {name} | {first:.3f} | {whole:.2f} | {n / whole:.1f} | {decode:.1f} | {decode / limit:.0%} |")
     print(f"\nbandwidth limit: {limit:.1f} decode steps/s = {read:.1f} GB/s read (sum of a 1 GiB float32 tensor, "
-          f"{torch.get_num_threads()} threads, best of 5; {bw_before[0]:.1f} before the engines, {bw_after[0]:.1f} "
-          f"after; copy {copy:.1f} GB/s read+write) / {step_bytes / 1e6:.0f} MB of weights per step (float32: "
+          f"{torch.get_num_threads()} threads, best of 5; {bw_before[0]:.1f} before the engines, "
+          f"{', '.join(f'{b[0]:.1f}' for b in bandwidths[1:-1])}{' between rounds, ' if len(bandwidths) > 2 else ''}"
+          f"{bw_after[0]:.1f} after; copy {copy:.1f} GB/s read+write) / {step_bytes / 1e6:.0f} MB of weights per step (float32: "
           f"{dims['layer_params'] / 1e6:.1f}M linear parameters + {dims['head_params'] / 1e6:.1f}M LM head)")
     reference = rows[0][1]["whole"]["outputs"][0]
     for name, r in rows[1:]:
         print(f"greedy {n} tokens vs vlinfer, {name}: {same_tokens(reference, r['whole']['outputs'][0])}")
-    for note in notes:
+    for note in notes.values():
         print(note)
     return 0
 

@@ -109,6 +109,7 @@ class LlamaModel(nn.Module):
             return False
         attn = self.layers[0].self_attn
         qk_eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
+        self.attention_caches = [layer.self_attn.attn for layer in self.layers]
         self.decode_stack = self.ctx.ops.dense_decode_stack(
             weights, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             scale=attn.attn.scale, eps=self.layers[0].input_layernorm.eps, qk_eps=qk_eps)
@@ -119,7 +120,7 @@ class LlamaModel(nn.Module):
         there is one."""
         step = self.ctx.forward_context()
         if self.decode_stack is not None and step.decode_only:
-            caches = [layer.self_attn.attn for layer in self.layers]
+            caches = self.attention_caches  # each layer's cache views, bound by the model runner after fusing
             return self.decode_stack.forward(hidden_states, *rope, [c.k_cache for c in caches],
                                              [c.v_cache for c in caches], step.slot_mapping, step.block_tables,
                                              step.seq_lens)
