@@ -114,8 +114,10 @@ def main(argv=None):
     rows = []
     for dtype in () if args.gguf_only else (torch.bfloat16, torch.float32):
         dt = str(dtype).replace("torch.", "")
+        # b=1: a single stream, its kv heads split over the cores (kernels/cpu/decode_vectors.h DecodeItems)
         for batch, ctx, heads, kv_heads, head_dim in [(32, 1024, 16, 8, 128), (32, 1024, 9, 3, 64),
-                                                      (64, 256, 9, 3, 64), (8, 4096, 16, 2, 128)]:
+                                                      (64, 256, 9, 3, 64), (8, 4096, 16, 2, 128),
+                                                      (1, 4096, 9, 3, 64), (1, 4096, 16, 8, 128)]:
             case = paged_case([1] * batch, [ctx] * batch, heads, kv_heads, head_dim, 16, dtype)
             label = f"paged decode attention b={batch} ctx={ctx} h={heads}/{kv_heads} d={head_dim} {dt}"
             row(label, lambda: reference.paged_attention(*case), "paged_attention", *case)
