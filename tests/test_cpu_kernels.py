@@ -490,12 +490,14 @@ def _expected_layout(ops, n: int, k: int, dtype) -> str:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [(64, 64, 1), (96, 48, 3), (960, 576, 5), (576, 1536, 17), (3072, 576, 130),
-                                   (64, 2, 2), (64, 4096, 9)], ids=lambda s: f"{s[0]}x{s[1]}-rows{s[2]}")
+@pytest.mark.parametrize("shape", [(64, 64, 1), (96, 48, 3), (96, 48, 70), (960, 576, 5), (576, 1536, 17),
+                                   (3072, 576, 130), (64, 2, 2), (64, 4096, 9)],
+                         ids=lambda s: f"{s[0]}x{s[1]}-rows{s[2]}")
 def test_panel_linear_equals_f_linear(cpu, shape, dtype):
     """Dense panels (kernels/cpu/panel_linear.cpp) at every level: the product within one rounding of the float32
-    F.linear, with and without bias, at 1..130 rows (the 4-row tiles, the 8-row tiles, row blocks over the cores);
-    a level without them refuses by name."""
+    F.linear, with and without bias, at 1..130 rows (pairs of panels in 4-row tiles; past 4 rows one panel per
+    work item, an odd count of them included, in 8-row tiles; row blocks over the cores); a level without them
+    refuses by name."""
     n, k, rows = shape
     g = torch.Generator().manual_seed(n + k)
     w, x, b = (torch.randn(n, k, generator=g) * 0.1).to(dtype), torch.randn(rows, k, generator=g).to(dtype), \
