@@ -29,10 +29,10 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& panels, const floa
   const T* xp = x.data_ptr<T>();
   const T* wp = panels.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  // Work items: (block of kRowBlock rows, two adjacent panels): 64 outputs, two contiguous streams whose every
-  // weight load feeds up to 4 rows. Past 4 rows the tiles take one panel at a time anyway (panel_rows), so items
-  // hold one panel: the cores then share the step evenly where a projection has few panels (SmolLM2's 576 outputs
-  // are 9 pairs, 5 + 4 on two cores: 64 rows ran at 68% of the 2-core rate, against 96% for 3072 outputs).
+  // Work items: (block of kRowBlock rows, `group` adjacent panels). Up to 4 rows, two panels: 64 outputs, two
+  // contiguous streams, every loaded x value feeding both. Past 4 rows the tiles take one panel at a time anyway
+  // (panel_rows), so items hold one panel: the cores then share a projection with few panels evenly (SmolLM2's 576
+  // outputs are 9 pairs, 5 + 4 on two cores: 64 rows ran at 68% of the 2-core rate, against 96% for 3072 outputs).
   const int64_t group = rows <= 4 ? 2 : 1;
   const int64_t groups = (n_panels + group - 1) / group, blocks = (rows + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, groups * blocks, 1, [&](int64_t begin, int64_t end) {
