@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU machines have these wheels on local disk; elsewhere pip fetches them.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install run test test-full bench clean
+.PHONY: install browser run test test-full bench clean
 
 install: $(VENV)/.installed
 
@@ -21,12 +21,23 @@ $(VENV)/.installed: pyproject.toml
 run: install
 	$(BIN)/python examples/quickstart.py
 
+# tests/test_demo.py screenshots the demo with Debian's headless Chromium (and its fonts): installed with apt-get
+# where missing; a machine that cannot install it stops here, saying so, rather than failing one test later.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		command -v apt-get >/dev/null 2>&1 || { echo "make browser: no chromium and no apt-get; install Chromium" \
+			"and fonts-dejavu-core (the demo screenshot test needs them)" >&2; exit 1; }; \
+		echo "make browser: installing chromium and fonts-dejavu-core with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			chromium fonts-dejavu-core >/dev/null || { echo "make browser: apt-get could not install chromium" \
+			"(root and the Debian archive needed); the demo screenshot test needs it" >&2; exit 1; }; }
+
 # The default run leaves out the tests marked slow (a Ray cluster, the real model end to end, long load tests);
 # test-full runs everything, and is what CI (.ci/run) runs.
-test: install
+test: install browser
 	$(BIN)/python -m pytest -q -m "not slow" --durations=30
 
-test-full: install
+test-full: install browser
 	$(BIN)/python -m pytest -q --durations=30
 
 bench: install

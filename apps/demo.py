@@ -10,7 +10,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from vlinfer.app_options import FLAGS, add_engine_args, engine_options, flags_in_logs, name_flags
+from vlinfer.cli.options import FLAGS, add_engine_args, engine_options, flags_in_logs, name_flags, set_threads
 from vlinfer.config import ANSWER_MAX_TOKENS, CHAT_TEMPERATURE, CHAT_TOP_P
 from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.multimodal.video_io import VIDEO_EXTENSIONS
@@ -264,6 +264,7 @@ def main(argv=None) -> int:
     from vlinfer.pipeline import Pipeline
     with flags_in_logs(DEMO_FLAGS):
         try:
+            set_threads(args)
             pipe = Pipeline(args.model, **demo_engine_options(args))
         except (ValueError, FileNotFoundError) as e:  # a mistyped --device, a KV budget too small, no model
             print(f"error: {name_flags(str(e), DEMO_FLAGS)}", file=sys.stderr)

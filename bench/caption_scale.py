@@ -7,7 +7,6 @@ across machines can be estimated: one engine per device, each adding its images/
 Prints one table. On a 2-core machine, 2 replicas share the same cores (each gets one), so the number to read is
 the per-block overhead and how close 2 replicas come to one process; on a cluster each replica has its own device.
 """
-import argparse
 import os
 import sys
 import tempfile
@@ -17,7 +16,8 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from machine import machine  # noqa: E402
+import common  # noqa: E402
+from common import machine, table  # noqa: E402
 
 
 def make_images(folder: str, n: int) -> list[str]:
@@ -36,16 +36,16 @@ class Identity:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.parser(__doc__)
     p.add_argument("--images", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--model", default="qwen3-vl-tiny")
+    common.add_model_arg(p, "qwen3-vl-tiny")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-pixels", type=int, default=128 * 96)
     args = p.parse_args()
     import ray
     from vlinfer import LLM, SamplingParams
-    from vlinfer.caption import caption_files
+    from vlinfer.captioning import caption_files
     from vlinfer.integrations.ray_caption import caption_on_ray
     engine = dict(max_model_len=512, kv_cache_bytes=64 * 2 ** 20)
     sampling = dict(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -89,10 +89,9 @@ def main() -> None:
         ray.shutdown()
     base = rows[0][1]
     print(f"\ncaptioning {args.images} images ({args.model}, {args.max_tokens} tokens each, batch "
-          f"{args.batch_size}) on {machine()}\n")
-    print(f"| run | images/s | tokens | vs single process |\n|---|---:|---:|---:|")
-    for name, rate, tokens in rows:
-        print(f"| {name} | {rate:.2f} | {tokens} | {rate / base:.2f}x |")
+          f"{args.batch_size}) on {machine()}")
+    table(["run", "images/s", "tokens", "vs single process"],
+          [(name, f"{rate:.2f}", tokens, f"{rate / base:.2f}x") for name, rate, tokens in rows], right=True)
     print(f"\nRay Data per-block overhead (identity stage, 2 actors, blocks of {args.batch_size} rows, actor "
           f"start-up excluded: {b1} vs {b2} blocks): {per_block * 1e3:.1f} ms per block")
 

@@ -16,7 +16,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from machine import machine  # noqa: E402
+import common  # noqa: E402
+from common import machine, table  # noqa: E402
 
 
 def register_kernels_as_custom_ops(runner, variant: str) -> None:
@@ -140,14 +141,14 @@ def measure(args) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p = common.parser(__doc__)
+    common.add_model_arg(p)
+    common.add_dtype_arg(p, choices=common.DTYPES[:2])
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--min-context", type=int, default=100)
     p.add_argument("--max-context", type=int, default=300)
     p.add_argument("--steps", type=int, default=3, help="timed steps after the first call and one warm-up")
-    p.add_argument("--seed", type=int, default=0)
+    common.add_seed_arg(p)
     p.add_argument("--mode", choices=["eager", "compile"], help=argparse.SUPPRESS)  # one mode, in a child
     p.add_argument("--variant", choices=["views", "pool"], default="pool", help=argparse.SUPPRESS)
     p.add_argument("--freezing", action="store_true", help=argparse.SUPPRESS)
@@ -187,14 +188,15 @@ def main(argv=None):
         rows.append((name, first, step, checksum, int(graphs), ""))
         print(f"  {name}: first call {first:.1f}s, step {step:.1f} ms", flush=True)
     eager_step = rows[0][2]
-    print("\n| decode step | first call (s) | steady step (ms) | vs eager | graphs compiled | mean abs hidden |\n"
-          "|---|---|---|---|---|---|")
+    cells = []
     for name, first, step, checksum, graphs, error in rows:
         if step is None:
-            print(f"| {name} | failed: {error} | | | | |")
+            cells.append((name, f"failed: {error}", "", "", "", ""))
         else:
             ratio = f"{eager_step / step:.2f}x" if eager_step else "-"
-            print(f"| {name} | {first:.1f} | {step:.1f} | {ratio} | {graphs or '-'} | {checksum:.5f} |")
+            cells.append((name, f"{first:.1f}", f"{step:.1f}", ratio, graphs or "-", f"{checksum:.5f}"))
+    table(["decode step", "first call (s)", "steady step (ms)", "vs eager", "graphs compiled", "mean abs hidden"],
+          cells)
     return 0
 
 

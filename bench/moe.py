@@ -4,7 +4,7 @@ side in one run on the same random-weight Qwen3-MoE checkpoint and the same toke
 The checkpoint has Qwen3-30B-A3B's layer shapes (hub config.json: hidden 2048, 32 query / 4 KV heads of 128, 128
 experts, top-8, moe_intermediate 768, norm_topk_prob, every layer MoE, vocab 151936, rope theta 1e6) at reduced
 depth (4 layers by default), random weights (transformers' init), built once and cached. bf16 where the CPU has
-native bf16 (AVX512-BF16 or AMX), float32 otherwise (platform.cpu_has_native).
+native bf16 (AVX512-BF16 or AMX), float32 otherwise (cpu_features.cpu_has_native).
 
 Two workloads, each on both engines:
 - offline batch: seeded random prompt token ids and output lengths, greedy, EOS ignored (transformers: left-padded
@@ -27,19 +27,17 @@ token.
     python bench/moe.py                                        # 30B-A3B shapes, 4 layers, both engines
     python bench/moe.py --shape tiny --num-requests 4 --min-output 4 --max-output 8 --decode-tokens 4  # quick check
 """
-import argparse
 import gc
 import os
 import random
-import shutil
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `vlinfer bench` loads this file by its path
-import text_workload  # noqa: E402
-from machine import bandwidth_gbs, load, machine, matmul_peak_gflops  # noqa: E402
+import common  # noqa: E402
+from common import bandwidth_gbs, machine, matmul_peak_gflops, progress, table  # noqa: E402
 
 
 def qwen3_moe_config(shape: str, layers: int):
@@ -59,33 +57,11 @@ def qwen3_moe_config(shape: str, layers: int):
 
 
 def ensure_checkpoint(folder: str, shape: str, layers: int, dtype: torch.dtype, seed: int) -> str:
-    """Build the random checkpoint once (safetensors in the per-expert hub layout that save_pretrained writes, the
-    Qwen tokenizer) into a temporary folder renamed when complete; reuse it afterwards."""
+    """The random checkpoint (safetensors in the per-expert hub layout that save_pretrained writes), built once."""
     config = qwen3_moe_config(shape, layers)
     name = f"qwen3-moe-{shape}-{config.num_hidden_layers}l-{str(dtype).split('.')[-1]}"
-    folder = os.path.join(os.path.abspath(os.path.expanduser(folder)), name)
-    if os.path.exists(os.path.join(folder, ".complete")):
-        return folder
-    from transformers import Qwen3MoeForCausalLM
-    from vlinfer.tiny_checkpoints import qwen_tokenizer_files
-    print(f"building the random {name} checkpoint in {folder} (once) ...", flush=True)
-    start = time.perf_counter()
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM._from_config(config, dtype=dtype).eval()
-    partial = folder + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
-    model.save_pretrained(partial, safe_serialization=True)
-    del model
-    gc.collect()
-    tokenizer_dir = qwen_tokenizer_files()
-    for file in os.listdir(tokenizer_dir):
-        shutil.copy(os.path.join(tokenizer_dir, file), partial)
-    open(os.path.join(partial, ".complete"), "w").close()
-    shutil.rmtree(folder, ignore_errors=True)
-    os.rename(partial, folder)
-    print(f"built in {time.perf_counter() - start:.0f}s", flush=True)
-    return folder
+    return common.random_checkpoint(os.path.join(folder, name), name, "Qwen3MoeForCausalLM", lambda: config, dtype,
+                                    seed)
 
 
 def dims(config) -> dict:
@@ -130,7 +106,7 @@ def batch_decode_bytes(d: dict, config, out_lens, element: int) -> float:
 
 def single_prompt(args):
     rng = random.Random(args.seed + 1)
-    return [rng.randrange(100, 40000) for _ in range(args.decode_prompt)]
+    return common.token_ids(rng, args.decode_prompt)
 
 
 class Vlinfer:
@@ -139,13 +115,8 @@ class Vlinfer:
     def __init__(self, path, dtype, max_len):
         from vlinfer import LLM
         self.llm = LLM(path, dtype=dtype, max_model_len=max_len)
+        self.generate = common.greedy(self.llm)
         self.generate([[1, 2, 3]], [4])  # warm-up
-
-    def generate(self, prompts, out_lens):
-        from vlinfer import SamplingParams
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
 
 
 class Transformers:
@@ -158,17 +129,7 @@ class Transformers:
         self.generate([[1, 2, 3]], [4])
 
     def generate(self, prompts, out_lens):
-        outputs = []
-        for i in range(0, len(prompts), self.batch_size):
-            batch, lens = prompts[i:i + self.batch_size], out_lens[i:i + self.batch_size]
-            width = max(map(len, batch))
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-            with torch.inference_mode():
-                out = self.model.generate(ids, attention_mask=mask, max_new_tokens=max(lens),
-                                          min_new_tokens=max(lens), do_sample=False, pad_token_id=0)
-            outputs.extend(row[width:width + n] for row, n in zip(out.tolist(), lens))
-        return outputs
+        return common.left_padded_generate(self.model, prompts, out_lens, self.batch_size)
 
     def implementation(self) -> str:
         return getattr(self.model.config, "_experts_implementation", None) or "default"
@@ -188,29 +149,28 @@ def measure(engine, prompts, out_lens, stream_prompt, decode_tokens):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.parser(__doc__)
     p.add_argument("--shape", default="30b-a3b", choices=["30b-a3b", "tiny"])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto: bf16 where the CPU has native bf16, float32 otherwise")
-    text_workload.add_args(p, num_requests=32, max_output=128)
+    common.add_text_workload_args(p, num_requests=32, max_output=128)
     p.add_argument("--decode-prompt", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--hf-batch-size", type=int, default=32)
+    common.add_transformers_args(p, batch_size=32)
     p.add_argument("--folder", default="~/.cache/vlinfer/bench")
-    p.add_argument("--skip-transformers", action="store_true")
     args = p.parse_args(argv)
     if args.decode_tokens < 2:
         p.error("--decode-tokens must be at least 2 (the first token is the prefill's)")
-    from vlinfer import platform
+    from vlinfer.platform import cpu_features
     if args.dtype == "auto":
-        dtype = torch.bfloat16 if platform.cpu_has_native(torch.bfloat16) else torch.float32
+        dtype = torch.bfloat16 if cpu_features.cpu_has_native(torch.bfloat16) else torch.float32
     else:
         dtype = getattr(torch, args.dtype)
     path = ensure_checkpoint(args.folder, args.shape, args.layers, dtype, args.seed)
     config = qwen3_moe_config(args.shape, args.layers)
     d = dims(config)
-    prompts, out_lens = text_workload.make(args)
+    prompts, out_lens = common.text_workload(args)
     stream_prompt = single_prompt(args)
     flops = model_flops(d, list(map(len, prompts)), out_lens)
     dtype_name = str(dtype).split(".")[-1]
@@ -228,14 +188,14 @@ def main(argv=None):
     rows = []
     engine = Vlinfer(path, dtype, max_len)
     rows.append((engine.name, measure(engine, prompts, out_lens, stream_prompt, args.decode_tokens)))
-    print(f"vlinfer done; {load()}", flush=True)
+    progress("vlinfer done")
     del engine
     gc.collect()
     if not args.skip_transformers:
         engine = Transformers(path, dtype, args.hf_batch_size)
         name = f"transformers generate (batch {args.hf_batch_size}, experts: {engine.implementation()})"
         rows.append((name, measure(engine, prompts, out_lens, stream_prompt, args.decode_tokens)))
-        print(f"transformers done; {load()}", flush=True)
+        progress("transformers done")
         del engine
         gc.collect()
     peak = max(peak_before, matmul_peak_gflops(dtype, "cpu"))
@@ -244,12 +204,11 @@ def main(argv=None):
     step_bytes = decode_step_bytes(d, element)
 
     print(f"\nmachine: {machine()}")
-    print(f"\n| engine | batch output tok/s | batch MFU ({dtype_name}) | single-stream ms/token | single-stream tok/s "
-          f"| share of memory bandwidth |\n|---|---|---|---|---|---|")
-    for name, r in rows:
-        print(f"| {name} | {sum(out_lens) / r['batch_s']:.1f} | {flops / r['batch_s'] / peak / 1e9:.1%} | "
-              f"{r['per_token_s'] * 1e3:.1f} | {1 / r['per_token_s']:.1f} | "
-              f"{step_bytes / r['per_token_s'] / bandwidth / 1e9:.1%} |")
+    table(["engine", "batch output tok/s", f"batch MFU ({dtype_name})", "single-stream ms/token", "single-stream tok/s",
+           "share of memory bandwidth"],
+          [(name, f"{sum(out_lens) / r['batch_s']:.1f}", f"{flops / r['batch_s'] / peak / 1e9:.1%}",
+            f"{r['per_token_s'] * 1e3:.1f}", f"{1 / r['per_token_s']:.1f}",
+            f"{step_bytes / r['per_token_s'] / bandwidth / 1e9:.1%}") for name, r in rows])
     print(f"\nMFU: model FLOPs / time / this machine's {dtype_name} matmul peak {peak:.0f} GFLOP/s (oneDNN 2048x2048x8192 "
           f"prepacked, best of 5, before and after the engines). Bandwidth: {step_bytes / 1e9:.3f} GB of weights per "
           f"decode step (non-expert weights, LM head, {d['top_k']} experts per layer) / time per token / "

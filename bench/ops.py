@@ -1,19 +1,21 @@
 """Per-op timings: the pure-torch reference vs the device implementation, in one run. On CPU, one column per
-kernel level this CPU runs (generic, AVX2, AVX-512, AVX512-BF16: platform.cpu_isa), each its own build.
+kernel level this CPU runs (generic, AVX2, AVX-512, AVX512-BF16: cpu_features.cpu_isa), each its own build.
 
     python bench/ops.py     # CPU: paged decode attention, prefill+decode mix, cache write, rotary, norms, SiLU-and-
                             # multiply, GELU, vision attention, linear (prepacked weights), GGUF Q4_1 / Q8_0 linears
     python bench/ops.py --levels avx512bf16   # one level only
     python bench/ops.py --gguf-only           # the GGUF linears alone
 """
-import argparse
 import itertools
+import os
 import sys
 import time
 
 import torch
 
-from vlinfer import platform
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from vlinfer.platform import cpu_features
 from vlinfer.layers import ModelContext
 from vlinfer.ops import reference
 from vlinfer.ops.dispatch import select
@@ -84,7 +86,7 @@ def gguf_rows(repeat, impls):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.parser(__doc__)
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--levels", nargs="*", help="CPU kernel levels to time (default: every level this CPU runs)")
@@ -92,8 +94,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.device == "cpu":
         from vlinfer.ops.cpu import CpuOps
-        best = platform.cpu_isa()
-        levels = args.levels or platform.CPU_ISAS[:platform.CPU_ISAS.index(best) + 1]
+        best = cpu_features.cpu_isa()
+        levels = args.levels or cpu_features.CPU_ISAS[:cpu_features.CPU_ISAS.index(best) + 1]
         impls = [CpuOps(isa=level, bf16_prefill_kernels=True) for level in levels]
         if not CpuOps(isa=best).bf16_prefill_kernels and impls[-1].bf16_attention:
             # AMX: the engine takes SDPA for bf16 prefill and vision attention; time its choice beside our kernels.
@@ -101,9 +103,8 @@ def main(argv=None):
     else:
         impls = [select(args.device)]
     names = [impl.describe() for impl in impls]
-    flags = platform.cpu_flags()
-    print(f"implementations: {', '.join(names)}; torch threads {torch.get_num_threads()}; CPU flags: "
-          f"{' '.join(sorted(f for f in flags if f.startswith(('avx', 'amx', 'fma'))))}")
+    print(f"machine: {common.machine()}")
+    print(f"implementations: {', '.join(names)}")
 
     def row(label, ref_fn, op, *op_args, fresh=None):
         """Times the reference, then op on every implementation (fresh(): a new first argument for in-place ops)."""
@@ -114,7 +115,7 @@ def main(argv=None):
     rows = []
     for dtype in () if args.gguf_only else (torch.bfloat16, torch.float32):
         dt = str(dtype).replace("torch.", "")
-        # b=1: a single stream, its kv heads split over the cores (kernels/cpu/decode_vectors.h DecodeItems)
+        # b=1: a single stream, its kv heads split over the cores (vlinfer/ops/kernels/cpu/decode_vectors.h DecodeItems)
         for batch, ctx, heads, kv_heads, head_dim in [(32, 1024, 16, 8, 128), (32, 1024, 9, 3, 64),
                                                       (64, 256, 9, 3, 64), (8, 4096, 16, 2, 128),
                                                       (1, 4096, 9, 3, 64), (1, 4096, 16, 8, 128)]:
@@ -161,10 +162,9 @@ def main(argv=None):
                     0.125)
         rows.extend(linear_rows(dtype, args.repeat, impls))
     rows.extend(gguf_rows(args.repeat, impls))
-    header = " | ".join(f"{name} (ms)" for name in names)
-    print(f"\n| op and shape | reference (ms) | {header} | best speedup |\n|---|---|{'---|' * len(names)}---|")
-    for label, ref_ms, *dev_ms in rows:
-        print(f"| {label} | {ref_ms:.2f} | {' | '.join(f'{t:.2f}' for t in dev_ms)} | {ref_ms / min(dev_ms):.1f}x |")
+    common.table(["op and shape", "reference (ms)"] + [f"{name} (ms)" for name in names] + ["best speedup"],
+                 [(label, f"{ref_ms:.2f}", *(f"{t:.2f}" for t in dev_ms), f"{ref_ms / min(dev_ms):.1f}x")
+                  for label, ref_ms, *dev_ms in rows])
     return 0
 
 

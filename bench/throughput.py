@@ -23,7 +23,6 @@ times are printed, and llguidance's one-time tokenizer build), so the two timed 
 EOS stays ignored, so both runs generate the same number of tokens; once a request's JSON is complete its grammar
 allows only EOS, so the share of tokens generated inside an open grammar is printed too.
 """
-import argparse
 import os
 import sys
 import time
@@ -31,21 +30,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `vlinfer bench` loads this file by its path
+import common  # noqa: E402
 import peers  # noqa: E402
-import text_workload  # noqa: E402
-from machine import load, machine, matmul_peak_gflops  # noqa: E402
+from common import machine, matmul_peak_gflops, model_dims, progress, table  # noqa: E402
 
-def model_dims(model: str) -> dict:
-    from vlinfer import model_loader
-    c = model_loader.load_config(model_loader.resolve_model(model)).get_text_config()
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    d = dict(layers=c.num_hidden_layers, hidden=c.hidden_size, q_dim=c.num_attention_heads * head_dim,
-             kv_dim=c.num_key_value_heads * head_dim, intermediate=c.intermediate_size, vocab=c.vocab_size,
-             tied=bool(getattr(c, "tie_word_embeddings", False)))
-    h = d["hidden"]
-    d["layer_params"] = d["layers"] * (h * (2 * d["q_dim"] + 2 * d["kv_dim"]) + 3 * h * d["intermediate"])
-    d["head_params"] = h * d["vocab"]
-    return d
 
 
 def model_flops(dims: dict, prompt_lens, out_lens) -> float:
@@ -67,11 +55,9 @@ def run_vlinfer(args, prompts, out_lens):
     llm = LLM(peers.hf_folder(args.model), dtype=args.dtype, max_model_len=args.max_input + args.max_output + 8,
               enforce_eager=args.enforce_eager)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = common.greedy(llm)(prompts, out_lens)
     elapsed = time.perf_counter() - start
-    outputs = [list(o.outputs[0].token_ids) for o in outs]
     assert sum(map(len, outputs)) == sum(out_lens), (sum(map(len, outputs)), sum(out_lens))
     del llm
     return elapsed, outputs
@@ -128,7 +114,7 @@ def run_vlinfer_structured(args, prompts, out_lens):
             elapsed = time.perf_counter() - start
             seconds[name] = min(seconds.get(name, elapsed), elapsed)
             assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(out_lens)
-            print(f"vlinfer {name} done: {sum(out_lens) / elapsed:.1f} tok/s; {load()}", flush=True)
+            progress(f"vlinfer {name} done: {sum(out_lens) / elapsed:.1f} tok/s")
     inside = valid = 0
     for i, out in enumerate(outs):  # replay each output: tokens sampled while its grammar was still open
         matcher = grammars.new_matcher(schemas[i % len(schemas)])
@@ -155,9 +141,9 @@ def structured_main(args, prompts, out_lens) -> int:
     tokens = sum(out_lens)
     print(f"\nmachine: {machine()}")
     print(f"\nbest of {args.structured_repeat} alternating runs each")
-    print("\n| vlinfer run | output tokens | time (s) | output tok/s |\n|---|---|---|---|")
-    print(f"| unconstrained | {tokens} | {plain:.1f} | {tokens / plain:.1f} |")
-    print(f"| every request under a JSON schema | {tokens} | {constrained:.1f} | {tokens / constrained:.1f} |")
+    table(["vlinfer run", "output tokens", "time (s)", "output tok/s"],
+          [(name, tokens, f"{s:.1f}", f"{tokens / s:.1f}")
+           for name, s in [("unconstrained", plain), ("every request under a JSON schema", constrained)]])
     print(f"\nstructured outputs overhead: {1 - plain / constrained:.1%} of throughput "
           f"({tokens / plain:.1f} -> {tokens / constrained:.1f} tok/s; target <= 10%)")
     for line in lines:
@@ -167,41 +153,23 @@ def structured_main(args, prompts, out_lens) -> int:
 
 def run_transformers(args, prompts, out_lens):
     model = peers.dense_model(args.model, args.dtype).eval()
-    pad = 0
-    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, pad_token_id=pad)  # warm-up
-    outputs = []
+    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
     start = time.perf_counter()
-    for i in range(0, len(prompts), args.hf_batch_size):
-        batch, lens = prompts[i:i + args.hf_batch_size], out_lens[i:i + args.hf_batch_size]
-        width = max(map(len, batch))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
-                                 do_sample=False, pad_token_id=pad)
-        outputs.extend(row[width:width + n] for row, n in zip(out.tolist(), lens))
+    outputs = common.left_padded_generate(model, prompts, out_lens, args.hf_batch_size)
     elapsed = time.perf_counter() - start
     return elapsed, outputs
 
 
 def run_vllm(args, prompts, out_lens):
     """(seconds, outputs, note) from the vLLM-CPU peer, or None after printing why it did not run."""
-    if peers.python("vllm") is None:
-        print(peers.not_installed("vllm"), flush=True)
-        return None
-    if not peers.is_text_model(args.model):
-        print(f"vLLM-CPU: skipped ({args.model} is not a text-only model; the peer runs text models)", flush=True)
+    if not peers.usable("vllm", args.model):
         return None
     request = dict(model=peers.hf_folder(args.model), dtype=args.dtype,
                    max_model_len=args.max_input + args.max_output + 8, max_num_seqs=256,
                    kv_cache_gb=args.vllm_kv_cache_gb, cpus=peers.cpus(torch.get_num_threads()),
                    runs=[dict(name="batch", prompts=prompts, max_tokens=out_lens, repeat=1)])
-    print(f"vLLM-CPU: starting (its start-up compiles for a few minutes; log {peers.cache_dir()}/peer-vllm.log)",
-          flush=True)
-    try:
-        r = peers.run("vllm", request)
-    except peers.PeerError as e:
-        print(e, flush=True)
+    r = peers.try_run("vllm", request)
+    if r is None:
         return None
     note = (f"vLLM-CPU {r['version']}: start-up {r['startup_s']:.1f}s (LLM(): model load, torch.compile, KV cache; "
             f"not timed), import {r['import_s']:.1f}s, warm-up {r['warmup_s']:.1f}s, whole subprocess "
@@ -216,21 +184,20 @@ def agreement(reference, outputs) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    text_workload.add_args(p, num_requests=64, max_output=256)
-    p.add_argument("--hf-batch-size", type=int, default=64)
+    p = common.parser(__doc__)
+    common.add_model_arg(p)
+    common.add_dtype_arg(p)
+    common.add_text_workload_args(p, num_requests=64, max_output=256)
+    common.add_transformers_args(p, batch_size=64)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument("--skip-vllm", action="store_true")
+    common.add_skip_args(p, "vllm")
     p.add_argument("--vllm-kv-cache-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for the vLLM-CPU peer")
     p.add_argument("--structured-repeat", type=int, default=2,
                    help="--structured: alternate the two runs this many times, best of each")
     p.add_argument("--structured", action="store_true",
                    help="vlinfer alone: the workload unconstrained and under JSON schemas (structured outputs)")
     args = p.parse_args(argv)
-    prompts, out_lens = text_workload.make(args)
+    prompts, out_lens = common.text_workload(args)
     dims = model_dims(args.model)
     flops = model_flops(dims, list(map(len, prompts)), out_lens)
     print(f"machine: {machine()}")
@@ -245,25 +212,24 @@ def main(argv=None):
     rows, notes = [], []  # rows: (name, seconds, outputs)
     seconds, outputs = run_vlinfer(args, prompts, out_lens)
     rows.append(("vlinfer", seconds, outputs))
-    print(f"vlinfer done: {sum(out_lens) / seconds:.1f} tok/s; {load()}", flush=True)
+    progress(f"vlinfer done: {sum(out_lens) / seconds:.1f} tok/s")
     if not args.skip_transformers:
         seconds, outputs = run_transformers(args, prompts, out_lens)
         rows.append((f"transformers generate (batch {args.hf_batch_size})", seconds, outputs))
-        print(f"transformers done: {sum(out_lens) / seconds:.1f} tok/s; {load()}", flush=True)
+        progress(f"transformers done: {sum(out_lens) / seconds:.1f} tok/s")
     if not args.skip_vllm:
         got = run_vllm(args, prompts, out_lens)
         if got is not None:
             rows.append(("vLLM-CPU", got[0], got[1]))
             notes.append(got[2])
-            print(f"vLLM-CPU done: {sum(out_lens) / got[0]:.1f} tok/s; {load()}", flush=True)
+            progress(f"vLLM-CPU done: {sum(out_lens) / got[0]:.1f} tok/s")
     peak_after = matmul_peak_gflops(dtype, "cpu")
     peak = max(peak_before, peak_after)
 
     print(f"\nmachine: {machine()}")
-    print(f"\n| engine | output tokens | time (s) | output tok/s | MFU ({args.dtype}) |\n|---|---|---|---|---|")
-    for name, seconds, _ in rows:
-        print(f"| {name} | {sum(out_lens)} | {seconds:.1f} | {sum(out_lens) / seconds:.1f} | "
-              f"{flops / seconds / peak / 1e9:.1%} |")
+    table(["engine", "output tokens", "time (s)", "output tok/s", f"MFU ({args.dtype})"],
+          [(name, sum(out_lens), f"{seconds:.1f}", f"{sum(out_lens) / seconds:.1f}",
+            f"{flops / seconds / peak / 1e9:.1%}") for name, seconds, _ in rows])
     print(f"\nMFU: {flops / 1e12:.2f} TFLOP of model FLOPs (2 x {dims['layer_params'] / 1e6:.1f}M non-embedding "
           f"linear parameters per prompt and fed-back output token, 2 x {dims['head_params'] / 1e6:.1f}M LM head per "
           f"output token, causal attention) / time / this machine's {args.dtype} matmul peak {peak:.0f} GFLOP/s "

@@ -14,7 +14,6 @@ video_preprocessor_config.json (the clip-wide pixel budget 4096..25165824), so t
 Timed on each side: decode + frame sampling, the rest of preprocessing, the vision tower, and the language model (the
 rest of the run).
 """
-import functools
 import gc
 import json
 import os
@@ -23,10 +22,10 @@ import tempfile
 import time
 
 import numpy as np
-import torch
 
-import vlm_throughput as base
-from machine import load, machine, synchronize
+import vlm_common
+from common import machine, progress, table
+from vlm_common import parse_size
 
 VIDEO_PROMPT = ("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>{question}<|im_end|>\n"
                 "<|im_start|>assistant\n")
@@ -85,7 +84,7 @@ def write_clip(frames: np.ndarray, fps: int, path: str) -> None:
 def make_workload(args, folder: str) -> list[tuple[str, str, float]]:
     """(prompt, clip path, seconds) per request; the files are written once per run, before any timing."""
     rng = random.Random(args.seed)
-    width, height = base.parse_size(args.video_size)
+    width, height = parse_size(args.video_size)
     requests = []
     for i in range(args.num_requests):
         seconds = rng.uniform(args.min_seconds, args.max_seconds)
@@ -100,93 +99,56 @@ def clip_tokens(path: str, args, seconds: float) -> int:
     """Prompt tokens a clip takes (an upper bound: 8 text tokens per group for its timestamp and vision_start/end)."""
     from vlinfer.multimodal.video_processor import Qwen3VLVideoProcessor, VideoOptions
     proc = Qwen3VLVideoProcessor.from_pretrained(path)
-    width, height = base.parse_size(args.video_size)
+    width, height = parse_size(args.video_size)
     total = round(seconds * args.source_fps)
     n = len(proc.sample_indices(total, args.source_fps, VideoOptions(fps=args.fps)))
     h, w = proc.resized_size(n, height, width, VideoOptions())
     return -(-n // 2) * (h // 32 * w // 32 + 8)
 
 
-class Timer:
-    """Wraps callables so their time adds up under one name (accelerator work waited for)."""
-
-    def __init__(self, device: str):
-        self.device, self.seconds = device, {}
-
-    def wrap(self, name: str, fn):
-        self.seconds.setdefault(name, 0.0)
-
-        @functools.wraps(fn)  # keeps the signature: transformers' generate reads get_video_features' parameters
-        def timed(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                synchronize(self.device)
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
-        return timed
-
-
 def run_vlinfer(args, path, requests, max_model_len, tokens):
     from vlinfer import LLM, SamplingParams
     from vlinfer.multimodal import video_prompt
-    cfg = json.load(open(os.path.join(path, "config.json")))["text_config"]
-    element = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * element
-    blocks = sum(-(-(n + 64 + args.max_tokens) // 16) for n in tokens)
-    blocks = max(blocks, -(-max_model_len // 16)) + 8  # every request at full length at once: no preemption
-    llm = LLM(path, dtype=args.dtype, max_model_len=max_model_len, kv_cache_bytes=blocks * 16 * per_token,
-              device=args.device)
+    llm = LLM(path, dtype=args.dtype, max_model_len=max_model_len, device=args.device,
+              kv_cache_bytes=vlm_common.kv_cache_bytes(path, args.dtype, tokens, args.max_tokens, max_model_len))
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate([{"prompt": requests[0][0], "multi_modal_data": {"video": [requests[0][1]]}}],  # warm-up
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    timer = Timer(args.device)
+    timer = vlm_common.Timer(args.device)
     load_video, model = video_prompt.load_video, engine.model_runner.model
     video_prompt.load_video = timer.wrap("decode", load_video)  # this run only: put back below
     engine.make_sequences = timer.wrap("preprocess", engine.make_sequences)
     model.encode_images = timer.wrap("vision", model.encode_images)
     mm_kwargs = {"fps": args.fps}
-    final = {}
     try:
-        start = time.perf_counter()
-        ids = [engine.add_request({"prompt": text, "multi_modal_data": {"video": [clip]},
-                                   "mm_processor_kwargs": mm_kwargs}, params) for text, clip, _ in requests]
-        steps = 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-            steps += 1
-        elapsed = time.perf_counter() - start
+        outs, _, steps, elapsed = vlm_common.stream(engine, [{"prompt": text, "multi_modal_data": {"video": [clip]},
+                                                              "mm_processor_kwargs": mm_kwargs}
+                                                             for text, clip, _ in requests], params)
     finally:
         video_prompt.load_video = load_video
         del engine.make_sequences, model.encode_images
-    outs = [final[i] for i in ids]
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    if produced != args.max_tokens * len(requests):
-        raise RuntimeError(f"vlinfer produced {produced} tokens, expected {args.max_tokens * len(requests)}")
     stats = dict(tokens=produced, seconds=elapsed, steps=steps, **timer.seconds,
                  frames=sum(v["num_frames"] for o in outs for v in o.videos),
                  video_tokens=sum(v["num_video_tokens"] for o in outs for v in o.videos),
                  prompt_ids=[o.prompt_token_ids for o in outs], outputs=[o.outputs[0].token_ids for o in outs])
     stats["preprocess"] -= stats["decode"]  # preprocessing beside decode + sampling
-    del engine, llm, outs, final, model
+    del engine, llm, outs, model
     gc.collect()
     return stats
 
 
 def run_transformers(args, path, requests):
-    from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
     from transformers.video_utils import load_video
-    model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, args.dtype))
-    model = model.to(args.device).eval()
+    model = vlm_common.hf_model(path, args.dtype, args.device)
     video_processor = Qwen3VLVideoProcessor.from_pretrained(path)
     processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(path),
                                  tokenizer=AutoTokenizer.from_pretrained(path, padding_side="left"),
                                  video_processor=video_processor)
-    timer = Timer(args.device)
+    timer = vlm_common.Timer(args.device)
     model.model.get_video_features = timer.wrap("vision", model.model.get_video_features)
 
     def decode(clip):
@@ -207,21 +169,16 @@ def run_transformers(args, path, requests):
         return rows, inputs
 
     def generate(inputs, n):
-        inputs = {k: v.to(args.device) for k, v in inputs.items()}
-        with torch.inference_mode():
-            out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=base.PAD)
-        return out[:, inputs["input_ids"].shape[1]:].tolist()
+        return vlm_common.hf_generate(model, inputs, n, args.device)
 
     generate(prepare(requests[:1])[1], 4)  # warm-up
     timer.seconds = {"decode": 0.0, "preprocess": 0.0, "vision": 0.0}  # the warm-up's time is not the run's
     all_rows, outputs = [], []
     start = time.perf_counter()
-    for i in range(0, len(requests), args.hf_batch_size):
-        rows, inputs = prepare(requests[i:i + args.hf_batch_size])
+    for batch in vlm_common.batches(requests, args.hf_batch_size, start):
+        rows, inputs = prepare(batch)
         outputs.extend(generate(inputs, args.max_tokens))
         all_rows.extend(rows)
-        print(f"  transformers batch {i // args.hf_batch_size + 1}/{-(-len(requests) // args.hf_batch_size)} "
-              f"done at {time.perf_counter() - start:.0f}s; {load()}", flush=True)
     elapsed = time.perf_counter() - start
     del model
     gc.collect()
@@ -232,16 +189,15 @@ def run_transformers(args, path, requests):
 def breakdown(name: str, s: dict) -> None:
     total = s["seconds"]
     lm = total - s["decode"] - s["preprocess"] - s["vision"]
-    print(f"\n| {name} | seconds | share of the run |\n|---|---|---|")
-    for label, seconds in [("decode + frame sampling", s["decode"]), ("other preprocessing", s["preprocess"]),
-                           ("vision tower", s["vision"]), ("language model (prefill + decode) and the rest", lm),
-                           ("total", total)]:
-        print(f"| {label} | {seconds:.1f} | {seconds / total:.0%} |")
+    table([name, "seconds", "share of the run"],
+          [(label, f"{seconds:.1f}", f"{seconds / total:.0%}") for label, seconds in [
+              ("decode + frame sampling", s["decode"]), ("other preprocessing", s["preprocess"]),
+              ("vision tower", s["vision"]), ("language model (prefill + decode) and the rest", lm), ("total", total)]])
 
 
 def main(args, path: str) -> int:
     ensure_video_config(path)
-    print(f"machine: {machine()}")
+    print(f"machine: {machine(args.device)}")
     with tempfile.TemporaryDirectory(prefix="vlinfer-bench-clips-") as folder:
         t = time.perf_counter()
         requests = make_workload(args, folder)
@@ -253,18 +209,15 @@ def main(args, path: str) -> int:
               f"tokens each (EOS ignored, greedy), Qwen3-VL {args.shape} random weights {args.dtype}, {path}",
               flush=True)
         v = run_vlinfer(args, path, requests, max_model_len, tokens)
-        print(f"vlinfer done: {v['tokens'] / v['seconds']:.1f} tok/s, {v['seconds']:.1f}s ({v['frames']} frames, "
-              f"{v['video_tokens']} video tokens, {v['steps']} steps); {load()}", flush=True)
+        progress(f"vlinfer done: {v['tokens'] / v['seconds']:.1f} tok/s, {v['seconds']:.1f}s ({v['frames']} frames, "
+                 f"{v['video_tokens']} video tokens, {v['steps']} steps)")
         h = None
         if not args.skip_transformers:
             h = run_transformers(args, path, requests)
-            print(f"transformers done: {h['tokens'] / h['seconds']:.1f} tok/s, {h['seconds']:.1f}s; {load()}",
-                  flush=True)
-    print("\n| engine | output tokens | time (s) | output tok/s |\n|---|---|---|---|")
-    print(f"| vlinfer | {v['tokens']} | {v['seconds']:.1f} | {v['tokens'] / v['seconds']:.1f} |")
+            progress(f"transformers done: {h['tokens'] / h['seconds']:.1f} tok/s, {h['seconds']:.1f}s")
+    vlm_common.engine_table([("vlinfer", v["tokens"], v["seconds"])] + ([] if h is None else [
+        (f"transformers generate (batch {args.hf_batch_size})", h["tokens"], h["seconds"])]))
     if h is not None:
-        print(f"| transformers generate (batch {args.hf_batch_size}) | {h['tokens']} | {h['seconds']:.1f} | "
-              f"{h['tokens'] / h['seconds']:.1f} |")
         print(f"\nvlinfer / transformers throughput ratio: {h['seconds'] / v['seconds']:.2f}x (same tokens)")
     breakdown("vlinfer", v)
     decode_share = v["decode"] / v["seconds"]

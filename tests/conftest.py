@@ -188,7 +188,7 @@ def tiny_vl_with_context(tmp_path_factory):
     """tiny_vl_with_context(n) -> folder of a tiny random Qwen3-VL that declares max_position_embeddings=n: 262144
     as the real Qwen3-VL checkpoints do, or a short one. Built once per n; otherwise the embedded model (same seed,
     untied head), whose greedy answers are words."""
-    from vlinfer.tiny_checkpoints import build_tiny_qwen3_vl
+    from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
     built = {}
 
     def checkpoint(max_position_embeddings: int) -> str:

@@ -1,5 +1,5 @@
 """Errors name the setting in the surface the user used: keyword arguments in Python, flags in the CLI, the server
-and the demo (vlinfer/app_options.py). A mistyped --device is one line and exit code 2 in every subcommand and the
+and the demo (vlinfer/cli/options.py). A mistyped --device is one line and exit code 2 in every subcommand and the
 demo, never a traceback."""
 import logging
 import os
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from vlinfer import LLM
-from vlinfer.app_options import FLAGS, flags_in_logs, name_flags
+from vlinfer.cli.options import FLAGS, flags_in_logs, name_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE = os.path.join(REPO, "examples", "images", "cat_face.png")

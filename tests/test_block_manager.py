@@ -5,7 +5,8 @@ import random
 import pytest
 
 from vlinfer.engine.block_manager import BlockManager, hash_block
-from vlinfer.engine.sequence import MultiModalItem, Sequence
+from vlinfer.engine.sequence import Sequence
+from vlinfer.inputs import MultiModalItem
 from vlinfer.sampling_params import SamplingParams
 
 HASH_BITS = 128  # hash_block returns a 16-byte digest

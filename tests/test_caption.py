@@ -1,4 +1,4 @@
-"""Batch captioning (vlinfer.caption and `python -m vlinfer caption`): inputs, per-image errors, and a run killed
+"""Batch captioning (vlinfer.captioning and `python -m vlinfer caption`): inputs, per-image errors, and a run killed
 with SIGKILL then resumed without redoing or losing any image. Uses the embedded tiny Qwen3-VL with a few image
 tokens per picture and 4 output tokens, so the whole file stays well under a minute and a half."""
 import json
@@ -12,7 +12,7 @@ from PIL import Image, ImageDraw
 
 from conftest import sigkill_after_lines
 from vlinfer import LLM, RequestError, SamplingParams
-from vlinfer.caption import DEFAULT_PROMPT, CaptionInputError, caption_files, collect_images, read_records
+from vlinfer.captioning import DEFAULT_PROMPT, CaptionInputError, caption_files, collect_images, read_records
 
 MODEL = "qwen3-vl-tiny"
 MAX_PIXELS = 64 * 64  # a few image tokens per picture: the test is about the bookkeeping, not the model
@@ -168,10 +168,10 @@ def test_kill_then_resume(image_dir, tmp_path):
 
 
 def test_cli_refuses_before_loading_the_model(image_dir, tmp_path, monkeypatch):
-    import vlinfer.__main__ as cli_module
-    from vlinfer.__main__ import main
+    import vlinfer.cli.caption as caption_command
+    from vlinfer.cli import main
     loads = []
-    monkeypatch.setattr(cli_module, "_llm", lambda *args: loads.append(args))
+    monkeypatch.setattr(caption_command, "build_llm", lambda *args: loads.append(args))
     out = tmp_path / "exists.jsonl"
     out.write_text('{"path": "x.png"}\n')
     assert main(["caption", str(image_dir), "--out", str(out), "--model", "no-such-model"]) == 2
@@ -184,13 +184,16 @@ def test_records_and_the_parquet_schema_share_one_field_list():
     captioner's Parquet schema types each of them: a field added to the record cannot be dropped from the table."""
     from types import SimpleNamespace
 
-    from vlinfer.caption import IMAGE_RECORD_FIELDS, VIDEO_FIELDS, error_record, make_record
+    from vlinfer.captioning import IMAGE_RECORD_FIELDS, VIDEO_FIELDS, error_record, make_record
     from vlinfer.integrations.ray_caption import parquet_schema
     completion = SimpleNamespace(text=" a red square ", token_ids=[1, 2, 3], finish_reason="stop")
     ok = make_record("a.png", SimpleNamespace(error=None, images=[{"size": [32, 32], "num_tokens": 4}],
                                               outputs=[completion]))
     broken = make_record("b.png", SimpleNamespace(error="image 0: cannot identify image file"))
-    assert tuple(ok) == tuple(broken) == tuple(error_record("c.png", "x")) == IMAGE_RECORD_FIELDS
+    assert tuple(ok) == tuple(broken) == tuple(error_record("c.png", "x")) == tuple(IMAGE_RECORD_FIELDS)
     assert ok["caption"] == "a red square" and broken["error"] == "cannot identify image file"
-    assert tuple(error_record("c.mp4", "x", video=True)) == IMAGE_RECORD_FIELDS + VIDEO_FIELDS
-    assert tuple(parquet_schema().names) == IMAGE_RECORD_FIELDS
+    assert tuple(error_record("c.mp4", "x", video=True)) == (*IMAGE_RECORD_FIELDS, *VIDEO_FIELDS)
+    schema = parquet_schema()
+    assert tuple(schema.names) == tuple(IMAGE_RECORD_FIELDS)
+    assert [str(schema.field(name).type).replace("list<item: int64>", "list<int64>") for name in schema.names] == \
+        list(IMAGE_RECORD_FIELDS.values())

@@ -1,4 +1,4 @@
-"""Batch captioning over a folder that mixes images and videos (vlinfer.caption, `python -m vlinfer caption`): the
+"""Batch captioning over a folder that mixes images and videos (vlinfer.captioning, `python -m vlinfer caption`): the
 clips are collected by extension, captioned in the same batches as the images with their own prompt and sampling
 options, and their records carry the frames, grid and tokens the model saw; a broken clip is one error record."""
 import json
@@ -8,7 +8,7 @@ from PIL import Image
 
 from videos import drawn_clip, encode
 from vlinfer import LLM
-from vlinfer.caption import DEFAULT_VIDEO_PROMPT, CaptionInputError, caption_files, collect_images
+from vlinfer.captioning import DEFAULT_VIDEO_PROMPT, CaptionInputError, caption_files, collect_images
 
 VIDEO_KEYS = {"path", "caption", "tokens", "size", "num_image_tokens", "error", "num_frames", "grid_thw",
               "num_video_tokens", "duration"}
@@ -75,7 +75,8 @@ def test_mixed_folder_is_captioned_with_video_records(folder, tmp_path):
 
 
 def test_cli_video_flags(folder):
-    from vlinfer.__main__ import _video_options, build_parser
+    from vlinfer.cli import build_parser
+    from vlinfer.cli.caption import _video_options
     args = build_parser().parse_args(["caption", str(folder), "--out", "c.jsonl", "--fps", "1", "--max-frames", "8",
                                       "--video-prompt", "What happens?"])
     assert _video_options(args) == {"fps": 1.0, "max_frames": 8} and args.video_prompt == "What happens?"

@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-from vlinfer.__main__ import _size, main
+from vlinfer.cli import main
+from vlinfer.cli.options import parse_size as _size
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE = os.path.join(REPO, "examples", "images", "cat_face.png")
@@ -145,7 +146,7 @@ def test_chat_through_stdin(smollm2_runs):
     assert code == 0, stderr
     assert "chatting with smollm2 (text-only)" in stderr
     # /image on a text model: refused with a clear message, the chat goes on.
-    assert "'smollm2' is a text-only model and cannot take images" in stderr and "--model qwen3-vl" in stderr
+    assert "model 'smollm2' is a text-only model and does not accept images" in stderr and "--model qwen3-vl" in stderr
     answer = stdout.split("> ", 2)[2].rsplit("> ", 1)[0]  # prompts: before /image, before hello, before /exit
     assert answer == offline_answer("smollm2", "hello", 24) + "\n", stdout  # the rejected /image left no trace
     # Streamed: the answer came out in several pieces, not at once.

@@ -26,7 +26,7 @@ def test_unset_max_model_len_is_fitted_to_the_kv_cache(long_context, caplog):
         llm = LLM(long_context, kv_cache_bytes=POOL, **ENGINE)
     engine = llm.engine
     assert engine.max_model_len == FITTED
-    assert engine.block_manager.num_blocks * engine.config.kvcache_block_size == FITTED
+    assert engine.block_manager.num_blocks * engine.resolved.block_size == FITTED
     assert engine.scheduler.max_num_batched_tokens == FITTED  # follows the fitted length, not 262144
     warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert f"max_model_len={FITTED}" in warning and "max_position_embeddings=262144" in warning
@@ -85,3 +85,22 @@ def test_pipeline_on_a_262144_position_checkpoint(long_context):
     ref = short.chat(pipe.messages("What is in this picture?", [image]), SamplingParams(temperature=0, max_tokens=4),
                      use_tqdm=False)[0].outputs[0]
     assert answer == ref.text and (len(ref.token_ids) == 4 or ref.finish_reason == "stop")
+
+
+def test_resolved_sizing_is_frozen_and_read_by_every_part(long_context):
+    """The context length and KV sizing are resolved once (engine/sizing.py) into a frozen ResolvedConfig; the
+    user's EngineConfig is left as given (max_model_len still unset), and nothing can change either after."""
+    import dataclasses
+    engine = LLM(long_context, kv_cache_bytes=POOL, **ENGINE).engine
+    resolved = engine.resolved
+    assert (resolved.max_model_len, resolved.num_blocks, resolved.block_size) == (FITTED, FITTED // 16, 16)
+    assert engine.config.max_model_len is None and engine.config.max_num_batched_tokens is None
+    for frozen, field in ((resolved, "max_model_len"), (resolved, "num_blocks"), (engine.config, "max_model_len")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(frozen, field, 1)
+    assert engine.max_model_len == engine.input_processor.max_model_len == engine.output_processor.max_model_len \
+        == resolved.max_model_len
+    assert engine.block_manager.num_blocks == resolved.num_blocks
+    assert engine.model_runner.kv_cache.shape[2] == resolved.num_blocks + engine.model_runner.num_dummy_blocks
+    assert engine.scheduler.max_num_batched_tokens == resolved.max_num_batched_tokens
+    assert engine.model_runner.block_size == engine.block_manager.block_size == resolved.block_size

@@ -10,6 +10,7 @@ from transformers import Qwen3Config
 
 from conftest import build_checkpoint, tiny_text_config
 from vlinfer import LLM, platform
+from vlinfer.platform import cpu_features
 
 BASE = {"sse2", "sse4_2", "avx", "avx2", "fma", "f16c"}
 AVX512 = BASE | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
@@ -31,8 +32,8 @@ def _config(dtype: str):
 @pytest.mark.parametrize("cpu", list(CPUS))
 def test_auto_dtype_and_kernel_level_per_cpu_class(cpu, monkeypatch, caplog):
     flags, level, bf16, fp16 = CPUS[cpu]
-    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset(flags))
-    assert platform.cpu_isa() == level
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
+    assert cpu_features.cpu_isa() == level
     cpu_device = torch.device("cpu")
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         chosen = platform.resolve_dtype("auto", _config("bfloat16"), cpu_device)
@@ -51,7 +52,7 @@ def test_auto_dtype_and_kernel_level_per_cpu_class(cpu, monkeypatch, caplog):
 
 
 def test_cpu_flags_reads_this_machine():
-    flags = platform.cpu_flags()
+    flags = cpu_features.cpu_flags()
     with open("/proc/cpuinfo") as f:
         line = next((line for line in f if line.startswith("flags")), None)
     assert flags == (frozenset(line.split(":", 1)[1].split()) if line else frozenset())
@@ -73,7 +74,7 @@ def test_engine_on_a_bf16_checkpoint_follows_the_cpu(bf16_checkpoint, has_bf16, 
     """The engine's KV pool and weights take the chosen dtype; the log names the reason once. The reference ops
     keep the test from compiling another kernel level for the mocked CPU."""
     flags = BASE | ({"avx512_bf16"} if has_bf16 else set())
-    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         llm = LLM(bf16_checkpoint, kv_cache_bytes=1 << 20, ops="reference")
     expected = torch.bfloat16 if has_bf16 else torch.float32

@@ -1,5 +1,5 @@
 """Our compiled CPU kernels against the pure-torch reference over a grid of shapes, float32 and bfloat16, on the
-generic build and on the build for this CPU's best level (platform.cpu_isa). Those two cover every code path the
+generic build and on the build for this CPU's best level (cpu_features.cpu_isa). Those two cover every code path the
 CPU runs: the AVX2 and AVX-512 levels compile the same generic source with wider vector flags (only the
 AVX512-BF16 level adds code of its own), and each build costs about a minute of compiling on CI's two cores. Each
 test asserts the path its level should take (the AVX512-BF16 kernels exactly at that level), never a fixed CPU:
@@ -11,15 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from paged_batches import fp32, make_batch, rel_err, rel_err_per_seq
-from vlinfer import platform
+from vlinfer.platform import cpu_features
 from vlinfer.ops import cpu_panels, reference
 from vlinfer.ops.cpu import CpuOps
 from vlinfer.ops.dispatch import select
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # max abs error relative to max |reference|
-THIS_CPU = platform.cpu_isa()
-real_flags = platform.cpu_flags()
-LEVELS = sorted({"generic", THIS_CPU}, key=platform.CPU_ISAS.index)
+THIS_CPU = cpu_features.cpu_isa()
+real_flags = cpu_features.cpu_flags()
+LEVELS = sorted({"generic", THIS_CPU}, key=cpu_features.CPU_ISAS.index)
 
 
 @pytest.fixture(scope="module", params=LEVELS)
@@ -41,7 +41,7 @@ def test_bf16_prefill_kernels_follow_amx(cpu_ops, monkeypatch, caplog, flags):
     kernels where built (attention, expert panels); decode attention stays ours. CPU flags mocked (the kernels built are this
     machine's)."""
     mocked = real_flags | flags if "amx_bf16" in flags else real_flags - {"amx_bf16"}
-    monkeypatch.setattr(platform, "cpu_flags", lambda: mocked)
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: mocked)
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         ops = CpuOps(isa=cpu_ops.isa)
     q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
@@ -73,8 +73,8 @@ def test_compiled_kernels_load_on_this_machine(caplog):
 
 def test_a_level_this_cpu_lacks_is_refused(monkeypatch):
     """A level above the CPU's would die on an illegal instruction: refused before it is built or loaded."""
-    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset({"sse2", "avx", "avx2", "fma", "f16c"}))
-    assert platform.cpu_isa() == "avx2"
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"sse2", "avx", "avx2", "fma", "f16c"}))
+    assert cpu_features.cpu_isa() == "avx2"
     with pytest.raises(RuntimeError, match="avx512bf16 cannot run on this CPU"):
         CpuOps(isa="avx512bf16")
     with pytest.raises(ValueError, match="unknown CPU kernel level"):
@@ -109,7 +109,7 @@ def test_paged_attention_decode_and_mixed(cpu, dtype, block_size, head_dim, gqa)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_attention_splits_a_single_stream_by_kv_head(cpu, dtype):
     """Fewer sequences than threads: one work item per (sequence, kv head) instead of per sequence (a single
-    stream's attention on every core, kernels/cpu/decode_vectors.h DecodeItems); bit for bit the one-thread result,
+    stream's attention on every core, vlinfer/ops/kernels/cpu/decode_vectors.h DecodeItems); bit for bit the one-thread result,
     where each sequence is one item."""
     args = make_batch([1], [300], 8, 4, 64, 16, dtype)
     threads = torch.get_num_threads()
@@ -480,9 +480,9 @@ def _expected_layout(ops, n: int, k: int, dtype) -> str:
     """Where this CPU's kernels take panels (float32 on AVX-512, bf16 on AVX512-BF16 without AMX) and the shape
     fits (whole 32-output panels, even k, a panel of at most PANEL_BYTES): panels; else oneDNN where it packs."""
     from vlinfer.ops.cpu import PANEL_BYTES
-    level = platform.CPU_ISAS.index(ops.isa)
-    takes = level >= platform.CPU_ISAS.index("avx512") if dtype == torch.float32 else \
-        ops.isa == "avx512bf16" and "amx_bf16" not in platform.cpu_flags()
+    level = cpu_features.CPU_ISAS.index(ops.isa)
+    takes = level >= cpu_features.CPU_ISAS.index("avx512") if dtype == torch.float32 else \
+        ops.isa == "avx512bf16" and "amx_bf16" not in cpu_features.cpu_flags()
     assert (dtype in ops.panel_dtypes) == takes
     if takes and n % 32 == 0 and k % 2 == 0 and 32 * k * torch.empty((), dtype=dtype).element_size() <= PANEL_BYTES:
         return "panels"
@@ -494,7 +494,7 @@ def _expected_layout(ops, n: int, k: int, dtype) -> str:
                                    (3072, 576, 130), (64, 2, 2), (64, 4096, 9)],
                          ids=lambda s: f"{s[0]}x{s[1]}-rows{s[2]}")
 def test_panel_linear_equals_f_linear(cpu, shape, dtype):
-    """Dense panels (kernels/cpu/panel_linear.cpp) at every level: the product within one rounding of the float32
+    """Dense panels (vlinfer/ops/kernels/cpu/panel_linear.cpp) at every level: the product within one rounding of the float32
     F.linear, with and without bias, at 1..130 rows (pairs of panels in 4-row tiles; past 4 rows one panel per
     work item, an odd count of them included, in 8-row tiles; row blocks over the cores); a level without them
     refuses by name."""
@@ -504,7 +504,7 @@ def test_panel_linear_equals_f_linear(cpu, shape, dtype):
         torch.randn(n, generator=g).to(dtype)
     panels = cpu_panels.to_panels(w)
     if not cpu.ext.panel_linear_available(dtype):
-        assert platform.CPU_ISAS.index(cpu.isa) < platform.CPU_ISAS.index("avx512" if dtype == torch.float32
+        assert cpu_features.CPU_ISAS.index(cpu.isa) < cpu_features.CPU_ISAS.index("avx512" if dtype == torch.float32
                                                                           else "avx512bf16")
         with pytest.raises(RuntimeError, match="has no .* panels"):
             cpu.ext.panel_linear(x, panels)

@@ -1,4 +1,4 @@
-"""A dense decoder layer's decode step in one op call (kernels/cpu/decode_layer.cpp, CpuOps.dense_decode_layer):
+"""A dense decoder layer's decode step in one op call (vlinfer/ops/kernels/cpu/decode_layer.cpp, CpuOps.dense_decode_layer):
 taken where this CPU runs the layer's projections on panels, and then bit for bit the layer its modules run."""
 import logging
 
@@ -7,6 +7,7 @@ import torch
 
 from conftest import build_checkpoint, tiny_text_config
 from vlinfer import LLM, SamplingParams, platform
+from vlinfer.platform import cpu_features
 from vlinfer.ops import cpu_panels
 from vlinfer.ops.cpu import CpuOps
 
@@ -85,8 +86,8 @@ def test_without_avx512_the_modules_run(qwen3_checkpoint, monkeypatch, caplog):
     folder = qwen3_checkpoint[0]
     reference, _, _ = run(folder, "float32", True, monkeypatch)
     with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="vlinfer"):
-        m.setattr(platform, "cpu_flags", lambda: frozenset({"sse2"}))
-        assert platform.cpu_isa() == "generic"
+        m.setattr(cpu_features, "cpu_flags", lambda: frozenset({"sse2"}))
+        assert cpu_features.cpu_isa() == "generic"
         outs, calls, decoder = run(folder, "float32", True, monkeypatch)
     assert calls == 0 and decoder.decode_stack is None
     assert "decode steps run the 2 decoder layers module by module (cpu-compiled has no fused form" in caplog.text

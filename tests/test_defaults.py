@@ -11,13 +11,15 @@ from types import SimpleNamespace
 import pytest
 
 from vlinfer import LLM, Pipeline, SamplingParams
-from vlinfer.__main__ import _params, build_parser
-from vlinfer.app_options import ENGINE_DEFAULTS, FLAGS, engine_options
+from vlinfer.cli import build_parser
+from vlinfer.cli.shared import sampling_params as cli_sampling_params
+from vlinfer.cli.options import ENGINE_DEFAULTS, FLAGS, engine_options
 from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, CPU_DEFAULT_MEMORY_UTILIZATION,
                             DEFAULT_MAX_BATCHED_TOKENS, MIN_BATCHED_TOKENS, MIN_FITTED_MODEL_LEN, EngineConfig,
                             default_batched_tokens)
-from vlinfer.serve import cli as serve_cli
-from vlinfer.serve.app import Server, ServeConfig
+from vlinfer.cli import serve as serve_cli
+from vlinfer.serve.config import ServeConfig
+from vlinfer.serve.server import Server
 from vlinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +41,9 @@ def readme_section() -> str:
 
 def readme_table() -> dict[str, dict[str, str]]:
     """setting (the first `name` in its row's first cell) -> entry point -> cell text without backticks."""
-    lines = [line for line in readme_section().splitlines() if line.startswith("|")]
+    text = readme_section()
+    first = text[text.index("\n|") + 1:]  # the first table only; the media limits' follows it
+    lines = [line for line in first.split("\n\n", 1)[0].splitlines() if line.startswith("|")]
 
     def cells(line):
         return [c.strip().replace("`", "") for c in line.strip().strip("|").split("|")]
@@ -67,7 +71,7 @@ def entry_points() -> dict[str, tuple[dict, dict]]:
     for command, argv in {"generate": ["generate", "hi"], "chat": ["chat"],
                           "caption": ["caption", "x.png", "--out", "c.jsonl"]}.items():
         args = cli.parse_args(argv)
-        points[command] = ({**ENGINE_DEFAULTS, **engine_options(args)}, dataclasses.asdict(_params(args)))
+        points[command] = ({**ENGINE_DEFAULTS, **engine_options(args)}, dataclasses.asdict(cli_sampling_params(args)))
     # The server: what a request that sets nothing gets (Server.sampling_params on a stand-in engine).
     context = 12345
     server = SimpleNamespace(engine=SimpleNamespace(max_model_len=context), config=ServeConfig(served_model_names=("m",)))
@@ -160,3 +164,18 @@ def test_verbose_before_or_after_the_subcommand(command):
     assert parser.parse_args(["-v", command, *rest]).verbose is True
     assert parser.parse_args([command, *rest, "-v"]).verbose is True
     assert parser.parse_args([command, *rest]).verbose is False
+
+
+def test_readme_media_limits_are_the_code_table():
+    """README.md's media-limits rows, cell by cell, against vlinfer/inputs/limits.py's TABLE, and the values the
+    table writes against the limits themselves."""
+    from vlinfer.inputs import limits
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in readme_section().splitlines()
+            if line.startswith("| `") and line.split("|")[1].strip().strip("`") in {n for n, _, _ in limits.TABLE}]
+    assert [(name.strip("`"), value, what) for name, value, what in rows] == list(limits.TABLE)
+    values = {name: value for name, value, _ in limits.TABLE}
+    assert int(values["max_images"]) == limits.MAX_IMAGES
+    assert 2 ** int(values["max_image_pixels"].removeprefix("2^")) == limits.MAX_IMAGE_PIXELS
+    assert values["mm_processor_kwargs"].split(", ") == list(limits.MM_PROCESSOR_KWARGS)
+    assert serve_cli.build_parser().parse_args([]).max_images_per_request == limits.MAX_IMAGES
+    assert serve_cli.build_parser().parse_args([]).max_image_pixels == limits.MAX_IMAGE_PIXELS

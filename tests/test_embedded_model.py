@@ -1,4 +1,4 @@
-"""The embedded toy Qwen3-VL (vlinfer/embedded_vl.py, trained by tools/train_embedded.py on vlinfer/scenes.py):
+"""The embedded toy Qwen3-VL (vlinfer/toy/embedded.py, trained by tools/train_embedded.py on vlinfer/toy/scenes.py):
 it describes held-out drawn scenes truthfully, its outputs under vlinfer equal transformers' through batching,
 chunked prefill and the prefix cache, its training is reproducible, and the package ships it small."""
 import os
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import REPO, assert_block_pool_empty, hf_qwen3_vl_processor
-from vlinfer import LLM, SamplingParams, embedded_vl, scenes
-from vlinfer.model_loader import resolve_model
+from vlinfer import LLM, SamplingParams
+from vlinfer.toy import embedded, scenes
+from vlinfer.loading import resolve_model
 
 IM_END = 151645
 BAR = 0.9  # the issue's bar: captions and answers right in at least 90% of held-out scenes
@@ -32,20 +33,20 @@ def toy():
 
 
 def test_package_ships_the_trained_model_small():
-    manifest = embedded_vl.read_manifest()
-    weights = os.path.join(embedded_vl.PACKAGE_DIR, embedded_vl.WEIGHTS)
-    assert embedded_vl.sha256(weights) == manifest["sha256"]
+    manifest = embedded.read_manifest()
+    weights = os.path.join(embedded.PACKAGE_DIR, embedded.WEIGHTS)
+    assert embedded.sha256(weights) == manifest["sha256"]
     assert os.path.getsize(weights) < 10 * 2 ** 20  # the issue's budget for the package's growth
-    assert manifest["shape"] == {k: list(v) if isinstance(v, tuple) else v for k, v in embedded_vl.SHAPE.items()}
-    trained = {k: manifest["training"][k] for k in embedded_vl.TRAINING}
-    assert trained == embedded_vl.TRAINING, "the shipped weights are not from the recorded training run"
+    assert manifest["shape"] == {k: list(v) if isinstance(v, tuple) else v for k, v in embedded.SHAPE.items()}
+    trained = {k: manifest["training"][k] for k in embedded.TRAINING}
+    assert trained == embedded.TRAINING, "the shipped weights are not from the recorded training run"
 
 
 # The shipped 7000-step run (tools/train_embedded.py; 2026-12-02 on the 2-vCPU AMD EPYC): 200 held-out scenes
 # captions 95.5%, answers 98.2%.
 def test_toy_describes_held_out_scenes(toy):
     """The first 40 of the 200 held-out scenes (a seed training never used), scored as the issue asks."""
-    scores = tools_module().evaluate(toy[1], seed=embedded_vl.EVAL_SEED, count=40)
+    scores = tools_module().evaluate(toy[1], seed=embedded.EVAL_SEED, count=40)
     assert scores["caption_accuracy"] >= BAR and scores["answer_accuracy"] >= BAR, \
         {**scores, "failures": scores["failures"][:8]}
     assert_block_pool_empty(toy[1])
@@ -61,7 +62,7 @@ def test_example_image_gets_a_true_caption(toy):
 
 def requests():
     """Single-turn chats about held-out scenes: captions, questions, two images in one turn, a follow-up turn."""
-    items = scenes.generate(embedded_vl.EVAL_SEED + 1, 3)
+    items = scenes.generate(embedded.EVAL_SEED + 1, 3)
     convs = []
     for scene, image, qa in items:
         convs.append([{"role": "user", "content": [{"type": "image", "image": image},
@@ -83,7 +84,7 @@ def hf_answer(model, llm, conversation) -> list[int]:
     text = llm.tokenizer.apply_chat_template(
         [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
           [{"type": p["type"]} if p["type"] == "image" else p for p in m["content"]]} for m in conversation],
-        tokenize=False, add_generation_prompt=True, chat_template=llm.engine.chat_template)
+        tokenize=False, add_generation_prompt=True, chat_template=llm.engine.input_processor.chat_template)
     images = [p["image"] for m in conversation if not isinstance(m["content"], str) for p in m["content"]
               if p["type"] == "image"]
     out = hf_qwen3_vl_processor(llm.engine.source.folder)(text=[text], images=images, return_tensors="pt")
@@ -122,7 +123,7 @@ def test_toy_matches_transformers_through_batching_chunking_and_prefix_cache(toy
 def test_short_training_is_reproducible(tmp_path):
     """A few steps of the shipped recipe twice with one seed give one hash; another seed another."""
     train_embedded = tools_module()
-    kw = dict(steps=2, batch_size=1, threads=1, lr=2e-3, max_turns=2, shape=dict(embedded_vl.SHAPE), log_every=100)
+    kw = dict(steps=2, batch_size=1, threads=1, lr=2e-3, max_turns=2, shape=dict(embedded.SHAPE), log_every=100)
     first = train_embedded.train(str(tmp_path / "a"), seed=0, **kw)
     second = train_embedded.train(str(tmp_path / "b"), seed=0, **kw)
     other = train_embedded.train(str(tmp_path / "c"), seed=1, **kw)

@@ -75,3 +75,50 @@ def test_two_threads_match_each_engine_alone(engines):
     assert not errors, errors
     for name in ("a", "b"):
         assert results[name] == [alone[name]] * 3
+
+
+def test_two_dtypes_built_at_once_from_two_threads(tmp_path, monkeypatch):
+    """A bfloat16 and a float32 engine built at the same moment in two threads: every parameter and KV block of
+    each is in its own dtype (the dtype travels in ModelContext, never through torch's one default dtype per
+    process), the process default is untouched, each counts the checkpoint bytes it read itself (a per-load counter,
+    not a process-wide one), and each gives the tokens it gives when built alone."""
+    import torch
+
+    from vlinfer import loading
+    build_checkpoint(str(tmp_path), tiny_text_config("qwen3", True), seed=3)
+    options = dict(kv_cache_bytes=1 << 22, ops="reference")
+    alone, bytes_read = {}, {}
+    for dtype in ("bfloat16", "float32"):
+        llm = LLM(str(tmp_path), dtype=dtype, **options)
+        alone[dtype] = _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+        bytes_read[dtype] = llm.engine.model_runner.model.checkpoint_bytes_read
+    both_built = threading.Barrier(2, timeout=60)
+    index = loading.checkpoint_tensor_index
+
+    def index_after_both_built(source):  # each model is built before its weights are indexed: meet here
+        both_built.wait()
+        return index(source)
+
+    monkeypatch.setattr(loading, "checkpoint_tensor_index", index_after_both_built)
+    engines, errors = {}, []
+
+    def build(dtype):
+        try:
+            engines[dtype] = LLM(str(tmp_path), dtype=dtype, **options)
+        except BaseException as e:
+            errors.append(e)
+            both_built.abort()
+
+    threads = [threading.Thread(target=build, args=(dtype,)) for dtype in ("bfloat16", "float32")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert torch.get_default_dtype() == torch.float32
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        engine = engines[name].engine
+        assert {p.dtype for p in engine.model_runner.model.parameters()} == {dtype}
+        assert engine.model_runner.kv_cache.dtype == dtype == engine.resolved.dtype
+        assert engine.model_runner.model.checkpoint_bytes_read == bytes_read[name] > 0
+        assert _tokens(engines[name].generate(PROMPTS, PARAMS, use_tqdm=False)) == alone[name]

@@ -1,4 +1,4 @@
-"""GGUF Q8_0 / Q4_0 / Q4_1 weights kept in their blocks: our CPU kernels (kernels/cpu/gguf_blocks.cpp) against the
+"""GGUF Q8_0 / Q4_0 / Q4_1 weights kept in their blocks: our CPU kernels (vlinfer/ops/kernels/cpu/gguf_blocks.cpp) against the
 pure-torch reference (vlinfer/ops/gguf_reference.py) over shapes and every build this CPU runs (generic, AVX2,
 AVX-512 without and with VNNI); tiny GGUF files of each type, written with the `gguf` package, against
 transformers loading the same file (it dequantizes); the real SmolLM2-135M Q4_1 file kept in blocks against
@@ -19,13 +19,14 @@ import torch
 from conftest import SMOLLM2_GGUF, assert_block_pool_empty, smollm2_dir
 from gguf_checkpoints import write_tiny_llama_gguf
 from vlinfer import LLM, SamplingParams, platform
+from vlinfer.platform import cpu_features
 from vlinfer.ops import gguf_reference
 from vlinfer.ops.gguf_cpu import GgufCpuKernels
 
 TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
-THIS_CPU = platform.cpu_isa()
+THIS_CPU = cpu_features.cpu_isa()
 # Every level up to this CPU's best (the engine's build): CI may be AVX2-only, or AVX-512 with VNNI.
-LEVELS = platform.CPU_ISAS[:platform.CPU_ISAS.index(THIS_CPU) + 1]
+LEVELS = cpu_features.CPU_ISAS[:cpu_features.CPU_ISAS.index(THIS_CPU) + 1]
 BUILD_NAMES = {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512bf16": "avx512-vnni"}
 # (M, K, N): decode rows, small batches, prefill sizes; N a whole number of 16-row groups, groups and tail rows,
 # tail rows only

@@ -19,7 +19,7 @@ from vlinfer.engine import graph_runner
 from vlinfer.engine.model_runner import StepInputs
 from vlinfer.layers import ModelContext
 from vlinfer.ops import ReferenceOps
-from vlinfer.tiny_checkpoints import build_tiny_qwen3_vl
+from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
 
 
 class ReplayBackend:

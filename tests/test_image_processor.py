@@ -232,8 +232,12 @@ def test_from_config(tmp_path):
     assert (legacy.min_pixels, legacy.max_pixels) == (1024, 4096)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({**QWEN3_VL_CONFIG, "patch_size": 14}))
     assert Qwen3VLImageProcessor.from_pretrained(tmp_path).patch_size == 14
-    with pytest.raises(FileNotFoundError):
-        Qwen3VLImageProcessor.from_pretrained(tmp_path / "nope")
+    # No settings in the checkpoint: the published values (the class defaults), as the video processor does.
+    assert Qwen3VLImageProcessor.from_pretrained(tmp_path / "nope").patch_size == 16
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "nested" / "processor_config.json").write_text(
+        json.dumps({"image_processor": {**QWEN3_VL_CONFIG, "patch_size": 14}, "video_processor": {"fps": 3}}))
+    assert Qwen3VLImageProcessor.from_pretrained(tmp_path / "nested").patch_size == 14
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -218,16 +218,16 @@ def test_a_checkpoint_that_disagrees_with_its_config_names_the_weight(tmp_path):
 def test_a_weight_too_large_for_its_slice_is_refused_not_cut(monkeypatch, qwen3_checkpoint, tensor):
     """Fused and vocabulary layers load slices of the checkpoint tensor: a larger tensor must be refused, not
     narrowed to the parameter's size."""
-    from vlinfer import model_loader
-    from vlinfer.engine.model_runner import load_model
+    from vlinfer import loading
+    from vlinfer.engine.build_model import load_model
     from vlinfer.layers import ModelContext
     from vlinfer.ops.reference import ReferenceOps
-    source = model_loader.resolve_model(qwen3_checkpoint[0])
-    hf_config = model_loader.load_config(source)
-    good = dict(model_loader.iterate_weights(source, hf_config))
+    source = loading.resolve_model(qwen3_checkpoint[0])
+    hf_config = loading.load_config(source)
+    good = dict(loading.iterate_weights(source, hf_config))
     grown = torch.cat([good[tensor], good[tensor][:1]])  # one row more than the config says
-    monkeypatch.setattr(model_loader, "iterate_weights",
+    monkeypatch.setattr(loading, "iterate_weights",
                         lambda *a, **k: iter([(n, grown if n == tensor else t) for n, t in good.items()]))
     with pytest.raises(ValueError, match=f"checkpoint tensor {tensor!r}: shape mismatch: checkpoint "
                                          rf"\({grown.shape[0]}, {grown.shape[1]}\) has {grown.shape[0]} rows"):
-        load_model(source, hf_config, torch.device("cpu"), torch.float32, ModelContext(ReferenceOps()))
+        load_model(source, hf_config, torch.device("cpu"), ModelContext(ReferenceOps()))

@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from vlinfer import LLM, SamplingParams
-from vlinfer.model_loader import resolve_model
+from vlinfer.loading import resolve_model
 
 
 def test_repo_id_resolves_from_the_local_hf_cache(qwen3_checkpoint, tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ from test_text_parity import BF16_LOGIT_TOLERANCE
 from vlinfer import LLM, SamplingParams
 from vlinfer.layers.quantization import TensorInfo
 from vlinfer.layers.quantization.modelslim import ModelSlimLinear, ModelSlimQuantization
-from vlinfer.tiny_checkpoints import build_tiny_qwen3_vl
+from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
 
 NUM_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)

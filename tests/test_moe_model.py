@@ -17,11 +17,12 @@ from safetensors.torch import save_file
 from conftest import assert_block_pool_empty, hf_qwen3_vl_processor, qwen_tokenizer_dir
 from images import picture
 from vlinfer import LLM, SamplingParams, platform
+from vlinfer.platform import cpu_features
 from vlinfer.engine import SchedulerOutput
 from vlinfer.layers import ModelContext
 from vlinfer.layers.fused_moe import FusedMoE
 from vlinfer.ops import ReferenceOps
-from vlinfer.tiny_checkpoints import QWEN3_VL_SPECIAL, _rescale
+from vlinfer.toy.tiny_checkpoints import QWEN3_VL_SPECIAL, _rescale
 
 NUM_NEW = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
@@ -266,7 +267,7 @@ def test_tensor_parallel_matches_one_rank(moe_models, references, expert_paralle
 
 
 def test_expert_parallel_needs_divisible_experts():
-    from vlinfer.engine.llm_engine import check_tensor_parallel_shapes
+    from vlinfer.distributed import check_tensor_parallel_shapes
     config = qwen3_moe_config()
     check_tensor_parallel_shapes(config, 2, expert_parallel=True)
     with pytest.raises(ValueError, match="num_experts=6 is not divisible by it"):
@@ -333,7 +334,7 @@ def test_bf16_on_the_cpu_runs_the_expert_kernel_within_bf16_tolerance(moe_models
               max_model_len=1024)
     ops = llm.engine.model_runner.ctx.ops
     assert ops.name == "cpu-compiled"
-    assert ops.moe_panels == (ops.ext.expert_panels_available() and "amx_bf16" not in platform.cpu_flags())
+    assert ops.moe_panels == (ops.ext.expert_panels_available() and "amx_bf16" not in cpu_features.cpu_flags())
     calls = []
     name = "expert_panel_matmul" if ops.moe_panels else "expert_matmul"
     kernel = getattr(ops.ext, name)

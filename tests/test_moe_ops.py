@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fake_torch_npu import FakeNpuError, install
-from vlinfer import platform
+from vlinfer.platform import cpu_features
 from vlinfer.ops import cpu_moe, dispatch, moe_reference
 from vlinfer.ops.cpu import CpuOps
 from vlinfer.ops.cuda import CudaOps
@@ -127,7 +127,7 @@ def test_cpu_panels_run_every_group_size(cpu_ops, monkeypatch):
     """Panel-packed bf16 experts (AVX512-BF16 without AMX) run expert_panel_matmul for both projections at every
     group size, decode to prefill; a float32 call on them is refused by name."""
     if not cpu_ops.moe_panels:
-        assert not cpu_ops.ext.expert_panels_available() or "amx_bf16" in platform.cpu_flags()
+        assert not cpu_ops.ext.expert_panels_available() or "amx_bf16" in cpu_features.cpu_flags()
         return
     calls = []
     kernel = cpu_ops.ext.expert_panel_matmul

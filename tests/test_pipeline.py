@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from vlinfer import ModelNotFoundError, Pipeline, RequestError, SamplingParams
-from vlinfer.model_loader import known_aliases, resolve_model
+from vlinfer.loading import known_aliases, resolve_model
 
 GREEDY = dict(temperature=0, max_tokens=6)
 PUBLISHED_ONE_IMAGE = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n"
@@ -140,7 +140,7 @@ def test_sampling_options_pass_through(vl, monkeypatch):
 def test_qwen3_vl_template_is_the_published_layout(vl):
     shipped = resources.files("vlinfer.multimodal").joinpath("templates/qwen3_vl.jinja").read_text()
     messages = user({"type": "image", "image": A}, {"type": "text", "text": "Describe this image."})
-    assert vl.engine.chat_template == shipped  # the tiny checkpoint's tokenizer template has no vision tokens
+    assert vl.engine.input_processor.chat_template == shipped  # the tiny checkpoint's tokenizer template has no vision tokens
     assert vl.engine.chat_prompt(messages)["prompt"] == PUBLISHED_ONE_IMAGE
     template_messages = user({"type": "image"}, {"type": "text", "text": "Describe this image."})
     assert vl.llm.tokenizer.apply_chat_template(template_messages, chat_template=shipped, tokenize=False,
@@ -168,7 +168,7 @@ def test_text_pipeline_rejects_images(text):
         text(A, "What is this?")
     with pytest.raises(ValueError, match="text-only model"):
         text.chat(user({"type": "image", "image": A}, {"type": "text", "text": "What is this?"}))
-    with pytest.raises(ValueError, match="cannot caption"):
+    with pytest.raises(ValueError, match="text-only model"):
         text.caption([A])
     with pytest.raises(ValueError, match="text-only model"):
         next(text.stream(images=[A], prompt="What is this?"))

@@ -103,7 +103,7 @@ def test_compressed_tensors_greedy_matches_transformers(dense_qwen3, tmp_path, s
 
 
 def test_qwen3_vl_w4a16_keeps_the_vision_tower_dense(tmp_path):
-    from vlinfer.tiny_checkpoints import build_tiny_qwen3_vl
+    from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
     dense = build_tiny_qwen3_vl(str(tmp_path / "vl-dense"), seed=1)
     path = str(tmp_path / "vl-w4a16")
     dequantized, _ = write_compressed_tensors(dense, path, "w4a16", group_size=128)

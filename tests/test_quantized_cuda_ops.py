@@ -1,5 +1,5 @@
 """The CUDA quantized linears (vlinfer/ops/cuda_quant.py via CudaOps) on CPU tensors: our Triton kernels
-(kernels/triton/int8_gemm.py, weight_only_gemm.py) under the Triton interpreter, against quant_reference.
+(vlinfer/ops/kernels/triton/int8_gemm.py, weight_only_gemm.py) under the Triton interpreter, against quant_reference.
 
 Tolerances (max |ours - reference| / max |reference|): W8A8 codes and integer products are exact and the epilogue
 follows the reference's order, so float32 results are equal and bf16 within one rounding (1e-2). Weight-only: the

@@ -11,7 +11,7 @@ from images import picture
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine import SchedulerOutput
 from vlinfer.multimodal import Qwen3VLImageProcessor
-from vlinfer.tiny_checkpoints import build_tiny_qwen3_vl
+from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
 
 NUM_NEW = 32
 IMAGE = 151655
@@ -184,7 +184,7 @@ def test_chat_with_image_parts_and_per_request_pixels(checkpoint):
     assert all(h * w <= 128 * 128 for h, w in (i["size"] for i in out.images))
     text = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "What differs?"}]}],
-        tokenize=False, add_generation_prompt=True, chat_template=llm.engine.chat_template)
+        tokenize=False, add_generation_prompt=True, chat_template=llm.engine.input_processor.chat_template)
     ids, kwargs = hf_inputs(llm, text, [IMG_A, IMG_B], max_pixels=128 * 128)
     assert out.outputs[0].token_ids == hf_greedy(model, ids, kwargs)
     assert_block_pool_empty(llm)

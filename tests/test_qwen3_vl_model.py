@@ -8,7 +8,7 @@ from transformers import Qwen3VLConfig
 from transformers import Qwen3VLForConditionalGeneration as HFQwen3VL
 
 from vlinfer.layers import Attention, ForwardContext, ModelContext
-from vlinfer.model_loader import ModelSource, iterate_weights
+from vlinfer.loading import ModelSource, iterate_weights
 from vlinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from vlinfer.multimodal.mrope import mrope_positions  # noqa: E402
 from vlinfer.ops.cpu import CpuOps  # noqa: E402

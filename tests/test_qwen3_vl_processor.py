@@ -23,7 +23,7 @@ def llm():
 @pytest.fixture(scope="module")
 def hf(llm):
     """transformers' processor for the embedded checkpoint, with the chat template the engine uses."""
-    return hf_qwen3_vl_processor(llm.engine.source.folder, llm.engine.chat_template)
+    return hf_qwen3_vl_processor(llm.engine.source.folder, llm.engine.input_processor.chat_template)
 
 
 def ours(llm, prompt: str, images: list, **mm_kwargs) -> tuple[list[int], torch.Tensor, torch.Tensor]:
@@ -31,7 +31,7 @@ def ours(llm, prompt: str, images: list, **mm_kwargs) -> tuple[list[int], torch.
     request = {"prompt": prompt, "multi_modal_data": {"image": images}}
     if mm_kwargs:
         request["mm_processor_kwargs"] = mm_kwargs
-    _, token_ids, extra = llm.engine.process_prompt(request)
+    _, token_ids, extra = llm.engine.input_processor.process_prompt(request)
     items = extra.get("mm_items", [])
     grids = torch.stack([item.data["grid_thw"] for item in items]) if items else torch.zeros(0, 3, dtype=torch.long)
     pixels = torch.cat([item.data["pixel_values"] for item in items]) if items else torch.zeros(0)
@@ -110,7 +110,7 @@ def test_chat_messages(llm, hf):
                 {"role": "user", "content": [{"type": "image", "image": images[1]},
                                              {"type": "text", "text": "And this one?"}]}]
     prompt = llm.engine.chat_prompt(messages)
-    _, token_ids, extra = llm.engine.process_prompt(prompt)
+    _, token_ids, extra = llm.engine.input_processor.process_prompt(prompt)
     ref = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt",
                                  add_generation_prompt=True)
     assert token_ids == ref["input_ids"][0].tolist()

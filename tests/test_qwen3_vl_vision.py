@@ -6,7 +6,8 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from vlinfer.layers import ModelContext
 from vlinfer.models.qwen3_vl_vision import Qwen3VLVisionModel, split_image_embeds
 from vlinfer.ops.cpu import CpuOps
-from vlinfer.multimodal.mrope import mrope_cos_sin, mrope_positions
+from vlinfer.layers.rotary import mrope_cos_sin
+from vlinfer.multimodal.mrope import mrope_positions
 
 IMAGE, VSTART, VEND, VIDEO = 190, 191, 192, 193
 MERGE = 2

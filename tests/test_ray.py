@@ -23,7 +23,7 @@ from PIL import Image
 
 from conftest import sigkill_after_lines
 from vlinfer import LLM, SamplingParams
-from vlinfer.caption import caption_files, collect_images
+from vlinfer.captioning import caption_files, collect_images
 from vlinfer.integrations import MissingDependencyError
 
 pytestmark = pytest.mark.slow
@@ -233,7 +233,7 @@ def test_serve_replicas_answer_and_survive_a_kill(cluster, images):
 
 def test_without_ray_the_flags_say_what_to_install(monkeypatch, tmp_path, capsys):
     import builtins
-    from vlinfer.__main__ import main
+    from vlinfer.cli import main
     real_import = builtins.__import__
 
     def no_ray(name, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""Sampling, proven: each option of vlinfer/layers/sampler.py against transformers' logits processors on the same
+"""Sampling, proven: each option of vlinfer/engine/sampler.py against transformers' logits processors on the same
 logits (presence / frequency penalties against vLLM's and OpenAI's definition), one step at a time and as one chain;
 the draws against the processed distribution; logprobs against transformers' model along the generated path; and
 logit_bias / allowed_token_ids / bad_words / stop_token_ids / ignore_eos / min_tokens from SamplingParams to the
@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
 
 from vlinfer import LLM, RequestError, SamplingParams
 from vlinfer.engine.sequence import Sequence
-from vlinfer.layers import sampler
+from vlinfer.engine import sampler
 
 VOCAB = 50
 EOS = {2}
@@ -403,7 +403,7 @@ def test_bad_words_are_tokenized_as_vllm_does(llm):
     """Each word as the start of the text and after a space (mid-text); on the Qwen tokenizer "inon" is [in][on]
     and [ in][on], "a" is [a] and [ a], all ids inside the tiny model's head. A word the model cannot spell is
     dropped (here: ids past its 512-token head)."""
-    token_ids = llm.engine.sampling_token_ids
+    token_ids = llm.engine.input_processor.sampling_token_ids
     assert token_ids(SamplingParams(bad_words=["inon"])) == [[258, 263], [304, 263]]
     assert token_ids(SamplingParams(bad_words=["a", " inon"])) == [[64], [264], [258, 263], [304, 263]]
     assert token_ids(SamplingParams(bad_words=["hello world"])) == []

@@ -1,4 +1,4 @@
-"""The server under load, run as `python -m vlinfer.serve` in its own process (so its RSS is its own, not the test
+"""The server under load, run as `python -m vlinfer serve` in its own process (so its RSS is its own, not the test
 runner's) and inspected through /metrics: 64 concurrent streaming clients with images get the same greedy answers as
 offline LLM.generate, and afterwards the KV pool and encoder cache are empty and the server's RSS is back where it
 was; clients that hang up mid-stream, or stop waiting for a non-streamed answer, leave nothing running."""
@@ -60,7 +60,7 @@ def served(tmp_path_factory):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "vlinfer.serve", "--model", MODEL, *SERVER_ARGS, "--port",
+        proc = subprocess.Popen([sys.executable, "-m", "vlinfer", "serve", "--model", MODEL, *SERVER_ARGS, "--port",
                                  str(port), "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own process group: _stop ends all of it
     url = f"http://127.0.0.1:{port}"

@@ -242,7 +242,7 @@ def test_mask_thread_gives_the_masks_of_the_loop_thread(tiny_vl):
 
 
 def test_caption_cli_with_a_json_schema(tmp_path):
-    from vlinfer.__main__ import main
+    from vlinfer.cli import main
     schema_file = tmp_path / "schema.json"
     # llguidance's own schema key: no free whitespace (the random-weight model would pad with it).
     schema_file.write_text(json.dumps({**LABEL, "x-guidance": {"whitespace_flexible": False}}))
@@ -284,7 +284,7 @@ def test_token_bitmask_unpacks_and_masks_only_its_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_bitmask_kernel_equals_the_reference(dtype):
-    """The CPU op table's kernel (kernels/cpu/paged_ops.cpp) against ops/token_bitmask_reference.py: random masks
+    """The CPU op table's kernel (vlinfer/ops/kernels/cpu/paged_ops.cpp) against ops/token_bitmask_reference.py: random masks
     with all-ones and all-zeros words, a vocabulary that is not a multiple of 32, logits wider than the mask, only
     some rows constrained and out of order."""
     from vlinfer.ops.cpu import CpuOps

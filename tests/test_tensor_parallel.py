@@ -182,7 +182,7 @@ def test_two_tp_engines_at_once(tp_engines, references):
 def test_qwen3_vl_with_images_matches_transformers_and_one_rank(tmp_path_factory):
     from transformers import Qwen3VLForConditionalGeneration
     from test_qwen3_vl_engine import CASES, hf_greedy as hf_vl_greedy, hf_inputs, requests
-    from vlinfer.tiny_checkpoints import build_tiny_qwen3_vl
+    from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
     path = build_tiny_qwen3_vl(str(tmp_path_factory.mktemp("vl-kv1")), seed=0, num_heads=4, num_kv_heads=1,
                                head_dim=32, mrope_section=(6, 5, 5), vision_depth=2, deepstack_visual_indexes=[0, 1],
                                tie_word_embeddings=False)

@@ -16,7 +16,7 @@ from vlinfer import LLM, RequestError, SamplingParams
 from vlinfer.engine import SchedulerOutput
 from vlinfer.multimodal.video_io import VideoLimits, VideoLoadError, load_video
 from vlinfer.multimodal.video_processor import Qwen3VLVideoProcessor, VideoOptions, video_smart_resize
-from vlinfer.tiny_checkpoints import build_tiny_qwen3_vl
+from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
 
 NUM_NEW = 32
 VIDEO_PAD = 151656
@@ -89,7 +89,7 @@ def hf_processor(folder):
     folder: loading the tokenizer costs seconds)."""
     from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor as HF
-    from vlinfer.tiny_checkpoints import qwen_tokenizer_files
+    from vlinfer.toy.tiny_checkpoints import qwen_tokenizer_files
     return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(folder),
                             tokenizer=AutoTokenizer.from_pretrained(qwen_tokenizer_files()),
                             video_processor=HF.from_pretrained(folder))
@@ -154,7 +154,7 @@ def test_prompt_logits_match_transformers(checkpoints, llm, shape):
         assert engine.block_manager.allocate(seq, seq.num_tokens)
         ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens]))
         ids, kwargs = hf_inputs(path, text, images, videos)
-        assert ids[0].tolist() == seq.token_ids  # the same expansion, timestamps and outer vision_start/end
+        assert ids[0].tolist() == seq.token_ids  # the same expansion and timestamps, the template's pair replaced
         with torch.no_grad():
             ref = model(input_ids=ids, **kwargs).logits[0]
         assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
@@ -322,7 +322,7 @@ def hostile_cases():
 @pytest.fixture
 def limits(llm):
     """Sets the shared engine's video limits for one test, then puts its own back."""
-    videos = llm.engine.input_processor.videos
+    videos = llm.engine.input_processor.mm_processor.videos
     own = videos.limits
     yield lambda new: setattr(videos, "limits", new)
     videos.limits = own

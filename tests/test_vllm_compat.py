@@ -305,6 +305,31 @@ def test_truncate_prompt_tokens_keeps_the_last_k(text_llm):
     assert_block_pool_empty(text_llm)
 
 
+def test_truncation_decodes_and_preprocesses_each_image_once(vl_llm, monkeypatch):
+    """A cut prompt is re-expanded over the pixels already preprocessed: one decode, one preprocessing."""
+    from vlinfer.multimodal import processor as mm_module
+    tok, mm = vl_llm.tokenizer, vl_llm.engine.input_processor.mm_processor
+    vision = tok.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    ids = tok("A preamble to be cut. " * 4).input_ids + vision + tok(" Describe it.").input_ids
+    calls = {"decode": 0, "preprocess": 0}
+    load_image, preprocess = mm_module.load_image, mm.image_processor
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(mm_module, "load_image", counted("decode", load_image))
+    monkeypatch.setattr(mm, "image_processor", counted("preprocess", preprocess))
+    full = vl_llm.engine.make_sequence({"prompt_token_ids": ids, "multi_modal_data": {"image": [picture(64, 64)]}})
+    calls.update(decode=0, preprocess=0)
+    cut = vl_llm.engine.make_sequence({"prompt_token_ids": ids, "multi_modal_data": {"image": [picture(64, 64)]}},
+                                      SamplingParams(truncate_prompt_tokens=full.num_prompt_tokens - 10))
+    assert cut.token_ids == full.token_ids[10:]
+    assert calls == {"decode": 1, "preprocess": 1}
+
+
 def test_truncate_prompt_tokens_with_an_image(vl_llm):
     tok, engine = vl_llm.tokenizer, vl_llm.engine
     vision = tok.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])

@@ -1,4 +1,4 @@
-"""Trains vlinfer's embedded Qwen3-VL on the drawn scenes of vlinfer/scenes.py, with transformers' own
+"""Trains vlinfer's embedded Qwen3-VL on the drawn scenes of vlinfer/toy/scenes.py, with transformers' own
 Qwen3VLForConditionalGeneration (autograd lives here; vlinfer stays inference-only), the real Qwen3 tokenizer and
 the Qwen3-VL chat template vlinfer ships. Run once by the maintainers, not at install:
 
@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vlinfer import embedded_vl as embedded  # noqa: E402
-from vlinfer import scenes  # noqa: E402
-from vlinfer.tiny_checkpoints import QWEN3_VL_SPECIAL, qwen_tokenizer_files, tiny_qwen3_vl_config  # noqa: E402
+from vlinfer.toy import embedded  # noqa: E402
+from vlinfer.toy import scenes  # noqa: E402
+from vlinfer.toy.tiny_checkpoints import QWEN3_VL_SPECIAL, qwen_tokenizer_files, tiny_qwen3_vl_config  # noqa: E402
 
 TRAIN_SEED = 1  # scenes seed of the shipped run; EVAL_SEED (never trained on) is in vlinfer.embedded
 VOCAB_SEED = 7  # scenes whose texts define the world's vocabulary (with every prompt and answer form)

@@ -1,11 +1,30 @@
-"""vlinfer: a small inference engine for vision-language and language models."""
-from vlinfer.engine.llm_engine import LLMEngine
-from vlinfer.llm import LLM
-from vlinfer.model_loader import ModelNotFoundError
-from vlinfer.pipeline import Pipeline
-from vlinfer.outputs import CompletionOutput, RequestError, RequestOutput
-from vlinfer.sampling_params import SamplingParams, StructuredOutputsParams
+"""vlinfer: a small inference engine for vision-language and language models.
+
+The public face: LLM and Pipeline, SamplingParams and StructuredOutputsParams, the outputs, the engine and its
+errors. Each is imported on first use, so `import vlinfer.multimodal` (or any other room) loads that room alone."""
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "Pipeline", "CompletionOutput", "LLMEngine", "ModelNotFoundError", "RequestError", "RequestOutput", "SamplingParams",
-           "StructuredOutputsParams"]
+_PUBLIC = {
+    "LLM": "vlinfer.llm",
+    "Pipeline": "vlinfer.pipeline",
+    "SamplingParams": "vlinfer.sampling_params",
+    "StructuredOutputsParams": "vlinfer.sampling_params",
+    "CompletionOutput": "vlinfer.outputs",
+    "RequestError": "vlinfer.outputs",
+    "RequestOutput": "vlinfer.outputs",
+    "EngineConfig": "vlinfer.config",
+    "LLMEngine": "vlinfer.engine",
+    "ModelNotFoundError": "vlinfer.loading",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'vlinfer' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_PUBLIC])

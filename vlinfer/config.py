@@ -13,7 +13,7 @@ MIN_FITTED_MODEL_LEN = 2048
 # pool it measures. At least MIN_BATCHED_TOKENS, so short-context models still batch several prompts per step.
 DEFAULT_MAX_BATCHED_TOKENS = 8192
 MIN_BATCHED_TOKENS = 2048
-# The KV budget when neither kv_cache_bytes nor memory_utilization is given (ModelRunner.num_blocks_for_budget).
+# The KV budget when neither kv_cache_bytes nor memory_utilization is given (engine/sizing.py).
 CPU_DEFAULT_MEMORY_UTILIZATION = 0.4  # of the RAM still free after the weights are loaded
 ACCELERATOR_DEFAULT_MEMORY_UTILIZATION = 0.9  # of the device's total memory (weights and a profiled step included)
 # The CLI, the server and the demo run at the model's own context length, at most this (max_model_len_cap), when
@@ -31,8 +31,10 @@ def default_batched_tokens(max_model_len: int) -> int:
     return max(min(max_model_len, DEFAULT_MAX_BATCHED_TOKENS), MIN_BATCHED_TOKENS)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
+    """What the user asked for, checked when made and never changed after: engine/sizing.py resolves it, the model
+    and the machine into a ResolvedConfig."""
     model: str
     device: str | torch.device = "auto"
     dtype: str | torch.dtype = "auto"
@@ -93,3 +95,21 @@ class EngineConfig:
         method = self.distributed_init_method
         if method is not None and not (isinstance(method, str) and method.startswith(INIT_SCHEMES)):
             raise ValueError(f"distributed_init_method must be None, 'tcp://host:port' or 'env://', got {method!r}")
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """What one engine runs with, resolved once from its EngineConfig, the model and the machine (engine/sizing.py).
+    Frozen: the scheduler, the model runner, graph capture and the server read it, and nothing changes or
+    re-derives a value after."""
+    dtype: torch.dtype  # the compute dtype of weights, activations and the KV cache
+    max_model_len: int  # the longest sequence (prompt + output) a request may reach
+    block_size: int  # tokens per KV block
+    max_num_batched_tokens: int  # tokens per engine step
+    max_num_seqs: int  # sequences per engine step
+    num_blocks: int  # KV blocks in the pool (per rank: each holds its KV heads of every block)
+    bytes_per_block: int  # one block's K and V over every layer, on one rank
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_blocks * self.block_size

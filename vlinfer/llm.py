@@ -3,7 +3,8 @@ from collections import Counter
 
 from tqdm.auto import tqdm
 
-from vlinfer.engine.llm_engine import LLMEngine, PromptType
+from vlinfer.engine.llm_engine import LLMEngine
+from vlinfer.inputs import PromptType
 from vlinfer.outputs import RequestError, RequestOutput
 from vlinfer.sampling_params import SamplingParams
 

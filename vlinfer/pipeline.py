@@ -2,6 +2,7 @@
 from collections.abc import Iterable, Iterator
 
 from vlinfer.config import ANSWER_MAX_TOKENS
+from vlinfer.inputs.limits import text_only
 from vlinfer.llm import LLM
 from vlinfer.sampling_params import SamplingParams
 
@@ -41,8 +42,7 @@ class Pipeline:
         """One user turn: the images and videos first, then the text (the layout Qwen3-VL was trained on)."""
         images, videos = list(images or []), list(videos or [])
         if (images or videos) and not self.is_multimodal:
-            raise ValueError(f"model {self.model!r} is a text-only model and does not accept "
-                             f"{'images' if images else 'videos'}")
+            raise ValueError(text_only(self.model, "images" if images else "videos"))
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         parts = [{"type": "image", "image": image} for image in images] + \
@@ -101,7 +101,7 @@ class Pipeline:
         """Captions in input order. An image that cannot be read raises RequestError naming it after the others
         finished (their captions are in the error's outputs)."""
         if not self.is_multimodal:
-            raise ValueError(f"model {self.model!r} is a text-only model and cannot caption images")
+            raise ValueError(text_only(self.model, "images"))
         params = self.sampling_params(sampling_params, **sampling)
         images = list(images)
         captions = []

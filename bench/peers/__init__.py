@@ -45,13 +45,42 @@ def not_installed(name: str) -> str:
     return f"{label(name)}: not installed (make peers)"
 
 
+def usable(name: str, model: str) -> bool:
+    """Whether this peer can run `model` here; says why not otherwise, so a benchmark runs the rest without it.
+    vLLM's peer runs text models; llama.cpp's reads a GGUF."""
+    from vlinfer import loading
+    if python(name) is None:
+        print(not_installed(name), flush=True)
+        return False
+    if name == "vllm" and not is_text_model(model):
+        print(f"{label(name)}: skipped ({model} is not a text-only model; the peer runs text models)", flush=True)
+        return False
+    if name == "llama.cpp" and not loading.resolve_model(model).gguf_file:
+        print(f"{label(name)}: skipped ({model} is not a GGUF; the peer reads GGUF files)", flush=True)
+        return False
+    return True
+
+
+def try_run(name: str, request: dict) -> dict | None:
+    """run(name, request), or None after printing why it failed. vLLM's start is announced: it compiles for minutes
+    before its first line of output."""
+    if name == "vllm":
+        print(f"{label(name)}: starting (its start-up compiles for a few minutes; log {cache_dir()}/peer-{name}.log)",
+              flush=True)
+    try:
+        return run(name, request)
+    except PeerError as e:
+        print(e, flush=True)
+        return None
+
+
 def cpus(threads: int) -> str:
     """The first `threads` CPUs this process may run on, as a list vLLM's VLLM_CPU_OMP_THREADS_BIND takes."""
     return ",".join(map(str, sorted(os.sched_getaffinity(0))[:threads]))
 
 
 def cache_dir() -> str:
-    from vlinfer.model_loader import cache_dir as vlinfer_cache
+    from vlinfer.loading import cache_dir as vlinfer_cache
     path = vlinfer_cache()
     os.makedirs(path, exist_ok=True)
     return path
@@ -86,14 +115,14 @@ def run(name: str, request: dict, timeout: float = 3600) -> dict:
 
 
 def is_text_model(model: str) -> bool:
-    from vlinfer import model_loader
-    config = model_loader.load_config(model_loader.resolve_model(model))
+    from vlinfer import loading
+    config = loading.load_config(loading.resolve_model(model))
     return all(a.endswith("ForCausalLM") for a in config.architectures or ["?"])
 
 
 def _gguf_source(model: str):
-    from vlinfer import model_loader
-    source = model_loader.resolve_model(model)
+    from vlinfer import loading
+    source = loading.resolve_model(model)
     if not source.gguf_file:
         raise PeerError(f"model {model!r} is not a GGUF; the peers' inputs are written from the SmolLM2 GGUF")
     return source
@@ -105,13 +134,13 @@ def dense_model(model: str, dtype: str):
     refuses save_pretrained), so the weights go through vlinfer's loader into a model built from the config."""
     import torch
     from transformers import AutoModelForCausalLM
-    from vlinfer import model_loader
-    source = model_loader.resolve_model(model)
+    from vlinfer import loading
+    source = loading.resolve_model(model)
     if not source.gguf_file:
         return AutoModelForCausalLM.from_pretrained(source.path, dtype=getattr(torch, dtype))
-    config = model_loader.load_config(source)
+    config = loading.load_config(source)
     dense = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    state = dict(model_loader.iterate_weights(source, config))
+    state = dict(loading.iterate_weights(source, config))
     missing, unexpected = dense.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     dense.tie_weights()
@@ -134,9 +163,9 @@ def hf_folder(model: str = "smollm2") -> str:
     """The model's GGUF dequantized to float32 and saved as a Hugging Face folder (safetensors, config, tokenizer),
     for vLLM (a model that already is such a folder is used as it is). rope_theta is also written flat in
     config.json for readers that predate transformers 5's rope_parameters."""
-    from vlinfer import model_loader
-    if not model_loader.resolve_model(model).gguf_file:
-        return model_loader.resolve_model(model).folder
+    from vlinfer import loading
+    if not loading.resolve_model(model).gguf_file:
+        return loading.resolve_model(model).folder
     source = _gguf_source(model)
     stem = os.path.splitext(source.gguf_file)[0]
 

@@ -1,5 +1,5 @@
 """Draws the example images with PIL, from shapes only, so the project owns them outright. They are scenes of the
-world the embedded toy Qwen3-VL was trained on (vlinfer/scenes.py).
+world the embedded toy Qwen3-VL was trained on (vlinfer/toy/scenes.py).
 
     python examples/images/draw.py      # rewrites the PNGs next to this file
 
@@ -11,14 +11,14 @@ import os
 
 from PIL import Image
 
-from vlinfer import scenes
+from vlinfer.toy import scenes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 W, H = 320, 240
 
 
 def _scene(background: str, *objects) -> Image.Image:
-    """A scene of the embedded toy model's world (vlinfer/scenes.py): (shape, colour, grid cell, size) per object,
+    """A scene of the embedded toy model's world (vlinfer/toy/scenes.py): (shape, colour, grid cell, size) per object,
     cells 0..8 of the 3 x 3 layout read row by row, size as a fraction of the cell (0.28 .. 0.44 in training)."""
     cell_w, cell_h = W / scenes.GRID, H / scenes.GRID
     placed = tuple(scenes.SceneObject(shape, colour, (cell % scenes.GRID + 0.5) * cell_w,

@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 
 from vlinfer.distributed.comm import (ParallelConfig, TensorParallelError, connect_store, control_channel,
                                       device_group, host_store, rank_device)
+from vlinfer.platform import cores_per_rank
 
 logger = logging.getLogger("vlinfer")
 
@@ -48,7 +49,6 @@ class _State:
         self.in_step = False  # between sending a step and finishing it: ranks may be mid-collective
         self.closed = False
         self.lock = threading.Lock()
-        self.restore_threads: int | None = None  # rank 0's torch thread count before a CPU engine lowered it
 
 
 def _worker_error(store, rank: int) -> str | None:
@@ -103,8 +103,6 @@ def _shutdown(state: _State, polite: bool = True) -> None:
             pass
     state.channel = state.group = state.store = None
     _LIVE.discard(state)
-    if state.restore_threads is not None and not _LIVE:
-        torch.set_num_threads(state.restore_threads)
     if not _LIVE:
         _restore_sigterm_handler()
 
@@ -159,8 +157,11 @@ def _watchdog(state_ref) -> None:
 
 
 class TPDriver:
-    def __init__(self, parallel: ParallelConfig, device_type: str):
+    def __init__(self, parallel: ParallelConfig, device_type: str, worker_main):
+        """worker_main(url, rank, world, parallel, parent_pid): what each spawned worker process runs (the engine's
+        worker loop, vlinfer/engine/worker.py; passed in, since the engine sits above this package)."""
         parallel.check_world()
+        self.worker_main = worker_main
         self.parallel = parallel
         self.world = parallel.tensor_parallel_size
         self.step_timeout = timedelta(seconds=parallel.distributed_timeout_s)
@@ -173,15 +174,13 @@ class TPDriver:
         # All ranks share one host's memory when spawned; externally, LOCAL_WORLD_SIZE ranks share a node.
         self.local_world_size = self.world if not parallel.launched_externally else \
             int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if self.device.type == "cpu":
-            # The ranks on this host share its cores. More intra-op threads than cores is far slower than fewer:
-            # measured here (2 cores, TP=2, batch 8) 49 tok/s with rank 0 at 2 threads, 74 tok/s at 1.
-            threads = max(1, (os.cpu_count() or 1) // self.local_world_size)
-            if torch.get_num_threads() > threads:
-                self.state.restore_threads = torch.get_num_threads()
-                logger.info("tensor parallel on cpu: %d intra-op threads per rank (was %d)", threads,
-                            torch.get_num_threads())
-                torch.set_num_threads(threads)
+        if self.device.type == "cpu" and torch.get_num_threads() > cores_per_rank(self.local_world_size):
+            # The ranks on this host share its cores, and more intra-op threads than cores is far slower than
+            # fewer; the thread count is the process owner's to set (docs/tensor-parallel.md), never a side effect.
+            logger.warning("tensor parallel on cpu: rank 0 runs %d intra-op threads while %d ranks share %d cores; "
+                           "give it %d (torch.set_num_threads, before LLM(...); the CLI's --num-threads does it)",
+                           torch.get_num_threads(), self.local_world_size, os.cpu_count() or 1,
+                           cores_per_rank(self.local_world_size))
         self.url = parallel.init_method()
         try:
             if not parallel.launched_externally:
@@ -197,10 +196,9 @@ class TPDriver:
     def _spawn(self) -> None:
         state = self.state
         state.store, self.url = host_store(self.url, self.startup_timeout)
-        from vlinfer.engine.worker import spawned_worker_main
         context = mp.get_context("spawn")
         for rank in range(1, self.world):
-            proc = context.Process(target=spawned_worker_main, name=f"vlinfer-tp-worker-{rank}", daemon=True,
+            proc = context.Process(target=self.worker_main, name=f"vlinfer-tp-worker-{rank}", daemon=True,
                                    args=(self.url, rank, self.world, self.parallel, os.getpid()))
             proc.start()
             state.procs[rank] = proc

@@ -4,7 +4,7 @@ from vlinfer.engine.engine_loop import EngineLoop, RequestStream
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.engine.model_runner import ModelRunner
 from vlinfer.engine.scheduler import Scheduler, SchedulerOutput
-from vlinfer.engine.sequence import MultiModalItem, Sequence, SequenceStatus
+from vlinfer.engine.sequence import Sequence, SequenceStatus
 
-__all__ = ["BlockManager", "EngineLoop", "RequestStream", "LLMEngine", "ModelRunner", "MultiModalItem", "Scheduler", "SchedulerOutput",
+__all__ = ["BlockManager", "EngineLoop", "RequestStream", "LLMEngine", "ModelRunner", "Scheduler", "SchedulerOutput",
            "Sequence", "SequenceStatus", "hash_block"]

@@ -11,85 +11,18 @@ from dataclasses import dataclass
 
 import torch
 
-from vlinfer import model_loader, platform
-from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, CPU_DEFAULT_MEMORY_UTILIZATION, MIN_FITTED_MODEL_LEN,
-                            EngineConfig)
+from vlinfer import platform
+from vlinfer.config import EngineConfig
 from vlinfer.engine import graph_runner
+from vlinfer.engine.build_model import pack_weights
 from vlinfer.engine.encoder_cache import EncoderCache
+from vlinfer.engine.sampler import sample
 from vlinfer.engine.scheduler import SchedulerOutput
 from vlinfer.engine.sequence import Sequence
-from vlinfer.layers import Attention, ForwardContext, ModelContext, ParallelLMHead, VocabParallelEmbedding, sample
-from vlinfer.layers.fused_moe import FusedMoE
+from vlinfer.layers import Attention, ForwardContext, ModelContext
 from vlinfer.layers.linear import LinearBase
-from vlinfer.layers.quantization import assign_methods, detect_quantization
-from vlinfer.layers.quantization.gguf import GgufQuantization, assign_gguf_embeddings
-from vlinfer.models import get_model_class
 
 logger = logging.getLogger("vlinfer")
-
-
-def load_model(source, hf_config, device: torch.device, dtype: torch.dtype, ctx: ModelContext,
-               quantization: str | None = None):
-    """Build the model on ctx's op table for ctx.tp's rank (its shard of every split layer) and load that shard:
-    split weights are read lazily, only the rank's rows or columns of each (model_loader.CheckpointSlice).
-    Each linear layer's quantization method is chosen from the checkpoint (or `quantization`, "int8" / "int4" on
-    load) before any weight is read, so a checkpoint vlinfer cannot run fails here, before the KV pool."""
-    model_cls = get_model_class(hf_config)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            net = model_cls(hf_config, ctx).eval()
-    finally:
-        torch.set_default_dtype(default_dtype)
-    tensors = model_loader.checkpoint_tensor_index(source)
-    quant = detect_quantization(hf_config, source.folder, tensors, quantization)
-    if quant is not None:
-        assign_methods(net, quant, tensors)
-    keep_gguf_blocks = isinstance(quant, GgufQuantization)  # else GGUF files are dequantized on load, as before
-    if keep_gguf_blocks:
-        assign_gguf_embeddings(net, tensors)
-    weights = model_loader.iterate_weights(source, hf_config, lazy=True, keep_gguf_blocks=keep_gguf_blocks)
-    read_before = model_loader.checkpoint_bytes_read
-    if hasattr(net, "load_weights"):  # models with more than one tower route their own tensors
-        net.load_weights(weights)
-    else:
-        model_loader.load_weights(net, weights)
-    net.checkpoint_bytes_read = model_loader.checkpoint_bytes_read - read_before  # reported by describe()
-    return net
-
-
-def pack_weights(model: torch.nn.Module) -> None:
-    """Give every linear layer and LM head the weight layout its op table prefers, once after loading; logged either
-    way, so a model left on plain weights says so."""
-    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
-    embeddings = [m.weight for m in model.modules()
-                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
-    packed = sum(layer.pack_weight() for layer in linears)
-    for head in (m for m in model.modules() if isinstance(m, ParallelLMHead)):
-        tied = any(head.weight is w for w in embeddings)
-        if head.pack_weight(tied) and tied:
-            logger.info("LM head tied to the embedding: a packed copy for the logits matmul (+%.0f MiB)",
-                        head.weight.numel() * head.weight.element_size() / 2 ** 20)
-    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    if experts:
-        packed_experts = sum(layer.pack_weight() for layer in experts)
-        logger.info("%d of %d MoE expert layers packed for %s", packed_experts, len(experts), experts[0].ops.name)
-    for decoder in (m for m in model.modules() if hasattr(m, "fuse_decode")):
-        if decoder.fuse_decode():
-            logger.info("decode steps run all %d decoder layers in one op call (%s)", len(decoder.layers),
-                        decoder.ctx.ops.name)
-        else:
-            logger.info("decode steps run the %d decoder layers module by module (%s has no fused form for them)",
-                        len(decoder.layers), decoder.ctx.ops.name)
-    if linears:
-        dtype = linears[0].params_dtype
-        if packed:
-            logger.info("%d of %d linear weights packed for %s (%s)", packed, len(linears), linears[0].ops.name,
-                        dtype)
-        else:
-            logger.info("linear layers keep plain %s weights (%s has no packed layout for them here)", dtype,
-                        linears[0].ops.name)
 
 
 @dataclass
@@ -110,8 +43,7 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model: torch.nn.Module, ctx: ModelContext,
-                 device: torch.device, dtype: torch.dtype, eos_token_ids: set[int], driver=None,
-                 grammar_matchers=None):
+                 device: torch.device, block_size: int, eos_token_ids: set[int], driver=None, grammar_matchers=None):
         self.config = config
         self.driver = driver  # rank 0 of a tensor-parallel engine: sends each step to the workers
         # Rank 0's structured-output masks (vlinfer/structured/matchers.py); workers never sample, so never mask.
@@ -121,8 +53,8 @@ class ModelRunner:
         self.model = model
         pack_weights(model)  # the op table's weight layout (e.g. oneDNN-packed linears on CPU)
         self.device = device
-        self.dtype = dtype
-        self.block_size = config.kvcache_block_size
+        self.dtype = ctx.dtype
+        self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.uses_mrope = getattr(model, "uses_mrope", False)
         self.encoder_cache = EncoderCache()
@@ -144,39 +76,9 @@ class ModelRunner:
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * len(self.attention_layers) * self.block_size * self.num_kv_heads * self.head_dim * element
 
-    def num_blocks_for_budget(self, max_model_len: int) -> int:
-        """KV blocks in the pool. With config.max_model_len given, the pool must hold one sequence of that length.
-        Without, max_model_len is the longest the engine may use and the pool may hold less, down to
-        MIN_FITTED_MODEL_LEN tokens: the engine then fits its max_model_len to the pool (LLMEngine._init)."""
-        cfg = self.config
-        per_seq = math.ceil(max_model_len / self.block_size)
-        useful = cfg.max_num_seqs * per_seq  # more blocks than every sequence at full length is waste
-        if cfg.kv_cache_bytes is not None:
-            budget = cfg.kv_cache_bytes
-        elif self.device.type == "cpu":
-            budget = (cfg.memory_utilization or CPU_DEFAULT_MEMORY_UTILIZATION) * platform.available_memory(self.device)
-            if self.driver is not None:  # the ranks on this host share its RAM (each holds its heads' blocks)
-                budget /= self.driver.local_world_size
-        else:
-            peak = self.profile_peak_memory(max_model_len)
-            fraction = cfg.memory_utilization or ACCELERATOR_DEFAULT_MEMORY_UTILIZATION
-            budget = fraction * platform.total_memory(self.device) - peak
-        num_blocks = max(0, min(int(budget // self.bytes_per_block) - self.num_dummy_blocks, useful))
-        holds = f"KV cache budget of {int(budget)} bytes holds {num_blocks} blocks of {self.block_size} tokens"
-        if cfg.max_model_len is not None and num_blocks < per_seq:
-            raise ValueError(f"{holds}, fewer than one sequence of max_model_len={max_model_len} needs ({per_seq}); "
-                             "raise kv_cache_bytes / memory_utilization, lower max_model_len, or leave it unset to "
-                             "fit it to the KV cache")
-        shortest = min(max_model_len, MIN_FITTED_MODEL_LEN)
-        if cfg.max_model_len is None and num_blocks * self.block_size < shortest:
-            raise ValueError(f"{holds}, fewer than {shortest} tokens, the shortest max_model_len vlinfer fits to the "
-                             f"KV cache; raise kv_cache_bytes / memory_utilization")
-        return num_blocks
-
     @torch.inference_mode()
-    def profile_peak_memory(self, max_model_len: int) -> int:
-        """Peak device memory of one full-budget prefill, with a throwaway cache just big enough for it."""
-        num_tokens = min(self.config.max_num_batched_tokens or max_model_len, max_model_len)
+    def profile_peak_memory(self, num_tokens: int) -> int:
+        """Peak device memory of one prefill step of num_tokens, with a throwaway cache just big enough for it."""
         seq = Sequence([0] * num_tokens, None)
         seq.block_table = list(range(math.ceil(num_tokens / self.block_size)))
         self.allocate_kv_cache(len(seq.block_table))
@@ -204,14 +106,15 @@ class ModelRunner:
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
-    def capture_graphs(self, max_model_len: int) -> None:
-        """Capture the decode graphs over the current KV pool, when this engine runs graph mode."""
+    def capture_graphs(self, resolved) -> None:
+        """Capture the decode graphs over the current KV pool for up to resolved.max_num_seqs sequences of up to
+        resolved.max_model_len tokens, when this engine runs graph mode."""
         if self.graph_backend is None:
             return
-        sizes = graph_runner.batch_sizes(self.config.max_num_seqs)
-        width = graph_runner.blocks_for(self.graph_backend, max_model_len, self.block_size, self.dtype)
-        graphs = graph_runner.GraphRunner(self.model, self.ctx, self.device, self.graph_backend, sizes, width, self.uses_mrope,
-                                          self.dummy_block, self.block_size)
+        sizes = graph_runner.batch_sizes(resolved.max_num_seqs)
+        width = graph_runner.blocks_for(self.graph_backend, resolved.max_model_len, self.block_size, self.dtype)
+        graphs = graph_runner.GraphRunner(self.model, self.ctx, self.device, self.graph_backend, sizes, width,
+                                          self.uses_mrope, self.dummy_block, self.block_size)
         try:
             graphs.capture()
         except Exception as e:  # out of memory after the KV pool, an op that syncs, ...

@@ -1,10 +1,10 @@
 """One request's state as the engine sees it: tokens, KV blocks, progress, sampling state, multimodal items."""
-from dataclasses import dataclass, field
 from enum import Enum, auto
 from itertools import count
 
 import torch
 
+from vlinfer.inputs import MultiModalItem
 from vlinfer.sampling_params import SamplingParams
 
 
@@ -12,21 +12,6 @@ class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
-
-
-@dataclass
-class MultiModalItem:
-    """One image, or one temporal group (frame pair) of a video, in a prompt: the placeholder run it fills and what
-    the encoder needs."""
-    modality: str
-    offset: int  # index of its first placeholder token in token_ids
-    length: int  # number of placeholder tokens it expands to
-    content_hash: int  # identifies the pixels: keys the encoder cache and folds into prefix-cache block hashes
-    data: dict = field(default_factory=dict)  # encoder inputs, e.g. pixel_values and grid_thw
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
 
 
 class Sequence:

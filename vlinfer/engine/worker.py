@@ -25,6 +25,7 @@ from vlinfer import ops
 from vlinfer.config import EngineConfig
 from vlinfer.distributed.comm import (IDLE_TIMEOUT, ParallelConfig, connect_store, control_channel, device_group,
                                       rank_device)
+from vlinfer.platform import cores_per_rank, set_process_threads
 
 logger = logging.getLogger("vlinfer")
 
@@ -62,12 +63,14 @@ def serve(url: str, rank: int, world: int, local_rank: int, parallel: ParallelCo
 
 
 def _build(init: dict, device: torch.device, group):
-    from vlinfer.engine.model_runner import ModelRunner, load_model
+    from vlinfer.engine.build_model import load_model
+    from vlinfer.engine.model_runner import ModelRunner
     from vlinfer.layers import ModelContext
     config = init["config"]
-    ctx = ModelContext(ops.select(device.type, forced=config.ops), group, expert_parallel=config.enable_expert_parallel)
-    model = load_model(init["source"], init["hf_config"], device, init["dtype"], ctx, config.quantization)
-    return ModelRunner(config, init["hf_config"], model, ctx, device, init["dtype"], set())
+    ctx = ModelContext(ops.select(device.type, forced=config.ops), group, expert_parallel=config.enable_expert_parallel,
+                       dtype=init["dtype"])
+    model = load_model(init["source"], init["hf_config"], device, ctx, config.quantization)
+    return ModelRunner(config, init["hf_config"], model, ctx, device, init["block_size"], set())
 
 
 def _loop(channel, runner, rank: int) -> None:
@@ -132,8 +135,8 @@ def spawned_worker_main(url: str, rank: int, world: int, parallel: ParallelConfi
     # Ctrl-C in a terminal reaches the whole process group; rank 0 decides when its workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(parent_pid)
-    if torch.get_num_threads() > 1:  # the ranks share this host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if torch.get_num_threads() > cores_per_rank(world):  # the ranks share this host's cores; this process is ours
+        set_process_threads(cores_per_rank(world))
     _serve_then_exit(url, rank, world, rank, parallel)
 
 

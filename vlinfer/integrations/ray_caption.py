@@ -1,14 +1,14 @@
 """Batch captioning on a Ray cluster: Ray Data streams rows of image paths through a pool of actors, each holding
 one vlinfer engine, and the driver writes the records as blocks come back.
 
-The guarantees are the single-process captioner's (vlinfer/caption.py): the output is the state. Every block that
+The guarantees are the single-process captioner's (vlinfer/captioning/): the output is the state. Every block that
 comes back is appended and fsync'ed (JSONL) or written as one part file, atomically (Parquet), before the next one
 is taken, so a killed job loses at most the blocks in flight, and `resume=True` skips every path already recorded.
 Blocks are sized to one engine batch, so "in flight" is at most a batch per replica plus Ray's small prefetch.
 
 Rows in: {"path": str} or {"path": str, "bytes": bytes} (the bytes are the image; the path names it), with
 optional "prompt" (str) and "sampling" (a JSON object of SamplingParams fields) overriding the job's defaults.
-Rows out: the caption records of caption.make_record (path, caption, tokens, size, num_image_tokens, error), in
+Rows out: the caption records of captioning.make_record (path, caption, tokens, size, num_image_tokens, error), in
 input order within each block. A path that is not local (s3://, gs://, hdfs://, ...) is read on the actor through
 pyarrow's filesystems, the ones Ray Data reads tables from."""
 import json
@@ -17,9 +17,11 @@ import math
 import os
 import time
 
-from vlinfer.caption import (IMAGE_RECORD_FIELDS, CaptionInputError, CaptionSummary, check_output, error_record,
-                             image_limits, make_record, read_records)
+from vlinfer.captioning import (IMAGE_RECORD_FIELDS, CaptionInputError, CaptionSummary, check_output, error_record,
+                                image_limits, make_record, read_records)
+from vlinfer.inputs.limits import text_only
 from vlinfer.integrations import require_ray
+from vlinfer.platform import set_process_threads
 
 logger = logging.getLogger("vlinfer")
 
@@ -27,15 +29,11 @@ TABLE_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
 def parquet_schema():
-    """caption.IMAGE_RECORD_FIELDS as one pyarrow schema for every part (a field added there without a type here
-    fails at the first write, never dropped from the table)."""
+    """The caption record's field table (captioning.records.IMAGE_RECORD_FIELDS) as one pyarrow schema for every
+    part: a field added there is a column here."""
     import pyarrow as pa
-    types = {"path": pa.string(), "caption": pa.string(), "tokens": pa.int64(), "size": pa.list_(pa.int64()),
-             "num_image_tokens": pa.int64(), "error": pa.string()}
-    if set(types) != set(IMAGE_RECORD_FIELDS):
-        raise KeyError(f"Parquet types {sorted(types)} do not match the caption record's fields "
-                       f"{sorted(IMAGE_RECORD_FIELDS)}")
-    return pa.schema([(name, types[name]) for name in IMAGE_RECORD_FIELDS])
+    types = {"string": pa.string(), "int64": pa.int64(), "double": pa.float64(), "list<int64>": pa.list_(pa.int64())}
+    return pa.schema([(name, types[kind]) for name, kind in IMAGE_RECORD_FIELDS.items()])
 
 
 def _remote(path: str) -> bool:
@@ -54,13 +52,12 @@ class CaptionStage:
 
     def __init__(self, model: str, engine_options: dict, prompt: str, sampling: dict, max_pixels: int | None,
                  threads: int | None = None):
-        import torch
         from vlinfer import LLM
         if threads:  # an actor's share of the node's cores; torch would otherwise take them all
-            torch.set_num_threads(threads)
+            set_process_threads(threads)
         self.llm = LLM(model, **engine_options)
         if not self.llm.engine.is_multimodal:
-            raise ValueError(f"model {model!r} is a text-only model and cannot caption images")
+            raise ValueError(text_only(model, "images"))
         self.prompt, self.sampling = prompt, sampling
         self.mm_kwargs = image_limits(self.llm, max_pixels)
 
@@ -161,7 +158,7 @@ class _Writer:
 # ---- inputs ----
 def _input_dataset(ray, inputs: list[str], done: set[str], batch_size: int):
     """(dataset of rows still to caption, how many input paths, how many of them are already recorded)."""
-    from vlinfer.caption import collect_images
+    from vlinfer.captioning import collect_images
     tables = [i for i in inputs if i.lower().rstrip("/").endswith(TABLE_SUFFIXES)]
     if tables and len(tables) != len(inputs):
         raise CaptionInputError("give either tables of paths (.parquet/.jsonl) or images/folders/globs, not both")
@@ -205,7 +202,7 @@ def caption_on_ray(inputs: list[str], out: str, *, model: str, engine_options: d
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("the caption prompt must be a non-empty string")
     ray = require_ray()
-    from vlinfer.model_loader import resolve_model
+    from vlinfer.loading import resolve_model
     resolve_model(model)  # a missing model fails here, not in every actor; the embedded one is built once, here
     done = {_key(r["path"]): r for r in _recorded(out, resume, overwrite)}
     if not ray.is_initialized():

@@ -12,6 +12,7 @@ import signal
 import threading
 
 from vlinfer.integrations import require_ray
+from vlinfer.platform import set_process_threads
 
 logger = logging.getLogger("vlinfer.serve")
 DEPLOYMENT = "vlinfer"
@@ -21,12 +22,11 @@ class EngineReplica:
     """One engine and its app; Serve calls __serve_build_asgi_app__ after the constructor."""
 
     def __init__(self, model: str, engine_options: dict, config, threads: int | None = None):
-        import torch
         from vlinfer.engine.engine_loop import EngineLoop
         from vlinfer.engine.llm_engine import LLMEngine
         from vlinfer.serve.app import build_app
         if threads:  # the replica's share of the node's cores
-            torch.set_num_threads(threads)
+            set_process_threads(threads)
         self.engine = LLMEngine(model, **engine_options)
         self.loop = EngineLoop(self.engine)
         self.asgi_app = build_app(self.loop, config)  # not `app`: the ingress wrapper has a property of that name
@@ -71,7 +71,7 @@ def start(model: str, engine_options: dict, config, replicas: int, host: str = "
     """Start (or join) the Ray cluster, Serve's proxy on host:port and the replicas; returns once all are up."""
     ray = require_ray()
     from ray import serve
-    from vlinfer.model_loader import resolve_model
+    from vlinfer.loading import resolve_model
     resolve_model(model)  # a missing model fails here, once; the embedded one is built once, here
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)

@@ -9,8 +9,7 @@ from vlinfer.layers.layernorm import RMSNorm
 from vlinfer.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                    ReplicatedLinear, RowParallelLinear, default_weight_loader)
 from vlinfer.layers.rotary import RotaryEmbedding, rope_inv_freq
-from vlinfer.layers.sampler import sample
 
 __all__ = ["Attention", "ColumnParallelLinear", "ForwardContext", "MergedColumnParallelLinear", "ParallelLMHead",
            "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
-           "VocabParallelEmbedding", "ModelContext", "default_weight_loader", "rope_inv_freq", "sample"]
+           "VocabParallelEmbedding", "ModelContext", "default_weight_loader", "rope_inv_freq"]

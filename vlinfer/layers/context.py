@@ -1,5 +1,5 @@
 """What the layers of one engine share: its op table, its tensor-parallel group and the current step's attention
-metadata. The model runner owns one ModelContext and passes it to every layer it builds; nothing here is global,
+metadata, and the dtype its parameters are built in. The model runner owns one ModelContext and passes it to every layer it builds; nothing here is global,
 so two engines in one process (or in two threads) never see each other's ops or steps."""
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +27,9 @@ class ModelContext:
     # MoE layers: each rank holds whole experts (EngineConfig.enable_expert_parallel) rather than a slice of every
     # expert's intermediate dimension.
     expert_parallel: bool = False
+    # The dtype every layer builds its parameters in: the engine's compute dtype. Passed here rather than through
+    # torch's default dtype, which is one per process: two engines building at once would see each other's.
+    dtype: torch.dtype = torch.float32
 
     def forward_context(self) -> ForwardContext:
         if self.step is None:

@@ -21,7 +21,8 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.shard_size = (num_embeddings + world - 1) // world
         self.vocab_start = self.tp.rank * self.shard_size
-        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim, dtype=ctx.dtype),
+                                   requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:

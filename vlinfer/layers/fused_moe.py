@@ -9,7 +9,7 @@ its up rows) and w2 [E_local, H, I_local]. Under tensor parallelism there are tw
 Either way one all-reduce sums the ranks. The router is small and replicated: every rank routes every token the
 same way.
 
-The loaders take checkpoint tensors (or lazy model_loader.CheckpointSlice objects) and read only this rank's
+The loaders take checkpoint tensors (or lazy loading.CheckpointSlice objects) and read only this rank's
 part: one expert's gate/up/down, or a layer's fused 3-D tensor in either of two layouts, decided by shape.
 
 Quantized experts (compressed-tensors W8A8 / W8A16 / W4A16, FP8 blocks, one expert projection per tensor set) open
@@ -51,9 +51,9 @@ class FusedMoE(nn.Module):
             self.local_intermediate = divide(intermediate_size, ctx.tp.size)
         self.gate = ReplicatedLinear(ctx, hidden_size, num_experts)  # the router; name as in the checkpoints
         e, i = self.num_local_experts, self.local_intermediate
-        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
-        # The model routes expert tensors here itself (load_expert / load_fused), not model_loader.load_weights.
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=ctx.dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i, dtype=ctx.dtype), requires_grad=False)
+        # The model routes expert tensors here itself (load_expert / load_fused), not loading.load_weights.
         self.w13_weight.loaded_by_owner = self.w2_weight.loaded_by_owner = True
         # (local expert, gate/up/down) already loaded: a checkpoint missing one is an error, not zeros.
         self._loaded = torch.zeros(e, 3, dtype=torch.bool, device="cpu")

@@ -1,7 +1,7 @@
 """Linear layers that know how to load their tensor-parallel shard. Each parameter carries a weight_loader that
 takes the checkpoint tensor (and, for fused layers, which part it is) and copies in this rank's slice.
 
-The checkpoint tensor may be a lazy slice (model_loader.CheckpointSlice): `.narrow` on it reads only the rows or
+The checkpoint tensor may be a lazy slice (loading.CheckpointSlice): `.narrow` on it reads only the rows or
 columns asked for from the file, so a rank never reads more than its shard of a split weight."""
 import torch
 from torch import nn
@@ -55,12 +55,12 @@ class LinearBase(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.full_input_size = input_size * ctx.tp.size if shard_dim == 1 else input_size
         self.shard_output_sizes = [output_size]  # this rank's rows of each fused shard (q, k, v / gate, up)
-        self.params_dtype = torch.get_default_dtype()  # the model's dtype: models are built under it
+        self.params_dtype = ctx.dtype  # the model's dtype, from its engine's context
         self.method = None  # a quantization LinearMethod; None: dense
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=ctx.dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=ctx.dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)

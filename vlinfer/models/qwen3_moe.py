@@ -5,14 +5,14 @@ Expert tensors come in three checkpoint layouts, told apart by name and then by 
 (`...mlp.experts.E.{gate,up,down}_proj.weight`, the Qwen3-MoE hub and what transformers' save_pretrained writes for
 it), or one fused 3-D tensor per layer (`...mlp.experts.{gate_up,down}_proj`) in transformers' in-memory layout or
 the Qwen3-VL-MoE hub's transposed one. They load straight into the fused layout of the MoE op, this rank's part
-only; every other tensor goes through model_loader.load_weights as in the dense models."""
+only; every other tensor goes through loading.load_weights as in the dense models."""
 import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from vlinfer import model_loader
+from vlinfer.loading import load_weights
 from vlinfer.layers import ModelContext, ParallelLMHead
 from vlinfer.layers.fused_moe import FusedMoE
 from vlinfer.models.llama import LlamaForCausalLM, LlamaModel
@@ -46,7 +46,7 @@ def moe_mlp_factory(ctx: ModelContext, config, renormalize: bool):
 
 def route_expert_tensors(model: nn.Module, weights: Iterable):
     """Loads the expert tensors of the stream into model's FusedMoE layers (found by their module names, which
-    mirror the checkpoint's) and yields every other tensor, for model_loader.load_weights."""
+    mirror the checkpoint's) and yields every other tensor, for loading.load_weights."""
     layers = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
     for name, tensor in weights:
         match = EXPERT_TENSOR.match(name)
@@ -89,7 +89,7 @@ class Qwen3MoeForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        model_loader.load_weights(self, route_expert_tensors(self, weights))
+        load_weights(self, route_expert_tensors(self, weights))
         check_experts_loaded(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

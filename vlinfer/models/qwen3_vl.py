@@ -12,12 +12,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from vlinfer import model_loader
 from vlinfer.layers import ModelContext, ParallelLMHead, rope_inv_freq
 from vlinfer.layers.linear import as_tensor
+from vlinfer.layers.rotary import mrope_cos_sin
+from vlinfer.loading import load_weights
 from vlinfer.models.llama import LlamaForCausalLM, LlamaModel
 from vlinfer.models.qwen3_vl_vision import Qwen3VLVisionModel, split_image_embeds
-from vlinfer.multimodal.mrope import mrope_cos_sin
 
 
 class MRotaryEmbedding(nn.Module):
@@ -88,7 +88,7 @@ class Qwen3VLModel(nn.Module):
 
 
 class _TextWeights(nn.Module):
-    """A view over the text half (language model + LM head) for vlinfer.model_loader.load_weights: it checks that
+    """A view over the text half (language model + LM head) for vlinfer.loading.load_weights: it checks that
     every parameter it sees is loaded, and the vision tower is loaded separately."""
 
     def __init__(self, owner: "Qwen3VLForConditionalGeneration"):
@@ -120,7 +120,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load an HF Qwen3-VL checkpoint stream: `model.visual.*` goes to the vision tower, the rest (names
-        `model.language_model.*`, `lm_head.weight`) through model_loader.load_weights with the fused mappings."""
+        `model.language_model.*`, `lm_head.weight`) through loading.load_weights with the fused mappings."""
         visual = self.model.visual
         visual_loaded: set[str] = set()
 
@@ -132,7 +132,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
                 else:
                     yield name, tensor
 
-        model_loader.load_weights(_TextWeights(self), text_weights(),
+        load_weights(_TextWeights(self), text_weights(),
                                   prefix_map={"model.language_model.": "language_model."})
         missing = [n for n, _ in (visual.named_parameters() if visual is not None else []) if n not in visual_loaded]
         if missing:

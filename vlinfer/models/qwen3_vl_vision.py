@@ -114,8 +114,8 @@ class Qwen3VLVisionMLP(nn.Module):
 class Qwen3VLVisionBlock(nn.Module):
     def __init__(self, ctx: ModelContext, config):
         super().__init__()
-        self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
-        self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6, dtype=ctx.dtype)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6, dtype=ctx.dtype)
         self.attn = Qwen3VLVisionAttention(ctx, config.hidden_size, config.num_heads)
         self.mlp = Qwen3VLVisionMLP(ctx, config.hidden_size, config.intermediate_size, config.hidden_act)
 
@@ -134,7 +134,8 @@ class Qwen3VLVisionPatchMerger(nn.Module):
         super().__init__()
         self.merged_dim = config.hidden_size * config.spatial_merge_size ** 2
         self.postshuffle_norm = postshuffle_norm
-        self.norm = nn.LayerNorm(self.merged_dim if postshuffle_norm else config.hidden_size, eps=1e-6)
+        self.norm = nn.LayerNorm(self.merged_dim if postshuffle_norm else config.hidden_size, eps=1e-6,
+                                 dtype=ctx.dtype)
         self.linear_fc1 = ReplicatedLinear(ctx, self.merged_dim, self.merged_dim, bias=True)
         self.linear_fc2 = ReplicatedLinear(ctx, self.merged_dim, config.out_hidden_size, bias=True)
 
@@ -164,7 +165,8 @@ class Qwen3VLVisionModel(nn.Module):
         # _weight: left uninitialized like every other parameter (the checkpoint fills it), so building the model
         # draws nothing from torch's global RNG, which belongs to the caller.
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size,
-                                      _weight=torch.empty(config.num_position_embeddings, config.hidden_size))
+                                      _weight=torch.empty(config.num_position_embeddings, config.hidden_size,
+                                                          dtype=ctx.dtype))
         self.num_grid_per_side = int(config.num_position_embeddings ** 0.5)
 
         # Axial rotary: head_dim/4 frequencies, used once for the row and once for the column coordinate.

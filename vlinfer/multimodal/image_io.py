@@ -7,8 +7,6 @@ act on, never a bare PIL exception.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import io
 import re
@@ -20,12 +18,13 @@ import PIL.Image
 import PIL.ImageOps
 import torch
 
-from vlinfer.multimodal.url_fetch import UrlFetchError, UrlPolicy, fetch_image_url_sync
+from vlinfer.inputs.limits import MAX_IMAGE_PIXELS, too_many_pixels
+from vlinfer.multimodal.source_open import open_string_source
+from vlinfer.multimodal.url_fetch import UrlPolicy
 
-# 128 Mi pixels (e.g. 16384 x 8192) decodes to ~400 MB of RGB: above any real photo, far below what a crafted
-# header can claim. PIL's own limits (warn above Image.MAX_IMAGE_PIXELS, raise above twice that) stay in force
-# under ours; a deployment that needs more must raise PIL's process-wide limit too.
-DEFAULT_MAX_IMAGE_PIXELS = 1 << 27
+# The table's limit (vlinfer/inputs/limits.py). PIL's own limits (warn above Image.MAX_IMAGE_PIXELS, raise above
+# twice that) stay in force under ours; a deployment that needs more must raise PIL's process-wide limit too.
+DEFAULT_MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
 
 _PIL_BOMB_PIXELS = re.compile(r"\((\d+) pixels\)")
 
@@ -53,19 +52,10 @@ def load_image(source, *, url_policy: UrlPolicy | None = None,
     if isinstance(source, Path):
         return _open_path(source, max_image_pixels)
     if isinstance(source, str):
-        head = source[:16].lower()
-        if head.startswith("data:"):
-            return _decode(_parse_data_uri(source), "data URI", max_image_pixels)
-        if head.startswith(("http://", "https://")):
-            if url_policy is None:
-                raise ImageLoadError("image URL loading is off (allow_image_urls=False); send the image inline as "
-                                     "a base64 data URI or bytes instead")
-            try:
-                data = fetch_image_url_sync(source, url_policy)
-            except UrlFetchError as e:
-                raise ImageLoadError(f"{e} ({_short(source)})") from None
-            return _decode(data, _short(source), max_image_pixels)
-        return _open_path(Path(source), max_image_pixels)
+        opened, what = open_string_source(source, "image", ImageLoadError, url_policy=url_policy)
+        if isinstance(opened, Path):
+            return _open_path(opened, max_image_pixels)
+        return _decode(opened, what, max_image_pixels)
     raise TypeError(f"unsupported image source type {type(source).__name__}; expected path, bytes, data URI, "
                     "URL, PIL.Image or tensor")
 
@@ -112,8 +102,7 @@ def _check_pixels(size: tuple[int, int], limit: int | None) -> None:
     if w <= 0 or h <= 0:
         raise ImageLoadError(f"image has an empty size {w}x{h}")
     if limit is not None and w * h > limit:
-        raise ImageLoadError(f"image is {w}x{h} = {w * h} pixels, over the limit of {limit} pixels "
-                             "(max_image_pixels); possible decompression bomb")
+        raise ImageLoadError(too_many_pixels(w, h, limit))
 
 
 def _decode(data: bytes, what: str, limit: int | None) -> PIL.Image.Image:
@@ -154,26 +143,6 @@ def _open(fp, what: str, limit: int | None) -> PIL.Image.Image:
             except (OSError, SyntaxError, ValueError, EOFError) as e:
                 raise ImageLoadError(f"corrupt or truncated image data in {what}: {e}") from e
             return _finalize(image)
-
-
-def _parse_data_uri(uri: str) -> bytes:
-    header, sep, payload = uri.partition(",")
-    if not sep:
-        raise ImageLoadError("malformed data URI: no ',' separating header and payload")
-    params = header[5:].lower().split(";")
-    if "base64" not in params:
-        raise ImageLoadError("only base64 data URIs are supported (data:image/...;base64,...)")
-    if params[0] and not params[0].startswith("image/"):
-        raise ImageLoadError(f"data URI media type is {params[0]!r}, not an image")
-    try:
-        # Strict alphabet check so garbage is reported as such instead of silently decoding to junk bytes.
-        return base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise ImageLoadError(f"data URI payload is not valid base64: {e}") from e
-
-
-def _short(s: str, n: int = 120) -> str:
-    return s if len(s) <= n else s[:n] + "..."
 
 
 def _array_to_pil(x, limit: int | None) -> PIL.Image.Image:

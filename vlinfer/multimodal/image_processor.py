@@ -7,16 +7,15 @@ Decoding/RGB conversion stays in PIL (image_io); everything after it is tensor o
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import PIL.Image
 import torch
 from torchvision.transforms.v2 import functional as tvF
 
+from vlinfer.multimodal.processor_config import read_processor_config
 from vlinfer.multimodal.image_io import convert_to_rgb
 
 # transformers rejects aspect ratios above this in smart_resize; so do we.
@@ -138,18 +137,9 @@ class Qwen3VLImageProcessor:
 
     @classmethod
     def from_pretrained(cls, folder) -> "Qwen3VLImageProcessor":
-        folder = Path(folder)
-        path = folder / "preprocessor_config.json"
-        if path.is_file():
-            return cls.from_config_dict(json.loads(path.read_text()))
-        # Newer transformers may save a single processor_config.json with the image processor nested in it.
-        path = folder / "processor_config.json"
-        if path.is_file():
-            d = json.loads(path.read_text())
-            if isinstance(d.get("image_processor"), dict):
-                return cls.from_config_dict(d["image_processor"])
-        raise FileNotFoundError(f"no preprocessor_config.json (or processor_config.json with an image_processor "
-                                f"entry) in {folder}")
+        """The checkpoint's image processor settings; the class defaults when it has none."""
+        d = read_processor_config(folder, "image_processor")
+        return cls() if d is None else cls.from_config_dict(d)
 
     # ------------------------------------------------------------------------------------------------ sizing
 

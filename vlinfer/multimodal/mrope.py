@@ -1,12 +1,11 @@
-"""Qwen3-VL multimodal rotary positions (MRoPE): 3-row (t, h, w) position ids and interleaved cos/sin.
+"""Qwen3-VL multimodal rotary positions (MRoPE): a prompt's 3-row (t, h, w) position ids. The cos/sin they select
+are model maths, beside the rotary layer (layers/rotary.py mrope_cos_sin).
 
 Text tokens advance all three rows together. An image's placeholder tokens (one per merged patch, row-major over
 the merged grid) get t/h/w coordinates offset by the current position, and the text after it resumes at
 current + max(h, w) / merge, so positions run ahead of / behind token indices by a per-sequence constant `delta`
 after the last image: decode token i sits at i + delta on all rows.
 """
-from functools import lru_cache
-
 import torch
 
 
@@ -58,41 +57,3 @@ def mrope_positions(input_ids, image_grid_thw, image_token_id: int, vision_start
         return torch.zeros(3, 0, dtype=torch.long), 0
     positions = torch.cat(chunks, dim=1).long()
     return positions, int(positions.max()) + 1 - L
-
-
-@lru_cache(maxsize=16)
-def _interleave_rows(mrope_section: tuple[int, ...], half: int, device: torch.device) -> torch.Tensor:
-    """Which position row (0=t, 1=h, 2=w) drives each of the head_dim/2 frequencies.
-
-    Interleaved MRoPE: frequency j uses row j % 3 while that row still has budget (h: first 3*section[1] slots,
-    w: first 3*section[2]); everything else, including the tail, stays temporal."""
-    rows = torch.zeros(half, dtype=torch.long)
-    for dim in (1, 2):
-        rows[dim:mrope_section[dim] * 3:3] = dim
-    # Cached on the device: a host->device copy per forward would be a sync, and is not allowed while a CUDA
-    # graph captures the decode step.
-    return rows.to(device)
-
-
-def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section, attention_scaling: float,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, head_dim] for positions [3, T], usable by the standard neox rotary (rotate_half).
-
-    Same values as HF `Qwen3VLTextRotaryEmbedding`: each frequency's angle is pos_row * inv_freq in float32 for the
-    row the interleave assigns it; computing only that row (instead of all three, then selecting) is bit-identical
-    and 3x cheaper. A 1-row [T] (or [1, T]) input means text-only, all rows equal. Pass inv_freq in float32: HF
-    keeps it float32 even for bf16 checkpoints, and a bf16-rounded inv_freq visibly shifts large-position angles."""
-    if positions.dim() == 1:
-        positions = positions[None]
-    half = inv_freq.shape[0]
-    rows = _interleave_rows(tuple(int(s) for s in mrope_section), half, positions.device)
-    if positions.shape[0] == 1:
-        rows = torch.zeros_like(rows)
-    # [T, half]: row rows[j] of the position ids, times inv_freq[j].
-    pos = positions.index_select(0, rows).t()
-    freqs = pos.float() * inv_freq.to(device=positions.device, dtype=torch.float)
-    cos = freqs.cos() * attention_scaling
-    sin = freqs.sin() * attention_scaling
-    cos = torch.cat([cos, cos], dim=-1).to(dtype)
-    sin = torch.cat([sin, sin], dim=-1).to(dtype)
-    return cos, sin

@@ -3,31 +3,15 @@ images and videos) into what the engine runs: placeholders expanded to each imag
 timestamped groups, one MultiModalItem per image and per temporal group with its preprocessed pixels and content
 hash, and the request's 3-row rotary positions."""
 import hashlib
-import os
-from dataclasses import dataclass, field
-
 import torch
 
-from vlinfer.engine.sequence import MultiModalItem
+from vlinfer.inputs import MultiModalItem, ProcessedPrompt
 from vlinfer.multimodal.image_io import ImageLoadError, image_content_hash, load_image
 from vlinfer.multimodal.image_processor import Qwen3VLImageProcessor
 from vlinfer.multimodal.mrope import mrope_positions
 from vlinfer.multimodal.url_fetch import UrlPolicy
-from vlinfer.multimodal.video_processor import VIDEO_OPTIONS
+from vlinfer.inputs.limits import MAX_IMAGES, MM_PROCESSOR_KWARGS, VIDEO_OPTIONS, too_many_images, unknown_mm_kwargs
 from vlinfer.multimodal.video_prompt import VideoPrompts
-
-MAX_IMAGES_PER_PROMPT = 64
-
-
-@dataclass
-class ProcessedPrompt:
-    token_ids: list[int]
-    mm_items: list[MultiModalItem] = field(default_factory=list)
-    mrope_positions: torch.Tensor | None = None
-    mrope_position_delta: int = 0
-    images: list[dict] = field(default_factory=list)  # per image: effective (resized) size and token count
-    videos: list[dict] = field(default_factory=list)  # per video: frames used, their times, size, grid, tokens
-    first_mm_token: int | None = None  # index of the first token an image or video placeholder expanded to
 
 
 class Qwen3VLInputProcessor:
@@ -36,10 +20,7 @@ class Qwen3VLInputProcessor:
         self.tokenizer = tokenizer
         self.device = device
         self.url_policy = url_policy(allow_image_urls)
-        has_config = any(os.path.exists(os.path.join(folder, f))
-                         for f in ("preprocessor_config.json", "processor_config.json"))
-        # Without the checkpoint's file, the published Qwen3-VL values (the class defaults) apply.
-        self.image_processor = Qwen3VLImageProcessor.from_pretrained(folder) if has_config else Qwen3VLImageProcessor()
+        self.image_processor = Qwen3VLImageProcessor.from_pretrained(folder)
         self.image_token_id = hf_config.image_token_id
         self.video_token_id = getattr(hf_config, "video_token_id", None)
         self.vision_start_token_id = hf_config.vision_start_token_id
@@ -48,6 +29,8 @@ class Qwen3VLInputProcessor:
         self.special_ids = {i for i in (self.image_token_id, self.video_token_id, self.vision_start_token_id,
                                         self.vision_end_token_id) if i is not None}
         self.special_strings = [t for t in tokenizer.convert_ids_to_tokens(sorted(self.special_ids)) if t]
+        # Added tokens split the text before it is tokenized: a text run between two of them is tokenized alone.
+        self.added_token_ids = set(tokenizer.added_tokens_decoder)
         self.videos = VideoPrompts(hf_config, tokenizer, folder)
 
     def check_user_text(self, text: str) -> None:
@@ -58,10 +41,11 @@ class Qwen3VLInputProcessor:
                              "parts or multi_modal_data instead of writing their tokens")
 
     def process(self, token_ids: list[int], images: list, mm_kwargs: dict | None = None,
-                videos: list | None = None) -> ProcessedPrompt:
+                videos: list | None = None, keep_last: int | None = None) -> ProcessedPrompt:
         """Expand every <|image_pad|> to its image's tokens and every <|video_pad|> to its clip's (see
         vlinfer/multimodal/video_prompt.py), in prompt order, with one MultiModalItem per image and per temporal
-        group of a clip."""
+        group of a clip. keep_last=k keeps the last k tokens of the expanded prompt (truncate_prompt_tokens); only
+        text before the first image or clip may be cut. Each image and clip is decoded and preprocessed once."""
         videos = list(videos or [])
         num_placeholders = token_ids.count(self.image_token_id)
         if num_placeholders != len(images):
@@ -73,17 +57,15 @@ class Qwen3VLInputProcessor:
                              f"{len(videos)} video(s) were given; write one "
                              "<|vision_start|><|video_pad|><|vision_end|> per video")
         if not images and not videos:
-            return ProcessedPrompt(list(token_ids))
-        if len(images) + len(videos) > MAX_IMAGES_PER_PROMPT:
-            raise ValueError(f"{len(images) + len(videos)} images and videos in one prompt; the limit is "
-                             f"{MAX_IMAGES_PER_PROMPT}")
+            return ProcessedPrompt(list(token_ids) if keep_last is None else list(token_ids)[-keep_last:])
+        if len(images) + len(videos) > MAX_IMAGES:
+            raise ValueError(too_many_images(len(images) + len(videos)))
         kwargs = dict(mm_kwargs or {})
         # detail: OpenAI's image detail ("low", "high", "auto"), one for all images or one per image; chat
         # image parts set it per image (image_url.detail). Video options: one value for all videos or one per video.
-        unknown = set(kwargs) - {"min_pixels", "max_pixels", "detail", *VIDEO_OPTIONS}
+        unknown = set(kwargs) - set(MM_PROCESSOR_KWARGS)
         if unknown:
-            raise ValueError(f"unknown mm_processor_kwargs {sorted(unknown)}; accepted: min_pixels, max_pixels, "
-                             f"detail, {', '.join(VIDEO_OPTIONS)}")
+            raise ValueError(unknown_mm_kwargs(unknown))
         video_kwargs = {k: kwargs.pop(k) for k in VIDEO_OPTIONS if k in kwargs}
         pil_images = []
         for i, image in enumerate(images):
@@ -98,13 +80,46 @@ class Qwen3VLInputProcessor:
             except ValueError as e:
                 raise ValueError(f"image preprocessing failed: {e}") from e
         clips = self.videos.load(videos, video_kwargs, self.url_policy, self.device)
+        prompt = self._expand(token_ids, pil_images, processed, clips)
+        cut = 0 if keep_last is None else len(prompt.token_ids) - keep_last
+        if cut <= 0:
+            return prompt
+        first = prompt.first_mm_token if prompt.first_mm_token is not None else len(prompt.token_ids)
+        if cut > first:
+            raise ValueError(f"truncate_prompt_tokens={keep_last} (the last {keep_last} of {len(prompt.token_ids)} "
+                             f"prompt tokens) cuts into image 0 (its placeholders start at token {first}); keep at "
+                             f"least {len(prompt.token_ids) - first}")
+        # All that is cut is text before the first image, where the expanded and the unexpanded prompt agree:
+        # expanding the cut prompt again recomputes placeholder offsets and rotary positions, from the same pixels.
+        return self._expand(token_ids[cut:], pil_images, processed, clips)
+
+    def _expand(self, token_ids: list[int], pil_images: list, processed, clips: list) -> ProcessedPrompt:
+        """The prompt with every placeholder expanded over the already preprocessed images and clips."""
         expanded, items, grids, offset_patch = [], [], [], 0
         image_index = video_index = 0
         first_mm_token = None
-        for token in token_ids:
+        skip_vision_end = False
+        for i, token in enumerate(token_ids):
+            if skip_vision_end:
+                skip_vision_end = False
+                continue
             if token == self.video_token_id:
+                # Each temporal group carries its own vision_start / vision_end, so a clip replaces the template's
+                # whole <|vision_start|><|video_pad|><|vision_end|> (video_prompt.py, "The outer pair").
+                text_before = []
+                if expanded and expanded[-1] == self.vision_start_token_id and \
+                        token_ids[i + 1:i + 2] == [self.vision_end_token_id]:
+                    expanded.pop()
+                    skip_vision_end = True
+                    # Without the pair, the text before the clip runs on into its first timestamp and the two are
+                    # tokenized as one ("below. <0.3" gives " <", not " ", "<"), as transformers tokenizes them.
+                    start = len(expanded)
+                    while start and expanded[start - 1] not in self.added_token_ids:
+                        start -= 1
+                    text_before = expanded[start:]
+                    del expanded[start:]
                 first_mm_token = len(expanded) if first_mm_token is None else first_mm_token
-                grids.extend(self.videos.expand(clips[video_index], expanded, items))
+                grids.extend(self.videos.expand(clips[video_index], expanded, items, text_before))
                 video_index += 1
                 continue
             if token != self.image_token_id:

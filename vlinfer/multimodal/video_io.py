@@ -12,8 +12,6 @@ Failures are `VideoLoadError` (a ValueError) with a message a client can act on,
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import logging
 from collections.abc import Callable
@@ -24,7 +22,8 @@ import numpy as np
 import PIL.Image
 import torch
 
-from vlinfer.multimodal.url_fetch import UrlFetchError, UrlPolicy, fetch_image_url_sync
+from vlinfer.multimodal.source_open import open_string_source
+from vlinfer.multimodal.url_fetch import UrlPolicy
 
 logger = logging.getLogger("vlinfer")
 
@@ -100,21 +99,11 @@ def load_video(source, plan: Plan, resize: Resize, *, metadata: dict | None = No
     if isinstance(source, Path):
         return _decode_path(source, plan, resize, limits)
     if isinstance(source, str):
-        head = source[:16].lower()
-        if head.startswith("data:"):
-            return _decode(_parse_data_uri(source, limits), "data URI", plan, resize, limits)
-        if head.startswith(("http://", "https://")):
-            if url_policy is None:
-                raise VideoLoadError("video URL loading is off (allow_image_urls=False); send the video inline as "
-                                     "a base64 data URI or bytes instead")
-            try:
-                data = fetch_image_url_sync(source, url_policy)
-            except UrlFetchError as e:
-                raise VideoLoadError(f"{str(e).replace('image', 'video')} ({source[:120]})") from None
-            return _decode(data, source[:120], plan, resize, limits)
-        if head.startswith("file://"):
-            source = source[len("file://"):]
-        return _decode_path(Path(source), plan, resize, limits)
+        opened, what = open_string_source(source, "video", VideoLoadError, url_policy=url_policy,
+                                          max_bytes=limits.max_bytes)
+        if isinstance(opened, Path):
+            return _decode_path(opened, plan, resize, limits)
+        return _decode(opened, what, plan, resize, limits)
     raise VideoLoadError(f"unsupported video source type {type(source).__name__}; expected a path, bytes, data "
                          "URI, URL, a list of frames or a uint8 array [T, H, W, 3]")
 
@@ -328,23 +317,6 @@ def _check_frame_pixels(width: int, height: int, limits: VideoLimits) -> None:
     if width * height > limits.max_frame_pixels:
         raise VideoLoadError(f"video frames are {width}x{height} = {width * height} pixels, over the limit of "
                              f"{limits.max_frame_pixels} pixels per frame; possible decompression bomb")
-
-
-def _parse_data_uri(uri: str, limits: VideoLimits) -> bytes:
-    header, sep, payload = uri.partition(",")
-    if not sep:
-        raise VideoLoadError("malformed data URI: no ',' separating header and payload")
-    params = header[5:].lower().split(";")
-    if "base64" not in params:
-        raise VideoLoadError("only base64 data URIs are supported (data:video/...;base64,...)")
-    if params[0] and not params[0].startswith(("video/", "application/octet-stream")):
-        raise VideoLoadError(f"data URI media type is {params[0]!r}, not a video")
-    if limits.max_bytes is not None and len(payload) > 4 * (limits.max_bytes // 3 + 2) + payload.count("\n"):
-        raise VideoLoadError(f"video is larger than the limit of {limits.max_bytes} bytes")
-    try:
-        return base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise VideoLoadError(f"data URI payload is not valid base64: {e}") from None
 
 
 def _ffmpeg_message(e) -> str:

@@ -13,21 +13,19 @@ Reference: transformers' `Qwen3VLVideoProcessor` (models/qwen3_vl/video_processi
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from torchvision.transforms.v2 import functional as tvF
 
+from vlinfer.multimodal.processor_config import read_processor_config
+from vlinfer.inputs.limits import VIDEO_OPTIONS  # the request keys, from the one table
 from vlinfer.multimodal.image_processor import _PIL_TO_TV
 from vlinfer.multimodal.video_io import LoadedVideo, VideoSource
 
 # Keys a request may set per video (mm_processor_kwargs, or a video part's own keys).
-VIDEO_OPTIONS = ("fps", "num_frames", "min_frames", "max_frames", "video_min_pixels", "video_max_pixels",
-                 "cap_pixels_per_frame", "do_sample_frames")
 
 
 def video_smart_resize(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
@@ -148,18 +146,9 @@ class Qwen3VLVideoProcessor:
 
     @classmethod
     def from_pretrained(cls, folder) -> "Qwen3VLVideoProcessor":
-        """The checkpoint's video_preprocessor_config.json (or the video_processor entry of processor_config.json);
-        transformers' class defaults when it has neither."""
-        folder = Path(folder)
-        path = folder / "video_preprocessor_config.json"
-        if path.is_file():
-            return cls.from_config_dict(json.loads(path.read_text()))
-        path = folder / "processor_config.json"
-        if path.is_file():
-            d = json.loads(path.read_text())
-            if isinstance(d.get("video_processor"), dict):
-                return cls.from_config_dict(d["video_processor"])
-        return cls()
+        """The checkpoint's video processor settings; transformers' class defaults when it has none."""
+        d = read_processor_config(folder, "video_processor")
+        return cls() if d is None else cls.from_config_dict(d)
 
     # ---------------------------------------------------------------------------------------------- planning
 

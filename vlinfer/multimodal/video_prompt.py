@@ -7,11 +7,10 @@ image of one frame pair: transformers encodes a clip with attention inside each 
 frame pair) and the same 2-D positions for every group, and its get_rope_index splits video_grid_thw into
 (1, h, w) per group; so a group as its own item encodes, caches, chunks and positions exactly as the clip would.
 
-The outer pair: the chat template writes `<|vision_start|><|video_pad|><|vision_end|>`. transformers 5.24 (the
-version this project checks against, and what Qwen3-VL's current remote processor does) replaces only the
-<|video_pad|>, so the template's own vision_start / vision_end stay around the expansion; transformers 4.57 and
-vLLM replace the whole triple (no outer pair, two tokens fewer: vllm#46817). We keep the outer pair, matching the
-installed transformers token for token, so our prompt ids equal its processor's.
+The outer pair: the chat template writes `<|vision_start|><|video_pad|><|vision_end|>`, and the clip's expansion
+replaces the whole triple (multimodal/processor.py), since every group carries its own pair. transformers 5.25 (the
+version this project checks against, pinned as the floor in pyproject.toml), 4.57 and vLLM do the same; 5.0 to
+5.24 replaced only the <|video_pad|> and kept the template's pair around the expansion, two tokens more.
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from dataclasses import asdict, dataclass, is_dataclass, replace
 
 import torch
 
-from vlinfer.engine.sequence import MultiModalItem
+from vlinfer.inputs import MultiModalItem
 from vlinfer.multimodal.video_io import VideoLimits, VideoLoadError, load_video
 from vlinfer.multimodal.video_processor import VIDEO_OPTIONS, ProcessedVideo, Qwen3VLVideoProcessor, VideoOptions
 
@@ -107,16 +106,22 @@ class VideoPrompts:
             return indices, size
         return capped
 
-    def expand(self, clip: Clip, expanded: list[int], items: list[MultiModalItem]) -> list[tuple[int, int, int]]:
+    def expand(self, clip: Clip, expanded: list[int], items: list[MultiModalItem],
+               text_before: list[int] | None = None) -> list[tuple[int, int, int]]:
         """Append the clip's tokens to `expanded` and one item per temporal group to `items`; returns the groups'
-        (1, h, w) grids for the positions."""
+        (1, h, w) grids for the positions. text_before: the text tokens just before the clip with no added token
+        between, tokenized again together with the first timestamp."""
         video = clip.video
         gt, gh, gw = video.grid_thw
         rows = gh * gw
         n = rows // (self.merge * self.merge)
         grid = torch.tensor([1, gh, gw], dtype=torch.long)
         for g in range(gt):
-            expanded.extend(clip.timestamp_ids[g])
+            if g == 0 and text_before:
+                text = self.tokenizer.decode(text_before) + self.tokenizer.decode(clip.timestamp_ids[0])
+                expanded.extend(self.tokenizer.encode(text, add_special_tokens=False))
+            else:
+                expanded.extend(clip.timestamp_ids[g])
             expanded.append(self.vision_start_token_id)
             items.append(MultiModalItem("video", len(expanded), n, _group_key(video.content_hash, g),
                                         {"pixel_values": video.pixel_values[g * rows:(g + 1) * rows],

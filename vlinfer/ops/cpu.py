@@ -3,7 +3,7 @@ decode_layer.cpp), built on first use with torch's extension builder; every proj
 oneDNN's). Decode attention, the cache write, rotary, the norms, SiLU-and-multiply and tanh GELU run the kernels;
 the norms and activations are memory-bound passes the reference spreads over several tensor ops each.
 
-Which code the kernels run is chosen from the CPU the engine runs on, at load time (platform.cpu_isa): the
+Which code the kernels run is chosen from the CPU the engine runs on, at load time (cpu_features.cpu_isa): the
 sources are compiled once per instruction-set level (generic x86-64, AVX2, AVX-512, AVX-512 with BF16), each into
 its own extension name, so a kernel cache built for one CPU is never loaded on a CPU that lacks its instructions
 (torch's cache is keyed by name). `CpuOps(isa=...)` builds a lower level on purpose: tests run the generic path
@@ -35,16 +35,16 @@ import os
 import torch
 import torch.nn.functional as F
 
-from vlinfer import platform
+from vlinfer.platform import cpu_features
 from vlinfer.ops import cpu_moe, cpu_panels, cpu_quant, gguf_cpu, gguf_reference, reference, token_bitmask_reference
 from vlinfer.ops.per_step import PerStep
-from vlinfer.ops.cpu_isa_flags import ISA_FLAGS
+from vlinfer.ops.cpu_isa_flags import CPU_KERNEL_DIR, ISA_FLAGS
 from vlinfer.ops.reference import ReferenceOps
 
 logger = logging.getLogger("vlinfer")
-SOURCES = tuple(os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cpu", name)
-                for name in ("paged_ops.cpp", "attention_bf16.cpp", "moe_experts.cpp", "panel_linear.cpp",
-                             "decode_layer.cpp"))
+SOURCES = tuple(os.path.join(CPU_KERNEL_DIR, name) for name in ("paged_ops.cpp", "attention_bf16.cpp",
+                                                                 "moe_experts.cpp", "panel_linear.cpp",
+                                                                 "decode_layer.cpp"))
 # dtypes whose prepacked linear oneDNN runs (bf16 needs AVX512-BF16 or AMX, checked at packing time)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Largest panel (32 x K weights) a dense linear takes panels for: the 8-row tiles re-read it from L2 (1 MB here);
@@ -55,13 +55,13 @@ PANEL_BYTES = 256 * 1024
 def build_extension(isa: str):
     """Compile (first time for this level on this machine) and import the kernels for one instruction-set level."""
     from torch.utils.cpp_extension import load as load_extension
-    sources = [os.path.abspath(source) for source in SOURCES]
+    sources = list(SOURCES)
     for source in sources:
         if not os.path.exists(source):
-            raise FileNotFoundError(f"kernel source {source} is missing (vlinfer must run from its source tree)")
+            raise FileNotFoundError(f"kernel source {source} is missing (the package was built without its data)")
     # torch keys its build cache by the sources' contents and the flags, not by the headers they include: a digest
     # of the headers in the flags makes a changed header rebuild too.
-    headers = sorted(glob.glob(os.path.join(os.path.dirname(sources[0]), "*.h")))
+    headers = sorted(glob.glob(os.path.join(CPU_KERNEL_DIR, "*.h")))
     digest = hashlib.sha256(b"".join(open(h, "rb").read() for h in headers)).hexdigest()[:16]
     flags = ["-O3", "-fopenmp", "-ffast-math", *ISA_FLAGS[isa], f"-DVLINFER_HEADERS_DIGEST={digest}"]
     return load_extension(f"vlinfer_cpu_kernels_{isa}", sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
@@ -93,11 +93,11 @@ class CpuOps(ReferenceOps):
         the CPU lacks raises (its code would die on an illegal instruction). bf16_prefill_kernels: run our bf16
         prefill and vision attention kernels (True), SDPA (False), or decide from the CPU (None; see below)."""
         super().__init__(device_type)
-        best = platform.cpu_isa()
+        best = cpu_features.cpu_isa()
         self.isa = isa or best
         if self.isa not in ISA_FLAGS:
             raise ValueError(f"unknown CPU kernel level {self.isa!r}; expected one of {', '.join(ISA_FLAGS)}")
-        if platform.CPU_ISAS.index(self.isa) > platform.CPU_ISAS.index(best):
+        if cpu_features.CPU_ISAS.index(self.isa) > cpu_features.CPU_ISAS.index(best):
             raise RuntimeError(f"CPU kernels for {self.isa} cannot run on this CPU (it supports up to {best})")
         self.ext = build_extension(self.isa)
         self._decode_rows = PerStep()  # this step's decode rows, shared by every layer
@@ -105,7 +105,7 @@ class CpuOps(ReferenceOps):
         # Prefill-chunk and vision attention are matmul-shaped: where the CPU has AMX, torch's SDPA (oneDNN, AMX
         # tiles) runs them 2.7-3.3x faster than our vdpbf16ps kernels (bench/ops.py, Xeon with amx_bf16), so
         # they take SDPA there. Decode attention reads the cache once per token and stays ours everywhere.
-        has_amx = "amx_bf16" in platform.cpu_flags()
+        has_amx = "amx_bf16" in cpu_features.cpu_flags()
         if bf16_prefill_kernels is None:
             bf16_prefill_kernels = not has_amx
         self.bf16_prefill_kernels = self.bf16_attention and bf16_prefill_kernels

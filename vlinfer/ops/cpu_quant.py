@@ -24,7 +24,6 @@ this shape or dtype is logged and the layer keeps the reference path."""
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from vlinfer.ops import gguf_reference, quant_reference
 
@@ -50,8 +49,8 @@ Q8_0 = 8  # ggml type id
 
 def has_int8_dot_product() -> bool:
     """VNNI (AVX512-VNNI / AVX-VNNI) or AMX-INT8: int8 products without int16 saturation."""
-    from vlinfer import platform
-    flags = platform.cpu_flags()
+    from vlinfer.platform import cpu_features
+    flags = cpu_features.cpu_flags()
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
 
 

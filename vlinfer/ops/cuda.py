@@ -26,7 +26,7 @@ import torch
 from vlinfer.ops import cuda_moe, cuda_quant, moe_reference, reference
 from vlinfer.ops.per_step import PerStep
 from vlinfer.ops.reference import ReferenceOps
-from vlinfer.ops.triton_source import load_triton_module
+from vlinfer.ops.triton_source import TritonKernels, error_reason, load_triton_module
 
 logger = logging.getLogger("vlinfer")
 NAME = "cuda"
@@ -47,24 +47,20 @@ class CudaOps(ReferenceOps):
         if device_type not in ("cuda", "cpu"):  # CPU tensors only for tests (VLINFER_OPS=cuda)
             raise RuntimeError(f"the CUDA ops run on CUDA devices (or CPU tensors, for tests), not on {device_type!r}")
         super().__init__(device_type)
-        # What loading found: "cache_write" ("triton" or "reference") and "attention" ("flash_attn" or "sdpa").
+        # What loading found: "cache_write", "moe", "quantized_linear" ("triton" or "reference"; the last two on
+        # first use) and "attention" ("flash_attn" or "sdpa").
         self.features: dict = {}
-        self._triton_store = None
+        self._triton = TritonKernels(self.features)
         self._flash = None
         self._warned: set = set()  # reasons already logged, once per engine
         self._step, self._varlen_step = PerStep(), PerStep()  # per-step host metadata, see _paged_meta
         device = torch.device(device_type)
 
-        try:
-            store = load_triton_module("store_kvcache").store_kvcache
-            _check_cache_write(store, device)
-            self._triton_store = store
-            self.features["cache_write"] = "triton"
-        except Exception as e:  # triton not installed, no driver / ptxas, a kernel that compiles wrong, ...
-            self.features["cache_write"] = "reference"
-            logger.warning("ops[cuda]: Triton KV cache write unavailable (%s); writing the cache with the pure-torch "
-                           "reference, which syncs with the host, so decode steps cannot run in CUDA graphs",
-                           _reason(e))
+        # At start, not on first use: whether decode steps can run in CUDA graphs depends on it.
+        self._triton_store = self._triton.get(
+            "cache_write", lambda: _checked_cache_write(device), "KV cache write",
+            "writing the cache with the pure-torch reference, which syncs with the host, so decode steps cannot run "
+            "in CUDA graphs")
 
         try:
             import flash_attn
@@ -78,7 +74,7 @@ class CudaOps(ReferenceOps):
                 logger.info("ops[cuda]: flash_attn not installed; attention runs torch SDPA and matmuls")
             else:  # installed but broken: built for another torch or GPU, a missing dependency, wrong results, ...
                 logger.warning("ops[cuda]: flash_attn unusable (%s); attention runs torch SDPA and matmuls",
-                               _reason(e))
+                               error_reason(e))
         self._step.reset()  # drop the check's tensors
         logger.info("ops[cuda]: cache write %s; attention %s", self.features["cache_write"],
                     f"flash_attn {getattr(self._flash, '__version__', '')} (paged: block sizes that are multiples of "
@@ -122,18 +118,10 @@ class CudaOps(ReferenceOps):
     # ---- fused MoE (vlinfer/ops/cuda_moe.py, kernels/triton/fused_moe.py) ----
 
     def _moe_kernel(self):
-        """The checked Triton fused_experts, or None (logged once) when it cannot run here; loaded on first use, so
-        dense models never compile it. features["moe"] says which ("triton" or "reference")."""
-        if "moe" not in self.features:
-            try:
-                kernel = cuda_moe.load_kernel().fused_experts
-                cuda_moe.check_kernel(kernel, torch.device(self.device_type))
-                self._triton_moe, self.features["moe"] = kernel, "triton"
-            except Exception as e:  # triton missing, no driver, a kernel that compiles or computes wrong, ...
-                self._triton_moe, self.features["moe"] = None, "reference"
-                logger.warning("ops[cuda]: Triton fused MoE unavailable (%s); MoE layers run the pure-torch "
-                               "reference (a loop over experts with host syncs: no CUDA graphs)", _reason(e))
-        return self._triton_moe
+        """The checked Triton fused_experts, or None (logged once) when it cannot run here."""
+        return self._triton.get("moe", lambda: cuda_moe.checked_kernel(torch.device(self.device_type)), "fused MoE",
+                                "MoE layers run the pure-torch reference (a loop over experts with host syncs: no "
+                                "CUDA graphs)")
 
     def pack_moe_weights(self, w13, w2):
         self._moe_kernel()  # at load: the kernels read w13 [E, 2I, H] / w2 [E, H, I] as loaded
@@ -148,16 +136,11 @@ class CudaOps(ReferenceOps):
     # ---- quantized linears (vlinfer/ops/cuda_quant.py, kernels/triton/int8_gemm.py, weight_only_gemm.py) ----
 
     def _quant_kernels(self):
-        """The checked Triton quantized GEMMs, or None (logged once): loaded at the first quantized layer's pack, so
-        dense models never compile them. features["quantized_linear"] says which ("triton" or "reference")."""
-        if "quantized_linear" not in self.features:
-            try:
-                self._triton_quant = cuda_quant.QuantKernels(torch.device(self.device_type))
-                self.features["quantized_linear"] = "triton"
-            except Exception as e:
-                self._triton_quant, self.features["quantized_linear"] = None, "reference"
-                logger.warning("ops[cuda]: Triton quantized GEMMs unavailable (%s); quantized linears run the "
-                               "pure-torch reference (dequantize + matmul)", _reason(e))
+        """The checked Triton quantized GEMMs, or None (logged once); first asked at a quantized layer's pack, and
+        kept as _triton_quant too, like _triton_store."""
+        self._triton_quant = self._triton.get(
+            "quantized_linear", lambda: cuda_quant.QuantKernels(torch.device(self.device_type)), "quantized GEMMs",
+            "quantized linears run the pure-torch reference (dequantize + matmul)")
         return self._triton_quant
 
     def pack_quantized_linear(self, scheme, tensors):
@@ -239,14 +222,10 @@ class CudaOps(ReferenceOps):
                                                   causal=False)
 
 
-def _reason(e: Exception) -> str:
-    text = str(e).splitlines()[0][:200] if str(e) else ""
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def _check_cache_write(store, device: torch.device) -> None:
-    """One small write (two KV heads, a padding slot) compared with the reference: surfaces a Triton that cannot
-    compile here now, not mid-request."""
+def _checked_cache_write(device: torch.device):
+    """The Triton store_kvcache, after one small write (two KV heads, a padding slot) compared with the reference:
+    surfaces a Triton that cannot compile here now, not mid-request."""
+    store = load_triton_module("store_kvcache").store_kvcache
     g = torch.Generator().manual_seed(0)
     key = torch.randn(5, 2, 64, generator=g).to(device)
     value = torch.randn(5, 2, 64, generator=g).to(device)
@@ -257,6 +236,7 @@ def _check_cache_write(store, device: torch.device) -> None:
     reference.store_kvcache(key, value, ref[0], ref[1], slots)
     if not (torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])):
         raise RuntimeError("the Triton cache write did not match the reference")
+    return store
 
 
 def _paged_meta(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor):

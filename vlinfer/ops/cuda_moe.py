@@ -3,22 +3,25 @@ contract. Routing (float32 softmax, top-k, renormalize, cast back) runs as torch
 reference computes it; the kernels do the grouped GEMMs, the SwiGLU and the weighted sum.
 
 CudaOps loads and checks the kernels the first time an MoE layer asks (pack_moe_weights at load, or the first
-fused_moe call), not at engine start: a dense model pays nothing for them. A Triton that is missing or fails the
-check is a warning, and the op runs the reference (a Python loop over the experts that received tokens, with a host
-sync: no CUDA graphs for such a model)."""
+fused_moe call; triton_source.TritonKernels), not at engine start: a dense model pays nothing for them. A Triton
+that is missing or fails the check is a warning, and the op runs the reference (a Python loop over the experts that
+received tokens, with a host sync: no CUDA graphs for such a model)."""
 import torch
 
 from vlinfer.ops import moe_reference
 from vlinfer.ops.triton_source import load_triton_module
+
 
 def load_kernel():
     """kernels/triton/fused_moe.py as a module, loaded afresh."""
     return load_triton_module("fused_moe")
 
 
-def check_kernel(fused_experts, device: torch.device) -> None:
-    """One tiny problem against the reference, all experts local and expert-parallel (a non-local expert among the
-    routed ones): surfaces a Triton that cannot compile or computes wrong here, at load."""
+def checked_kernel(device: torch.device):
+    """The kernels' fused_experts, after one tiny problem against the reference, all experts local and
+    expert-parallel (a non-local expert among the routed ones): surfaces a Triton that cannot compile or computes
+    wrong here, at load (CudaOps loads it through triton_source.TritonKernels)."""
+    fused_experts = load_kernel().fused_experts
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 32, generator=g).to(device)
     logits = torch.randn(3, 3, generator=g).to(device)
@@ -30,6 +33,7 @@ def check_kernel(fused_experts, device: torch.device) -> None:
         err = ((ours - expected).abs().max() / expected.abs().max()).item()
         if not err < 1e-4:
             raise RuntimeError(f"the Triton fused MoE is off from the reference by {err:.3g}")
+    return fused_experts
 
 
 def fused_moe(fused_experts, x, router_logits, w13, w2, top_k: int, renormalize: bool, expert_offset: int = 0):

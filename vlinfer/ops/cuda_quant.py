@@ -6,18 +6,15 @@ W8A16 / W4A16) behind the definitions in quant_reference.py. CudaOps' quantized-
 - W8A16 / W4A16: the weight stays int8 [K, N] (8-bit) or nibble-packed int32 [K/8, N] (4-bit) and is dequantized
   tile by tile inside the GEMM.
 - Weights are laid out once at load (`pack`); nothing is cached to disk.
-- Kernels that do not load or fail their load-time check on this machine: a warning, and every quantized linear
-  runs the reference (dequantize + matmul) on the device.
+- Kernels that do not load or fail their load-time check on this machine (QuantKernels raises; CudaOps loads it
+  through triton_source.TritonKernels): a warning, and every quantized linear runs the reference (dequantize +
+  matmul) on the device.
 Not run on a GPU yet: tests/test_quantized_cuda_ops.py runs the kernels under the Triton interpreter on CPU tensors.
 """
-import logging
-
 import torch
 
 from vlinfer.ops import quant_reference
 from vlinfer.ops.triton_source import load_triton_module
-
-logger = logging.getLogger("vlinfer")
 
 
 class QuantKernels:

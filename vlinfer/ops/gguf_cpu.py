@@ -11,19 +11,19 @@ result (`row_scale`; ops/cpu_quant.py); with bf16 activations from a few rows up
 they run `int8_linear_bf16` instead: the int8 weights widened to bf16 panels once per call, vdpbf16ps products."""
 import os
 
-SOURCE = os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "cpu", "gguf_blocks.cpp")
+from vlinfer.ops.cpu_isa_flags import CPU_KERNEL_DIR, ISA_FLAGS
+
+SOURCE = os.path.join(CPU_KERNEL_DIR, "gguf_blocks.cpp")
 
 
 def build_gguf_extension(isa: str):
     """Compile (first time for this level on this machine) and import the GGUF kernels for one level."""
     from torch.utils.cpp_extension import load as load_extension
 
-    from vlinfer.ops.cpu_isa_flags import ISA_FLAGS
-    source = os.path.abspath(SOURCE)
-    if not os.path.exists(source):
-        raise FileNotFoundError(f"kernel source {source} is missing (vlinfer must run from its source tree)")
+    if not os.path.exists(SOURCE):
+        raise FileNotFoundError(f"kernel source {SOURCE} is missing (the package was built without its data)")
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", *ISA_FLAGS[isa]]
-    return load_extension(f"vlinfer_gguf_kernels_{isa}", [source], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+    return load_extension(f"vlinfer_gguf_kernels_{isa}", [SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                           verbose=False)
 
 

@@ -21,16 +21,17 @@ made, not at module import: it cannot import without the CANN runtime.
 - State: torch_npu, what loading detected, warnings, masks, per-step caches and the graph being captured belong to
   one NpuOps instance (one per engine); this module keeps none.
 """
-import inspect
 import logging
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from vlinfer.ops import npu_moe, npu_quant, reference
+from vlinfer.ops import npu_graph, npu_moe, npu_quant, reference
+from vlinfer.ops.npu_graph import AttentionTask, GraphCapture
+from vlinfer.ops.npu_host import (AttentionMeta, SplitPlan, causal_mask, detect_cache_write, detect_fia_scale_kwarg,
+                                  paged_kv, segment_ends, valid_slots)
 from vlinfer.ops.per_step import PerStep
 from vlinfer.ops.reference import ReferenceOps
 
@@ -38,8 +39,6 @@ logger = logging.getLogger("vlinfer")
 NAME = "npu"
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-# Sparse modes 2-4 take this fixed compressed mask whatever the sequence lengths (§2.3 "Masks", OPD:8214).
-MASK_SIZE = 2048
 
 
 class NpuOps(ReferenceOps):
@@ -62,8 +61,8 @@ class NpuOps(ReferenceOps):
         self._slots_step, self._attention_step, self._varlen_step, self._rotary_step = (PerStep(), PerStep(),
                                                                                          PerStep(), PerStep())
         self._capture: GraphCapture | None = None  # the decode graph being captured (`capturing`)
-        self.features["fia_scale_kwarg"] = _detect_fia_scale_kwarg(torch_npu)
-        self.features["cache_write"] = _detect_cache_write(torch_npu)
+        self.features["fia_scale_kwarg"] = detect_fia_scale_kwarg(torch_npu)
+        self.features["cache_write"] = detect_cache_write(torch_npu)
         self.features["tnd_paged"] = self._probe(torch.device(device_type))
         self._slots_step.reset()  # drop the probe's slots
         logger.info("ops[npu]: cache write %s, FIA scale keyword %r, attention %s", self.features["cache_write"],
@@ -105,7 +104,7 @@ class NpuOps(ReferenceOps):
         seq_lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
         ref = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, 0.125)
         try:
-            out = self._tnd_paged_attention(q, k_cache, v_cache, _AttentionMeta(cu, seq_lens, tables), 0.125)
+            out = self._tnd_paged_attention(q, k_cache, v_cache, AttentionMeta(cu, seq_lens, tables), 0.125)
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
         except Exception as e:  # the doc's "TND does not support PA" (§2.3) on this CANN
             logger.warning("ops[npu]: FIA in TND layout over the paged cache failed (%s: %s); splitting decode and "
@@ -156,7 +155,7 @@ class NpuOps(ReferenceOps):
         if self._capture is not None:  # graph padding writes to reserved slots, never -1 (GraphRunner): no sync
             slots, keep = slot_mapping.to(torch.int32), None
         else:
-            slots, keep = self._slots_step.get(_slots, slot_mapping)
+            slots, keep = self._slots_step.get(valid_slots, slot_mapping)
         if keep is not None:
             key, value = key[keep], value[keep]
         # The scatter op needs contiguous inputs (§2.1); v is a strided view of the fused qkv projection.
@@ -178,7 +177,7 @@ class NpuOps(ReferenceOps):
             return reference.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
         if self._capture is not None:
             return self._captured_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, scale)
-        meta = self._attention_step.get(_AttentionMeta, cu_seqlens_q, seq_lens, block_tables)
+        meta = self._attention_step.get(AttentionMeta, cu_seqlens_q, seq_lens, block_tables)
         block_size = k_cache.shape[1]
         # FIA's paged limits (§2.3 "PA"): decode-only (IFA) needs 16-aligned <= 512; any multi-token query (PFA)
         # needs a multiple of 128 in [128, 512]. Say so here rather than let the kernel fail with an error code.
@@ -192,26 +191,26 @@ class NpuOps(ReferenceOps):
             return self._tnd_paged_attention(q, k_cache, v_cache, meta, scale)
         return self._split_paged_attention(q, k_cache, v_cache, meta, scale)
 
-    def _tnd_paged_attention(self, q, k_cache, v_cache, meta: "_AttentionMeta", scale):
+    def _tnd_paged_attention(self, q, k_cache, v_cache, meta: "AttentionMeta", scale):
         """One call for the whole batch: q [T, heads, D] packed, each sequence's queries its last tokens. A decode is
         a 1-token chunk, which bottom-right causal lets see its whole context; a decode-only batch runs the IFA
         kernel, which ignores the mask and sparse mode (§2.3 "Branching")."""
-        k, v = _paged_kv(k_cache, v_cache)
+        k, v = paged_kv(k_cache, v_cache)
         return self._fia(q, k, v, scale, atten_mask=self._causal_mask(q.device), actual_seq_lengths=meta.q_ends,
                          actual_seq_lengths_kv=meta.kv_lens, block_table=meta.block_table, num_heads=q.shape[1],
                          num_key_value_heads=k_cache.shape[2], input_layout="TND", sparse_mode=3,
                          block_size=k_cache.shape[1])
 
-    def _split_paged_attention(self, q, k_cache, v_cache, meta: "_AttentionMeta", scale):
+    def _split_paged_attention(self, q, k_cache, v_cache, meta: "AttentionMeta", scale):
         """Without TND over the paged cache: a BSH decode call (IFA) and a BSH call over the zero-padded prefill
         chunks (PFA, bottom-right causal per sequence from actual_seq_lengths); BSH takes the 3-D cache (§2.3
         "PA")."""
         if meta.split is None:
-            meta.split = _SplitPlan(meta, q.device)
+            meta.split = SplitPlan(meta, q.device)
         plan = meta.split
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-        k, v = _paged_kv(k_cache, v_cache)
+        k, v = paged_kv(k_cache, v_cache)
         out = torch.empty_like(q)
         common = dict(num_heads=num_heads, num_key_value_heads=num_kv_heads, input_layout="BSH",
                       block_size=block_size)
@@ -245,16 +244,7 @@ class NpuOps(ReferenceOps):
             self._capture = None
 
     def graph_features(self) -> list[str]:
-        """The graph APIs the ACL graph backend needs that this torch_npu lacks (empty: all present)."""
-        torch_npu = self._torch_npu
-        fia = torch_npu.npu_fused_infer_attention_score
-        needs = {"torch_npu._npu_fused_infer_attention_score_get_max_workspace":
-                 hasattr(torch_npu, "_npu_fused_infer_attention_score_get_max_workspace"),
-                 "torch_npu.npu_fused_infer_attention_score.out": hasattr(fia, "out")}
-        for name in ("NPUGraph", "graph", "Stream", "ExternalEvent", "graph_task_group_begin",
-                     "graph_task_group_end", "graph_task_update_begin", "graph_task_update_end"):
-            needs[f"torch.npu.{name}"] = hasattr(torch.npu, name)
-        return [name for name, present in needs.items() if not present]
+        return npu_graph.missing_graph_features(self._torch_npu)
 
     def _no_fallback_in_capture(self, op: str, dtype: torch.dtype) -> None:
         if self._capture is not None:
@@ -265,7 +255,7 @@ class NpuOps(ReferenceOps):
         """FIA's (query, key, value), keywords and output buffer for a decode-only batch: the eager call's layout,
         TND (one call per layer) or BSH (the split path's decode call, every row a decode)."""
         num_tokens, num_heads, head_dim = q.shape
-        k, v = _paged_kv(k_cache, v_cache)
+        k, v = paged_kv(k_cache, v_cache)
         common = dict(actual_seq_lengths_kv=kv_lens, block_table=block_table, num_heads=num_heads,
                       num_key_value_heads=k_cache.shape[2], block_size=k_cache.shape[1])
         if self.features["tnd_paged"]:
@@ -297,23 +287,11 @@ class NpuOps(ReferenceOps):
         torch.npu.graph_task_group_begin(stream)
         torch_npu.npu_fused_infer_attention_score.out(*args, workspace=workspace, out=[out, lse], **kwargs)
         handle = torch.npu.graph_task_group_end(stream)
-        cap.tasks.append(_AttentionTask(handle, event, args, kwargs, workspace, out, lse))
+        cap.tasks.append(AttentionTask(handle, event, args, kwargs, workspace, out, lse))
         return out.view(q.shape)
 
     def update_graph_attention(self, capture: "GraphCapture", kv_lens: list[int], stream) -> None:
-        """Before a replay: re-issue every captured attention task with this step's kv lengths, on `stream` (the
-        update stream) between graph_task_update_begin/end, and record each task's event so the replay's task runs
-        after its update (§5.4). The query offsets stay: a graph's batch size is fixed."""
-        if len(kv_lens) != len(capture.kv_lens):
-            raise ValueError(f"{len(kv_lens)} lengths for a graph of {len(capture.kv_lens)} rows")
-        capture.kv_lens[:] = kv_lens
-        fia_out = self._torch_npu.npu_fused_infer_attention_score.out
-        with torch.npu.stream(stream):
-            for task in capture.tasks:
-                torch.npu.graph_task_update_begin(stream, task.handle)
-                fia_out(*task.args, workspace=task.workspace, out=[task.out, task.lse], **task.kwargs)
-                torch.npu.graph_task_update_end(stream)
-                task.event.record(stream)
+        npu_graph.update_graph_attention(self._torch_npu, capture, kv_lens, stream)
 
     # ---- vision tower attention ----
 
@@ -323,7 +301,7 @@ class NpuOps(ReferenceOps):
         if q.dtype not in HALF_DTYPES:
             self._warn_fallback("varlen_attention", q.dtype)
             return reference.varlen_attention(q, k, v, cu_seqlens, scale)
-        ends = self._varlen_step.get(_segment_ends, cu_seqlens)
+        ends = self._varlen_step.get(segment_ends, cu_seqlens)
         num_heads, head_dim = q.shape[1], q.shape[2]
         # vllm-ascend zero-pads 64 < D < 128 (e.g. 72 for a 1152-wide, 16-head tower) to 128 before FIA (§5.5):
         # zero columns add nothing to q.k, and the zero value columns are cut off the output; the scale stays
@@ -405,138 +383,3 @@ class NpuOps(ReferenceOps):
 
     def weight_only_linear(self, x, packed, bias=None):
         return npu_quant.weight_only_linear(self, x, packed, bias)
-
-
-# ---- feature detection ----
-
-def _param_names(fn) -> set[str] | None:
-    """Argument names fn accepts, or None when they cannot be read. A Python signature first; then the op schema,
-    for a registered torch op (an OpOverloadPacket shows only *args, **kwargs; a pybind builtin shows nothing)."""
-    try:
-        params = inspect.signature(fn).parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            return set(params)
-    except (TypeError, ValueError):
-        pass
-    try:
-        schema = fn.default._schema if hasattr(fn, "default") else getattr(torch.ops.npu, fn.__name__).default._schema
-        return {a.name for a in schema.arguments}
-    except Exception:
-        return None
-
-
-def _detect_fia_scale_kwarg(torch_npu) -> str | None:
-    # The softmax scale is `scale` in 7.x-era docs and torch_npu 2.14, `scale_value` in 6.0.x pages (§0).
-    names = _param_names(torch_npu.npu_fused_infer_attention_score)
-    if names is None:
-        return None  # the first call tries `scale`, then `scale_value` on TypeError
-    for kw in ("scale", "scale_value"):
-        if kw in names:
-            return kw
-    raise RuntimeError("npu_fused_infer_attention_score takes neither `scale` nor `scale_value`")
-
-
-def _detect_cache_write(torch_npu) -> str:
-    # npu_scatter_pa_kv_cache in "Norm" mode is what vllm-ascend uses on A2/A3; the ATB op is the fallback when it
-    # is missing (§2.1, §7.1). A release whose scatter op has no cache_mode only writes NZ caches.
-    scatter = getattr(torch_npu, "npu_scatter_pa_kv_cache", None)
-    if scatter is not None:
-        names = _param_names(scatter)
-        if names is None or "cache_mode" in names:
-            return "npu_scatter_pa_kv_cache"
-        logger.warning("ops[npu]: npu_scatter_pa_kv_cache has no cache_mode argument (NZ caches only); "
-                       "writing the ND cache with _npu_reshape_and_cache")
-    if hasattr(torch_npu, "_npu_reshape_and_cache"):
-        return "_npu_reshape_and_cache"
-    raise RuntimeError("torch_npu has neither npu_scatter_pa_kv_cache nor _npu_reshape_and_cache")
-
-
-# ---- per-step host metadata (built once per step, kept in an NpuOps' PerStep caches) ----
-
-class _AttentionMeta:
-    """Host lists FIA needs for one step, and (lazily) the index tensors of the split path."""
-
-    def __init__(self, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor):
-        cu = cu_seqlens_q.tolist()
-        self.cu = cu
-        self.q_ends = cu[1:]  # TND: cumulative end offsets, the last one equal to T (§2.3 "Sequence lengths")
-        self.q_lens = [b - a for a, b in zip(cu, cu[1:])]
-        self.kv_lens = seq_lens.tolist()  # with a block table: per-sequence lengths, not cumulative
-        self.max_q_len = max(self.q_lens)
-        # int32, 2-D, first dim = B; the -1 padding is never read: only ceil(len / block_size) entries are (§1).
-        self.block_table = block_tables.to(torch.int32).contiguous()
-        self.split = None
-
-
-def _slots(slot_mapping: torch.Tensor):
-    # Negative (padding) slots are not documented as skipped by either NPU op (§2.1), so they are dropped here.
-    valid = slot_mapping >= 0
-    if bool(valid.all()):
-        return slot_mapping.to(torch.int32), None
-    return slot_mapping[valid].to(torch.int32), valid
-
-
-def _segment_ends(cu_seqlens: torch.Tensor) -> list[int]:
-    return cu_seqlens.tolist()[1:]
-
-
-def causal_mask(device: torch.device) -> torch.Tensor:
-    # int8 upper triangle of ones (1 = masked out), as vllm-ascend builds it for sparse_mode 3 (§5.3).
-    return torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8, device=device), diagonal=1)
-
-
-def _paged_kv(k_cache, v_cache):
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    return (k_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
-            v_cache.view(num_blocks, block_size, num_kv_heads * head_dim))
-
-
-class _SplitPlan:
-    """Rows and token indices of the split path: decodes as [B, 1, H], prefill chunks padded to [B, S, H]."""
-
-    def __init__(self, meta: _AttentionMeta, device: torch.device):
-        q_lens, cu = meta.q_lens, meta.cu
-        self.decode = [i for i, n in enumerate(q_lens) if n == 1]
-        self.prefill = [i for i, n in enumerate(q_lens) if n > 1]
-        self.decode_tokens = torch.tensor([cu[i] for i in self.decode], dtype=torch.long, device=device)
-        self.max_s = max((q_lens[i] for i in self.prefill), default=0)
-        src, dst = [], []
-        for j, i in enumerate(self.prefill):
-            src.extend(range(cu[i], cu[i + 1]))
-            dst.extend(range(j * self.max_s, j * self.max_s + q_lens[i]))
-        self.src = torch.tensor(src, dtype=torch.long, device=device)
-        self.dst = torch.tensor(dst, dtype=torch.long, device=device)
-        rows = torch.tensor(self.decode, dtype=torch.long, device=device)
-        self.decode_table = meta.block_table[rows].contiguous()
-        rows = torch.tensor(self.prefill, dtype=torch.long, device=device)
-        self.prefill_table = meta.block_table[rows].contiguous()
-
-
-# ---- graph mode: what a captured decode graph keeps ----
-
-@dataclass
-class _AttentionTask:
-    """One layer's captured attention: re-issued at every replay with the same tensors and that step's lengths."""
-    handle: object  # graph_task_group_end's handle of the task group holding the FIA call
-    event: object  # torch.npu.ExternalEvent the captured task waits on, recorded once the update is issued
-    args: tuple  # query, key, value as the call takes them: the graph's static memory
-    kwargs: dict  # keyword arguments; actual_seq_lengths_kv is the capture's kv_lens list
-    workspace: torch.Tensor
-    out: torch.Tensor
-    lse: torch.Tensor
-
-
-class GraphCapture:
-    """The attention tasks of one decode graph (one batch size). While it is active (NpuOps.capturing), attention
-    and the cache write take the step's lengths from here instead of reading them from device tensors: a .tolist()
-    inside a capture is a device->host sync the graph cannot hold.
-
-    kv_lens is the host list the tasks were captured with; update_graph_attention rewrites it in place and re-issues
-    every task with it, so an object still referring to the list also sees the current lengths."""
-
-    def __init__(self, kv_lens: list[int]):
-        # Decode only: one query token per row, padded rows included, so the cumulative TND offsets end at the padded
-        # T, as FIA requires (§2.3 "Sequence lengths", §5.4).
-        self.q_ends = list(range(1, len(kv_lens) + 1))
-        self.kv_lens = list(kv_lens)
-        self.tasks: list[_AttentionTask] = []

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import PIL.Image
 
+from vlinfer.inputs.limits import MAX_IMAGE_PIXELS, MAX_IMAGES, too_many_pixels
 from vlinfer.multimodal.image_io import ImageLoadError, load_image
 from vlinfer.multimodal.url_fetch import UrlFetchError, UrlPolicy, fetch_image_url
 from vlinfer.serve.protocol import ApiError, error_body
@@ -120,8 +121,8 @@ async def send_error(send, status: int, message: str, code: str | None = None, h
 @dataclass
 class ImagePolicy:
     max_image_bytes: int = 20 * 2 ** 20
-    max_image_pixels: int = 1 << 25  # 32 Mi pixels, e.g. 8192 x 4096: ~100 MB once decoded to RGB
-    max_images: int = 16
+    max_image_pixels: int = MAX_IMAGE_PIXELS  # defaults: the table in vlinfer/inputs/limits.py
+    max_images: int = MAX_IMAGES
     allowed_url_hosts: tuple[str, ...] = ()  # empty: http(s) URLs are refused; "*" allows any public host
     allow_private_urls: bool = False
     url_timeout: float = 10.0  # seconds for one image: DNS, connect, redirects and the whole body
@@ -234,8 +235,7 @@ def decode_image(data: bytes, policy: ImagePolicy, param: str) -> PIL.Image.Imag
             raise _bad(f"invalid image: cannot read its header ({type(e).__name__}: {e})", param) from None
     width, height = image.size
     if width * height > policy.max_image_pixels:
-        raise _bad(f"invalid image: {width}x{height} = {width * height} pixels, over the limit of "
-                   f"{policy.max_image_pixels} pixels; possible decompression bomb", param)
+        raise _bad(f"invalid image: {too_many_pixels(width, height, policy.max_image_pixels)}", param)
     try:
         image.load()
         return load_image(image, max_image_pixels=policy.max_image_pixels)

@@ -59,7 +59,7 @@ def check_video_options(options: dict, engine, limits: VideoLimits) -> None:
         if value is not None and limits.max_frames is not None and value > limits.max_frames:
             raise ApiError(400, f"mm_processor_kwargs.{key}={value} is over this server's limit of "
                                 f"{limits.max_frames} frames per video", param=f"{param}.{key}")
-    most = engine.input_processor.videos.processor.max_pixels
+    most = engine.input_processor.mm_processor.videos.processor.max_pixels
     for key in ("video_min_pixels", "video_max_pixels"):
         value = getattr(opts, key)
         if value is not None and value > most:

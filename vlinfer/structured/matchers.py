@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from vlinfer.sampling_params import StructuredOutputsParams
+from vlinfer.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("vlinfer")
 

@@ -20,7 +20,7 @@ class TensorInfo:
 
 
 class TensorIndex(dict):
-    """checkpoint tensor name -> TensorInfo, for every tensor of the checkpoint (model_loader builds it)."""
+    """checkpoint tensor name -> TensorInfo, for every tensor of the checkpoint (vlinfer.loading builds it)."""
 
 
 @dataclass(frozen=True)

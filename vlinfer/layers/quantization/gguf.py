@@ -1,6 +1,6 @@
 """GGUF Q8_0 / Q4_0 / Q4_1 weights kept in their blocks (no dequantization on load).
 
-The checkpoint index (model_loader.checkpoint_tensor_index -> gguf_weights.tensor_index) marks each weight the loader
+The checkpoint index (loading.checkpoint_tensor_index -> loading.gguf.tensor_index) marks each weight the loader
 will hand over as blocks with its ggml type name; every linear layer whose weight is one of those gets a
 GgufLinearMethod, the rest stay dense (float32 weights gguf-py dequantized, as transformers loads them; other GGUF
 types such as Q6_K are dequantized that way and the loader logs it). The token embedding (and the LM head tied to
@@ -9,7 +9,7 @@ it) keeps its blocks too when the file has them quantized (assign_gguf_embedding
 A layer holds `weight`: uint8 [N, K / 32 * block_bytes], the file's block rows for its output features (fused q/k/v
 and gate/up shards stacked by rows, like dense weights). Blocks run along K, so a row-parallel rank's columns are
 a whole number of blocks when its K is a multiple of 32 (refused otherwise, naming the layer). The matmul is the op
-table's `gguf_linear` (ops/gguf_reference.py defines it; the CPU kernel is kernels/cpu/gguf_blocks.cpp)."""
+table's `gguf_linear` (ops/gguf_reference.py defines it; the CPU kernel is vlinfer/ops/kernels/cpu/gguf_blocks.cpp)."""
 import logging
 
 import torch

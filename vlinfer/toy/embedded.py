@@ -1,4 +1,4 @@
-"""vlinfer's embedded Qwen3-VL: a toy trained on the drawn scenes of vlinfer/scenes.py (tools/train_embedded.py),
+"""vlinfer's embedded Qwen3-VL: a toy trained on the drawn scenes of vlinfer/toy/scenes.py (tools/train_embedded.py),
 so offline it describes and answers questions about pictures of that world truthfully, and knows nothing else.
 
 The package ships it compact (vlinfer/data/qwen3_vl_scenes.*): the real Qwen3-VL layout and Qwen3's full
@@ -17,7 +17,7 @@ WEIGHTS = "qwen3_vl_scenes.safetensors"
 MANIFEST = "qwen3_vl_scenes.json"
 VOCAB_SIZE = 151936
 VOCAB_ROWS = ("model.language_model.embed_tokens.weight", "lm_head.weight")  # stored for the world's tokens only
-# The model's shape (vlinfer.tiny_checkpoints.tiny_qwen3_vl_config's arguments) and the shipped training run.
+# The model's shape (vlinfer.toy.tiny_checkpoints.tiny_qwen3_vl_config's arguments) and the shipped training run.
 SHAPE = dict(text_hidden=128, text_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, mrope_section=(6, 5, 5),
              vision_depth=2, vision_hidden=96, vision_heads=4, tie_word_embeddings=False)
 TRAINING = dict(steps=7000, stop_after=7000, batch_size=16, seed=0, threads=2, lr=0.003, max_turns=4,
@@ -65,7 +65,7 @@ def build_checkpoint(compact_folder: str, folder: str) -> str:
     from safetensors.torch import load_file
     from transformers import Qwen3VLForConditionalGeneration
 
-    from vlinfer.tiny_checkpoints import qwen_tokenizer_files, tiny_qwen3_vl_config
+    from vlinfer.toy.tiny_checkpoints import qwen_tokenizer_files, tiny_qwen3_vl_config
     manifest = read_manifest(compact_folder)
     weights = os.path.join(compact_folder, WEIGHTS)
     if sha256(weights) != manifest["sha256"]:

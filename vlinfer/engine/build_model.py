@@ -1,0 +1,73 @@
+"""Builds an engine's model on its op table and dtype (ModelContext), loads its checkpoint shard, and gives its
+weights the layout its ops prefer."""
+import logging
+
+import torch
+
+from vlinfer import loading
+from vlinfer.layers import ModelContext, ParallelLMHead, VocabParallelEmbedding
+from vlinfer.layers.fused_moe import FusedMoE
+from vlinfer.layers.linear import LinearBase
+from vlinfer.layers.quantization import assign_methods, detect_quantization
+from vlinfer.layers.quantization.gguf import GgufQuantization, assign_gguf_embeddings
+from vlinfer.models import get_model_class
+
+logger = logging.getLogger("vlinfer")
+
+
+def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quantization: str | None = None):
+    """Build the model on ctx's op table for ctx.tp's rank (its shard of every split layer) and load that shard:
+    split weights are read lazily, only the rank's rows or columns of each (loading.CheckpointSlice).
+    Each linear layer's quantization method is chosen from the checkpoint (or `quantization`, "int8" / "int4" on
+    load) before any weight is read, so a checkpoint vlinfer cannot run fails here, before the KV pool."""
+    model_cls = get_model_class(hf_config)
+    with torch.device(device):  # thread-local: another engine building in another thread keeps its own device
+        net = model_cls(hf_config, ctx).eval()  # every layer builds its parameters in ctx.dtype
+    tensors = loading.checkpoint_tensor_index(source)
+    quant = detect_quantization(hf_config, source.folder, tensors, quantization)
+    if quant is not None:
+        assign_methods(net, quant, tensors)
+    keep_gguf_blocks = isinstance(quant, GgufQuantization)  # else GGUF files are dequantized on load, as before
+    if keep_gguf_blocks:
+        assign_gguf_embeddings(net, tensors)
+    counter = loading.ReadCounter()  # this load's own: two engines loading at once count apart
+    weights = loading.iterate_weights(source, hf_config, lazy=True, keep_gguf_blocks=keep_gguf_blocks, counter=counter)
+    if hasattr(net, "load_weights"):  # models with more than one tower route their own tensors
+        net.load_weights(weights)
+    else:
+        loading.load_weights(net, weights)
+    net.checkpoint_bytes_read = counter.bytes  # reported by ModelRunner.describe()
+    return net
+
+
+def pack_weights(model: torch.nn.Module) -> None:
+    """Give every linear layer and LM head the weight layout its op table prefers, once after loading; logged either
+    way, so a model left on plain weights says so."""
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    embeddings = [m.weight for m in model.modules()
+                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
+    packed = sum(layer.pack_weight() for layer in linears)
+    for head in (m for m in model.modules() if isinstance(m, ParallelLMHead)):
+        tied = any(head.weight is w for w in embeddings)
+        if head.pack_weight(tied) and tied:
+            logger.info("LM head tied to the embedding: a packed copy for the logits matmul (+%.0f MiB)",
+                        head.weight.numel() * head.weight.element_size() / 2 ** 20)
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if experts:
+        packed_experts = sum(layer.pack_weight() for layer in experts)
+        logger.info("%d of %d MoE expert layers packed for %s", packed_experts, len(experts), experts[0].ops.name)
+    for decoder in (m for m in model.modules() if hasattr(m, "fuse_decode")):
+        if decoder.fuse_decode():
+            logger.info("decode steps run all %d decoder layers in one op call (%s)", len(decoder.layers),
+                        decoder.ctx.ops.name)
+        else:
+            logger.info("decode steps run the %d decoder layers module by module (%s has no fused form for them)",
+                        len(decoder.layers), decoder.ctx.ops.name)
+    if linears:
+        dtype = linears[0].params_dtype
+        if packed:
+            logger.info("%d of %d linear weights packed for %s (%s)", packed, len(linears), linears[0].ops.name,
+                        dtype)
+        else:
+            logger.info("linear layers keep plain %s weights (%s has no packed layout for them here)", dtype,
+                        linears[0].ops.name)

@@ -1,0 +1,89 @@
+"""Outputs out: each sampled token is appended to its sequence, detokenized incrementally, checked against the
+request's stops, length and grammar, and turned into a RequestOutput with this step's delta."""
+import logging
+
+from vlinfer.engine.detokenizer import IncrementalDetokenizer
+from vlinfer.engine.sequence import Sequence
+from vlinfer.outputs import CompletionOutput, RequestOutput
+from vlinfer.structured.matchers import GrammarMatchers
+
+logger = logging.getLogger("vlinfer")
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len  # the resolved one (engine/sizing.py)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}  # by sequence request_id
+
+    def add(self, seq: Sequence) -> None:
+        p = seq.sampling_params
+        self.detokenizers[seq.request_id] = IncrementalDetokenizer(
+            self.tokenizer, seq.num_prompt_tokens, p.skip_special_tokens, p.spaces_between_special_tokens)
+
+    def remove(self, seq: Sequence) -> None:
+        self.detokenizers.pop(seq.request_id, None)
+
+    def append_token(self, seq: Sequence, token_id: int, logprobs) -> RequestOutput:
+        """Append one sampled token; sets seq.finish_reason when it ends the request (out.finished)."""
+        p = seq.sampling_params
+        seq.append_token(token_id)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        grammar_error = None
+        if seq.grammar_matcher is not None:
+            grammar_error = GrammarMatchers.accept(seq.grammar_matcher, token_id)
+        sent = len(seq.output_text)
+        # The sampler masks EOS and stop tokens until min_tokens, so one seen here past that point ends the request.
+        is_stop_token = token_id in p.stop_token_ids or (token_id in self.eos_token_ids and not p.ignore_eos)
+        stops = is_stop_token and seq.num_output_tokens > p.min_tokens
+        if not stops or p.include_stop_str_in_output:  # vLLM leaves a stop token's text out unless asked for it
+            seq.output_text += self.detokenizers[seq.request_id].step(seq.token_ids)
+        if stops:
+            seq.finish_reason = "stop"
+            seq.stop_reason = token_id if token_id in p.stop_token_ids else None
+        longest_stop = max(map(len, p.stop_strings), default=0)
+        if seq.finish_reason is None and p.stop_strings and seq.num_output_tokens >= p.min_tokens:
+            self._check_stop_strings(seq, sent, longest_stop)
+        if seq.finish_reason is None and (seq.num_output_tokens >= p.max_tokens or
+                                          seq.num_tokens >= self.max_model_len):
+            seq.finish_reason = "length"
+        if seq.finish_reason is None and grammar_error is not None:
+            # Only when other options (allowed_token_ids, bad_words, min_tokens) left the grammar no token: the
+            # output can no longer follow the constraint, so it ends here rather than run on unconstrained.
+            logger.warning("request %s: its structured output constraint refused token %d (%s); aborted",
+                           seq.request_id, token_id, grammar_error)
+            seq.finish_reason = "abort"
+        finished = seq.finish_reason is not None
+        # While streaming, hold back text that could still turn out to be the start of a stop string (unless the
+        # stop string is output too: then everything before its end is final).
+        hold = 0 if finished or not p.stop_strings or p.include_stop_str_in_output else longest_stop - 1
+        visible = max(len(seq.output_text) - hold, seq.num_streamed_chars)
+        out = make_output(seq, finished)
+        out.outputs[0].delta_text = seq.output_text[seq.num_streamed_chars:visible]
+        out.outputs[0].delta_token_ids = [token_id]
+        seq.num_streamed_chars = visible
+        return out
+
+    @staticmethod
+    def _check_stop_strings(seq: Sequence, sent: int, longest_stop: int) -> None:
+        """Only text near the new piece (from `sent` on) can complete a stop string."""
+        p = seq.sampling_params
+        window_start = max(0, sent - longest_stop)
+        window = seq.output_text[window_start:]
+        hits = [(window.find(s), s) for s in p.stop_strings if s in window]
+        if hits:
+            index, stop = min(hits)
+            end = window_start + index + (len(stop) if p.include_stop_str_in_output else 0)
+            seq.output_text = seq.output_text[:end]
+            seq.finish_reason, seq.stop_reason = "stop", stop
+
+
+def make_output(seq: Sequence, finished: bool) -> RequestOutput:
+    logprobs = list(seq.output_logprobs) if seq.sampling_params.logprobs is not None else None
+    completion = CompletionOutput(index=seq.index, text=seq.output_text, token_ids=seq.output_token_ids,
+                                  finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=logprobs)
+    return RequestOutput(request_id=seq.parent_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+                         outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens,
+                         images=seq.images_info, videos=seq.videos_info)

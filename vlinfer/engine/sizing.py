@@ -1,0 +1,98 @@
+"""The one place an engine's context length and KV cache are sized: the user's EngineConfig, the model's length
+and the machine's memory in, a frozen ResolvedConfig out.
+
+Three calls, in the order the engine can answer them: `context_limit` before any weight is read (a max_model_len
+the model cannot run fails at once), `block_size` before the model runner is built, and `resolve` once the model is
+loaded and its KV bytes per block are known."""
+import logging
+import math
+
+from vlinfer import platform
+from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, CPU_DEFAULT_MEMORY_UTILIZATION, MIN_FITTED_MODEL_LEN,
+                            EngineConfig, ResolvedConfig, default_batched_tokens)
+
+logger = logging.getLogger("vlinfer")
+DEFAULT_MODEL_LEN = 4096  # for a config without max_position_embeddings
+
+
+def context_limit(config: EngineConfig, text_config) -> tuple[int, int]:
+    """(the model's own length, the longest max_model_len this engine may run). With max_model_len unset the
+    longest is the model's length (at most max_model_len_cap); `resolve` may fit it down to the KV pool."""
+    model_len = getattr(text_config, "max_position_embeddings", None) or DEFAULT_MODEL_LEN
+    if config.max_model_len is not None and config.max_model_len > model_len:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings={model_len}")
+    return model_len, config.max_model_len or min(model_len, config.max_model_len_cap or model_len)
+
+
+def block_size(config: EngineConfig, device) -> int:
+    return config.kvcache_block_size or platform.default_block_size(device)
+
+
+def resolve(config: EngineConfig, dtype, model_len: int, longest: int, block_size: int, runner,
+            ranks_per_host: int = 1) -> ResolvedConfig:
+    """Size the KV pool for `runner` (its bytes per block, its dummy blocks, a profiled step on accelerators) and,
+    with max_model_len unset, fit the context length to what the pool holds. ranks_per_host: tensor-parallel
+    ranks sharing this host's RAM (each holds its heads of every block)."""
+    batched = config.max_num_batched_tokens or default_batched_tokens(longest)
+    num_blocks = _num_blocks(config, longest, block_size, batched, runner, ranks_per_host)
+    max_model_len = longest
+    per_rank = " per rank" if config.tensor_parallel_size > 1 else ""
+    if config.max_model_len is None:
+        max_model_len = _fitted_len(config, model_len, longest, num_blocks, block_size, runner.bytes_per_block,
+                                    per_rank)
+        if config.max_num_batched_tokens is None:  # the fitted length may be shorter than the step budget
+            batched = default_batched_tokens(max_model_len)
+    resolved = ResolvedConfig(dtype=dtype, max_model_len=max_model_len, block_size=block_size,
+                              max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs,
+                              num_blocks=num_blocks, bytes_per_block=runner.bytes_per_block)
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB%s, %d tokens); max_model_len=%d, %d tokens per step",
+                num_blocks, block_size, num_blocks * runner.bytes_per_block / 2 ** 20, per_rank,
+                resolved.kv_cache_tokens, max_model_len, batched)
+    return resolved
+
+
+def _num_blocks(config: EngineConfig, longest: int, block_size: int, batched: int, runner,
+                ranks_per_host: int) -> int:
+    """KV blocks in the pool. With max_model_len given, the pool must hold one sequence of that length. Without,
+    the pool may hold less than `longest`, down to MIN_FITTED_MODEL_LEN tokens."""
+    per_seq = math.ceil(longest / block_size)
+    useful = config.max_num_seqs * per_seq  # more blocks than every sequence at full length is waste
+    if config.kv_cache_bytes is not None:
+        budget = config.kv_cache_bytes
+    elif runner.device.type == "cpu":
+        fraction = config.memory_utilization or CPU_DEFAULT_MEMORY_UTILIZATION
+        budget = fraction * platform.available_memory(runner.device) / ranks_per_host
+    else:
+        peak = runner.profile_peak_memory(min(batched, longest))
+        fraction = config.memory_utilization or ACCELERATOR_DEFAULT_MEMORY_UTILIZATION
+        budget = fraction * platform.total_memory(runner.device) - peak
+    num_blocks = max(0, min(int(budget // runner.bytes_per_block) - runner.num_dummy_blocks, useful))
+    holds = f"KV cache budget of {int(budget)} bytes holds {num_blocks} blocks of {block_size} tokens"
+    if config.max_model_len is not None and num_blocks < per_seq:
+        raise ValueError(f"{holds}, fewer than one sequence of max_model_len={longest} needs ({per_seq}); "
+                         "raise kv_cache_bytes / memory_utilization, lower max_model_len, or leave it unset to "
+                         "fit it to the KV cache")
+    shortest = min(longest, MIN_FITTED_MODEL_LEN)
+    if config.max_model_len is None and num_blocks * block_size < shortest:
+        raise ValueError(f"{holds}, fewer than {shortest} tokens, the shortest max_model_len vlinfer fits to the "
+                         f"KV cache; raise kv_cache_bytes / memory_utilization")
+    return num_blocks
+
+
+def _fitted_len(config: EngineConfig, model_len: int, longest: int, num_blocks: int, block_size: int,
+                bytes_per_block: int, per_rank: str) -> int:
+    """No max_model_len was given: the longest length allowed, or, if the KV pool holds fewer tokens, the longest
+    sequence the pool holds, in whole blocks (a warning says so)."""
+    allowed = f"the model's max_position_embeddings={model_len}"
+    if longest < model_len:
+        allowed = f"max_model_len_cap={config.max_model_len_cap}; the model allows {model_len}"
+    pool_tokens = num_blocks * block_size
+    if pool_tokens >= longest:
+        logger.info("max_model_len=%d (%s)", longest, allowed)
+        return longest
+    logger.warning("max_model_len=%d: the KV cache (%d blocks of %d tokens, %.1f MiB%s) holds fewer tokens than "
+                   "%s, so the context length is fitted to it. To raise it, raise kv_cache_bytes or "
+                   "memory_utilization; a max_model_len you pass is used as is, and must fit", pool_tokens,
+                   num_blocks, block_size, num_blocks * bytes_per_block / 2 ** 20, per_rank, allowed)
+    return pool_tokens

@@ -1,0 +1,125 @@
+"""Reads a checkpoint: config, tokenizer, the tensor index from the file headers, and the tensors themselves
+(lazily, so a tensor-parallel rank reads only its shard). GGUF tensors are named and dequantized as transformers'
+own GGUF reader does, so names and values match what transformers loads from the same file; Q8_0 / Q4_0 / Q4_1
+weights can stay in their blocks (loading/gguf.py)."""
+import glob
+import os
+
+import torch
+
+from vlinfer.loading.sources import ModelNotFoundError, ModelSource
+
+
+def load_config(source: ModelSource):
+    from transformers import AutoConfig
+    try:
+        if source.gguf_file:
+            config = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file)
+            config.architectures = config.architectures or [_gguf_architecture(config)]
+            return config
+        return AutoConfig.from_pretrained(source.path)
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(f"could not read the model config of {source.name!r} at {source.path}: {e}") from e
+
+
+def _gguf_architecture(config) -> str:
+    return {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(config.model_type, config.model_type)
+
+
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+    if source.gguf_file:
+        return AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+    return AutoTokenizer.from_pretrained(source.path)
+
+
+class ReadCounter:
+    """Bytes one load has read from safetensors files: lets tests check each tensor-parallel rank read about its
+    share of the checkpoint, not all of it. One per load, so two engines loading at once count apart."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def count(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+class CheckpointSlice:
+    """A safetensors tensor not yet read: `.narrow(dim, start, length)` reads just that slice from the file (what
+    a tensor-parallel rank keeps of a split weight), `.full()` reads it whole (weights every rank keeps)."""
+
+    def __init__(self, file, name: str, counter: ReadCounter):
+        self._file = file
+        self._slice = file.get_slice(name)
+        self._counter = counter
+        self.name = name
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._counter.count(self._slice[index])
+
+    def full(self) -> torch.Tensor:
+        return self._counter.count(self._file.get_tensor(self.name))
+
+
+def eos_token_ids(source: ModelSource, tokenizer) -> set[int]:
+    """The tokenizer's EOS and those of generation_config.json (chat models end turns with their own)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not source.gguf_file:
+        from transformers import GenerationConfig
+        try:
+            eos = GenerationConfig.from_pretrained(source.path).eos_token_id
+        except OSError:  # no generation_config.json
+            eos = None
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    return ids
+
+
+def checkpoint_tensor_index(source: ModelSource) -> dict:
+    """{tensor name: TensorInfo(shape, dtype)} of a safetensors checkpoint, from the file headers only (nothing is
+    read): what layers/quantization chooses each layer's method from. For a GGUF file, what iterate_weights(...,
+    keep_gguf_blocks=True) yields: dtype "Q8_0" / "Q4_0" / "Q4_1" for weights kept in their blocks (loading/gguf.py)."""
+    from vlinfer.layers.quantization import TensorInfo
+    if source.gguf_file:
+        from vlinfer.loading import gguf
+        return gguf.tensor_index(source.path, load_config(source))
+    from safetensors import safe_open
+    index = {}
+    for file in sorted(glob.glob(os.path.join(source.path, "*.safetensors"))):
+        with safe_open(file, "pt", device="cpu") as f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                index[name] = TensorInfo(tuple(tensor.get_shape()), tensor.get_dtype())
+    return index
+
+
+def iterate_weights(source: ModelSource, config, lazy: bool = False, keep_gguf_blocks: bool = False,
+                    counter: ReadCounter | None = None):
+    """(name, tensor) for every checkpoint tensor. lazy=True yields CheckpointSlice objects instead, read only as
+    far as the consumer narrows them; consume each before asking for the next (the file closes behind them).
+
+    GGUF files are read with transformers' names and processors (loading/gguf.py), lazy or not: every
+    tensor-parallel rank reads the whole file, then keeps only its shard; each full tensor is dropped as soon as the
+    consumer has copied its slice. Tensors are dequantized to float32 as transformers does, except with
+    keep_gguf_blocks the Q8_0 / Q4_0 / Q4_1 weights, which come as their uint8 GGUF blocks. `counter` adds up the
+    safetensors bytes read."""
+    counter = counter if counter is not None else ReadCounter()
+    if source.gguf_file:
+        from vlinfer.loading import gguf
+        yield from gguf.iterate(source.path, config, keep_gguf_blocks)
+        return
+    from safetensors import safe_open
+    files = sorted(glob.glob(os.path.join(source.path, "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors files in {source.path}")
+    for file in files:
+        with safe_open(file, "pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, CheckpointSlice(f, name, counter) if lazy else counter.count(f.get_tensor(name))

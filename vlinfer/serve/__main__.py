@@ -1,5 +1,0 @@
-import sys
-
-from vlinfer.serve import main
-
-sys.exit(main())

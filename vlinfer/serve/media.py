@@ -1,0 +1,102 @@
+"""The media of a chat request: image parts found, checked, fetched and decoded under the image policy, video
+parts read as bytes (serve/video.py), and mm_processor_kwargs checked, each a 400 naming the field before any
+decoding. The engine then preprocesses what comes out of here like LLM.generate's own inputs."""
+import asyncio
+
+from vlinfer.inputs.limits import (MM_PROCESSOR_KWARGS, VIDEO_OPTIONS, text_only, too_many_images,
+                                   unknown_mm_kwargs)
+from vlinfer.serve import security
+from vlinfer.serve.protocol import ApiError
+from vlinfer.serve.video import check_video_options, video_bytes
+
+
+def check_mm_kwargs(kwargs: dict | None, engine, config) -> None:
+    """The table's keys (vlinfer/inputs/limits.py): image sizes (min_pixels, max_pixels), detail and the video
+    keys (fps, num_frames, ...; serve/video.py), each checked here so a bad value is a 400 naming it before
+    anything is decoded."""
+    video = {}
+    for key, value in (kwargs or {}).items():
+        if key in VIDEO_OPTIONS:
+            video[key] = value
+            continue
+        if key not in MM_PROCESSOR_KWARGS:
+            raise ApiError(400, unknown_mm_kwargs([key]), param="mm_processor_kwargs")
+        if key == "detail":  # OpenAI's image detail, for every image of the request
+            if value not in ("low", "high", "auto"):
+                raise ApiError(400, "mm_processor_kwargs.detail must be one of low, high, auto",
+                               param="mm_processor_kwargs")
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or \
+                not 1 <= value <= config.images.max_image_pixels:
+            raise ApiError(400, f"mm_processor_kwargs.{key} must be an integer in "
+                                f"[1, {config.images.max_image_pixels}]", param="mm_processor_kwargs")
+    if video:
+        check_video_options(video, engine, config.video)
+
+
+def image_sources(messages, engine, config) -> list[tuple[str, str]]:
+    """(url, param) of every image part, in order; refuses a text-only model and too many media early."""
+    sources, videos = [], 0
+    for i, message in enumerate(messages):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                if part.type == "image_url":
+                    sources.append((part.image_url.url, f"messages.{i}.content.{j}.image_url.url"))
+                videos += part.type == "video_url"
+    if sources and not engine.is_multimodal:
+        raise ApiError(400, text_only(config.served_model_names[0], "images"), param=sources[0][1])
+    limit = config.images.max_images
+    if len(sources) + videos > limit:  # counted as the engine counts them (vlinfer/inputs/limits.py)
+        raise ApiError(400, too_many_images(len(sources) + videos, limit), param="messages", code="too_many_images")
+    for url, param in sources:
+        if security.image_kind(url) == "other":
+            raise security.unsupported_source(url, param)
+    return sources
+
+
+async def fetch_urls(sources, policy: security.ImagePolicy) -> dict[int, bytes]:
+    """http(s) images, fetched concurrently on the event loop (no thread waits on a slow server)."""
+    jobs = {i: security.fetch_url(url, policy, param)
+            for i, (url, param) in enumerate(sources) if security.image_kind(url) == "http"}
+    results = await asyncio.gather(*jobs.values())
+    return dict(zip(jobs, results))
+
+
+def load_images(sources, fetched: dict[int, bytes], policy: security.ImagePolicy) -> list:
+    """In a worker thread: every source to a decoded PIL image (data URIs and files read here)."""
+    images = []
+    for i, (url, param) in enumerate(sources):
+        kind = security.image_kind(url)
+        if kind == "data":
+            data = security.decode_data_uri(url, policy, param)
+        elif kind == "file":
+            data = security.read_local_file(url, policy, param)
+        else:
+            data = fetched[i]
+        images.append(security.decode_image(data, policy, param))
+    return images
+
+
+def chat_messages(messages, images: list, policy: security.ImagePolicy) -> list[dict]:
+    """The request's messages as the chat template takes them: images (decoded, in order) and video bytes in
+    their parts, "developer" as "system", and earlier tool calls and results kept."""
+    images = iter(images)
+    out = []
+    for i, message in enumerate(messages):
+        role = "system" if message.role == "developer" else message.role
+        if isinstance(message.content, list):
+            content = [{"type": "text", "text": part.text} if part.type == "text"
+                       else {"type": "video", "video": video_bytes(part.video_url.url, policy,
+                                                                    f"messages.{i}.content.{j}.video_url.url")}
+                       if part.type == "video_url"
+                       else {"type": "image", "image": next(images), "detail": part.image_url.detail}
+                       for j, part in enumerate(message.content)]
+        else:
+            content = message.content or ""
+        entry = {"role": role, "content": content}
+        if message.tool_calls:  # an earlier answer's calls, written back by the template in its own format
+            entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
+    return out
