@@ -357,7 +357,16 @@ def test_logprobs_are_transformers_log_softmax_of_raw_logits(llm, qwen3_checkpoi
                 top = set(ref[step].topk(k).indices.tolist()) if k else set()
                 assert set(entry) == top | {token}
                 for t, value in entry.items():
-                    assert abs(value - ref[step, t].item()) < 1e-4, (step, t, value, ref[step, t].item())
+                    assert abs(value.logprob - ref[step, t].item()) < 1e-4, (step, t, value, ref[step, t].item())
+                    # rank: 1 + how many tokens are more likely, within the float32 tolerance of the reference
+                    above = lambda margin: int((ref[step] > ref[step, t] + margin).sum())  # noqa: E731
+                    assert above(1e-4) <= value.rank - 1 <= above(-1e-4), (step, t, value.rank)
+                ranked = sorted((e for i, e in entry.items() if i in top), key=lambda e: -e.logprob)
+                assert [e.rank for e in ranked] == list(range(1, len(top) + 1))
+                assert token in top or entry[token].rank > k
+                assert all(e.decoded_token == llm.get_tokenizer().decode([i]) for i, e in entry.items())
+            assert out.outputs[0].cumulative_logprob == pytest.approx(
+                sum(e[t].logprob for t, e in zip(tokens, entries)), abs=1e-5)
 
 
 def generate_one(llm, **kwargs):

@@ -69,7 +69,8 @@ def test_smollm2_stop_strings_and_logprobs(smollm2):
     assert len(c.logprobs) == len(c.token_ids)
     for token, entry in zip(c.token_ids, c.logprobs):
         assert token in entry and len(entry) == 3  # exactly logprobs=3 alternatives, the greedy choice among them
-        assert entry[token] == pytest.approx(max(entry.values()))  # greedy picks the most likely token
+        assert entry[token].logprob == pytest.approx(max(e.logprob for e in entry.values()))  # greedy: the most likely
+        assert entry[token].rank == 1 and sorted(e.rank for e in entry.values()) == [1, 2, 3]
 
 
 def test_smollm2_seeded_sampling_is_independent_of_batch(smollm2):
@@ -80,3 +81,24 @@ def test_smollm2_seeded_sampling_is_independent_of_batch(smollm2):
                              [others[0], params, others[1], others[2]], use_tqdm=False)
     assert batch[1].outputs[0].token_ids == alone
     assert_block_pool_empty(smollm2)
+
+
+def test_smollm2_regex_digit_and_word_classes_are_ascii(smollm2):
+    """vLLM's structured-output idioms on the real model: \\d and \\w mean ASCII (ECMA-262), so the date is an
+    ASCII date and the address ASCII only (llguidance alone reads \\d as any Unicode digit, and SmolLM2 then writes
+    U+1FBF8 SEGMENTED DIGIT EIGHT)."""
+    from vlinfer import StructuredOutputsParams
+    date = smollm2.chat([{"role": "user", "content": "Give a date."}], SamplingParams(
+        temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r"\d{4}-\d{2}-\d{2}")),
+        use_tqdm=False)[0].outputs[0].text
+    assert len(date) == 10 and date.isascii() and date[4] == date[7] == "-", date
+    assert all(c.isdigit() for c in date.replace("-", "")), date
+    email = smollm2.generate("Write an email address for Alan Turing, who works at Enigma. End in .com and new "
+                             "line. Example result: alan.turing@enigma.com\n", SamplingParams(
+                                 temperature=0, max_tokens=30, stop=["\n"],
+                                 structured_outputs=StructuredOutputsParams(regex=r"\w+@\w+\.com\n")),
+                             use_tqdm=False)[0].outputs[0].text
+    # Greedy, this model writes a long local part and max_tokens may cut it: what is there is the regex's ASCII
+    # prefix, with no character outside [A-Za-z0-9_@.].
+    import re
+    assert email.isascii() and re.fullmatch(r"[A-Za-z0-9_]+(@[A-Za-z0-9_]*(\.(c(om?)?)?)?)?", email), email

@@ -11,6 +11,8 @@ _PUBLIC = {
     "SamplingParams": "vlinfer.sampling_params",
     "StructuredOutputsParams": "vlinfer.sampling_params",
     "CompletionOutput": "vlinfer.outputs",
+    "Logprob": "vlinfer.outputs",
+    "RequestMetrics": "vlinfer.outputs",
     "RequestError": "vlinfer.outputs",
     "RequestOutput": "vlinfer.outputs",
     "EngineConfig": "vlinfer.config",

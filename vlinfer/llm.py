@@ -18,6 +18,10 @@ class LLM:
         self.engine = LLMEngine(model, **engine_options)
         self.tokenizer = self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The engine's tokenizer (a transformers tokenizer), as vLLM's LLM.get_tokenizer: chat templates, counts."""
+        return self.tokenizer
+
     def close(self) -> None:
         self.engine.close()
 
@@ -118,4 +122,5 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
     first = outputs[0]
     return RequestOutput(request_id=first.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
                          outputs=[out.outputs[0] for out in outputs], finished=True,
-                         num_cached_tokens=first.num_cached_tokens, images=first.images, videos=first.videos)
+                         num_cached_tokens=first.num_cached_tokens, images=first.images, videos=first.videos,
+                         metrics=first.metrics)

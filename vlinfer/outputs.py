@@ -2,15 +2,40 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's entry in CompletionOutput.logprobs, vLLM's shape: its raw logprob (log_softmax of the model's
+    logits before any processing: grammar masks, penalties, temperature), its rank in the vocabulary by that
+    logprob (1 = the most likely) and its text decoded alone."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """vLLM's RequestOutput.metrics: wall-clock times (time.time()) of the request's life, seconds."""
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" or "length" once finished
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
-    logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}, the chosen included
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token: {token_id: Logprob}, the chosen included
     delta_text: str = ""  # from LLMEngine.step: what this step added to text
     delta_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None  # sum of the chosen tokens' raw logprobs; None unless logprobs asked
 
 
 @dataclass
@@ -25,6 +50,7 @@ class RequestOutput:
     # per video: num_frames, frames_indices, fps (source), timestamps, size, grid_thw, num_tokens (with the text)
     videos: list[dict] = field(default_factory=list)
     error: str | None = None  # why the request was rejected; it then has no tokens and finish_reason "error"
+    metrics: RequestMetrics | None = None
 
     @classmethod
     def rejected(cls, request_id: str, prompt, error: str) -> "RequestOutput":

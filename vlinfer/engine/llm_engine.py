@@ -190,6 +190,9 @@ class LLMEngine:
                 raise RuntimeError("scheduler could not place any waiting request; the KV pool is too small: raise "
                                    "kv_cache_bytes / memory_utilization or lower max_model_len")
             return []
+        now = time.time()
+        for seq in batch.seqs:
+            seq.first_scheduled_time = seq.first_scheduled_time or now
         sampled = self.model_runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n

@@ -4,7 +4,9 @@ import logging
 
 from vlinfer.engine.detokenizer import IncrementalDetokenizer
 from vlinfer.engine.sequence import Sequence
-from vlinfer.outputs import CompletionOutput, RequestOutput
+import time
+
+from vlinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vlinfer.structured.matchers import GrammarMatchers
 
 logger = logging.getLogger("vlinfer")
@@ -29,8 +31,13 @@ class OutputProcessor:
         """Append one sampled token; sets seq.finish_reason when it ends the request (out.finished)."""
         p = seq.sampling_params
         seq.append_token(token_id)
+        seq.last_token_time = time.time()
+        if seq.first_token_time is None:
+            seq.first_token_time = seq.last_token_time
         if logprobs is not None:
-            seq.output_logprobs.append(logprobs)
+            seq.output_logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
+                                        for t, (lp, rank) in logprobs.items()})
+            seq.cumulative_logprob += logprobs[token_id][0]
         grammar_error = None
         if seq.grammar_matcher is not None:
             grammar_error = GrammarMatchers.accept(seq.grammar_matcher, token_id)
@@ -56,6 +63,8 @@ class OutputProcessor:
                            seq.request_id, token_id, grammar_error)
             seq.finish_reason = "abort"
         finished = seq.finish_reason is not None
+        if finished:
+            seq.finished_time = seq.last_token_time
         # While streaming, hold back text that could still turn out to be the start of a stop string (unless the
         # stop string is output too: then everything before its end is final).
         hold = 0 if finished or not p.stop_strings or p.include_stop_str_in_output else longest_stop - 1
@@ -81,9 +90,14 @@ class OutputProcessor:
 
 
 def make_output(seq: Sequence, finished: bool) -> RequestOutput:
-    logprobs = list(seq.output_logprobs) if seq.sampling_params.logprobs is not None else None
+    asked = seq.sampling_params.logprobs is not None
     completion = CompletionOutput(index=seq.index, text=seq.output_text, token_ids=seq.output_token_ids,
-                                  finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=logprobs)
+                                  finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                  logprobs=list(seq.output_logprobs) if asked else None,
+                                  cumulative_logprob=seq.cumulative_logprob if asked else None)
+    metrics = RequestMetrics(arrival_time=seq.arrival_time, first_scheduled_time=seq.first_scheduled_time,
+                             first_token_time=seq.first_token_time, last_token_time=seq.last_token_time,
+                             finished_time=seq.finished_time)
     return RequestOutput(request_id=seq.parent_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
                          outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens,
-                         images=seq.images_info, videos=seq.videos_info)
+                         images=seq.images_info, videos=seq.videos_info, metrics=metrics)

@@ -3,11 +3,12 @@
 The chain, per row, in this order (tests/test_sampling.py checks each step against transformers' logits processors
 on the same logits, and the whole chain against theirs in sequence):
 
-0. structured outputs: the grammar's token bitmask (the op table's apply_token_bitmask, defined in
-   ops/token_bitmask_reference.py), for constrained rows, all in one pass. First, as vLLM applies it (before its
-   sampler), so the logprobs below are over what the grammar allows and every later step only sees allowed tokens.
-1. logprobs, when asked for: log_softmax of the raw model logits in float32, before anything below. This is vLLM's
-   default (logprobs_mode="raw_logprobs") and what the OpenAI API reports.
+0. logprobs, when asked for: log_softmax of the raw model logits in float32, before anything below, the grammar
+   mask included: one rule for every request, vLLM's default (logprobs_mode="raw_logprobs"), and what the OpenAI
+   API reports. Each entry carries its rank in the vocabulary by that logprob.
+1. structured outputs: the grammar's token bitmask (the op table's apply_token_bitmask, defined in
+   ops/token_bitmask_reference.py), for constrained rows, all in one pass, so every later step only sees the
+   tokens the grammar allows.
 2. process_logits, on every row (greedy ones too, so they change the arg-max):
    a. logit_bias added (transformers' SequenceBiasLogitsProcessor with one-token sequences; vLLM adds it before
       the penalties too);
@@ -187,8 +188,8 @@ def _inverse_cdf(probs: torch.Tensor, cdf: torch.Tensor, uniform: torch.Tensor) 
 
 
 def _logprob_entries(raw_logprobs: torch.Tensor, params: list[SamplingParams], tokens: list[int]):
-    """Per row, {token: raw logprob} of the `logprobs` most likely tokens plus the chosen one (vLLM's shape), or
-    None where the request did not ask."""
+    """Per row, {token: (raw logprob, rank)} of the `logprobs` most likely tokens plus the chosen one (vLLM's
+    shape; rank 1 is the most likely, ties share the better rank), or None where the request did not ask."""
     entries = [None] * len(tokens)
     for i, p in enumerate(params):
         if p.logprobs is None:
@@ -196,8 +197,10 @@ def _logprob_entries(raw_logprobs: torch.Tensor, params: list[SamplingParams], t
         entry = {}
         if p.logprobs:
             top = raw_logprobs[i].topk(p.logprobs)
-            entry = dict(zip(top.indices.tolist(), top.values.tolist()))
-        entry[tokens[i]] = raw_logprobs[i, tokens[i]].item()
+            entry = {t: (v, rank) for rank, (t, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1)}
+        if tokens[i] not in entry:
+            chosen = raw_logprobs[i, tokens[i]]
+            entry[tokens[i]] = (chosen.item(), int((raw_logprobs[i] > chosen).sum()) + 1)
         entries[i] = entry
     return entries
 
@@ -205,15 +208,15 @@ def _logprob_entries(raw_logprobs: torch.Tensor, params: list[SamplingParams], t
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],
            grammar_bitmask: tuple[list[int], torch.Tensor] | None = None,
            apply_token_bitmask=token_bitmask_reference.apply_token_bitmask):
-    """logits [B, vocab] -> (token ids list[int], per-row {token: logprob} or None). Float32 logits are processed
+    """logits [B, vocab] -> (token ids list[int], per-row {token: (logprob, rank)} or None). Float32 logits are processed
     in place (the runner's are a fresh tensor each step; a copy of [B, vocab] per step would cost more than all
     the rest here). grammar_bitmask: (rows, int32 [len(rows), ceil(vocab / 32)]) for the constrained rows, applied
     by `apply_token_bitmask` (the engine passes its op table's)."""
     logits = logits.float()
-    if grammar_bitmask is not None:
-        apply_token_bitmask(logits, *grammar_bitmask)
     params = [s.sampling_params for s in seqs]
     raw_logprobs = torch.log_softmax(logits, -1) if any(p.logprobs is not None for p in params) else None
+    if grammar_bitmask is not None:
+        apply_token_bitmask(logits, *grammar_bitmask)
     logits = process_logits(logits, seqs, eos_token_ids)
     tokens = logits.argmax(-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -1,4 +1,5 @@
 """One request's state as the engine sees it: tokens, KV blocks, progress, sampling state, multimodal items."""
+import time
 from enum import Enum, auto
 from itertools import count
 
@@ -50,7 +51,13 @@ class Sequence:
         # SamplingParams.structured_outputs as this sequence's grammar matcher (an llguidance LLMatcher, advanced
         # by every appended token; LLMEngine.make_sequences makes it); None when unconstrained.
         self.grammar_matcher = None
-        self.output_logprobs: list[dict[int, float]] = []
+        self.output_logprobs: list[dict] = []  # per output token {token_id: outputs.Logprob}
+        self.cumulative_logprob = 0.0
+        self.arrival_time = time.time()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
         self.output_text = ""
         self.num_streamed_chars = 0  # of output_text, how much step outputs have already handed out as deltas
         self.finish_reason: str | None = None

@@ -301,7 +301,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 class Logprobs:
-    """Formats the engine's per-token {token_id: logprob} dicts (top-k plus the chosen token) the OpenAI way."""
+    """Formats the engine's per-token {token_id: Logprob} dicts (top-k plus the chosen token) the OpenAI way: the
+    same raw logprobs LLM.generate returns."""
 
     def __init__(self, tokenizer, top: int):
         self.tokenizer = tokenizer
@@ -314,8 +315,8 @@ class Logprobs:
         content = []
         for token_id, entry in zip(token_ids, entries):
             text = self._text(token_id)
-            top = sorted(entry.items(), key=lambda kv: -kv[1])[:self.top]
-            content.append({"token": text, "logprob": entry[token_id], "bytes": list(text.encode()),
+            top = sorted(((i, lp.logprob) for i, lp in entry.items()), key=lambda kv: -kv[1])[:self.top]
+            content.append({"token": text, "logprob": entry[token_id].logprob, "bytes": list(text.encode()),
                             "top_logprobs": [{"token": (t := self._text(i)), "logprob": lp,
                                               "bytes": list(t.encode())} for i, lp in top]})
         return {"content": content}
@@ -325,8 +326,8 @@ class Logprobs:
         for token_id, entry in zip(token_ids, entries):
             text = self._text(token_id)
             tokens.append(text)
-            token_logprobs.append(entry[token_id])
-            top = sorted(entry.items(), key=lambda kv: -kv[1])[:self.top]
+            token_logprobs.append(entry[token_id].logprob)
+            top = sorted(((i, lp.logprob) for i, lp in entry.items()), key=lambda kv: -kv[1])[:self.top]
             tops.append({self._text(i): lp for i, lp in top})
             offsets.append(text_offset)
             text_offset += len(text)

@@ -5,6 +5,8 @@ construction, before any engine or tokenizer exists: a bad schema, an unsupporte
 does not compile or a grammar with a syntax error is refused there, by name, instead of failing a step later."""
 import json
 
+from vlinfer.structured.ecma_regex import ascii_classes, ascii_schema
+
 JSON_SCHEMA_DRAFT = "https://json-schema.org/draft/2020-12/schema"
 
 
@@ -59,12 +61,12 @@ def _grammar_text(kind: str, value, disable_any_whitespace: bool) -> str:
     matcher = _llguidance().LLMatcher
     if kind == "json":
         options = {"whitespace_flexible": False} if disable_any_whitespace else None
-        return matcher.grammar_from_json_schema(value, overrides=options)
+        return matcher.grammar_from_json_schema(ascii_schema(value), overrides=options)
     if kind == "json_object":
         options = {"whitespace_flexible": False} if disable_any_whitespace else None
         return matcher.grammar_from_json_schema({"type": "object"}, overrides=options)
     if kind == "regex":
-        return matcher.grammar_from_regex(value)
+        return matcher.grammar_from_regex(ascii_classes(value))
     if kind == "choice":
         return _llguidance().grammar_from("choice", json.dumps(value))
     if kind == "grammar":  # Lark (llguidance's syntax) or GBNF (llama.cpp's and xgrammar's `root ::= ...`)
