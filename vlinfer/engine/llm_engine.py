@@ -192,7 +192,7 @@ class LLMEngine:
             return []
         now = time.time()
         for seq in batch.seqs:
-            seq.first_scheduled_time = seq.first_scheduled_time or now
+            seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
         sampled = self.model_runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n

@@ -1,12 +1,12 @@
 """Outputs out: each sampled token is appended to its sequence, detokenized incrementally, checked against the
 request's stops, length and grammar, and turned into a RequestOutput with this step's delta."""
+import dataclasses
 import logging
+import time
 
 from vlinfer.engine.detokenizer import IncrementalDetokenizer
 from vlinfer.engine.sequence import Sequence
-import time
-
-from vlinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from vlinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from vlinfer.structured.matchers import GrammarMatchers
 
 logger = logging.getLogger("vlinfer")
@@ -31,9 +31,10 @@ class OutputProcessor:
         """Append one sampled token; sets seq.finish_reason when it ends the request (out.finished)."""
         p = seq.sampling_params
         seq.append_token(token_id)
-        seq.last_token_time = time.time()
-        if seq.first_token_time is None:
-            seq.first_token_time = seq.last_token_time
+        metrics = seq.metrics
+        metrics.last_token_time = time.time()
+        if metrics.first_token_time is None:
+            metrics.first_token_time = metrics.last_token_time
         if logprobs is not None:
             seq.output_logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
                                         for t, (lp, rank) in logprobs.items()})
@@ -64,7 +65,7 @@ class OutputProcessor:
             seq.finish_reason = "abort"
         finished = seq.finish_reason is not None
         if finished:
-            seq.finished_time = seq.last_token_time
+            metrics.finished_time = metrics.last_token_time
         # While streaming, hold back text that could still turn out to be the start of a stop string (unless the
         # stop string is output too: then everything before its end is final).
         hold = 0 if finished or not p.stop_strings or p.include_stop_str_in_output else longest_stop - 1
@@ -95,9 +96,8 @@ def make_output(seq: Sequence, finished: bool) -> RequestOutput:
                                   finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                                   logprobs=list(seq.output_logprobs) if asked else None,
                                   cumulative_logprob=seq.cumulative_logprob if asked else None)
-    metrics = RequestMetrics(arrival_time=seq.arrival_time, first_scheduled_time=seq.first_scheduled_time,
-                             first_token_time=seq.first_token_time, last_token_time=seq.last_token_time,
-                             finished_time=seq.finished_time)
+    # A copy, as the logprobs list: a streamed output keeps the times it was made with.
+    metrics = dataclasses.replace(seq.metrics)
     return RequestOutput(request_id=seq.parent_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
                          outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens,
                          images=seq.images_info, videos=seq.videos_info, metrics=metrics)

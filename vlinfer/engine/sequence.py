@@ -6,6 +6,7 @@ from itertools import count
 import torch
 
 from vlinfer.inputs import MultiModalItem
+from vlinfer.outputs import RequestMetrics
 from vlinfer.sampling_params import SamplingParams
 
 
@@ -53,11 +54,7 @@ class Sequence:
         self.grammar_matcher = None
         self.output_logprobs: list[dict] = []  # per output token {token_id: outputs.Logprob}
         self.cumulative_logprob = 0.0
-        self.arrival_time = time.time()
-        self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
-        self.finished_time: float | None = None
+        self.metrics = RequestMetrics(arrival_time=time.time())
         self.output_text = ""
         self.num_streamed_chars = 0  # of output_text, how much step outputs have already handed out as deltas
         self.finish_reason: str | None = None

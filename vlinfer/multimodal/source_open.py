@@ -12,6 +12,7 @@ from vlinfer.multimodal.url_fetch import UrlFetchError, UrlPolicy, fetch_image_u
 
 # The data URI media types each kind accepts (an empty type, "data:;base64,...", is accepted for both).
 MEDIA_TYPES = {"image": ("image/",), "video": ("video/", "application/octet-stream")}
+ARTICLES = {"image": "an", "video": "a"}
 
 
 def open_string_source(source: str, kind: str, error: type[ValueError], *, url_policy: UrlPolicy | None,
@@ -42,8 +43,7 @@ def parse_data_uri(uri: str, kind: str, error: type[ValueError], max_bytes: int 
     if "base64" not in params:
         raise error(f"only base64 data URIs are supported (data:{kind}/...;base64,...)")
     if params[0] and not params[0].startswith(MEDIA_TYPES[kind]):
-        raise error(f"data URI media type is {params[0]!r}, not an {kind}" if kind == "image" else
-                    f"data URI media type is {params[0]!r}, not a {kind}")
+        raise error(f"data URI media type is {params[0]!r}, not {ARTICLES[kind]} {kind}")
     if max_bytes is not None and len(payload) > 4 * (max_bytes // 3 + 2) + payload.count("\n"):
         raise error(f"{kind} is larger than the limit of {max_bytes} bytes")
     try:

@@ -87,7 +87,7 @@ def build_app(loop: EngineLoop, config: ServeConfig) -> FastAPI:
         req = parse_body(ChatCompletionRequest, await request.body())
         model = server.check_model(req.model)
         media.check_mm_kwargs(req.mm_processor_kwargs, engine, config)
-        fmt = Logprobs(engine.tokenizer, req.top_logprobs or 0) if req.logprobs else None
+        fmt = Logprobs(req.top_logprobs or 0) if req.logprobs else None
         params = server.sampling_params(req, (req.top_logprobs or 0) if req.logprobs else None)
         server.check_capacity(req.n)
         sources = media.image_sources(req.messages, engine, config)
@@ -101,7 +101,7 @@ def build_app(loop: EngineLoop, config: ServeConfig) -> FastAPI:
         _json_content_type(request)
         req = parse_body(CompletionRequest, await request.body())
         model = server.check_model(req.model)
-        fmt = Logprobs(engine.tokenizer, req.logprobs) if req.logprobs is not None else None
+        fmt = Logprobs(req.logprobs) if req.logprobs is not None else None
         params = server.sampling_params(req, req.logprobs)
         prompts = server.completion_prompts(req.prompt)
         server.check_capacity(req.n * len(prompts))

@@ -302,35 +302,33 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 class Logprobs:
     """Formats the engine's per-token {token_id: Logprob} dicts (top-k plus the chosen token) the OpenAI way: the
-    same raw logprobs LLM.generate returns."""
+    same raw logprobs and token texts (Logprob.decoded_token) LLM.generate returns."""
 
-    def __init__(self, tokenizer, top: int):
-        self.tokenizer = tokenizer
+    def __init__(self, top: int):
         self.top = top
 
-    def _text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _top(self, entry: dict) -> list:
+        return sorted(entry.values(), key=lambda lp: -lp.logprob)[:self.top]
 
     def chat(self, token_ids: list[int], entries: list[dict]) -> dict:
         content = []
         for token_id, entry in zip(token_ids, entries):
-            text = self._text(token_id)
-            top = sorted(((i, lp.logprob) for i, lp in entry.items()), key=lambda kv: -kv[1])[:self.top]
-            content.append({"token": text, "logprob": entry[token_id].logprob, "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": (t := self._text(i)), "logprob": lp,
-                                              "bytes": list(t.encode())} for i, lp in top]})
+            chosen = entry[token_id]
+            content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
+                            "bytes": list(chosen.decoded_token.encode()),
+                            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
+                                              "bytes": list(lp.decoded_token.encode())} for lp in self._top(entry)]})
         return {"content": content}
 
     def completion(self, token_ids: list[int], entries: list[dict], text_offset: int) -> dict:
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token_id, entry in zip(token_ids, entries):
-            text = self._text(token_id)
-            tokens.append(text)
-            token_logprobs.append(entry[token_id].logprob)
-            top = sorted(((i, lp.logprob) for i, lp in entry.items()), key=lambda kv: -kv[1])[:self.top]
-            tops.append({self._text(i): lp for i, lp in top})
+            chosen = entry[token_id]
+            tokens.append(chosen.decoded_token)
+            token_logprobs.append(chosen.logprob)
+            tops.append({lp.decoded_token: lp.logprob for lp in self._top(entry)})
             offsets.append(text_offset)
-            text_offset += len(text)
+            text_offset += len(chosen.decoded_token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
