@@ -116,7 +116,8 @@ def offline_answer(model: str, content, max_tokens: int, **mm_kwargs) -> str:
 @pytest.mark.slow  # a CLI subprocess that loads a model
 def test_generate_with_images_on_the_embedded_vl_model():
     res = subprocess.run(vlinfer("generate", "Describe these.", "--image", IMAGE, "--image", IMAGE, *TINY,
-                                 "--temperature", "0"), cwd=REPO, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+                                 "--temperature", "0"),
+                         cwd=REPO, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert res.returncode == 0, res.stderr
     # Meaningless words, but the model's answer to both images and the text.
     content = [{"type": "image", "image": IMAGE}, {"type": "image", "image": IMAGE},
@@ -129,7 +130,8 @@ def test_generate_with_images_on_the_embedded_vl_model():
 def test_bench_passes_arguments_through():
     res = subprocess.run(vlinfer("bench", "--model", "qwen3-vl-tiny", "--dtype", "float32", "--num-requests", "2",
                                  "--min-input", "4", "--max-input", "8", "--min-output", "2", "--max-output", "3",
-                                 "--skip-transformers"), cwd=REPO, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+                                 "--skip-transformers"),
+                         cwd=REPO, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert res.returncode == 0, res.stderr
     assert "workload: 2 requests" in res.stdout and "| vlinfer |" in res.stdout
 
