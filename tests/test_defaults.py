@@ -147,6 +147,45 @@ def test_every_app_has_the_flags_the_table_names():
     assert [f for f in engine_flags + ["--concurrency"] if f"`{f}`" not in text] == []
 
 
+# A value other than the default for each engine option, as a flag's argv and the keyword it must become.
+FLAG_VALUES = {
+    "device": (["cpu"], "cpu"), "dtype": (["float32"], "float32"), "max_model_len": (["4096"], 4096),
+    "max_num_seqs": (["3"], 3), "max_num_batched_tokens": (["3000"], 3000), "kvcache_block_size": (["32"], 32),
+    "memory_utilization": (["0.3"], 0.3), "kv_cache_bytes": (["2M"], 2 << 20),
+    "enable_prefix_caching": ([], False), "ops": (["reference"], "reference"), "enforce_eager": ([], True),
+    "tensor_parallel_size": (["2"], 2), "enable_expert_parallel": ([], True),
+    "distributed_init_method": (["tcp://127.0.0.1:29500"], "tcp://127.0.0.1:29500"),
+    "distributed_timeout_s": (["5"], 5.0), "distributed_startup_timeout_s": (["50"], 50.0), "seed": (["7"], 7),
+    "quantization": (["int8"], "int8"), "allow_image_urls": ([], True), "logprobs_mode": (["raw_logprobs"],
+                                                                                      "raw_logprobs"),
+}
+
+
+def test_every_engine_option_is_one_flag_on_every_surface():
+    """Each EngineConfig field (but the model, a positional or --model, and the apps' own context cap) is one flag
+    of vLLM's spelling, the same in the CLI's generate, chat and caption, the server and the demo, and reaches LLM(...)
+    as that keyword with the value given."""
+    fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "max_model_len_cap")]
+    assert sorted(FLAG_VALUES) == sorted(fields)
+    assert [name for name in fields if name not in FLAGS] == []
+    demo = load_demo()
+    surfaces = {"generate": (lambda argv: engine_options(build_parser().parse_args(["generate", "hi", *argv]))),
+                "chat": (lambda argv: engine_options(build_parser().parse_args(["chat", *argv]))),
+                "caption": (lambda argv: engine_options(build_parser().parse_args(["caption", "x", "--out", "o",
+                                                                                   *argv]))),
+                "serve": (lambda argv: engine_options(serve_cli.build_parser().parse_args(argv))),
+                "demo": (lambda argv: demo.demo_engine_options(demo.parse_args(argv)))}
+    for surface, options_of in surfaces.items():
+        for name, (values, expected) in FLAG_VALUES.items():
+            flag = FLAGS[name]
+            if name == "enable_prefix_caching":
+                flag = "--no-enable-prefix-caching"
+            if surface == "demo" and name == "max_num_seqs":
+                flag = "--concurrency"
+            options = options_of([flag, *values])
+            assert options[name] == expected, (surface, flag, options[name])
+
+
 def test_a_given_long_context_still_prefills_in_bounded_steps(tiny_vl_with_context):
     """max_model_len given (not fitted) on a 262144-position model: the step budget is min(context, 8192), not the
     whole context."""

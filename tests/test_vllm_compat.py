@@ -71,8 +71,9 @@ def data_uri(image: PIL.Image.Image) -> str:
     (dict(best_of=3), ["SamplingParams.best_of=3 is not supported"]),
     (dict(use_beam_search=True), ["SamplingParams.use_beam_search=True"]),
     (dict(guided_decoding={"json": {}}), ["SamplingParams.guided_decoding="]),
-    (dict(prompt_logprobs=2, length_penalty=0.5), ["SamplingParams.prompt_logprobs=2",
-                                                   "SamplingParams.length_penalty=0.5"]),
+    (dict(early_stopping=True, length_penalty=0.5), ["SamplingParams.early_stopping=True",
+                                                     "SamplingParams.length_penalty=0.5"]),
+    (dict(prompt_logprobs=21), ["SamplingParams.prompt_logprobs must be None or an int in [0, 20]"]),
     (dict(logits_processors=[print]), ["SamplingParams.logits_processors="]),
     (dict(n=2, best_of=3), ["SamplingParams.best_of=3"]),
     (dict(temprature=0.5), ["no field 'temprature'", "did you mean 'temperature'"]),
@@ -88,7 +89,7 @@ def test_unsupported_fields_are_value_errors_naming_them(kwargs, names):
 def test_vllm_fields_at_their_off_value_are_accepted():
     # What vLLM code that spells out every field passes: the off values mean nothing to do.
     p = SamplingParams(n=2, best_of=2, use_beam_search=False, length_penalty=1.0, early_stopping=False,
-                       prompt_logprobs=None, guided_decoding=None, logits_processors=[], detokenize=True,
+                       guided_decoding=None, logits_processors=[], detokenize=True,
                        skip_special_tokens=False, spaces_between_special_tokens=False,
                        include_stop_str_in_output=True, truncate_prompt_tokens=-1, temperature=0.5)
     assert (p.n, p.skip_special_tokens, p.spaces_between_special_tokens, p.include_stop_str_in_output,

@@ -4,6 +4,7 @@ grammar (one rule for every request), and ECMA-262 regex classes (\\d is [0-9], 
 import math
 
 import pytest
+import torch
 
 from vlinfer import LLM, Logprob, SamplingParams
 from vlinfer.sampling_params import StructuredOutputsParams
@@ -28,6 +29,40 @@ def test_logprobs_are_objects_with_rank_and_decoded_token(llm):
     assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
     plain = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0]
     assert plain.logprobs is None and plain.cumulative_logprob is None  # vLLM: only when logprobs is asked
+
+
+def check_prompt_logprobs(out, prompt: list[int], k: int, model, tokenizer) -> None:
+    """vLLM's prompt_logprobs: None first, then per prompt token {token: Logprob} holding that token and the k most
+    likely, each value transformers' log_softmax of the raw logits at the position before (float32, 1e-4)."""
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+    entries = out.prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    for position, (token, entry) in enumerate(zip(prompt[1:], entries[1:]), 1):
+        row = ref[position - 1]
+        assert set(entry) == set(row.topk(k).indices.tolist() if k else []) | {token}, position
+        for t, value in entry.items():
+            assert abs(value.logprob - row[t].item()) < 1e-4, (position, t)
+            assert value.decoded_token == tokenizer.decode([t])
+        assert int((row > row[token] + 1e-4).sum()) <= entry[token].rank - 1 <= int((row > row[token] - 1e-4).sum())
+
+
+def test_prompt_logprobs_match_transformers(qwen3_checkpoint):
+    """Through chunked prefill (8-token chunks over a 21-token prompt) and after the same prompt was cached: a
+    prefix-cache hit would skip the positions whose logprobs are asked, so such a request reads no cached KV."""
+    path, model = qwen3_checkpoint
+    llm = LLM(path, dtype="float32", kv_cache_bytes=4 * 2 ** 20, max_model_len=128, max_num_batched_tokens=8,
+              enable_prefix_caching=True)
+    prompt = [(7 * i + 3) % 200 + 1 for i in range(21)]
+    warm = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert warm.prompt_logprobs is None  # not asked
+    for k in (3, 0):
+        params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k, n=2, seed=1)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert out.num_cached_tokens == 0 and len(out.outputs) == 2
+        check_prompt_logprobs(out, prompt, k, model, llm.get_tokenizer())
+    again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0  # the cache still serves requests that do not ask
 
 
 def test_metrics_say_when_the_request_arrived_started_and_finished(llm):

@@ -74,6 +74,9 @@ class EngineConfig:
     # Fetch http(s) image URLs: True with vlinfer.multimodal.UrlPolicy's limits (public hosts only), or a UrlPolicy.
     # Off so a request cannot make the engine fetch.
     allow_image_urls: bool = False
+    # vLLM's name for which logprobs requests get. Only its default is offered: log_softmax of the raw logits,
+    # before grammar masks, penalties and temperature (engine/sampler.py step 0).
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self):
         for name in ("max_num_seqs", "kvcache_block_size", "max_model_len", "max_model_len_cap",
@@ -92,6 +95,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
+        if self.logprobs_mode != "raw_logprobs":
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not supported: vlinfer returns vLLM's default "
+                             "'raw_logprobs' only (raw_logits, processed_logprobs and processed_logits are not offered)")
         method = self.distributed_init_method
         if method is not None and not (isinstance(method, str) and method.startswith(INIT_SCHEMES)):
             raise ValueError(f"distributed_init_method must be None, 'tcp://host:port' or 'env://', got {method!r}")

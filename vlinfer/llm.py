@@ -1,4 +1,5 @@
 """The offline entry point, shaped like vLLM's `LLM` so its users can switch."""
+import dataclasses
 from collections import Counter
 
 from tqdm.auto import tqdm
@@ -119,8 +120,4 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
     if len(outputs) == 1:
         return outputs[0]
     outputs = sorted(outputs, key=lambda out: out.outputs[0].index)
-    first = outputs[0]
-    return RequestOutput(request_id=first.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-                         outputs=[out.outputs[0] for out in outputs], finished=True,
-                         num_cached_tokens=first.num_cached_tokens, images=first.images, videos=first.videos,
-                         metrics=first.metrics)
+    return dataclasses.replace(outputs[0], outputs=[out.outputs[0] for out in outputs], finished=True)

@@ -51,6 +51,9 @@ class RequestOutput:
     videos: list[dict] = field(default_factory=list)
     error: str | None = None  # why the request was rejected; it then has no tokens and finish_reason "error"
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: per prompt token {token_id: Logprob}, the prompt's own token included; the
+    # first entry is None (nothing precedes it), as vLLM
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @classmethod
     def rejected(cls, request_id: str, prompt, error: str) -> "RequestOutput":

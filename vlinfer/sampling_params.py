@@ -4,11 +4,13 @@ from dataclasses import dataclass, field, fields, replace
 
 from vlinfer.structured.params import StructuredOutputsParams
 
+MAX_LOGPROBS = 20  # alternatives per token, for logprobs and prompt_logprobs (vLLM's default max_logprobs)
+
 # vLLM SamplingParams fields vlinfer does not implement, with the value that means "off". vLLM code often spells
 # out every field, so the off value is accepted (there is nothing to do); any other value is refused by name
 # instead of being silently ignored.
 VLLM_FIELDS_OFF = {"best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
-                   "prompt_logprobs": None, "guided_decoding": None,
+                   "guided_decoding": None,
                    "logits_processors": None, "detokenize": True, "output_kind": None, "extra_args": None}
 
 
@@ -66,6 +68,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # per prompt token after the first: its raw logprob and this many others
     n: int = 1  # completions per prompt, each with its own random stream (see for_completion)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # False: no space between two adjacent added tokens (vLLM's rule)
@@ -107,8 +110,10 @@ class SamplingParams:
              "presence_penalty", "must be in [-2, 2]")
         need(isinstance(self.frequency_penalty, (int, float)) and -2 <= self.frequency_penalty <= 2,
              "frequency_penalty", "must be in [-2, 2]")
-        need(self.logprobs is None or isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs",
-             "must be None or an int in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            need(k is None or isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS, name,
+                 f"must be None or an int in [0, {MAX_LOGPROBS}]")
         need(self.stop is None or isinstance(self.stop, (str, list, tuple)), "stop",
              "must be a string or a list of strings")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

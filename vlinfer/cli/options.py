@@ -19,7 +19,11 @@ FLAGS = {
     "max_model_len_cap": "the default --max-model-len cap", "max_num_batched_tokens": "--max-num-batched-tokens",
     "max_num_seqs": "--max-num-seqs", "kv_cache_bytes": "--kv-cache-size",
     "memory_utilization": "--memory-utilization", "tensor_parallel_size": "--tensor-parallel-size",
-    "num_threads": "--num-threads",
+    "num_threads": "--num-threads", "kvcache_block_size": "--block-size",
+    "enable_prefix_caching": "--enable-prefix-caching", "ops": "--ops", "enforce_eager": "--enforce-eager",
+    "enable_expert_parallel": "--enable-expert-parallel", "distributed_init_method": "--distributed-init-method",
+    "distributed_timeout_s": "--distributed-timeout", "distributed_startup_timeout_s": "--distributed-startup-timeout",
+    "quantization": "--quantization", "allow_image_urls": "--allow-image-urls", "logprobs_mode": "--logprobs-mode",
     "temperature": "--temperature", "top_p": "--top-p", "max_tokens": "--max-tokens", "seed": "--seed",
 }
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)
@@ -63,6 +67,34 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: bool = True) ->
     p.add_argument("--num-threads", type=int, default=None, metavar="N",
                    help="CPU threads of this process (default: torch's, i.e. every core; under tensor parallelism "
                         "the cores divided by --tensor-parallel-size, since the ranks share them)")
+    p.add_argument("--block-size", dest="kvcache_block_size", type=int, default=None, metavar="TOKENS",
+                   help="tokens per KV block (default: the device's, 16 on CPU)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=ENGINE_DEFAULTS["enable_prefix_caching"], help="reuse the KV of shared prompt prefixes")
+    p.add_argument("--ops", default=None, choices=["cpu-compiled", "reference", "cuda", "npu"],
+                   help="force one op implementation (default: $VLINFER_OPS, else the device's own kernels)")
+    p.add_argument("--enforce-eager", action="store_true", help="no captured decode graphs (CUDA, NPU)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE under tensor parallelism: whole experts per rank instead of sliced experts")
+    p.add_argument("--distributed-init-method", default=None, metavar="URL",
+                   help="where tensor-parallel ranks meet: tcp://host:port or env:// (default: local workers)")
+    p.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float,
+                   default=ENGINE_DEFAULTS["distributed_timeout_s"], metavar="S",
+                   help=f"seconds a rank waits for the others in a step (default: "
+                        f"{ENGINE_DEFAULTS['distributed_timeout_s']:g})")
+    p.add_argument("--distributed-startup-timeout", dest="distributed_startup_timeout_s", type=float,
+                   default=ENGINE_DEFAULTS["distributed_startup_timeout_s"], metavar="S",
+                   help=f"seconds for the workers to start and load (default: "
+                        f"{ENGINE_DEFAULTS['distributed_startup_timeout_s']:g})")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="quantize a dense checkpoint's weights on load (default: as the checkpoint is)")
+    p.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs from public hosts (default: refused)")
+    p.add_argument("--logprobs-mode", default=ENGINE_DEFAULTS["logprobs_mode"], choices=["raw_logprobs"],
+                   help="which logprobs requests get: vLLM's default raw_logprobs, the only one offered")
+    p.add_argument("--seed", type=int, default=None,
+                   help=f"the engine's seed for unseeded requests; the apps' own requests use it too (default: "
+                        f"{ENGINE_DEFAULTS['seed']})")
 
 
 def set_threads(args: argparse.Namespace) -> None:
@@ -81,7 +113,14 @@ def engine_options(args: argparse.Namespace) -> dict:
     options = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                    max_model_len_cap=APP_MAX_MODEL_LEN, max_num_batched_tokens=args.max_num_batched_tokens,
                    kv_cache_bytes=args.kv_cache_bytes, memory_utilization=args.memory_utilization,
-                   tensor_parallel_size=args.tensor_parallel_size)
+                   tensor_parallel_size=args.tensor_parallel_size, kvcache_block_size=args.kvcache_block_size,
+                   enable_prefix_caching=args.enable_prefix_caching, ops=args.ops, enforce_eager=args.enforce_eager,
+                   enable_expert_parallel=args.enable_expert_parallel,
+                   distributed_init_method=args.distributed_init_method,
+                   distributed_timeout_s=args.distributed_timeout_s,
+                   distributed_startup_timeout_s=args.distributed_startup_timeout_s, quantization=args.quantization,
+                   allow_image_urls=args.allow_image_urls, logprobs_mode=args.logprobs_mode,
+                   seed=ENGINE_DEFAULTS["seed"] if args.seed is None else args.seed)
     if hasattr(args, "max_num_seqs"):
         options["max_num_seqs"] = args.max_num_seqs
     return options

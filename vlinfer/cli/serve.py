@@ -72,10 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def url_hosts(args) -> tuple[str, ...]:
+    """The server fetches image URLs itself: --allow-image-urls (the engine flag every app takes) means any public
+    host, as LLM(allow_image_urls=True) does; --allowed-url-hosts names them one by one."""
+    hosts = tuple(h for h in args.allowed_url_hosts.split(",") if h)
+    return hosts or (("*",) if args.allow_image_urls else ())
+
+
 def config_from_args(args) -> ServeConfig:
     images = security.ImagePolicy(
         max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
-        max_images=args.max_images_per_request, allowed_url_hosts=tuple(args.allowed_url_hosts.split(",")),
+        max_images=args.max_images_per_request, allowed_url_hosts=url_hosts(args),
         allow_private_urls=args.allow_private_urls, url_timeout=args.url_timeout,
         allowed_local_root=args.allowed_local_root, image_formats=tuple(args.image_formats.split(",")))
     for flag, value in (("--max-video-frames", args.max_video_frames), ("--max-video-seconds", args.max_video_seconds)):

@@ -27,7 +27,6 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: 
                    help=f"0 is greedy (default: {temperature:g})")
     p.add_argument("--top-p", type=float, default=top_p, help=f"default: {top_p:g}")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"default: {max_tokens}")
-    p.add_argument("--seed", type=int, default=None)
 
 
 def add_max_pixels(p: argparse.ArgumentParser) -> None:

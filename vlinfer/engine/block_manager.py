@@ -79,8 +79,8 @@ class BlockManager:
         and writing its KV into a block other sequences read would be a hidden write to shared state."""
         if seq.block_table:  # its blocks would leak: the scheduler frees a sequence before it allocates again
             raise RuntimeError(f"sequence {seq.request_id} already holds {len(seq.block_table)} KV blocks")
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
+            return 0  # prompt logprobs need the prompt's logits: its KV is computed, not read (vLLM's rule too)
         hits = []
         for h in self.update_block_hashes(seq)[:(seq.num_tokens - 1) // self.block_size]:
             block_id = self.hash_to_block.get(h)

@@ -193,7 +193,9 @@ class LLMEngine:
         now = time.time()
         for seq in batch.seqs:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
-        sampled = self.model_runner.execute(batch)
+        sampled, prompt_logprobs = self.model_runner.execute(batch)
+        for seq, position, entry in prompt_logprobs:
+            self.output_processor.add_prompt_logprob(seq, position, entry)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)

@@ -16,7 +16,7 @@ from vlinfer.config import EngineConfig
 from vlinfer.engine import graph_runner
 from vlinfer.engine.build_model import pack_weights
 from vlinfer.engine.encoder_cache import EncoderCache
-from vlinfer.engine.sampler import sample
+from vlinfer.engine.sampler import prompt_logprob_entries, sample
 from vlinfer.engine.scheduler import SchedulerOutput
 from vlinfer.engine.sequence import Sequence
 from vlinfer.layers import Attention, ForwardContext, ModelContext
@@ -136,11 +136,12 @@ class ModelRunner:
             parts.append(torch.arange(max(start, prompt_end), end).expand(3, -1) + seq.mrope_position_delta)
         return torch.cat(parts, 1)
 
-    def prepare(self, batch: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
-        """The step's inputs, and the sequences that sample a token (in logits row order)."""
+    def prepare(self, batch: SchedulerOutput) -> tuple[StepInputs, list[Sequence], list[tuple[Sequence, int]]]:
+        """The step's inputs; the sequences that sample a token; and the (sequence, prompt position) pairs whose
+        prompt logprobs this step computes. Logits rows: the prompt positions first, then the sampling rows."""
         bs = self.block_size
         input_ids, positions, slots, cu_seqlens_q, seq_lens = [], [], [], [0], []
-        sample_indices, sample_seqs = [], []
+        sample_indices, sample_seqs, prompt_indices, prompt_rows = [], [], [], []
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
         block_tables = torch.full((len(batch.seqs), max_blocks), -1, dtype=torch.int32)
         for i, seq in enumerate(batch.seqs):
@@ -151,6 +152,10 @@ class ModelRunner:
             positions.append(self._positions(seq, start, end))
             pos = torch.arange(start, end)
             slots.append(table[pos // bs].long() * bs + pos % bs)
+            if seq.prompt_logprobs is not None:  # position j's logits give prompt token j + 1 its logprob
+                for j in range(start, min(end, seq.num_prompt_tokens - 1)):
+                    prompt_indices.append(cu_seqlens_q[-1] + j - start)
+                    prompt_rows.append((seq, j + 1))
             cu_seqlens_q.append(cu_seqlens_q[-1] + n)
             seq_lens.append(end)
             if end == seq.num_tokens:  # the chunk reaches the sequence's end: its last logits pick a token
@@ -165,9 +170,9 @@ class ModelRunner:
             block_tables=block_tables,
             decode_only=all(n == 1 for n in batch.num_new_tokens),
             mm_inputs=self._multimodal_inputs(batch, len(input_ids)),
-            logits_indices=torch.tensor(sample_indices, dtype=torch.long),
+            logits_indices=torch.tensor(prompt_indices + sample_indices, dtype=torch.long),
         )
-        return inputs, sample_seqs
+        return inputs, sample_seqs, prompt_rows
 
     def _encode_missing(self, batch: SchedulerOutput) -> None:
         """Run the vision tower once, in one packed batch, over every image this step needs and the cache lacks."""
@@ -246,9 +251,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, sample_tokens: bool = True):
-        """Run one step. Returns [(seq, token_id, logprobs or None)] for sequences that finished their chunk."""
-        inputs, sample_seqs = self.prepare(batch)
-        inputs.compute_logits = sample_tokens and bool(sample_seqs)
+        """Run one step. Returns [(seq, token_id, logprobs or None)] for sequences that finished their chunk, and
+        [(seq, prompt position, {token: (logprob, rank)})] for the prompt logprobs this step computed."""
+        inputs, sample_seqs, prompt_rows = self.prepare(batch)
+        inputs.compute_logits = sample_tokens and bool(sample_seqs or prompt_rows)
         # Structured-output masks depend only on tokens already consumed. While an accelerator runs the forward they
         # are computed on the grammar's mask thread, then collected. On the CPU the forward's threads already hold
         # every core and a mask thread beside them only slows them down (bench/throughput.py --structured, 2
@@ -262,17 +268,25 @@ class ModelRunner:
         finally:
             mask_rows = masks.result() if masks is not None else None
         if logits is None:
-            return []
+            return [], []
+        prompt_entries = []
+        if prompt_rows:
+            entries = prompt_logprob_entries(logits[:len(prompt_rows)], [s.token_ids[j] for s, j in prompt_rows],
+                                             [s.sampling_params.prompt_logprobs for s, _ in prompt_rows])
+            prompt_entries = [(seq, j, entry) for (seq, j), entry in zip(prompt_rows, entries)]
+            logits = logits[len(prompt_rows):]
+        if not sample_seqs:
+            return [], prompt_entries
         if constrained and mask_rows is None:
             mask_rows = self.grammar_matchers.fill_bitmask(matchers)
         bitmask = (constrained, mask_rows) if constrained else None
         tokens, logprobs = sample(logits, sample_seqs, self.eos_token_ids, bitmask, self.ctx.ops.apply_token_bitmask)
-        return list(zip(sample_seqs, tokens, logprobs))
+        return list(zip(sample_seqs, tokens, logprobs)), prompt_entries
 
     @torch.inference_mode()
     def prompt_logits(self, batch: SchedulerOutput) -> torch.Tensor:
         """Logits at every scheduled position, on the host (for tests and scoring); writes KV like a normal step."""
-        inputs, _ = self.prepare(batch)
+        inputs, _, _ = self.prepare(batch)
         inputs.logits_indices = None
         return self._run(inputs).cpu()
 

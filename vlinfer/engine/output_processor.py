@@ -27,6 +27,13 @@ class OutputProcessor:
     def remove(self, seq: Sequence) -> None:
         self.detokenizers.pop(seq.request_id, None)
 
+    def add_prompt_logprob(self, seq: Sequence, position: int, entry: dict) -> None:
+        seq.prompt_logprobs[position] = self._logprobs(entry)
+
+    def _logprobs(self, entry: dict) -> dict:
+        """{token: (logprob, rank)} from the sampler -> {token: Logprob} with each token's text."""
+        return {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in entry.items()}
+
     def append_token(self, seq: Sequence, token_id: int, logprobs) -> RequestOutput:
         """Append one sampled token; sets seq.finish_reason when it ends the request (out.finished)."""
         p = seq.sampling_params
@@ -36,8 +43,7 @@ class OutputProcessor:
         if metrics.first_token_time is None:
             metrics.first_token_time = metrics.last_token_time
         if logprobs is not None:
-            seq.output_logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
-                                        for t, (lp, rank) in logprobs.items()})
+            seq.output_logprobs.append(self._logprobs(logprobs))
             seq.cumulative_logprob += logprobs[token_id][0]
         grammar_error = None
         if seq.grammar_matcher is not None:
@@ -100,4 +106,5 @@ def make_output(seq: Sequence, finished: bool) -> RequestOutput:
     metrics = dataclasses.replace(seq.metrics)
     return RequestOutput(request_id=seq.parent_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
                          outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens,
-                         images=seq.images_info, videos=seq.videos_info, metrics=metrics)
+                         images=seq.images_info, videos=seq.videos_info, metrics=metrics,
+                         prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)

@@ -187,21 +187,42 @@ def _inverse_cdf(probs: torch.Tensor, cdf: torch.Tensor, uniform: torch.Tensor) 
     return torch.where(kept_at_or_before >= 0, kept_at_or_before, kept.int().argmax(-1))
 
 
-def _logprob_entries(raw_logprobs: torch.Tensor, params: list[SamplingParams], tokens: list[int]):
-    """Per row, {token: (raw logprob, rank)} of the `logprobs` most likely tokens plus the chosen one (vLLM's
-    shape; rank 1 is the most likely, ties share the better rank), or None where the request did not ask."""
-    entries = [None] * len(tokens)
-    for i, p in enumerate(params):
-        if p.logprobs is None:
-            continue
+def logprob_entries(raw_logprobs: torch.Tensor, chosen: list[int], num_logprobs: list[int | None]):
+    """Per row of raw logprobs [R, vocab] float32, {token: (logprob, rank)} of the num_logprobs[r] most likely
+    tokens plus the chosen one (vLLM's shape; rank 1 is the most likely, ties share the better rank), or None
+    where num_logprobs[r] is None (the request did not ask)."""
+    asked = [r for r, k in enumerate(num_logprobs) if k is not None]
+    entries = [None] * len(chosen)
+    if not asked:
+        return entries
+    rows = _index(asked, raw_logprobs.device)
+    picked = raw_logprobs[rows].gather(1, _index([chosen[r] for r in asked], raw_logprobs.device)[:, None])
+    ranks = ((raw_logprobs[rows] > picked).sum(-1) + 1).tolist()
+    top_k = max(num_logprobs[r] for r in asked)
+    top = raw_logprobs[rows].topk(top_k) if top_k else None
+    for j, r in enumerate(asked):
         entry = {}
-        if p.logprobs:
-            top = raw_logprobs[i].topk(p.logprobs)
-            entry = {t: (v, rank) for rank, (t, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1)}
-        if tokens[i] not in entry:
-            chosen = raw_logprobs[i, tokens[i]]
-            entry[tokens[i]] = (chosen.item(), int((raw_logprobs[i] > chosen).sum()) + 1)
-        entries[i] = entry
+        if num_logprobs[r]:
+            ids, values = top.indices[j, :num_logprobs[r]].tolist(), top.values[j, :num_logprobs[r]].tolist()
+            entry = {t: (v, rank) for rank, (t, v) in enumerate(zip(ids, values), 1)}
+        if chosen[r] not in entry:
+            entry[chosen[r]] = (picked[j, 0].item(), ranks[j])
+        entries[r] = entry
+    return entries
+
+
+PROMPT_ROWS_PER_PASS = 256  # prompt logprobs: rows of [rows, vocab] float32 held at once
+
+
+def prompt_logprob_entries(logits: torch.Tensor, next_tokens: list[int], num_logprobs: list[int]):
+    """SamplingParams.prompt_logprobs: row r of logits [R, vocab] is the position before prompt token
+    next_tokens[r]; its entry is that token's raw logprob and the num_logprobs[r] most likely (logprob_entries),
+    in slices so a long prefill chunk never holds all its rows in float32 at once."""
+    entries = []
+    for lo in range(0, logits.shape[0], PROMPT_ROWS_PER_PASS):
+        hi = lo + PROMPT_ROWS_PER_PASS
+        raw = torch.log_softmax(logits[lo:hi].float(), -1)
+        entries += logprob_entries(raw, next_tokens[lo:hi], num_logprobs[lo:hi])
     return entries
 
 
@@ -225,5 +246,6 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],
         probs = warp_logits(logits[rows], [params[i] for i in random_rows]).softmax(-1)
         tokens[rows] = _inverse_cdf(probs, probs.cumsum(-1), _uniform_draws(seqs, random_rows, logits.device))
     token_list = tokens.tolist()
-    logprobs = _logprob_entries(raw_logprobs, params, token_list) if raw_logprobs is not None else [None] * len(seqs)
+    logprobs = logprob_entries(raw_logprobs, token_list, [p.logprobs for p in params]) \
+        if raw_logprobs is not None else [None] * len(seqs)
     return token_list, logprobs

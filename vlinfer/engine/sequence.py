@@ -54,6 +54,10 @@ class Sequence:
         self.grammar_matcher = None
         self.output_logprobs: list[dict] = []  # per output token {token_id: outputs.Logprob}
         self.cumulative_logprob = 0.0
+        # SamplingParams.prompt_logprobs: per prompt token {token_id: outputs.Logprob}, filled as prefill chunks
+        # run; the first token has none (vLLM's None). None when not asked.
+        asked = sampling_params is not None and sampling_params.prompt_logprobs is not None
+        self.prompt_logprobs: list[dict | None] | None = [None] * len(self.token_ids) if asked else None
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.output_text = ""
         self.num_streamed_chars = 0  # of output_text, how much step outputs have already handed out as deltas

@@ -8,9 +8,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from vlinfer.sampling_params import MAX_LOGPROBS
+
 MAX_SEED = 2 ** 63 - 1  # torch generators take 64-bit seeds; larger ints fail deep in the engine, not as a 400
 MAX_STOP_SEQUENCES = 16
-MAX_LOGPROBS = 20  # SamplingParams' own cap
 
 
 class ApiError(Exception):
