@@ -339,7 +339,8 @@ def cpu_name() -> str:
 
 def evaluate(model, seed: int = embedded.EVAL_SEED, count: int = 200, **llm_kwargs) -> dict:
     """Score a model (an LLM, or anything LLM() takes) on `count` scenes of `seed`, greedy, through vlinfer: the
-    caption must name exactly the scene's (colour, shape) pairs; each question's answer must equal the truth."""
+    caption must state exactly the scene (each kind of object, its colour and its number, and the background:
+    scenes.caption_is_right); each question's answer must equal the truth."""
     from vlinfer import LLM, SamplingParams
     llm = model if isinstance(model, LLM) else LLM(model, **llm_kwargs)
     params = SamplingParams(temperature=0, max_tokens=48)
@@ -356,8 +357,7 @@ def evaluate(model, seed: int = embedded.EVAL_SEED, count: int = 200, **llm_kwar
     for (scene, _, q, truth), out in zip(items, outs):
         text = out.outputs[0].text.strip()
         if truth is None:
-            wanted = {(o.colour, o.shape) for o in scene.objects}
-            ok = scenes.parse_caption(text) == wanted
+            ok = scenes.caption_is_right(text, scene)
             captions_right += ok
             exact += text == scenes.caption(scene)
             truth = scenes.caption(scene)

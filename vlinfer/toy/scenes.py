@@ -65,12 +65,35 @@ def caption(scene: Scene) -> str:
     return text[0].upper() + text[1:]
 
 
-def parse_caption(text: str) -> set[tuple[str, str]]:
-    """The (colour, shape) pairs a caption names: what the evaluation compares with the scene's objects."""
+def parse_caption(text: str) -> dict:
+    """What a caption states: {"objects": {(colour, shape): count}, "background": colour or None, "unplaced": words
+    of the world (colours, shapes, numbers) that are not part of a '<count> <colour> <shape>' phrase or the
+    background}. The evaluation compares all of it with the scene's own caption, counts included."""
     words = text.lower().replace(",", " ").replace(".", " ").split()
-    singular = {**{s: s for s in SHAPES}, **{p: s for s, p in PLURAL.items()}}
-    return {(words[i - 1], singular[w]) for i, w in enumerate(words) if w in singular and i > 0
-            and words[i - 1] in COLOURS}
+    singular = {**{s: (s, False) for s in SHAPES}, **{p: (s, True) for s, p in PLURAL.items()}}
+    counts = {"a": 1, "an": 1, **{w: n for n, w in enumerate(NUMBERS)}}
+    objects, background, used = {}, None, set()
+    for i, w in enumerate(words):
+        if w == "background" and i > 0 and words[i - 1] in BACKGROUNDS:
+            background = words[i - 1]
+            used |= {i - 1}
+        if w not in singular or i < 2 or words[i - 1] not in COLOURS or words[i - 2] not in counts:
+            continue
+        shape, plural = singular[w]
+        count = counts[words[i - 2]]
+        if plural != (count != 1):  # "two red circle", "a red circles": not a phrase of the world
+            continue
+        key = (words[i - 1], shape)
+        objects[key] = objects.get(key, 0) + count
+        used |= {i - 2, i - 1, i}
+    world = set(COLOURS) | set(BACKGROUNDS) | set(singular) | set(NUMBERS)
+    unplaced = sorted(w for i, w in enumerate(words) if w in world and i not in used)
+    return {"objects": objects, "background": background, "unplaced": unplaced}
+
+
+def caption_is_right(text: str, scene: Scene) -> bool:
+    """The caption states exactly the scene: each kind of object with its colour and number, and the background."""
+    return parse_caption(text) == parse_caption(caption(scene))
 
 
 def _answer(word: str) -> str:
