@@ -184,8 +184,13 @@ def test_skip_special_tokens_reaches_the_text(client, served, monkeypatch):
     box = served.engine.tokenizer.convert_tokens_to_ids("<|box_start|>")
     runner = served.engine.model_runner
     execute = runner.execute
-    monkeypatch.setattr(runner, "execute", lambda batch: [(seq, box if seq.num_output_tokens == 1 else token, lp)
-                                                          for seq, token, lp in execute(batch)])
+
+    def scripted(batch):
+        sampled, prompt_logprobs = execute(batch)
+        return [(seq, box if seq.num_output_tokens == 1 else token, lp) for seq, token, lp in sampled], \
+            prompt_logprobs
+
+    monkeypatch.setattr(runner, "execute", scripted)
 
     def texts(**extra):
         r = client.completions.create(model=MODEL, prompt="Count:", max_tokens=5, temperature=0, n=2,

@@ -177,8 +177,13 @@ def test_auto_parses_tool_calls_the_model_writes(client, served, monkeypatch):
     script = tokenizer(WRITTEN, add_special_tokens=False).input_ids + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     runner = served.engine.model_runner
     execute = runner.execute
-    monkeypatch.setattr(runner, "execute", lambda batch: [(seq, script[min(seq.num_output_tokens, len(script) - 1)],
-                                                           lp) for seq, token, lp in execute(batch)])
+
+    def scripted(batch):
+        sampled, prompt_logprobs = execute(batch)
+        return [(seq, script[min(seq.num_output_tokens, len(script) - 1)], lp) for seq, _, lp in sampled], \
+            prompt_logprobs
+
+    monkeypatch.setattr(runner, "execute", scripted)
     kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=len(script) + 5, temperature=0)
     whole = client.chat.completions.create(**kwargs)  # tool_choice unset: "auto", OpenAI's default with tools
     message = whole.choices[0].message

@@ -302,3 +302,24 @@ def test_cpu_bitmask_kernel_equals_the_reference(dtype):
         apply_token_bitmask(ref, [4, 0, 2], bitmask)
         assert torch.equal(ours, ref), vocab
         assert torch.isinf(ours[[0, 2, 4]]).any() and not torch.isinf(ours[[1, 3]]).any()
+
+
+def test_strict_closes_every_open_object_schema():
+    """OpenAI's strict: additionalProperties false on each object schema that leaves it open, nested ones too;
+    one that sets it keeps its own; the caller's schema is not changed."""
+    from vlinfer.structured.strict_schema import strict_schema
+    schema = {"type": "object", "properties": {
+        "person": {"type": "object", "properties": {"name": {"type": "string"}}},
+        "tags": {"type": "array", "items": {"properties": {"k": {"type": "string"}}}},
+        "extra": {"type": "object", "additionalProperties": {"type": "integer"}},
+        "either": {"anyOf": [{"type": "object"}, {"type": "string"}]}},
+        "$defs": {"d": {"type": ["object", "null"]}}}
+    strict = strict_schema(schema)
+    assert "additionalProperties" not in schema  # a copy
+    assert strict["additionalProperties"] is False
+    props = strict["properties"]
+    assert props["person"]["additionalProperties"] is False and props["tags"]["items"]["additionalProperties"] is False
+    assert props["extra"]["additionalProperties"] == {"type": "integer"}
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False and \
+        "additionalProperties" not in props["either"]["anyOf"][1]
+    assert strict["$defs"]["d"]["additionalProperties"] is False

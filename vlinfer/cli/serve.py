@@ -62,9 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url-timeout", type=float, default=10.0, help="seconds per image URL, redirects included")
     p.add_argument("--allowed-local-root", default=None, metavar="DIR",
                    help="serve file:// image URLs from below this folder only; default: file URLs refused")
-    p.add_argument("--structured-outputs-disable-any-whitespace", action="store_true",
+    p.add_argument("--structured-outputs-disable-any-whitespace", action=argparse.BooleanOptionalAction,
+                   default=ServeConfig.disable_any_whitespace,
                    help="JSON constrained by response_format, a forced tool_choice or structured_outputs has no "
-                        "free whitespace (vLLM's disable_any_whitespace; a request's own structured_outputs wins)")
+                        "free whitespace (vLLM's disable_any_whitespace; a request's own structured_outputs wins). "
+                        "Default on: small models otherwise pad JSON with newlines until max_tokens")
     p.add_argument("--malloc-arena-max", type=int, default=2,
                    help="glibc malloc arenas, so RSS comes back after bursts (0: glibc's default); default 2")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

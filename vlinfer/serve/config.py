@@ -17,7 +17,7 @@ class ServeConfig:
     trim_memory_when_idle: bool = True  # hand freed heap pages back to the OS once a burst is over (glibc)
     # vLLM's structured-outputs option: JSON the server constrains has no free whitespace (a request's own
     # structured_outputs.disable_any_whitespace wins). Small models otherwise pad JSON with newlines.
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool = True
     # What one video may cost (frames sampled, seconds, frame size): the engine's video limits while it serves
     # this app (--max-video-frames, --max-video-seconds).
     video: VideoLimits = field(default_factory=lambda: VideoLimits(max_frames=768, max_seconds=3600.0))

@@ -5,6 +5,7 @@ problem is a 400 naming the field it came from, before anything is queued."""
 from vlinfer.sampling_params import StructuredOutputsParams
 from vlinfer.serve.protocol import ApiError, NamedToolChoice
 from vlinfer.serve.tool_calls import call_schema
+from vlinfer.structured.strict_schema import strict_schema
 
 
 def _build(param: str, **kwargs) -> StructuredOutputsParams:
@@ -43,12 +44,17 @@ def output_constraint(req, disable_any_whitespace: bool = False) -> StructuredOu
     if asked[0] == "response_format":
         if fmt.type == "json_object":
             return _build("response_format", json_object=True, disable_any_whitespace=disable_any_whitespace)
-        return _build("response_format.json_schema.schema", json=fmt.json_schema.schema_,
-                      disable_any_whitespace=disable_any_whitespace)
+        schema = fmt.json_schema.schema_
+        return _build("response_format.json_schema.schema", disable_any_whitespace=disable_any_whitespace,
+                      json=strict_schema(schema) if fmt.json_schema.strict else schema)
     if asked[0] == "structured_outputs":
         return _build("structured_outputs", **{"disable_any_whitespace": disable_any_whitespace,
                                                **req.structured_outputs})
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    for tool in tools:  # a function marked strict gets exactly the arguments its schema names
+        function = tool["function"]
+        if function.get("strict") and function.get("parameters") is not None:
+            function["parameters"] = strict_schema(function["parameters"])
     name = forced_tool(req)
     return _build("tools", json=call_schema(tools, None if name == "*" else name),
                   disable_any_whitespace=disable_any_whitespace)
