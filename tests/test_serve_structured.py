@@ -154,16 +154,28 @@ def test_named_tool_choice_always_yields_that_function(client, prompts):
 
 
 def test_required_tool_choice_calls_one_of_the_tools(client):
-    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60)
-    r = client.chat.completions.create(**kwargs, temperature=1.0, seed=4, n=4)
+    """vLLM's "required": one or more tagged calls, each of one of the tools with valid arguments; with
+    parallel_tool_calls false exactly one."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=400)
+    r = client.chat.completions.create(**kwargs, temperature=1.0, seed=4, n=4, parallel_tool_calls=False)
     for choice in r.choices:
         [call] = choice.message.tool_calls
         assert choice.finish_reason == "tool_calls" and call.function.name in SCHEMAS
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-    streamed = joined_stream(client.chat.completions.create(**kwargs, temperature=1.0, seed=4, n=4, stream=True))
+    streamed = joined_stream(client.chat.completions.create(**kwargs, temperature=1.0, seed=4, n=4, stream=True,
+                                                            parallel_tool_calls=False))
     for i, choice in enumerate(r.choices):  # seeded: the stream draws the same calls, in deltas
         call = choice.message.tool_calls[0].function
         assert [(c["name"], c["arguments"]) for c in streamed[i]["calls"]] == [(call.name, call.arguments)]
+    counts = set()
+    for choice in client.chat.completions.create(**kwargs, temperature=1.0, seed=5, n=6).choices:
+        if choice.finish_reason == "length":  # random weights may keep calling until max_tokens
+            continue
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        counts.add(len(choice.message.tool_calls))
+    assert counts, "no choice finished"
 
 
 WRITTEN = ('I will check both.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
@@ -195,6 +207,11 @@ def test_auto_parses_tool_calls_the_model_writes(client, served, monkeypatch):
     assert streamed["finish"] == "tool_calls" and streamed["content"].strip() == "I will check both."
     assert [(c["name"], c["arguments"]) for c in streamed["calls"]] == \
         [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    # parallel_tool_calls false: the first call only; the second block is dropped, not turned into content.
+    single = client.chat.completions.create(**kwargs, parallel_tool_calls=False).choices[0].message
+    assert single.content == "I will check both." and [c.function.name for c in single.tool_calls] == ["get_weather"]
+    single_streamed = joined_stream(client.chat.completions.create(**kwargs, stream=True, parallel_tool_calls=False))
+    assert [c["name"] for c in single_streamed[0]["calls"]] == ["get_weather"]
     # tool_choice "none": the same text is content, nothing is parsed.
     plain = client.chat.completions.create(**kwargs, tool_choice="none").choices[0]
     assert plain.message.content == WRITTEN and not plain.message.tool_calls and plain.finish_reason == "stop"

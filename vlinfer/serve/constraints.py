@@ -4,7 +4,8 @@ function: the call object's JSON schema, see tool_calls.call_schema). At most on
 problem is a 400 naming the field it came from, before anything is queued."""
 from vlinfer.sampling_params import StructuredOutputsParams
 from vlinfer.serve.protocol import ApiError, NamedToolChoice
-from vlinfer.serve.tool_calls import call_schema
+from vlinfer.serve.tool_calls import call_schema, required_calls_grammar
+from vlinfer.structured.grammar_spec import check_json_schema
 from vlinfer.structured.strict_schema import strict_schema
 
 
@@ -29,9 +30,10 @@ def forced_tool(req) -> str | None:
     return "*" if choice == "required" else None
 
 
-def output_constraint(req, disable_any_whitespace: bool = False) -> StructuredOutputsParams | None:
+def output_constraint(req, disable_any_whitespace: bool = False,
+                      tag_ids: tuple[int | None, int | None] = (None, None)) -> StructuredOutputsParams | None:
     """disable_any_whitespace: the server's default (vLLM's --structured-outputs-config option); a request's own
-    structured_outputs.disable_any_whitespace wins."""
+    structured_outputs.disable_any_whitespace wins. tag_ids: the tool-call tags' token ids (tag_token_ids)."""
     fmt = req.response_format
     asked = [name for name, on in (("response_format", fmt is not None and fmt.type != "text"),
                                    ("structured_outputs", req.structured_outputs is not None),
@@ -56,5 +58,11 @@ def output_constraint(req, disable_any_whitespace: bool = False) -> StructuredOu
         if function.get("strict") and function.get("parameters") is not None:
             function["parameters"] = strict_schema(function["parameters"])
     name = forced_tool(req)
-    return _build("tools", json=call_schema(tools, None if name == "*" else name),
-                  disable_any_whitespace=disable_any_whitespace)
+    if name == "*":
+        try:  # the tools' schemas, said as for a json constraint, before they go into the grammar
+            check_json_schema(call_schema(tools), "tools")
+        except ValueError as e:
+            raise ApiError(400, f"tools: {e}", param="tools", code="invalid_value") from None
+        parallel = req.parallel_tool_calls is not False
+        return _build("tools", grammar=required_calls_grammar(tools, parallel, disable_any_whitespace, tag_ids))
+    return _build("tools", json=call_schema(tools, name), disable_any_whitespace=disable_any_whitespace)

@@ -95,7 +95,7 @@ async def respond(request: Request, run: Run, req, model: str, chat: bool, fmt: 
     if req.stream:
         head = {"id": request_id, "object": kind + (".chunk" if chat else ""), "created": created, "model": model}
         sent, offsets = [0] * count, [0] * count  # per choice: tokens whose logprobs went out, text length
-        parsers = [ToolCallParser(bare=tools == "bare") for _ in range(count)] if tools else None
+        parsers = [ToolCallParser(tools == "bare", _max_calls(req)) for _ in range(count)] if tools else None
 
         def chunk(item):
             if item is None:  # before any token: a chat stream opens each choice with its role
@@ -133,7 +133,7 @@ async def respond(request: Request, run: Run, req, model: str, chat: bool, fmt: 
         if not chat:
             body = {"text": c.text}
         elif tools:
-            content, calls = parse_tool_calls(c.text, bare=tools == "bare")
+            content, calls = parse_tool_calls(c.text, tools == "bare", _max_calls(req))
             message = {"role": "assistant", "content": None if calls and not content.strip() else content}
             if calls:
                 message["tool_calls"] = [call.openai() for call in calls]
@@ -148,11 +148,15 @@ async def respond(request: Request, run: Run, req, model: str, chat: bool, fmt: 
 
 def _tool_mode(req) -> str | None:
     """How the answer's tool calls are read: None (no tools, or tool_choice "none": the text is content),
-    "auto" (<tool_call> blocks anywhere in the text) or "bare" (a forced call: the constrained text is the call
-    object itself)."""
+    "auto" (<tool_call> blocks anywhere in the text; tool_choice "required" constrains it to such blocks) or "bare"
+    (a named function: the constrained text is the call object itself)."""
     if not req.tools or req.tool_choice == "none":
         return None
-    return "bare" if forced_tool(req) else "auto"
+    return "bare" if forced_tool(req) not in (None, "*") else "auto"
+
+
+def _max_calls(req) -> int | None:
+    return 1 if req.parallel_tool_calls is False else None
 
 
 def _finish_reason(reason: str | None, calls: list) -> str | None:

@@ -13,7 +13,8 @@ def _sampling_error(e: ValueError) -> ApiError:
     return ApiError(400, text.replace("SamplingParams.", ""), param=m.group(1) if m else None, code="invalid_value")
 
 
-def request_params(req, logprobs: int | None, max_model_len: int, disable_any_whitespace: bool) -> SamplingParams:
+def request_params(req, logprobs: int | None, max_model_len: int, disable_any_whitespace: bool,
+                   tag_ids: tuple[int | None, int | None] = (None, None)) -> SamplingParams:
     """A chat or completion request's SamplingParams; max_tokens unset is the room left in the context."""
     options = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -24,7 +25,7 @@ def request_params(req, logprobs: int | None, max_model_len: int, disable_any_wh
                    include_stop_str_in_output=req.include_stop_str_in_output,
                    truncate_prompt_tokens=req.truncate_prompt_tokens, logit_bias=req.logit_bias,
                    allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
-                   structured_outputs=output_constraint(req, disable_any_whitespace))
+                   structured_outputs=output_constraint(req, disable_any_whitespace, tag_ids))
     options = {k: v for k, v in options.items() if v is not None}
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_SEQUENCES:
         raise ApiError(400, f"stop has {len(req.stop)} sequences; the limit is {MAX_STOP_SEQUENCES}",

@@ -12,7 +12,9 @@ from vlinfer.serve.memory import malloc_trim
 from vlinfer.serve.metrics import Metrics
 from vlinfer.serve.protocol import ApiError, ChatCompletionRequest, now
 from vlinfer.serve.run import Run
+from vlinfer.serve.constraints import forced_tool
 from vlinfer.serve.sampling import request_params
+from vlinfer.serve.tool_calls import tag_token_ids
 
 
 class Server:
@@ -61,7 +63,8 @@ class Server:
                            headers={"Retry-After": "1"})
 
     def sampling_params(self, req, logprobs: int | None) -> SamplingParams:
-        return request_params(req, logprobs, self.engine.max_model_len, self.config.disable_any_whitespace)
+        tags = tag_token_ids(self.engine.tokenizer) if forced_tool(req) == "*" else (None, None)
+        return request_params(req, logprobs, self.engine.max_model_len, self.config.disable_any_whitespace, tags)
 
     def submit(self, prompts: list, params: SamplingParams, n: int, requested_max_tokens: int | None,
                event_loop) -> list:

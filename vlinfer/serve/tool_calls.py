@@ -15,8 +15,10 @@ back. A block that does not start `{"name": "...", "arguments":` is kept until i
 it is not a call object then, it goes out as content, as it was written. A block whose header went out stays a
 call even when the text ends before its arguments do (finish_reason "length" says so).
 
-With tool_choice "required" or a named function the output is constrained to the call object alone (no tags, see
-`call_schema`), so the parser starts inside a block that ends with the text."""
+With a named function the output is constrained to the call object alone (no tags, see `call_schema`), so the
+parser starts inside a block that ends with the text. With tool_choice "required" it is constrained to one or more
+tagged blocks, each a call of one of the tools (`required_calls_grammar`; one block with parallel_tool_calls false,
+as vLLM), read by the same parser as an "auto" answer."""
 import json
 import re
 import uuid
@@ -83,8 +85,11 @@ class ToolCallParser:
     """feed(delta_text) -> ToolCallDelta per arrival; finish() -> the rest once the text is complete.
     `calls` and `content` hold the whole answer so far."""
 
-    def __init__(self, bare: bool = False):
+    def __init__(self, bare: bool = False, max_calls: int | None = None):
         self.bare = bare  # constrained output: one call object, no tags, ending with the text
+        # parallel_tool_calls=False: 1. Blocks past it are dropped (neither calls nor content), as vLLM does.
+        self.max_calls = max_calls
+        self._extra = False  # the open block is one past max_calls
         self.calls: list[ToolCall] = []
         self.content = ""
         self._pending = ""  # text not yet given out
@@ -102,7 +107,9 @@ class ToolCallParser:
 
     def finish(self) -> ToolCallDelta:
         delta = self._advance(ToolCallDelta(), final=True)
-        if self._in_block:  # the text ended inside a block (a constrained call, or a truncated one)
+        if self._in_block and self._extra:
+            self._pending, self._in_block = "", False
+        elif self._in_block:  # the text ended inside a block (a constrained call, or a truncated one)
             self._close_block(self._pending, delta, closed=False)
             self._pending, self._in_block = "", False
         elif self._pending:
@@ -130,6 +137,14 @@ class ToolCallParser:
                 self._emit_content(self._pending[:at], delta)
                 self._pending = self._pending[at + len(OPEN):]
                 self._in_block, self._current, self._args_sent = True, None, 0
+                self._extra = self.max_calls is not None and len(self.calls) >= self.max_calls
+                continue
+            if self._extra:
+                end = self._pending.find(CLOSE)
+                if end < 0:
+                    return delta  # dropped whole once it closes (or the text ends)
+                self._pending = self._pending[end + len(CLOSE):]
+                self._in_block, self._after_block = False, True
                 continue
             if not self.bare:
                 end = self._pending.find(CLOSE)
@@ -193,12 +208,16 @@ def _parse_call(block: str) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
+    header = _HEADER.match(block)
+    if header and "arguments" in obj:  # as written, byte for byte, as a stream sends them
+        body = block[header.end():].rstrip()
+        return ToolCall(new_call_id(), obj["name"], body[:-1].rstrip() if body.endswith("}") else body)
     return ToolCall(new_call_id(), obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def parse_tool_calls(text: str, bare: bool = False) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, bare: bool = False, max_calls: int | None = None) -> tuple[str, list[ToolCall]]:
     """A whole answer -> (content outside the blocks, the calls)."""
-    parser = ToolCallParser(bare)
+    parser = ToolCallParser(bare, max_calls)
     parser.feed(text, final=True)
     return parser.content, parser.calls
 
@@ -214,3 +233,24 @@ def call_schema(tools: list[dict], name: str | None = None) -> dict:
 
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     return one(functions[0]) if len(functions) == 1 else {"anyOf": [one(f) for f in functions]}
+
+
+def tag_token_ids(tokenizer) -> tuple[int | None, int | None]:
+    """The ids of <tool_call> and </tool_call> where the tokenizer has each as one added token (Qwen3 does): the
+    grammar must name such a token itself, since the model writes the tag as that token, never as its letters."""
+    added = tokenizer.get_added_vocab()
+    return added.get(OPEN), added.get(CLOSE)
+
+
+def required_calls_grammar(tools: list[dict], parallel: bool, disable_any_whitespace: bool,
+                           tag_ids: tuple[int | None, int | None] = (None, None)) -> str:
+    """tool_choice "required": a Lark grammar (llguidance's) for one or more Hermes blocks (exactly one when not
+    parallel), each holding a call object of one of the tools (call_schema)."""
+    schema = call_schema(tools)
+    if disable_any_whitespace:
+        schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    open_tag, close_tag = (f"<[{i}]>" if i is not None else json.dumps(tag) for i, tag in zip(tag_ids, (OPEN, CLOSE)))
+    calls = "call (\"\\n\" call)*" if parallel else "call"
+    return (f"start: {calls}\n"
+            f"call: {open_tag} \"\\n\" call_object \"\\n\" {close_tag}\n"
+            f"call_object: %json {json.dumps(schema)}\n")
