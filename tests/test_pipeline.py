@@ -94,6 +94,18 @@ def test_stream_joins_to_the_greedy_answer(vl):
     assert not vl.engine.requests and not vl.engine.has_unfinished_requests()
 
 
+def test_stream_with_n_keeps_each_completion_apart(vl):
+    """n > 1: (index, delta) pairs; joined per index, each equals that completion of the same seeded request run
+    whole, and the stream ends only when all n are done."""
+    params = dict(temperature=1.0, seed=3, max_tokens=10, n=3, ignore_eos=True)
+    texts = {}
+    for index, delta in vl.stream(A, "Describe this image.", **params):
+        texts[index] = texts.get(index, "") + delta
+    whole = vl.llm.chat(vl.messages("Describe this image.", [A]), vl.sampling_params(**params), use_tqdm=False)[0]
+    assert texts == {c.index: c.text for c in whole.outputs} and len(set(texts.values())) > 1
+    assert not vl.engine.requests
+
+
 def test_caption_in_order_equals_single_calls(vl):
     captions = vl.caption([A, B, C], batch_size=2, **GREEDY)
     assert captions == [vl(x, "Describe this image.", **GREEDY) for x in (A, B, C)]

@@ -144,3 +144,15 @@ def test_multi_modal_data_image_and_video(vlm):
              "<|im_start|>assistant\n"
     out = vlm.generate({"prompt": prompt, "multi_modal_data": {"video": frames}}, sampling_params=params)[0]
     assert len(out.outputs[0].token_ids) == 4 and out.videos[0]["num_tokens"] > 0
+
+
+def test_chat_with_tools_renders_them_as_the_template_does(vlm):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    out = vlm.chat(messages, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False, tools=tools)[0]
+    tokenizer = vlm.get_tokenizer()
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                         chat_template=vlm.engine.input_processor.chat_template)
+    assert '"get_weather"' in text and out.prompt_token_ids == tokenizer(text, add_special_tokens=False).input_ids

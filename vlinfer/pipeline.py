@@ -73,9 +73,10 @@ class Pipeline:
 
     def stream(self, image=None, prompt: str | None = None, *, images: Iterable | None = None,
                messages: list[dict] | None = None, sampling_params: SamplingParams | None = None,
-               mm_processor_kwargs: dict | None = None, **sampling) -> Iterator[str]:
-        """Yield text deltas as tokens arrive (never half a multi-byte character). Closing the generator early
-        aborts the request and frees its blocks."""
+               mm_processor_kwargs: dict | None = None, **sampling) -> Iterator[str] | Iterator[tuple[int, str]]:
+        """Yield text deltas as tokens arrive (never half a multi-byte character). With n > 1, (index, delta)
+        pairs instead, so each completion's text stays apart; the stream ends when all n have finished. Closing
+        the generator early aborts the request and frees its blocks."""
         if messages is None:
             if isinstance(image, str) and prompt is None and images is None and not self.is_multimodal:
                 image, prompt = None, image
@@ -83,15 +84,17 @@ class Pipeline:
         params = self.sampling_params(sampling_params, **sampling)
         prompt_dict = self.engine.chat_prompt(messages, mm_processor_kwargs=mm_processor_kwargs)
         request_id = self.engine.add_request(prompt_dict, params)
+        unfinished = set(range(params.n))
         try:
-            while True:
+            while unfinished:
                 for out in self.engine.step():
                     if out.request_id != request_id:
                         continue
-                    if out.outputs[0].delta_text:
-                        yield out.outputs[0].delta_text
+                    completion = out.outputs[0]
+                    if completion.delta_text:
+                        yield completion.delta_text if params.n == 1 else (completion.index, completion.delta_text)
                     if out.finished:
-                        return
+                        unfinished.discard(completion.index)
         finally:
             self.engine.abort_request(request_id)  # no-op when it finished
 
