@@ -149,6 +149,16 @@ def test_n_with_seed_is_reproducible(client):
     assert 3 <= a.usage.completion_tokens <= 18
 
 
+def test_n_completions_preprocess_the_image_once(client, served, monkeypatch):
+    """n choices share one processed prompt: its image is decoded and preprocessed once, not n times."""
+    processor = served.engine.input_processor
+    calls, process = [], processor.process_prompt
+    monkeypatch.setattr(processor, "process_prompt", lambda *a, **k: calls.append(1) or process(*a, **k))
+    r = client.chat.completions.create(model=MODEL, messages=image_messages(), max_tokens=3, temperature=1.0, n=3,
+                                       seed=11)
+    assert len(r.choices) == 3 and len(calls) == 1
+
+
 def test_stop_string(client):
     long = client.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0).choices[0].text
     stop = long[len(long) // 2:len(long) // 2 + 3]

@@ -78,6 +78,14 @@ class EngineLoop:
         several requests (n > 1) can check them all before any runs. Runs in the caller's thread."""
         return self.engine.make_sequence(prompt, sampling_params, request_id=f"loop-{next(self._ids)}")
 
+    def make_sequences(self, prompt, sampling_params: SamplingParams) -> list[Sequence]:
+        """make_sequence for n completions of one prompt: the prompt and its media are processed once (the engine's
+        make_sequences), and each completion is its own stream (its outputs carry its own id)."""
+        seqs = self.engine.make_sequences(prompt, sampling_params, request_id=f"loop-{next(self._ids)}")
+        for seq in seqs:
+            seq.parent_id = seq.request_id
+        return seqs
+
     def submit_sequences(self, seqs: list[Sequence], event_loop=None) -> list[RequestStream]:
         """Queue Sequences from make_sequence, all in one engine step's admission. With an asyncio event_loop, the
         streams are AsyncRequestStreams read with `async for` on that loop: outputs reach them through

@@ -1,6 +1,7 @@
 """The server's request handling around one EngineLoop: model and capacity checks, sequences validated and
 queued from a worker thread, prompts for both APIs, and the heap trimmed once a burst is over."""
 import asyncio
+import dataclasses
 
 from fastapi import Request
 
@@ -71,12 +72,11 @@ class Server:
         """In a worker thread: validate every sequence first (so a bad one queues none), then queue them all."""
         seqs = []
         for prompt in prompts:
-            for i in range(n):
-                p = params.for_completion(i)  # seed + i when seeded, as LLM.generate runs n completions
-                try:
-                    seq = self.loop.make_sequence(prompt, p)
-                except ValueError as e:
-                    raise ApiError(400, str(e), code="invalid_value") from None
+            try:  # the prompt and its images processed once for its n completions (seed + i each, as LLM.generate)
+                group = self.loop.make_sequences(prompt, dataclasses.replace(params, n=n))
+            except ValueError as e:
+                raise ApiError(400, str(e), code="invalid_value") from None
+            for seq in group:
                 room = self.engine.max_model_len - seq.num_prompt_tokens
                 if room < 1 or (requested_max_tokens is not None and requested_max_tokens > room):
                     raise ApiError(400, f"this model's maximum context length is {self.engine.max_model_len} tokens; "
