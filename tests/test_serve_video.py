@@ -57,7 +57,7 @@ def test_video_data_uri_streams_an_answer(client):
     (uri(b"not a video at all" * 10), "not a video"),
     (uri(blank_video(8192, 4352, 2, 1)), "decompression bomb"),
     (uri(CLIP, "image/png"), "not a video"),
-    ("https://example.com/clip.mp4", "not fetched by this server"),
+    ("https://example.com/clip.mp4", "video URLs are disabled on this server"),
     ("file:///etc/passwd", "file"),
 ])
 def test_hostile_video_is_4xx_and_serving_continues(client, url, match):
@@ -66,6 +66,35 @@ def test_hostile_video_is_4xx_and_serving_continues(client, url, match):
         c.chat.completions.create(model=MODEL, messages=video_messages(url), max_tokens=2)
     ok = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_video_urls_are_fetched_under_the_video_byte_limit():
+    """An http(s) video from an allowed host is fetched like an image but under --max-video-bytes, not the image
+    limit: a clip twice the image limit is answered as its data URI is; one over the video limit is a 400."""
+    from images import ImageServer
+    from vlinfer.serve.security import ImagePolicy
+    host = ImageServer(CLIP)
+    engine = LLMEngine(MODEL, dtype="float32", max_model_len=2048, kv_cache_bytes=64 << 20)
+    loop = EngineLoop(engine)
+    try:
+        for max_video_bytes in (len(CLIP) + 1, len(CLIP) - 1):
+            images = ImagePolicy(allowed_url_hosts=("127.0.0.1",), allow_private_urls=True,
+                                 max_image_bytes=len(CLIP) // 2, max_video_bytes=max_video_bytes)
+            app = build_app(loop, ServeConfig(served_model_names=(MODEL,), video=CAPS, images=images))
+            with ServerThread(app) as url, openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=60,
+                                                         max_retries=0) as c:
+                ask = dict(model=MODEL, max_tokens=4, temperature=0)
+                if max_video_bytes > len(CLIP):
+                    fetched = c.chat.completions.create(messages=video_messages(f"{host.url}/clip.mp4"), **ask)
+                    inline = c.chat.completions.create(messages=video_messages(uri(CLIP)), **ask)
+                    assert fetched.choices[0].message.content == inline.choices[0].message.content
+                    assert fetched.usage.prompt_tokens == inline.usage.prompt_tokens
+                else:
+                    with pytest.raises(openai.BadRequestError, match=str(max_video_bytes)):
+                        c.chat.completions.create(messages=video_messages(f"{host.url}/clip.mp4"), **ask)
+    finally:
+        loop.close()
+        host.close()
 
 
 def prompt_tokens(c, url: str, **mm_kwargs) -> int:

@@ -40,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=1, help="with --ray: engine replicas (default: 1)")
     p.add_argument("--max-request-bytes", type=parse_size, default=32 * 2 ** 20, metavar="SIZE",
                    help="largest request body (413 past it); default 32M")
-    p.add_argument("--max-image-bytes", type=parse_size, default=20 * 2 ** 20, metavar="SIZE", help="default 20M")
+    p.add_argument("--max-image-bytes", type=parse_size, default=security.ImagePolicy.max_image_bytes,
+                   metavar="SIZE", help="default 20M")
+    p.add_argument("--max-video-bytes", type=parse_size, default=security.ImagePolicy.max_video_bytes,
+                   metavar="SIZE", help="one video (data URI, file or http(s) URL); default 256M")
     p.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
                    help="per image, width x height; default 2^25 (vlinfer/inputs/limits.py)")
     p.add_argument("--max-images-per-request", type=int, default=MAX_IMAGES,
@@ -83,7 +86,8 @@ def url_hosts(args) -> tuple[str, ...]:
 
 def config_from_args(args) -> ServeConfig:
     images = security.ImagePolicy(
-        max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+        max_image_bytes=args.max_image_bytes, max_video_bytes=args.max_video_bytes,
+        max_image_pixels=args.max_image_pixels,
         max_images=args.max_images_per_request, allowed_url_hosts=url_hosts(args),
         allow_private_urls=args.allow_private_urls, url_timeout=args.url_timeout,
         allowed_local_root=args.allowed_local_root, image_formats=tuple(args.image_formats.split(",")))

@@ -91,7 +91,7 @@ def build_app(loop: EngineLoop, config: ServeConfig) -> FastAPI:
         params = server.sampling_params(req, (req.top_logprobs or 0) if req.logprobs else None)
         server.check_capacity(req.n)
         sources = media.image_sources(req.messages, engine, config)
-        fetched = await media.fetch_urls(sources, config.images)
+        fetched = await media.fetch_urls(sources, config.images, media.video_sources(req.messages))
         run = await server.start(request, lambda: [server.chat_prompt(req, sources, fetched)], params, req.n, 1,
                                  req.max_completion_tokens or req.max_tokens)
         return await respond(request, run, req, model, chat=True, fmt=fmt)

@@ -54,30 +54,40 @@ def image_sources(messages, engine, config) -> list[tuple[str, str]]:
     return sources
 
 
-async def fetch_urls(sources, policy: security.ImagePolicy) -> dict[int, bytes]:
-    """http(s) images, fetched concurrently on the event loop (no thread waits on a slow server)."""
-    jobs = {i: security.fetch_url(url, policy, param)
-            for i, (url, param) in enumerate(sources) if security.image_kind(url) == "http"}
+def video_sources(messages) -> list[tuple[str, str]]:
+    """(url, param) of every video part, in order."""
+    return [(part.video_url.url, f"messages.{i}.content.{j}.video_url.url")
+            for i, message in enumerate(messages) if isinstance(message.content, list)
+            for j, part in enumerate(message.content) if part.type == "video_url"]
+
+
+async def fetch_urls(sources, policy: security.ImagePolicy, videos=()) -> dict[str, bytes]:
+    """http(s) images and videos by their part's param, fetched concurrently on the event loop (no thread waits on
+    a slow server); a video under the video byte limit."""
+    jobs = {param: security.fetch_url(url, policy, param)
+            for url, param in sources if security.image_kind(url) == "http"}
+    jobs.update({param: security.fetch_url(url, policy.for_videos(), param)
+                 for url, param in videos if security.image_kind(url) == "http"})
     results = await asyncio.gather(*jobs.values())
     return dict(zip(jobs, results))
 
 
-def load_images(sources, fetched: dict[int, bytes], policy: security.ImagePolicy) -> list:
+def load_images(sources, fetched: dict[str, bytes], policy: security.ImagePolicy) -> list:
     """In a worker thread: every source to a decoded PIL image (data URIs and files read here)."""
     images = []
-    for i, (url, param) in enumerate(sources):
+    for url, param in sources:
         kind = security.image_kind(url)
         if kind == "data":
             data = security.decode_data_uri(url, policy, param)
         elif kind == "file":
             data = security.read_local_file(url, policy, param)
         else:
-            data = fetched[i]
+            data = fetched[param]
         images.append(security.decode_image(data, policy, param))
     return images
 
 
-def chat_messages(messages, images: list, policy: security.ImagePolicy) -> list[dict]:
+def chat_messages(messages, images: list, policy: security.ImagePolicy, fetched: dict[str, bytes]) -> list[dict]:
     """The request's messages as the chat template takes them: images (decoded, in order) and video bytes in
     their parts, "developer" as "system", and earlier tool calls and results kept."""
     images = iter(images)
@@ -86,8 +96,9 @@ def chat_messages(messages, images: list, policy: security.ImagePolicy) -> list[
         role = "system" if message.role == "developer" else message.role
         if isinstance(message.content, list):
             content = [{"type": "text", "text": part.text} if part.type == "text"
-                       else {"type": "video", "video": video_bytes(part.video_url.url, policy,
-                                                                    f"messages.{i}.content.{j}.video_url.url")}
+                       else {"type": "video", "video": video_bytes(
+                           part.video_url.url, policy, f"messages.{i}.content.{j}.video_url.url",
+                           fetched.get(f"messages.{i}.content.{j}.video_url.url"))}
                        if part.type == "video_url"
                        else {"type": "image", "image": next(images), "detail": part.image_url.detail}
                        for j, part in enumerate(message.content)]

@@ -13,7 +13,7 @@ import stat
 import time
 import urllib.parse
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import PIL.Image
@@ -121,6 +121,7 @@ async def send_error(send, status: int, message: str, code: str | None = None, h
 @dataclass
 class ImagePolicy:
     max_image_bytes: int = 20 * 2 ** 20
+    max_video_bytes: int = 256 * 2 ** 20  # one video (a data URI, a file, an http(s) URL): clips outweigh images
     max_image_pixels: int = MAX_IMAGE_PIXELS  # defaults: the table in vlinfer/inputs/limits.py
     max_images: int = MAX_IMAGES
     allowed_url_hosts: tuple[str, ...] = ()  # empty: http(s) URLs are refused; "*" allows any public host
@@ -144,6 +145,10 @@ class ImagePolicy:
         if self.allowed_local_root:
             self._root = Path(self.allowed_local_root).resolve(strict=True)
 
+    def for_videos(self) -> "ImagePolicy":
+        """The same rules with the video byte limit, for fetching and reading video parts."""
+        return replace(self, max_image_bytes=self.max_video_bytes)
+
     @property
     def url_policy(self) -> UrlPolicy:
         return UrlPolicy(allowed_hosts=self.allowed_url_hosts, allow_private=self.allow_private_urls,
@@ -160,6 +165,9 @@ async def fetch_url(url: str, policy: ImagePolicy, param: str = "url") -> bytes:
     allowlisted hosts, public addresses, pinned connections, no proxies, byte and time limits); its refusals are
     400s naming `param`."""
     if not policy.allowed_url_hosts:
+        if "video_url" in param:
+            raise _bad("video URLs are disabled on this server (--allowed-url-hosts); send the clip inline as a "
+                       "base64 data URI (data:video/mp4;base64,...)", param)
         raise _bad("image URLs are disabled on this server; send the image inline as a base64 data URI "
                    "(data:image/png;base64,...)", param)
     try:

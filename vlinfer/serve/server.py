@@ -123,7 +123,7 @@ class Server:
     def chat_prompt(self, req: ChatCompletionRequest, sources, fetched) -> dict:
         from jinja2.exceptions import TemplateError
         images = media.load_images(sources, fetched, self.config.images)
-        messages = media.chat_messages(req.messages, images, self.config.images)
+        messages = media.chat_messages(req.messages, images, self.config.images, fetched)
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
         try:
             return self.engine.chat_prompt(messages, mm_processor_kwargs=req.mm_processor_kwargs, tools=tools)

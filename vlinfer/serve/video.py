@@ -1,8 +1,8 @@
 """video_url parts of chat requests -> the bytes the engine decodes (vlinfer/multimodal/video_io.py).
 
-Under the image policy's rules and byte limit: base64 data URIs (media type video/*), and file:// URLs only below
---allowed-local-root. http(s) video URLs are refused with a 400: a clip is fetched whole before it can be checked,
-and this server fetches only images over the network. The engine then applies its video limits (frame size,
+Under the image policy's rules with its own byte limit (--max-video-bytes): base64 data URIs (media type video/*),
+file:// URLs only below --allowed-local-root, and http(s) URLs from the hosts images may come from (fetched on the
+event loop with the images, serve/media.py). The engine then applies its video limits (frame size,
 frames in the file, duration; VideoLimits) from the container's header and packet index before decoding."""
 import base64
 import binascii
@@ -15,14 +15,15 @@ from vlinfer.serve.protocol import ApiError
 BOOLEAN_OPTIONS = ("cap_pixels_per_frame", "do_sample_frames")
 
 
-def video_bytes(url: str, policy: security.ImagePolicy, param: str) -> bytes:
+def video_bytes(url: str, policy: security.ImagePolicy, param: str, fetched: bytes | None = None) -> bytes:
+    """A video part's bytes within the policy's video byte limit: an http(s) URL's fetched bytes (media.fetch_urls
+    fetched them, under the same host rules as images), a base64 data URI, or a file below --allowed-local-root."""
+    policy = policy.for_videos()
     kind = security.image_kind(url)
+    if kind == "http":
+        return fetched
     if kind == "file":
         return security.read_local_file(url, policy, param)
-    if kind == "http":
-        raise ApiError(400, "video URLs over http(s) are not fetched by this server; send the clip as a base64 "
-                            "data URI (data:video/mp4;base64,...) or a file:// URL under --allowed-local-root",
-                       param=param)
     if kind != "data":
         raise security.unsupported_source(url, param)
     header, sep, payload = url.partition(",")
@@ -31,8 +32,9 @@ def video_bytes(url: str, policy: security.ImagePolicy, param: str) -> bytes:
         raise ApiError(400, "a video data URI must be base64: data:video/mp4;base64,...", param=param)
     if options[0] and not options[0].startswith("video/"):
         raise ApiError(400, f"data URI media type is {options[0]!r}, not a video", param=param)
-    if len(payload) > 4 * (policy.max_image_bytes // 3 + 2) + payload.count("\n") + payload.count("\r"):
-        raise ApiError(400, f"video is larger than the limit of {policy.max_image_bytes} bytes", param=param)
+    if len(payload) > 4 * (policy.max_video_bytes // 3 + 2) + payload.count("\n") + payload.count("\r"):
+        raise ApiError(400, f"video is larger than the limit of {policy.max_video_bytes} bytes (--max-video-bytes)",
+                       param=param)
     try:
         return base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError) as e:
