@@ -14,9 +14,9 @@ from vlinfer.loading import resolve_model
 
 IM_END = 151645
 BAR = 0.9  # answers right in at least 90% of held-out scenes
-# Captions judged on their whole content (counts included, scenes.caption_is_right): the shipped run's level, not
-# yet issue 35's 90% (README: 89% on the 200 held-out scenes, 84% on 400 scenes of seeds never used before).
-CAPTION_BAR = 0.85
+# Captions judged on their whole content (counts included, scenes.caption_is_right), as tools/train_embedded.py
+# --evaluate scores them; the README gives the full evaluation's figures.
+CAPTION_BAR = 0.9
 
 
 def tools_module():
@@ -41,13 +41,16 @@ def test_package_ships_the_trained_model_small():
     assert embedded.sha256(weights) == manifest["sha256"]
     assert os.path.getsize(weights) < 10 * 2 ** 20  # the issue's budget for the package's growth
     assert manifest["shape"] == {k: list(v) if isinstance(v, tuple) else v for k, v in embedded.SHAPE.items()}
-    trained = {k: manifest["training"][k] for k in embedded.TRAINING}
-    assert trained == embedded.TRAINING, "the shipped weights are not from the recorded training run"
+    # Two stages: FINE_TUNING from the weights TRAINING made (tools/train_embedded.py train_shipped).
+    second, first = manifest["training"], manifest["training"]["init"]
+    assert {k: second[k] for k in embedded.FINE_TUNING} == embedded.FINE_TUNING, "not the recorded second stage"
+    assert {k: first["training"][k] for k in embedded.TRAINING} == embedded.TRAINING, "not the recorded first stage"
+    assert first["sha256"] != manifest["sha256"]
 
 
 def test_toy_describes_held_out_scenes(toy):
-    """The first 40 of the 200 held-out scenes (a seed training never used), scored as the issue asks."""
-    scores = tools_module().evaluate(toy[1], seed=embedded.EVAL_SEED, count=40)
+    """The 200 held-out scenes (a seed training never used), scored as the issue asks and as the README states."""
+    scores = tools_module().evaluate(toy[1], seed=embedded.EVAL_SEED, count=200)
     assert scores["caption_accuracy"] >= CAPTION_BAR and scores["answer_accuracy"] >= BAR, \
         {**scores, "failures": scores["failures"][:8]}
     assert_block_pool_empty(toy[1])
@@ -129,3 +132,7 @@ def test_short_training_is_reproducible(tmp_path):
     second = train_embedded.train(str(tmp_path / "b"), seed=0, **kw)
     other = train_embedded.train(str(tmp_path / "c"), seed=1, **kw)
     assert first["sha256"] == second["sha256"] != other["sha256"]
+    # A second stage from the first run's weights: reproducible too, and a change of the weights it started from.
+    finer = [train_embedded.train(str(tmp_path / name), seed=1, init=str(tmp_path / "a"), **kw)["sha256"]
+             for name in ("d", "e")]
+    assert finer[0] == finer[1] not in (first["sha256"], other["sha256"])

@@ -2,9 +2,14 @@
 Qwen3VLForConditionalGeneration (autograd lives here; vlinfer stays inference-only), the real Qwen3 tokenizer and
 the Qwen3-VL chat template vlinfer ships. Run once by the maintainers, not at install:
 
-    python tools/train_embedded.py                          # the shipped run: rewrites vlinfer/data/
-    python tools/train_embedded.py --steps 20 --out /tmp/x  # a short run (what the reproducibility test does)
+    python tools/train_embedded.py                          # the shipped recipe: rewrites vlinfer/toy/data/
+    python tools/train_embedded.py --steps 20 --out /tmp/x  # one short run (what the reproducibility test does)
+    python tools/train_embedded.py --init /tmp/x --out /tmp/y   # one second-stage run from /tmp/x's weights
     python tools/train_embedded.py --evaluate               # score the shipped model under vlinfer
+
+The shipped recipe has two stages (vlinfer/toy/embedded.py): TRAINING from a seeded draw, with a curriculum from
+lone objects up to full scenes, then FINE_TUNING from its weights on full scenes weighted towards three objects, at
+a lower learning rate: the captions it still got wrong after the first stage were almost all three-object scenes.
 
 Small on disk: the model keeps Qwen3's 151,936-token vocabulary, but only the tokens the world's prompts and
 answers use (a few hundred) have learned rows. Training computes the loss over the full vocabulary exactly: every
@@ -242,10 +247,11 @@ def teacher_forced_accuracy(model, batcher: Batcher, rest: int, seed: int, count
 def train(out: str, steps: int, batch_size: int, seed: int, threads: int, lr: float, max_turns: int,
           shape: dict, log_every: int = 50, eval_every: int = 0, eval_count: int = 64, stop_after: int | None = None,
           snapshot_every: int = 0, weight_decay: float = embedded.TRAINING["weight_decay"],
-          objects_power: float = embedded.TRAINING["objects_power"]) -> dict:
+          objects_power: float = embedded.TRAINING["objects_power"], init: str | None = None) -> dict:
     """Train and write the compact model to `out`; returns its manifest. `steps` sets the schedule; stop_after
     ends the run early (the weights equal that step's snapshot of the full run); snapshot_every writes the model
-    so far to out/step-N as it goes. The caller's thread count and deterministic-algorithms setting are restored
+    so far to out/step-N as it goes; init starts from a compact model's weights (a second stage) instead of a
+    seeded draw. The caller's thread count and deterministic-algorithms setting are restored
     afterwards."""
     if stop_after is not None and not 0 < stop_after <= steps:
         raise ValueError(f"stop_after={stop_after} must be in 1..steps={steps}")
@@ -254,19 +260,20 @@ def train(out: str, steps: int, batch_size: int, seed: int, threads: int, lr: fl
     torch.use_deterministic_algorithms(True)
     try:
         return _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_every, eval_every, eval_count,
-                      stop_after or steps, snapshot_every, weight_decay, objects_power)
+                      stop_after or steps, snapshot_every, weight_decay, objects_power, init)
     finally:
         torch.set_num_threads(saved[0])
         torch.use_deterministic_algorithms(saved[1])
 
 
 def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_every, eval_every, eval_count, stop_after,
-           snapshot_every, weight_decay, objects_power) -> dict:
+           snapshot_every, weight_decay, objects_power, init) -> dict:
     tokenizer, template = load_tokenizer_and_template()
     vocab = world_vocabulary(tokenizer, template)
     rest = embedded.VOCAB_SIZE - len(vocab)
     batcher = Batcher(tokenizer, template, vocab)
     model = compact_model(shape, vocab, seed).train()
+    start_from = load_compact(model, init, vocab) if init else None
     # Every matrix decays, embeddings and the vision tower's included. Most of them feed a norm (RMSNorm in the
     # language model, LayerNorm in the vision merger), so the loss does not depend on their scale and Adam's steps,
     # orthogonal to them, only grow it; without decay the vision features grew ~750x in 2000 steps (0.07 -> 52 per
@@ -289,7 +296,8 @@ def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_ever
     vision = model.config.vision_config
     start, history, location_history = time.time(), [], []
     for step in range(1, stop_after + 1):
-        batch = sample_batch(rng, batch_size, max_turns, batcher, objects_cap(step, steps), objects_power)
+        batch = sample_batch(rng, batch_size, max_turns, batcher, objects_cap(step, steps, bool(init)),
+                             objects_power)
         vision_features.clear()
         nll, correct, _ = losses(model, batch, rest)
         where = location_targets(batch["scenes"], batch["image_grid_thw"], vision.patch_size,
@@ -317,15 +325,32 @@ def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_ever
             embedded.write_compact(os.path.join(out, f"step-{step}"), model.state_dict(), vocab, shape, info)
     info = dict(steps=steps, stop_after=stop_after, batch_size=batch_size, seed=seed, threads=threads, lr=lr,
                 max_turns=max_turns, weight_decay=weight_decay, objects_power=objects_power, shape=shape,
-                train_seconds=round(time.time() - start),
+                init=start_from, train_seconds=round(time.time() - start),
                 final_loss=round(sum(history[-50:]) / len(history[-50:]), 5), torch=torch.__version__,
                 machine=cpu_name())
     return embedded.write_compact(out, model.state_dict(), vocab, shape, info)
 
 
-def objects_cap(step: int, steps: int) -> int:
+def load_compact(model, folder: str, vocab: list[int]) -> dict:
+    """Load a compact model's weights (a first stage's output) into `model`; returns that stage's manifest."""
+    from safetensors.torch import load_file
+    manifest = embedded.read_manifest(folder)
+    weights = os.path.join(folder, embedded.WEIGHTS)
+    if embedded.sha256(weights) != manifest["sha256"]:
+        raise ValueError(f"{weights} does not match the sha256 in its manifest")
+    tensors = load_file(weights)
+    if tensors.pop("vocab_ids").tolist() != vocab:
+        raise ValueError(f"{folder} was trained on another vocabulary than this world's")
+    model.load_state_dict(tensors, strict=True)
+    return manifest
+
+
+def objects_cap(step: int, steps: int, second_stage: bool = False) -> int:
     """A curriculum: scenes of one object first, up to scenes.MAX_OBJECTS by a quarter of the run. A lone object
-    ties each colour and shape word to what it looks like before the model must tell objects apart."""
+    ties each colour and shape word to what it looks like before the model must tell objects apart. A second stage
+    starts from a model that has been through it."""
+    if second_stage:
+        return scenes.MAX_OBJECTS
     return min(scenes.MAX_OBJECTS, 1 + step * scenes.MAX_OBJECTS // max(1, steps // 4))
 
 
@@ -371,36 +396,59 @@ def evaluate(model, seed: int = embedded.EVAL_SEED, count: int = 200, **llm_kwar
                 questions=answers, answer_accuracy=answers_right / max(1, answers), failures=failures)
 
 
+RUN_FLAGS = ("steps", "batch_size", "seed", "threads", "lr", "max_turns", "weight_decay", "objects_power")
+
+
+def train_shipped(out: str, log_every: int = 50) -> dict:
+    """The shipped recipe: embedded.TRAINING from a seeded draw, then embedded.FINE_TUNING from its weights."""
+    first, second = embedded.TRAINING, embedded.FINE_TUNING
+    with tempfile.TemporaryDirectory() as stage_one:
+        train(stage_one, shape=dict(embedded.SHAPE), log_every=log_every, **{k: first[k] for k in RUN_FLAGS})
+        return train(out, shape=dict(embedded.SHAPE), log_every=log_every, init=stage_one,
+                      **{k: second[k] for k in RUN_FLAGS})
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=embedded.PACKAGE_DIR, help="folder for the compact weights (default: the package's)")
-    p.add_argument("--steps", type=int, default=embedded.TRAINING["steps"])
-    p.add_argument("--batch-size", type=int, default=embedded.TRAINING["batch_size"])
-    p.add_argument("--seed", type=int, default=embedded.TRAINING["seed"])
-    p.add_argument("--threads", type=int, default=embedded.TRAINING["threads"])
-    p.add_argument("--lr", type=float, default=embedded.TRAINING["lr"])
-    p.add_argument("--max-turns", type=int, default=embedded.TRAINING["max_turns"])
-    p.add_argument("--weight-decay", type=float, default=embedded.TRAINING["weight_decay"])
-    p.add_argument("--objects-power", type=float, default=embedded.TRAINING["objects_power"],
-                   help="a training scene has n objects with weight n ** this (0: uniform)")
-    p.add_argument("--eval-every", type=int, default=0, help="teacher-forced held-out check every N steps")
+    run = p.add_argument_group("one run instead of the shipped two-stage recipe (defaults: embedded.TRAINING, or "
+                               "embedded.FINE_TUNING with --init)")
+    run.add_argument("--steps", type=int)
+    run.add_argument("--batch-size", type=int)
+    run.add_argument("--seed", type=int)
+    run.add_argument("--threads", type=int)
+    run.add_argument("--lr", type=float)
+    run.add_argument("--max-turns", type=int)
+    run.add_argument("--weight-decay", type=float)
+    run.add_argument("--objects-power", type=float, help="a training scene has n objects with weight n ** this "
+                                                         "(0: uniform)")
+    run.add_argument("--init", default=None, help="start from this compact model (a second stage)")
+    run.add_argument("--stop-after", type=int, default=None, help="end after N steps of the --steps schedule")
+    run.add_argument("--snapshot-every", type=int, default=0, help="write the model so far to OUT/step-N every N steps")
+    run.add_argument("--eval-every", type=int, default=0, help="teacher-forced held-out check every N steps")
     p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--stop-after", type=int, default=None, help="end after N steps of the --steps schedule")
-    p.add_argument("--snapshot-every", type=int, default=0, help="write the model so far to OUT/step-N every N steps")
     p.add_argument("--evaluate", action="store_true", help="only score the model in --out under vlinfer")
     p.add_argument("--eval-scenes", type=int, default=200)
+    p.add_argument("--eval-seed", type=int, default=embedded.EVAL_SEED, help="scenes to score on (default: the "
+                                                                              "held-out seed)")
     args = p.parse_args(argv)
-    if not args.evaluate:
-        info = train(args.out, args.steps, args.batch_size, args.seed, args.threads, args.lr, args.max_turns,
-                     dict(embedded.SHAPE), log_every=args.log_every, eval_every=args.eval_every,
-                     stop_after=args.stop_after, snapshot_every=args.snapshot_every, weight_decay=args.weight_decay,
-                     objects_power=args.objects_power)
+    single = args.init is not None or any(getattr(args, k) is not None for k in RUN_FLAGS) or args.stop_after or \
+        args.snapshot_every or args.eval_every
+    recipe = embedded.FINE_TUNING if args.init is not None else embedded.TRAINING
+    flags = {k: recipe[k] if getattr(args, k) is None else getattr(args, k) for k in RUN_FLAGS}
+    if args.evaluate:
+        pass
+    elif single:
+        info = train(args.out, shape=dict(embedded.SHAPE), log_every=args.log_every, eval_every=args.eval_every,
+                     stop_after=args.stop_after, snapshot_every=args.snapshot_every, init=args.init, **flags)
         print(json.dumps(info, indent=1))
-    torch.set_num_threads(args.threads)
+    else:
+        print(json.dumps(train_shipped(args.out, args.log_every), indent=1))
+    torch.set_num_threads(flags["threads"])
     with tempfile.TemporaryDirectory() as tmp:
         folder = embedded.build_checkpoint(args.out, tmp)
-        scores = evaluate(folder, seed=embedded.EVAL_SEED, count=args.eval_scenes, dtype="float32",
-                                   max_model_len=512, kv_cache_bytes=256 << 20)
+        scores = evaluate(folder, seed=args.eval_seed, count=args.eval_scenes, dtype="float32", max_model_len=512,
+                          kv_cache_bytes=256 << 20)
     print(json.dumps({k: v for k, v in scores.items() if k != "failures"}, indent=1))
     for failure in scores["failures"][:10]:
         print("  wrong:", failure)
