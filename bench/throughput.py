@@ -15,6 +15,9 @@ attended position); no padding.
 
     python bench/throughput.py                      # 64 requests, prompts and outputs 32-256, bf16, SmolLM2-135M
     python bench/throughput.py --num-requests 16 --skip-transformers --skip-vllm
+    python bench/throughput.py --kv-cache-dtypes auto,int8,bfloat16 --dtype float32 --num-requests 32 \
+        --min-input 1024 --max-input 2048 --min-output 256 --max-output 256 --skip-transformers
+                                                    # the long-context workload, one vlinfer row per KV-cache dtype
     python bench/throughput.py --structured         # the same workload unconstrained, then every request under a
                                                     # JSON schema, in one engine: the overhead and compile times
 
@@ -48,12 +51,12 @@ def model_flops(dims: dict, prompt_lens, out_lens) -> float:
     return total
 
 
-def run_vlinfer(args, prompts, out_lens):
+def run_vlinfer(args, prompts, out_lens, kv_cache_dtype="auto"):
     from vlinfer import LLM, SamplingParams
     # The dense folder the peers read (the GGUF dequantized once): a GGUF given as is would run kept in its blocks
     # (bench/quantized.py measures that), and the engines here must run the same dense weights.
     llm = LLM(peers.hf_folder(args.model), dtype=args.dtype, max_model_len=args.max_input + args.max_output + 8,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, kv_cache_dtype=kv_cache_dtype)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = common.greedy(llm)(prompts, out_lens)
@@ -89,7 +92,7 @@ def run_vlinfer_structured(args, prompts, out_lens):
     import json as _json
     from vlinfer import LLM, SamplingParams, StructuredOutputsParams
     llm = LLM(peers.hf_folder(args.model), dtype=args.dtype, max_model_len=args.max_input + args.max_output + 8,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, kv_cache_dtype=kv_cache_dtype)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     schemas = [StructuredOutputsParams(json=s) for s in STRUCTURED_SCHEMAS]
     grammars = llm.engine.grammar_matchers
@@ -190,6 +193,8 @@ def main(argv=None):
     common.add_text_workload_args(p, num_requests=64, max_output=256)
     common.add_transformers_args(p, batch_size=64)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-dtypes", default="auto",
+                   help="comma-separated kv_cache_dtype values: one vlinfer run each (e.g. auto,int8,bfloat16)")
     common.add_skip_args(p, "vllm")
     p.add_argument("--vllm-kv-cache-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for the vLLM-CPU peer")
     p.add_argument("--structured-repeat", type=int, default=2,
@@ -210,9 +215,11 @@ def main(argv=None):
     peak_before = matmul_peak_gflops(dtype, "cpu")
 
     rows, notes = [], []  # rows: (name, seconds, outputs)
-    seconds, outputs = run_vlinfer(args, prompts, out_lens)
-    rows.append(("vlinfer", seconds, outputs))
-    progress(f"vlinfer done: {sum(out_lens) / seconds:.1f} tok/s")
+    for kv_cache_dtype in args.kv_cache_dtypes.split(","):
+        seconds, outputs = run_vlinfer(args, prompts, out_lens, kv_cache_dtype)
+        name = "vlinfer" if kv_cache_dtype == "auto" else f"vlinfer, KV cache {kv_cache_dtype}"
+        rows.append((name, seconds, outputs))
+        progress(f"{name} done: {sum(out_lens) / seconds:.1f} tok/s")
     if not args.skip_transformers:
         seconds, outputs = run_transformers(args, prompts, out_lens)
         rows.append((f"transformers generate (batch {args.hf_batch_size})", seconds, outputs))
@@ -235,11 +242,15 @@ def main(argv=None):
           f"output token, causal attention) / time / this machine's {args.dtype} matmul peak {peak:.0f} GFLOP/s "
           f"(oneDNN 2048x2048x8192 prepacked, best of 5; {peak_before:.0f} before the engines, {peak_after:.0f} "
           f"after)")
-    base = rows[0][1]
-    for name, seconds, _ in rows[1:]:
-        print(f"vlinfer / {name}: {seconds / base:.2f}x")
+    base_name, base = rows[0][0], rows[0][1]
+    ours = [row for row in rows if row[0].startswith("vlinfer")]
+    for name, seconds, _ in ours[1:]:  # throughput ratios: above 1 is faster than the model-dtype cache
+        print(f"{name} / {base_name}: {base / seconds:.2f}x")
+    for name, seconds, _ in rows[len(ours):]:
+        for our_name, our_seconds, _ in ours:
+            print(f"{our_name} / {name}: {seconds / our_seconds:.2f}x")
     for name, _, outputs in rows[1:]:
-        print(f"greedy outputs vs vlinfer, {name}: {agreement(rows[0][2], outputs)} ({args.dtype}: near-tied "
+        print(f"greedy outputs vs {base_name}, {name}: {agreement(rows[0][2], outputs)} ({args.dtype}: near-tied "
               f"logits diverge later)")
     for note in notes:
         print(note)

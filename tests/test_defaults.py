@@ -158,6 +158,7 @@ FLAG_VALUES = {
     "distributed_timeout_s": (["5"], 5.0), "distributed_startup_timeout_s": (["50"], 50.0), "seed": (["7"], 7),
     "quantization": (["int8"], "int8"), "allow_image_urls": ([], True), "logprobs_mode": (["raw_logprobs"],
                                                                                       "raw_logprobs"),
+    "kv_cache_dtype": (["int8"], "int8"),
 }
 
 

@@ -122,15 +122,19 @@ def test_bad_descriptions_are_refused_naming_the_tensor(text_checkpoint, tmp_pat
     with pytest.raises(ValueError, match="type 'W4A8_DYNAMIC' is not supported") as e:  # before any KV memory
         LLM(folder, dtype="float32", kv_cache_bytes=2 ** 20)
     assert key in str(e.value)
-    # The same rules without an engine: an int8 tensor marked FLOAT, a missing scale, a quantized KV cache.
+    # The same rules without an engine: an int8 tensor marked FLOAT, a missing scale, a KV cache or attention
+    # quantization other than C8 (tests/test_kv_cache_schemes.py opens C8).
     quant = ModelSlimQuantization({**description, key: "FLOAT"})
     int8 = {key: TensorInfo((64, 64), "I8")}
     with pytest.raises(ValueError, match="integer tensor .* marks it FLOAT"):
         quant.method_for(None, key[:-len(".weight")], int8)
     with pytest.raises(ValueError, match=r"missing tensors \['model.layers.1.self_attn.o_proj.weight_scale'"):
         ModelSlimQuantization(description).method_for(None, key[:-len(".weight")], int8)
-    with pytest.raises(ValueError, match="kv_cache_type='C8'"):
-        ModelSlimQuantization({**description, "kv_cache_type": "C8"})
+    with pytest.raises(ValueError, match="kv_cache_type='C4'"):
+        ModelSlimQuantization({**description, "kv_cache_type": "C4"})
+    with pytest.raises(ValueError, match="fa_quant_type='FAQuant'"):
+        ModelSlimQuantization({**description, "fa_quant_type": "FAQuant"})
+    ModelSlimQuantization({**description, "kv_cache_type": "C8"})
     with pytest.raises(ValueError, match="lm_head.weight is W8A8"):
         ModelSlimQuantization({**description, "lm_head.weight": "W8A8"})
 

@@ -207,6 +207,26 @@ def test_chunked_prefill_prefix_cache_and_preemption(moe_models, references, kin
     assert_block_pool_empty(tight)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("kind", ["qwen3-moe", "qwen3-vl-moe"])
+def test_compressed_kv_cache_within_its_tolerance(moe_models, references, kind, kv_cache_dtype):
+    """A KV cache in int8 / bf16 (image tokens in it for Qwen3-VL-MoE): prompt logits within the tolerance
+    tests/test_kv_cache_dtype.py states, under chunked prefill."""
+    from test_kv_cache_dtype import TOLERANCE
+    llm = make_llm(moe_models[kind][1]["fused"], kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=16)
+    engine = llm.engine
+    for req, (ids, ref, _) in zip(requests(kind), references[kind]):
+        seq = engine.make_sequence(req)
+        engine.add_sequence(seq)
+        assert engine.block_manager.allocate(seq, seq.num_tokens)
+        ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens]))
+        assert ((ours - ref).abs().max() / ref.abs().max()).item() < TOLERANCE[kv_cache_dtype]
+        engine.abort_request(seq.request_id)
+    outs = llm.generate(requests(kind), GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == NUM_NEW for o in outs)
+    assert_block_pool_empty(llm)
+
+
 # ---- loading errors ----
 
 def small_moe(hidden=HIDDEN, width=EXPERT_WIDTH):

@@ -132,3 +132,74 @@ def test_smollm2_strict_json_schema_through_the_server():
     assert choice.finish_reason == "stop", choice.message.content
     person = json.loads(choice.message.content)
     assert set(person) == {"name", "age"} and isinstance(person["age"], int), person
+
+
+TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "bees", "the violin", "glaciers", "coffee", "owls",
+          "bridges", "the desert", "tomatoes", "lighthouses", "snow", "trains", "the ocean", "maps", "clocks",
+          "honey", "mountains", "paper", "whales", "gardens", "rain", "castles", "salt", "forests", "bicycles",
+          "stars", "cheese", "islands"]
+ASKS = ["Tell me one interesting fact about {}.", "Write two sentences about {}."]
+# Along transformers' greedy path on the real SmolLM2 (64 chats x 64 tokens, float32): the share of positions where
+# our arg-max is transformers' token, and the largest |our logprob - transformers' logprob| of that token. The bounds
+# README's correctness table and docs/kv-cache.md state.
+AGREEMENT_BOUND = {"auto": 0.999, "bfloat16": 0.99, "int8": 0.97, "fp8": 0.93}
+LOGPROB_GAP_BOUND = {"auto": 5e-3, "bfloat16": 0.2, "int8": 0.6, "fp8": 1.2}
+
+
+def reference_paths(tok, ref_model, chats, num_new: int = 64) -> list[tuple[int, list[int]]]:
+    """transformers' arg-max continuation of each chat, EOS ignored (its logits alone: no generation config's
+    processors), as (prompt length, prompt + continuation)."""
+    paths = []
+    for chat in chats:
+        text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        tokens = tok(text, add_special_tokens=False).input_ids
+        start = len(tokens)
+        with torch.no_grad():
+            out = ref_model(torch.tensor([tokens]), use_cache=True)
+            for _ in range(num_new):
+                tokens.append(int(out.logits[0, -1].argmax()))
+                out = ref_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        paths.append((start, tokens))
+    return paths
+
+
+def teacher_forced_logprobs(llm, paths) -> list[torch.Tensor]:
+    from vlinfer.engine import SchedulerOutput
+    engine = llm.engine
+    seqs = [engine.make_sequence(tokens, SamplingParams(temperature=0)) for _, tokens in paths]
+    for seq in seqs:
+        assert engine.block_manager.allocate(seq, seq.num_tokens)
+    logits = engine.model_runner.prompt_logits(SchedulerOutput(seqs, [s.num_tokens for s in seqs]))
+    for seq in seqs:
+        engine.block_manager.free(seq)
+    return [x.float().log_softmax(-1) for x in torch.split(logits, [len(t) for _, t in paths])]
+
+
+def test_smollm2_compressed_kv_cache_along_transformers_greedy_path():
+    """64 chats x 64 tokens: with each compressed cache, our arg-max agrees with transformers' greedy token at the
+    stated share of positions, and the logprob we give its token is within the stated gap."""
+    from transformers import AutoModelForCausalLM
+    ref_model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    chats = [[{"role": "user", "content": ask.format(topic)}] for ask in ASKS for topic in TOPICS]
+    llm = LLM("smollm2", dtype="float32", kv_cache_bytes=256 * 2 ** 20, max_model_len=2048)
+    paths = reference_paths(llm.tokenizer, ref_model, chats)
+    with torch.no_grad():
+        ref_logprobs = [ref_model(torch.tensor([t])).logits[0].log_softmax(-1) for _, t in paths]
+    measured = {}
+    for name in AGREEMENT_BOUND:
+        ours = teacher_forced_logprobs(LLM("smollm2", dtype="float32", kv_cache_bytes=512 * 2 ** 20,
+                                           max_model_len=2048, kv_cache_dtype=name), paths)
+        agree, total, gap = 0, 0, 0.0
+        for (start, tokens), mine, ref in zip(paths, ours, ref_logprobs):
+            targets = torch.tensor(tokens[start:])
+            rows = torch.arange(start - 1, len(tokens) - 1)
+            agree += int((mine[rows].argmax(-1) == targets).sum())
+            total += len(targets)
+            gap = max(gap, (mine[rows, targets] - ref[rows, targets]).abs().max().item())
+        measured[name] = (agree / total, gap, total)
+        print(f"SmolLM2 kv_cache_dtype={name}: agreement {agree / total:.4f} over {total} tokens, "
+              f"largest logprob gap {gap:.3f}")
+    for name, (agreement, gap, total) in measured.items():
+        assert total == 64 * 64
+        assert agreement >= AGREEMENT_BOUND[name], (name, measured)
+        assert gap <= LOGPROB_GAP_BOUND[name], (name, measured)

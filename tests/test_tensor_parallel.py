@@ -131,6 +131,38 @@ def test_greedy_matches_transformers_and_one_rank(tp_engines, references, name):
     torch.testing.assert_close(ref.one_rank_logits, ref.logits, rtol=1e-4, atol=1e-4)
 
 
+def test_int8_kv_cache_on_two_ranks_equals_one_rank(text_checkpoints, references):
+    """Each rank stores its KV heads in int8 with their own per-row scales: the prompt logits equal one rank's
+    int8 run (the same rows quantized the same way) within float32 summation order, and transformers' within the
+    stated int8 tolerance."""
+    from test_kv_cache_dtype import TOLERANCE
+    path = text_checkpoints["qwen3-kv2"]
+    one = prompt_logits(LLM(path, **OPTIONS, kv_cache_dtype="int8"))
+    with LLM(path, tensor_parallel_size=2, **OPTIONS, kv_cache_dtype="int8") as llm:
+        assert llm.engine.model_runner.kv_scales.shape[-1] == 1  # this rank's one KV head of two
+        two = prompt_logits(llm)
+        assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == len(PROMPTS)
+        assert_block_pool_empty(llm)
+    torch.testing.assert_close(two, one, rtol=5e-3, atol=5e-3)
+    ref = references["qwen3-kv2"].logits
+    assert ((two - ref).abs().max() / ref.abs().max()).item() < TOLERANCE["int8"]
+
+
+def test_c8_static_int8_checkpoint_on_two_ranks_equals_one_rank(text_checkpoints, tmp_path):
+    """msModelSlim C8 scales are per KV channel: each rank takes its KV heads' share, so two ranks give one
+    rank's logits."""
+    from test_kv_cache_schemes import c8_scales, kv_rows, write_variant
+    src = text_checkpoints["qwen3-kv2"]
+    path = write_variant(src, str(tmp_path / "c8"), c8_scales(kv_rows(src)),
+                         description={"model_quant_type": "FLOAT", "kv_cache_type": "C8"})
+    one = prompt_logits(LLM(path, **OPTIONS))
+    with LLM(path, tensor_parallel_size=2, **OPTIONS) as llm:
+        assert llm.engine.resolved.kv_cache_dtype == torch.int8
+        assert llm.engine.model_runner.attention_layers[0].static_kv_scales.k_scale.shape == (1, 16)
+        two = prompt_logits(llm)
+    torch.testing.assert_close(two, one, rtol=5e-3, atol=5e-3)
+
+
 def test_each_rank_loads_only_its_shard(tp_engines, text_checkpoints):
     from safetensors import safe_open
     for name, llm in tp_engines.items():

@@ -24,6 +24,11 @@ ANSWER_MAX_TOKENS = 512  # Pipeline, `vlinfer generate`, `vlinfer chat`, the dem
 CAPTION_MAX_TOKENS = 128  # `vlinfer caption`: captions are short, and a batch ends with its longest one
 CHAT_TEMPERATURE = 0.7  # the chat UIs (`vlinfer chat`, the demo): varied replies that stay on topic
 CHAT_TOP_P = 0.9
+# kv_cache_dtype names (vLLM's) -> the dtype K and V are stored in; "auto" stores the compute dtype. fp8 caches
+# carry one float32 scale per layer for K and one for V (1.0 unless the checkpoint has them); int8 caches one float32
+# scale per token and KV head, written beside the row when it is stored (ops/kv_quant_reference.py).
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn,
+                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 
 
 def default_batched_tokens(max_model_len: int) -> int:
@@ -77,6 +82,9 @@ class EngineConfig:
     # vLLM's name for which logprobs requests get. Only its default is offered: log_softmax of the raw logits,
     # before grammar masks, penalties and temperature (engine/sampler.py step 0).
     logprobs_mode: str = "raw_logprobs"
+    # The dtype K and V are stored in (KV_CACHE_DTYPES): "auto" is the compute dtype; a smaller one holds more
+    # tokens in the same budget, at the accuracy README's correctness table states.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         for name in ("max_num_seqs", "kvcache_block_size", "max_model_len", "max_model_len_cap",
@@ -98,6 +106,9 @@ class EngineConfig:
         if self.logprobs_mode != "raw_logprobs":
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not supported: vlinfer returns vLLM's default "
                              "'raw_logprobs' only (raw_logits, processed_logprobs and processed_logits are not offered)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: expected one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         method = self.distributed_init_method
         if method is not None and not (isinstance(method, str) and method.startswith(INIT_SCHEMES)):
             raise ValueError(f"distributed_init_method must be None, 'tcp://host:port' or 'env://', got {method!r}")
@@ -114,7 +125,8 @@ class ResolvedConfig:
     max_num_batched_tokens: int  # tokens per engine step
     max_num_seqs: int  # sequences per engine step
     num_blocks: int  # KV blocks in the pool (per rank: each holds its KV heads of every block)
-    bytes_per_block: int  # one block's K and V over every layer, on one rank
+    bytes_per_block: int  # one block's K and V over every layer, on one rank, as stored (scales included)
+    kv_cache_dtype: torch.dtype  # the dtype K and V are stored in
 
     @property
     def kv_cache_tokens(self) -> int:

@@ -11,7 +11,7 @@ import logging
 import re
 
 from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, APP_MAX_MODEL_LEN, CPU_DEFAULT_MEMORY_UTILIZATION,
-                            DEFAULT_MAX_BATCHED_TOKENS, MIN_BATCHED_TOKENS, EngineConfig)
+                            DEFAULT_MAX_BATCHED_TOKENS, KV_CACHE_DTYPES, MIN_BATCHED_TOKENS, EngineConfig)
 
 # Keyword argument (LLM / EngineConfig / SamplingParams) -> the flag that sets it in every app.
 FLAGS = {
@@ -24,6 +24,7 @@ FLAGS = {
     "enable_expert_parallel": "--enable-expert-parallel", "distributed_init_method": "--distributed-init-method",
     "distributed_timeout_s": "--distributed-timeout", "distributed_startup_timeout_s": "--distributed-startup-timeout",
     "quantization": "--quantization", "allow_image_urls": "--allow-image-urls", "logprobs_mode": "--logprobs-mode",
+    "kv_cache_dtype": "--kv-cache-dtype",
     "temperature": "--temperature", "top_p": "--top-p", "max_tokens": "--max-tokens", "seed": "--seed",
 }
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)
@@ -92,6 +93,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: bool = True) ->
                    help="fetch http(s) image URLs from public hosts (default: refused)")
     p.add_argument("--logprobs-mode", default=ENGINE_DEFAULTS["logprobs_mode"], choices=["raw_logprobs"],
                    help="which logprobs requests get: vLLM's default raw_logprobs, the only one offered")
+    p.add_argument("--kv-cache-dtype", default=ENGINE_DEFAULTS["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES),
+                   help="the dtype K and V are stored in: auto (the model's), or a smaller one that holds more tokens "
+                        "(bfloat16, float16, fp8 = fp8_e4m3, fp8_e5m2, int8)")
     p.add_argument("--seed", type=int, default=None,
                    help=f"the engine's seed for unseeded requests; the apps' own requests use it too (default: "
                         f"{ENGINE_DEFAULTS['seed']})")
@@ -120,6 +124,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                    distributed_timeout_s=args.distributed_timeout_s,
                    distributed_startup_timeout_s=args.distributed_startup_timeout_s, quantization=args.quantization,
                    allow_image_urls=args.allow_image_urls, logprobs_mode=args.logprobs_mode,
+                   kv_cache_dtype=args.kv_cache_dtype,
                    seed=ENGINE_DEFAULTS["seed"] if args.seed is None else args.seed)
     if hasattr(args, "max_num_seqs"):
         options["max_num_seqs"] = args.max_num_seqs

@@ -5,10 +5,10 @@ import logging
 import torch
 
 from vlinfer import loading
-from vlinfer.layers import ModelContext, ParallelLMHead, VocabParallelEmbedding
+from vlinfer.layers import Attention, ModelContext, ParallelLMHead, VocabParallelEmbedding
 from vlinfer.layers.fused_moe import FusedMoE
 from vlinfer.layers.linear import LinearBase
-from vlinfer.layers.quantization import assign_methods, detect_quantization
+from vlinfer.layers.quantization import assign_methods, detect_quantization, kv_cache
 from vlinfer.layers.quantization.gguf import GgufQuantization, assign_gguf_embeddings
 from vlinfer.models import get_model_class
 
@@ -32,12 +32,23 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quant
         assign_gguf_embeddings(net, tensors)
     counter = loading.ReadCounter()  # this load's own: two engines loading at once count apart
     weights = loading.iterate_weights(source, hf_config, lazy=True, keep_gguf_blocks=keep_gguf_blocks, counter=counter)
+    kv_scheme = kv_cache.detect_kv_cache_scheme(hf_config, source.folder)
+    kv_scales = {}
+    if kv_scheme is not None:  # its scale tensors go to the attention layers, not to load_weights
+        weights = kv_cache.collect(weights, kv_scales)
     if hasattr(net, "load_weights"):  # models with more than one tower route their own tensors
         net.load_weights(weights)
     else:
         loading.load_weights(net, weights)
+    if kv_scheme is not None:
+        kv_cache.attach(kv_scheme, kv_scales, decoder_attention(net), use=ctx.kv_cache_dtype == kv_scheme.cache_dtype)
     net.checkpoint_bytes_read = counter.bytes  # reported by ModelRunner.describe()
     return net
+
+
+def decoder_attention(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers' self-attention modules (their qkv_proj and paged Attention), in layer order."""
+    return [m for m in model.modules() if isinstance(getattr(m, "attn", None), Attention) and hasattr(m, "qkv_proj")]
 
 
 def pack_weights(model: torch.nn.Module) -> None:
@@ -61,8 +72,9 @@ def pack_weights(model: torch.nn.Module) -> None:
             logger.info("decode steps run all %d decoder layers in one op call (%s)", len(decoder.layers),
                         decoder.ctx.ops.name)
         else:
-            logger.info("decode steps run the %d decoder layers module by module (%s has no fused form for them)",
-                        len(decoder.layers), decoder.ctx.ops.name)
+            reason = (f"the KV cache is stored in {decoder.ctx.kv_cache_dtype}" if decoder.ctx.kv_cache_quantized
+                      else f"{decoder.ctx.ops.name} has no fused form for them")
+            logger.info("decode steps run the %d decoder layers module by module (%s)", len(decoder.layers), reason)
     if linears:
         dtype = linears[0].params_dtype
         if packed:

@@ -97,11 +97,15 @@ def batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [top]
 
 
-def select_backend(config, device: torch.device, ops: ReferenceOps):
+def select_backend(config, device: torch.device, ops: ReferenceOps, kv_cache_dtype: torch.dtype | None = None):
     """The graph backend for this engine (its op table: `ops`), or None to run eager; logs which graph mode runs
-    and why."""
+    and why. kv_cache_dtype: a cache stored in another dtype than the compute dtype, None otherwise."""
     if config.enforce_eager:
         logger.info("graph mode: off (enforce_eager=True), running eager")
+        return None
+    if kv_cache_dtype is not None and kv_cache_dtype not in ops.kv_cache_kernels and device.type in BACKENDS:
+        logger.info("graph mode: off, the KV cache in %s is read by the pure-torch reference (it syncs with the "
+                    "host), running eager", kv_cache_dtype)
         return None
     if device.type not in BACKENDS:
         if device.type == "cpu":

@@ -61,15 +61,17 @@ class LLMEngine:
         get_model_class(self.hf_config)  # an unsupported architecture fails here, before the workers load
         check_tensor_parallel_shapes(self.text_config, config.tensor_parallel_size, config.enable_expert_parallel)
         block_size = sizing.block_size(config, self.device)
+        kv_cache_dtype = sizing.kv_cache_dtype(config, self.dtype, self.hf_config, self.source.folder)
         group = SINGLE
         if self.driver is not None:  # the workers load their shards while rank 0 loads its own
             self.driver.start_workers({"source": self.source, "hf_config": self.hf_config, "config": config,
-                                       "dtype": self.dtype, "device_type": self.device.type,
-                                       "block_size": block_size})
+                                       "dtype": self.dtype, "kv_cache_dtype": kv_cache_dtype,
+                                       "device_type": self.device.type, "block_size": block_size})
             group = self.driver.group
         # This engine's own op table, dtype and step state: another engine in the process never sees them.
         self.model_context = ModelContext(ops.select(self.device.type, forced=config.ops), group,
-                                          expert_parallel=config.enable_expert_parallel, dtype=self.dtype)
+                                          expert_parallel=config.enable_expert_parallel, dtype=self.dtype,
+                                          kv_cache_dtype=kv_cache_dtype)
         net = load_model(self.source, self.hf_config, self.device, self.model_context, config.quantization)
         if self.driver is not None:
             self.driver.wait_ready()

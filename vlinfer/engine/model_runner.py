@@ -41,6 +41,24 @@ class StepInputs:
     compute_logits: bool = True
 
 
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: torch.dtype) -> int:
+    """One token's K and V over every layer as stored: the rows, and an int8 cache's per-row float32 scales."""
+    element = torch.empty((), dtype=kv_cache_dtype).element_size()
+    row = head_dim * element + (4 if kv_cache_dtype == torch.int8 else 0)
+    return 2 * num_layers * num_kv_heads * row
+
+
+def kv_cache_scales(kv_cache_dtype: torch.dtype, quantized: bool, shape: tuple, device) -> torch.Tensor | None:
+    """The scales of a cache stored in another dtype than the compute dtype (ops/kv_quant_reference.py): int8, one
+    per token and KV head, written with each row (1.0 under a checkpoint's static scales); a floating cache, one per
+    layer for K and for V, 1.0 until a checkpoint's scales fill them. None for a cache of the compute dtype."""
+    if not quantized:
+        return None
+    if kv_cache_dtype == torch.int8:
+        return torch.ones(*shape, dtype=torch.float32, device=device)
+    return torch.ones(*shape[:2], dtype=torch.float32, device=device)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model: torch.nn.Module, ctx: ModelContext,
                  device: torch.device, block_size: int, eos_token_ids: set[int], driver=None, grammar_matchers=None):
@@ -59,22 +77,47 @@ class ModelRunner:
         self.uses_mrope = getattr(model, "uses_mrope", False)
         self.encoder_cache = EncoderCache()
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None  # with a quantized cache: kv_cache_scales
         self.num_images_encoded = 0  # over the runner's life: tests check each image is encoded once
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         # Decode steps replay captured graphs once capture_graphs() has run (after the KV pool exists); None: eager.
-        self.graph_backend = graph_runner.select_backend(config, device, ctx.ops)
+        self.graph_backend = graph_runner.select_backend(config, device, ctx.ops,
+                                                         ctx.kv_cache_dtype if ctx.kv_cache_quantized else None)
         self.graphs: graph_runner.GraphRunner | None = None
         # Blocks past those the block manager hands out, where padded graph rows write (NPU: no -1 slots); the pool
         # budget covers them.
         self.num_dummy_blocks = graph_runner.dummy_blocks(self.graph_backend, config.max_num_seqs, self.block_size)
         self.dummy_block: int | None = None
+        if ctx.kv_cache_quantized:
+            self._log_kv_cache_reader()
+
+    def _log_kv_cache_reader(self) -> None:
+        stored, ops = self.kv_cache_dtype, self.ctx.ops
+        static = [layer.static_kv_scales is not None for layer in self.attention_layers]
+        if all(static):
+            logger.info("KV cache in %s with the checkpoint's static scales (%s)", stored,
+                        "fp8: k_scale / v_scale per layer" if stored != torch.int8 else
+                        "int8: K's scales on the query, V's on the output")
+        elif stored in (torch.float8_e4m3fn, torch.float8_e5m2):
+            logger.warning("KV cache in %s: the checkpoint has no k_scale / v_scale, so both are 1.0 (as vLLM does)",
+                           stored)
+        if stored in ops.kv_cache_kernels:
+            logger.info("KV cache in %s: %s kernels write it and read it in decode; prefill chunks read their blocks "
+                        "back in %s", stored, ops.name, self.dtype)
+        else:
+            logger.warning("KV cache in %s: %s has no kernel that reads it; its writes and attention run the "
+                           "pure-torch reference (ops/kv_quant_reference.py)", stored, ops.name)
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.ctx.kv_cache_dtype or self.dtype
 
     @property
     def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.attention_layers) * self.block_size * self.num_kv_heads * self.head_dim * element
+        return self.block_size * kv_bytes_per_token(len(self.attention_layers), self.num_kv_heads, self.head_dim,
+                                                     self.kv_cache_dtype)
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int) -> int:
@@ -84,7 +127,7 @@ class ModelRunner:
         self.allocate_kv_cache(len(seq.block_table))
         self.execute(SchedulerOutput([seq], [num_tokens]), sample_tokens=False)
         peak = platform.peak_memory(self.device)
-        self.kv_cache = None
+        self.kv_cache = self.kv_scales = None
         return peak
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -94,17 +137,24 @@ class ModelRunner:
             self.driver.call("allocate_kv_cache", num_blocks)
         self.graphs = None  # captured over the old pool's addresses
         # Drop an old pool (the profiling one), views included, before the new one is made.
-        self.kv_cache = None
+        self.kv_cache = self.kv_scales = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
+            layer.k_scale = layer.v_scale = None
         # Empty, not zeroed: untouched pages cost no RAM, so a generous pool only occupies what requests use.
         # Every attention path reads only slots below each sequence's length (the reference masks the padding
         # it gathers), so stale or uninitialized slots never reach an output.
-        self.kv_cache = torch.empty(2, len(self.attention_layers), num_blocks + self.num_dummy_blocks, self.block_size,
-                                    self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        shape = (2, len(self.attention_layers), num_blocks + self.num_dummy_blocks, self.block_size, self.num_kv_heads)
+        self.kv_cache = torch.empty(*shape, self.head_dim, dtype=self.kv_cache_dtype, device=self.device)
+        self.kv_scales = kv_cache_scales(self.kv_cache_dtype, self.ctx.kv_cache_quantized, shape, self.device)
         self.dummy_block = num_blocks if self.num_dummy_blocks else None  # the first block past the manager's
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            if self.kv_scales is not None:
+                layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
+                if layer.static_kv_scales is not None and self.kv_cache_dtype != torch.int8:  # fp8: the layer's pair
+                    layer.k_scale.fill_(layer.static_kv_scales.k_scale)
+                    layer.v_scale.fill_(layer.static_kv_scales.v_scale)
 
     def capture_graphs(self, resolved) -> None:
         """Capture the decode graphs over the current KV pool for up to resolved.max_num_seqs sequences of up to
@@ -300,7 +350,7 @@ class ModelRunner:
         kv = self.kv_cache
         return {"device": str(self.device), "params": params, "param_bytes": sum(b for _, b in params.values()),
                 "kv_cache_shape": tuple(kv.shape) if kv is not None else None,
-                "kv_cache_bytes": kv.numel() * kv.element_size() if kv is not None else 0,
+                "kv_cache_bytes": sum(t.numel() * t.element_size() for t in (kv, self.kv_scales) if t is not None),
                 "checkpoint_bytes_read": getattr(self.model, "checkpoint_bytes_read", None)}
 
     def describe_all(self) -> list[dict]:

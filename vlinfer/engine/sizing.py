@@ -7,9 +7,12 @@ loaded and its KV bytes per block are known."""
 import logging
 import math
 
+import torch
+
 from vlinfer import platform
-from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, CPU_DEFAULT_MEMORY_UTILIZATION, MIN_FITTED_MODEL_LEN,
-                            EngineConfig, ResolvedConfig, default_batched_tokens)
+from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, CPU_DEFAULT_MEMORY_UTILIZATION, KV_CACHE_DTYPES,
+                            MIN_FITTED_MODEL_LEN, EngineConfig, ResolvedConfig, default_batched_tokens)
+from vlinfer.layers.quantization import kv_cache
 
 logger = logging.getLogger("vlinfer")
 DEFAULT_MODEL_LEN = 4096  # for a config without max_position_embeddings
@@ -23,6 +26,21 @@ def context_limit(config: EngineConfig, text_config) -> tuple[int, int]:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                          f"max_position_embeddings={model_len}")
     return model_len, config.max_model_len or min(model_len, config.max_model_len_cap or model_len)
+
+
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, hf_config, folder: str | None) -> torch.dtype:
+    """The dtype K and V are stored in: kv_cache_dtype's; for "auto", the checkpoint's KV scheme's
+    (layers/quantization/kv_cache.py), else the compute dtype. A checkpoint's scales serve only its own dtype."""
+    requested = KV_CACHE_DTYPES[config.kv_cache_dtype]
+    scheme = kv_cache.detect_kv_cache_scheme(hf_config, folder)
+    if scheme is None:
+        return requested or dtype
+    if requested is None or requested == scheme.cache_dtype:
+        logger.info("KV cache: %s (kv_cache_dtype=%s)", scheme.describe(), config.kv_cache_dtype)
+        return scheme.cache_dtype
+    logger.warning("KV cache: kv_cache_dtype=%s overrides the checkpoint's KV scheme (%s); its scales are not used",
+                   config.kv_cache_dtype, scheme.describe())
+    return requested
 
 
 def block_size(config: EngineConfig, device) -> int:
@@ -45,10 +63,12 @@ def resolve(config: EngineConfig, dtype, model_len: int, longest: int, block_siz
             batched = default_batched_tokens(max_model_len)
     resolved = ResolvedConfig(dtype=dtype, max_model_len=max_model_len, block_size=block_size,
                               max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs,
-                              num_blocks=num_blocks, bytes_per_block=runner.bytes_per_block)
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB%s, %d tokens); max_model_len=%d, %d tokens per step",
-                num_blocks, block_size, num_blocks * runner.bytes_per_block / 2 ** 20, per_rank,
-                resolved.kv_cache_tokens, max_model_len, batched)
+                              num_blocks=num_blocks, bytes_per_block=runner.bytes_per_block,
+                              kv_cache_dtype=runner.kv_cache_dtype)
+    logger.info("KV cache: %d blocks of %d tokens in %s (%.1f MiB%s, %d tokens); max_model_len=%d, %d tokens per "
+                "step", num_blocks, block_size, str(runner.kv_cache_dtype).removeprefix("torch."),
+                num_blocks * runner.bytes_per_block / 2 ** 20, per_rank, resolved.kv_cache_tokens, max_model_len,
+                batched)
     return resolved
 
 

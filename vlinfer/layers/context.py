@@ -30,6 +30,12 @@ class ModelContext:
     # The dtype every layer builds its parameters in: the engine's compute dtype. Passed here rather than through
     # torch's default dtype, which is one per process: two engines building at once would see each other's.
     dtype: torch.dtype = torch.float32
+    # The dtype K and V are stored in (EngineConfig.kv_cache_dtype resolved); equal to dtype unless compressed.
+    kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def kv_cache_quantized(self) -> bool:
+        return self.kv_cache_dtype is not None and self.kv_cache_dtype != self.dtype
 
     def forward_context(self) -> ForwardContext:
         if self.step is None:

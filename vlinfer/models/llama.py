@@ -104,6 +104,8 @@ class LlamaModel(nn.Module):
     def fuse_decode(self) -> bool:
         """Let decode steps run every layer in one op call (ops.dense_decode_stack), once after packing; False where
         a layer has no fused form or the op table fuses none."""
+        if self.ctx.kv_cache_quantized:  # the fused stack reads and writes a cache of the compute dtype only
+            return False
         weights = [layer.decode_weights() for layer in self.layers]
         if not weights or any(w is None for w in weights):
             return False

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from vlinfer.platform import cpu_features
-from vlinfer.ops import cpu_moe, cpu_panels, cpu_quant, gguf_cpu, gguf_reference, reference, token_bitmask_reference
+from vlinfer.ops import (cpu_moe, cpu_panels, cpu_quant, gguf_cpu, gguf_reference, kv_quant_reference, reference,
+                         token_bitmask_reference)
 from vlinfer.ops.per_step import PerStep
 from vlinfer.ops.cpu_isa_flags import CPU_KERNEL_DIR, ISA_FLAGS
 from vlinfer.ops.reference import ReferenceOps
@@ -44,7 +45,7 @@ from vlinfer.ops.reference import ReferenceOps
 logger = logging.getLogger("vlinfer")
 SOURCES = tuple(os.path.join(CPU_KERNEL_DIR, name) for name in ("paged_ops.cpp", "attention_bf16.cpp",
                                                                  "moe_experts.cpp", "panel_linear.cpp",
-                                                                 "decode_layer.cpp"))
+                                                                 "decode_layer.cpp", "kv_quant.cpp"))
 # dtypes whose prepacked linear oneDNN runs (bf16 needs AVX512-BF16 or AMX, checked at packing time)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Largest panel (32 x K weights) a dense linear takes panels for: the 8-row tiles re-read it from L2 (1 MB here);
@@ -167,6 +168,33 @@ class CpuOps(ReferenceOps):
             self.ext.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out)
         else:  # float32 (SDPA is exact there), or no AVX512-BF16 (logged at load)
             reference.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out)
+        return out
+
+    # KV caches in another dtype (kernels/cpu/kv_quant.cpp): the write and decode attention read the stored rows;
+    # prefill chunks read their blocks back in the compute dtype (kv_quant_reference) for SDPA.
+    kv_cache_kernels = (torch.int8, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+    def store_quantized_kvcache(self, key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+        self.ext.store_kvcache_quantized(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+
+    def quantized_paged_attention(self, q, k_cache, v_cache, k_scale, v_scale, cu_seqlens_q, seq_lens, block_tables,
+                                  scale):
+        seq_lens, block_tables = seq_lens.to(torch.int32), block_tables.to(torch.int32)
+        decode_rows = self._decode_rows.get(_decode_rows, cu_seqlens_q)
+        if decode_rows is None:
+            return self.ext.paged_decode_attention_quantized(q, k_cache, v_cache, k_scale, v_scale, block_tables,
+                                                             seq_lens, scale)
+        out = torch.empty_like(q)
+        prefill_tables = block_tables
+        if decode_rows.numel():
+            token_index = cu_seqlens_q[decode_rows]
+            out[token_index] = self.ext.paged_decode_attention_quantized(
+                q[token_index], k_cache, v_cache, k_scale, v_scale, block_tables[decode_rows], seq_lens[decode_rows],
+                scale)
+            prefill_tables = block_tables.index_fill(0, decode_rows, -1)  # their blocks need no reading back
+        k, v, tables = kv_quant_reference.dequantized_blocks(k_cache, v_cache, k_scale, v_scale, prefill_tables,
+                                                             q.dtype)
+        reference.prefill_attention(q, k, v, cu_seqlens_q, seq_lens, tables, scale, out)
         return out
 
     def apply_rotary(self, q, k, cos, sin):

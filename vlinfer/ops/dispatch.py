@@ -7,7 +7,7 @@ from vlinfer.ops.reference import ReferenceOps
 
 logger = logging.getLogger("vlinfer")
 
-OPS = ("store_kvcache", "paged_attention", "apply_rotary", "rms_norm", "add_rms_norm", "silu_and_mul",
+OPS = ("store_kvcache", "paged_attention", "store_quantized_kvcache", "quantized_paged_attention", "apply_rotary", "rms_norm", "add_rms_norm", "silu_and_mul",
        "gelu_tanh", "varlen_attention", "linear", "fused_moe", "pack_moe_weights",
        "w8a8_dynamic_linear", "w8a8_static_linear", "weight_only_linear", "pack_quantized_linear",
        "gguf_linear", "gguf_embedding", "pack_gguf_weight")

@@ -7,7 +7,7 @@ state an implementation keeps (loaded kernels, per-step caches)."""
 import torch
 import torch.nn.functional as F
 
-from vlinfer.ops import gguf_reference, moe_reference, quant_reference, token_bitmask_reference
+from vlinfer.ops import gguf_reference, kv_quant_reference, moe_reference, quant_reference, token_bitmask_reference
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -65,6 +65,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[token_index] = o.reshape(b, num_heads, head_dim)
     prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out)
     return out
+
+
+def quantized_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
+                              v_scale: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                              block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """paged_attention over a cache stored in another dtype than q's (kv_quant_reference.py says how it reads):
+    the blocks the tables name are read back in q's dtype and attended as a cache of the compute dtype."""
+    k, v, tables = kv_quant_reference.dequantized_blocks(k_cache, v_cache, k_scale, v_scale, block_tables, q.dtype)
+    return paged_attention(q, k, v, cu_seqlens_q, seq_lens, tables, scale)
 
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out) -> None:
@@ -152,6 +161,12 @@ class ReferenceOps:
 
     store_kvcache = staticmethod(store_kvcache)
     paged_attention = staticmethod(paged_attention)
+    # A KV cache in another dtype than the compute dtype (EngineConfig.kv_cache_dtype): written quantized, read back
+    # dequantized. kv_cache_kernels names the cache dtypes an implementation reads in its own kernels; for the
+    # others these reference definitions run, and the model runner's start-up log says so.
+    store_quantized_kvcache = staticmethod(kv_quant_reference.store_quantized_kvcache)
+    quantized_paged_attention = staticmethod(quantized_paged_attention)
+    kv_cache_kernels: tuple = ()
     apply_rotary = staticmethod(apply_rotary)
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)

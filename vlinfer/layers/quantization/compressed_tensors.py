@@ -8,7 +8,8 @@ Supported (each to its documented tensor layout):
 - pack-quantized W4A16 / W8A16: int32 `weight_packed` words, `weight_scale` per group (or per channel for 8-bit),
   `weight_shape`, packed `weight_zero_point` when asymmetric.
 - int-quantized weight-only int8 (naive `weight` int8 without activation quantization): W8A16.
-Anything else (float schemes, actorder g_idx, sparsity, transforms) is refused naming the group and what it holds."""
+Anything else (float schemes, actorder g_idx, sparsity, transforms) is refused naming the group and what it holds.
+A `kv_cache_scheme` is the KV cache's, not a linear's: kv_cache.py reads it."""
 import logging
 
 from vlinfer.layers.quantization.base import CheckpointQuantization, LinearMethod, TensorIndex
@@ -38,8 +39,6 @@ class CompressedTensorsQuantization(CheckpointQuantization):
             raise ValueError("quantization_config: compressed-tensors sparsity_config is not supported")
         if quantization_config.get("transform_config"):
             raise ValueError("quantization_config: compressed-tensors transform_config is not supported")
-        if self.config.kv_cache_scheme is not None:
-            raise ValueError("quantization_config: kv_cache_scheme (quantized KV cache) is not supported")
         self.ignore = list(self.config.ignore or [])
         self.groups = {}
         for group_name, scheme in self.config.config_groups.items():

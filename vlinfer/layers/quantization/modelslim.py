@@ -15,7 +15,8 @@ Types and tensors (msModelSlim's weight-format description; the shared quantizat
   x_q = x / input_scale + input_offset; y = (x_q @ weight^T + quant_bias) * deq_scale. The float bias is folded
   into quant_bias (vllm-ascend never adds the layer's bias for this type), so a `.bias` tensor, if the file holds
   one, is loaded but not added; without one the layer has no bias.
-Anything else (W4A8_DYNAMIC, W8A8_MIX, sparse types, kv_cache_type C8, FA quantization) is refused naming it.
+Anything else (W4A8_DYNAMIC, W8A8_MIX, sparse types, FA quantization) is refused naming it. kv_cache_type C8 (an
+int8 KV cache with static per-channel scales) is the KV cache's: kv_cache.py reads it.
 Layers run on any device through the engine's op table (quant_reference.py defines the math; ops/npu_quant.py runs
 torch_npu's calls, ops/cuda_quant.py our Triton kernels).
 """
@@ -59,7 +60,7 @@ class ModelSlimQuantization(CheckpointQuantization):
     def __init__(self, description: dict, path: str = DESCRIPTION_FILE):
         self.description, self.path = description, path
         for key in ("kv_cache_type", "fa_quant_type", "indexer_quant_type"):
-            if description.get(key) not in (None, "", "FLOAT"):
+            if description.get(key) not in (None, "", "FLOAT") and (key, description[key]) != ("kv_cache_type", "C8"):
                 raise ValueError(f"{path}: {key}={description[key]!r} (quantized KV cache / attention) is not "
                                  "supported; vlinfer loads msModelSlim W8A8, W8A8_DYNAMIC, W8A16 and FLOAT linears")
         self.model_type = description.get("model_quant_type", "?")

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -14,6 +15,17 @@ namespace {
 
 // The masked-score and initial-max value: finite, because -ffast-math lets the compiler assume no infinities.
 constexpr float kLowest = std::numeric_limits<float>::lowest();
+
+// Softmax of one query head's scores over its sequence, in place (the scalar kernels: generic builds, quantized
+// caches).
+inline void softmax_in_place(float* scores, int64_t len) {
+  float m = kLowest;
+  for (int64_t t = 0; t < len; ++t) m = std::max(m, scores[t]);
+  float sum = 0.f;
+  for (int64_t t = 0; t < len; ++t) { scores[t] = std::exp(scores[t] - m); sum += scores[t]; }
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < len; ++t) scores[t] *= inv;
+}
 
 #if defined(__AVX512F__)
 // Lane j of the result is the sum of v[j]'s 16 lanes: halves, then quarters of all 16 vectors added pairwise with

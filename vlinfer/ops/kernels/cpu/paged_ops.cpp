@@ -36,6 +36,12 @@ at::Tensor expert_panel_matmul(const at::Tensor& x, const at::Tensor& panels, co
 bool expert_panels_available();
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias);
 bool panel_linear_available(at::ScalarType dtype);
+// kernels/cpu/kv_quant.cpp
+void store_kvcache_quantized(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                             at::Tensor& k_scale, at::Tensor& v_scale, const at::Tensor& slot_mapping);
+at::Tensor paged_decode_attention_quantized(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                            const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
 // kernels/cpu/decode_layer.cpp composes the entry points below (hence outside the anonymous namespace)
 
 namespace {
@@ -87,16 +93,7 @@ void paged_decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
           scores[g * len + t] = s;
         }
       }
-      // Softmax per query head.
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-      }
+      for (int64_t g = 0; g < group; ++g) softmax_in_place(scores.data() + g * len, len);
       // Pass 2: weighted sum of values.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
@@ -588,6 +585,10 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("store_kvcache", &store_kvcache, "paged KV-cache write (CPU)");
+  m.def("store_kvcache_quantized", &store_kvcache_quantized, "paged KV-cache write into an int8 / bf16 / fp16 / fp8 "
+        "cache, int8 with per-row scales (CPU)");
+  m.def("paged_decode_attention_quantized", &paged_decode_attention_quantized, "paged decode attention over an "
+        "int8 / bf16 / fp16 / fp8 cache (CPU)");
   m.def("rotary_inplace", &rotary_inplace, "neox rotary in place (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm (CPU)");
