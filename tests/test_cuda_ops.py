@@ -82,7 +82,8 @@ def test_cuda_device_selects_the_cuda_implementation(monkeypatch, caplog):
     # stay on the reference.
     assert overridden(CudaOps) == {"store_kvcache", "paged_attention", "varlen_attention", "fused_moe",
                                    "pack_moe_weights", "w8a8_dynamic_linear", "w8a8_static_linear",
-                                   "weight_only_linear", "pack_quantized_linear"}
+                                   "weight_only_linear", "pack_quantized_linear", "store_quantized_kvcache",
+                                   "quantized_paged_attention"}
     assert ops.paged_attention.__func__ is CudaOps.paged_attention and ops.rms_norm is reference.rms_norm
     assert dispatch.select("cuda") is not ops  # a new op table per call: one per engine
     assert loaded == ["cuda", "cuda"]
@@ -354,3 +355,95 @@ def test_a_broken_flash_attn_is_a_warning(monkeypatch, caplog):
         ops = CudaOps("cpu")
     assert ops.features["attention"] == "sdpa" and ops._flash is None
     assert "flash_attn unusable (RuntimeError: flash_attn is off from the reference" in caplog.text
+
+
+# ---- compressed KV caches (kv_cache_dtype) in Triton, under the interpreter ----
+
+COMPRESSED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+              "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compressed_scales(cache_dtype, num_blocks, block_size, num_kv_heads):
+    if cache_dtype == torch.int8:
+        return torch.ones(num_blocks, block_size, num_kv_heads), torch.ones(num_blocks, block_size, num_kv_heads)
+    return torch.tensor(0.5), torch.tensor(2.0)  # per-layer scales other than 1.0: their use is checked
+
+
+@pytest.mark.parametrize("name", list(COMPRESSED))
+def test_triton_quantizing_cache_write_equals_reference(triton_interpreted, name):
+    from vlinfer.ops import kv_quant_reference
+    cache_dtype = COMPRESSED[name]
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(21, 8 * 64, generator=g) * 3
+    key, value = (t.view(21, 2, 64) for t in qkv.split([2 * 64, 2 * 64, 4 * 64], -1)[:2])  # strided views
+    slots = torch.randperm(4 * 16, generator=g)[:21]
+    slots[[0, 7]] = -1
+    caches = [torch.zeros(4, 16, 2, 64, dtype=cache_dtype) for _ in range(4)]
+    scales = [s.clone() for s in compressed_scales(cache_dtype, 4, 16, 2) * 2]
+    triton_interpreted.store_quantized_kvcache(key, value, caches[0], caches[1], scales[0], scales[1], slots)
+    kv_quant_reference.store_quantized_kvcache(key, value, caches[2], caches[3], scales[2], scales[3], slots)
+    for ours, ref in zip(caches[:2] + scales[:2], caches[2:] + scales[2:]):
+        assert torch.equal(ours.view(torch.uint8) if ours.dtype.itemsize == 1 and ours.is_floating_point() else ours,
+                           ref.view(torch.uint8) if ref.dtype.itemsize == 1 and ref.is_floating_point() else ref)
+    assert triton_interpreted.features["quantized_kv_cache"] == "triton"
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8", "bfloat16"])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim, gqa", [(64, 1), (80, 4)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_triton_paged_attention_over_compressed_caches_equals_reference(triton_interpreted, name, block_size,
+                                                                         head_dim, gqa, dtype):
+    """Prefill from scratch, a chunk after a cached prefix, a prefix hit and decodes in one launch, over a cache
+    the reference wrote, against the reference's reading of the same stored rows."""
+    from vlinfer.ops import kv_quant_reference
+    cache_dtype = COMPRESSED[name]
+    for q_lens, kv_lens in batches(block_size):
+        q, k_dense, v_dense, cu, lens, tables = make_batch(q_lens, kv_lens, NUM_KV_HEADS * gqa, NUM_KV_HEADS,
+                                                           head_dim, block_size, dtype)
+        num_blocks = k_dense.shape[0]
+        k_cache = torch.empty(k_dense.shape, dtype=cache_dtype)
+        v_cache = torch.empty_like(k_cache)
+        k_scale, v_scale = compressed_scales(cache_dtype, num_blocks, block_size, NUM_KV_HEADS)
+        slots = torch.arange(num_blocks * block_size)
+        kv_quant_reference.store_quantized_kvcache(k_dense.view(-1, NUM_KV_HEADS, head_dim),
+                                                   v_dense.view(-1, NUM_KV_HEADS, head_dim), k_cache, v_cache,
+                                                   k_scale, v_scale, slots)
+        ours = triton_interpreted.quantized_paged_attention(q, k_cache, v_cache, k_scale, v_scale, cu, lens, tables,
+                                                            head_dim ** -0.5)
+        ref = reference.quantized_paged_attention(q.float(), k_cache, v_cache, k_scale, v_scale, cu, lens, tables,
+                                                  head_dim ** -0.5)
+        assert ours.dtype == dtype and ours.shape == q.shape
+        assert rel_err(ours, ref) < TOL[dtype], (q_lens, kv_lens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_triton_paged_attention_over_the_compute_dtype_equals_reference(triton_interpreted, dtype):
+    """The same kernel without scales (the cache of the compute dtype), a decode row of an empty sequence
+    (a padded graph row: seq_len 0) giving zeros."""
+    from vlinfer.ops.triton_source import load_triton_module
+    attention = load_triton_module("paged_attention").paged_attention
+    for q_lens, kv_lens in batches(16):
+        args = make_batch(q_lens, kv_lens, NUM_KV_HEADS * 2, NUM_KV_HEADS, 64, 16, dtype)
+        ref = reference.paged_attention(*fp32(args), 0.125)
+        assert rel_err(attention(*args, 0.125), ref) < TOL[dtype]
+    q, k_cache, v_cache, cu, lens, tables = make_batch([1, 1], [5, 1], 4, 2, 64, 16, dtype)
+    out = attention(q, k_cache, v_cache, cu, torch.tensor([5, 0], dtype=torch.int32), tables, 0.125)
+    assert torch.isfinite(out).all() and out[1].abs().max() == 0
+
+
+def test_an_engine_on_the_cuda_ops_runs_an_int8_cache_in_triton(triton_interpreted, qwen3_checkpoint, caplog):
+    """The whole engine on CudaOps (CPU tensors, kernels interpreted): the startup log names the Triton reader,
+    and the logits equal the reference op table's with the same int8 cache."""
+    from test_kv_cache_dtype import path_logits
+    from test_text_parity import PROMPTS
+    from vlinfer import LLM
+    path, _ = qwen3_checkpoint
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        ours = LLM(path, dtype="float32", kv_cache_bytes=2 << 20, kv_cache_dtype="int8", ops="cuda",
+                   kvcache_block_size=16)
+    assert "KV cache in torch.int8: cuda kernels write it and read it" in caplog.text
+    theirs = LLM(path, dtype="float32", kv_cache_bytes=2 << 20, kv_cache_dtype="int8", ops="reference",
+                 kvcache_block_size=16)
+    for a, b in zip(path_logits(ours, PROMPTS[:3]), path_logits(theirs, PROMPTS[:3])):
+        assert rel_err(a, b) < 1e-4

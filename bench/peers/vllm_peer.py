@@ -2,7 +2,8 @@
 
     .venv-vllm/bin/python bench/peers/vllm_peer.py request.json result.json
 
-The request: {"model": HF folder, "dtype", "max_model_len", "max_num_seqs", "kv_cache_gb", "cpus", "runs": [{"name",
+The request: {"model": HF folder, "dtype", "max_model_len", "max_num_seqs", "kv_cache_gb", "kv_cache_dtype" (vLLM's
+names; its CPU backend takes auto and fp8 / fp8_e4m3 / fp8_e5m2, fp8 only with AVX-512 or AMX), "cpus", "runs": [{"name",
 "prompts": [[token ids]], "max_tokens": [n per prompt], "repeat"}]}. Each run is one LLM.generate of all its prompts,
 greedy, EOS ignored; one warm-up generate comes before the first timed run. Start-up (LLM(): model load,
 torch.compile, KV cache allocation) is timed apart. vLLM starts its engine in a spawned process, so everything runs
@@ -27,7 +28,8 @@ def handle(request: dict) -> dict:
     import_s = time.perf_counter() - start
     start = time.perf_counter()
     llm = LLM(model=request["model"], dtype=request["dtype"], max_model_len=request["max_model_len"],
-              max_num_seqs=request.get("max_num_seqs", 256), seed=0)
+              max_num_seqs=request.get("max_num_seqs", 256), kv_cache_dtype=request.get("kv_cache_dtype", "auto"),
+              seed=0)
     startup_s = time.perf_counter() - start
 
     def generate(prompts, max_tokens):

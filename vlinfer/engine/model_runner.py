@@ -104,8 +104,7 @@ class ModelRunner:
             logger.warning("KV cache in %s: the checkpoint has no k_scale / v_scale, so both are 1.0 (as vLLM does)",
                            stored)
         if stored in ops.kv_cache_kernels:
-            logger.info("KV cache in %s: %s kernels write it and read it in decode; prefill chunks read their blocks "
-                        "back in %s", stored, ops.name, self.dtype)
+            logger.info("KV cache in %s: %s kernels write it and read it", stored, ops.name)
         else:
             logger.warning("KV cache in %s: %s has no kernel that reads it; its writes and attention run the "
                            "pure-torch reference (ops/kv_quant_reference.py)", stored, ops.name)

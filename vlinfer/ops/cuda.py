@@ -32,6 +32,8 @@ logger = logging.getLogger("vlinfer")
 NAME = "cuda"
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+# Cache dtypes our Triton kernels write and read under another compute dtype (kv_cache_dtype).
+COMPRESSED_KV_DTYPES = (torch.int8, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 FLASH_BLOCK_MULTIPLE = 256  # flash_attn's paged KV: page_block_size % 256 == 0
 
 
@@ -209,6 +211,33 @@ class CudaOps(ReferenceOps):
                                                   max_k, softmax_scale=scale, causal=True,
                                                   block_table=block_tables.to(torch.int32))
 
+    # ---- KV caches in another dtype (kv_cache_dtype): kernels/triton/store_kvcache.py, paged_attention.py ----
+
+    def _quantized_cache_kernels(self):
+        """(the quantizing cache write, paged attention over stored rows), checked against the reference on first
+        use, or None (logged once): then the reference writes and reads such caches."""
+        return self._triton.get("quantized_kv_cache", lambda: _checked_quantized_cache(torch.device(self.device_type)),
+                                "compressed KV cache kernels", "a compressed KV cache is written and read by the "
+                                "pure-torch reference")
+
+    @property
+    def kv_cache_kernels(self) -> tuple:
+        return COMPRESSED_KV_DTYPES if self._quantized_cache_kernels() is not None else ()
+
+    def store_quantized_kvcache(self, key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+        kernels = self._quantized_cache_kernels()
+        if kernels is None:
+            return super().store_quantized_kvcache(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+        kernels[0](key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+
+    def quantized_paged_attention(self, q, k_cache, v_cache, k_scale, v_scale, cu_seqlens_q, seq_lens, block_tables,
+                                  scale):
+        kernels = self._quantized_cache_kernels()
+        if kernels is None:
+            return super().quantized_paged_attention(q, k_cache, v_cache, k_scale, v_scale, cu_seqlens_q, seq_lens,
+                                                     block_tables, scale)
+        return kernels[1](q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, k_scale, v_scale)
+
     # ---- vision tower attention ----
 
     def varlen_attention(self, q, k, v, cu_seqlens, scale):
@@ -237,6 +266,35 @@ def _checked_cache_write(device: torch.device):
     if not (torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])):
         raise RuntimeError("the Triton cache write did not match the reference")
     return store
+
+
+def _checked_quantized_cache(device: torch.device):
+    """The Triton quantizing cache write and paged attention, after a mixed step (a prefill chunk after a cached
+    prefix, and a decode) into an int8 cache and a float16 one, compared with the reference."""
+    from vlinfer.ops import kv_quant_reference
+    store = load_triton_module("store_kvcache").store_kvcache_quantized
+    attention = load_triton_module("paged_attention").paged_attention
+    g = torch.Generator().manual_seed(0)
+    key, value = (torch.randn(20, 2, 64, generator=g).to(device) for _ in range(2))
+    slots = torch.cat([torch.arange(16, 32), torch.arange(0, 4)]).to(device)  # sequence 0: blocks 1, 0
+    q = torch.randn(4, 4, 64, generator=g).to(device)
+    cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
+    lens = torch.tensor([20, 2], dtype=torch.int32, device=device)
+    tables = torch.tensor([[1, 0], [2, -1]], dtype=torch.int32, device=device)
+    for dtype, scale_shape in ((torch.int8, (3, 16, 2)), (torch.float16, ())):
+        caches = [torch.zeros(3, 16, 2, 64, dtype=dtype, device=device) for _ in range(4)]
+        scales = [torch.ones(scale_shape, device=device) for _ in range(4)]
+        store(key, value, caches[0], caches[1], scales[0], scales[1], slots)
+        kv_quant_reference.store_quantized_kvcache(key, value, caches[2], caches[3], scales[2], scales[3], slots)
+        if not all(torch.equal(a, b) for a, b in zip(caches[:2] + scales[:2], caches[2:] + scales[2:])):
+            raise RuntimeError(f"the Triton {dtype} cache write did not match the reference")
+        ours = attention(q, caches[0], caches[1], cu, lens, tables, 0.125, scales[0], scales[1])
+        expected = reference.quantized_paged_attention(q, caches[0], caches[1], scales[0], scales[1], cu, lens,
+                                                       tables, 0.125)
+        err = ((ours.float() - expected).abs().max() / expected.abs().max()).item()
+        if not err < 1e-3:
+            raise RuntimeError(f"the Triton paged attention over a {dtype} cache is off from the reference by {err:.3g}")
+    return store, attention
 
 
 def _paged_meta(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor):
