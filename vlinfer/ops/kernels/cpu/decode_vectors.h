@@ -16,6 +16,16 @@ namespace {
 // The masked-score and initial-max value: finite, because -ffast-math lets the compiler assume no infinities.
 constexpr float kLowest = std::numeric_limits<float>::lowest();
 
+// The `group` query heads that share KV head kvh of sequence b, as float32 rows of qf, times the softmax scale.
+template <typename scalar_t>
+inline void scaled_query_group(const scalar_t* q, int64_t stride_b, int64_t stride_h, int64_t b, int64_t kvh,
+                               int64_t group, int64_t head_dim, float scale, float* qf) {
+  for (int64_t g = 0; g < group; ++g) {
+    const scalar_t* qv = q + b * stride_b + (kvh * group + g) * stride_h;
+    for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(qv[d]) * scale;
+  }
+}
+
 // Softmax of one query head's scores over its sequence, in place (the scalar kernels: generic builds, quantized
 // caches).
 inline void softmax_in_place(float* scores, int64_t len) {

@@ -91,10 +91,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       const int64_t b = work / num_kv_heads, kvh = work % num_kv_heads;
       const int64_t len = lens[b];
       scores.assign(group * len, 0.f);
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* qv = q_ptr + b * q_stride_b + (kvh * group + g) * q_stride_h;
-        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(qv[d]) * fscale;
-      }
+      scaled_query_group(q_ptr, q_stride_b, q_stride_h, b, kvh, group, head_dim, fscale, qf.data());
       // Token t's stored row of this KV head into `row`, as stored (unscaled); returns its scale.
       auto load_row = [&](const cache_t* cache, const float* scales, int64_t t) {
         const int64_t slot = tables[b * max_blocks + t / block_size] * block_size + t % block_size;

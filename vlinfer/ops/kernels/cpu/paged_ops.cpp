@@ -76,10 +76,7 @@ void paged_decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
       const int64_t b = work / num_kv_heads, kvh = work % num_kv_heads;
       const int64_t len = lens[b];
       scores.assign(group * len, 0.f);
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* qv = q_ptr + b * q_stride_b + (kvh * group + g) * q_stride_h;
-        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_f(qv[d]) * fscale;
-      }
+      scaled_query_group(q_ptr, q_stride_b, q_stride_h, b, kvh, group, head_dim, fscale, qf.data());
       // Pass 1: scores for every cached token.
       for (int64_t t = 0; t < len; ++t) {
         const int64_t block = tables[b * max_blocks + t / block_size];
