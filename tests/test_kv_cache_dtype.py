@@ -242,13 +242,14 @@ def kernel_ops(request):
 
 @pytest.mark.parametrize("name", COMPRESSED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_cpu_kernels_write_and_read_as_the_reference(kernel_ops, name, dtype):
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # the AVX-512 readers' two widths, and the plain loops'
+def test_cpu_kernels_write_and_read_as_the_reference(kernel_ops, name, dtype, head_dim):
     """The compiled cache write equals the reference's rows (int8 codes within one step where x / scale sits on a
     rounding edge) and scales; decode attention over the stored rows, and a mixed step, equal the reference within
     float32 summation order (bf16: one bf16 rounding)."""
     torch.manual_seed(3)
     cache_dtype = KV_CACHE_DTYPES[name]
-    blocks, block_size, kv_heads, head_dim, heads = 9, 16, 2, 64, 8
+    blocks, block_size, kv_heads, heads = 9, 16, 2, 8
     shape = (blocks, block_size, kv_heads, head_dim)
     per_row = cache_dtype == torch.int8
 

@@ -78,8 +78,9 @@ struct RowCursor {
   const int32_t* table;
   int64_t block_size, stride_block, stride_tok;
   int64_t block = 0, offset = 0;
+  int64_t index() const { return table[block] * stride_block + offset * stride_tok; }
   template <typename T>
-  const T* row(const T* base) const { return base + table[block] * stride_block + offset * stride_tok; }
+  const T* row(const T* base) const { return base + index(); }
   void next() {
     if (++offset == block_size) {
       offset = 0;
@@ -155,6 +156,22 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// One query head's scores [len, padded to 16) in place as exp(score - max), the lanes past len masked; returns
+// 1 / their sum (the value sum is divided by it at the end).
+inline float softmax16_unnormalized(float* sg, int64_t len, int64_t padded) {
+  for (int64_t t = len; t < padded; ++t) sg[t] = kLowest;
+  __m512 mx = _mm512_set1_ps(kLowest);
+  for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < padded; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+    _mm512_storeu_ps(sg + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
 }
 
 #endif  // __AVX512F__

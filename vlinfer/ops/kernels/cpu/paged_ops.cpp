@@ -143,20 +143,7 @@ void decode_one_f32(const float* q, int64_t q_stride_h, int64_t group, const flo
       _mm512_storeu_ps(scores.data() + g * padded + t0, _mm512_mul_ps(sum16(acc), vscale));
     }
   }
-  for (int64_t g = 0; g < group; ++g) {  // softmax, unnormalized; the value sum is divided by the row sum at the end
-    float* sg = scores.data() + g * padded;
-    for (int64_t t = len; t < padded; ++t) sg[t] = kLowest;
-    __m512 mx = _mm512_set1_ps(kLowest);
-    for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 16) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
-      _mm512_storeu_ps(sg + t, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
-  }
+  for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax16_unnormalized(scores.data() + g * padded, len, padded);
   for (int64_t g0 = 0; g0 < group; g0 += kHeadsPerPass) {
     const int64_t heads = std::min(kHeadsPerPass, group - g0);
     __m512 acc[kHeadsPerPass][NV];
