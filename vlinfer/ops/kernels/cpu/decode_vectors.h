@@ -158,6 +158,20 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// One query head's dot products with 16 key rows (lane j: qg . rows[j]), NV vectors of 16 per row; load(p) gives
+// 16 of a row's values as float32 (a plain load, or a conversion of stored rows).
+template <int NV, typename T, typename Load>
+inline __m512 scores16(const float* qg, const T* const rows[16], Load load) {
+  __m512 qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(qg + 16 * i);
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) {
+    acc[j] = _mm512_mul_ps(qv[0], load(rows[j]));
+    for (int i = 1; i < NV; ++i) acc[j] = _mm512_fmadd_ps(qv[i], load(rows[j] + 16 * i), acc[j]);
+  }
+  return sum16(acc);
+}
+
 // One query head's scores [len, padded to 16) in place as exp(score - max), the lanes past len masked; returns
 // 1 / their sum (the value sum is divided by it at the end).
 inline float softmax16_unnormalized(float* sg, int64_t len, int64_t padded) {

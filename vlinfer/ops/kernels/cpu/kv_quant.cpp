@@ -156,14 +156,8 @@ void decode_one_quantized(const float* q, int64_t group, const cache_t* k_base, 
     }
     const __m512 row_scale = _mm512_load_ps(k_row_scale);
     for (int64_t g = 0; g < group; ++g) {
-      __m512 qv[NV];
-      for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + g * kHeadDim + 16 * i);
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) {
-        acc[j] = _mm512_mul_ps(qv[0], load16(rows[j]));
-        for (int i = 1; i < NV; ++i) acc[j] = _mm512_fmadd_ps(qv[i], load16(rows[j] + 16 * i), acc[j]);
-      }
-      _mm512_storeu_ps(scores.data() + g * padded + t0, _mm512_mul_ps(sum16(acc), row_scale));
+      const __m512 s = scores16<NV>(q + g * kHeadDim, rows, [](const cache_t* p) { return load16(p); });
+      _mm512_storeu_ps(scores.data() + g * padded + t0, _mm512_mul_ps(s, row_scale));
     }
   }
   for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax16_unnormalized(scores.data() + g * padded, len, padded);

@@ -133,14 +133,8 @@ void decode_one_f32(const float* q, int64_t q_stride_h, int64_t group, const flo
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     next_rows16(cur, pre, k_base, t0, len, fetch, rows);  // lanes past the end: masked below
     for (int64_t g = 0; g < group; ++g) {
-      __m512 qv[NV];
-      for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + g * q_stride_h + 16 * i);
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) {
-        acc[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[j]));
-        for (int i = 1; i < NV; ++i) acc[j] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(rows[j] + 16 * i), acc[j]);
-      }
-      _mm512_storeu_ps(scores.data() + g * padded + t0, _mm512_mul_ps(sum16(acc), vscale));
+      const __m512 s = scores16<NV>(q + g * q_stride_h, rows, [](const float* p) { return _mm512_loadu_ps(p); });
+      _mm512_storeu_ps(scores.data() + g * padded + t0, _mm512_mul_ps(s, vscale));
     }
   }
   for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax16_unnormalized(scores.data() + g * padded, len, padded);
