@@ -44,7 +44,10 @@ class Attention(nn.Module):
         """A static int8 cache, read by the per-row int8 path with row scales 1.0: K's channel scales multiply the
         query, V's scale and offset apply to the output (ops/kv_quant_reference.py says why that is exact)."""
         s, group = self.static_kv_scales, self.num_heads // self.num_kv_heads
-        kv_quant_reference.store_static_int8(k, v, self.k_cache, self.v_cache, s, step.slot_mapping)
+        # The rows are int8 already: the op table's plain cache write copies them (row scales stay 1.0).
+        self.ops.store_kvcache(kv_quant_reference.quantize_static(k, s.k_scale, s.k_offset),
+                               kv_quant_reference.quantize_static(v, s.v_scale, s.v_offset), self.k_cache,
+                               self.v_cache, step.slot_mapping)
         q = q * s.k_scale.repeat_interleave(group, 0).to(q.dtype)
         o = self.ops.quantized_paged_attention(q, self.k_cache, self.v_cache, self.k_scale, self.v_scale,
                                                step.cu_seqlens_q, step.seq_lens, step.block_tables, self.scale)

@@ -37,17 +37,6 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor |
     return q.round_().clamp_(-128, 127).to(torch.int8)
 
 
-def store_static_int8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      scales, slot_mapping: torch.Tensor) -> None:
-    """store_kvcache for a static int8 cache (scales: the layer's StaticKVScales); the row scales stay 1.0."""
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    for x, cache, scale, offset in ((key, k_cache, scales.k_scale, scales.k_offset),
-                                    (value, v_cache, scales.v_scale, scales.v_offset)):
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, quantize_static(x, scale, offset))
-
-
 def dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Blocks or rows of a cache [..., kv_heads, head_dim] and their scales ([..., kv_heads] for int8, 0-d for a
     floating cache) -> values in dtype."""

@@ -11,7 +11,8 @@ logger = logging.getLogger("vlinfer")
 QUANTIZE_ON_LOAD = ("int8", "int4")  # LLM(model, quantization=...): a dense checkpoint quantized while loading
 
 
-def _quantization_config(hf_config) -> dict | None:
+def quantization_config(hf_config) -> dict | None:
+    """config.json's quantization_config (the text config's for a multimodal model) as a dict, or None."""
     config = getattr(hf_config, "quantization_config", None)
     if config is None:
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else None
@@ -22,7 +23,7 @@ def _quantization_config(hf_config) -> dict | None:
 
 
 def _from_quantization_config(hf_config, folder: str | None, tensors: TensorIndex):
-    config = _quantization_config(hf_config)
+    config = quantization_config(hf_config)
     if config is None:
         return None
     method = config.get("quant_method")

@@ -14,14 +14,14 @@ Static int8 stores round(x / scale + offset) clamped to [-128, 127] and reads (s
 (ops/kv_quant_reference.py: quantize_static). The scale tensors never reach load_weights: `collect` takes them out
 of the checkpoint stream, `attach` checks them and gives each decoder attention layer its rank's share."""
 import json
-import logging
 import os
 import re
 from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger("vlinfer")
+from vlinfer.layers.quantization.detect import quantization_config
+from vlinfer.layers.quantization.modelslim import DESCRIPTION_FILE
 # <anything>.layers.<i>.self_attn.<what>: the decoder layer's index and the scale it names.
 SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(k_scale|v_scale|k_proj\.output_scale|v_proj\.output_scale|"
                         r"k_proj\.kv_cache_scale|v_proj\.kv_cache_scale|k_proj\.kv_cache_offset|"
@@ -55,18 +55,8 @@ class StaticKVScales:
     v_offset: torch.Tensor | None = None
 
 
-def _quantization_config(hf_config) -> dict | None:
-    config = getattr(hf_config, "quantization_config", None)
-    if config is None and hasattr(hf_config, "get_text_config"):
-        config = getattr(hf_config.get_text_config(), "quantization_config", None)
-    if config is not None and not isinstance(config, dict):
-        config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    return config
-
-
 def detect_kv_cache_scheme(hf_config, folder: str | None) -> KVCacheScheme | None:
     """The checkpoint's KV scheme from its config files alone (before the model is built), or None."""
-    from vlinfer.layers.quantization.modelslim import DESCRIPTION_FILE
     if folder is not None and os.path.exists(os.path.join(folder, DESCRIPTION_FILE)):
         try:
             with open(os.path.join(folder, DESCRIPTION_FILE)) as f:
@@ -78,7 +68,7 @@ def detect_kv_cache_scheme(hf_config, folder: str | None) -> KVCacheScheme | Non
                                  ("k_proj.kv_cache_scale", "v_proj.kv_cache_scale", "k_proj.kv_cache_offset",
                                   "v_proj.kv_cache_offset"))
         return None
-    config = _quantization_config(hf_config)
+    config = quantization_config(hf_config)
     if not config or config.get("quant_method") != "compressed-tensors" or not config.get("kv_cache_scheme"):
         return None
     return _compressed_tensors_scheme(config["kv_cache_scheme"])
