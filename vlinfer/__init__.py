@@ -1,6 +1,6 @@
 """vlinfer: a small inference engine for vision-language and language models.
 
-The public face: LLM and Pipeline, SamplingParams and StructuredOutputsParams, the outputs, the engine and its
+The public face: LLM and Pipeline, SamplingParams, PoolingParams and StructuredOutputsParams, the outputs, the engine and its
 errors. Each is imported on first use, so `import vlinfer.multimodal` (or any other room) loads that room alone."""
 import importlib
 
@@ -9,6 +9,11 @@ _PUBLIC = {
     "LLM": "vlinfer.llm",
     "Pipeline": "vlinfer.pipeline",
     "SamplingParams": "vlinfer.sampling_params",
+    "PoolingParams": "vlinfer.pooling_params",
+    "PoolingRequestOutput": "vlinfer.outputs",
+    "EmbeddingRequestOutput": "vlinfer.outputs",
+    "ClassificationRequestOutput": "vlinfer.outputs",
+    "ScoringRequestOutput": "vlinfer.outputs",
     "StructuredOutputsParams": "vlinfer.sampling_params",
     "CompletionOutput": "vlinfer.outputs",
     "Logprob": "vlinfer.outputs",

@@ -30,6 +30,8 @@ CHAT_TOP_P = 0.9
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn,
                    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 
+RUNNERS = ("auto", "generate", "pooling")
+
 
 def default_batched_tokens(max_model_len: int) -> int:
     """max_num_batched_tokens when none is given."""
@@ -85,6 +87,14 @@ class EngineConfig:
     # The dtype K and V are stored in (KV_CACHE_DTYPES): "auto" is the compute dtype; a smaller one holds more
     # tokens in the same budget, at the accuracy README's correctness table states.
     kv_cache_dtype: str = "auto"
+    # vLLM's runner: "generate" (sampling), "pooling" (embed / classify / score: prefill only, a vector or a score
+    # per request), or "auto": pooling for a classification architecture or a checkpoint without an LM head, else
+    # generate (models/registry.py pooling_task).
+    runner: str = "auto"
+    # vLLM's hf_overrides: config.json fields replaced before the model is built, e.g. a Qwen3-VL reranker's
+    # {"architectures": ["Qwen3VLForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    # "is_original_qwen3_reranker": True}.
+    hf_overrides: dict | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "kvcache_block_size", "max_model_len", "max_model_len_cap",
@@ -109,6 +119,10 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: expected one of "
                              f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner={self.runner!r} is not supported: expected one of {', '.join(RUNNERS)}")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict of config.json fields, got {type(self.hf_overrides).__name__}")
         method = self.distributed_init_method
         if method is not None and not (isinstance(method, str) and method.startswith(INIT_SCHEMES)):
             raise ValueError(f"distributed_init_method must be None, 'tcp://host:port' or 'env://', got {method!r}")

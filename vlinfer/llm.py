@@ -6,7 +6,9 @@ from tqdm.auto import tqdm
 
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.inputs import PromptType
-from vlinfer.outputs import RequestError, RequestOutput
+from vlinfer.inputs.retrieval import MM_PROCESSOR_KWARGS, rerank_messages
+from vlinfer.outputs import PoolingRequestOutput, RequestError, RequestOutput, ScoringOutput
+from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
 
 
@@ -82,6 +84,102 @@ class LLM:
         finally:
             bar.close()
 
+    # ---- pooling (runner="pooling"): prefill only, a vector or a score per request; engine/pooling.py ----
+    def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+               use_tqdm: bool = True, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """The pooled data of each prompt (`.outputs.data`): the embedding, or the classifier's probabilities.
+        Rejected prompts are answered as generate answers them: RequestError after the others finished."""
+        prompts = _prompt_list(prompts)
+        if not isinstance(pooling_params, list):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"got {len(pooling_params)} pooling_params for {len(prompts)} prompts")
+        if pooling_task is not None:
+            pooling_params = [dataclasses.replace(p, task=pooling_task) for p in pooling_params]
+        results: list = [None] * len(prompts)
+        seqs, order = [], {}
+        for i, (prompt, params) in enumerate(zip(prompts, pooling_params)):
+            try:
+                seq = self.engine.make_sequences(prompt, params)[0]
+            except ValueError as e:
+                results[i] = PoolingRequestOutput.rejected(f"rejected-{i}", str(e))
+                continue
+            seqs.append(seq)
+            order[seq.request_id] = i
+        self._run(seqs, order, results, use_tqdm)
+        if any(r.error for r in results):
+            raise RequestError(results)
+        return results
+
+    def embed(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`), L2-normalized; PoolingParams(dimensions=k) keeps the
+        leading k (Matryoshka) and normalizes again. Prompts are taken as given, as vLLM does: for the Qwen
+        embedder's instruction format use Pipeline.embed or vlinfer.inputs.retrieval.embedding_messages."""
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        return self.encode(prompts, dataclasses.replace(params, task="embed"), use_tqdm)
+
+    def classify(self, prompts, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """A classifier's probabilities per prompt (`.outputs.probs`); the Qwen rerankers give [P(yes)]."""
+        return self.encode(prompts, PoolingParams(task="classify"), use_tqdm)
+
+    def score(self, data_1, data_2, use_tqdm: bool = True, instruction: str | None = None,
+              pooling_params: PoolingParams | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's score: one query against each document (data_1 one item, data_2 a list), or pairs (two lists of
+        one length); `.outputs.score` per pair. A reranker reads each pair in its own format
+        (inputs/retrieval.py, with `instruction`); an embedder gives the cosine of the two embeddings of the
+        items taken as given. Items: a string, or a dict with "text" / "image" / "video"."""
+        firsts = data_1 if isinstance(data_1, list) else [data_1]
+        seconds = data_2 if isinstance(data_2, list) else [data_2]
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds) or not seconds:
+            raise ValueError(f"score takes one item against a list, or two lists of one length; got "
+                             f"{len(firsts)} and {len(seconds)}")
+        pooling = self.engine.pooling
+        if pooling is not None and pooling.task == "classify":
+            prompts, rejected = [], {}
+            for i, (query, document) in enumerate(zip(firsts, seconds)):
+                try:
+                    prompts.append(self.engine.chat_prompt(rerank_messages(query, document, instruction),
+                                                           mm_processor_kwargs=MM_PROCESSOR_KWARGS))
+                except ValueError as e:
+                    rejected[i] = PoolingRequestOutput.rejected(f"rejected-{i}", str(e))
+                    prompts.append(None)
+            return self._with_rejected(prompts, rejected, PoolingParams(task="score"), use_tqdm)
+        if instruction is not None:
+            raise ValueError("instruction= is for a reranker; an embedder scores the items as given")
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="embed")
+        items = [_embedding_prompt(x) for x in firsts + seconds]
+        vectors = self._with_rejected(items, {}, params, use_tqdm)
+        n = len(firsts)
+        out = []
+        for i, (a, b) in enumerate(zip(vectors[:n], vectors[n:])):
+            cosine = sum(x * y for x, y in zip(a.outputs.embedding, b.outputs.embedding))
+            if params.normalize is False:
+                norm = (sum(x * x for x in a.outputs.embedding) * sum(y * y for y in b.outputs.embedding)) ** 0.5
+                cosine /= norm
+            out.append(PoolingRequestOutput(f"score-{i}", ScoringOutput(cosine), a.prompt_token_ids +
+                                            b.prompt_token_ids))
+        return out
+
+    def _with_rejected(self, prompts: list, rejected: dict, params: PoolingParams, use_tqdm: bool) -> list:
+        """encode() over the prompts that could be built; the ones that could not keep their index's error."""
+        keep = [i for i in range(len(prompts)) if i not in rejected]
+        try:
+            outputs = self.encode([prompts[i] for i in keep], params, use_tqdm) if keep else []
+            failed = bool(rejected)
+        except RequestError as e:
+            outputs, failed = e.outputs, True
+        results = dict(rejected)
+        results.update(zip(keep, outputs))
+        results = [results[i] for i in range(len(prompts))]
+        if failed:
+            raise RequestError(results)
+        return results
+
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
              mm_processor_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
@@ -115,6 +213,22 @@ class LLM:
         for i, out in zip(prompts, outputs):
             results[i] = RequestOutput.rejected(f"rejected-{i}", out.prompt, out.error) if out.error else out
         raise RequestError([results[i] for i in range(len(conversations))])
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (a string, a dict, a list of token ids) or a list of them -> a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
+                                             all(isinstance(t, int) for t in prompts)):
+        return [prompts]
+    return list(prompts)
+
+
+def _embedding_prompt(item):
+    """An embedder's score item: a string as given, or a dict with "text" only (media go through LLM.embed's
+    prompt dicts or Pipeline.embed)."""
+    if isinstance(item, dict) and set(item) == {"text"}:
+        return item["text"]
+    return item
 
 
 def _merge(outputs: list[RequestOutput]) -> RequestOutput:

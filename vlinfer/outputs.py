@@ -69,3 +69,54 @@ class RequestError(ValueError):
         self.outputs = outputs
         errors = [f"request {i}: {o.error}" for i, o in enumerate(outputs) if o.error]
         super().__init__("; ".join(errors))
+
+
+@dataclass
+class PoolingOutput:
+    """vLLM's PoolingOutput: the pooled data of one request (an embedding, or a classifier's probabilities)."""
+    data: list[float]
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # L2-normalized unless PoolingParams(normalize=False); `dimensions` long when asked
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # a reranker's [P(relevant)]: sigmoid of its "yes" logit minus its "no" logit
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # a reranker's relevance probability, or an embedder's cosine similarity
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One pooling request's result, vLLM's shape: `outputs` is an EmbeddingOutput (LLM.embed),
+    ClassificationOutput (LLM.classify), ScoringOutput (LLM.score) or PoolingOutput (LLM.encode). A rejected
+    request has `error` set and outputs None."""
+    request_id: str
+    outputs: EmbeddingOutput | ClassificationOutput | ScoringOutput | PoolingOutput | None
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+
+    @classmethod
+    def rejected(cls, request_id: str, error: str) -> "PoolingRequestOutput":
+        return cls(request_id=request_id, outputs=None, prompt_token_ids=[], error=error)
+
+
+# vLLM's names for the same object per task.
+EmbeddingRequestOutput = ClassificationRequestOutput = ScoringRequestOutput = PoolingRequestOutput

@@ -3,7 +3,9 @@ from collections.abc import Iterable, Iterator
 
 from vlinfer.config import ANSWER_MAX_TOKENS
 from vlinfer.inputs.limits import text_only
+from vlinfer.inputs.retrieval import MM_PROCESSOR_KWARGS, embedding_messages
 from vlinfer.llm import LLM
+from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
 
 
@@ -113,3 +115,36 @@ class Pipeline:
             outs = self.llm.chat(batch, params, use_tqdm=False, mm_processor_kwargs=mm_processor_kwargs)
             captions.extend(out.outputs[0].text for out in outs)
         return captions
+
+    # ---- retrieval: Pipeline("qwen3-vl-embedding-2b") / Pipeline("qwen3-vl-reranker-2b"); docs/retrieval.md ----
+    def embed(self, images: Iterable | None = None, texts: Iterable[str] | None = None,
+              videos: Iterable | None = None, items: Iterable | None = None, instruction: str | None = None,
+              dimensions: int | None = None) -> list[list[float]]:
+        """One normalized vector per item, in the Qwen embedder's format (the instruction as the system turn):
+        `items` first (each a string or a dict mixing "text", "image", "video"), then each image, video and
+        text as an item of its own. dimensions=k keeps the leading k entries (Matryoshka), renormalized."""
+        items = list(items or []) + [{"image": x} for x in images or []] + [{"video": x} for x in videos or []] + \
+            [{"text": x} for x in texts or []]
+        if not items:
+            raise ValueError("nothing to embed: give images, texts, videos or items")
+        prompts = [self.engine.chat_prompt(embedding_messages(item, instruction),
+                                           mm_processor_kwargs=MM_PROCESSOR_KWARGS) for item in items]
+        outs = self.llm.embed(prompts, PoolingParams(dimensions=dimensions), use_tqdm=False)
+        return [out.outputs.embedding for out in outs]
+
+    def rerank(self, query, candidates: Iterable, instruction: str | None = None,
+               top_k: int | None = None) -> list[dict]:
+        """Candidates ranked by relevance to the query, best first: [{"index", "score", "document"}]. A reranker
+        scores each (query, candidate) pair; an embedder ranks by the cosine of the query's embedding (with the
+        instruction) and each candidate's (with the default one)."""
+        candidates = list(candidates)
+        if not candidates:
+            return []
+        if self.engine.pooling is not None and self.engine.pooling.task == "classify":
+            scores = [out.outputs.score for out in self.llm.score(query, candidates, use_tqdm=False,
+                                                                   instruction=instruction)]
+        else:
+            query_vector, = self.embed(items=[query], instruction=instruction)
+            scores = [sum(a * b for a, b in zip(query_vector, vector)) for vector in self.embed(items=candidates)]
+        ranked = sorted(range(len(candidates)), key=lambda i: -scores[i])[:top_k]
+        return [{"index": i, "score": scores[i], "document": candidates[i]} for i in ranked]

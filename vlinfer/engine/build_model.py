@@ -8,6 +8,7 @@ from vlinfer import loading
 from vlinfer.layers import Attention, ModelContext, ParallelLMHead, VocabParallelEmbedding
 from vlinfer.layers.fused_moe import FusedMoE
 from vlinfer.layers.linear import LinearBase
+from vlinfer.layers.pooler import TokenRowsHead
 from vlinfer.layers.quantization import assign_methods, detect_quantization, kv_cache
 from vlinfer.layers.quantization.gguf import GgufQuantization, assign_gguf_embeddings
 from vlinfer.models import get_model_class
@@ -15,15 +16,29 @@ from vlinfer.models import get_model_class
 logger = logging.getLogger("vlinfer")
 
 
-def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quantization: str | None = None):
+def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quantization: str | None = None,
+               pooling_task: str | None = None, label_token_ids: list[int] | None = None):
     """Build the model on ctx's op table for ctx.tp's rank (its shard of every split layer) and load that shard:
     split weights are read lazily, only the rank's rows or columns of each (loading.CheckpointSlice).
     Each linear layer's quantization method is chosen from the checkpoint (or `quantization`, "int8" / "int4" on
-    load) before any weight is read, so a checkpoint vlinfer cannot run fails here, before the KV pool."""
+    load) before any weight is read, so a checkpoint vlinfer cannot run fails here, before the KV pool.
+
+    A pooling model (pooling_task "embed" / "classify", models/registry.py) keeps its LM head only where the
+    checkpoint has one (generation requests may then share its engine); "classify" adds the head rows of
+    label_token_ids (layers/pooler.py), read from the LM head's table as it streams by."""
     model_cls = get_model_class(hf_config)
     with torch.device(device):  # thread-local: another engine building in another thread keeps its own device
         net = model_cls(hf_config, ctx).eval()  # every layer builds its parameters in ctx.dtype
     tensors = loading.checkpoint_tensor_index(source)
+    head_table = loading.lm_head_table(tensors, hf_config)
+    if pooling_task is not None and head_table is None:
+        net.lm_head = None  # an embedder saved without an LM head: nothing to generate with
+    if pooling_task == "classify":
+        if head_table is None:
+            raise ValueError("a classification model needs its LM head's rows, and the checkpoint has no "
+                             "lm_head.weight (nor a tied embedding)")
+        with torch.device(device):
+            net.classifier = TokenRowsHead(ctx, label_token_ids, hf_config.get_text_config().hidden_size)
     quant = detect_quantization(hf_config, source.folder, tensors, quantization)
     if quant is not None:
         assign_methods(net, quant, tensors)
@@ -32,6 +47,8 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quant
         assign_gguf_embeddings(net, tensors)
     counter = loading.ReadCounter()  # this load's own: two engines loading at once count apart
     weights = loading.iterate_weights(source, hf_config, lazy=True, keep_gguf_blocks=keep_gguf_blocks, counter=counter)
+    if pooling_task is not None:
+        weights = _pooling_weights(net, weights, head_table, keep_gguf_blocks)
     kv_scheme = kv_cache.detect_kv_cache_scheme(hf_config, source.folder)
     kv_scales = {}
     if kv_scheme is not None:  # its scale tensors go to the attention layers, not to load_weights
@@ -44,6 +61,21 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quant
         kv_cache.attach(kv_scheme, kv_scales, decoder_attention(net), use=ctx.kv_cache_dtype == kv_scheme.cache_dtype)
     net.checkpoint_bytes_read = counter.bytes  # reported by ModelRunner.describe()
     return net
+
+
+def _pooling_weights(net, weights, head_table: str | None, keep_gguf_blocks: bool):
+    """A pooling model's checkpoint stream: the classifier's rows taken from the LM head's table on the way past
+    (that tensor still goes on to its parameter); lm_head.weight dropped where the model keeps no LM head."""
+    classifier = getattr(net, "classifier", None)
+    for name, tensor in weights:
+        if classifier is not None and name == head_table:
+            if keep_gguf_blocks:
+                raise ValueError("a classification model from a GGUF file with its LM head kept in blocks is not "
+                                 "supported")
+            classifier.load_rows(tensor)
+        if name == "lm_head.weight" and net.lm_head is None:
+            continue
+        yield name, tensor
 
 
 def decoder_attention(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -6,6 +6,7 @@ import torch
 from vlinfer.engine.sequence import Sequence
 from vlinfer.inputs import PromptType
 from vlinfer.inputs.limits import text_only
+from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
@@ -15,7 +16,7 @@ MEDIA_KEYS = {"image", "video"}
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, model_name: str, max_model_len: int, mm_processor=None,
                  chat_template: str | None = None, grammar_matchers=None, device: torch.device | None = None,
-                 seed: int = 0):
+                 seed: int = 0, pooling=None, can_generate: bool = True):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.model_name = model_name
@@ -26,6 +27,8 @@ class InputProcessor:
         self.device = device or torch.device("cpu")
         # Draws come from the engine's own generators; torch's global RNG stays the caller's.
         self._seed_source = torch.Generator().manual_seed(seed)
+        self.pooling = pooling  # engine/pooling.py's PoolingSpec of a pooling engine; None: it generates only
+        self.can_generate = can_generate  # False: an embedder without an LM head
 
     @property
     def is_multimodal(self) -> bool:
@@ -122,6 +125,11 @@ class InputProcessor:
         """Validate a request and build its sampling_params.n Sequences, one per completion. The prompt (and its
         images) is processed once; the completions share its token ids and encoder inputs. With n > 1 each
         sequence's own id is f"{request_id}#{index}"."""
+        if isinstance(sampling_params, PoolingParams):
+            return [self._pooling_sequence(prompt, sampling_params, request_id)]
+        if not self.can_generate:
+            raise ValueError(f"model {self.model_name!r} has no LM head (an embedding model): it cannot generate; "
+                             "use LLM.embed / LLM.score")
         sampling_params = sampling_params or SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}")
@@ -152,6 +160,18 @@ class InputProcessor:
                 seq.grammar_matcher = compiled_grammar.deep_copy()
             seqs.append(seq)
         return seqs
+
+    def _pooling_sequence(self, prompt: PromptType, params: PoolingParams, request_id: str) -> Sequence:
+        if self.pooling is None:
+            raise ValueError(f"model {self.model_name!r} runs the generate runner: embedding and scoring requests "
+                             "need a pooling engine (LLM(model, runner='pooling'), or an embedding / reranker model)")
+        self.pooling.check(params, self.model_name)
+        text, token_ids, extra = self.process_prompt(prompt, params.truncate_prompt_tokens)
+        images_info, videos_info = extra.pop("images_info", []), extra.pop("videos_info", [])
+        seq = Sequence(token_ids, None, request_id=request_id, prompt=text, **extra)
+        seq.pooling_params = params
+        seq.images_info, seq.videos_info = images_info, videos_info
+        return seq
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None, mm_processor_kwargs: dict | None = None,

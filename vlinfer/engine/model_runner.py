@@ -39,6 +39,9 @@ class StepInputs:
     mm_inputs: dict  # mm_mask, mm_embeds, deepstack_embeds for steps that carry image tokens
     logits_indices: torch.Tensor | None  # rows whose logits are computed; None: every row
     compute_logits: bool = True
+    # Rows whose pooled output (hidden state, or a classifier's logits) pooling requests take: each one's last
+    # prompt token, in the step where its prefill ends. None or empty: no pooling request ends this step.
+    pool_indices: torch.Tensor | None = None
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: torch.dtype) -> int:
@@ -48,14 +51,15 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cac
     return 2 * num_layers * num_kv_heads * row
 
 
-def kv_cache_scales(kv_cache_dtype: torch.dtype, quantized: bool, shape: tuple, device) -> torch.Tensor | None:
+def kv_cache_scales(kv_cache_dtype: torch.dtype, quantized: bool, shape: tuple, device, ops) -> torch.Tensor | None:
     """The scales of a cache stored in another dtype than the compute dtype (ops/kv_quant_reference.py): int8, one
-    per token and KV head, written with each row (1.0 under a checkpoint's static scales); a floating cache, one per
-    layer for K and for V, 1.0 until a checkpoint's scales fill them. None for a cache of the compute dtype."""
+    per token and KV head, written with each row (1.0 under a checkpoint's static scales), in the memory order the op
+    table's kernels read; a floating cache, one per layer for K and for V, 1.0 until a checkpoint's scales fill them.
+    None for a cache of the compute dtype."""
     if not quantized:
         return None
     if kv_cache_dtype == torch.int8:
-        return torch.ones(*shape, dtype=torch.float32, device=device)
+        return ops.int8_kv_scales(shape, device)
     return torch.ones(*shape[:2], dtype=torch.float32, device=device)
 
 
@@ -145,7 +149,8 @@ class ModelRunner:
         # it gathers), so stale or uninitialized slots never reach an output.
         shape = (2, len(self.attention_layers), num_blocks + self.num_dummy_blocks, self.block_size, self.num_kv_heads)
         self.kv_cache = torch.empty(*shape, self.head_dim, dtype=self.kv_cache_dtype, device=self.device)
-        self.kv_scales = kv_cache_scales(self.kv_cache_dtype, self.ctx.kv_cache_quantized, shape, self.device)
+        self.kv_scales = kv_cache_scales(self.kv_cache_dtype, self.ctx.kv_cache_quantized, shape, self.device,
+                                         self.ctx.ops)
         self.dummy_block = num_blocks if self.num_dummy_blocks else None  # the first block past the manager's
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -185,12 +190,14 @@ class ModelRunner:
             parts.append(torch.arange(max(start, prompt_end), end).expand(3, -1) + seq.mrope_position_delta)
         return torch.cat(parts, 1)
 
-    def prepare(self, batch: SchedulerOutput) -> tuple[StepInputs, list[Sequence], list[tuple[Sequence, int]]]:
-        """The step's inputs; the sequences that sample a token; and the (sequence, prompt position) pairs whose
-        prompt logprobs this step computes. Logits rows: the prompt positions first, then the sampling rows."""
+    def prepare(self, batch: SchedulerOutput
+                ) -> tuple[StepInputs, list[Sequence], list[tuple[Sequence, int]], list[Sequence]]:
+        """The step's inputs; the sequences that sample a token; the (sequence, prompt position) pairs whose
+        prompt logprobs this step computes; and the pooling sequences whose prefill ends this step. Logits rows:
+        the prompt positions first, then the sampling rows."""
         bs = self.block_size
         input_ids, positions, slots, cu_seqlens_q, seq_lens = [], [], [], [0], []
-        sample_indices, sample_seqs, prompt_indices, prompt_rows = [], [], [], []
+        sample_indices, sample_seqs, prompt_indices, prompt_rows, pool_indices, pool_seqs = [], [], [], [], [], []
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
         block_tables = torch.full((len(batch.seqs), max_blocks), -1, dtype=torch.int32)
         for i, seq in enumerate(batch.seqs):
@@ -207,7 +214,10 @@ class ModelRunner:
                     prompt_rows.append((seq, j + 1))
             cu_seqlens_q.append(cu_seqlens_q[-1] + n)
             seq_lens.append(end)
-            if end == seq.num_tokens:  # the chunk reaches the sequence's end: its last logits pick a token
+            if end == seq.num_tokens and seq.pooling_params is not None:  # a pooling prefill ends: pool its row
+                pool_indices.append(cu_seqlens_q[-1] - 1)
+                pool_seqs.append(seq)
+            elif end == seq.num_tokens:  # the chunk reaches the sequence's end: its last logits pick a token
                 sample_indices.append(cu_seqlens_q[-1] - 1)
                 sample_seqs.append(seq)
         inputs = StepInputs(
@@ -220,8 +230,9 @@ class ModelRunner:
             decode_only=all(n == 1 for n in batch.num_new_tokens),
             mm_inputs=self._multimodal_inputs(batch, len(input_ids)),
             logits_indices=torch.tensor(prompt_indices + sample_indices, dtype=torch.long),
+            pool_indices=torch.tensor(pool_indices, dtype=torch.long),
         )
-        return inputs, sample_seqs, prompt_rows
+        return inputs, sample_seqs, prompt_rows, pool_seqs
 
     def _encode_missing(self, batch: SchedulerOutput) -> None:
         """Run the vision tower once, in one packed batch, over every image this step needs and the cache lacks."""
@@ -269,9 +280,11 @@ class ModelRunner:
         return {"mm_mask": mask, "mm_embeds": torch.cat(embeds), "deepstack_embeds": torch.cat(deepstack, 1)}
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The model on this rank's shard: hidden states, then logits of the wanted rows (None if none wanted).
-        Every rank runs it on the same inputs; the layers' collectives keep them in step."""
+    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The model on this rank's shard: hidden states, then logits of the wanted rows (None if none wanted) and
+        the pooled rows (None if no pooling request ends this step). Every rank runs it on the same inputs; the
+        layers' collectives keep them in step (the pooled rows need none: the hidden states are whole on every
+        rank)."""
         dev = self.device
         if self.graphs is not None and self.graphs.can_run(inputs):
             hidden_states = self.graphs.run(inputs)
@@ -286,13 +299,18 @@ class ModelRunner:
             mm_inputs = {k: v.to(dev) for k, v in inputs.mm_inputs.items()}
             with self.ctx.stepping(step):
                 hidden_states = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), **mm_inputs)
+        pooled = None
+        if inputs.pool_indices is not None and len(inputs.pool_indices):
+            pooled = hidden_states[inputs.pool_indices.to(dev)]
+            classifier = getattr(self.model, "classifier", None)  # a reranker: its label rows, no vocabulary matmul
+            pooled = classifier(pooled) if classifier is not None else pooled
         if not inputs.compute_logits:
-            return None
+            return None, pooled
         if inputs.logits_indices is not None:
             hidden_states = hidden_states[inputs.logits_indices.to(dev)]
-        return self.model.compute_logits(hidden_states)
+        return self.model.compute_logits(hidden_states), pooled
 
-    def _run(self, inputs: StepInputs) -> torch.Tensor | None:
+    def _run(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.driver is None:
             return self.forward(inputs)
         with self.driver.step(inputs):  # sent (tensors as CPU bytes); rank 0 then runs its own share
@@ -300,9 +318,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, sample_tokens: bool = True):
-        """Run one step. Returns [(seq, token_id, logprobs or None)] for sequences that finished their chunk, and
-        [(seq, prompt position, {token: (logprob, rank)})] for the prompt logprobs this step computed."""
-        inputs, sample_seqs, prompt_rows = self.prepare(batch)
+        """Run one step. Returns [(seq, token_id, logprobs or None)] for sequences that finished their chunk,
+        [(seq, prompt position, {token: (logprob, rank)})] for the prompt logprobs this step computed, and
+        [(seq, pooled row on the host)] for the pooling requests whose prefill ended."""
+        inputs, sample_seqs, prompt_rows, pool_seqs = self.prepare(batch)
         inputs.compute_logits = sample_tokens and bool(sample_seqs or prompt_rows)
         # Structured-output masks depend only on tokens already consumed. While an accelerator runs the forward they
         # are computed on the grammar's mask thread, then collected. On the CPU the forward's threads already hold
@@ -313,11 +332,12 @@ class ModelRunner:
         overlap = inputs.compute_logits and constrained and self.device.type != "cpu"
         masks = self.grammar_matchers.start_bitmask(matchers) if overlap else None
         try:
-            logits = self._run(inputs)
+            logits, pooled = self._run(inputs)
         finally:
             mask_rows = masks.result() if masks is not None else None
+        pooled_rows = list(zip(pool_seqs, pooled.float().cpu())) if pooled is not None and sample_tokens else []
         if logits is None:
-            return [], []
+            return [], [], pooled_rows
         prompt_entries = []
         if prompt_rows:
             entries = prompt_logprob_entries(logits[:len(prompt_rows)], [s.token_ids[j] for s, j in prompt_rows],
@@ -325,19 +345,19 @@ class ModelRunner:
             prompt_entries = [(seq, j, entry) for (seq, j), entry in zip(prompt_rows, entries)]
             logits = logits[len(prompt_rows):]
         if not sample_seqs:
-            return [], prompt_entries
+            return [], prompt_entries, pooled_rows
         if constrained and mask_rows is None:
             mask_rows = self.grammar_matchers.fill_bitmask(matchers)
         bitmask = (constrained, mask_rows) if constrained else None
         tokens, logprobs = sample(logits, sample_seqs, self.eos_token_ids, bitmask, self.ctx.ops.apply_token_bitmask)
-        return list(zip(sample_seqs, tokens, logprobs)), prompt_entries
+        return list(zip(sample_seqs, tokens, logprobs)), prompt_entries, pooled_rows
 
     @torch.inference_mode()
     def prompt_logits(self, batch: SchedulerOutput) -> torch.Tensor:
         """Logits at every scheduled position, on the host (for tests and scoring); writes KV like a normal step."""
-        inputs, _, _ = self.prepare(batch)
+        inputs, _, _, _ = self.prepare(batch)
         inputs.logits_indices = None
-        return self._run(inputs).cpu()
+        return self._run(inputs)[0].cpu()
 
     def describe(self) -> dict:
         """What this rank holds: parameter shapes and bytes (a linear's weight packed in panels by its [out, in]

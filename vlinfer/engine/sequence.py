@@ -33,6 +33,9 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params
+        # A pooling request (embed / classify / score): prefill only, its last token's row pooled (engine/pooling.py);
+        # it then has no sampling_params.
+        self.pooling_params = None
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks, filled lazily

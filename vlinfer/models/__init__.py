@@ -1,3 +1,3 @@
-from vlinfer.models.registry import get_model_class, supported_architectures
+from vlinfer.models.registry import get_model_class, pooling_task, supported_architectures
 
-__all__ = ["get_model_class", "supported_architectures"]
+__all__ = ["get_model_class", "pooling_task", "supported_architectures"]
