@@ -3,7 +3,7 @@ from collections.abc import Iterable, Iterator
 
 from vlinfer.config import ANSWER_MAX_TOKENS
 from vlinfer.inputs.limits import text_only
-from vlinfer.inputs.retrieval import MM_PROCESSOR_KWARGS, embedding_messages
+from vlinfer.inputs.retrieval import embedding_messages, mm_processor_kwargs
 from vlinfer.llm import LLM
 from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
@@ -127,8 +127,9 @@ class Pipeline:
             [{"text": x} for x in texts or []]
         if not items:
             raise ValueError("nothing to embed: give images, texts, videos or items")
-        prompts = [self.engine.chat_prompt(embedding_messages(item, instruction),
-                                           mm_processor_kwargs=MM_PROCESSOR_KWARGS) for item in items]
+        conversations = [embedding_messages(item, instruction) for item in items]
+        prompts = [self.engine.chat_prompt(messages, mm_processor_kwargs=mm_processor_kwargs(messages))
+                   for messages in conversations]
         outs = self.llm.embed(prompts, PoolingParams(dimensions=dimensions), use_tqdm=False)
         return [out.outputs.embedding for out in outs]
 

@@ -11,8 +11,9 @@ RERANK_SYSTEM = ('Judge whether the Document meets the requirements based on the
                  'Note that the answer can only be "yes" or "no".')
 ITEM_KEYS = ("text", "image", "video")
 # The Qwen code's media settings (its MIN_PIXELS / MAX_PIXELS: 4 to 1800 tokens an image; FPS, MAX_FRAMES), as
-# mm_processor_kwargs: Pipeline.embed / rerank and LLM.score pass them, so images are sized as the models saw them.
-MM_PROCESSOR_KWARGS = {"min_pixels": 4 * 32 * 32, "max_pixels": 1800 * 32 * 32, "fps": 1.0, "max_frames": 64}
+# mm_processor_kwargs: Pipeline.embed / rerank and LLM.score pass them, so media are sized as the models saw them.
+IMAGE_OPTIONS = {"min_pixels": 4 * 32 * 32, "max_pixels": 1800 * 32 * 32}
+VIDEO_OPTIONS = {"fps": 1.0, "max_frames": 64}
 
 
 def _listed(value) -> list:
@@ -59,3 +60,10 @@ def rerank_messages(query, document, instruction: str | None = None) -> list[dic
                {"type": "text", "text": "\n<Document>:"}, *item_parts(document)]
     return [{"role": "system", "content": [{"type": "text", "text": RERANK_SYSTEM}]},
             {"role": "user", "content": content}]
+
+
+def mm_processor_kwargs(messages: list[dict]) -> dict:
+    """The Qwen code's media settings for the media a conversation holds (the engine refuses options for media a
+    request does not have)."""
+    kinds = {part.get("type") for turn in messages for part in turn["content"] if isinstance(part, dict)}
+    return {**(IMAGE_OPTIONS if "image" in kinds else {}), **(VIDEO_OPTIONS if "video" in kinds else {})}
