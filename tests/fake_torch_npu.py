@@ -14,7 +14,13 @@ monkeypatch for variants standing for other releases: FakeTorchNpu(fia_scale_kwa
 a 6.0.x-era FIA; opaque=True hides every signature (names found only by trying), opaque="schema" shows them only in
 a registered op's schema; tnd_paged=False rejects TND over a paged cache (the input_layout paragraph of §2.3);
 scatter_pa=False lacks npu_scatter_pa_kv_cache; atb=False has ATB ops that raise OSError on first use (NNAL not
-sourced, §0); graphs=False lacks the ACL graph APIs.
+sourced, §0); graphs=False lacks the ACL graph APIs; paged_antiquant=False rejects FIA's antiquant mode 5 (a
+release without it, §2.10).
+
+int8 KV caches (§2.10): FIA takes int8 key/value pages with their per-token, per-head scales in pages of the cache
+(key_/value_antiquant_scale (blocknum, N, blocksize) float32, mode 5) for a decode (Q_S == 1) in a layout other than
+TND, and rejects int8 pages for longer queries; npu_scatter_pa_kv_cache and _npu_reshape_and_cache scatter int8 rows
+as they do half ones; npu_dynamic_quant (tests/fake_torch_npu_quant.py) quantizes them.
 
 ACL graphs (§5.1, §5.4; the "graph mode" section below): torch.npu.NPUGraph records what a capture issues instead of
 letting Python re-run at replay. Every aten op outside a torch_npu op is recorded with its tensors (static memory)
@@ -83,7 +89,7 @@ class FakeTorchNpu(types.ModuleType):
     keyword arguments and `history` every call's (for tests that check how an op was called)."""
 
     def __init__(self, *, fia_scale_kwarg="scale", opaque=False, tnd_paged=True, scatter_pa=True, atb=True,
-                 graphs=True):
+                 graphs=True, paged_antiquant=True):
         super().__init__("torch_npu")
         self.__file__ = __file__
         self.calls = collections.Counter()
@@ -92,6 +98,7 @@ class FakeTorchNpu(types.ModuleType):
         self.tnd_paged = tnd_paged
         self.atb = atb
         self.graphs = graphs
+        self.paged_antiquant = paged_antiquant
         self.graph = GraphState()  # the ACL graph emulation's state (captures, task updates, streams)
         self.fia_fn = _fia_with_scale if fia_scale_kwarg == "scale" else _fia_with_scale_value
         ops = {"npu_fused_infer_attention_score": self.fia_fn, "npu_rotary_mul": _rotary_mul,
@@ -167,8 +174,10 @@ def _scatter_pa_kv_cache(module, key, value, key_cache, value_cache, slot_mappin
         _require(t.is_contiguous(), f"{n} must be contiguous")
     _require(key.dim() == 3 and value.dim() == 3, "key/value must be [T, N, D]")
     _require(key_cache.dim() == 4 and value_cache.dim() == 4, "Norm caches must be [num_blocks, block_size, N, D]")
-    _require(key_cache.dtype in HALF and key.dtype == key_cache.dtype and value.dtype == value_cache.dtype
-             == key_cache.dtype, f"fp16/bf16 key/value and caches of one dtype (got {key.dtype}, {key_cache.dtype})")
+    # The op scatters, it does not convert: key, value and caches of one dtype, int8 included (§2.10).
+    _require(key_cache.dtype in HALF + (torch.int8,) and key.dtype == key_cache.dtype and value.dtype
+             == value_cache.dtype == key_cache.dtype,
+             f"fp16/bf16/int8 key/value and caches of one dtype (got {key.dtype}, {key_cache.dtype})")
     _require(key.shape[1:] == key_cache.shape[2:] and value.shape[1:] == value_cache.shape[2:],
              "key/value [T, N, D] must match the caches' [.., N, D]")
     _require(slot_mapping.dtype in (torch.int32, torch.int64), "slot_mapping must be int32 or int64")
@@ -197,7 +206,9 @@ def _reshape_and_cache(module, key, value, key_cache, value_cache, slot_indices)
 # ---- §2.3 fused infer attention ----
 
 def _fia_with_scale(module, query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
-                    actual_seq_lengths_kv=None, block_table=None, query_padding_size=None, kv_padding_size=None,
+                    actual_seq_lengths_kv=None, antiquant_scale=None, antiquant_offset=None, block_table=None,
+                    query_padding_size=None, kv_padding_size=None, key_antiquant_scale=None,
+                    key_antiquant_offset=None, value_antiquant_scale=None, value_antiquant_offset=None,
                     query_rope=None, key_rope=None, key_rope_antiquant_scale=None, num_heads=1, scale=1.0,
                     pre_tokens=INT_MAX, next_tokens=INT_MAX, input_layout="BSH", num_key_value_heads=0,
                     sparse_mode=0, inner_precise=0, block_size=0, antiquant_mode=0, softmax_lse_flag=False,
@@ -209,8 +220,10 @@ def _fia_with_scale(module, query, key, value, *, pse_shift=None, atten_mask=Non
 
 
 def _fia_with_scale_value(module, query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
-                          actual_seq_lengths_kv=None, block_table=None, query_padding_size=None,
-                          kv_padding_size=None, query_rope=None, key_rope=None, key_rope_antiquant_scale=None,
+                          actual_seq_lengths_kv=None, antiquant_scale=None, antiquant_offset=None, block_table=None,
+                          query_padding_size=None, kv_padding_size=None, key_antiquant_scale=None,
+                          key_antiquant_offset=None, value_antiquant_scale=None, value_antiquant_offset=None,
+                          query_rope=None, key_rope=None, key_rope_antiquant_scale=None,
                           num_heads=1, scale_value=1.0, pre_tokens=INT_MAX, next_tokens=INT_MAX, input_layout="BSH",
                           num_key_value_heads=0, sparse_mode=0, inner_precise=0, block_size=0, antiquant_mode=0,
                           softmax_lse_flag=False, key_antiquant_mode=0, value_antiquant_mode=0):
@@ -294,8 +307,10 @@ def _split_queries(query, layout, num_heads, actual_seq_lengths):
     return qs, q_s, write
 
 
-def _paged_kv(module, key, value, layout, block_table, block_size, kv_lens, batch, num_kv, head_dim, ifa):
-    """§2.3 "PA" and §3 gather_kv: per-batch [L, Hkv, D] keys and values read through the block table."""
+def _paged_kv(module, key, value, layout, block_table, block_size, kv_lens, batch, num_kv, head_dim, ifa,
+              antiquant=None):
+    """§2.3 "PA" and §3 gather_kv: per-batch [L, Hkv, D] keys and values read through the block table. antiquant:
+    int8 caches' (key, value) scales [num_blocks, Hkv, block_size] (§2.10 mode 5), applied to the rows read."""
     _require(layout != "TND" or module.tnd_paged,
              "TND does not support PA or prefix on A2/A3 (input_layout paragraph)")
     _require(block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == batch,
@@ -320,7 +335,9 @@ def _paged_kv(module, key, value, layout, block_table, block_size, kv_lens, batc
         k4, v4 = key.transpose(1, 2), value.transpose(1, 2)
     _require(block_size == bs, f"block_size={block_size} but the cache's block size is {bs}")
     if ifa:
-        _require(bs % 16 == 0 and 0 < bs <= 512, f"Q_S == 1 with PA needs a 16-aligned block size <= 512, got {bs}")
+        align = 32 if key.dtype == torch.int8 else 16  # int8 key/value: 32-aligned blocks (§2.10)
+        _require(bs % align == 0 and 0 < bs <= 512,
+                 f"Q_S == 1 with PA needs a {align}-aligned block size <= 512 for {key.dtype} key/value, got {bs}")
     else:
         _require(bs % 128 == 0 and 128 <= bs <= 512,
                  f"Q_S > 1 with PA needs a block size that is a multiple of 128 in [128, 512] (OPD:8219), got {bs}")
@@ -333,9 +350,53 @@ def _paged_kv(module, key, value, layout, block_table, block_size, kv_lens, batc
         ids = block_table[b, :blocks].long()
         # FIA never validates block ids (OPD:8218): on the device a bad id reads someone else's memory.
         _require(bool(((ids >= 0) & (ids < nb)).all()), f"batch {b}: block ids {ids.tolist()} outside [0, {nb})")
-        ks.append(k4[ids].reshape(-1, num_kv, head_dim)[:n])
-        vs.append(v4[ids].reshape(-1, num_kv, v4.shape[-1])[:n])
+        k_rows, v_rows = k4[ids].reshape(-1, num_kv, head_dim)[:n], v4[ids].reshape(-1, num_kv, v4.shape[-1])[:n]
+        if antiquant is not None:  # §3 antiquant: stored * the scale of its (block, head, offset)
+            _require(antiquant[0].shape[0] == nb and antiquant[0].shape[2] == bs,
+                     f"per-token paged antiquant scales must be (blocknum={nb}, N={num_kv}, blocksize={bs}), got "
+                     f"{tuple(antiquant[0].shape)}")
+            k_rows, v_rows = ((rows.float() * scale[ids].transpose(1, 2).reshape(-1, num_kv)[:n, :, None])
+                              for rows, scale in zip((k_rows, v_rows), antiquant))
+        ks.append(k_rows)
+        vs.append(v_rows)
     return ks, vs
+
+
+def _antiquant(module, key, value, layout, block_table, num_kv, args):
+    """§2.10: int8 key/value need their dequantization scales, KV-separated (key_/value_antiquant_*). Emulated:
+    mode 5, per token and KV head with the scales in pages of the cache, (blocknum, N, blocksize) float32, no offsets,
+    a decode (Q_S == 1, checked by the caller) over a paged cache in a layout other than TND. Returns the (key,
+    value) scales, or None for fp16/bf16 key/value (which take no antiquant arguments)."""
+    given = {k: v for k, v in args.items() if (v is not None if not k.endswith("mode") else v != 0)}
+    if key.dtype != torch.int8:
+        _require(not given, f"{', '.join(sorted(given))}: antiquant arguments need int8 key/value")
+        return None
+    _require(value.dtype == torch.int8, "key and value must both be int8")
+    if args["antiquant_scale"] is not None or args["antiquant_offset"] is not None:
+        raise NotImplementedError("the combined antiquant_scale/antiquant_offset (2, ...) are not emulated")
+    k_scale, v_scale = args["key_antiquant_scale"], args["value_antiquant_scale"]
+    _require(k_scale is not None and v_scale is not None,
+             "int8 key/value need key_antiquant_scale and value_antiquant_scale (both or neither)")
+    k_mode, v_mode = args["key_antiquant_mode"], args["value_antiquant_mode"]
+    _require(k_mode == v_mode or (k_mode, v_mode) == (0, 1),
+             f"key_antiquant_mode {k_mode} and value_antiquant_mode {v_mode} must match")
+    _require(k_mode in range(6), f"key_antiquant_mode {k_mode} is not one of 0-5")
+    if k_mode != 5:
+        raise NotImplementedError(f"key_antiquant_mode {k_mode} is not emulated (5 only)")
+    _require(module.paged_antiquant, "key_antiquant_mode 5 (per token and head, scales in pages) is not supported by "
+                                     "this release")
+    if args["key_antiquant_offset"] is not None or args["value_antiquant_offset"] is not None:
+        raise NotImplementedError("antiquant offsets are not emulated")
+    _require(block_table is not None, "antiquant mode 5 keeps its scales in pages: it needs the paged cache "
+                                      "(block_table)")
+    _require(layout != "TND", "TND takes no antiquant (the TND constraints of input_layout); use BSH/BSND/BNSD")
+    for t, n in ((k_scale, "key_antiquant_scale"), (v_scale, "value_antiquant_scale")):
+        _require(t.dtype == torch.float32, f"{n} must be float32 in mode 5, got {t.dtype}")
+        _require(t.dim() == 3 and t.shape[1] == num_kv, f"{n} must be (blocknum, N={num_kv}, blocksize), got "
+                                                        f"{tuple(t.shape)}")
+        _require(t.is_contiguous(), f"{n} is not contiguous (rejected)")
+    _require(k_scale.shape == v_scale.shape, "key and value antiquant scales must have one shape")
+    return k_scale, v_scale
 
 
 def _dense_kv(key, value, layout, kv_lens, batch, num_kv):
@@ -360,23 +421,31 @@ def _dense_kv(key, value, layout, kv_lens, batch, num_kv):
 
 
 def _fia(module, *, query, key, value, pse_shift, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
-         block_table, query_padding_size, kv_padding_size, query_rope, key_rope, key_rope_antiquant_scale, num_heads,
-         scale, pre_tokens, next_tokens, input_layout, num_key_value_heads, sparse_mode, inner_precise, block_size,
-         antiquant_mode, softmax_lse_flag, key_antiquant_mode, value_antiquant_mode):
+         antiquant_scale, antiquant_offset, block_table, query_padding_size, kv_padding_size, key_antiquant_scale,
+         key_antiquant_offset, value_antiquant_scale, value_antiquant_offset, query_rope, key_rope,
+         key_rope_antiquant_scale, num_heads, scale, pre_tokens, next_tokens, input_layout, num_key_value_heads,
+         sparse_mode, inner_precise, block_size, antiquant_mode, softmax_lse_flag, key_antiquant_mode,
+         value_antiquant_mode):
     for name, arg in (("pse_shift", pse_shift), ("query_padding_size", query_padding_size),
                       ("kv_padding_size", kv_padding_size), ("query_rope", query_rope), ("key_rope", key_rope),
                       ("key_rope_antiquant_scale", key_rope_antiquant_scale)):
         if arg is not None:
             raise NotImplementedError(f"{name} is not emulated")
-    if antiquant_mode or key_antiquant_mode or value_antiquant_mode:
-        raise NotImplementedError("quantised KV is not emulated")
     _require(input_layout in LAYOUTS, f"input_layout {input_layout!r} is not one of {LAYOUTS}")
     for t, n in ((query, "query"), (key, "key"), (value, "value")):
         _require(isinstance(t, torch.Tensor), f"{n} must be a tensor (tensor lists are not supported)")
-        _require(t.dtype in HALF, f"{n} must be float16 or bfloat16, got {t.dtype}")
+        _require(t.dtype in HALF or (n != "query" and t.dtype == torch.int8),
+                 f"{n} must be float16 or bfloat16{'' if n == 'query' else ' (or int8 with antiquant)'}, got "
+                 f"{t.dtype}")
         _require(t.is_contiguous(), f"{n} is not contiguous (rejected)")
-    _require(query.dtype == key.dtype == value.dtype, "query, key and value must share a dtype")
+    _require(key.dtype == torch.int8 or query.dtype == key.dtype == value.dtype,
+             "query, key and value must share a dtype")
     num_kv = num_key_value_heads or num_heads
+    antiquant = _antiquant(module, key, value, input_layout, block_table, num_kv, dict(
+        antiquant_scale=antiquant_scale, antiquant_offset=antiquant_offset, key_antiquant_scale=key_antiquant_scale,
+        key_antiquant_offset=key_antiquant_offset, value_antiquant_scale=value_antiquant_scale,
+        value_antiquant_offset=value_antiquant_offset, antiquant_mode=antiquant_mode,
+        key_antiquant_mode=key_antiquant_mode, value_antiquant_mode=value_antiquant_mode))
     _require(num_heads >= 1 and num_heads % num_kv == 0 and num_heads // num_kv <= 64,
              f"num_heads={num_heads} must be a multiple of num_key_value_heads={num_kv}, ratio <= 64")
     if sparse_mode in (5, 6, 7, 8):
@@ -389,9 +458,12 @@ def _fia(module, *, query, key, value, pse_shift, atten_mask, actual_seq_lengths
     qs, q_s, write = _split_queries(query, input_layout, num_heads, actual_seq_lengths)
     batch, head_dim = len(qs), query.shape[-1] if input_layout != "BSH" else query.shape[2] // num_heads
     ifa = q_s == 1  # IFA (decode) kernel: sparse_mode and actual_seq_lengths are ignored (§2.3 "Branching")
+    # Q_S > 1: "page attention does not support antiquant", and modes 2-5 are Q_S == 1 only (§2.10).
+    _require(antiquant is None or ifa, "Q_S > 1 over a paged cache takes no antiquant (int8 key/value): PFA reads "
+                                       "fp16/bf16 pages only")
     if block_table is not None:
         ks, vs = _paged_kv(module, key, value, input_layout, block_table, block_size, actual_seq_lengths_kv, batch,
-                           num_kv, head_dim, ifa)
+                           num_kv, head_dim, ifa, antiquant)
     else:
         ks, vs = _dense_kv(key, value, input_layout, actual_seq_lengths_kv, batch, num_kv)
 
@@ -615,8 +687,12 @@ class _Recorder(TorchDispatchMode):
         name = func._schema.name  # without the overload
         if any("Tensor" not in str(r.type) for r in func._schema.returns):
             raise FakeNpuError(f"{name} returns a host value during graph capture: a device->host sync")
-        if name in DATA_DEPENDENT or (name in ("aten::index", "aten::index_put_", "aten::index_put") and any(
-                t.dtype in (torch.bool, torch.uint8) for t in _tensors(args[1]))):
+        # repeat_interleave with an int repeats (self_int, what inference mode dispatches for x.repeat_interleave(2))
+        # has a static shape; its tensor-repeats overloads do not.
+        static = name == "aten::repeat_interleave" and func._overloadname == "self_int"
+        if (name in DATA_DEPENDENT and not static) or (name in ("aten::index", "aten::index_put_", "aten::index_put")
+                                                       and any(t.dtype in (torch.bool, torch.uint8)
+                                                               for t in _tensors(args[1]))):
             raise FakeNpuError(f"{name} has a data-dependent output shape: it cannot be captured")
         result = func(*args, **kwargs)
         self.state.check_not_in_group(name)

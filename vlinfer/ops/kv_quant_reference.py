@@ -1,9 +1,9 @@
 """What a KV cache stored in another dtype than the compute dtype means: how a row is written and how it reads back.
 
 Two kinds of scale, one per cache dtype family:
-- int8: one float32 scale per token and KV head (k_scale / v_scale [num_blocks, block_size, kv_heads]), written
-  beside the row when it is stored: scale = max |x| / 127 over the row's head_dim values, the row rounded to
-  nearest. Accurate without calibration.
+- int8: one float32 scale per token and KV head (k_scale / v_scale indexed [num_blocks, block_size, kv_heads]; their
+  memory order is the op table's, ReferenceOps.int8_kv_scales), written beside the row when it is stored: scale =
+  max |x| / 127 over the row's head_dim values, the row rounded to nearest. Accurate without calibration.
 - floating caches (fp8 e4m3 / e5m2, bfloat16, float16): one float32 scale per layer for K and one for V (0-d
   tensors): stored = x / scale, saturated to the format's range; read = stored * scale. 1.0 unless the checkpoint
   has scales.
@@ -59,8 +59,9 @@ def store_quantized_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: tor
             flat.view(torch.uint8).index_copy_(0, slot_mapping, rows.view(torch.uint8))
         else:
             flat.index_copy_(0, slot_mapping, rows)
-        if row_scale is not None:
-            scale.view(-1, scale.shape[-1]).index_copy_(0, slot_mapping, row_scale)
+        if row_scale is not None:  # indexed, not viewed flat: an op table may keep them heads-major
+            block_size = scale.shape[1]
+            scale[slot_mapping // block_size, slot_mapping % block_size] = row_scale
 
 
 def dequantized_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,

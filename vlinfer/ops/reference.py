@@ -167,6 +167,11 @@ class ReferenceOps:
     store_quantized_kvcache = staticmethod(kv_quant_reference.store_quantized_kvcache)
     quantized_paged_attention = staticmethod(quantized_paged_attention)
     kv_cache_kernels: tuple = ()
+
+    def int8_kv_scales(self, shape: tuple, device) -> torch.Tensor:
+        """An int8 KV pool's row scales, 1.0, indexed [..., num_blocks, block_size, kv_heads] (kv_quant_reference):
+        contiguous here; an implementation whose kernels read them in another memory order returns a view of it."""
+        return torch.ones(*shape, dtype=torch.float32, device=device)
     apply_rotary = staticmethod(apply_rotary)
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
