@@ -196,9 +196,9 @@ def test_skip_special_tokens_reaches_the_text(client, served, monkeypatch):
     execute = runner.execute
 
     def scripted(batch):
-        sampled, prompt_logprobs = execute(batch)
+        sampled, prompt_logprobs, pooled = execute(batch)
         return [(seq, box if seq.num_output_tokens == 1 else token, lp) for seq, token, lp in sampled], \
-            prompt_logprobs
+            prompt_logprobs, pooled
 
     monkeypatch.setattr(runner, "execute", scripted)
 

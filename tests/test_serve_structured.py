@@ -191,9 +191,9 @@ def test_auto_parses_tool_calls_the_model_writes(client, served, monkeypatch):
     execute = runner.execute
 
     def scripted(batch):
-        sampled, prompt_logprobs = execute(batch)
+        sampled, prompt_logprobs, pooled = execute(batch)
         return [(seq, script[min(seq.num_output_tokens, len(script) - 1)], lp) for seq, _, lp in sampled], \
-            prompt_logprobs
+            prompt_logprobs, pooled
 
     monkeypatch.setattr(runner, "execute", scripted)
     kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=len(script) + 5, temperature=0)

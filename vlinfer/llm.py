@@ -6,7 +6,7 @@ from tqdm.auto import tqdm
 
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.inputs import PromptType
-from vlinfer.inputs.retrieval import MM_PROCESSOR_KWARGS, rerank_messages
+from vlinfer.inputs.retrieval import mm_processor_kwargs, rerank_messages
 from vlinfer.outputs import PoolingRequestOutput, RequestError, RequestOutput, ScoringOutput
 from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
@@ -131,20 +131,13 @@ class LLM:
         one length); `.outputs.score` per pair. A reranker reads each pair in its own format
         (inputs/retrieval.py, with `instruction`); an embedder gives the cosine of the two embeddings of the
         items taken as given. Items: a string, or a dict with "text" / "image" / "video"."""
-        firsts = data_1 if isinstance(data_1, list) else [data_1]
-        seconds = data_2 if isinstance(data_2, list) else [data_2]
-        if len(firsts) == 1:
-            firsts = firsts * len(seconds)
-        if len(firsts) != len(seconds) or not seconds:
-            raise ValueError(f"score takes one item against a list, or two lists of one length; got "
-                             f"{len(firsts)} and {len(seconds)}")
+        firsts, seconds = score_pairs(data_1, data_2)
         pooling = self.engine.pooling
         if pooling is not None and pooling.task == "classify":
             prompts, rejected = [], {}
             for i, (query, document) in enumerate(zip(firsts, seconds)):
                 try:
-                    prompts.append(self.engine.chat_prompt(rerank_messages(query, document, instruction),
-                                                           mm_processor_kwargs=MM_PROCESSOR_KWARGS))
+                    prompts.append(rerank_prompt(self.engine, query, document, instruction))
                 except ValueError as e:
                     rejected[i] = PoolingRequestOutput.rejected(f"rejected-{i}", str(e))
                     prompts.append(None)
@@ -157,11 +150,7 @@ class LLM:
         n = len(firsts)
         out = []
         for i, (a, b) in enumerate(zip(vectors[:n], vectors[n:])):
-            cosine = sum(x * y for x, y in zip(a.outputs.embedding, b.outputs.embedding))
-            if params.normalize is False:
-                norm = (sum(x * x for x in a.outputs.embedding) * sum(y * y for y in b.outputs.embedding)) ** 0.5
-                cosine /= norm
-            out.append(PoolingRequestOutput(f"score-{i}", ScoringOutput(cosine), a.prompt_token_ids +
+            out.append(PoolingRequestOutput(f"score-{i}", ScoringOutput(cosine(a, b, params)), a.prompt_token_ids +
                                             b.prompt_token_ids))
         return out
 
@@ -213,6 +202,34 @@ class LLM:
         for i, out in zip(prompts, outputs):
             results[i] = RequestOutput.rejected(f"rejected-{i}", out.prompt, out.error) if out.error else out
         raise RequestError([results[i] for i in range(len(conversations))])
+
+
+def score_pairs(data_1, data_2) -> tuple[list, list]:
+    """vLLM's score pairing (LLM.score, the server's /score and /rerank): one item against each of a list, or two
+    lists of one length, as two lists of one length."""
+    firsts = data_1 if isinstance(data_1, list) else [data_1]
+    seconds = data_2 if isinstance(data_2, list) else [data_2]
+    if not seconds or len(firsts) not in (1, len(seconds)):
+        raise ValueError(f"score takes one item against a list, or two lists of one length; got "
+                         f"{len(firsts)} and {len(seconds)}")
+    return firsts * len(seconds) if len(firsts) == 1 else firsts, seconds
+
+
+def rerank_prompt(engine, query, document, instruction: str | None = None) -> dict:
+    """A reranker's (query, document) pair as its prompt: the Qwen reranker's conversation (inputs/retrieval.py),
+    media sized as its code sizes them."""
+    messages = rerank_messages(query, document, instruction)
+    return engine.chat_prompt(messages, mm_processor_kwargs=mm_processor_kwargs(messages))
+
+
+def cosine(a: PoolingRequestOutput, b: PoolingRequestOutput, params: PoolingParams) -> float:
+    """An embedder's score of two embedding outputs: their dot product, divided by their norms unless the
+    embeddings are normalized already (PoolingParams.normalize not False)."""
+    x, y = a.outputs.embedding, b.outputs.embedding
+    dot = sum(p * q for p, q in zip(x, y))
+    if params.normalize is False:
+        dot /= (sum(p * p for p in x) * sum(q * q for q in y)) ** 0.5
+    return dot
 
 
 def _prompt_list(prompts) -> list:

@@ -13,7 +13,8 @@ import threading
 
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.engine.sequence import Sequence
-from vlinfer.outputs import RequestOutput
+from vlinfer.outputs import PoolingRequestOutput, RequestOutput
+from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("vlinfer")
@@ -21,13 +22,14 @@ _DONE = object()
 
 
 class RequestStream:
-    """Iterates over one request's outputs (cumulative text plus this step's delta) until it finishes."""
+    """Iterates over one request's outputs (cumulative text plus this step's delta) until it finishes; a pooling
+    request's one output is its PoolingRequestOutput."""
 
     def __init__(self, loop: "EngineLoop", request_id: str):
         self.loop = loop
         self.request_id = request_id
         self.queue: queue.Queue = queue.Queue()
-        self.final: RequestOutput | None = None
+        self.final: RequestOutput | PoolingRequestOutput | None = None
 
     def _accept(self, item) -> bool:
         """False at the end of the stream; raises the loop's error; remembers the final output."""
@@ -78,9 +80,10 @@ class EngineLoop:
         several requests (n > 1) can check them all before any runs. Runs in the caller's thread."""
         return self.engine.make_sequence(prompt, sampling_params, request_id=f"loop-{next(self._ids)}")
 
-    def make_sequences(self, prompt, sampling_params: SamplingParams) -> list[Sequence]:
+    def make_sequences(self, prompt, sampling_params: SamplingParams | PoolingParams) -> list[Sequence]:
         """make_sequence for n completions of one prompt: the prompt and its media are processed once (the engine's
-        make_sequences), and each completion is its own stream (its outputs carry its own id)."""
+        make_sequences), and each completion is its own stream (its outputs carry its own id). PoolingParams make
+        one pooling sequence, whose stream gets one PoolingRequestOutput."""
         seqs = self.engine.make_sequences(prompt, sampling_params, request_id=f"loop-{next(self._ids)}")
         for seq in seqs:
             seq.parent_id = seq.request_id

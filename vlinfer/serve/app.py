@@ -5,16 +5,17 @@ loop (async, capped; serve/media.py) -> a worker thread decodes images, applies 
 queues the sequences (serve/server.py; queueing never waits for an engine step) -> outputs come back through
 AsyncRequestStream (call_soon_threadsafe, no thread per request), merged per request (serve/run.py) -> JSON or
 SSE (serve/responses.py). A client that goes away has its sequences aborted, which frees their KV blocks and
-encoder cache entries at once. This file: the error handlers and the routes."""
+encoder cache entries at once. An embedding or reranker model answers /v1/embeddings, /score and /rerank the same
+way (serve/pooling.py). This file: the error handlers and the routes."""
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlinfer.engine.engine_loop import EngineLoop
-from vlinfer.serve import media, security
+from vlinfer.serve import media, pooling, security
 from vlinfer.serve.config import ServeConfig
 from vlinfer.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from vlinfer.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, Logprobs, error_body, parse_body
@@ -77,8 +78,13 @@ def build_app(loop: EngineLoop, config: ServeConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
+        # task: what the model runs, vLLM's names ("generate", "embed", "classify": a reranker); supported_tasks:
+        # what this server answers with it ("generate": chat and completions, "embed", "score": /score and /rerank)
+        tasks = (["generate"] if engine.can_generate else []) + \
+            {"generate": [], "embed": ["embed", "score"], "classify": ["score"]}[server.task]
         return {"object": "list", "data": [{"id": name, "object": "model", "created": server.created,
-                                            "owned_by": "vlinfer", "max_model_len": engine.max_model_len}
+                                            "owned_by": "vlinfer", "max_model_len": engine.max_model_len,
+                                            "task": server.task, "supported_tasks": tasks}
                                            for name in config.served_model_names]}
 
     @app.post("/v1/chat/completions")
@@ -86,14 +92,17 @@ def build_app(loop: EngineLoop, config: ServeConfig) -> FastAPI:
         _json_content_type(request)
         req = parse_body(ChatCompletionRequest, await request.body())
         model = server.check_model(req.model)
+        server.check_generates()
         media.check_mm_kwargs(req.mm_processor_kwargs, engine, config)
         fmt = Logprobs(req.top_logprobs or 0) if req.logprobs else None
         params = server.sampling_params(req, (req.top_logprobs or 0) if req.logprobs else None)
         server.check_capacity(req.n)
         sources = media.image_sources(req.messages, engine, config)
-        fetched = await media.fetch_urls(sources, config.images, media.video_sources(req.messages))
-        run = await server.start(request, lambda: [server.chat_prompt(req, sources, fetched)], params, req.n, 1,
-                                 req.max_completion_tokens or req.max_tokens)
+        videos = media.video_sources(media.content_lists(req.messages))
+        fetched = await media.fetch_urls(sources, config.images, videos)
+        run = await server.start(request, lambda: [server.chat_prompt(req.messages, sources, fetched,
+                                                                      req.mm_processor_kwargs, req.tools)],
+                                 params, req.n, 1, req.max_completion_tokens or req.max_tokens)
         return await respond(request, run, req, model, chat=True, fmt=fmt)
 
     @app.post("/v1/completions")
@@ -101,12 +110,34 @@ def build_app(loop: EngineLoop, config: ServeConfig) -> FastAPI:
         _json_content_type(request)
         req = parse_body(CompletionRequest, await request.body())
         model = server.check_model(req.model)
+        server.check_generates()
         fmt = Logprobs(req.logprobs) if req.logprobs is not None else None
         params = server.sampling_params(req, req.logprobs)
         prompts = server.completion_prompts(req.prompt)
         server.check_capacity(req.n * len(prompts))
         run = await server.start(request, lambda: prompts, params, req.n, len(prompts), req.max_tokens)
         return await respond(request, run, req, model, chat=False, fmt=fmt)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        _json_content_type(request)
+        req = parse_body(pooling.EmbeddingRequest, await request.body())
+        return JSONResponse(await pooling.embeddings(server, request, req))
+
+    async def score(request: Request):
+        _json_content_type(request)
+        req = parse_body(pooling.ScoreRequest, await request.body())
+        return JSONResponse(await pooling.score(server, request, req, request.url.path))
+
+    async def rerank(request: Request):
+        _json_content_type(request)
+        req = parse_body(pooling.RerankRequest, await request.body())
+        return JSONResponse(await pooling.rerank(server, request, req, request.url.path))
+
+    for path in ("/score", "/v1/score"):
+        app.add_api_route(path, score, methods=["POST"])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"])
 
     # Outermost: runs before routing, so unauthenticated or oversized requests cost no parsing.
     app.add_middleware(security.GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes,

@@ -14,6 +14,7 @@ class ServeConfig:
     images: ImagePolicy = field(default_factory=ImagePolicy)
     max_n: int = 16  # choices per request (n) times prompts per /v1/completions request
     max_pending: int = 1024  # sequences queued or running before new requests get 503
+    max_pooling_inputs: int = 512  # inputs of one /v1/embeddings request; items or pairs of one /score, /rerank
     trim_memory_when_idle: bool = True  # hand freed heap pages back to the OS once a burst is over (glibc)
     # vLLM's structured-outputs option: JSON the server constrains has no free whitespace (a request's own
     # structured_outputs.disable_any_whitespace wins). Small models otherwise pad JSON with newlines.

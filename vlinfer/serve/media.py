@@ -34,31 +34,42 @@ def check_mm_kwargs(kwargs: dict | None, engine, config) -> None:
         check_video_options(video, engine, config.video)
 
 
+def content_lists(messages) -> list[tuple[str, list]]:
+    """(param prefix, parts) of every message whose content is a list of parts."""
+    return [(f"messages.{i}.content", message.content) for i, message in enumerate(messages)
+            if isinstance(message.content, list)]
+
+
 def image_sources(messages, engine, config) -> list[tuple[str, str]]:
-    """(url, param) of every image part, in order; refuses a text-only model and too many media early."""
+    """(url, param) of every image part of a chat request's messages, in order (part_sources)."""
+    return part_sources(content_lists(messages), engine, config)
+
+
+def part_sources(contents, engine, config, field: str = "messages") -> list[tuple[str, str]]:
+    """(url, param) of every image part of contents ((param prefix, parts) pairs: content_lists, or the score items
+    of /score and /rerank), in order; refuses a text-only model and too many media (in the request's `field`)
+    early."""
     sources, videos = [], 0
-    for i, message in enumerate(messages):
-        if isinstance(message.content, list):
-            for j, part in enumerate(message.content):
-                if part.type == "image_url":
-                    sources.append((part.image_url.url, f"messages.{i}.content.{j}.image_url.url"))
-                videos += part.type == "video_url"
+    for prefix, parts in contents:
+        for j, part in enumerate(parts):
+            if part.type == "image_url":
+                sources.append((part.image_url.url, f"{prefix}.{j}.image_url.url"))
+            videos += part.type == "video_url"
     if sources and not engine.is_multimodal:
         raise ApiError(400, text_only(config.served_model_names[0], "images"), param=sources[0][1])
     limit = config.images.max_images
     if len(sources) + videos > limit:  # counted as the engine counts them (vlinfer/inputs/limits.py)
-        raise ApiError(400, too_many_images(len(sources) + videos, limit), param="messages", code="too_many_images")
+        raise ApiError(400, too_many_images(len(sources) + videos, limit), param=field, code="too_many_images")
     for url, param in sources:
         if security.image_kind(url) == "other":
             raise security.unsupported_source(url, param)
     return sources
 
 
-def video_sources(messages) -> list[tuple[str, str]]:
-    """(url, param) of every video part, in order."""
-    return [(part.video_url.url, f"messages.{i}.content.{j}.video_url.url")
-            for i, message in enumerate(messages) if isinstance(message.content, list)
-            for j, part in enumerate(message.content) if part.type == "video_url"]
+def video_sources(contents) -> list[tuple[str, str]]:
+    """(url, param) of every video part of contents ((param prefix, parts) pairs), in order."""
+    return [(part.video_url.url, f"{prefix}.{j}.video_url.url")
+            for prefix, parts in contents for j, part in enumerate(parts) if part.type == "video_url"]
 
 
 async def fetch_urls(sources, policy: security.ImagePolicy, videos=()) -> dict[str, bytes]:
@@ -95,13 +106,7 @@ def chat_messages(messages, images: list, policy: security.ImagePolicy, fetched:
     for i, message in enumerate(messages):
         role = "system" if message.role == "developer" else message.role
         if isinstance(message.content, list):
-            content = [{"type": "text", "text": part.text} if part.type == "text"
-                       else {"type": "video", "video": video_bytes(
-                           part.video_url.url, policy, f"messages.{i}.content.{j}.video_url.url",
-                           fetched.get(f"messages.{i}.content.{j}.video_url.url"))}
-                       if part.type == "video_url"
-                       else {"type": "image", "image": next(images), "detail": part.image_url.detail}
-                       for j, part in enumerate(message.content)]
+            content = template_parts(message.content, f"messages.{i}.content", images, policy, fetched)
         else:
             content = message.content or ""
         entry = {"role": role, "content": content}
@@ -111,3 +116,14 @@ def chat_messages(messages, images: list, policy: security.ImagePolicy, fetched:
             entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
+
+
+def template_parts(parts, prefix: str, images, policy: security.ImagePolicy, fetched: dict[str, bytes]) -> list[dict]:
+    """One content list's parts as the chat template takes them: texts, the next decoded images of the iterator
+    `images` (in order), and video bytes."""
+    return [{"type": "text", "text": part.text} if part.type == "text"
+            else {"type": "video", "video": video_bytes(part.video_url.url, policy, f"{prefix}.{j}.video_url.url",
+                                                        fetched.get(f"{prefix}.{j}.video_url.url"))}
+            if part.type == "video_url"
+            else {"type": "image", "image": next(images), "detail": part.image_url.detail}
+            for j, part in enumerate(parts)]

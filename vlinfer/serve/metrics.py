@@ -44,14 +44,16 @@ class EngineCollector:
 
 class Metrics:
     # Label values come from a fixed set, never from the request: a scan of random paths must not grow the output.
-    ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+    ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/score", "/v1/score", "/rerank",
+              "/v1/rerank", "/v2/rerank", "/v1/models", "/health", "/metrics")
 
     def __init__(self, loop, in_flight):
         """loop: the server's EngineLoop; in_flight: a callable giving the server's unfinished sequence count."""
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("vlinfer_requests", "HTTP responses by route and status code", ("route", "status"),
                                 registry=registry)
-        self.finished = Counter("vlinfer_request_finish", "Generations by finish reason (stop, length, abort)",
+        self.finished = Counter("vlinfer_request_finish", "Sequences by finish reason (stop, length, abort; a "
+                                "pooling one: stop)",
                                 ("reason",), registry=registry)
         self.prompt_tokens = Counter("vlinfer_prompt_tokens", "Prompt tokens admitted (image tokens included)",
                                      registry=registry)

@@ -243,7 +243,8 @@ def _constraint_problem(req: _SamplingFields) -> tuple[str, str] | None:
 
 
 # ---- validation errors -> one clear message ----
-_UNION_LABELS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "ImagePart", "NamedToolChoice"}
+_UNION_LABELS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "ImagePart", "NamedToolChoice",
+                 "ScoreMultiModal"}
 
 
 def _clean_loc(loc) -> str:
@@ -300,6 +301,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def pooling_usage(prompt_tokens: int) -> dict:
+    """The usage of an embedding or scoring request: prompt tokens only."""
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
 
 
 class Logprobs:

@@ -85,6 +85,13 @@ async def _collect(request: Request, run: Run) -> None:
         run.close()
 
 
+async def finished_outputs(request: Request, run: Run) -> list:
+    """The final output of each of a run's sequences, once all finished (a run answered whole, not streamed)."""
+    await _collect(request, run)
+    _check_complete(run)
+    return run.last
+
+
 async def respond(request: Request, run: Run, req, model: str, chat: bool, fmt: Logprobs | None) -> Response:
     """The response of a started run, in the chat or the text completion shape, streamed (SSE) or whole."""
     request_id, created = new_id("chatcmpl" if chat else "cmpl"), now()
@@ -124,10 +131,8 @@ async def respond(request: Request, run: Run, req, model: str, chat: bool, fmt: 
         include = bool(req.stream_options and req.stream_options.include_usage)
         return _SSEResponse(_stream(request, run, chunk, usage_chunk, include), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", **headers})
-    await _collect(request, run)
-    _check_complete(run)
     choices = []
-    for i, out in enumerate(run.last):
+    for i, out in enumerate(await finished_outputs(request, run)):
         c = out.outputs[0]
         finish = c.finish_reason
         if not chat:

@@ -2,6 +2,19 @@
 import asyncio
 import time
 
+from vlinfer.outputs import PoolingRequestOutput
+
+
+def generated(out) -> list[int]:
+    """The tokens a request generated so far: none for a pooling request (embed, score), whose one output is its
+    PoolingRequestOutput."""
+    return [] if isinstance(out, PoolingRequestOutput) else out.outputs[0].token_ids
+
+
+def finish_reason(out) -> str | None:
+    """Why a request finished: a pooling request ends when its prefill does ("stop", as the engine marks it)."""
+    return "stop" if isinstance(out, PoolingRequestOutput) else out.outputs[0].finish_reason
+
 
 class Run:
     """The sequences of one HTTP request (n choices, maybe several prompts): their outputs merged in arrival
@@ -15,7 +28,8 @@ class Run:
         self.closed = False
 
     async def outputs(self):
-        """Yields (index, RequestOutput, number of new tokens) until every sequence finished."""
+        """Yields (index, RequestOutput or PoolingRequestOutput, number of new tokens) until every sequence
+        finished."""
         if len(self.streams) == 1:
             async for out in self.streams[0]:
                 yield 0, out, self._account(0, out)
@@ -49,13 +63,13 @@ class Run:
     def _account(self, i: int, out) -> int:
         t = time.perf_counter()
         previous = self.last[i]
-        new_tokens = len(out.outputs[0].token_ids) - (len(previous.outputs[0].token_ids) if previous else 0)
+        new_tokens = len(generated(out)) - (len(generated(previous)) if previous else 0)
         self.last[i] = out
-        if self.first_token_at[i] is None and out.outputs[0].token_ids:
+        if self.first_token_at[i] is None and generated(out):
             self.first_token_at[i] = t
             self.server.metrics.ttft.observe(t - self.arrival)
         if out.finished:
-            self._finish(i, out.outputs[0].finish_reason or "abort", t)
+            self._finish(i, finish_reason(out) or "abort", t)
         return new_tokens
 
     def _finish(self, i: int, reason: str, t: float) -> None:
@@ -67,7 +81,7 @@ class Run:
         m.finished.labels(reason=reason).inc()
         if out is None:
             return
-        n = len(out.outputs[0].token_ids)
+        n = len(generated(out))
         m.prompt_tokens.inc(len(out.prompt_token_ids))
         m.cached_tokens.inc(out.num_cached_tokens)
         m.generation_tokens.inc(n)

@@ -44,12 +44,12 @@ class GuardMiddleware:
     the app, and counts every response by route and status, errors included."""
 
     def __init__(self, app, *, api_key: str | None, max_body_bytes: int, on_response=None,
-                 protected_prefix: str = "/v1/"):
+                 protected_prefixes: tuple[str, ...] = ("/v1/", "/v2/", "/score", "/rerank")):
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.on_response = on_response  # (path, status, method) -> None
-        self.protected_prefix = protected_prefix
+        self.protected_prefixes = protected_prefixes  # the API; /health and /metrics stay open
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -70,7 +70,7 @@ class GuardMiddleware:
 
     async def _handle(self, scope, receive, send):
         headers = dict(scope["headers"])  # ASGI header names are lower-case bytes
-        if self.api_key and scope["path"].startswith(self.protected_prefix):
+        if self.api_key and scope["path"].startswith(self.protected_prefixes):
             reason = check_api_key(headers, self.api_key)
             if reason:
                 return await send_error(send, 401, reason, code="invalid_api_key",

@@ -1,17 +1,19 @@
-"""The server's request handling around one EngineLoop: model and capacity checks, sequences validated and
-queued from a worker thread, prompts for both APIs, and the heap trimmed once a burst is over."""
+"""The server's request handling around one EngineLoop: model, task and capacity checks, sequences validated and
+queued from a worker thread (generating and pooling ones), prompts for both APIs, and the heap trimmed once a
+burst is over."""
 import asyncio
 import dataclasses
 
 from fastapi import Request
 
 from vlinfer.engine.engine_loop import EngineLoop
+from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
 from vlinfer.serve import media
 from vlinfer.serve.config import ServeConfig
 from vlinfer.serve.memory import malloc_trim
 from vlinfer.serve.metrics import Metrics
-from vlinfer.serve.protocol import ApiError, ChatCompletionRequest, now
+from vlinfer.serve.protocol import ApiError, now
 from vlinfer.serve.run import Run
 from vlinfer.serve.constraints import forced_tool
 from vlinfer.serve.sampling import request_params
@@ -55,10 +57,53 @@ class Server:
                            param="model", code="model_not_found")
         return model or names[0]
 
-    def check_capacity(self, count: int) -> None:
-        if count > self.config.max_n:
-            raise ApiError(400, f"this request asks for {count} sequences (n x prompts); the limit is "
-                                f"{self.config.max_n}", param="n", code="invalid_value")
+    @property
+    def task(self) -> str:
+        """What the served model does (/v1/models): "generate", or its pooling task, "embed" or "classify"."""
+        return self.engine.pooling.task if self.engine.pooling is not None else "generate"
+
+    def check_generates(self) -> None:
+        """/v1/chat/completions and /v1/completions: refused up front by a model that cannot generate."""
+        if not self.engine.can_generate:
+            raise ApiError(400, f"model {self.config.served_model_names[0]!r} is an embedding model without an LM "
+                                "head: it cannot generate text; it serves /v1/embeddings, /score and /rerank",
+                           param="model", code="unsupported_task")
+
+    def check_pooling(self, route: str) -> str:
+        """The pooling task ("embed" or "classify") that answers `route`; a 400 naming why when none does."""
+        name, task = self.config.served_model_names[0], self.task
+        if task == "generate":
+            raise ApiError(400, f"model {name!r} is a generative model: {route} needs an embedding or a reranker "
+                                "model (the pooling runner)", param="model", code="unsupported_task")
+        if route == "/v1/embeddings" and task != "embed":
+            raise ApiError(400, f"model {name!r} is a reranker (a classification model): it gives scores "
+                                "(/score, /rerank), not embeddings", param="model", code="unsupported_task")
+        return task
+
+    def pooling_params(self, task: str, dimensions: int | None = None, normalize: bool | None = None,
+                       truncate_prompt_tokens: int | None = None) -> PoolingParams:
+        """A pooling request's PoolingParams, checked against the model before anything is queued."""
+        try:
+            params = PoolingParams(dimensions=dimensions, normalize=normalize,
+                                   truncate_prompt_tokens=truncate_prompt_tokens, task=task)
+        except ValueError as e:
+            field = str(e).split(" ")[0].removeprefix("PoolingParams.")
+            raise ApiError(400, str(e).removeprefix("PoolingParams."), param=field, code="invalid_value") from None
+        try:
+            self.engine.pooling.check(params, self.config.served_model_names[0])
+        except ValueError as e:
+            raise ApiError(400, str(e), param="dimensions", code="invalid_value") from None
+        return params
+
+    def check_capacity(self, count: int, limit: int | None = None, what: str = "sequences (n x prompts)",
+                       param: str = "n") -> None:
+        limit = self.config.max_n if limit is None else limit
+        if count > limit:
+            raise ApiError(400, f"this request asks for {count} {what}; the limit is {limit}", param=param,
+                           code="invalid_value")
+        self.check_pending(count)
+
+    def check_pending(self, count: int) -> None:
         if self.in_flight + count > self.config.max_pending:
             raise ApiError(503, "the server is at capacity; retry later", code="overloaded",
                            headers={"Retry-After": "1"})
@@ -84,6 +129,20 @@ class Server:
                                         f"{requested_max_tokens or 1} more", param="max_tokens",
                                    code="context_length_exceeded")
                 seqs.append(seq)
+        return self._queue(seqs, event_loop)
+
+    def submit_pooling(self, prompts: list, params: PoolingParams, names: list[str], event_loop) -> list:
+        """In a worker thread: one pooling sequence per prompt, all validated first (a bad one, named by its
+        entry of `names`, queues none), then queued."""
+        seqs = []
+        for prompt, name in zip(prompts, names, strict=True):
+            try:
+                seqs.extend(self.loop.make_sequences(prompt, params))
+            except ValueError as e:
+                raise ApiError(400, f"{name}: {e}", param=name, code="invalid_value") from None
+        return self._queue(seqs, event_loop)
+
+    def _queue(self, seqs: list, event_loop) -> list:
         try:
             return self.loop.submit_sequences(seqs, event_loop)
         except RuntimeError:
@@ -105,12 +164,24 @@ class Server:
 
     async def start(self, request: Request, prompts_fn, params: SamplingParams, n: int, num_prompts: int,
                     requested_max_tokens: int | None) -> Run:
-        count = n * num_prompts
-        self.check_capacity(count)
+        self.check_capacity(n * num_prompts)
+        return await self._start(request, n * num_prompts,
+                                 lambda event_loop: self.submit(prompts_fn(), params, n, requested_max_tokens,
+                                                                event_loop))
+
+    async def start_pooling(self, request: Request, prompts_fn, params: PoolingParams, names: list[str]) -> Run:
+        """Queue one pooling sequence per prompt of prompts_fn() (built in the worker thread; `names` says which
+        field of the request each comes from); the caller checked the request's size."""
+        self.check_pending(len(names))
+        return await self._start(request, len(names),
+                                 lambda event_loop: self.submit_pooling(prompts_fn(), params, names, event_loop))
+
+    async def _start(self, request: Request, count: int, submit_fn) -> Run:
+        """submit_fn(event_loop) in a worker thread: it builds, validates and queues `count` sequences."""
         event_loop = asyncio.get_running_loop()
 
         def work():
-            return self.submit(prompts_fn(), params, n, requested_max_tokens, event_loop)
+            return submit_fn(event_loop)
 
         self.in_flight += count  # reserved while it is prepared, so concurrent requests count it already
         try:
@@ -120,26 +191,30 @@ class Server:
             raise
         return Run(self, streams, request.state.arrival)
 
-    def chat_prompt(self, req: ChatCompletionRequest, sources, fetched) -> dict:
+    def chat_prompt(self, messages, sources, fetched, mm_processor_kwargs: dict | None, tools=None,
+                    add_generation_prompt: bool = True) -> dict:
+        """In a worker thread: a request's messages (images decoded, videos read) through the chat template."""
         from jinja2.exceptions import TemplateError
         images = media.load_images(sources, fetched, self.config.images)
-        messages = media.chat_messages(req.messages, images, self.config.images, fetched)
-        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
+        messages = media.chat_messages(messages, images, self.config.images, fetched)
+        tools = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
         try:
-            return self.engine.chat_prompt(messages, mm_processor_kwargs=req.mm_processor_kwargs, tools=tools)
+            return self.engine.chat_prompt(messages, add_generation_prompt, mm_processor_kwargs=mm_processor_kwargs,
+                                           tools=tools)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages", code="invalid_value") from None
         except TemplateError as e:  # the template refuses this conversation (e.g. a system message not first)
             raise ApiError(400, f"the chat template cannot render these messages: {e}", param="messages",
                            code="invalid_value") from None
 
-    def completion_prompts(self, prompt) -> list:
+    def completion_prompts(self, prompt, param: str = "prompt") -> list:
+        """A text or token-id prompt, or a list of them (/v1/completions' prompt, /v1/embeddings' input)."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompts = [prompt]
         else:
             prompts = list(prompt)
         if not prompts:
-            raise ApiError(400, "prompt is empty", param="prompt")
+            raise ApiError(400, f"{param} is empty", param=param)
         processor = self.engine.input_processor.mm_processor
         for prompt in prompts:
             if processor is None:
@@ -149,8 +224,8 @@ class Server:
                 try:
                     processor.check_user_text(prompt)
                 except ValueError as e:
-                    raise ApiError(400, str(e), param="prompt") from None
+                    raise ApiError(400, str(e), param=param) from None
             elif processor.special_ids.intersection(prompt):
-                raise ApiError(400, "prompt token ids contain vision token ids; this endpoint takes no images",
-                               param="prompt")
+                raise ApiError(400, f"{param} token ids contain vision token ids; this field takes no images",
+                               param=param)
         return prompts
