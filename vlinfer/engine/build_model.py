@@ -17,15 +17,16 @@ logger = logging.getLogger("vlinfer")
 
 
 def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quantization: str | None = None,
-               pooling_task: str | None = None, label_token_ids: list[int] | None = None):
+               pooling=None):
     """Build the model on ctx's op table for ctx.tp's rank (its shard of every split layer) and load that shard:
     split weights are read lazily, only the rank's rows or columns of each (loading.CheckpointSlice).
     Each linear layer's quantization method is chosen from the checkpoint (or `quantization`, "int8" / "int4" on
     load) before any weight is read, so a checkpoint vlinfer cannot run fails here, before the KV pool.
 
-    A pooling model (pooling_task "embed" / "classify", models/registry.py) keeps its LM head only where the
-    checkpoint has one (generation requests may then share its engine); "classify" adds the head rows of
+    A pooling model (engine/pooling.py PoolingSpec: task "embed" / "classify") keeps its LM head only where the
+    checkpoint has one (generation requests may then share its engine); "classify" adds the head rows of its
     label_token_ids (layers/pooler.py), read from the LM head's table as it streams by."""
+    pooling_task = pooling.task if pooling is not None else None
     model_cls = get_model_class(hf_config)
     with torch.device(device):  # thread-local: another engine building in another thread keeps its own device
         net = model_cls(hf_config, ctx).eval()  # every layer builds its parameters in ctx.dtype
@@ -38,7 +39,7 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quant
             raise ValueError("a classification model needs its LM head's rows, and the checkpoint has no "
                              "lm_head.weight (nor a tied embedding)")
         with torch.device(device):
-            net.classifier = TokenRowsHead(ctx, label_token_ids, hf_config.get_text_config().hidden_size)
+            net.classifier = TokenRowsHead(ctx, list(pooling.label_token_ids), hf_config.get_text_config().hidden_size)
     quant = detect_quantization(hf_config, source.folder, tensors, quantization)
     if quant is not None:
         assign_methods(net, quant, tensors)

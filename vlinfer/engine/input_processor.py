@@ -30,6 +30,18 @@ class InputProcessor:
         self.pooling = pooling  # engine/pooling.py's PoolingSpec of a pooling engine; None: it generates only
         self.can_generate = can_generate  # False: an embedder without an LM head
 
+    @classmethod
+    def for_engine(cls, engine, multimodal: bool) -> "InputProcessor":
+        """The processor of a built engine (llm_engine.py): its tokenizer, limits, media processor, chat template,
+        grammars, seed and pooling."""
+        from vlinfer.multimodal import Qwen3VLInputProcessor, load_chat_template
+        config, folder = engine.config, engine.source.folder
+        mm_processor = Qwen3VLInputProcessor(engine.hf_config, engine.tokenizer, folder, engine.device,
+                                             config.allow_image_urls) if multimodal else None
+        return cls(engine.tokenizer, engine.text_config.vocab_size, engine.source.name, engine.resolved.max_model_len,
+                   mm_processor, load_chat_template(folder, engine.tokenizer, multimodal), engine.grammar_matchers,
+                   engine.device, config.seed, engine.pooling, engine.can_generate)
+
     @property
     def is_multimodal(self) -> bool:
         return self.mm_processor is not None

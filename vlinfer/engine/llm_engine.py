@@ -14,14 +14,14 @@ from vlinfer.engine.build_model import load_model
 from vlinfer.engine.input_processor import InputProcessor
 from vlinfer.engine.model_runner import ModelRunner
 from vlinfer.engine.output_processor import OutputProcessor
-from vlinfer.engine.pooling import PoolingSpec
+from vlinfer.engine.pooling import resolve_pooling
 from vlinfer.engine.scheduler import Scheduler
 from vlinfer.engine.sequence import Sequence
 from vlinfer.engine.worker import spawned_worker_main
 from vlinfer.inputs import PromptType
 from vlinfer.layers import ModelContext
 from vlinfer.layers.distributed import SINGLE
-from vlinfer.models import get_model_class, pooling_task
+from vlinfer.models import get_model_class
 from vlinfer.outputs import PoolingRequestOutput, RequestOutput
 from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
@@ -55,27 +55,21 @@ class LLMEngine:
 
     def _build(self, config: EngineConfig) -> None:
         start = time.perf_counter()
-        self.hf_config = loading.load_config(self.source)
-        for key, value in {**self.source.hf_overrides, **(config.hf_overrides or {})}.items():
-            setattr(self.hf_config, key, value)  # vLLM's hf_overrides: the alias's, then the caller's
+        self.hf_config = loading.load_config(self.source, config.hf_overrides)
         self.tokenizer = loading.load_tokenizer(self.source)
         self.dtype = platform.resolve_dtype(config.dtype, self.hf_config, self.device)
         self.text_config = self.hf_config.get_text_config()  # the decoder's config, nested in multimodal ones
         model_len, longest = sizing.context_limit(config, self.text_config)  # fails before any weight is read
         get_model_class(self.hf_config)  # an unsupported architecture fails here, before the workers load
-        self.pooling, has_lm_head = self._pooling_spec(config)
-        label_token_ids = list(self.pooling.label_token_ids) if self.pooling is not None else None
         # A pooling engine generates too where its checkpoint has an LM head (requests of both kinds batch).
-        self.can_generate = has_lm_head
+        self.pooling, self.can_generate = resolve_pooling(config, self.source, self.hf_config, self.tokenizer)
         check_tensor_parallel_shapes(self.text_config, config.tensor_parallel_size, config.enable_expert_parallel)
         block_size = sizing.block_size(config, self.device)
         kv_cache_dtype = sizing.kv_cache_dtype(config, self.dtype, self.hf_config, self.source.folder)
         group = SINGLE
         if self.driver is not None:  # the workers load their shards while rank 0 loads its own
             self.driver.start_workers({"source": self.source, "hf_config": self.hf_config, "config": config,
-                                       "dtype": self.dtype, "kv_cache_dtype": kv_cache_dtype,
-                                       "pooling_task": self.pooling and self.pooling.task,
-                                       "label_token_ids": label_token_ids,
+                                       "dtype": self.dtype, "kv_cache_dtype": kv_cache_dtype, "pooling": self.pooling,
                                        "device_type": self.device.type, "block_size": block_size})
             group = self.driver.group
         # This engine's own op table, dtype and step state: another engine in the process never sees them.
@@ -83,7 +77,7 @@ class LLMEngine:
                                           expert_parallel=config.enable_expert_parallel, dtype=self.dtype,
                                           kv_cache_dtype=kv_cache_dtype)
         net = load_model(self.source, self.hf_config, self.device, self.model_context, config.quantization,
-                         self.pooling and self.pooling.task, label_token_ids)
+                         self.pooling)
         if self.driver is not None:
             self.driver.wait_ready()
         logger.info("loaded %s (%s) on %s in %s in %.1fs%s", self.source.name, type(net).__name__, self.device,
@@ -103,38 +97,10 @@ class LLMEngine:
         self.block_manager = BlockManager(self.resolved.num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.resolved.max_num_seqs,
                                    self.resolved.max_num_batched_tokens)
-        self.input_processor = self._input_processor(config, net)
+        self.input_processor = InputProcessor.for_engine(self, hasattr(net, "encode_images"))
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.resolved.max_model_len)
         self.requests: dict[str, Sequence] = {}  # by sequence id: every sequence added and not yet finished
         self._request_ids = count()
-
-    def _pooling_spec(self, config: EngineConfig) -> tuple[PoolingSpec | None, bool]:
-        """(what a pooling engine pools, None for a generating one; whether the checkpoint has an LM head)."""
-        has_lm_head = loading.lm_head_table(loading.checkpoint_tensor_index(self.source), self.hf_config) is not None
-        runner = config.runner if config.runner != "auto" else (self.source.runner or "auto")
-        task = pooling_task(self.hf_config, runner, has_lm_head)
-        if task is None:
-            return None, has_lm_head
-        labels = ()
-        if task == "classify":
-            vocab = self.tokenizer.get_vocab()
-            missing = [t for t in self.hf_config.classifier_from_token if t not in vocab]
-            if missing:
-                raise ValueError(f"classifier_from_token {missing} are not tokens of the model's vocabulary")
-            labels = tuple(vocab[t] for t in self.hf_config.classifier_from_token)
-        logger.info("pooling runner: %s%s", task, f" from the LM head rows of {self.hf_config.classifier_from_token}"
-                    if labels else " (the last token's hidden state; no LM head computed)")
-        return PoolingSpec(task, self.text_config.hidden_size, labels), has_lm_head
-
-    def _input_processor(self, config: EngineConfig, net) -> InputProcessor:
-        from vlinfer.multimodal import Qwen3VLInputProcessor, load_chat_template
-        multimodal = hasattr(net, "encode_images")
-        mm_processor = Qwen3VLInputProcessor(self.hf_config, self.tokenizer, self.source.folder, self.device,
-                                             config.allow_image_urls) if multimodal else None
-        chat_template = load_chat_template(self.source.folder, self.tokenizer, multimodal)
-        return InputProcessor(self.tokenizer, self.text_config.vocab_size, self.source.name,
-                              self.resolved.max_model_len, mm_processor, chat_template, self.grammar_matchers,
-                              self.device, config.seed, self.pooling, self.can_generate)
 
     @property
     def max_model_len(self) -> int:
@@ -145,8 +111,7 @@ class LLMEngine:
         return self.input_processor.is_multimodal
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (a no-op on one rank). Also runs when the engine is garbage collected
-        and at interpreter exit."""
+        """Stop the tensor-parallel workers (a no-op on one rank); also at garbage collection and interpreter exit."""
         if self.grammar_matchers is not None:
             self.grammar_matchers.close()
         if self.driver is not None:
@@ -155,8 +120,7 @@ class LLMEngine:
     # ---- requests ----
     def make_sequences(self, prompt: PromptType, sampling_params: SamplingParams | PoolingParams | None = None,
                        request_id: str | None = None) -> list[Sequence]:
-        """Validate a request and build its n Sequences without touching engine state (input_processor.py).
-        PoolingParams make one pooling sequence (prefill only; engine/pooling.py)."""
+        """Validate a request and build its n Sequences (one with PoolingParams) without touching engine state."""
         if request_id is None:
             request_id = str(next(self._request_ids))
         n = sampling_params.n if isinstance(sampling_params, SamplingParams) else 1
@@ -178,8 +142,7 @@ class LLMEngine:
 
     def add_sequence(self, seq: Sequence) -> str:
         self.requests[seq.request_id] = seq
-        if seq.pooling_params is None:  # pooling requests produce no text
-            self.output_processor.add(seq)
+        self.output_processor.add(seq)
         self.model_runner.encoder_cache.hold(seq)
         self.scheduler.add(seq)
         return seq.request_id
@@ -216,8 +179,8 @@ class LLMEngine:
     # ---- the loop ----
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One scheduler + model step. Returns an output for every request that produced text or finished,
-        with the cumulative text and tokens and, in delta_text / delta_token_ids, what this step added; and a
-        PoolingRequestOutput for every pooling request whose prefill ended (it is then finished)."""
+        with the cumulative text and tokens and, in delta_text / delta_token_ids, what this step added (a
+        PoolingRequestOutput once a pooling request's prompt is in)."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.waiting:
@@ -235,11 +198,7 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)
         outputs = []
         for seq, row in pooled:
-            seq.metrics.finished_time = time.time()
-            outputs.append(PoolingRequestOutput(seq.request_id, self.pooling.output(seq.pooling_params, row),
-                                                seq.prompt_token_ids, True, seq.num_cached_tokens,
-                                                metrics=seq.metrics))
-            seq.finish_reason = "stop"
+            outputs.append(self.pooling.request_output(seq, row))
             self._finish(seq)
         for seq, token_id, logprobs in sampled:
             out = self.output_processor.append_token(seq, token_id, logprobs)

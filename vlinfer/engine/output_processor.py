@@ -20,6 +20,8 @@ class OutputProcessor:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}  # by sequence request_id
 
     def add(self, seq: Sequence) -> None:
+        if seq.pooling_params is not None:  # pooling requests produce no text
+            return
         p = seq.sampling_params
         self.detokenizers[seq.request_id] = IncrementalDetokenizer(
             self.tokenizer, seq.num_prompt_tokens, p.skip_special_tokens, p.spaces_between_special_tokens)

@@ -10,7 +10,16 @@ import torch
 from vlinfer.loading.sources import ModelNotFoundError, ModelSource
 
 
-def load_config(source: ModelSource):
+def load_config(source: ModelSource, hf_overrides: dict | None = None):
+    """The checkpoint's transformers config, with vLLM's hf_overrides applied: the model source's (a retrieval
+    alias's), then the caller's."""
+    config = _read_config(source)
+    for key, value in {**source.hf_overrides, **(hf_overrides or {})}.items():
+        setattr(config, key, value)
+    return config
+
+
+def _read_config(source: ModelSource):
     from transformers import AutoConfig
     try:
         if source.gguf_file:
