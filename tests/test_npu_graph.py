@@ -1,7 +1,8 @@
-"""Graph mode on the NPU (vlinfer/engine/acl_graph.py and the "graph mode" section of vlinfer/ops/npu.py) on CPU
-tensors, through the ACL graph emulation of tests/fake_torch_npu.py: a replay re-executes what the capture recorded,
-and a torch_npu task keeps its captured host arguments (FIA's lengths) unless it was re-issued through
-graph_task_update_begin/end. So graphs whose attention is not updated give wrong outputs here, as on the device.
+"""Graph mode on the NPU (vlinfer/engine/acl_graph.py, the "graph mode" section of vlinfer/ops/npu.py and
+vlinfer/ops/npu_graph.py) on CPU tensors, through the ACL graph emulation of tests/fake_torch_npu.py: a replay
+re-executes what the capture recorded, and a torch_npu task keeps its captured host arguments (FIA's lengths) unless
+it was re-issued through graph_task_update_begin/end. So graphs whose attention is not updated give wrong outputs
+here, as on the device.
 
 The engine runs on CPU tensors with the NPU ops (VLINFER_OPS=npu); the "cpu" device type gets the NPU graph
 backend, as tests/test_graph_runner.py does with its replaying backend. bfloat16 throughout: FIA takes fp16/bf16."""

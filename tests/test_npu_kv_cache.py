@@ -1,9 +1,10 @@
-"""int8 KV caches on the NPU path (vlinfer/ops/npu.py, docs/npu-ops.md §2.10 and §7.7) on CPU tensors, through the
-emulated torch_npu of tests/fake_torch_npu.py: the quantizing cache write (npu_dynamic_quant + the cache scatter)
-and attention (FIA antiquant mode 5 for decodes, the blocks read back for prefill chunks) against
-vlinfer/ops/kv_quant_reference.py; the emulation refusing what the contracts forbid; the engine on a tiny model with
-kv_cache_dtype="int8" and on an msModelSlim C8 checkpoint against the CPU engine and transformers; ACL-graph decode
-over the int8 cache; and the logged reference path for what FIA cannot read (fp8, a failed check).
+"""int8 KV caches on the NPU path (vlinfer/ops/npu_kv_cache.py behind vlinfer/ops/npu.py, docs/npu-ops.md §2.10 and
+§7.7) on CPU tensors, through the emulated torch_npu of tests/fake_torch_npu.py: the quantizing cache write
+(npu_dynamic_quant + the cache scatter) and attention (FIA antiquant mode 5 for decodes, the blocks read back for
+prefill chunks) against vlinfer/ops/kv_quant_reference.py; the emulation refusing what the contracts forbid; the
+engine on a tiny model with kv_cache_dtype="int8" and on an msModelSlim C8 checkpoint against the CPU engine and
+transformers; ACL-graph decode over the int8 cache; and the logged reference path for what FIA cannot read (fp8, a
+failed check).
 
 Tolerances: the cache write must equal the reference's bit for bit (the emulation rounds as torch does); attention
 against the reference on the same cache, docs/npu-ops.md §3's 2e-3 (fp16) / 1e-2 (bf16); the engine, the int8 bound

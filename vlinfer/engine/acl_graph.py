@@ -5,7 +5,7 @@ What differs from CUDA graphs (graph_runner.CudaGraphBackend):
 - FIA computes its tiling from host-side lengths (actual_seq_lengths_kv is a Python int list, §1), which a graph
   would replay as captured. So each layer's attention is captured as its own task group, and before every replay
   each group is re-issued with the step's lengths on an update stream (graph_task_update_begin/end), ordered before
-  the replayed task by an ExternalEvent (vlinfer/ops/npu.py, "graph mode"). The graph runner hands the step's
+  the replayed task by an ExternalEvent (vlinfer/ops/npu_graph.py). The graph runner hands the step's
   lengths over as a host list (`host_lengths`): no device->host copy per step.
 - The NPU cache writes take no -1 slots and FIA's empty-KV case is a special one (§2.1, §2.3), so padded rows write
   to a reserved dummy block at the end of the KV pool and attend to one slot of it (§5.3, §7.1; `pads_to_dummy_block`,

@@ -15,15 +15,14 @@ made, not at module import: it cannot import without the CANN runtime.
   ForwardContext tensors and reused by every layer: each .tolist() is a device->host sync.
 - float32: FIA and the cache writes take fp16/bf16 only (§1), so with a float32 model those ops run the pure-torch
   reference (on the NPU), with a warning at first use. Norms, rotary and SwiGLU take float32.
-- int8 KV caches (kv_cache_dtype="int8", a static int8 / C8 checkpoint; §2.10, §7.7): rows quantized per token and
-  KV head by npu_dynamic_quant and scattered like half rows; decodes read them in FIA's antiquant mode 5 (per token
-  and head, the scales in pages of the cache: [num_blocks, kv_heads, block_size] in memory, which int8_kv_scales
-  allocates); prefill chunks read their blocks back in the compute dtype (kv_quant_reference), since FIA takes no
-  antiquant over a paged cache for a query longer than one token. Checked against the reference on first use; other
-  compressed dtypes (fp8; fp16 / bf16 under another compute dtype) FIA cannot read: the reference runs them, logged.
+- int8 KV caches (kv_cache_dtype="int8", a static int8 / C8 checkpoint; §2.10, §7.7): npu_dynamic_quant + the cache
+  scatter write them, FIA antiquant mode 5 reads decodes, prefill chunks read their blocks back; checked against the
+  reference on first use (npu_kv_cache.py).
 - Graph mode (ACL graphs, vlinfer/engine/acl_graph.py): while a decode graph is captured (`NpuOps.capturing`),
   nothing here may sync with the host, and each layer's attention is captured as a task group that every replay
-  re-issues with that step's host lengths (§5.4); see "graph mode" below.
+  re-issues with that step's host lengths (§5.4); see "graph mode" below and npu_graph.py.
+- Split along its ideas, as module functions behind thin NpuOps methods: npu_host.py (feature detection, per-step
+  host metadata, the shared paged FIA call shapes), npu_kv_cache.py, npu_graph.py, npu_quant.py, npu_moe.py.
 - State: torch_npu, what loading detected, warnings, masks, per-step caches and the graph being captured belong to
   one NpuOps instance (one per engine); this module keeps none.
 """
@@ -34,20 +33,16 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from vlinfer.ops import kv_quant_reference, npu_graph, npu_moe, npu_quant, reference
-from vlinfer.ops.npu_graph import AttentionTask, GraphCapture
-from vlinfer.ops.npu_host import (AttentionMeta, SplitPlan, causal_mask, detect_cache_write, detect_fia_scale_kwarg,
-                                  paged_kv, segment_ends, valid_slots)
+from vlinfer.ops import kv_quant_reference, npu_graph, npu_kv_cache, npu_moe, npu_quant, reference
+from vlinfer.ops.npu_graph import GraphCapture
+from vlinfer.ops.npu_host import (HALF_DTYPES, HALF_ONLY, AttentionMeta, SplitPlan, bsh_decode_args, causal_mask,
+                                  check_block_size, detect_cache_write, detect_fia_scale_kwarg, paged_kv, segment_ends,
+                                  valid_slots)
 from vlinfer.ops.per_step import PerStep
 from vlinfer.ops.reference import ReferenceOps
 
 logger = logging.getLogger("vlinfer")
 NAME = "npu"
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-HALF_ONLY = "the torch_npu kernel takes float16 or bfloat16 only (npu-ops.md §1)"
-# FIA's antiquant mode 5: per token and KV head, the scales kept in pages of the cache (§2.10).
-PAGED_PER_TOKEN_HEAD = 5
 
 
 class NpuOps(ReferenceOps):
@@ -163,9 +158,9 @@ class NpuOps(ReferenceOps):
             self._warn_fallback("store_kvcache", k_cache.dtype)
             self._no_fallback_in_capture("store_kvcache", k_cache.dtype)
             return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-        if int8_rows and not self._int8_kv():
-            return self._int8_fallback("store_kvcache", reference.store_kvcache, key, value, k_cache, v_cache,
-                                       slot_mapping)
+        if int8_rows and not npu_kv_cache.int8_kv(self):
+            return npu_kv_cache.int8_fallback(self, "store_kvcache", reference.store_kvcache, key, value, k_cache,
+                                              v_cache, slot_mapping)
         slots, keep = self._slots(slot_mapping)
         if keep is not None:
             key, value = key[keep], value[keep]
@@ -197,9 +192,9 @@ class NpuOps(ReferenceOps):
             self._no_fallback_in_capture("paged_attention", k_cache.dtype)
             return reference.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
         if self._capture is not None:
-            return self._captured_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, scale)
+            return npu_graph.captured_decode_attention(self, q.contiguous(), k_cache, v_cache, block_tables, scale)
         meta = self._attention_step.get(AttentionMeta, cu_seqlens_q, seq_lens, block_tables)
-        _check_block_size(meta, k_cache.shape[1], 16)
+        check_block_size(meta, k_cache.shape[1], 16)
         q = q.contiguous()
         if self.features["tnd_paged"]:
             return self._tnd_paged_attention(q, k_cache, v_cache, meta, scale)
@@ -226,9 +221,9 @@ class NpuOps(ReferenceOps):
         num_heads, head_dim = q.shape[1], q.shape[2]
         out = torch.empty_like(q)
         if plan.decode:
-            args, kwargs = _bsh_decode_args(q[plan.decode_tokens], k_cache, v_cache, plan.decode_table,
-                                            [meta.kv_lens[i] for i in plan.decode],
-                                            _antiquant(*int8_scales) if int8_scales is not None else None)
+            args, kwargs = bsh_decode_args(q[plan.decode_tokens], k_cache, v_cache, plan.decode_table,
+                                           [meta.kv_lens[i] for i in plan.decode],
+                                           npu_kv_cache.antiquant(*int8_scales) if int8_scales is not None else None)
             out[plan.decode_tokens] = self._fia(*args, scale, **kwargs).view(-1, num_heads, head_dim)
         if plan.prefill:
             table = plan.prefill_table
@@ -247,129 +242,25 @@ class NpuOps(ReferenceOps):
             out[plan.src] = o.view(-1, num_heads, head_dim)[plan.dst]
         return out
 
-    # ---- int8 KV caches: npu_dynamic_quant + the cache scatter, FIA antiquant mode 5 (§2.10, §7.7) ----
-
-    def _int8_kv(self) -> bool:
-        """Whether int8 KV caches run on torch_npu: checked once, on first use (the model runner asks at start-up),
-        against the reference; a failure is logged and the reference writes and reads them."""
-        if "int8_kv" not in self.features:
-            if self._capture is not None:
-                raise RuntimeError("the int8 KV cache check reads results on the host: ask kv_cache_kernels before "
-                                   "capturing a graph")
-            self.features["int8_kv"] = self._check_int8_kv(torch.device(self.device_type))
-        return self.features["int8_kv"]
+    # ---- int8 KV caches: npu_dynamic_quant + the cache scatter, FIA antiquant mode 5 (npu_kv_cache.py, §7.7) ----
 
     @property
     def kv_cache_kernels(self) -> tuple:
         # FIA reads int8 pages (antiquant) only: no fp8 KV on Atlas A2/A3, and half pages must be q's dtype (§2.10).
-        return (torch.int8,) if self._int8_kv() else ()
+        return (torch.int8,) if npu_kv_cache.int8_kv(self) else ()
 
     def int8_kv_scales(self, shape: tuple, device) -> torch.Tensor:
-        # Antiquant mode 5 reads a layer's row scales as (num_blocks, kv_heads, block_size) (§2.10): that memory
-        # order, seen as the [..., num_blocks, block_size, kv_heads] every writer and reader indexes.
-        return torch.ones(*shape[:-2], shape[-1], shape[-2], dtype=torch.float32, device=device).transpose(-1, -2)
-
-    def _int8_fallback(self, op: str, fn, *args):
-        self._warn_fallback(op, torch.int8, "this torch_npu failed the int8 KV cache check at load (logged there)")
-        self._no_fallback_in_capture(op, torch.int8)
-        return fn(*args)
-
-    def _kv_cache_fallback(self, op: str, fn, q_dtype, cache_dtype, *args):
-        """Compressed caches the torch_npu kernels cannot run: fp8 and half caches under another compute dtype
-        (FIA reads int8 or q's dtype), and any cache under a float32 model (FIA takes fp16/bf16 queries)."""
-        if cache_dtype == torch.int8 and q_dtype in HALF_DTYPES:
-            return self._int8_fallback(op, fn, *args)
-        why = HALF_ONLY if q_dtype not in HALF_DTYPES else \
-            "FIA reads int8 KV pages (antiquant) or pages of the query's dtype only (npu-ops.md §2.10)"
-        self._warn_fallback(op, cache_dtype, why)
-        self._no_fallback_in_capture(op, cache_dtype, why)
-        return fn(*args)
+        return npu_kv_cache.int8_kv_scales(shape, device)
 
     def store_quantized_kvcache(self, key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
-        if k_cache.dtype != torch.int8 or key.dtype not in HALF_DTYPES or not self._int8_kv():
-            return self._kv_cache_fallback("store_quantized_kvcache", kv_quant_reference.store_quantized_kvcache,
-                                           key.dtype, k_cache.dtype, key, value, k_cache, v_cache, k_scale, v_scale,
-                                           slot_mapping)
-        self._store_int8(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
-
-    def _store_int8(self, key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
-        """kv_quant_reference's int8 rows: npu_dynamic_quant quantizes each (token, KV head) row over head_dim,
-        scale = max |x| / 127 (float32, one per row); the rows are scattered as half rows are, the scales written
-        into their (block, offset) with torch indexing (no host sync, so it is captured in a graph)."""
-        slots, keep = self._slots(slot_mapping)
-        if keep is not None:
-            key, value = key[keep], value[keep]
-        k_rows, k_row_scale = self._torch_npu.npu_dynamic_quant(key)
-        v_rows, v_row_scale = self._torch_npu.npu_dynamic_quant(value)
-        self._write_rows(k_rows, v_rows, k_cache, v_cache, slots)
-        block_size, index = k_cache.shape[1], slots.long()
-        blocks, offsets = index // block_size, index % block_size
-        tiny = torch.finfo(torch.float32).tiny  # an all-zero row: the reference's floor (its rows are 0 either way)
-        k_scale[blocks, offsets] = k_row_scale.clamp_min(tiny)
-        v_scale[blocks, offsets] = v_row_scale.clamp_min(tiny)
+        npu_kv_cache.store_quantized_kvcache(self, key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
 
     def quantized_paged_attention(self, q, k_cache, v_cache, k_scale, v_scale, cu_seqlens_q, seq_lens, block_tables,
                                   scale):
-        if k_cache.dtype != torch.int8 or q.dtype not in HALF_DTYPES or not self._int8_kv():
-            return self._kv_cache_fallback("quantized_paged_attention", reference.quantized_paged_attention, q.dtype,
-                                           k_cache.dtype, q, k_cache, v_cache, k_scale, v_scale, cu_seqlens_q,
-                                           seq_lens, block_tables, scale)
-        if self._capture is not None:
-            return self._captured_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, scale,
-                                                   _antiquant(k_scale, v_scale))
-        meta = self._attention_step.get(AttentionMeta, cu_seqlens_q, seq_lens, block_tables)
-        return self._int8_attention(q.contiguous(), k_cache, v_cache, k_scale, v_scale, meta, scale)
+        return npu_kv_cache.quantized_paged_attention(self, q, k_cache, v_cache, k_scale, v_scale, cu_seqlens_q,
+                                                      seq_lens, block_tables, scale)
 
-    def _int8_attention(self, q, k_cache, v_cache, k_scale, v_scale, meta: "AttentionMeta", scale):
-        _check_block_size(meta, k_cache.shape[1], 32)  # int8 pages: 32-aligned blocks for IFA (§2.10)
-        if meta.max_q_len > 1:  # prefill chunks: PFA over their blocks read back (_split_paged_attention)
-            return self._split_paged_attention(q, k_cache, v_cache, meta, scale, (k_scale, v_scale))
-        args, kwargs = _bsh_decode_args(q, k_cache, v_cache, meta.block_table, meta.kv_lens,
-                                        _antiquant(k_scale, v_scale))
-        return self._fia(*args, scale, **kwargs).view(q.shape)
-
-    def _check_int8_kv(self, device: torch.device) -> bool:
-        """Quantize and write a tiny int8 cache, then read it in a mixed step (a chunk after a cached prefix that
-        crosses a block edge, and a decode), against the reference: the ops and keywords this path needs (§2.10),
-        surfaced at start-up rather than mid-request. Any failure: a warning, and False."""
-        g = torch.Generator().manual_seed(0)
-        bs, num_heads, num_kv_heads, head_dim = 128, 4, 2, 64
-        kv_lens, tables = [130, 5], torch.tensor([[2, 0], [1, -1]], dtype=torch.int32)
-        slots = torch.cat([tables[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
-                           for i, n in enumerate(kv_lens)]).to(device)
-        keys, values, q = (torch.randn(n, h, head_dim, generator=g).to(device, torch.float16)
-                           for n, h in ((len(slots), num_kv_heads), (len(slots), num_kv_heads), (4, num_heads)))
-        caches = [torch.zeros(3, bs, num_kv_heads, head_dim, dtype=torch.int8, device=device) for _ in range(4)]
-        scales = [self.int8_kv_scales((3, bs, num_kv_heads), device) for _ in range(4)]
-        cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
-        seq_lens, tables = torch.tensor(kv_lens, dtype=torch.int32, device=device), tables.to(device)
-        try:
-            self._store_int8(keys, values, caches[0], caches[1], scales[0], scales[1], slots)
-            kv_quant_reference.store_quantized_kvcache(keys, values, caches[2], caches[3], scales[2], scales[3],
-                                                       slots)
-            # Rows within one step of the reference's (a rounding tie may fall the other way), scales equal.
-            rows_off = max((a.int() - b.int()).abs().max().item() for a, b in zip(caches[:2], caches[2:]))
-            if rows_off > 1 or not all(torch.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(scales[:2],
-                                                                                                  scales[2:])):
-                raise RuntimeError(f"the int8 rows or their scales differ from the reference's (rows by {rows_off})")
-            out = self._int8_attention(q, *caches[:2], *scales[:2], AttentionMeta(cu, seq_lens, tables), 0.125)
-            ref = reference.quantized_paged_attention(q.float(), *caches[:2], *scales[:2], cu, seq_lens, tables,
-                                                      0.125)
-            err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-            if not err < 1e-2:
-                raise RuntimeError(f"FIA over the int8 cache is off from the reference by {err:.3g}")
-        except Exception as e:
-            logger.warning("ops[npu]: int8 KV cache check failed (%s: %s): int8 caches are written and read by the "
-                           "pure-torch reference", type(e).__name__,
-                           str(e).splitlines()[0][:200] if str(e) else "")
-            return False
-        finally:
-            self._slots_step.reset()
-        logger.info("ops[npu]: int8 KV cache: npu_dynamic_quant + %s write it, FIA antiquant mode %d reads decodes",
-                    self.features["cache_write"], PAGED_PER_TOKEN_HEAD)
-        return True
-
-    # ---- graph mode: decode attention as updatable ACL graph tasks (§5.4) ----
+    # ---- graph mode: decode attention as updatable ACL graph tasks (§5.4; captured and updated in npu_graph.py) ----
 
     @contextmanager
     def capturing(self, capture: "GraphCapture"):
@@ -389,44 +280,6 @@ class NpuOps(ReferenceOps):
         if self._capture is not None:
             raise RuntimeError(f"{op} on {dtype} runs the pure-torch reference, which reads lengths on the host: it "
                                f"cannot be captured in a graph ({why})")
-
-    def _decode_call(self, q, k_cache, v_cache, block_table, q_ends, kv_lens, antiquant=None):
-        """FIA's (query, key, value), keywords and output buffer for a decode-only batch: the eager call's layout,
-        TND (one call per layer) or BSH (the split path's decode call, every row a decode; an int8 cache's)."""
-        if self.features["tnd_paged"] and antiquant is None:
-            k, v = paged_kv(k_cache, v_cache)
-            return (q, k, v), dict(atten_mask=self._causal_mask(q.device), actual_seq_lengths=q_ends,
-                                   actual_seq_lengths_kv=kv_lens, block_table=block_table, num_heads=q.shape[1],
-                                   num_key_value_heads=k_cache.shape[2], input_layout="TND", sparse_mode=3,
-                                   block_size=k_cache.shape[1]), torch.empty_like(q)
-        args, kwargs = _bsh_decode_args(q, k_cache, v_cache, block_table, kv_lens, antiquant)
-        return args, kwargs, torch.empty_like(args[0])
-
-    def _captured_decode_attention(self, q, k_cache, v_cache, block_tables, scale, antiquant=None):
-        """Capture one layer's decode attention as its own task group (§5.1, §5.4): FIA's tiling comes from the host
-        lengths, which the graph would otherwise replay as captured. The .out form writes a preallocated output with
-        a workspace sized for any lengths (_get_max_workspace), so a re-issue at replay reuses the same memory.
-        Before the group, the task waits on an ExternalEvent that the replay's update records, then resets it for
-        the next replay."""
-        cap, torch_npu = self._capture, self._torch_npu
-        if q.shape[0] != len(cap.kv_lens):
-            raise RuntimeError(f"a captured decode graph has one token per row: {q.shape[0]} tokens, "
-                               f"{len(cap.kv_lens)} rows")
-        block_table = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
-        args, kwargs, out = self._decode_call(q, k_cache, v_cache, block_table.contiguous(), cap.q_ends,
-                                              cap.kv_lens, antiquant)
-        kwargs[self.features.get("fia_scale_kwarg") or "scale"] = scale
-        workspace = torch_npu._npu_fused_infer_attention_score_get_max_workspace(*args, **kwargs)
-        lse = torch.empty(1, dtype=torch.float32, device=q.device)  # softmax_lse without the flag: a [1] zero (§2.3)
-        stream = torch.npu.current_stream()
-        event = torch.npu.ExternalEvent()
-        event.wait(stream)
-        event.reset(stream)
-        torch.npu.graph_task_group_begin(stream)
-        torch_npu.npu_fused_infer_attention_score.out(*args, workspace=workspace, out=[out, lse], **kwargs)
-        handle = torch.npu.graph_task_group_end(stream)
-        cap.tasks.append(AttentionTask(handle, event, args, kwargs, workspace, out, lse))
-        return out.view(q.shape)
 
     def update_graph_attention(self, capture: "GraphCapture", kv_lens: list[int], stream) -> None:
         npu_graph.update_graph_attention(self._torch_npu, capture, kv_lens, stream)
@@ -522,36 +375,3 @@ class NpuOps(ReferenceOps):
     def weight_only_linear(self, x, packed, bias=None):
         return npu_quant.weight_only_linear(self, x, packed, bias)
 
-
-def _check_block_size(meta: AttentionMeta, block_size: int, decode_align: int) -> None:
-    """FIA's paged limits (§2.3 "PA", §2.10): decode-only (IFA) needs blocks decode_align-aligned (16 for fp16/bf16
-    pages, 32 for int8) and <= 512; any multi-token query (PFA) a multiple of 128 in [128, 512]. Said here rather
-    than left to the kernel's error code."""
-    if meta.max_q_len > 1 and (block_size % 128 or not 128 <= block_size <= 512):
-        raise ValueError(f"NPU prefill attention needs kvcache_block_size to be a multiple of 128 in [128, 512] "
-                         f"(FIA with a paged cache, npu-ops.md §2.3); got {block_size}")
-    if block_size % decode_align or block_size > 512:
-        raise ValueError(f"NPU decode attention needs kvcache_block_size {decode_align}-aligned and <= 512; got "
-                         f"{block_size}")
-
-
-def _antiquant(k_scale: torch.Tensor, v_scale: torch.Tensor) -> dict:
-    """FIA's keywords for an int8 cache's row scales (§2.10): mode 5, per token and KV head, the scales in pages of
-    the cache, (num_blocks, kv_heads, block_size) float32: the memory order int8_kv_scales allocates, seen through the
-    [num_blocks, block_size, kv_heads] index order every other reader uses."""
-    pages = {"key_antiquant_scale": k_scale.transpose(-1, -2), "value_antiquant_scale": v_scale.transpose(-1, -2)}
-    for name, t in pages.items():
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: an int8 cache's row scales must be laid out as NpuOps.int8_kv_scales makes "
-                             f"them ([num_blocks, kv_heads, block_size] in memory), got strides {t.stride()}")
-    return dict(pages, key_antiquant_mode=PAGED_PER_TOKEN_HEAD, value_antiquant_mode=PAGED_PER_TOKEN_HEAD)
-
-
-def _bsh_decode_args(q, k_cache, v_cache, block_table, kv_lens, antiquant=None):
-    """FIA's (query, key, value) and keywords for a decode of every row of q [B, heads, D] in BSH layout over the
-    paged cache (IFA), with an int8 cache's antiquant keywords."""
-    num_tokens, num_heads, head_dim = q.shape
-    k, v = paged_kv(k_cache, v_cache)
-    return (q.reshape(num_tokens, 1, num_heads * head_dim), k, v), dict(
-        actual_seq_lengths_kv=kv_lens, block_table=block_table, num_heads=num_heads,
-        num_key_value_heads=k_cache.shape[2], input_layout="BSH", block_size=k_cache.shape[1], **(antiquant or {}))

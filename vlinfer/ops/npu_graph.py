@@ -1,9 +1,12 @@
-"""Graph mode on the NPU (ACL graphs, vlinfer/engine/acl_graph.py): what a captured decode graph keeps, and the
-update that re-issues its attention tasks with each replay's host lengths (§5.4 of docs/npu-ops.md). NpuOps
-(vlinfer/ops/npu.py, "graph mode") captures the tasks."""
+"""Graph mode on the NPU (ACL graphs, vlinfer/engine/acl_graph.py): what a captured decode graph keeps, the capture
+of each layer's decode attention as a task group, and the update that re-issues those tasks with each replay's host
+lengths (§5.4 of docs/npu-ops.md). NpuOps (vlinfer/ops/npu.py, "graph mode") routes its decode paths here while a
+graph is being captured (`NpuOps.capturing`); the functions below take that NpuOps instance or its torch_npu."""
 from dataclasses import dataclass
 
 import torch
+
+from vlinfer.ops.npu_host import bsh_decode_args, paged_kv
 
 
 # ---- graph mode: what a captured decode graph keeps ----
@@ -47,6 +50,50 @@ def missing_graph_features(torch_npu) -> list[str]:
         needs[f"torch.npu.{name}"] = hasattr(torch.npu, name)
     return [name for name, present in needs.items() if not present]
 
+
+# ---- capture: one layer's decode attention as an updatable task group ----
+
+def _decode_call(ops, q, k_cache, v_cache, block_table, q_ends, kv_lens, antiquant=None):
+    """FIA's (query, key, value), keywords and output buffer for a decode-only batch: the eager call's layout,
+    TND (one call per layer) or BSH (the split path's decode call, every row a decode; an int8 cache's)."""
+    if ops.features["tnd_paged"] and antiquant is None:
+        k, v = paged_kv(k_cache, v_cache)
+        return (q, k, v), dict(atten_mask=ops._causal_mask(q.device), actual_seq_lengths=q_ends,
+                               actual_seq_lengths_kv=kv_lens, block_table=block_table, num_heads=q.shape[1],
+                               num_key_value_heads=k_cache.shape[2], input_layout="TND", sparse_mode=3,
+                               block_size=k_cache.shape[1]), torch.empty_like(q)
+    args, kwargs = bsh_decode_args(q, k_cache, v_cache, block_table, kv_lens, antiquant)
+    return args, kwargs, torch.empty_like(args[0])
+
+
+def captured_decode_attention(ops, q, k_cache, v_cache, block_tables, scale, antiquant=None):
+    """Capture one layer's decode attention as its own task group (§5.1, §5.4): FIA's tiling comes from the host
+    lengths, which the graph would otherwise replay as captured. The .out form writes a preallocated output with
+    a workspace sized for any lengths (_get_max_workspace), so a re-issue at replay reuses the same memory.
+    Before the group, the task waits on an ExternalEvent that the replay's update records, then resets it for
+    the next replay."""
+    cap, torch_npu = ops._capture, ops._torch_npu
+    if q.shape[0] != len(cap.kv_lens):
+        raise RuntimeError(f"a captured decode graph has one token per row: {q.shape[0]} tokens, "
+                           f"{len(cap.kv_lens)} rows")
+    block_table = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    args, kwargs, out = _decode_call(ops, q, k_cache, v_cache, block_table.contiguous(), cap.q_ends, cap.kv_lens,
+                                     antiquant)
+    kwargs[ops.features.get("fia_scale_kwarg") or "scale"] = scale
+    workspace = torch_npu._npu_fused_infer_attention_score_get_max_workspace(*args, **kwargs)
+    lse = torch.empty(1, dtype=torch.float32, device=q.device)  # softmax_lse without the flag: a [1] zero (§2.3)
+    stream = torch.npu.current_stream()
+    event = torch.npu.ExternalEvent()
+    event.wait(stream)
+    event.reset(stream)
+    torch.npu.graph_task_group_begin(stream)
+    torch_npu.npu_fused_infer_attention_score.out(*args, workspace=workspace, out=[out, lse], **kwargs)
+    handle = torch.npu.graph_task_group_end(stream)
+    cap.tasks.append(AttentionTask(handle, event, args, kwargs, workspace, out, lse))
+    return out.view(q.shape)
+
+
+# ---- replay: the update ----
 
 def update_graph_attention(torch_npu, capture: GraphCapture, kv_lens: list[int], stream) -> None:
     """Before a replay: re-issue every captured attention task with this step's kv lengths, on `stream` (the update

@@ -1,12 +1,15 @@
 """The NPU op table's host side (vlinfer/ops/npu.py): what this torch_npu release offers, found from its signatures
-at load, and the host metadata FIA needs, built once per step from the ForwardContext tensors (each .tolist() is a
-device->host sync) and kept in an NpuOps' PerStep caches. Section numbers refer to docs/npu-ops.md."""
+at load, the host metadata FIA needs, built once per step from the ForwardContext tensors (each .tolist() is a
+device->host sync) and kept in an NpuOps' PerStep caches, and the paged FIA call shapes the eager, int8 and graph
+paths share (npu.py, npu_kv_cache.py, npu_graph.py). Section numbers refer to docs/npu-ops.md."""
 import inspect
 import logging
 
 import torch
 
 logger = logging.getLogger("vlinfer")
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+HALF_ONLY = "the torch_npu kernel takes float16 or bfloat16 only (npu-ops.md §1)"
 # Sparse modes 2-4 take this fixed compressed mask whatever the sequence lengths (§2.3 "Masks", OPD:8214).
 MASK_SIZE = 2048
 
@@ -114,3 +117,27 @@ class SplitPlan:
         self.decode_table = meta.block_table[rows].contiguous()
         rows = torch.tensor(self.prefill, dtype=torch.long, device=device)
         self.prefill_table = meta.block_table[rows].contiguous()
+
+
+# ---- paged FIA calls: the limits and the BSH decode call every attention path shares ----
+
+def check_block_size(meta: AttentionMeta, block_size: int, decode_align: int) -> None:
+    """FIA's paged limits (§2.3 "PA", §2.10): decode-only (IFA) needs blocks decode_align-aligned (16 for fp16/bf16
+    pages, 32 for int8) and <= 512; any multi-token query (PFA) a multiple of 128 in [128, 512]. Said here rather
+    than left to the kernel's error code."""
+    if meta.max_q_len > 1 and (block_size % 128 or not 128 <= block_size <= 512):
+        raise ValueError(f"NPU prefill attention needs kvcache_block_size to be a multiple of 128 in [128, 512] "
+                         f"(FIA with a paged cache, npu-ops.md §2.3); got {block_size}")
+    if block_size % decode_align or block_size > 512:
+        raise ValueError(f"NPU decode attention needs kvcache_block_size {decode_align}-aligned and <= 512; got "
+                         f"{block_size}")
+
+
+def bsh_decode_args(q, k_cache, v_cache, block_table, kv_lens, antiquant=None):
+    """FIA's (query, key, value) and keywords for a decode of every row of q [B, heads, D] in BSH layout over the
+    paged cache (IFA), with an int8 cache's antiquant keywords."""
+    num_tokens, num_heads, head_dim = q.shape
+    k, v = paged_kv(k_cache, v_cache)
+    return (q.reshape(num_tokens, 1, num_heads * head_dim), k, v), dict(
+        actual_seq_lengths_kv=kv_lens, block_table=block_table, num_heads=num_heads,
+        num_key_value_heads=k_cache.shape[2], input_layout="BSH", block_size=k_cache.shape[1], **(antiquant or {}))
