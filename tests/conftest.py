@@ -60,13 +60,18 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 def sigkill_after_lines(cmd: list[str], out, lines: int, timeout: float, cwd: str) -> None:
     """Run cmd and SIGKILL it once the file `out` holds `lines` complete lines: a job killed halfway, for the
     resume tests. Fails when the job ends (or the timeout passes) before it can be killed."""
+    sigkill_when(cmd, lambda: out.exists() and out.read_bytes().count(b"\n") >= lines, timeout, cwd)
+
+
+def sigkill_when(cmd: list[str], ready, timeout: float, cwd: str) -> None:
+    """Run cmd and SIGKILL it once ready() is true (e.g. an output folder holds N part files)."""
     import subprocess
     import time
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + timeout
         while time.time() < deadline and proc.poll() is None:
-            if out.exists() and out.read_bytes().count(b"\n") >= lines:
+            if ready():
                 break
             time.sleep(0.02)
         assert proc.poll() is None, "the run ended before it could be killed halfway"

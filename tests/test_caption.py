@@ -185,7 +185,7 @@ def test_records_and_the_parquet_schema_share_one_field_list():
     from types import SimpleNamespace
 
     from vlinfer.captioning import IMAGE_RECORD_FIELDS, VIDEO_FIELDS, error_record, make_record
-    from vlinfer.integrations.ray_caption import parquet_schema
+    from vlinfer.captioning.output import arrow_schema
     completion = SimpleNamespace(text=" a red square ", token_ids=[1, 2, 3], finish_reason="stop")
     ok = make_record("a.png", SimpleNamespace(error=None, images=[{"size": [32, 32], "num_tokens": 4}],
                                               outputs=[completion]))
@@ -193,7 +193,7 @@ def test_records_and_the_parquet_schema_share_one_field_list():
     assert tuple(ok) == tuple(broken) == tuple(error_record("c.png", "x")) == tuple(IMAGE_RECORD_FIELDS)
     assert ok["caption"] == "a red square" and broken["error"] == "cannot identify image file"
     assert tuple(error_record("c.mp4", "x", video=True)) == (*IMAGE_RECORD_FIELDS, *VIDEO_FIELDS)
-    schema = parquet_schema()
+    schema = arrow_schema(IMAGE_RECORD_FIELDS)
     assert tuple(schema.names) == tuple(IMAGE_RECORD_FIELDS)
     assert [str(schema.field(name).type).replace("list<item: int64>", "list<int64>") for name in schema.names] == \
         list(IMAGE_RECORD_FIELDS.values())

@@ -76,7 +76,7 @@ def smollm2_runs(request, tmp_path_factory):
             proc.kill()
 
 
-@pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["caption"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["caption"], ["embed"], ["bench"]])
 def test_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--help"])
@@ -86,8 +86,10 @@ def test_help(command, capsys):
     expected = {"generate": ["--image PATH", "smollm2 without --image, qwen3-vl with --image"],
                 "chat": ["/image PATH", "--model qwen3-vl"],
                 "caption": ["--out", "--resume", "--batch-size", "--max-pixels", "--prompt", "--max-tokens"],
+                "embed": ["--out", "--resume", "--text-column", "--instruction", "--dimensions", "--batch-size",
+                          "--ray [ADDRESS]", "--replicas", "default: qwen3-vl-embedding"],
                 "bench": ["bench/throughput.py", "--num-requests", "--skip-transformers"]}
-    for snippet in expected.get(command[0] if command else "", ["generate", "chat", "caption", "bench"]):
+    for snippet in expected.get(command[0] if command else "", ["generate", "chat", "caption", "embed", "bench"]):
         assert snippet in text, snippet
 
 

@@ -16,9 +16,9 @@ ROOT = os.path.join(REPO, "vlinfer")
 # leaves) each room stands alone and imports no other. Kept in step with docs/design.md "Rooms".
 ROOMS = [
     ["vlinfer.cli", "vlinfer.__main__"],  # the command line: `python -m vlinfer`, `vlinfer ...`
-    ["vlinfer.integrations"],  # Ray Data captioning, Ray Serve replicas
+    ["vlinfer.integrations"],  # Ray Data captioning and embedding, Ray Serve replicas
     ["vlinfer.serve"],  # the OpenAI-compatible server
-    ["vlinfer.captioning"],  # the captioner the CLI, the demo and Ray share
+    ["vlinfer.captioning"],  # the batch jobs (caption, embed) the CLI, the demo and Ray share
     ["vlinfer", "vlinfer.llm", "vlinfer.pipeline"],  # the public face
     ["vlinfer.engine"],  # the loop, its input and output processors, scheduler, KV blocks, model runner, workers
     ["vlinfer.config", "vlinfer.sampling_params", "vlinfer.pooling_params", "vlinfer.outputs"],  # the public data types
@@ -194,7 +194,7 @@ def test_threads_set_only_at_process_entry_points():
                    "set_process_threads" for c in ast.walk(fn)):
                 callers.setdefault(module, set()).add(fn.name)
     assert callers == {"vlinfer.cli.options": {"set_threads"}, "vlinfer.engine.worker": {"spawned_worker_main"},
-                       "vlinfer.integrations.ray_caption": {"__init__"}, "vlinfer.integrations.ray_serve": {"__init__"}}
+                       "vlinfer.integrations.ray_data": {"__init__"}, "vlinfer.integrations.ray_serve": {"__init__"}}
 
 
 def test_files_stay_small():

@@ -254,9 +254,9 @@ def test_parquet_parts_share_one_schema_whatever_their_rows(tmp_path):
     """Parts written from blocks where no row has an error, where every caption is missing, or both kinds mix: the
     folder reads back as one table (a column inferred as null in one part and string in another did not)."""
     import pyarrow.parquet as pq
-    from vlinfer.integrations.ray_caption import _Writer
+    from vlinfer.captioning import IMAGE_RECORD_FIELDS, OutputWriter
     out = str(tmp_path / "captions.parquet")
-    writer = _Writer(out)
+    writer = OutputWriter(out, IMAGE_RECORD_FIELDS)
     ok = {"path": "a.png", "caption": "words", "tokens": 4, "size": [32, 32], "num_image_tokens": 1, "error": None}
     broken = {"path": "b.png", "caption": None, "tokens": 0, "size": None, "num_image_tokens": None,
               "error": "image 0: cannot identify image file"}

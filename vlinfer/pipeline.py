@@ -127,9 +127,7 @@ class Pipeline:
             [{"text": x} for x in texts or []]
         if not items:
             raise ValueError("nothing to embed: give images, texts, videos or items")
-        conversations = [embedding_messages(item, instruction) for item in items]
-        prompts = [self.engine.chat_prompt(messages, mm_processor_kwargs=mm_processor_kwargs(messages))
-                   for messages in conversations]
+        prompts = [embedding_prompt(self.engine, item, instruction) for item in items]
         outs = self.llm.embed(prompts, PoolingParams(dimensions=dimensions), use_tqdm=False)
         return [out.outputs.embedding for out in outs]
 
@@ -149,3 +147,10 @@ class Pipeline:
             scores = [sum(a * b for a, b in zip(query_vector, vector)) for vector in self.embed(items=candidates)]
         ranked = sorted(range(len(candidates)), key=lambda i: -scores[i])[:top_k]
         return [{"index": i, "score": scores[i], "document": candidates[i]} for i in ranked]
+
+
+def embedding_prompt(engine, item, instruction: str | None = None) -> dict:
+    """One item as the Qwen embedder's prompt: its conversation (inputs/retrieval.py embedding_messages), media
+    sized as its code sizes them. Pipeline.embed and the batch embedder (`vlinfer embed`) both build it here."""
+    messages = embedding_messages(item, instruction)
+    return engine.chat_prompt(messages, mm_processor_kwargs=mm_processor_kwargs(messages))

@@ -5,82 +5,23 @@ at any point loses at most the batch in flight, and `resume=True` skips every pa
 errors alike). A batch is one `LLM.chat` call, i.e. one engine run with continuous batching; an unreadable image is
 rejected on its own (RequestError.outputs) and recorded with its error while the rest of the batch is captioned.
 """
-import glob
 import logging
-import os
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from vlinfer.captioning.records import CaptionInputError, check_output, make_record, read_records, write_records
+from vlinfer.captioning.inputs import CaptionInputError, is_video, key
+from vlinfer.captioning.output import (OutputWriter, check_output, is_parquet, recorded, recorded_errors,
+                                      skipped_note)
+from vlinfer.captioning.records import RECORD_FIELDS, make_record
 from vlinfer.config import CAPTION_MAX_TOKENS
 from vlinfer.inputs.limits import text_only
-from vlinfer.multimodal.video_io import VIDEO_EXTENSIONS  # a folder's videos are captioned beside its images
 from vlinfer.outputs import RequestError
 from vlinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 DEFAULT_PROMPT = "Describe this image."
 DEFAULT_VIDEO_PROMPT = "Describe this video."
-GLOB_CHARS = "*?["
 
 logger = logging.getLogger("vlinfer")
-
-
-def is_video(path: str) -> bool:
-    return path.lower().endswith(VIDEO_EXTENSIONS)
-
-
-def _read_list_file(list_file: str) -> list[str]:
-    """One path per line; blank lines and '#' comments skipped. A relative path is taken from the current folder
-    when it exists there, else from the list file's folder (lists written by `find` and lists kept beside their
-    images both work)."""
-    base = os.path.dirname(os.path.abspath(list_file))
-    paths = []
-    with open(list_file, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            if not os.path.isabs(line) and not os.path.exists(line) and os.path.exists(os.path.join(base, line)):
-                line = os.path.join(base, line)
-            paths.append(line)
-    return paths
-
-
-def collect_images(inputs: Iterable[str], videos: bool = False) -> list[str]:
-    """Expand CLI inputs into image paths, in order, each once. A folder gives its image files (by extension,
-    sorted, not recursive), and its video files too with videos=True; a pattern with * ? [ gives its sorted
-    matches (** recurses); a .txt file is a list of paths; anything else is taken as an image path as given (a
-    missing one is recorded as an error later, like any unreadable image)."""
-    paths: list[str] = []
-    extensions = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if videos else ())
-    for item in inputs:
-        if os.path.isdir(item):
-            found = sorted(os.path.join(item, name) for name in os.listdir(item)
-                           if name.lower().endswith(extensions) and os.path.isfile(os.path.join(item, name)))
-            if not found:
-                kind = "image or video" if videos else "image"
-                raise CaptionInputError(f"no {kind} files ({', '.join(extensions)}) in folder {item!r}")
-            paths.extend(found)
-        elif any(c in item for c in GLOB_CHARS) and not os.path.exists(item):
-            found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
-            if not found:
-                raise CaptionInputError(f"no files match {item!r}")
-            paths.extend(found)
-        elif item.lower().endswith(".txt") and os.path.isfile(item):
-            paths.extend(_read_list_file(item))
-        else:
-            paths.append(item)
-    seen, unique = set(), []
-    for path in paths:
-        key = os.path.abspath(path)
-        if key not in seen:  # the same image twice would be captioned (and recorded) twice
-            seen.add(key)
-            unique.append(os.path.normpath(path))
-    if not unique:
-        raise CaptionInputError("no images to caption")
-    return unique
 
 
 def image_limits(llm, max_pixels: int | None) -> dict | None:
@@ -114,9 +55,16 @@ class CaptionSummary:
             if self.seconds > 0 else "-"
         text = (f"captioned {self.captioned} image(s), {self.errors} error(s) in {self.seconds:.1f}s ({rate}) "
                 f"-> {self.out}")
-        if self.skipped:
-            text += f"; {self.skipped} already recorded, skipped ({self.previous_errors} of them errors)"
-        return text
+        return text + skipped_note(self.skipped, self.previous_errors)
+
+
+def check_caption_output(out: str, resume: bool, overwrite: bool) -> None:
+    """What caption_files refuses about `out`, checked before a model loads (output.check_output), and a Parquet
+    output: a clip's record has more fields than an image's, and one Parquet schema does not fit both."""
+    if is_parquet(out):
+        raise CaptionInputError(f"--out {out!r}: the captioner writes a JSONL file; Parquet parts are the Ray "
+                                "captioner's (--ray)")
+    check_output(out, resume, overwrite)
 
 
 def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT, batch_size: int = 8,
@@ -149,20 +97,14 @@ def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT,
     if json_schema is not None:  # a bad schema fails here, before any image is read
         params = replace(params, structured_outputs=StructuredOutputsParams(json=json_schema))
     mm_kwargs = image_limits(llm, max_pixels)
-    check_output(out, resume, overwrite)
-    done = {}
-    if resume:
-        done = {os.path.abspath(r["path"]): r for r in read_records(out)}
-    elif overwrite and os.path.exists(out):
-        os.remove(out)
-    todo = [p for p in paths if os.path.abspath(p) not in done]
-    skipped = len(paths) - len(todo)
-    previous_errors = sum(1 for p in paths if done.get(os.path.abspath(p), {}).get("error"))
+    check_caption_output(out, resume, overwrite)
+    done = {key(r["path"]): r for r in recorded(out, resume, overwrite)}
+    todo = [p for p in paths if key(p) not in done]
+    skipped, previous_errors = len(paths) - len(todo), recorded_errors(map(key, paths), done)
     from tqdm.auto import tqdm
     captioned = errors = tokens = 0
     start = time.perf_counter()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "a", encoding="utf-8") as f, \
+    with OutputWriter(out, RECORD_FIELDS) as writer, \
             tqdm(total=len(todo), unit="img", desc="caption", disable=not progress, dynamic_ncols=True) as bar:
         for begin in range(0, len(todo), batch_size):
             batch = todo[begin:begin + batch_size]
@@ -179,7 +121,7 @@ def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT,
                 outputs = e.outputs
             records = [make_record(path, output, json_schema is not None, is_video(path))
                        for path, output in zip(batch, outputs)]
-            write_records(f, records)
+            writer.write(records)
             for record in records:
                 errors += record["error"] is not None
                 captioned += record["error"] is None

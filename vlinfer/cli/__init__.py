@@ -1,12 +1,12 @@
-"""Command line: `python -m vlinfer generate|chat|caption|bench ...` (also installed as `vlinfer`).
+"""Command line: `python -m vlinfer generate|chat|caption|embed|bench ...` (also installed as `vlinfer`).
 
-Exit codes: 0 done; 1 caption finished but some images could not be read (their errors are in the output);
+Exit codes: 0 done; 1 caption or embed finished but some items could not be read (their errors are in the output);
 2 bad usage, a model that cannot be found, or a rejected request; 130 interrupted."""
 import argparse
 import logging
 import sys
 
-from vlinfer.cli import answer, bench, caption
+from vlinfer.cli import answer, bench, caption, embed
 from vlinfer.cli.options import flags_in_logs, name_flags, set_threads
 from vlinfer.cli.shared import CLI_FLAGS
 
@@ -15,8 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlinfer", description="vlinfer: small VLM / LLM inference engine",
                                      epilog=__doc__.split("\n", 1)[1].strip())
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,caption,bench,serve}")
-    commands = [*answer.add_parsers(sub), caption.add_parser(sub), bench.add_parser(sub)]
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,caption,embed,bench,serve}")
+    commands = [*answer.add_parsers(sub), caption.add_parser(sub), embed.add_parser(sub), bench.add_parser(sub)]
     s = sub.add_parser("serve", add_help=False, help="OpenAI-compatible HTTP server; try serve --help")
     s.set_defaults(func=None)  # its own parser takes -v too
     for command in commands:

@@ -2,7 +2,8 @@
 import sys
 
 from vlinfer.cli.options import engine_options
-from vlinfer.cli.shared import VISION_MODEL, add_max_pixels, add_model_args, add_sampling_args, build_llm, sampling_params
+from vlinfer.cli.shared import (VISION_MODEL, add_batch_job_args, add_max_pixels, add_model_args, add_sampling_args,
+                                build_llm, sampling_params)
 from vlinfer.config import CAPTION_MAX_TOKENS
 
 
@@ -28,9 +29,10 @@ def cmd_caption(args) -> int:
         if schema is not None:
             raise ValueError("--json-schema is not supported with --ray yet; run without --ray")
         return _caption_on_ray(args)
-    from vlinfer.captioning import caption_files, check_output, collect_images
+    from vlinfer.captioning import caption_files, collect_images
+    from vlinfer.captioning.captioner import check_caption_output
     paths = collect_images(args.inputs, videos=True)  # fail on bad inputs / output before loading the model
-    check_output(args.out, args.resume, args.overwrite)
+    check_caption_output(args.out, args.resume, args.overwrite)
     model = args.model or VISION_MODEL
     llm = build_llm(args, model)
     summary = caption_files(llm, paths, args.out, prompt=args.prompt, batch_size=args.batch_size,
@@ -79,22 +81,16 @@ def add_parser(sub):
                                    "recorded with their error and the run goes on (exit code 1 at the end).")
     k.add_argument("inputs", nargs="+", metavar="DIR_OR_GLOB_OR_PATH",
                    help="a folder (its image files, sorted), a quoted glob ('photos/**/*.jpg'), image paths, or "
-                        "a .txt file listing one path per line")
-    k.add_argument("--out", required=True, help="output JSONL file, e.g. captions.jsonl")
+                        "a .txt file listing one path per line; with --ray also Parquet/JSONL/CSV tables with a "
+                        "'path' column (and optional 'prompt', 'sampling' columns)")
+    k.add_argument("--out", required=True,
+                   help="output JSONL file, e.g. captions.jsonl (with --ray also a folder ending in .parquet: one "
+                        "part file per batch)")
     k.add_argument("--prompt", default="Describe this image.", help="default: 'Describe this image.'")
-    k.add_argument("--batch-size", type=int, default=8, help="images per engine run (default: 8)")
-    k.add_argument("--resume", action="store_true", help="continue an existing --out file")
-    k.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    k.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_batch_job_args(k, 8, "images")
     k.add_argument("--json-schema", metavar="FILE", default=None,
                    help="a JSON schema file: every caption is generated under it (structured outputs) and its "
                         "record's caption is the parsed JSON value")
-    k.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="run on a Ray cluster: ADDRESS of its head (e.g. 10.0.0.1:6379, or 'auto' for the one "
-                        "this machine is in), or none to start one here; inputs may then also be Parquet/JSONL "
-                        "tables with a 'path' column and --out a folder ending in .parquet "
-                        "(needs pip install 'vlinfer[ray]')")
-    k.add_argument("--replicas", type=int, default=1, help="with --ray: engines, one per Ray actor (default: 1)")
     add_max_pixels(k)
     v = k.add_argument_group("videos", "video files (.mp4, .webm, .mkv, .mov, .avi, ...) in the inputs are "
                              "captioned as clips: frames sampled at --fps (default: the model's, 2 for Qwen3-VL)")

@@ -1,7 +1,7 @@
-"""vlinfer inside other frameworks. Each module here is a user of the public API (LLM, the caption records, the
-server's app), like apps/: `ray_caption` (batch captioning over a Ray cluster with Ray Data) and `ray_serve`
-(engine replicas behind one OpenAI-compatible endpoint with Ray Serve). Ray is an optional extra:
-`pip install 'vlinfer[ray]'`."""
+"""vlinfer inside other frameworks. Each module here is a user of the public API (LLM, the batch jobs' records,
+the server's app), like apps/: `ray_caption` and `ray_embed` (batch captioning and embedding over a Ray cluster
+with Ray Data; `ray_data` holds what they share) and `ray_serve` (engine replicas behind one OpenAI-compatible
+endpoint with Ray Serve). Ray is an optional extra: `pip install 'vlinfer[ray]'`."""
 
 
 class MissingDependencyError(ImportError):

@@ -37,6 +37,7 @@ HF_ALIASES = {
 QWEN3_VL_RERANKER_OVERRIDES = {"architectures": ["Qwen3VLForSequenceClassification"],
                                "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
 POOLING_ALIASES = {
+    "qwen3-vl-embedding": ("Qwen/Qwen3-VL-Embedding-2B", {}),  # `vlinfer embed`'s default (OFFLINE_FALLBACK)
     "qwen3-vl-embedding-2b": ("Qwen/Qwen3-VL-Embedding-2B", {}),
     "qwen3-vl-embedding-8b": ("Qwen/Qwen3-VL-Embedding-8B", {}),
     "qwen3-vl-reranker-2b": ("Qwen/Qwen3-VL-Reranker-2B", QWEN3_VL_RERANKER_OVERRIDES),
@@ -59,8 +60,9 @@ EMBEDDED_MODELS = {
     "qwen3-vl-tiny": "the embedded random-weight Qwen3-VL: the real layout at a tiny width, so its words are "
                      "MEANINGLESS",
 }
-# The default vision alias falls back to the embedded toy when the real weights are not on this machine.
-OFFLINE_FALLBACK = {"qwen3-vl": "qwen3-vl-toy"}
+# The default vision alias and the default embedder's fall back to the embedded toy when the real weights are not
+# on this machine (the embedder's runs the toy with runner="pooling": its vectors mean little, and it says so).
+OFFLINE_FALLBACK = {"qwen3-vl": "qwen3-vl-toy", "qwen3-vl-embedding": "qwen3-vl-toy"}
 EMBEDDED_NOTICE = ("*** vlinfer is using {about} ({path}). For real answers fetch the weights: "
                    "huggingface-cli download Qwen/Qwen3-VL-2B-Instruct ***")
 
@@ -154,7 +156,8 @@ def resolve_model(model: str) -> ModelSource:
             return ModelSource(model, source.path)
         if model in OFFLINE_FALLBACK:
             fallback = resolve_model(OFFLINE_FALLBACK[model])
-            return ModelSource(model, fallback.path, embedded=True, about=fallback.about)
+            return ModelSource(model, fallback.path, embedded=True, about=fallback.about,
+                               runner="pooling" if model in POOLING_ALIASES else None)
         raise ModelNotFoundError(f"model {model!r} ({repo}) not found. Tried: " + "; ".join(tried) +
                                  f". Fetch it with: huggingface-cli download {repo}")
     expanded = os.path.expanduser(model)
