@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import REPO, assert_block_pool_empty, hf_qwen3_vl_processor
-from vlinfer import LLM, SamplingParams
+from vlinfer import LLM, Pipeline, SamplingParams
 from vlinfer.toy import embedded, scenes
 from vlinfer.loading import resolve_model
 
@@ -136,3 +136,21 @@ def test_short_training_is_reproducible(tmp_path):
     finer = [train_embedded.train(str(tmp_path / name), seed=1, init=str(tmp_path / "a"), **kw)["sha256"]
              for name in ("d", "e")]
     assert finer[0] == finer[1] not in (first["sha256"], other["sha256"])
+
+
+def test_toy_reranker_finds_kinds_of_objects_in_held_out_scenes():
+    """The embedded toy as a reranker (its "Yes" against its "No" to "Is there a red house?"): six kinds of
+    object, each query ranking 60 held-out scenes; the README's figure is the slow test's, every kind over 200."""
+    pipe = Pipeline("qwen3-vl-toy-reranker", dtype="float32", max_model_len=1024)
+    assert pipe.engine.pooling.task == "classify"
+    kinds = [("red", "house"), ("blue", "circle"), ("green", "star"), ("yellow", "triangle"), ("purple", "square"),
+             ("red", "star")]
+    scores = tools_module().evaluate_retrieval(pipe, count=60, kinds=kinds)
+    assert scores["queries"] >= 5 and scores["recall_at_5"] >= 0.9 and scores["precision_at_5"] >= 0.8, scores
+    assert_block_pool_empty(pipe.llm)
+
+
+@pytest.mark.slow  # every kind of object (30) over the 200 held-out scenes: ~30 s on 2 cores
+def test_toy_reranker_recall_on_all_held_out_scenes():
+    scores = tools_module().evaluate_retrieval(Pipeline("qwen3-vl-toy-reranker", dtype="float32"), count=200)
+    assert scores["recall_at_5"] >= 0.9, scores

@@ -396,6 +396,30 @@ def evaluate(model, seed: int = embedded.EVAL_SEED, count: int = 200, **llm_kwar
                 questions=answers, answer_accuracy=answers_right / max(1, answers), failures=failures)
 
 
+def evaluate_retrieval(pipe, seed: int = embedded.EVAL_SEED, count: int = 200, kinds=None) -> dict:
+    """Text-to-image retrieval on `count` scenes of `seed` with a reranker Pipeline (the embedded
+    "qwen3-vl-toy-reranker"): for each kind of object (a colour and a shape, every one by default) that some scene
+    holds, the query "a red house" ranks every scene; recall@5 is the share of queries whose top 5 hold a scene
+    with one; precision@5 the share of the top 5 that do, out of as many as can (fewer when fewer scenes hold
+    one)."""
+    drawn = scenes.generate(seed, count)
+    kinds = kinds or [(c, s) for c in sorted(scenes.COLOURS) for s in scenes.SHAPES]
+    found, precise, queries, misses = 0, 0, 0, []
+    for colour, shape in kinds:
+        holds = [any((o.colour, o.shape) == (colour, shape) for o in scene.objects) for scene, _, _ in drawn]
+        if not any(holds):
+            continue
+        query = f"{scenes._article(colour)} {colour} {shape}"
+        top = [r["index"] for r in pipe.rerank(query, [{"image": image} for _, image, _ in drawn], top_k=5)]
+        queries += 1
+        found += any(holds[i] for i in top)
+        precise += sum(holds[i] for i in top) / min(len(top), sum(holds))
+        if sum(holds[i] for i in top) < min(len(top), sum(holds)):
+            misses.append(dict(query=query, top=top, holds=[holds[i] for i in top]))
+    return dict(scenes=count, queries=queries, recall_at_5=found / queries, precision_at_5=precise / queries,
+                misses=misses)
+
+
 RUN_FLAGS = ("steps", "batch_size", "seed", "threads", "lr", "max_turns", "weight_decay", "objects_power")
 
 
@@ -431,11 +455,19 @@ def main(argv=None) -> int:
     p.add_argument("--eval-scenes", type=int, default=200)
     p.add_argument("--eval-seed", type=int, default=embedded.EVAL_SEED, help="scenes to score on (default: the "
                                                                               "held-out seed)")
+    p.add_argument("--evaluate-retrieval", action="store_true",
+                   help="only score the embedded toy reranker (qwen3-vl-toy-reranker) at text-to-image retrieval")
     args = p.parse_args(argv)
     single = args.init is not None or any(getattr(args, k) is not None for k in RUN_FLAGS) or args.stop_after or \
         args.snapshot_every or args.eval_every
     recipe = embedded.FINE_TUNING if args.init is not None else embedded.TRAINING
     flags = {k: recipe[k] if getattr(args, k) is None else getattr(args, k) for k in RUN_FLAGS}
+    if args.evaluate_retrieval:
+        from vlinfer import Pipeline
+        scores = evaluate_retrieval(Pipeline("qwen3-vl-toy-reranker", dtype="float32"), args.eval_seed,
+                                    args.eval_scenes)
+        print(json.dumps(scores, indent=1))
+        return 0
     if args.evaluate:
         pass
     elif single:

@@ -6,7 +6,7 @@ from tqdm.auto import tqdm
 
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.inputs import PromptType
-from vlinfer.inputs.retrieval import mm_processor_kwargs, rerank_messages
+from vlinfer.inputs.retrieval import RERANK_FORMATS, mm_processor_kwargs
 from vlinfer.outputs import PoolingRequestOutput, RequestError, RequestOutput, ScoringOutput
 from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
@@ -216,9 +216,10 @@ def score_pairs(data_1, data_2) -> tuple[list, list]:
 
 
 def rerank_prompt(engine, query, document, instruction: str | None = None) -> dict:
-    """A reranker's (query, document) pair as its prompt: the Qwen reranker's conversation (inputs/retrieval.py),
-    media sized as its code sizes them."""
-    messages = rerank_messages(query, document, instruction)
+    """A reranker's (query, document) pair as its prompt: the conversation of its model source's format
+    (inputs/retrieval.py RERANK_FORMATS: the Qwen reranker's, or the embedded toy's question), media sized as the
+    Qwen code sizes them."""
+    messages = RERANK_FORMATS[engine.source.rerank_format](query, document, instruction)
     return engine.chat_prompt(messages, mm_processor_kwargs=mm_processor_kwargs(messages))
 
 

@@ -67,3 +67,18 @@ def mm_processor_kwargs(messages: list[dict]) -> dict:
     request does not have)."""
     kinds = {part.get("type") for turn in messages for part in turn["content"] if isinstance(part, dict)}
     return {**(IMAGE_OPTIONS if "image" in kinds else {}), **(VIDEO_OPTIONS if "video" in kinds else {})}
+
+
+def question_messages(query, document, instruction: str | None = None) -> list[dict]:
+    """The embedded toy's reranker format: the toy answers "Is there a red house?" about a picture with "Yes." or
+    "No." (vlinfer/toy/scenes.py questions), so its "No" / "Yes" logits score a document (its picture first, as the
+    toy was trained) against a query such as "a red house"."""
+    if instruction is not None:
+        raise ValueError("the toy reranker takes no instruction: it answers 'Is there <query>?'")
+    if not isinstance(query, str) or not query.strip():
+        raise ValueError("the toy reranker's query is a non-empty text such as 'a red house'")
+    return [{"role": "user", "content": [*item_parts(document), {"type": "text", "text": f"Is there {query.strip()}?"}]}]
+
+
+# How a reranker reads a (query, document) pair, by the name its model source gives (loading/sources.py).
+RERANK_FORMATS = {"qwen3-vl-reranker": rerank_messages, "toy-question": question_messages}

@@ -59,7 +59,16 @@ EMBEDDED_MODELS = {
     # Seeded random weights: the engine's mechanics without a meaning (what most engine tests run on).
     "qwen3-vl-tiny": "the embedded random-weight Qwen3-VL: the real layout at a tiny width, so its words are "
                      "MEANINGLESS",
+    # The toy as a reranker: its trained "Yes." / "No." to "Is there <query>?" about a picture scores the picture.
+    "qwen3-vl-toy-reranker": "the embedded TOY Qwen3-VL as a reranker: it scores a drawn scene by its own answer "
+                             "to 'Is there <query>?' (its 'Yes' logit against its 'No'); it finds the drawn "
+                             "world's objects (recall@5 100% on the held-out scenes) and knows NOTHING else",
 }
+# The embedded models that are the toy's weights, and how each runs: (runner, hf_overrides, rerank_format).
+TOY_RUNS = {"qwen3-vl-toy": (None, {}, None),
+            "qwen3-vl-toy-reranker": ("pooling", {"architectures": ["Qwen3VLForSequenceClassification"],
+                                                  "classifier_from_token": ["No", "Yes"],
+                                                  "is_original_qwen3_reranker": True}, "toy-question")}
 # The default vision alias and the default embedder's fall back to the embedded toy when the real weights are not
 # on this machine (the embedder's runs the toy with runner="pooling": its vectors mean little, and it says so).
 OFFLINE_FALLBACK = {"qwen3-vl": "qwen3-vl-toy", "qwen3-vl-embedding": "qwen3-vl-toy"}
@@ -80,6 +89,8 @@ class ModelSource:
     about: str | None = None  # an embedded model's description (EMBEDDED_MODELS): what its answers are worth
     runner: str | None = None  # a retrieval alias's runner ("pooling"); None: the engine's runner="auto" decides
     hf_overrides: dict = field(default_factory=dict)  # a retrieval alias's config overrides (POOLING_ALIASES)
+    # How a reranker reads a (query, document) pair: a name in inputs/retrieval.py RERANK_FORMATS.
+    rerank_format: str = "qwen3-vl-reranker"
 
     @property
     def folder(self) -> str:
@@ -97,8 +108,8 @@ def embedded_model_path(name: str = "qwen3-vl-tiny") -> str:
     from vlinfer.toy import embedded
     if name not in EMBEDDED_MODELS:
         raise ModelNotFoundError(f"{name!r} is not an embedded model; they are {sorted(EMBEDDED_MODELS)}")
-    toy = name == "qwen3-vl-toy"
-    path = os.path.join(cache_dir(), f"{name}-{embedded.read_manifest()['sha256'][:12]}" if toy else name)
+    toy = name in TOY_RUNS
+    path = os.path.join(cache_dir(), f"qwen3-vl-toy-{embedded.read_manifest()['sha256'][:12]}" if toy else name)
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         import shutil
         import tempfile
@@ -138,7 +149,9 @@ def resolve_model(model: str) -> ModelSource:
     if model in EMBEDDED_MODELS:
         path = embedded_model_path(model)
         logger.warning(EMBEDDED_NOTICE.format(about=EMBEDDED_MODELS[model], path=path))
-        return ModelSource(model, path, embedded=True, about=EMBEDDED_MODELS[model])
+        runner, overrides, rerank_format = TOY_RUNS.get(model, (None, {}, None))
+        return ModelSource(model, path, embedded=True, about=EMBEDDED_MODELS[model], runner=runner,
+                           hf_overrides=dict(overrides), rerank_format=rerank_format or "qwen3-vl-reranker")
     if model in PACKAGED_MODELS:
         package, filename, install = PACKAGED_MODELS[model]
         path = _package_file(package, filename)
