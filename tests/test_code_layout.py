@@ -21,7 +21,7 @@ ROOMS = [
     ["vlinfer.captioning"],  # the batch jobs (caption, embed) the CLI, the demo and Ray share
     ["vlinfer", "vlinfer.llm", "vlinfer.pipeline"],  # the public face
     ["vlinfer.engine"],  # the loop, its input and output processors, scheduler, KV blocks, model runner, workers
-    ["vlinfer.config", "vlinfer.sampling_params", "vlinfer.pooling_params", "vlinfer.outputs"],  # the public data types
+    ["vlinfer.config", "vlinfer.sampling_params", "vlinfer.pooling_params", "vlinfer.lora_request", "vlinfer.outputs"],  # the public data types
     ["vlinfer.distributed"],  # tensor-parallel processes: rendezvous, control channel, rank 0's driver
     ["vlinfer.models"],  # model forwards
     ["vlinfer.loading"],  # finding a model, reading its config, tokenizer and tensors

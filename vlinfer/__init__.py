@@ -10,6 +10,7 @@ _PUBLIC = {
     "Pipeline": "vlinfer.pipeline",
     "SamplingParams": "vlinfer.sampling_params",
     "PoolingParams": "vlinfer.pooling_params",
+    "LoRARequest": "vlinfer.lora_request",
     "PoolingRequestOutput": "vlinfer.outputs",
     "EmbeddingRequestOutput": "vlinfer.outputs",
     "ClassificationRequestOutput": "vlinfer.outputs",

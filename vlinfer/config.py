@@ -95,10 +95,17 @@ class EngineConfig:
     # {"architectures": ["Qwen3VLForSequenceClassification"], "classifier_from_token": ["no", "yes"],
     # "is_original_qwen3_reranker": True}.
     hf_overrides: dict | None = None
+    # LoRA adapters (vLLM's options): LoRARequest per request; up to max_loras distinct adapters in one step, each of
+    # rank <= max_lora_rank, and up to max_cpu_loras (None: max_loras) read and kept on the host.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "kvcache_block_size", "max_model_len", "max_model_len_cap",
-                     "max_num_batched_tokens", "kv_cache_bytes", "tensor_parallel_size"):
+                     "max_num_batched_tokens", "kv_cache_bytes", "tensor_parallel_size", "max_loras", "max_lora_rank",
+                     "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -36,10 +36,11 @@ class LLM:
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order. A request that cannot be run (bad prompt,
         bad image, bad sampling_params) does not stop the others: after they finish, RequestError (a ValueError)
-        names each rejected request and carries every output in `.outputs`."""
+        names each rejected request and carries every output in `.outputs`. lora_request: a LoRARequest for every
+        prompt, or a list of one (or None) per prompt (needs LLM(..., enable_lora=True))."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
                                                  all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -47,11 +48,14 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         results: list[RequestOutput | None] = [None] * len(prompts)
         seqs, order = [], {}
-        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+        for i, (prompt, params, lora) in enumerate(zip(prompts, sampling_params, loras)):
             try:
-                group = self.engine.make_sequences(prompt, params)  # n sequences for n completions
+                group = self.engine.make_sequences(prompt, params, lora_request=lora)  # n sequences for n completions
             except ValueError as e:  # a bad request is answered with its error; the others still run
                 results[i] = RequestOutput.rejected(f"rejected-{i}", prompt, str(e))
                 continue
@@ -171,7 +175,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
-             mm_processor_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+             mm_processor_kwargs: dict | None = None, tools: list[dict] | None = None,
+             lora_request=None) -> list[RequestOutput]:
         """Apply the model's chat template, then generate. Takes one conversation or a list of them; content may be
         a string or OpenAI-style parts ({"type": "text"}, {"type": "image", "image": ...},
         {"type": "image_url", "image_url": {"url": ...}}). tools: OpenAI tool definitions, rendered by the chat
@@ -189,13 +194,16 @@ class LLM:
             except ValueError as e:
                 rejected[i] = RequestOutput.rejected(f"rejected-{i}", None, str(e))
         if not rejected:
-            return self.generate(list(prompts.values()), sampling_params, use_tqdm)
+            return self.generate(list(prompts.values()), sampling_params, use_tqdm, lora_request)
+        for name, value in (("sampling_params", sampling_params), ("lora_request", lora_request)):
+            if isinstance(value, list) and len(value) != len(conversations):
+                raise ValueError(f"got {len(value)} {name} for {len(conversations)} conversations")
         if isinstance(sampling_params, list):  # one per conversation: keep those of the ones that run
-            if len(sampling_params) != len(conversations):
-                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(conversations)} conversations")
             sampling_params = [sampling_params[i] for i in prompts]
+        if isinstance(lora_request, list):
+            lora_request = [lora_request[i] for i in prompts]
         try:
-            outputs = self.generate(list(prompts.values()), sampling_params, use_tqdm) if prompts else []
+            outputs = self.generate(list(prompts.values()), sampling_params, use_tqdm, lora_request) if prompts else []
         except RequestError as e:  # rejected by generate: the conversation's own index names it below
             outputs = e.outputs
         results = dict(rejected)

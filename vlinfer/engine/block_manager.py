@@ -52,7 +52,8 @@ class BlockManager:
         """Extend seq.block_hashes to cover every full block of its current tokens."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_tokens // bs):
-            parent = seq.block_hashes[i - 1] if i else None
+            # The first block's parent is the request's adapter: KV computed under one adapter is never another's.
+            parent = seq.block_hashes[i - 1] if i else (seq.lora_request.lora_int_id if seq.lora_request else None)
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs],
                                                seq.mm_hashes_in(i * bs, (i + 1) * bs)))
         return seq.block_hashes

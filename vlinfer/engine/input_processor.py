@@ -16,7 +16,7 @@ MEDIA_KEYS = {"image", "video"}
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, model_name: str, max_model_len: int, mm_processor=None,
                  chat_template: str | None = None, grammar_matchers=None, device: torch.device | None = None,
-                 seed: int = 0, pooling=None, can_generate: bool = True):
+                 seed: int = 0, pooling=None, can_generate: bool = True, lora=None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.model_name = model_name
@@ -29,6 +29,7 @@ class InputProcessor:
         self._seed_source = torch.Generator().manual_seed(seed)
         self.pooling = pooling  # engine/pooling.py's PoolingSpec of a pooling engine; None: it generates only
         self.can_generate = can_generate  # False: an embedder without an LM head
+        self.lora = lora  # engine/lora_manager.py's LoRAManager when LoRA is enabled
 
     @classmethod
     def for_engine(cls, engine, multimodal: bool) -> "InputProcessor":
@@ -40,7 +41,7 @@ class InputProcessor:
                                              config.allow_image_urls) if multimodal else None
         return cls(engine.tokenizer, engine.text_config.vocab_size, engine.source.name, engine.resolved.max_model_len,
                    mm_processor, load_chat_template(folder, engine.tokenizer, multimodal), engine.grammar_matchers,
-                   engine.device, config.seed, engine.pooling, engine.can_generate)
+                   engine.device, config.seed, engine.pooling, engine.can_generate, engine.model_runner.lora)
 
     @property
     def is_multimodal(self) -> bool:
@@ -132,11 +133,22 @@ class InputProcessor:
                 words.append(spaced)
         return [w for w in words if max(w) < vocab]
 
-    def make_sequences(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str
-                       ) -> list[Sequence]:
+    def make_sequences(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str,
+                       lora_request=None) -> list[Sequence]:
         """Validate a request and build its sampling_params.n Sequences, one per completion. The prompt (and its
         images) is processed once; the completions share its token ids and encoder inputs. With n > 1 each
         sequence's own id is f"{request_id}#{index}"."""
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"a LoRA adapter ({getattr(lora_request, 'lora_name', lora_request)!r}) was asked "
+                                 "for, but LoRA is off: LLM(..., enable_lora=True)")
+            self.lora.check(lora_request)
+        seqs = self._make_sequences(prompt, sampling_params, request_id)
+        for seq in seqs:
+            seq.lora_request = lora_request
+        return seqs
+
+    def _make_sequences(self, prompt: PromptType, sampling_params, request_id: str) -> list[Sequence]:
         if isinstance(sampling_params, PoolingParams):
             return [self._pooling_sequence(prompt, sampling_params, request_id)]
         if not self.can_generate:

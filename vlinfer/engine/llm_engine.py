@@ -96,7 +96,7 @@ class LLMEngine:
         self.model_runner.capture_graphs(self.resolved)  # for the block tables of the resolved length
         self.block_manager = BlockManager(self.resolved.num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.resolved.max_num_seqs,
-                                   self.resolved.max_num_batched_tokens)
+                                   self.resolved.max_num_batched_tokens, config.max_loras if config.enable_lora else 0)
         self.input_processor = InputProcessor.for_engine(self, hasattr(net, "encode_images"))
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.resolved.max_model_len)
         self.requests: dict[str, Sequence] = {}  # by sequence id: every sequence added and not yet finished
@@ -119,14 +119,14 @@ class LLMEngine:
 
     # ---- requests ----
     def make_sequences(self, prompt: PromptType, sampling_params: SamplingParams | PoolingParams | None = None,
-                       request_id: str | None = None) -> list[Sequence]:
+                       request_id: str | None = None, lora_request=None) -> list[Sequence]:
         """Validate a request and build its n Sequences (one with PoolingParams) without touching engine state."""
         if request_id is None:
             request_id = str(next(self._request_ids))
         n = sampling_params.n if isinstance(sampling_params, SamplingParams) else 1
         if any(i in self.requests for i in {request_id, f"{request_id}#0", *(f"{request_id}#{k}" for k in range(n))}):
             raise ValueError(f"request id {request_id!r} is already in use")
-        return self.input_processor.make_sequences(prompt, sampling_params, request_id)
+        return self.input_processor.make_sequences(prompt, sampling_params, request_id, lora_request)
 
     def make_sequence(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                       request_id: str | None = None) -> Sequence:
@@ -148,10 +148,10 @@ class LLMEngine:
         return seq.request_id
 
     def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, lora_request=None) -> str:
         """Queue a request; returns its id. With sampling_params.n > 1, step() outputs carry this id and, in
         outputs[0].index, which completion advanced; abort_request(id) stops them all."""
-        seqs = self.make_sequences(prompt, sampling_params, request_id)
+        seqs = self.make_sequences(prompt, sampling_params, request_id, lora_request)
         for seq in seqs:
             self.add_sequence(seq)
         return seqs[0].parent_id

@@ -16,6 +16,7 @@ from vlinfer.config import EngineConfig
 from vlinfer.engine import graph_runner
 from vlinfer.engine.build_model import pack_weights
 from vlinfer.engine.encoder_cache import EncoderCache
+from vlinfer.engine.lora_manager import LoRAManager, install, step_groups
 from vlinfer.engine.sampler import prompt_logprob_entries, sample
 from vlinfer.engine.scheduler import SchedulerOutput
 from vlinfer.engine.sequence import Sequence
@@ -42,6 +43,8 @@ class StepInputs:
     # Rows whose pooled output (hidden state, or a classifier's logits) pooling requests take: each one's last
     # prompt token, in the step where its prefill ends. None or empty: no pooling request ends this step.
     pool_indices: torch.Tensor | None = None
+    # Each token's LoRA slot (-1: the base model); None when no request in the step runs an adapter.
+    lora_slots: torch.Tensor | None = None
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: torch.dtype) -> int:
@@ -94,6 +97,9 @@ class ModelRunner:
         # budget covers them.
         self.num_dummy_blocks = graph_runner.dummy_blocks(self.graph_backend, config.max_num_seqs, self.block_size)
         self.dummy_block: int | None = None
+        # LoRA slots on the language model's linears (every rank: workers install their shard of each adapter).
+        self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank,
+                                config.max_cpu_loras or config.max_loras) if config.enable_lora else None
         if ctx.kv_cache_quantized:
             self._log_kv_cache_reader()
 
@@ -232,7 +238,23 @@ class ModelRunner:
             logits_indices=torch.tensor(prompt_indices + sample_indices, dtype=torch.long),
             pool_indices=torch.tensor(pool_indices, dtype=torch.long),
         )
+        inputs.lora_slots = self._lora_slots(batch)
         return inputs, sample_seqs, prompt_rows, pool_seqs
+
+    def _lora_slots(self, batch: SchedulerOutput) -> torch.Tensor | None:
+        """Install the step's adapters (rank 0 decides, every rank installs) and give each token its slot."""
+        requests = {seq.lora_request.lora_int_id: seq.lora_request for seq in batch.seqs if seq.lora_request}
+        if not requests:
+            return None
+        slot_of = self.lora.activate(requests, self.install_lora)
+        return torch.cat([torch.full((n,), slot_of[seq.lora_request.lora_int_id] if seq.lora_request else -1,
+                                     dtype=torch.long) for seq, n in zip(batch.seqs, batch.num_new_tokens)])
+
+    def install_lora(self, slot: int, request) -> None:
+        """Put an adapter in a LoRA slot, on every rank: each reads the adapter and keeps its shard."""
+        if self.driver is not None:
+            self.driver.call("install_lora", slot, request)
+        install(self.model, self.lora.layers, slot, self.lora.adapter(request))
 
     def _encode_missing(self, batch: SchedulerOutput) -> None:
         """Run the vision tower once, in one packed batch, over every image this step needs and the cache lacks."""
@@ -286,8 +308,8 @@ class ModelRunner:
         layers' collectives keep them in step (the pooled rows need none: the hidden states are whole on every
         rank)."""
         dev = self.device
-        if self.graphs is not None and self.graphs.can_run(inputs):
-            hidden_states = self.graphs.run(inputs)
+        if self.graphs is not None and inputs.lora_slots is None and self.graphs.can_run(inputs):
+            hidden_states = self.graphs.run(inputs)  # a step with adapters runs eager: captured steps have none
         else:
             step = ForwardContext(
                 slot_mapping=inputs.slot_mapping.to(dev),
@@ -295,6 +317,7 @@ class ModelRunner:
                 seq_lens=inputs.seq_lens.to(dev),
                 block_tables=inputs.block_tables.to(dev),
                 decode_only=inputs.decode_only,
+                lora=step_groups(inputs.lora_slots, dev) if inputs.lora_slots is not None else None,
             )
             mm_inputs = {k: v.to(dev) for k, v in inputs.mm_inputs.items()}
             with self.ctx.stepping(step):

@@ -18,8 +18,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_loras: int = 0):
         self.block_manager = block_manager
+        self.max_loras = max_loras  # distinct LoRA adapters per step (engine/lora_manager.py's slots)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -65,8 +67,14 @@ class Scheduler:
                 budget -= n
                 i += 1
         # Admit new work only when the running set did not have to give up blocks this step.
+        adapters = {s.lora_request.lora_int_id for s in self.running if s.lora_request is not None}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            lora_id = seq.lora_request.lora_int_id if seq.lora_request is not None else None
+            if lora_id is not None and lora_id not in adapters and len(adapters) >= self.max_loras:
+                break  # its adapter would not find a slot this step
+            if lora_id is not None:
+                adapters.add(lora_id)
             if not seq.block_table:
                 cached = self.block_manager.allocate_prefix(seq)
                 seq.num_computed_tokens = cached

@@ -36,6 +36,7 @@ class Sequence:
         # A pooling request (embed / classify / score): prefill only, its last token's row pooled (engine/pooling.py);
         # it then has no sampling_params.
         self.pooling_params = None
+        self.lora_request = None  # the LoRARequest it runs with (engine/lora_manager.py); None: the base model
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks, filled lazily

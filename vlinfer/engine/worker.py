@@ -89,6 +89,8 @@ def _loop(channel, runner, rank: int) -> None:
             runner.forward(message[1])
         elif kind == "allocate_kv_cache":
             runner.allocate_kv_cache(*message[1:])
+        elif kind == "install_lora":
+            runner.install_lora(*message[1:])
         elif kind == "describe":
             channel.gather(runner.describe())
         elif kind == "shutdown":

@@ -17,6 +17,7 @@ class ForwardContext:
     seq_lens: torch.Tensor  # [B] KV length of each sequence after this step (cached + new)
     block_tables: torch.Tensor  # [B, max_blocks] padded with -1
     decode_only: bool = False
+    lora: "LoRAStep | None" = None  # layers/lora.py: the step's adapters and their rows; None: no adapter runs
 
 
 @dataclass(eq=False)

@@ -51,6 +51,8 @@ class LinearBase(nn.Module):
         super().__init__()
         self.ops = ctx.ops
         self.tp = ctx.tp  # the engine's group: collectives and shards follow it
+        self.ctx = ctx  # the step's LoRA groups (layers/lora.py) are read from it
+        self.lora = None  # LoRASlots once the engine enables LoRA on this layer
         self.shard_dim = shard_dim  # 0: output features are split across ranks, 1: input features, None: whole
         self.input_size, self.output_size = input_size, output_size
         self.full_input_size = input_size * ctx.tp.size if shard_dim == 1 else input_size
@@ -136,8 +138,15 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.method is not None:
-            return self.method.apply(self, x, self.bias)
-        return self.ops.linear(x, self.weight, self.bias)
+            return self.with_lora(x, self.method.apply(self, x, self.bias))
+        return self.with_lora(x, self.ops.linear(x, self.weight, self.bias))
+
+    def with_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus the step's adapter updates (layers/lora.py), when this layer has LoRA slots and adapters run."""
+        step = self.ctx.step
+        if self.lora is None or step is None or step.lora is None:
+            return y
+        return self.lora.add_to(x, y, step.lora)
 
 
 class ReplicatedLinear(LinearBase):
@@ -243,6 +252,6 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
         if self.method is not None:
-            return self.tp.all_reduce(self.method.apply(self, x, bias))
+            return self.tp.all_reduce(self.with_lora(x, self.method.apply(self, x, bias)))
         y = self.ops.linear(x, self.weight, bias)
-        return self.tp.all_reduce(y)
+        return self.tp.all_reduce(self.with_lora(x, y))

@@ -121,7 +121,7 @@ class LlamaModel(nn.Module):
         """Every decoder layer: (the last layer's mlp output, residual). A decode-only step runs the fused stack where
         there is one."""
         step = self.ctx.forward_context()
-        if self.decode_stack is not None and step.decode_only:
+        if self.decode_stack is not None and step.decode_only and step.lora is None:  # adapters: layer by layer
             caches = self.attention_caches  # each layer's cache views, bound by the model runner after fusing
             return self.decode_stack.forward(hidden_states, *rope, [c.k_cache for c in caches],
                                              [c.v_cache for c in caches], step.slot_mapping, step.block_tables,

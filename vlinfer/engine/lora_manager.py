@@ -1,0 +1,135 @@
+"""The engine's LoRA adapters: LoRA slots on the decoder's linear layers (layers/lora.py), up to max_loras adapters
+installed in them for a step, more kept read on the host in an LRU of up to max_cpu_loras, and each request's
+adapter checked against the model before it is queued."""
+import logging
+from collections import OrderedDict
+
+import torch
+
+from vlinfer.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from vlinfer.layers.lora import LoRASlots, LoRAStep
+from vlinfer.loading.lora import LoRAAdapter, read_peft_adapter
+from vlinfer.lora_request import LoRARequest
+
+logger = logging.getLogger("vlinfer")
+
+
+def lora_layers(model: torch.nn.Module) -> dict[str, LinearBase]:
+    """The linear layers adapters may target: the language model's (the vision tower's are not yet)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LinearBase) and "visual" not in name}
+
+
+def _sub_count(layer: LinearBase) -> int:
+    if isinstance(layer, QKVParallelLinear):
+        return 3
+    if isinstance(layer, MergedColumnParallelLinear):
+        return len(layer.output_sizes)
+    return 1
+
+
+def targets(model, adapter: LoRAAdapter, layers: dict) -> list[tuple[LinearBase, int, object, torch.Tensor, torch.Tensor]]:
+    """(layer, sub-projection index, shard id, lora_A, lora_B) per adapter module, through the model's fused-module
+    mapping; ValueError naming a module the model does not have or whose shapes do not fit."""
+    packed = getattr(model, "packed_modules_mapping", {})
+    out = []
+    for module, (a, b) in adapter.modules.items():
+        name, shard_id, index = module, None, 0
+        for fragment, (fused, shard) in packed.items():
+            if module.endswith(f".{fragment}"):
+                name = module[:-len(fragment)] + fused
+                shard_id, index = shard, "qkv".index(shard) if isinstance(shard, str) else shard
+                break
+        layer = layers.get(name)
+        if layer is None:
+            raise ValueError(f"LoRA adapter {adapter.path!r}: target module {module!r} is not a linear layer of this "
+                             "model's language model" + (" (adapters on the vision tower are not supported yet)"
+                                                         if "visual" in module else ""))
+        full_rows = layer.output_shard(shard_id)[4]
+        full_cols = layer.input_shard()[2]
+        if tuple(a.shape[1:]) != (full_cols,) or b.shape[0] != full_rows:
+            raise ValueError(f"LoRA adapter {adapter.path!r}: module {module!r} has lora_A {tuple(a.shape)} and "
+                             f"lora_B {tuple(b.shape)}, this model's layer is {full_rows} x {full_cols} (an adapter "
+                             "of another model?)")
+        out.append((layer, index, shard_id, a, b))
+    return out
+
+
+class LoRAManager:
+    """Rank 0's manager decides which adapter sits in which slot and installs it; under tensor parallelism the
+    workers install their shard of the same adapter into the same slot (ModelRunner.install_lora)."""
+
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int):
+        self.model = model
+        self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
+        self.layers = lora_layers(model)
+        for layer in self.layers.values():
+            layer.lora = LoRASlots(layer, max_loras, max_rank, _sub_count(layer))
+        self.slots: list[int | None] = [None] * max_loras  # lora_int_id in each slot
+        self.slot_used: list[int] = [0] * max_loras  # the step that last used each slot (LRU eviction)
+        self.host: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()
+        self.steps = 0
+        logger.info("LoRA on %d linear layers: %d adapters per step, rank <= %d, %d kept on the host",
+                    len(self.layers), max_loras, max_rank, max_cpu_loras)
+
+    def check(self, request: LoRARequest) -> LoRAAdapter:
+        """Read and validate a request's adapter (in the caller's thread): a clear ValueError naming it and why."""
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        known = self.host.get(request.lora_int_id)
+        if known is not None:
+            if known[0] != request:
+                raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter {known[0].lora_name!r} at "
+                                 f"{known[0].lora_path!r}: one id per adapter")
+            self.host.move_to_end(request.lora_int_id)
+            return known[1]
+        adapter = read_peft_adapter(request.lora_path)
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: rank {adapter.rank} is above max_lora_rank="
+                             f"{self.max_rank}")
+        targets(self.model, adapter, self.layers)
+        self.host[request.lora_int_id] = (request, adapter)
+        while len(self.host) > self.max_cpu_loras:  # the least recently used other one not installed goes
+            victim = next((i for i in self.host if i not in self.slots and i != request.lora_int_id), None)
+            if victim is None:
+                break
+            del self.host[victim]
+        return adapter
+
+    def activate(self, requests: dict[int, LoRARequest], install) -> dict[int, int]:
+        """Slots for this step's adapters, {lora_int_id: slot} (at most max_loras: the scheduler's bound): those
+        installed stay, the least recently used others make room. install(slot, request) puts an adapter in a slot
+        on every rank."""
+        self.steps += 1
+        ids = set(requests)
+        assignment = {lora_id: self.slots.index(lora_id) for lora_id in ids if lora_id in self.slots}
+        for lora_id in ids - set(assignment):
+            free = [s for s in range(self.max_loras) if self.slots[s] not in ids]
+            slot = min(free, key=lambda s: (self.slots[s] is not None, self.slot_used[s]))
+            install(slot, requests[lora_id])
+            self.slots[slot] = lora_id
+            assignment[lora_id] = slot
+        for slot in assignment.values():
+            self.slot_used[slot] = self.steps
+        return assignment
+
+    def adapter(self, request: LoRARequest) -> LoRAAdapter:
+        """The host copy of a checked adapter (read again if the LRU dropped it)."""
+        return self.check(request)
+
+
+def install(model, layers: dict, slot: int, adapter: LoRAAdapter) -> None:
+    """Put this rank's shard of `adapter` in `slot` of every layer (the layers it does not target: zero)."""
+    for layer in layers.values():
+        layer.lora.clear(slot)
+    for layer, index, shard_id, a, b in targets(model, adapter, layers):
+        layer.lora.set_sub(layer, slot, index, shard_id, a, b, adapter.scaling)
+
+
+def step_groups(slots: torch.Tensor, device) -> LoRAStep | None:
+    """The step's LoRAStep from each token's slot (-1: the base model); None when no token runs an adapter."""
+    used = sorted(set(slots.tolist()) - {-1})
+    if not used:
+        return None
+    if len(used) == 1 and bool((slots == used[0]).all()):
+        return LoRAStep([(used[0], None)])
+    return LoRAStep([(s, torch.nonzero(slots == s).flatten().to(device)) for s in used])

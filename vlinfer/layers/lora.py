@@ -1,0 +1,60 @@
+"""LoRA on a linear layer: up to max_loras adapters live in slots beside the base weight, and a step adds each token's
+adapter update after the base matmul, grouped by adapter (the punica / S-LoRA shrink-then-expand), so the base
+layer runs once for the whole batch whatever the adapters.
+
+A slot holds one adapter's A and B for this layer on this rank: A [n_sub * max_rank, input] and B
+[output, n_sub * max_rank], where n_sub is the number of projections fused in the layer (3 for qkv, 2 for gate_up):
+sub-projection i's A rows sit at [i * max_rank, i * max_rank + r) and its B columns at the same place, its rows
+where the layer keeps that projection's output, so one shrink and one expand serve the fused layer. B carries the
+adapter's scaling (alpha / r, or alpha / sqrt(r) with rsLoRA). Tensor parallelism as vLLM splits it: a
+column-parallel layer keeps A whole and B's rows of its shard; a row-parallel layer keeps A's columns of its input
+shard and B whole, its update added before the all-reduce that sums the partial outputs."""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LoRAStep:
+    """One step's adapters: for each slot in use, the rows (token indices) that run it; all rows when one adapter
+    covers the whole step (then no gather). Built once per step by the model runner, read by every LoRA layer."""
+    groups: list[tuple[int, torch.Tensor | None]]
+
+
+class LoRASlots(nn.Module):
+    def __init__(self, layer, max_loras: int, max_rank: int, num_sub: int):
+        super().__init__()
+        self.max_rank, self.num_sub = max_rank, num_sub
+        dtype, device = layer.params_dtype, next(layer.parameters()).device
+        self.a = torch.zeros(max_loras, num_sub * max_rank, layer.input_size, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, layer.output_size, num_sub * max_rank, dtype=dtype, device=device)
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+    def set_sub(self, layer, slot: int, sub_index: int, shard_id, a: torch.Tensor, b: torch.Tensor,
+                scaling: float) -> None:
+        """Install one PEFT module's lora_A [r, in] and lora_B [out, r] (full checkpoint shapes) as sub-projection
+        sub_index (shard_id: the fused layer's shard name, None for a plain layer) of `slot`, this rank's part."""
+        r = a.shape[0]
+        if r > self.max_rank:
+            raise ValueError(f"rank {r} is above max_lora_rank={self.max_rank}")
+        _, offset, rows, start, full_rows = layer.output_shard(shard_id)
+        col_start, cols, full_cols = layer.input_shard()
+        if tuple(a.shape) != (r, full_cols) or tuple(b.shape) != (full_rows, r):
+            raise ValueError(f"lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit a {full_rows} x "
+                             f"{full_cols} layer (an adapter of another model?)")
+        lo = sub_index * self.max_rank
+        self.a[slot, lo:lo + r] = a[:, col_start:col_start + cols].to(self.a.dtype)
+        self.b[slot, offset:offset + rows, lo:lo + r] = (b[start:start + rows].float() * scaling).to(self.b.dtype)
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> torch.Tensor:
+        """y + each row's adapter update: x [T, in], y [T, out]."""
+        for slot, rows in step.groups:
+            if rows is None:
+                y.add_((x @ self.a[slot].T) @ self.b[slot].T)
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ self.a[slot].T) @ self.b[slot].T)
+        return y

@@ -1,0 +1,20 @@
+"""LoRARequest: the adapter a request runs with, shaped like vLLM's (vllm.lora.request.LoRARequest)."""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """lora_name: the adapter's name (the server's `model` field); lora_int_id: a positive id, one per adapter (the
+    engine's key for its slot and its prefix-cache blocks); lora_path: a PEFT folder (adapter_config.json +
+    adapter_model.safetensors)."""
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self):
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"LoRARequest.lora_name must be a non-empty string, got {self.lora_name!r}")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"LoRARequest.lora_int_id must be a positive int, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(f"LoRARequest.lora_path must be a path, got {self.lora_path!r}")
