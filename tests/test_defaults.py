@@ -59,10 +59,11 @@ def readme_table() -> dict[str, dict[str, str]]:
 def entry_points() -> dict[str, tuple[dict, dict]]:
     """entry point -> (the engine options it passes to LLM, over EngineConfig's defaults; its default sampling, as
     {field: value} or, for the server, per endpoint)."""
-    # LLM and Pipeline add no engine defaults of their own: every option goes through to EngineConfig.
+    # LLM and Pipeline add no engine defaults of their own: every option goes through to EngineConfig (Pipeline's
+    # own keyword, lora, is an adapter for its requests, not an engine option).
     for init in (LLM.__init__, Pipeline.__init__):
-        kinds = [p.kind for p in inspect.signature(init).parameters.values()]
-        assert kinds[-1] is inspect.Parameter.VAR_KEYWORD and len(kinds) == 3, inspect.signature(init)
+        params = [p for p in inspect.signature(init).parameters.values() if p.name != "lora"]
+        assert params[-1].kind is inspect.Parameter.VAR_KEYWORD and len(params) == 3, inspect.signature(init)
     assert ENGINE_DEFAULTS == {f.name: f.default for f in dataclasses.fields(EngineConfig)
                                if f.default is not dataclasses.MISSING}
     points = {"LLM": (ENGINE_DEFAULTS, dataclasses.asdict(SamplingParams())),
@@ -158,7 +159,8 @@ FLAG_VALUES = {
     "distributed_timeout_s": (["5"], 5.0), "distributed_startup_timeout_s": (["50"], 50.0), "seed": (["7"], 7),
     "quantization": (["int8"], "int8"), "allow_image_urls": ([], True), "logprobs_mode": (["raw_logprobs"],
                                                                                       "raw_logprobs"),
-    "kv_cache_dtype": (["int8"], "int8"),
+    "kv_cache_dtype": (["int8"], "int8"), "enable_lora": ([], True), "max_loras": (["3"], 3),
+    "max_lora_rank": (["64"], 64), "max_cpu_loras": (["4"], 4),
 }
 
 

@@ -1,4 +1,5 @@
 """LoRARequest: the adapter a request runs with, shaped like vLLM's (vllm.lora.request.LoRARequest)."""
+import os
 from dataclasses import dataclass
 
 
@@ -18,3 +19,10 @@ class LoRARequest:
             raise ValueError(f"LoRARequest.lora_int_id must be a positive int, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"LoRARequest.lora_path must be a path, got {self.lora_path!r}")
+
+    @classmethod
+    def from_path(cls, path: str, lora_int_id: int = 1) -> "LoRARequest":
+        """The one adapter of a Pipeline(lora=PATH) or of `vlinfer generate|chat|caption --lora PATH`: named after
+        its folder."""
+        path = os.fspath(path)
+        return cls(os.path.basename(os.path.normpath(path)) or path, lora_int_id, path)

@@ -5,6 +5,7 @@ from vlinfer.config import ANSWER_MAX_TOKENS
 from vlinfer.inputs.limits import text_only
 from vlinfer.inputs.retrieval import embedding_messages, mm_processor_kwargs
 from vlinfer.llm import LLM
+from vlinfer.lora_request import LoRARequest
 from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
 
@@ -12,13 +13,29 @@ from vlinfer.sampling_params import SamplingParams
 class Pipeline:
     """pipe(image, prompt) -> answer; pipe.chat(messages); pipe.stream(...) yields text deltas;
     pipe.caption(images) -> captions in order. Sampling options (temperature, top_p, max_tokens, seed, ...) pass
-    through as keyword arguments; the rest of **engine_options go to LLM."""
+    through as keyword arguments; the rest of **engine_options go to LLM. lora=PATH: a PEFT LoRA adapter folder
+    every request runs with (LoRARequest.from_path: named after its folder; enable_lora is set for it, max_lora_rank
+    must hold its rank); it is read and checked here, so a bad one fails now, named."""
 
-    def __init__(self, model: str = "qwen3-vl", **engine_options):
+    def __init__(self, model: str = "qwen3-vl", *, lora: str | None = None, **engine_options):
+        self.lora_request = LoRARequest.from_path(lora) if lora is not None else None
+        if self.lora_request is not None:
+            if engine_options.get("enable_lora") is False:
+                raise ValueError("Pipeline(lora=...) runs an adapter: it needs enable_lora, not enable_lora=False")
+            engine_options["enable_lora"] = True
         self.llm = LLM(model, **engine_options)
         self.engine = self.llm.engine
         self.model = model
         self.is_multimodal = self.engine.is_multimodal
+        if self.lora_request is not None:
+            try:
+                if not self.engine.can_generate or self.engine.pooling is not None:
+                    raise ValueError(f"Pipeline(lora=...): model {model!r} is a pooling model (embeddings, scores); "
+                                     "LoRA adapters run on generating models")
+                self.engine.input_processor.check_lora(self.lora_request)
+            except ValueError:
+                self.llm.close()
+                raise
 
     @property
     def device(self) -> str:
@@ -70,8 +87,8 @@ class Pipeline:
              mm_processor_kwargs: dict | None = None, **sampling) -> str:
         """mm_processor_kwargs: {"min_pixels": ..., "max_pixels": ...} for this request's images."""
         params = self.sampling_params(sampling_params, **sampling)
-        return self.llm.chat(messages, params, use_tqdm=False,
-                             mm_processor_kwargs=mm_processor_kwargs)[0].outputs[0].text
+        return self.llm.chat(messages, params, use_tqdm=False, mm_processor_kwargs=mm_processor_kwargs,
+                             lora_request=self.lora_request)[0].outputs[0].text
 
     def stream(self, image=None, prompt: str | None = None, *, images: Iterable | None = None,
                messages: list[dict] | None = None, sampling_params: SamplingParams | None = None,
@@ -85,7 +102,7 @@ class Pipeline:
             messages = self.messages(prompt, ([image] if image is not None else []) + list(images or []))
         params = self.sampling_params(sampling_params, **sampling)
         prompt_dict = self.engine.chat_prompt(messages, mm_processor_kwargs=mm_processor_kwargs)
-        request_id = self.engine.add_request(prompt_dict, params)
+        request_id = self.engine.add_request(prompt_dict, params, lora_request=self.lora_request)
         unfinished = set(range(params.n))
         try:
             while unfinished:
@@ -112,7 +129,8 @@ class Pipeline:
         captions = []
         for start in range(0, len(images), batch_size):
             batch = [self.messages(prompt, [image]) for image in images[start:start + batch_size]]
-            outs = self.llm.chat(batch, params, use_tqdm=False, mm_processor_kwargs=mm_processor_kwargs)
+            outs = self.llm.chat(batch, params, use_tqdm=False, mm_processor_kwargs=mm_processor_kwargs,
+                                 lora_request=self.lora_request)
             captions.extend(out.outputs[0].text for out in outs)
         return captions
 

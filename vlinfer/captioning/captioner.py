@@ -71,13 +71,19 @@ def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT,
                   sampling_params: SamplingParams | None = None, max_pixels: int | None = None,
                   resume: bool = False, overwrite: bool = False, progress: bool = True,
                   json_schema: dict | str | None = None, video_prompt: str | None = None,
-                  video_options: dict | None = None) -> CaptionSummary:
+                  video_options: dict | None = None, lora_request=None) -> CaptionSummary:
     """Caption `paths` with `llm` (an LLM, or a Pipeline: its .llm is used) into the JSONL file `out`. With
     json_schema (a JSON schema, dict or string), every caption is generated under it (structured outputs) and
     recorded as the parsed JSON value. Paths with a video extension (VIDEO_EXTENSIONS) are captioned as clips,
     in the same batches as the images: with video_prompt (default: `prompt` when one is given, else
     DEFAULT_VIDEO_PROMPT) and video_options (fps, num_frames, max_frames, video_max_pixels, ...: the video
-    processor's per-request keys)."""
+    processor's per-request keys). lora_request: the LoRARequest every caption runs with (a Pipeline(lora=...)
+    brings its own)."""
+    if getattr(llm, "lora_request", None) is not None:
+        if lora_request is not None:
+            raise ValueError("this Pipeline runs its own adapter (Pipeline(lora=...)): give lora_request only with "
+                             "an LLM")
+        lora_request = llm.lora_request
     llm = getattr(llm, "llm", llm)
     if not llm.engine.is_multimodal:
         raise ValueError(f"{text_only(llm.engine.source.name, 'images')}; use a vision model such as "
@@ -116,7 +122,8 @@ def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT,
                              [{"role": "user", "content": [{"type": "image", "image": path},
                                                            {"type": "text", "text": prompt}]}] for path in batch]
             try:
-                outputs = llm.chat(conversations, params, use_tqdm=False, mm_processor_kwargs=mm_kwargs)
+                outputs = llm.chat(conversations, params, use_tqdm=False, mm_processor_kwargs=mm_kwargs,
+                                   lora_request=lora_request)
             except RequestError as e:  # some images were unreadable; the rest of the batch still ran
                 outputs = e.outputs
             records = [make_record(path, output, json_schema is not None, is_video(path))

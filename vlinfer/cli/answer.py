@@ -3,8 +3,8 @@ import os
 import sys
 
 from vlinfer.cli.options import name_flags
-from vlinfer.cli.shared import (CLI_FLAGS, TEXT_MODEL, VISION_MODEL, add_max_pixels, add_model_args, add_sampling_args,
-                                build_llm, mm_kwargs, sampling_params)
+from vlinfer.cli.shared import (CLI_FLAGS, TEXT_MODEL, VISION_MODEL, add_lora_arg, add_max_pixels, add_model_args,
+                                add_sampling_args, build_llm, lora_request, mm_kwargs, sampling_params)
 from vlinfer.config import ANSWER_MAX_TOKENS, CHAT_TEMPERATURE, CHAT_TOP_P
 from vlinfer.inputs.limits import text_only
 
@@ -19,14 +19,14 @@ def cmd_generate(args) -> int:
         image_kwargs = mm_kwargs(args, llm)
         if image_kwargs:
             prompt["mm_processor_kwargs"] = image_kwargs
-        out = llm.generate(prompt, sampling_params(args), use_tqdm=False)[0]
+        out = llm.generate(prompt, sampling_params(args), use_tqdm=False, lora_request=lora_request(args))[0]
     else:
         content = args.prompt
         if args.image:  # images first, then the text: the layout Qwen3-VL was trained on
             content = [{"type": "image", "image": path} for path in args.image]
             content.append({"type": "text", "text": args.prompt})
         out = llm.chat([{"role": "user", "content": content}], sampling_params(args), use_tqdm=False,
-                       mm_processor_kwargs=mm_kwargs(args, llm))[0]
+                       mm_processor_kwargs=mm_kwargs(args, llm), lora_request=lora_request(args))[0]
     print(out.outputs[0].text)
     return 0
 
@@ -57,7 +57,10 @@ def cmd_chat(args) -> int:
     engine = llm.engine
     params = sampling_params(args)
     image_kwargs = mm_kwargs(args, llm)
+    lora = lora_request(args)
     kind = "vision" if engine.is_multimodal else "text-only"
+    if lora is not None:
+        kind += f"; LoRA adapter {lora.lora_name!r}"
     if engine.source.embedded:
         kind += f"; {engine.source.about}"
     print(f"chatting with {model} ({kind}); {CHAT_HELP}", file=sys.stderr)
@@ -99,7 +102,7 @@ def cmd_chat(args) -> int:
         pending = []
         try:
             prompt = engine.chat_prompt(history + [turn], mm_processor_kwargs=image_kwargs)
-            request_id = engine.add_request(prompt, params)
+            request_id = engine.add_request(prompt, params, lora_request=lora)
         except ValueError as e:  # unreadable image, history longer than --max-model-len, ...
             print(f"error: {name_flags(str(e), CLI_FLAGS)} (message not sent; /reset clears the history)",
                   file=sys.stderr)
@@ -123,6 +126,7 @@ def add_parsers(sub) -> list:
                    help="send the prompt as is, without the chat template (write one "
                         "<|vision_start|><|image_pad|><|vision_end|> per --image yourself)")
     add_max_pixels(g)
+    add_lora_arg(g)
     add_model_args(g, f"{TEXT_MODEL}, or {VISION_MODEL} with --image")
     add_sampling_args(g, ANSWER_MAX_TOKENS)
     g.set_defaults(func=cmd_generate)
@@ -131,6 +135,7 @@ def add_parsers(sub) -> list:
                        description=f"Interactive chat, answers streamed. {CHAT_HELP}. Default model: {TEXT_MODEL} "
                                    f"(text-only); pass --model {VISION_MODEL} to use /image.")
     add_max_pixels(c)
+    add_lora_arg(c)
     add_model_args(c, TEXT_MODEL)
     add_sampling_args(c, ANSWER_MAX_TOKENS, CHAT_TEMPERATURE, CHAT_TOP_P)
     c.set_defaults(func=cmd_chat)

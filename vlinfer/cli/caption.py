@@ -2,8 +2,8 @@
 import sys
 
 from vlinfer.cli.options import engine_options
-from vlinfer.cli.shared import (VISION_MODEL, add_batch_job_args, add_max_pixels, add_model_args, add_sampling_args,
-                                build_llm, sampling_params)
+from vlinfer.cli.shared import (VISION_MODEL, add_batch_job_args, add_lora_arg, add_max_pixels, add_model_args,
+                                add_sampling_args, build_llm, lora_request, sampling_params)
 from vlinfer.config import CAPTION_MAX_TOKENS
 
 
@@ -28,6 +28,8 @@ def cmd_caption(args) -> int:
     if args.ray is not None:
         if schema is not None:
             raise ValueError("--json-schema is not supported with --ray yet; run without --ray")
+        if args.lora is not None:
+            raise ValueError("--lora is not supported with --ray yet; run without --ray")
         return _caption_on_ray(args)
     from vlinfer.captioning import caption_files, collect_images
     from vlinfer.captioning.captioner import check_caption_output
@@ -38,7 +40,8 @@ def cmd_caption(args) -> int:
     summary = caption_files(llm, paths, args.out, prompt=args.prompt, batch_size=args.batch_size,
                             sampling_params=sampling_params(args), max_pixels=args.max_pixels, resume=args.resume,
                             overwrite=args.overwrite, progress=not args.no_progress, json_schema=schema,
-                            video_prompt=args.video_prompt, video_options=_video_options(args))
+                            video_prompt=args.video_prompt, video_options=_video_options(args),
+                            lora_request=lora_request(args))
     print(summary.line())
     if llm.engine.source.embedded:
         print(f"note: {model!r} ran {llm.engine.source.about}; "
@@ -92,6 +95,7 @@ def add_parser(sub):
                    help="a JSON schema file: every caption is generated under it (structured outputs) and its "
                         "record's caption is the parsed JSON value")
     add_max_pixels(k)
+    add_lora_arg(k)
     v = k.add_argument_group("videos", "video files (.mp4, .webm, .mkv, .mov, .avi, ...) in the inputs are "
                              "captioned as clips: frames sampled at --fps (default: the model's, 2 for Qwen3-VL)")
     v.add_argument("--video-prompt", default=None,

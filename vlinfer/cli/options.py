@@ -24,7 +24,8 @@ FLAGS = {
     "enable_expert_parallel": "--enable-expert-parallel", "distributed_init_method": "--distributed-init-method",
     "distributed_timeout_s": "--distributed-timeout", "distributed_startup_timeout_s": "--distributed-startup-timeout",
     "quantization": "--quantization", "allow_image_urls": "--allow-image-urls", "logprobs_mode": "--logprobs-mode",
-    "kv_cache_dtype": "--kv-cache-dtype",
+    "kv_cache_dtype": "--kv-cache-dtype", "enable_lora": "--enable-lora", "max_loras": "--max-loras",
+    "max_lora_rank": "--max-lora-rank", "max_cpu_loras": "--max-cpu-loras",
     "temperature": "--temperature", "top_p": "--top-p", "max_tokens": "--max-tokens", "seed": "--seed",
 }
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)
@@ -96,6 +97,15 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: bool = True) ->
     p.add_argument("--kv-cache-dtype", default=ENGINE_DEFAULTS["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES),
                    help="the dtype K and V are stored in: auto (the model's), or a smaller one that holds more tokens "
                         "(bfloat16, float16, fp8 = fp8_e4m3, fp8_e5m2, int8)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders) per request; on by itself with --lora, --lora-modules or "
+                        "--allow-runtime-lora-updating (docs/lora.md)")
+    p.add_argument("--max-loras", type=int, default=ENGINE_DEFAULTS["max_loras"], metavar="N",
+                   help=f"distinct adapters in one engine step (default: {ENGINE_DEFAULTS['max_loras']})")
+    p.add_argument("--max-lora-rank", type=int, default=ENGINE_DEFAULTS["max_lora_rank"], metavar="R",
+                   help=f"highest adapter rank accepted (default: {ENGINE_DEFAULTS['max_lora_rank']})")
+    p.add_argument("--max-cpu-loras", type=int, default=ENGINE_DEFAULTS["max_cpu_loras"], metavar="N",
+                   help="adapters kept read in host memory (default: --max-loras)")
     p.add_argument("--seed", type=int, default=None,
                    help=f"the engine's seed for unseeded requests; the apps' own requests use it too (default: "
                         f"{ENGINE_DEFAULTS['seed']})")
@@ -124,11 +134,19 @@ def engine_options(args: argparse.Namespace) -> dict:
                    distributed_timeout_s=args.distributed_timeout_s,
                    distributed_startup_timeout_s=args.distributed_startup_timeout_s, quantization=args.quantization,
                    allow_image_urls=args.allow_image_urls, logprobs_mode=args.logprobs_mode,
-                   kv_cache_dtype=args.kv_cache_dtype,
+                   kv_cache_dtype=args.kv_cache_dtype, enable_lora=lora_enabled(args), max_loras=args.max_loras,
+                   max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                    seed=ENGINE_DEFAULTS["seed"] if args.seed is None else args.seed)
     if hasattr(args, "max_num_seqs"):
         options["max_num_seqs"] = args.max_num_seqs
     return options
+
+
+def lora_enabled(args: argparse.Namespace) -> bool:
+    """--enable-lora, or an app flag that needs it: an adapter for every request (generate, chat, caption --lora), the
+    server's --lora-modules or --allow-runtime-lora-updating."""
+    return args.enable_lora or any(getattr(args, name, None) for name in ("lora", "lora_modules",
+                                                                         "allow_runtime_lora_updating"))
 
 
 def _pattern(names) -> re.Pattern:

@@ -1,6 +1,7 @@
 """`vlinfer serve ...`: flags -> ServeConfig and engine options, then uvicorn around build_app, or replicas on Ray
 Serve (--ray)."""
 import argparse
+import json
 import logging
 import os
 import signal
@@ -15,7 +16,8 @@ from vlinfer.inputs.limits import MAX_IMAGE_PIXELS, MAX_IMAGES
 from vlinfer.multimodal.video_io import VideoLimits
 from vlinfer.serve import security
 from vlinfer.serve.app import build_app
-from vlinfer.serve.config import ServeConfig
+from vlinfer.serve.config import LoRAModule, ServeConfig
+from vlinfer.serve.lora import RUNTIME_FLAG
 from vlinfer.serve.memory import limit_malloc_arenas
 
 logger = logging.getLogger("vlinfer.serve")
@@ -33,6 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                    "(default: $VLINFER_API_KEY; none when unset)")
     add_engine_args(p)
+    p.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module, default=[],
+                   metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served from the start, chosen by the request's 'model': "
+                        "name=path, or vLLM's JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' "
+                        "(turns --enable-lora on; docs/lora.md)")
+    p.add_argument(RUNTIME_FLAG, action="store_true",
+                   help="let clients load and unload LoRA adapters by path (POST /v1/load_lora_adapter, "
+                        "/v1/unload_lora_adapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING). Off by default: whoever "
+                        "can call the server could then read adapter folders on this machine")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="serve --replicas engines with Ray Serve behind this one endpoint: ADDRESS of the Ray "
                         "cluster's head ('auto': the one this machine is in), or none to start one here "
@@ -77,6 +88,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def lora_module(text: str) -> LoRAModule:
+    """One --lora-modules item, in either of vLLM's forms: name=path, or JSON with name, path and optionally
+    base_model_name (the served model name /v1/models gives as its parent)."""
+    if not text.lstrip().startswith("{"):
+        name, equals, path = text.partition("=")
+        if not (equals and name and path):
+            raise argparse.ArgumentTypeError(f"{text!r} is neither name=path nor JSON "
+                                             '{"name": ..., "path": ..., "base_model_name": ...}')
+        return LoRAModule(name, path)
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON: {e}") from None
+    keys = set(fields) if isinstance(fields, dict) else set()
+    if not isinstance(fields, dict) or not {"name", "path"} <= keys <= {"name", "path", "base_model_name"} or \
+            not all(isinstance(v, str) and v for v in fields.values()):
+        raise argparse.ArgumentTypeError(f"{text!r}: the JSON form is an object of strings: name, path and "
+                                         "optionally base_model_name")
+    return LoRAModule(**fields)
+
+
 def url_hosts(args) -> tuple[str, ...]:
     """The server fetches image URLs itself: --allow-image-urls (the engine flag every app takes) means any public
     host, as LLM(allow_image_urls=True) does; --allowed-url-hosts names them one by one."""
@@ -99,7 +131,9 @@ def config_from_args(args) -> ServeConfig:
                        api_key=args.api_key or os.environ.get("VLINFER_API_KEY") or None,
                        max_body_bytes=args.max_request_bytes, images=images, max_n=args.max_n,
                        max_pending=args.max_pending,
-                       disable_any_whitespace=args.structured_outputs_disable_any_whitespace, video=video)
+                       disable_any_whitespace=args.structured_outputs_disable_any_whitespace, video=video,
+                       lora_modules=tuple(args.lora_modules),
+                       allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
 def main(argv=None) -> int:
@@ -120,16 +154,22 @@ def main(argv=None) -> int:
     if config.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s without an API key: anyone who can reach this port can use the model",
                        args.host)
+    if config.allow_runtime_lora_updating:
+        logger.warning("%s: clients may load LoRA adapters from any folder this server can read", RUNTIME_FLAG)
     if args.ray is not None:
+        if config.allow_runtime_lora_updating:  # a load would reach one replica, not all
+            print(f"error: {RUNTIME_FLAG} is not supported with --ray; give the adapters with --lora-modules",
+                  file=sys.stderr)
+            return 2
         return _serve_on_ray(args, config)
     with flags_in_logs():  # the engine's messages name the flags set here (--max-model-len, --kv-cache-size)
         try:
             set_threads(args)
             engine = LLMEngine(args.model, **engine_options(args))
-        except (ValueError, FileNotFoundError) as e:  # a mistyped --device, a KV budget too small, no model
-            print(f"error: {name_flags(str(e))}", file=sys.stderr)
+            return _serve(engine, args, config)
+        except (ValueError, FileNotFoundError) as e:  # a mistyped --device, a KV budget too small, no model, a
+            print(f"error: {name_flags(str(e))}", file=sys.stderr)  # --lora-modules adapter that cannot run
             return 2
-        return _serve(engine, args, config)
 
 
 def _serve_on_ray(args, config: ServeConfig) -> int:
@@ -148,12 +188,13 @@ def _serve_on_ray(args, config: ServeConfig) -> int:
 
 def _serve(engine, args, config: ServeConfig) -> int:
     loop = EngineLoop(engine)
-    # uvicorn shuts down gracefully on SIGTERM, then raises it again: exit through the finally below (engine
-    # loop stopped, tensor-parallel workers closed) instead of dying on the default handler.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        uvicorn.run(build_app(loop, config), host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5, server_header=False)
+        app = build_app(loop, config)  # reads and checks the --lora-modules adapters: ValueError naming one
+        # uvicorn shuts down gracefully on SIGTERM, then raises it again: exit through the finally below (engine
+        # loop stopped, tensor-parallel workers closed) instead of dying on the default handler.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                    server_header=False)
     except KeyboardInterrupt:  # likewise for Ctrl-C
         pass
     finally:

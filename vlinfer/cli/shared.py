@@ -49,9 +49,25 @@ def add_max_pixels(p: argparse.ArgumentParser) -> None:
                         "the model's min_pixels is lowered to N if it is larger); default: the model's own limits")
 
 
+def add_lora_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", default=None, metavar="PATH",
+                   help="a PEFT LoRA adapter folder every request runs with, named after the folder (turns "
+                        "--enable-lora on; its rank must be at most --max-lora-rank)")
+
+
+def lora_request(args):
+    """--lora's LoRARequest (LoRARequest.from_path), or None."""
+    from vlinfer import LoRARequest
+    return LoRARequest.from_path(args.lora) if args.lora is not None else None
+
+
 def build_llm(args, model: str):
+    """The LLM of the engine flags; with --lora, its adapter read and checked here, before any input is."""
     from vlinfer import LLM
-    return LLM(model, **engine_options(args))
+    llm = LLM(model, **engine_options(args))
+    if args.lora is not None:
+        llm.engine.input_processor.check_lora(lora_request(args))
+    return llm
 
 
 def sampling_params(args):

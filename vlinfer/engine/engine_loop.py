@@ -80,11 +80,13 @@ class EngineLoop:
         several requests (n > 1) can check them all before any runs. Runs in the caller's thread."""
         return self.engine.make_sequence(prompt, sampling_params, request_id=f"loop-{next(self._ids)}")
 
-    def make_sequences(self, prompt, sampling_params: SamplingParams | PoolingParams) -> list[Sequence]:
+    def make_sequences(self, prompt, sampling_params: SamplingParams | PoolingParams,
+                       lora_request=None) -> list[Sequence]:
         """make_sequence for n completions of one prompt: the prompt and its media are processed once (the engine's
         make_sequences), and each completion is its own stream (its outputs carry its own id). PoolingParams make
-        one pooling sequence, whose stream gets one PoolingRequestOutput."""
-        seqs = self.engine.make_sequences(prompt, sampling_params, request_id=f"loop-{next(self._ids)}")
+        one pooling sequence, whose stream gets one PoolingRequestOutput. lora_request: the adapter they run."""
+        seqs = self.engine.make_sequences(prompt, sampling_params, request_id=f"loop-{next(self._ids)}",
+                                          lora_request=lora_request)
         for seq in seqs:
             seq.parent_id = seq.request_id
         return seqs

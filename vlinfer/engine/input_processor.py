@@ -139,14 +139,18 @@ class InputProcessor:
         images) is processed once; the completions share its token ids and encoder inputs. With n > 1 each
         sequence's own id is f"{request_id}#{index}"."""
         if lora_request is not None:
-            if self.lora is None:
-                raise ValueError(f"a LoRA adapter ({getattr(lora_request, 'lora_name', lora_request)!r}) was asked "
-                                 "for, but LoRA is off: LLM(..., enable_lora=True)")
-            self.lora.check(lora_request)
+            self.check_lora(lora_request)
         seqs = self._make_sequences(prompt, sampling_params, request_id)
         for seq in seqs:
             seq.lora_request = lora_request
         return seqs
+
+    def check_lora(self, lora_request) -> None:
+        """Read and check an adapter (LoRAManager.check): ValueError naming it and why, or that LoRA is off."""
+        if self.lora is None:
+            raise ValueError(f"a LoRA adapter ({getattr(lora_request, 'lora_name', lora_request)!r}) was asked "
+                             "for, but LoRA is off: LLM(..., enable_lora=True)")
+        self.lora.check(lora_request)
 
     def _make_sequences(self, prompt: PromptType, sampling_params, request_id: str) -> list[Sequence]:
         if isinstance(sampling_params, PoolingParams):

@@ -6,16 +6,17 @@ queues the sequences (serve/server.py; queueing never waits for an engine step) 
 AsyncRequestStream (call_soon_threadsafe, no thread per request), merged per request (serve/run.py) -> JSON or
 SSE (serve/responses.py). A client that goes away has its sequences aborted, which frees their KV blocks and
 encoder cache entries at once. An embedding or reranker model answers /v1/embeddings, /score and /rerank the same
-way (serve/pooling.py). This file: the error handlers and the routes."""
+way (serve/pooling.py). LoRA adapters are chosen by the request's `model` (serve/lora.py). This file: the error
+handlers and the routes."""
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlinfer.engine.engine_loop import EngineLoop
-from vlinfer.serve import media, pooling, security
+from vlinfer.serve import lora, media, pooling, security
 from vlinfer.serve.config import ServeConfig
 from vlinfer.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from vlinfer.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, Logprobs, error_body, parse_body
@@ -80,18 +81,22 @@ def build_app(loop: EngineLoop, config: ServeConfig) -> FastAPI:
     async def models():
         # task: what the model runs, vLLM's names ("generate", "embed", "classify": a reranker); supported_tasks:
         # what this server answers with it ("generate": chat and completions, "embed", "score": /score and /rerank)
+        # LoRA adapters as vLLM lists them: a model each, `root` its folder, `parent` the base model's name.
         tasks = (["generate"] if engine.can_generate else []) + \
             {"generate": [], "embed": ["embed", "score"], "classify": ["score"]}[server.task]
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": server.created,
-                                            "owned_by": "vlinfer", "max_model_len": engine.max_model_len,
-                                            "task": server.task, "supported_tasks": tasks}
-                                           for name in config.served_model_names]}
+
+        def card(name, root, parent):
+            return {"id": name, "object": "model", "created": server.created, "owned_by": "vlinfer", "root": root,
+                    "parent": parent, "max_model_len": engine.max_model_len, "task": server.task,
+                    "supported_tasks": tasks}
+        return {"object": "list", "data": [card(name, engine.source.name, None) for name in config.served_model_names]
+                + [card(*adapter) for adapter in server.adapters.cards()]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         _json_content_type(request)
         req = parse_body(ChatCompletionRequest, await request.body())
-        model = server.check_model(req.model)
+        model, adapter = server.model(req.model)
         server.check_generates()
         media.check_mm_kwargs(req.mm_processor_kwargs, engine, config)
         fmt = Logprobs(req.top_logprobs or 0) if req.logprobs else None
@@ -102,20 +107,20 @@ def build_app(loop: EngineLoop, config: ServeConfig) -> FastAPI:
         fetched = await media.fetch_urls(sources, config.images, videos)
         run = await server.start(request, lambda: [server.chat_prompt(req.messages, sources, fetched,
                                                                       req.mm_processor_kwargs, req.tools)],
-                                 params, req.n, 1, req.max_completion_tokens or req.max_tokens)
+                                 params, req.n, 1, req.max_completion_tokens or req.max_tokens, adapter)
         return await respond(request, run, req, model, chat=True, fmt=fmt)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         _json_content_type(request)
         req = parse_body(CompletionRequest, await request.body())
-        model = server.check_model(req.model)
+        model, adapter = server.model(req.model)
         server.check_generates()
         fmt = Logprobs(req.logprobs) if req.logprobs is not None else None
         params = server.sampling_params(req, req.logprobs)
         prompts = server.completion_prompts(req.prompt)
         server.check_capacity(req.n * len(prompts))
-        run = await server.start(request, lambda: prompts, params, req.n, len(prompts), req.max_tokens)
+        run = await server.start(request, lambda: prompts, params, req.n, len(prompts), req.max_tokens, adapter)
         return await respond(request, run, req, model, chat=False, fmt=fmt)
 
     @app.post("/v1/embeddings")
@@ -133,6 +138,21 @@ def build_app(loop: EngineLoop, config: ServeConfig) -> FastAPI:
         _json_content_type(request)
         req = parse_body(pooling.RerankRequest, await request.body())
         return JSONResponse(await pooling.rerank(server, request, req, request.url.path))
+
+    # vLLM's runtime LoRA routes, off unless ServeConfig.allow_runtime_lora_updating (a 404 naming the flag)
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        server.adapters.check_runtime(request.url.path)
+        _json_content_type(request)
+        req = parse_body(lora.LoadLoRAAdapterRequest, await request.body())
+        return PlainTextResponse(await server.adapters.load(req))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        server.adapters.check_runtime(request.url.path)
+        _json_content_type(request)
+        req = parse_body(lora.UnloadLoRAAdapterRequest, await request.body())
+        return PlainTextResponse(server.adapters.unload(req))
 
     for path in ("/score", "/v1/score"):
         app.add_api_route(path, score, methods=["POST"])

@@ -1,9 +1,18 @@
 """The server's settings (vlinfer/cli/serve.py builds them from its flags): who may call it, what one request
-may cost, and what one image or video may be."""
+may cost, what one image or video may be, and the LoRA adapters it serves by name."""
 from dataclasses import dataclass, field
 
 from vlinfer.multimodal.video_io import VideoLimits
 from vlinfer.serve.security import ImagePolicy
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One adapter served from the start (vLLM's --lora-modules): clients name it in `model`; /v1/models lists it
+    with `parent` = base_model_name (default: the first served model name)."""
+    name: str
+    path: str
+    base_model_name: str | None = None
 
 
 @dataclass
@@ -22,3 +31,7 @@ class ServeConfig:
     # What one video may cost (frames sampled, seconds, frame size): the engine's video limits while it serves
     # this app (--max-video-frames, --max-video-seconds).
     video: VideoLimits = field(default_factory=lambda: VideoLimits(max_frames=768, max_seconds=3600.0))
+    # LoRA adapters (the engine needs enable_lora): those served from the start, and whether clients may load and
+    # unload more (/v1/load_lora_adapter, /v1/unload_lora_adapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    lora_modules: tuple[LoRAModule, ...] = ()
+    allow_runtime_lora_updating: bool = False

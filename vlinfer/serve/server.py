@@ -1,16 +1,18 @@
-"""The server's request handling around one EngineLoop: model, task and capacity checks, sequences validated and
-queued from a worker thread (generating and pooling ones), prompts for both APIs, and the heap trimmed once a
-burst is over."""
+"""The server's request handling around one EngineLoop: model (or LoRA adapter), task and capacity checks, sequences
+validated and queued from a worker thread (generating and pooling ones), prompts for both APIs, and the heap trimmed
+once a burst is over."""
 import asyncio
 import dataclasses
 
 from fastapi import Request
 
 from vlinfer.engine.engine_loop import EngineLoop
+from vlinfer.lora_request import LoRARequest
 from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
 from vlinfer.serve import media
 from vlinfer.serve.config import ServeConfig
+from vlinfer.serve.lora import Adapters
 from vlinfer.serve.memory import malloc_trim
 from vlinfer.serve.metrics import Metrics
 from vlinfer.serve.protocol import ApiError, now
@@ -27,6 +29,7 @@ class Server:
         self.config = config
         if self.engine.is_multimodal:  # this engine serves this app: the server's video caps are its limits
             self.engine.input_processor.mm_processor.videos.limits = config.video
+        self.adapters = Adapters(self.engine, config)  # --lora-modules read and checked here: ValueError naming one
         self.metrics = Metrics(loop, lambda: self.in_flight)
         self.in_flight = 0
         self.created = now()
@@ -50,12 +53,26 @@ class Server:
             asyncio.get_running_loop().run_in_executor(None, malloc_trim)
 
     # ---- request pieces ----
-    def check_model(self, model: str | None) -> str:
+    def model(self, model: str | None) -> tuple[str, LoRARequest | None]:
+        """The request's model and the adapter it runs: a served model name (or none: the first) runs the base
+        model, a LoRA adapter's name that adapter; any other name is a 404 naming it (vLLM's)."""
         names = self.config.served_model_names
-        if model is not None and model not in names:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {list(names)}",
-                           param="model", code="model_not_found")
-        return model or names[0]
+        if model is None or model in names:
+            return model or names[0], None
+        adapter = self.adapters.get(model)
+        if adapter is None:
+            served = [*names, *(name for name, _, _ in self.adapters.cards())]
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}", param="model",
+                           code="model_not_found")
+        return model, adapter
+
+    def check_model(self, model: str | None) -> str:
+        """A pooling route's model: a served model name (LoRA adapters answer chat and completions only)."""
+        name, adapter = self.model(model)
+        if adapter is not None:
+            raise ApiError(400, f"model {name!r} is a LoRA adapter: adapters answer /v1/chat/completions and "
+                                "/v1/completions", param="model", code="unsupported_task")
+        return name
 
     @property
     def task(self) -> str:
@@ -113,12 +130,12 @@ class Server:
         return request_params(req, logprobs, self.engine.max_model_len, self.config.disable_any_whitespace, tags)
 
     def submit(self, prompts: list, params: SamplingParams, n: int, requested_max_tokens: int | None,
-               event_loop) -> list:
+               event_loop, lora_request: LoRARequest | None = None) -> list:
         """In a worker thread: validate every sequence first (so a bad one queues none), then queue them all."""
         seqs = []
         for prompt in prompts:
             try:  # the prompt and its images processed once for its n completions (seed + i each, as LLM.generate)
-                group = self.loop.make_sequences(prompt, dataclasses.replace(params, n=n))
+                group = self.loop.make_sequences(prompt, dataclasses.replace(params, n=n), lora_request)
             except ValueError as e:
                 raise ApiError(400, str(e), code="invalid_value") from None
             for seq in group:
@@ -163,11 +180,11 @@ class Server:
             raise
 
     async def start(self, request: Request, prompts_fn, params: SamplingParams, n: int, num_prompts: int,
-                    requested_max_tokens: int | None) -> Run:
+                    requested_max_tokens: int | None, lora_request: LoRARequest | None = None) -> Run:
         self.check_capacity(n * num_prompts)
         return await self._start(request, n * num_prompts,
                                  lambda event_loop: self.submit(prompts_fn(), params, n, requested_max_tokens,
-                                                                event_loop))
+                                                                event_loop, lora_request))
 
     async def start_pooling(self, request: Request, prompts_fn, params: PoolingParams, names: list[str]) -> Run:
         """Queue one pooling sequence per prompt of prompts_fn() (built in the worker thread; `names` says which
