@@ -160,7 +160,8 @@ FLAG_VALUES = {
     "quantization": (["int8"], "int8"), "allow_image_urls": ([], True), "logprobs_mode": (["raw_logprobs"],
                                                                                       "raw_logprobs"),
     "kv_cache_dtype": (["int8"], "int8"), "enable_lora": ([], True), "max_loras": (["3"], 3),
-    "max_lora_rank": (["64"], 64), "max_cpu_loras": (["4"], 4),
+    "max_lora_rank": (["64"], 64), "max_cpu_loras": (["4"], 4), "runner": (["pooling"], "pooling"),
+    "hf_overrides": (['{"classifier_from_token": ["no", "yes"]}'], {"classifier_from_token": ["no", "yes"]}),
 }
 
 

@@ -11,7 +11,7 @@ import logging
 import re
 
 from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, APP_MAX_MODEL_LEN, CPU_DEFAULT_MEMORY_UTILIZATION,
-                            DEFAULT_MAX_BATCHED_TOKENS, KV_CACHE_DTYPES, MIN_BATCHED_TOKENS, EngineConfig)
+                            DEFAULT_MAX_BATCHED_TOKENS, KV_CACHE_DTYPES, MIN_BATCHED_TOKENS, RUNNERS, EngineConfig)
 
 # Keyword argument (LLM / EngineConfig / SamplingParams) -> the flag that sets it in every app.
 FLAGS = {
@@ -25,11 +25,24 @@ FLAGS = {
     "distributed_timeout_s": "--distributed-timeout", "distributed_startup_timeout_s": "--distributed-startup-timeout",
     "quantization": "--quantization", "allow_image_urls": "--allow-image-urls", "logprobs_mode": "--logprobs-mode",
     "kv_cache_dtype": "--kv-cache-dtype", "enable_lora": "--enable-lora", "max_loras": "--max-loras",
-    "max_lora_rank": "--max-lora-rank", "max_cpu_loras": "--max-cpu-loras",
+    "max_lora_rank": "--max-lora-rank", "max_cpu_loras": "--max-cpu-loras", "runner": "--runner",
+    "hf_overrides": "--hf-overrides",
     "temperature": "--temperature", "top_p": "--top-p", "max_tokens": "--max-tokens", "seed": "--seed",
 }
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)
                    if f.default is not dataclasses.MISSING}
+
+
+def json_object(text: str) -> dict:
+    """A JSON object flag value (--hf-overrides)."""
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object is expected")
+    return value
 
 
 def parse_size(text: str) -> int:
@@ -106,6 +119,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: bool = True) ->
                    help=f"highest adapter rank accepted (default: {ENGINE_DEFAULTS['max_lora_rank']})")
     p.add_argument("--max-cpu-loras", type=int, default=ENGINE_DEFAULTS["max_cpu_loras"], metavar="N",
                    help="adapters kept read in host memory (default: --max-loras)")
+    p.add_argument("--runner", default=ENGINE_DEFAULTS["runner"], choices=list(RUNNERS),
+                   help="generate, or pooling (embeddings and scores: docs/retrieval.md); auto picks pooling for a "
+                        "classifier or a checkpoint without an LM head (default: auto)")
+    p.add_argument("--hf-overrides", type=json_object, default=None, metavar="JSON",
+                   help="config.json fields to replace, as vLLM's --hf-overrides, e.g. a Qwen3-VL reranker's "
+                        "'{\"architectures\": [\"Qwen3VLForSequenceClassification\"], ...}'")
     p.add_argument("--seed", type=int, default=None,
                    help=f"the engine's seed for unseeded requests; the apps' own requests use it too (default: "
                         f"{ENGINE_DEFAULTS['seed']})")
@@ -135,8 +154,8 @@ def engine_options(args: argparse.Namespace) -> dict:
                    distributed_startup_timeout_s=args.distributed_startup_timeout_s, quantization=args.quantization,
                    allow_image_urls=args.allow_image_urls, logprobs_mode=args.logprobs_mode,
                    kv_cache_dtype=args.kv_cache_dtype, enable_lora=lora_enabled(args), max_loras=args.max_loras,
-                   max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-                   seed=ENGINE_DEFAULTS["seed"] if args.seed is None else args.seed)
+                   max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras, runner=args.runner,
+                   hf_overrides=args.hf_overrides, seed=ENGINE_DEFAULTS["seed"] if args.seed is None else args.seed)
     if hasattr(args, "max_num_seqs"):
         options["max_num_seqs"] = args.max_num_seqs
     return options
