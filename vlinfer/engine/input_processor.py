@@ -141,8 +141,9 @@ class InputProcessor:
         if lora_request is not None:
             self.check_lora(lora_request)
         seqs = self._make_sequences(prompt, sampling_params, request_id)
+        vision_lora = self.lora.vision_lora(lora_request) if lora_request is not None else None
         for seq in seqs:
-            seq.lora_request = lora_request
+            seq.lora_request, seq.vision_lora = lora_request, vision_lora
         return seqs
 
     def check_lora(self, lora_request) -> None:

@@ -1,6 +1,6 @@
-"""The engine's LoRA adapters: LoRA slots on the decoder's linear layers (layers/lora.py), up to max_loras adapters
-installed in them for a step, more kept read on the host in an LRU of up to max_cpu_loras, and each request's
-adapter checked against the model before it is queued."""
+"""The engine's LoRA adapters: LoRA slots on the model's linear layers, the decoder's and the vision tower's
+(layers/lora.py), up to max_loras adapters installed in them for a step, more kept read on the host in an LRU of up
+to max_cpu_loras, and each request's adapter checked against the model before it is queued."""
 import logging
 from collections import OrderedDict
 
@@ -12,11 +12,27 @@ from vlinfer.loading.lora import LoRAAdapter, read_peft_adapter
 from vlinfer.lora_request import LoRARequest
 
 logger = logging.getLogger("vlinfer")
+# Qwen3-VL's vision tower and its mergers, in PEFT's module names and ours alike (model.visual.blocks.0.attn.qkv, ...)
+VISION_TOWER = "model.visual."
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, LinearBase]:
-    """The linear layers adapters may target: the language model's (the vision tower's are not yet)."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, LinearBase) and "visual" not in name}
+    """The linear layers adapters may target on this rank: the language model's and the vision tower's (which
+    tensor-parallel rank 0 alone holds)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LinearBase)}
+
+
+def _held_by_another_rank(model: torch.nn.Module, module: str) -> bool:
+    """Whether `module` lies under a submodule this rank leaves None: Qwen3-VL's vision tower on tensor-parallel
+    ranks other than 0 (rank 0 checks those modules and runs them)."""
+    owner = model
+    for part in module.split(".")[:-1]:
+        if not hasattr(owner, part):  # no such submodule: not this model's module at all
+            return False
+        owner = getattr(owner, part)
+        if owner is None:
+            return True
+    return False
 
 
 def _sub_count(layer: LinearBase) -> int:
@@ -40,10 +56,11 @@ def targets(model, adapter: LoRAAdapter, layers: dict) -> list[tuple[LinearBase,
                 shard_id, index = shard, "qkv".index(shard) if isinstance(shard, str) else shard
                 break
         layer = layers.get(name)
+        if layer is None and _held_by_another_rank(model, name):
+            continue
         if layer is None:
             raise ValueError(f"LoRA adapter {adapter.path!r}: target module {module!r} is not a linear layer of this "
-                             "model's language model" + (" (adapters on the vision tower are not supported yet)"
-                                                         if "visual" in module else ""))
+                             "model")
         full_rows = layer.output_shard(shard_id)[4]
         full_cols = layer.input_shard()[2]
         if tuple(a.shape[1:]) != (full_cols,) or b.shape[0] != full_rows:
@@ -111,6 +128,12 @@ class LoRAManager:
         for slot in assignment.values():
             self.slot_used[slot] = self.steps
         return assignment
+
+    def vision_lora(self, request: LoRARequest) -> LoRARequest | None:
+        """The adapter a request's images are encoded under: its own when it has vision-tower modules, else None
+        (its images are then the base model's, shared with every request: Sequence.encoder_key)."""
+        adapter = self.check(request)
+        return request if any(module.startswith(VISION_TOWER) for module in adapter.modules) else None
 
     def adapter(self, request: LoRARequest) -> LoRAAdapter:
         """The host copy of a checked adapter (read again if the LRU dropped it)."""

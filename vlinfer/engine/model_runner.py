@@ -7,6 +7,7 @@ share of the forward alongside them, and samples. A worker's runner only runs `f
 (vlinfer/engine/worker.py)."""
 import logging
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +98,8 @@ class ModelRunner:
         # budget covers them.
         self.num_dummy_blocks = graph_runner.dummy_blocks(self.graph_backend, config.max_num_seqs, self.block_size)
         self.dummy_block: int | None = None
-        # LoRA slots on the language model's linears (every rank: workers install their shard of each adapter).
+        # LoRA slots on the model's linears (every rank: workers install their shard of each adapter; the vision
+        # tower's, on rank 0 alone).
         self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank,
                                 config.max_cpu_loras or config.max_loras) if config.enable_lora else None
         if ctx.kv_cache_quantized:
@@ -206,6 +208,7 @@ class ModelRunner:
         sample_indices, sample_seqs, prompt_indices, prompt_rows, pool_indices, pool_seqs = [], [], [], [], [], []
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
         block_tables = torch.full((len(batch.seqs), max_blocks), -1, dtype=torch.int32)
+        slot_of = self._activate_loras(batch)  # before the vision pass, whose adapters take slots too
         for i, seq in enumerate(batch.seqs):
             block_tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
         for seq, n, table in zip(batch.seqs, batch.num_new_tokens, block_tables):
@@ -234,21 +237,20 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             block_tables=block_tables,
             decode_only=all(n == 1 for n in batch.num_new_tokens),
-            mm_inputs=self._multimodal_inputs(batch, len(input_ids)),
+            mm_inputs=self._multimodal_inputs(batch, len(input_ids), slot_of),
             logits_indices=torch.tensor(prompt_indices + sample_indices, dtype=torch.long),
             pool_indices=torch.tensor(pool_indices, dtype=torch.long),
         )
-        inputs.lora_slots = self._lora_slots(batch)
+        if slot_of:  # each token's LoRA slot
+            inputs.lora_slots = torch.cat([torch.full((n,), slot_of[seq.lora_request.lora_int_id] if seq.lora_request
+                                                      else -1, dtype=torch.long)
+                                           for seq, n in zip(batch.seqs, batch.num_new_tokens)])
         return inputs, sample_seqs, prompt_rows, pool_seqs
 
-    def _lora_slots(self, batch: SchedulerOutput) -> torch.Tensor | None:
-        """Install the step's adapters (rank 0 decides, every rank installs) and give each token its slot."""
+    def _activate_loras(self, batch: SchedulerOutput) -> dict[int, int]:
+        """Install the step's adapters (rank 0 decides, every rank installs): {lora_int_id: slot}."""
         requests = {seq.lora_request.lora_int_id: seq.lora_request for seq in batch.seqs if seq.lora_request}
-        if not requests:
-            return None
-        slot_of = self.lora.activate(requests, self.install_lora)
-        return torch.cat([torch.full((n,), slot_of[seq.lora_request.lora_int_id] if seq.lora_request else -1,
-                                     dtype=torch.long) for seq, n in zip(batch.seqs, batch.num_new_tokens)])
+        return self.lora.activate(requests, self.install_lora) if requests else {}
 
     def install_lora(self, slot: int, request) -> None:
         """Put an adapter in a LoRA slot, on every rank: each reads the adapter and keeps its shard."""
@@ -256,50 +258,36 @@ class ModelRunner:
             self.driver.call("install_lora", slot, request)
         install(self.model, self.lora.layers, slot, self.lora.adapter(request))
 
-    def _encode_missing(self, batch: SchedulerOutput) -> None:
-        """Run the vision tower once, in one packed batch, over every image this step needs and the cache lacks."""
-        missing = {}
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            for item in seq.mm_items:
-                if item.offset < end and item.end > start and item.content_hash not in self.encoder_cache:
-                    missing.setdefault(item.content_hash, item)
+    def _encode_missing(self, batch: SchedulerOutput, slot_of: dict[int, int]) -> None:
+        """Run the vision tower once, in one packed batch, over every image this step needs and the cache lacks;
+        each image's patch rows under its request's vision adapter (slot_of: the step's slots), if any."""
+        missing = self.encoder_cache.missing(batch)
         if not missing:
             return
-        items = list(missing.values())
+        items = [item for item, _ in missing.values()]
         pixel_values = torch.cat([item.data["pixel_values"] for item in items]).to(self.device, self.dtype)
         grid_thw = torch.stack([item.data["grid_thw"] for item in items])
-        for item, output in zip(items, self.model.encode_images(pixel_values, grid_thw)):
+        patch_slots = torch.cat([torch.full((item.data["pixel_values"].shape[0],), -1 if lora is None else
+                                            slot_of[lora.lora_int_id], dtype=torch.long)
+                                 for item, lora in missing.values()])
+        groups = step_groups(patch_slots, self.device)
+        with self.ctx.stepping(ForwardContext.encoder_pass(groups)) if groups is not None else nullcontext():
+            outputs = self.model.encode_images(pixel_values, grid_thw)
+        for key, item, output in zip(missing, items, outputs):
             if output[0].shape[0] != item.length:
                 raise RuntimeError(f"the vision tower returned {output[0].shape[0]} embeddings for an image with "
                                    f"{item.length} placeholder tokens (the checkpoint's merge size disagrees with "
                                    "its preprocessor?)")
-            self.encoder_cache.put(item.content_hash, output)
+            self.encoder_cache.put(key, output)
         self.num_images_encoded += len(items)
 
-    def _multimodal_inputs(self, batch: SchedulerOutput, num_tokens: int) -> dict:
-        """mm_mask [T], mm_embeds and deepstack_embeds rows for the image tokens of this step, in token order:
-        a chunk that starts or ends inside an image takes just its slice of that image's rows."""
+    def _multimodal_inputs(self, batch: SchedulerOutput, num_tokens: int, slot_of: dict[int, int]) -> dict:
+        """mm_mask [T], mm_embeds and deepstack_embeds rows for the image tokens of this step (EncoderCache.step_rows),
+        encoding the images not yet cached first."""
         if not any(seq.mm_items for seq in batch.seqs):
             return {}
-        self._encode_missing(batch)
-        mask = torch.zeros(num_tokens, dtype=torch.bool)
-        embeds, deepstack = [], []
-        base = 0
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            for item in seq.mm_items:
-                lo, hi = max(start, item.offset), min(end, item.end)
-                if lo >= hi:
-                    continue
-                mask[base + lo - start:base + hi - start] = True
-                image_embeds, image_deepstack = self.encoder_cache.get(item.content_hash)
-                embeds.append(image_embeds[lo - item.offset:hi - item.offset])
-                deepstack.append(image_deepstack[:, lo - item.offset:hi - item.offset])
-            base += n
-        if not embeds:
-            return {}
-        return {"mm_mask": mask, "mm_embeds": torch.cat(embeds), "deepstack_embeds": torch.cat(deepstack, 1)}
+        self._encode_missing(batch, slot_of)
+        return self.encoder_cache.step_rows(batch, num_tokens)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:

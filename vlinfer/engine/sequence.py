@@ -37,6 +37,9 @@ class Sequence:
         # it then has no sampling_params.
         self.pooling_params = None
         self.lora_request = None  # the LoRARequest it runs with (engine/lora_manager.py); None: the base model
+        # The adapter its images are encoded under: lora_request when that has vision-tower modules, else None
+        # (LoRAManager.vision_lora). Part of each item's encoder-cache key.
+        self.vision_lora = None
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks, filled lazily
@@ -93,6 +96,11 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def encoder_key(self, item: MultiModalItem) -> tuple[int, int]:
+        """The encoder cache's key of one of its items: the pixels, and the vision adapter they are encoded under (0:
+        none). Prefix-cache blocks need no such key: their hash chain starts from the request's adapter."""
+        return item.content_hash, self.vision_lora.lora_int_id if self.vision_lora is not None else 0
 
     def mm_hashes_in(self, start: int, end: int) -> tuple[int, ...]:
         """Content hashes of the multimodal items overlapping token range [start, end)."""

@@ -2,7 +2,7 @@
 metadata, and the dtype its parameters are built in. The model runner owns one ModelContext and passes it to every layer it builds; nothing here is global,
 so two engines in one process (or in two threads) never see each other's ops or steps."""
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,6 +18,12 @@ class ForwardContext:
     block_tables: torch.Tensor  # [B, max_blocks] padded with -1
     decode_only: bool = False
     lora: "LoRAStep | None" = None  # layers/lora.py: the step's adapters and their rows; None: no adapter runs
+
+    @classmethod
+    def encoder_pass(cls, lora: "LoRAStep") -> "ForwardContext":
+        """The vision tower's pass under adapters: its attention takes its own cu_seqlens and reads no KV cache, so
+        it carries the adapters' rows (over the packed patches) and no attention metadata."""
+        return cls(slot_mapping=None, cu_seqlens_q=None, seq_lens=None, block_tables=None, lora=lora)
 
 
 @dataclass(eq=False)
@@ -53,3 +59,17 @@ class ModelContext:
             yield step
         finally:
             self.step = None
+
+    @contextmanager
+    def merging_rows(self, factor: int):
+        """Inside, linears run on rows that merge `factor` rows of the step each (the vision tower's patch mergers):
+        the step's adapter rows (layers/lora.py) are merged alike. Nothing changes when no adapter runs."""
+        step = self.step
+        if step is None or step.lora is None:
+            yield
+            return
+        self.step = replace(step, lora=step.lora.merged(factor))
+        try:
+            yield
+        finally:
+            self.step = step

@@ -21,6 +21,13 @@ class LoRAStep:
     covers the whole step (then no gather). Built once per step by the model runner, read by every LoRA layer."""
     groups: list[tuple[int, torch.Tensor | None]]
 
+    def merged(self, factor: int) -> "LoRAStep":
+        """The same adapters over rows merged `factor` to one (the vision tower's patch mergers: 2x2 patches -> 1
+        row). Each group's rows are whole aligned runs of `factor` (a run never spans two images), so a run's
+        first row names its merged row."""
+        return LoRAStep([(slot, None if rows is None else rows[rows % factor == 0] // factor)
+                         for slot, rows in self.groups])
+
 
 class LoRASlots(nn.Module):
     def __init__(self, layer, max_loras: int, max_rank: int, num_sub: int):

@@ -54,7 +54,10 @@ def read_peft_adapter(path: str) -> LoRAAdapter:
         if set(pair) != {"lora_A", "lora_B"}:
             raise ValueError(f"LoRA adapter {path!r}: module {module!r} has {sorted(pair)} only")
         a, b = pair["lora_A"], pair["lora_B"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+        if a.dim() != 2 or b.dim() != 2:  # e.g. a Conv3d's (Qwen3-VL's patch embedding)
+            raise ValueError(f"LoRA adapter {path!r}: module {module!r} has lora_A {tuple(a.shape)} and lora_B "
+                             f"{tuple(b.shape)}: not a linear layer's adapter (only linear layers are supported)")
+        if a.shape[0] != rank or b.shape[1] != rank:
             raise ValueError(f"LoRA adapter {path!r}: module {module!r} has lora_A {tuple(a.shape)} and lora_B "
                              f"{tuple(b.shape)}, not rank {rank}")
     if not modules:

@@ -128,11 +128,13 @@ class Qwen3VLVisionPatchMerger(nn.Module):
     """Concatenates each merge x merge block (adjacent rows, by input order) and projects to the LLM width.
 
     The final merger normalizes per patch before the concat; the DeepStack mergers (postshuffle) normalize the
-    concatenated vector."""
+    concatenated vector. Its linears see merged rows, so a vision pass's LoRA rows are merged for them too."""
 
     def __init__(self, ctx: ModelContext, config, postshuffle_norm: bool):
         super().__init__()
-        self.merged_dim = config.hidden_size * config.spatial_merge_size ** 2
+        self.ctx = ctx
+        self.merge_unit = config.spatial_merge_size ** 2
+        self.merged_dim = config.hidden_size * self.merge_unit
         self.postshuffle_norm = postshuffle_norm
         self.norm = nn.LayerNorm(self.merged_dim if postshuffle_norm else config.hidden_size, eps=1e-6,
                                  dtype=ctx.dtype)
@@ -145,7 +147,8 @@ class Qwen3VLVisionPatchMerger(nn.Module):
         else:
             x = self.norm(x).view(-1, self.merged_dim)
         # Exact (erf) GELU here, unlike the blocks' tanh GELU.
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+        with self.ctx.merging_rows(self.merge_unit):
+            return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
 class Qwen3VLVisionModel(nn.Module):
