@@ -6,7 +6,8 @@ modes, keyword names) and raises FakeNpuError on a violation, so a call the devi
 undefined results there (duplicate slots, bad block ids), fails the test. Everything computes in float32 and casts
 to the input dtype at the end, as §3 prescribes. What the note leaves open is marked "interpretation". The
 quantized-linear ops (npu_dynamic_quant, npu_quantize, npu_quant_matmul, npu_weight_quant_batchmatmul) are in
-tests/fake_torch_npu_quant.py, registered here.
+tests/fake_torch_npu_quant.py and the MoE ones in tests/fake_torch_npu_moe.py, registered here; npu_grouped_matmul
+(§2.11), which the MoE and LoRA ops share, is here.
 
 Use the `fake_npu` fixture (sys.modules["torch_npu"] plus VLINFER_OPS=npu, undone afterwards: an engine started in
 the test runs the NPU ops on it), or install() / loaded() (which also returns an NpuOps loaded on it) with a
@@ -103,7 +104,7 @@ class FakeTorchNpu(types.ModuleType):
         self.fia_fn = _fia_with_scale if fia_scale_kwarg == "scale" else _fia_with_scale_value
         ops = {"npu_fused_infer_attention_score": self.fia_fn, "npu_rotary_mul": _rotary_mul,
                "npu_rms_norm": _rms_norm, "npu_add_rms_norm": _add_rms_norm, "npu_swiglu": _swiglu,
-               "_npu_reshape_and_cache": _reshape_and_cache}
+               "_npu_reshape_and_cache": _reshape_and_cache, "npu_grouped_matmul": _grouped_matmul}
         if scatter_pa:
             ops["npu_scatter_pa_kv_cache"] = _scatter_pa_kv_cache
         if graphs:
@@ -587,6 +588,63 @@ def _swiglu(module, self, dim=-1):
     _require(self.shape[dim] % 2 == 0, f"dim {dim} has odd size {self.shape[dim]}")
     a, b = self.float().chunk(2, dim)
     return (a * torch.sigmoid(a) * b).to(self.dtype)
+
+
+# ---- §2.11 grouped matmul ----
+
+GMM_DTYPES = HALF + (torch.float32,)  # float32 only in the single-tensor form, the one emulated
+INNER_LIMIT = 65536  # the inner (last) dims of x and weight
+MAX_GROUPS = 1024  # group_type 0 with single tensors
+
+
+def _weight_view(w, name):
+    """A 3-D weight [E, K, N], contiguous or transposed in its last two dims (both documented): (w, transposed)."""
+    _require(w.dim() == 3, f"{name} must be 3-D [E, K, N] for group_type 0 with one tensor, got {w.dim()}-D")
+    e, kk, n = w.shape
+    transposed = w.stride() == (kk * n, 1, kk) and not w.is_contiguous()
+    _require(w.is_contiguous() or transposed, f"{name} must be contiguous or transposed in its last two dims, got "
+                                              f"strides {w.stride()}")
+    return w, transposed
+
+
+def _grouped_matmul(module, x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                    antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
+                    activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
+                    group_list_type=0, act_type=0, output_dtype=None, tuning_config=None):
+    """The single-tensor form ("single-single-single", group_type 0), which the MoE and LoRA ops call: y[rows of
+    group g] = x[rows] @ weight[g]."""
+    _require(isinstance(x, (list, tuple)) and isinstance(weight, (list, tuple)), "x and weight are lists of tensors")
+    if len(x) != 1 or len(weight) != 1 or group_type != 0:
+        raise NotImplementedError("only one x, one 3-D weight and group_type=0 (split M) are emulated")
+    if any(v is not None for v in (bias, scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
+                                   activation_input, activation_quant_scale, activation_quant_offset)) or act_type:
+        raise NotImplementedError("bias, quantization and fused activations are not emulated")
+    a, (w, transposed) = x[0], _weight_view(weight[0], "weight[0]")
+    _require(split_item in (2, 3), "group_type 0 with single tensors needs split_item 2 or 3 (one output)")
+    _require(a.dim() == 2 and a.is_contiguous(), f"x[0] must be a contiguous 2-D tensor (x is not transposable), got "
+                                                 f"{tuple(a.shape)} strides {a.stride()}")
+    _require(a.dtype in GMM_DTYPES and w.dtype == a.dtype, f"x and weight must be one of fp16/bf16/fp32, same "
+                                                           f"dtype; got {a.dtype}, {w.dtype}")
+    _require(output_dtype in (None, a.dtype), f"output_dtype {output_dtype} for {a.dtype} inputs")
+    _require(a.shape[1] == w.shape[1], f"x [M, K={a.shape[1]}] does not fit weight [E, K={w.shape[1]}, N]")
+    # The inner (last) dim of x is K; of the weight N, or K when it is transposed.
+    _require(a.shape[1] < INNER_LIMIT and w.shape[1 if transposed else 2] < INNER_LIMIT, "inner dims must be < 65536")
+    _require(isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64 and group_list.dim() == 1,
+             "group_list must be a 1-D int64 tensor")
+    _require(group_list.numel() == w.shape[0] <= MAX_GROUPS, f"group_list has {group_list.numel()} groups for "
+                                                             f"{w.shape[0]} weights (at most {MAX_GROUPS})")
+    _require(group_list_type in (0, 1), "group_list_type 0 (cumsum) or 1 (counts); 2 is for int8 only")
+    _require(group_list_type == 0 or group_list.numel() != 1, "group_list_type 1: the counts' length cannot be 1")
+    sizes = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
+    _require(bool((sizes >= 0).all()), "group_list must be non-negative (and non-decreasing as a cumsum)")
+    _require(int(sizes.sum()) == a.shape[0], f"the group sizes add up to {int(sizes.sum())}, x has {a.shape[0]} "
+                                             "rows: they must be equal")
+    out = torch.empty(a.shape[0], w.shape[2], dtype=a.dtype)
+    start = 0
+    for g, size in enumerate(sizes.tolist()):
+        out[start:start + size] = (a[start:start + size].float() @ w[g].float()).to(a.dtype)
+        start += size
+    return [out]
 
 
 # ---- graph mode: torch.npu.NPUGraph, task groups and their updates, ExternalEvent (§5.1, §5.4) ----

@@ -1,25 +1,22 @@
 """The emulated torch_npu's MoE operators (registered on FakeTorchNpu by tests/fake_torch_npu.py).
 
 Written from the documented contracts, not from vlinfer/ops/moe_reference.py: the torch_npu API pages of
-Ascend/op-plugin (npu_moe_gating_top_k_softmax, npu_moe_init_routing_v2, npu_grouped_matmul,
-npu_moe_finalize_routing) and the MoE research note's kernel section. Each op checks what its page states (dtypes, shapes, the argument
-values "currently supported") and raises FakeNpuError on a call the device would reject. Arithmetic is float32, cast
-to the documented output dtype.
+Ascend/op-plugin (npu_moe_gating_top_k_softmax, npu_moe_init_routing_v2, npu_moe_finalize_routing) and the MoE
+research note's kernel section (npu_grouped_matmul, which LoRA calls too, is in tests/fake_torch_npu.py, §2.11).
+Each op checks what its page states (dtypes, shapes, the argument values "currently supported") and raises
+FakeNpuError on a call the device would reject. Arithmetic is float32, cast to the documented output dtype.
 
 Interpretations (the pages leave them open):
 - init_routing_v2 sorts (expert id, flat row n*K + k) pairs stably: ties keep row order (keyValueSort).
 - Rows of expanded_x past the in-range count are "invalid data": here NaN, so a caller that reads them is caught.
   Entries of the gather-form expanded_row_idx whose expert is outside active_expert_range are -1 (vllm-ascend takes
   abs() of them before its unpermute, so they are negative on the device).
-- grouped_matmul with group_type 0 (split M) requires the group sizes to add up to x's rows, as the page says.
 """
 import torch
 
 from fake_torch_npu import HALF, _require
 
 FLOATS = HALF + (torch.float32,)
-INNER_LIMIT = 65536  # npu_grouped_matmul: last dims of x and weight
-MAX_GROUPS = 1024  # npu_grouped_matmul group_type 0, single tensors
 MAX_GATING_K = 1024
 
 
@@ -81,53 +78,6 @@ def _init_routing_v2(module, x, expert_idx, *, scale=None, offset=None, active_n
     return expanded_x, expanded_row_idx, counts, torch.full((rows * k,), float("nan"))
 
 
-def _weight_view(w, name):
-    """A 3-D weight [E, K, N], contiguous or transposed in its last two dims (both documented)."""
-    _require(w.dim() == 3, f"{name} must be 3-D [E, K, N] for group_type 0 with one tensor, got {w.dim()}-D")
-    e, kk, n = w.shape
-    transposed = w.stride() == (kk * n, 1, kk)
-    _require(w.is_contiguous() or transposed, f"{name} must be contiguous or transposed in its last two dims, got "
-                                              f"strides {w.stride()}")
-    return w
-
-
-def _grouped_matmul(module, x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
-                    antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
-                    activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
-                    group_list_type=0, act_type=0, output_dtype=None, tuning_config=None):
-    """The MoE form only ("single-single-single", group_type 0): y[rows of group g] = x[rows] @ weight[g]."""
-    _require(isinstance(x, (list, tuple)) and isinstance(weight, (list, tuple)), "x and weight are lists of tensors")
-    if len(x) != 1 or len(weight) != 1 or group_type != 0:
-        raise NotImplementedError("only one x, one 3-D weight and group_type=0 (split M) are emulated")
-    if any(v is not None for v in (bias, scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
-                                   activation_input, activation_quant_scale, activation_quant_offset)) or act_type:
-        raise NotImplementedError("bias, quantization and fused activations are not emulated")
-    a, w = x[0], _weight_view(weight[0], "weight[0]")
-    _require(split_item in (2, 3), "group_type 0 with single tensors needs split_item 2 or 3 (one output)")
-    _require(a.dim() == 2 and a.is_contiguous(), f"x[0] must be a contiguous 2-D tensor (x is not transposable), got "
-                                                 f"{tuple(a.shape)} strides {a.stride()}")
-    _require(a.dtype in FLOATS and w.dtype == a.dtype, f"x and weight must be one of fp16/bf16/fp32, same dtype; got "
-                                                       f"{a.dtype}, {w.dtype}")
-    _require(output_dtype in (None, a.dtype), f"output_dtype {output_dtype} for {a.dtype} inputs")
-    _require(a.shape[1] == w.shape[1], f"x [M, K={a.shape[1]}] does not fit weight [E, K={w.shape[1]}, N]")
-    _require(a.shape[1] < INNER_LIMIT and w.shape[2] < INNER_LIMIT, "last dims must be < 65536")
-    _require(isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64 and group_list.dim() == 1,
-             "group_list must be a 1-D int64 tensor")
-    _require(group_list.numel() == w.shape[0] <= MAX_GROUPS, f"group_list has {group_list.numel()} groups for "
-                                                             f"{w.shape[0]} weights (at most {MAX_GROUPS})")
-    _require(group_list_type in (0, 1), "group_list_type 0 (cumsum) or 1 (counts); 2 is for int8 only")
-    sizes = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
-    _require(bool((sizes >= 0).all()), "group_list must be non-negative (and non-decreasing as a cumsum)")
-    _require(int(sizes.sum()) == a.shape[0], f"the group sizes add up to {int(sizes.sum())}, x has {a.shape[0]} "
-                                             "rows: they must be equal")
-    out = torch.empty(a.shape[0], w.shape[2], dtype=a.dtype)
-    start = 0
-    for g, size in enumerate(sizes.tolist()):
-        out[start:start + size] = (a[start:start + size].float() @ w[g].float()).to(a.dtype)
-        start += size
-    return [out]
-
-
 def _finalize_routing(module, expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
                       export_for_source_row, drop_pad_mode=0):
     """out[i] = skip1 + skip2 + sum_k scales[i, k] * (rows[idx(i, k)] + bias[expert(i, k)]), dropless modes: idx(i, k)
@@ -161,4 +111,4 @@ def _finalize_routing(module, expanded_permuted_rows, skip1, skip2, bias, scales
 
 
 MOE_OPS = {"npu_moe_gating_top_k_softmax": _gating_top_k_softmax, "npu_moe_init_routing_v2": _init_routing_v2,
-           "npu_grouped_matmul": _grouped_matmul, "npu_moe_finalize_routing": _finalize_routing}
+           "npu_moe_finalize_routing": _finalize_routing}

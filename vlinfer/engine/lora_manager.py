@@ -10,6 +10,7 @@ from vlinfer.layers.linear import LinearBase, MergedColumnParallelLinear, QKVPar
 from vlinfer.layers.lora import LoRASlots, LoRAStep
 from vlinfer.loading.lora import LoRAAdapter, read_peft_adapter
 from vlinfer.lora_request import LoRARequest
+from vlinfer.ops.reference import lora_groups
 
 logger = logging.getLogger("vlinfer")
 # Qwen3-VL's vision tower and its mergers, in PEFT's module names and ours alike (model.visual.blocks.0.attn.qkv, ...)
@@ -150,9 +151,5 @@ def install(model, layers: dict, slot: int, adapter: LoRAAdapter) -> None:
 
 def step_groups(slots: torch.Tensor, device) -> LoRAStep | None:
     """The step's LoRAStep from each token's slot (-1: the base model); None when no token runs an adapter."""
-    used = sorted(set(slots.tolist()) - {-1})
-    if not used:
-        return None
-    if len(used) == 1 and bool((slots == used[0]).all()):
-        return LoRAStep([(used[0], None)])
-    return LoRAStep([(s, torch.nonzero(slots == s).flatten().to(device)) for s in used])
+    groups = lora_groups(slots, device)
+    return None if groups is None else LoRAStep(groups)

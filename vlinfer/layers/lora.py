@@ -14,25 +14,27 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vlinfer.ops.reference import LoRAGroups
+
 
 @dataclass
 class LoRAStep:
-    """One step's adapters: for each slot in use, the rows (token indices) that run it; all rows when one adapter
-    covers the whole step (then no gather). Built once per step by the model runner, read by every LoRA layer."""
-    groups: list[tuple[int, torch.Tensor | None]]
+    """One step's adapters: the tokens that run one, grouped by slot (ops.reference.LoRAGroups: no gather when one
+    adapter covers the whole step). Built once per step by the model runner, read by every LoRA layer."""
+    groups: LoRAGroups
 
     def merged(self, factor: int) -> "LoRAStep":
         """The same adapters over rows merged `factor` to one (the vision tower's patch mergers: 2x2 patches -> 1
         row). Each group's rows are whole aligned runs of `factor` (a run never spans two images), so a run's
         first row names its merged row."""
-        return LoRAStep([(slot, None if rows is None else rows[rows % factor == 0] // factor)
-                         for slot, rows in self.groups])
+        return LoRAStep(self.groups.merged(factor))
 
 
 class LoRASlots(nn.Module):
     def __init__(self, layer, max_loras: int, max_rank: int, num_sub: int):
         super().__init__()
         self.max_rank, self.num_sub = max_rank, num_sub
+        self.ops = layer.ops  # the engine's op table: add_lora runs on it
         dtype, device = layer.params_dtype, next(layer.parameters()).device
         self.a = torch.zeros(max_loras, num_sub * max_rank, layer.input_size, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, layer.output_size, num_sub * max_rank, dtype=dtype, device=device)
@@ -58,10 +60,5 @@ class LoRASlots(nn.Module):
         self.b[slot, offset:offset + rows, lo:lo + r] = (b[start:start + rows].float() * scaling).to(self.b.dtype)
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> torch.Tensor:
-        """y + each row's adapter update: x [T, in], y [T, out]."""
-        for slot, rows in step.groups:
-            if rows is None:
-                y.add_((x @ self.a[slot].T) @ self.b[slot].T)
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ self.a[slot].T) @ self.b[slot].T)
-        return y
+        """y + each row's adapter update: x [T, in], y [T, out] (ops add_lora, in place)."""
+        return self.ops.add_lora(x, y, self.a, self.b, step.groups)

@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from vlinfer.platform import cpu_features
-from vlinfer.ops import (cpu_moe, cpu_panels, cpu_quant, gguf_cpu, gguf_reference, kv_quant_reference, reference,
-                         token_bitmask_reference)
+from vlinfer.ops import (cpu_lora, cpu_moe, cpu_panels, cpu_quant, gguf_cpu, gguf_reference, kv_quant_reference,
+                         reference, token_bitmask_reference)
 from vlinfer.ops.per_step import PerStep
 from vlinfer.ops.cpu_isa_flags import CPU_KERNEL_DIR, ISA_FLAGS
 from vlinfer.ops.reference import ReferenceOps
@@ -102,6 +102,7 @@ class CpuOps(ReferenceOps):
             raise RuntimeError(f"CPU kernels for {self.isa} cannot run on this CPU (it supports up to {best})")
         self.ext = build_extension(self.isa)
         self._decode_rows = PerStep()  # this step's decode rows, shared by every layer
+        self._warned: set = set()  # shapes whose reference fallback was logged (cpu_lora), once per engine
         self.bf16_attention = bool(self.ext.bf16_attention_available())
         # Prefill-chunk and vision attention are matmul-shaped: where the CPU has AMX, torch's SDPA (oneDNN, AMX
         # tiles) runs them 2.7-3.3x faster than our vdpbf16ps kernels (bench/ops.py, Xeon with amx_bf16), so
@@ -241,6 +242,10 @@ class CpuOps(ReferenceOps):
 
     def pack_moe_weights(self, w13, w2):
         return cpu_moe.pack_moe_weights(w13, w2, panels=self.moe_panels)
+
+    def add_lora(self, x, y, lora_a, lora_b, groups):
+        """Grouped GEMMs over the step's rows sorted by adapter slot (ops/cpu_lora.py)."""
+        return cpu_lora.add_lora(x, y, lora_a, lora_b, groups, self._warned)
 
     # Quantized linears: our GGUF block kernel for per-channel int8, torch's int4 CPU kernel and oneDNN's int8 GEMM
     # (ops/cpu_quant.py).

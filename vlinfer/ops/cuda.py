@@ -1,6 +1,7 @@
 """CUDA implementation of the attention ops: our Triton KV cache write (kernels/triton/store_kvcache.py),
 FlashAttention's varlen and paged-KV calls where `flash_attn` is installed, torch SDPA / matmuls otherwise; the fused
-MoE on our Triton kernels (ops/cuda_moe.py, kernels/triton/fused_moe.py), loaded when an MoE layer first asks. Rotary,
+MoE on our Triton kernels (ops/cuda_moe.py, kernels/triton/fused_moe.py), loaded when an MoE layer first asks; LoRA
+on our Triton shrink / expand (ops/cuda_lora.py, kernels/triton/lora.py), loaded when a LoRA layer first runs. Rotary,
 norms and SwiGLU stay on the pure-torch reference, which on CUDA is a handful of elementwise kernels.
 
 - Block size: flash_attn's paged KV cache (`block_table`) needs a page block size that is a multiple of 256 (its
@@ -23,7 +24,7 @@ import logging
 
 import torch
 
-from vlinfer.ops import cuda_moe, cuda_quant, moe_reference, reference
+from vlinfer.ops import cuda_lora, cuda_moe, cuda_quant, moe_reference, reference
 from vlinfer.ops.per_step import PerStep
 from vlinfer.ops.reference import ReferenceOps
 from vlinfer.ops.triton_source import TritonKernels, error_reason, load_triton_module
@@ -49,8 +50,8 @@ class CudaOps(ReferenceOps):
         if device_type not in ("cuda", "cpu"):  # CPU tensors only for tests (VLINFER_OPS=cuda)
             raise RuntimeError(f"the CUDA ops run on CUDA devices (or CPU tensors, for tests), not on {device_type!r}")
         super().__init__(device_type)
-        # What loading found: "cache_write", "moe", "quantized_linear" ("triton" or "reference"; the last two on
-        # first use) and "attention" ("flash_attn" or "sdpa").
+        # What loading found: "cache_write", "moe", "quantized_linear", "lora" ("triton" or "reference"; the last
+        # three on first use) and "attention" ("flash_attn" or "sdpa").
         self.features: dict = {}
         self._triton = TritonKernels(self.features)
         self._flash = None
@@ -134,6 +135,16 @@ class CudaOps(ReferenceOps):
         if kernel is None:  # warned at load
             return moe_reference.fused_moe(x, router_logits, w13, w2, top_k, renormalize, expert_offset)
         return cuda_moe.fused_moe(kernel, x, router_logits, w13, w2, top_k, renormalize, expert_offset)
+
+    # ---- LoRA (vlinfer/ops/cuda_lora.py, kernels/triton/lora.py) ----
+
+    def add_lora(self, x, y, lora_a, lora_b, groups):
+        kernel = self._triton.get("lora", lambda: cuda_lora.checked_kernel(torch.device(self.device_type)),
+                                  "LoRA shrink / expand", "LoRA updates run the pure-torch reference (one "
+                                  "shrink-expand per adapter)")
+        if kernel is None:  # warned on first use
+            return reference.add_lora(x, y, lora_a, lora_b, groups)
+        return cuda_lora.add_lora(kernel, x, y, lora_a, lora_b, groups)
 
     # ---- quantized linears (vlinfer/ops/cuda_quant.py, kernels/triton/int8_gemm.py, weight_only_gemm.py) ----
 

@@ -10,7 +10,7 @@ logger = logging.getLogger("vlinfer")
 OPS = ("store_kvcache", "paged_attention", "store_quantized_kvcache", "quantized_paged_attention", "apply_rotary", "rms_norm", "add_rms_norm", "silu_and_mul",
        "gelu_tanh", "varlen_attention", "linear", "fused_moe", "pack_moe_weights",
        "w8a8_dynamic_linear", "w8a8_static_linear", "weight_only_linear", "pack_quantized_linear",
-       "gguf_linear", "gguf_embedding", "pack_gguf_weight")
+       "gguf_linear", "gguf_embedding", "pack_gguf_weight", "add_lora")
 # VLINFER_OPS=<name> forces one implementation whatever the device, e.g. the NPU code on CPU tensors under an
 # emulated torch_npu (tests/fake_torch_npu.py). A forced implementation that cannot load is an error, not a fallback.
 OVERRIDE_ENV = "VLINFER_OPS"

@@ -22,7 +22,8 @@ made, not at module import: it cannot import without the CANN runtime.
   nothing here may sync with the host, and each layer's attention is captured as a task group that every replay
   re-issues with that step's host lengths (§5.4); see "graph mode" below and npu_graph.py.
 - Split along its ideas, as module functions behind thin NpuOps methods: npu_host.py (feature detection, per-step
-  host metadata, the shared paged FIA call shapes), npu_kv_cache.py, npu_graph.py, npu_quant.py, npu_moe.py.
+  host metadata, the shared paged FIA call shapes), npu_kv_cache.py, npu_graph.py, npu_quant.py, npu_moe.py,
+  npu_lora.py (LoRA on npu_grouped_matmul).
 - State: torch_npu, what loading detected, warnings, masks, per-step caches and the graph being captured belong to
   one NpuOps instance (one per engine); this module keeps none.
 """
@@ -33,7 +34,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from vlinfer.ops import kv_quant_reference, npu_graph, npu_kv_cache, npu_moe, npu_quant, reference
+from vlinfer.ops import kv_quant_reference, npu_graph, npu_kv_cache, npu_lora, npu_moe, npu_quant, reference
 from vlinfer.ops.npu_graph import GraphCapture
 from vlinfer.ops.npu_host import (HALF_DTYPES, HALF_ONLY, AttentionMeta, SplitPlan, bsh_decode_args, causal_mask,
                                   check_block_size, detect_cache_write, detect_fia_scale_kwarg, paged_kv, segment_ends,
@@ -357,6 +358,9 @@ class NpuOps(ReferenceOps):
 
     def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, expert_offset=0):
         return npu_moe.fused_moe(self._torch_npu, x, router_logits, w13, w2, top_k, renormalize, expert_offset)
+
+    def add_lora(self, x, y, lora_a, lora_b, groups):
+        return npu_lora.add_lora(self._torch_npu, x, y, lora_a, lora_b, groups)  # §7.8
 
     def pack_moe_weights(self, w13, w2):
         return None  # the grouped matmuls take w13 / w2 as transposed views of the loaded layout

@@ -4,6 +4,8 @@
 implementation (ops/cpu.py, cuda.py, npu.py): an implementation overrides the ops it has kernels for, and the others
 stay on these definitions. One instance per engine, so two engines in a process never share an op table or the
 state an implementation keeps (loaded kernels, per-step caches)."""
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -151,6 +153,59 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return q_out, k_out
 
 
+@dataclass(frozen=True, eq=False)
+class LoRAGroups:
+    """One step's tokens that run a LoRA adapter, grouped by slot: what add_lora reads, built once per step
+    (lora_groups) and shared by every LoRA layer. Slot s's tokens are rows[offsets[s]:offsets[s + 1]].
+
+    rows: int64 [N] token indices on the device, by slot ascending and in token order within a slot; None when one
+    adapter covers every token of the step (N = T, the rows are 0..T-1: nothing to gather).
+    offsets: int64 [S + 1] on the device, cumulative row counts of slots 0..S-1, S = the highest slot used + 1 (a
+    slot with no row has an empty range): the segment bounds a grouped GEMM or a kernel reads without a host sync.
+    segments: (slot, start, count) on the host for each slot with rows, slot ascending."""
+    rows: torch.Tensor | None
+    offsets: torch.Tensor
+    segments: tuple[tuple[int, int, int], ...]
+
+    def merged(self, factor: int) -> "LoRAGroups":
+        """The same groups over rows merged `factor` to one, when each slot's rows are whole aligned runs of
+        `factor` (a run's first row names its merged row): the vision tower's patch mergers. No host sync."""
+        rows = None if self.rows is None else self.rows[::factor] // factor
+        return LoRAGroups(rows, self.offsets // factor,
+                          tuple((slot, start // factor, count // factor) for slot, start, count in self.segments))
+
+
+def lora_groups(slots: torch.Tensor, device) -> LoRAGroups | None:
+    """The step's LoRAGroups from each token's slot (a host tensor, -1: the base model); None when no token runs an
+    adapter."""
+    used = (slots >= 0).nonzero().flatten()
+    if not used.numel():
+        return None
+    counts = torch.bincount(slots[used])
+    offsets = F.pad(counts.cumsum(0), (1, 0))
+    segments = tuple((s, int(offsets[s]), int(counts[s])) for s in counts.nonzero().flatten().tolist())
+    whole = len(segments) == 1 and used.numel() == slots.numel()
+    rows = None if whole else used[torch.argsort(slots[used], stable=True)].to(device)
+    return LoRAGroups(rows, offsets.to(device), segments)
+
+
+def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             groups: LoRAGroups) -> torch.Tensor:
+    """y[t] += (x[t] @ lora_a[s].T) @ lora_b[s].T for each token t of slot s in groups, in place; returns y.
+
+    x [T, in], y [T, out] (the base layer's output); lora_a [max_loras, R, in], lora_b [max_loras, out, R], the
+    slots' shrink and expand (layers/lora.py: R = n_sub * max_rank, the scaling folded into lora_b). The shrink is
+    rounded to x's dtype before the expand. Tokens of no slot keep y."""
+    for slot, start, count in groups.segments:
+        a, b = lora_a[slot], lora_b[slot]
+        if groups.rows is None:
+            y.add_((x @ a.T) @ b.T)
+        else:
+            rows = groups.rows[start:start + count]
+            y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+    return y
+
+
 class ReferenceOps:
     """The op table layers call through their engine's ModelContext. Subclasses override ops and may keep state
     (a loaded extension, per-step caches); the reference keeps none."""
@@ -181,6 +236,8 @@ class ReferenceOps:
     linear = staticmethod(linear)
     fused_moe = staticmethod(moe_reference.fused_moe)
     apply_token_bitmask = staticmethod(token_bitmask_reference.apply_token_bitmask)
+    # LoRA: each token's adapter update after the base layer, grouped by adapter slot (layers/lora.py).
+    add_lora = staticmethod(add_lora)
 
     def pack_moe_weights(self, w13: torch.Tensor, w2: torch.Tensor):
         """(w13, w2) in the layout this implementation's `fused_moe` runs fastest on, or None to keep them as they

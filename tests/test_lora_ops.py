@@ -1,0 +1,308 @@
+"""The LoRA op's device implementations against its definition (vlinfer/ops/reference.py add_lora): the CPU one
+(CpuOps: grouped GEMMs, ops/cpu_lora.py), the CUDA one (CudaOps: our Triton shrink / expand under the Triton
+interpreter, on CPU tensors) and the NPU one (NpuOps on the emulated torch_npu's npu_grouped_matmul,
+tests/fake_torch_npu.py), over fused layers (3 sub-projections) and plain ones, adapter ranks 4 / 8 / 16 in slots of
+max rank 16, rows spread over slots with unused slots between, rows of no adapter, one adapter over every row; the
+step grouping (lora_groups) itself; and an engine with adapters on each accelerator path against the reference op
+table.
+
+Tolerances: max |update ours - update reference| / max |update reference|, the update being what the op adds to y,
+the reference in float32 on the same (rounded) inputs: float32 1e-5, bfloat16 / float16 2e-2. Rows of no adapter
+keep y exactly."""
+import logging
+import sys
+
+import pytest
+import torch
+
+from fake_torch_npu import FakeNpuError, install
+from vlinfer.ops import cpu_lora, dispatch, reference
+from vlinfer.ops.cpu import CpuOps
+from vlinfer.ops.cuda import CudaOps
+from vlinfer.ops.npu import NpuOps
+from vlinfer.ops.triton_source import load_triton_module
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+MAX_RANK = 16
+# (name, tokens' slots (-1: no adapter), max_loras, n_sub, input, output): the slots' adapters have ranks 4, 8, 16,
+# 4, ... by slot; sequences bring runs of tokens, decodes one token each.
+CASES = [
+    ("decode-spread", [2, 0, -1, 2, 3, 0, -1, 3, 2], 4, 3, 64, 96),  # slot 1 unused between used ones
+    ("prefill-runs", [1] * 30 + [-1] * 7 + [3] * 21 + [0] * 12, 4, 3, 96, 48),
+    ("one-adapter-every-row", [2] * 11, 3, 1, 64, 80),  # nothing to gather
+    ("slot0-every-row", [0] * 5, 2, 2, 48, 64),  # a single group
+    ("one-adapter-some-rows", [-1, 1, 1, -1, 1], 2, 3, 64, 96),
+    ("plain-layer", [0, 1, 0, 1, 1, -1, 0], 2, 1, 80, 64),
+]
+
+
+def case_id(case):
+    return case[0]
+
+
+def make_case(case, dtype, seed=0):
+    """(x, y, lora_a, lora_b, slots) laid out as layers/lora.py's LoRASlots keeps them: sub-projection i's A rows at
+    [i * MAX_RANK, i * MAX_RANK + r) and its B columns there, B's rows those of its part of the output; unused
+    columns and rows zero."""
+    name, slots, max_loras, n_sub, hidden, out = case
+    g = torch.Generator().manual_seed(seed + len(slots) * 7 + hidden)
+    lora_a = torch.zeros(max_loras, n_sub * MAX_RANK, hidden)
+    lora_b = torch.zeros(max_loras, out, n_sub * MAX_RANK)
+    part = out // n_sub
+    for slot in range(max_loras):
+        rank = (4, 8, 16)[slot % 3]
+        for i in range(n_sub):
+            lo = i * MAX_RANK
+            lora_a[slot, lo:lo + rank] = torch.randn(rank, hidden, generator=g) / hidden ** 0.5
+            lora_b[slot, i * part:(i + 1) * part, lo:lo + rank] = torch.randn(part, rank, generator=g) / rank ** 0.5
+    x = torch.randn(len(slots), hidden, generator=g)
+    y = torch.randn(len(slots), out, generator=g)
+    return x.to(dtype), y.to(dtype), lora_a.to(dtype), lora_b.to(dtype), torch.tensor(slots)
+
+
+def check(ops, case, dtype, seed=0):
+    """ops.add_lora against the reference in float32: the update within TOL, the rows of no adapter unchanged."""
+    x, y, lora_a, lora_b, slots = make_case(case, dtype, seed)
+    groups = reference.lora_groups(slots, "cpu")
+    expected = reference.add_lora(x.float(), y.float().clone(), lora_a.float(), lora_b.float(), groups) - y.float()
+    out = y.clone()
+    ours = ops.add_lora(x, out, lora_a, lora_b, groups)
+    assert ours is out and ours.dtype == dtype  # in place
+    update = ours.float() - y.float()
+    assert ((update - expected).abs().max() / expected.abs().max()).item() < TOL[dtype], case_id(case)
+    assert torch.equal(ours[slots < 0], y[slots < 0])
+    return groups
+
+
+# ---- the grouping ----
+
+def test_lora_groups_sorts_rows_by_slot():
+    slots = torch.tensor([2, 0, -1, 2, 3, 0, -1, 3, 2])
+    groups = reference.lora_groups(slots, "cpu")
+    assert groups.rows.tolist() == [1, 5, 0, 3, 8, 4, 7]
+    assert groups.offsets.tolist() == [0, 2, 2, 5, 7] and groups.offsets.dtype == torch.int64
+    assert groups.segments == ((0, 0, 2), (2, 2, 3), (3, 5, 2))
+    whole = reference.lora_groups(torch.full((6,), 2), "cpu")
+    assert whole.rows is None and whole.offsets.tolist() == [0, 0, 0, 6] and whole.segments == ((2, 0, 6),)
+    assert reference.lora_groups(torch.full((4,), -1), "cpu") is None
+    some = reference.lora_groups(torch.tensor([-1, 1, 1]), "cpu")
+    assert some.rows.tolist() == [1, 2] and some.segments == ((1, 0, 2),)
+
+
+def test_merged_groups_name_the_merged_rows():
+    """Runs of 4 rows per merged row (the vision tower's 2x2 patch mergers): each slot's runs merge to one row."""
+    slots = torch.tensor([1] * 4 + [-1] * 4 + [0] * 8 + [1] * 4)
+    merged = reference.lora_groups(slots, "cpu").merged(4)
+    assert merged.rows.tolist() == [2, 3, 0, 4] and merged.offsets.tolist() == [0, 2, 4]
+    assert merged.segments == ((0, 0, 2), (1, 2, 2))
+    whole = reference.lora_groups(torch.full((8,), 1), "cpu").merged(4)
+    assert whole.rows is None and whole.offsets.tolist() == [0, 0, 2] and whole.segments == ((1, 0, 2),)
+
+
+def test_every_device_table_has_its_own_add_lora():
+    for cls in (CpuOps, CudaOps, NpuOps):
+        assert cls.add_lora is not reference.ReferenceOps.add_lora, cls.__name__
+
+
+# ---- CPU: grouped GEMMs ----
+
+@pytest.fixture(scope="module")
+def cpu_ops():
+    return CpuOps()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_cpu_add_lora_equals_reference(cpu_ops, case, dtype):
+    check(cpu_ops, case, dtype)
+
+
+def test_cpu_runs_the_grouped_gemm_for_several_adapters(cpu_ops, monkeypatch):
+    """Several adapters: two torch._grouped_mm calls over every slot up to the highest used; one adapter: plain
+    matmuls (no grouped GEMM)."""
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: calls.append((b.shape[0], offs.tolist()))
+                        or grouped_mm(a, b, offs=offs))
+    check(cpu_ops, CASES[0], torch.float32)
+    assert calls == [(4, [2, 2, 5, 7])] * 2
+    calls.clear()
+    check(cpu_ops, CASES[2], torch.float32)
+    check(cpu_ops, CASES[4], torch.bfloat16)
+    assert calls == []
+
+
+def test_cpu_unaligned_strides_run_the_reference_with_a_warning(cpu_ops, caplog):
+    """torch's CPU grouped GEMM needs 16-byte row strides: R = 4 in bf16 is 8 bytes, so a step with several adapters
+    runs the reference, logged once per shape."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 64, generator=g).bfloat16(), torch.randn(5, 32, generator=g).bfloat16()
+    lora_a, lora_b = torch.randn(2, 4, 64, generator=g).bfloat16() / 8, torch.randn(2, 32, 4, generator=g).bfloat16()
+    assert not cpu_lora.grouped_gemm_takes(x, lora_a, lora_b)
+    groups = reference.lora_groups(torch.tensor([0, 1, 1, -1, 0]), "cpu")
+    with caplog.at_level(logging.WARNING, logger="vlinfer"):
+        for _ in range(2):
+            ours = cpu_ops.add_lora(x, y.clone(), lora_a, lora_b, groups)
+    assert caplog.text.count("add_lora: torch._grouped_mm needs row strides in multiples of 16 bytes") == 1
+    assert torch.equal(ours, reference.add_lora(x, y.clone(), lora_a, lora_b, groups))
+
+
+# ---- CUDA: the Triton kernels under the interpreter ----
+
+@pytest.fixture(scope="module")
+def cuda_ops():
+    """CudaOps on CPU tensors with the Triton kernels interpreted (TRITON_INTERPRET=1 when they load)."""
+    import triton  # noqa: F401  (a test dependency: a missing one fails here)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        mp.setitem(sys.modules, "flash_attn", None)
+        ops = CudaOps("cpu")
+        check(ops, CASES[0], torch.float32)  # loads and checks the kernels
+        assert ops.features["lora"] == "triton", "the Triton LoRA kernels failed their check"
+        yield ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_triton_add_lora_equals_reference(cuda_ops, case, dtype):
+    check(cuda_ops, case, dtype)
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_triton_row_blocks_and_k_splits(cuda_ops, monkeypatch, block_m, split_k):
+    """Segments longer than a row block (30 and 21 rows in 16-row blocks), and the shrink's K split into slices
+    accumulated atomically (96 inputs in 16-wide slices, 3 ways)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    module = load_triton_module("lora")
+    config = dict(BLOCK_M=block_m, BLOCK_R=16, BLOCK_K=16, SPLIT_K=split_k, BLOCK_N=32)
+    x, y, lora_a, lora_b, slots = make_case(CASES[1], torch.float32)
+    groups = reference.lora_groups(slots, "cpu")
+    expected = reference.add_lora(x, y.clone(), lora_a, lora_b, groups)
+    ours = module.add_lora(x, y.clone(), lora_a, lora_b, groups.rows, groups.offsets, 30, config)
+    assert ((ours - expected).abs().max() / (expected - y).abs().max()).item() < 1e-5
+
+
+def test_missing_triton_runs_the_reference_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "triton", None)  # what `import triton` sees without the package
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    ops = CudaOps("cpu")
+    with caplog.at_level(logging.WARNING, logger="vlinfer"):
+        groups = check(ops, CASES[0], torch.float32)
+        check(ops, CASES[1], torch.float32)
+    assert ops.features["lora"] == "reference" and groups is not None
+    assert caplog.text.count("Triton LoRA shrink / expand unavailable (ModuleNotFoundError") == 1
+    assert "LoRA updates run the pure-torch reference" in caplog.text
+
+
+# ---- NPU: npu_grouped_matmul on the emulated torch_npu ----
+
+@pytest.fixture
+def npu_env(monkeypatch):
+    """(the emulated torch_npu, an NpuOps on it), as an engine on CPU tensors would select it; per test, so that
+    no other test (which may import transformers, whose accelerate probes for torch_npu) sees the fake."""
+    fake = install(monkeypatch)
+    ops = dispatch.select("cpu")
+    assert type(ops) is NpuOps
+    return fake, ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_npu_add_lora_equals_reference(npu_env, case, dtype):
+    fake, ops = npu_env
+    before = len(fake.history)
+    groups = check(ops, case, dtype)
+    calls = [kw for op, kw in fake.history[before:]]
+    assert [op for op, _ in fake.history[before:]] == ["npu_grouped_matmul"] * 2  # the shrink and the expand
+    slots = groups.offsets.numel() - 1
+    for kw in calls:
+        assert kw["group_list"] == (slots,) and kw["group_type"] == 0 and kw["group_list_type"] == 0
+        assert kw["split_item"] == 2
+    assert fake.last["npu_grouped_matmul"]["group_list"].tolist() == groups.offsets[1:].tolist()
+
+
+def test_npu_add_lora_refuses_what_the_grouped_matmul_cannot_take(npu_env):
+    _, ops = npu_env
+    x, y, lora_a, lora_b, _ = make_case(CASES[4], torch.bfloat16)
+    slots = torch.tensor([1024, 0, -1, 1024, 0])
+    many_a = torch.zeros(1025, *lora_a.shape[1:], dtype=lora_a.dtype)
+    many_b = torch.zeros(1025, *lora_b.shape[1:], dtype=lora_b.dtype)
+    with pytest.raises(ValueError, match="at most 1024 groups"):
+        ops.add_lora(x, y, many_a, many_b, reference.lora_groups(slots, "cpu"))
+    with pytest.raises(ValueError, match="must share a dtype"):
+        ops.add_lora(x.float(), y.float(), lora_a, lora_b, reference.lora_groups(torch.tensor([0] * 5), "cpu"))
+
+
+def test_fake_grouped_matmul_rejects_what_its_page_rejects(npu_env):
+    """The emulation's documented checks (§2.11): counts form of length 1, sizes not adding up to x's rows, a
+    transposed x, a weight neither contiguous nor transposed, float32 outside the single-tensor form not taken."""
+    fake, _ = npu_env
+    x = torch.randn(5, 8)
+    w = torch.randn(2, 8, 4)
+    ok = dict(split_item=2, group_type=0, group_list_type=0)
+    assert fake.npu_grouped_matmul([x], [w], group_list=torch.tensor([2, 5]), **ok)[0].shape == (5, 4)
+    with pytest.raises(FakeNpuError, match="length cannot be 1"):
+        fake.npu_grouped_matmul([x], [w[:1]], group_list=torch.tensor([5]), split_item=2, group_type=0,
+                                group_list_type=1)
+    with pytest.raises(FakeNpuError, match="must be equal"):
+        fake.npu_grouped_matmul([x], [w], group_list=torch.tensor([2, 4]), **ok)
+    with pytest.raises(FakeNpuError, match="not transposable"):
+        fake.npu_grouped_matmul([torch.randn(8, 5).t()], [w], group_list=torch.tensor([2, 5]), **ok)
+    with pytest.raises(FakeNpuError, match="contiguous or transposed"):
+        fake.npu_grouped_matmul([x], [torch.randn(8, 2, 4).transpose(0, 1)], group_list=torch.tensor([2, 5]), **ok)
+    with pytest.raises(FakeNpuError, match="non-decreasing"):
+        fake.npu_grouped_matmul([x], [w], group_list=torch.tensor([3, 2]), **ok)
+
+
+# ---- an engine with adapters on each accelerator path ----
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """A tiny Qwen3 checkpoint and two PEFT adapters of ranks 8 and 4 on every linear."""
+    from transformers import AutoModelForCausalLM
+    from conftest import build_checkpoint, tiny_text_config
+    from test_lora import ALL_LINEARS, make_adapter
+    from vlinfer import LoRARequest
+    path = str(tmp_path_factory.mktemp("lora-ops-qwen3"))
+    build_checkpoint(path, tiny_text_config("qwen3", True))
+    loras = [LoRARequest(name, i + 1, make_adapter(AutoModelForCausalLM.from_pretrained(path),
+                                                  str(tmp_path_factory.mktemp(name)), rank, 2 * rank, False,
+                                                  ALL_LINEARS, i + 1))
+             for i, (name, rank) in enumerate((("eight", 8), ("four", 4)))]
+    return path, loras
+
+
+def engine_tokens(path, loras, ops: str):
+    from vlinfer import LLM, SamplingParams
+    llm = LLM(path, dtype="float32", kv_cache_bytes=8 << 20, max_model_len=128, enable_lora=True, max_loras=2,
+              max_lora_rank=8, ops=ops)
+    requests = [None, loras[0], loras[1], loras[0], None]
+    prompts = [[5, 17, 42, 99], [5, 17, 42, 99], [7, 300, 12, 48, 250, 3], [11, 12, 11, 12], [11, 12, 11, 12]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False,
+                        lora_request=requests)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_an_engine_with_adapters_on_the_accelerator_paths(adapters, monkeypatch, caplog):
+    """A mixed batch (the base model and two adapters, two slots) gives the reference op table's tokens on the NPU
+    ops (emulated torch_npu) and on the CUDA ops (Triton interpreted), each running its own add_lora."""
+    path, loras = adapters
+    expected = engine_tokens(path, loras, "reference")
+    assert expected[0] != expected[1] and expected[3] != expected[4]  # the adapters change the answers
+    calls = []
+    for ops in ("npu", "cuda"):
+        with monkeypatch.context() as mp:
+            if ops == "npu":
+                fake = install(mp)
+            else:
+                mp.setenv("TRITON_INTERPRET", "1")
+                mp.setitem(sys.modules, "flash_attn", None)
+            cls = {"npu": NpuOps, "cuda": CudaOps}[ops]
+            mp.setattr(cls, "add_lora", lambda self, *a, real=cls.add_lora: calls.append(ops) or real(self, *a))
+            with caplog.at_level(logging.WARNING, logger="vlinfer"):
+                assert engine_tokens(path, loras, ops) == expected, ops
+        assert "add_lora" not in caplog.text and "LoRA shrink / expand unavailable" not in caplog.text
+        if ops == "npu":
+            assert fake.calls["npu_grouped_matmul"] > 0
+    assert set(calls) == {"npu", "cuda"}
