@@ -138,20 +138,20 @@ class InputProcessor:
         """Validate a request and build its sampling_params.n Sequences, one per completion. The prompt (and its
         images) is processed once; the completions share its token ids and encoder inputs. With n > 1 each
         sequence's own id is f"{request_id}#{index}"."""
-        if lora_request is not None:
-            self.check_lora(lora_request)
+        adapter = self.check_lora(lora_request) if lora_request is not None else None
         seqs = self._make_sequences(prompt, sampling_params, request_id)
         vision_lora = self.lora.vision_lora(lora_request) if lora_request is not None else None
         for seq in seqs:
-            seq.lora_request, seq.vision_lora = lora_request, vision_lora
+            seq.lora_request, seq.lora_adapter, seq.vision_lora = lora_request, adapter, vision_lora
         return seqs
 
-    def check_lora(self, lora_request) -> None:
-        """Read and check an adapter (LoRAManager.check): ValueError naming it and why, or that LoRA is off."""
+    def check_lora(self, lora_request):
+        """Read and check an adapter (LoRAManager.check): its host copy, or a ValueError naming it and why, or
+        that LoRA is off."""
         if self.lora is None:
             raise ValueError(f"a LoRA adapter ({getattr(lora_request, 'lora_name', lora_request)!r}) was asked "
                              "for, but LoRA is off: LLM(..., enable_lora=True)")
-        self.lora.check(lora_request)
+        return self.lora.check(lora_request)
 
     def _make_sequences(self, prompt: PromptType, sampling_params, request_id: str) -> list[Sequence]:
         if isinstance(sampling_params, PoolingParams):

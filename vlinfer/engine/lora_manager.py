@@ -2,6 +2,7 @@
 (layers/lora.py), up to max_loras adapters installed in them for a step, more kept read on the host in an LRU of up
 to max_cpu_loras, and each request's adapter checked against the model before it is queued."""
 import logging
+import threading
 from collections import OrderedDict
 
 import torch
@@ -86,11 +87,17 @@ class LoRAManager:
         self.slot_used: list[int] = [0] * max_loras  # the step that last used each slot (LRU eviction)
         self.host: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()
         self.steps = 0
+        self.lock = threading.Lock()
         logger.info("LoRA on %d linear layers: %d adapters per step, rank <= %d, %d kept on the host",
                     len(self.layers), max_loras, max_rank, max_cpu_loras)
 
     def check(self, request: LoRARequest) -> LoRAAdapter:
-        """Read and validate a request's adapter (in the caller's thread): a clear ValueError naming it and why."""
+        """Read and validate a request's adapter (in the caller's thread): a clear ValueError naming it and why.
+        Callers' threads (the server's) and the engine's step share the host cache: one at a time."""
+        with self.lock:
+            return self._check(request)
+
+    def _check(self, request: LoRARequest) -> LoRAAdapter:
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
         known = self.host.get(request.lora_int_id)
@@ -113,17 +120,17 @@ class LoRAManager:
             del self.host[victim]
         return adapter
 
-    def activate(self, requests: dict[int, LoRARequest], install) -> dict[int, int]:
+    def activate(self, requests: dict[int, tuple[LoRARequest, LoRAAdapter]], install) -> dict[int, int]:
         """Slots for this step's adapters, {lora_int_id: slot} (at most max_loras: the scheduler's bound): those
-        installed stay, the least recently used others make room. install(slot, request) puts an adapter in a slot
-        on every rank."""
+        installed stay, the least recently used others make room. install(slot, request, adapter) puts an adapter
+        in a slot on every rank."""
         self.steps += 1
         ids = set(requests)
         assignment = {lora_id: self.slots.index(lora_id) for lora_id in ids if lora_id in self.slots}
         for lora_id in ids - set(assignment):
             free = [s for s in range(self.max_loras) if self.slots[s] not in ids]
             slot = min(free, key=lambda s: (self.slots[s] is not None, self.slot_used[s]))
-            install(slot, requests[lora_id])
+            install(slot, *requests[lora_id])
             self.slots[slot] = lora_id
             assignment[lora_id] = slot
         for slot in assignment.values():

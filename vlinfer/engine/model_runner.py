@@ -249,14 +249,16 @@ class ModelRunner:
 
     def _activate_loras(self, batch: SchedulerOutput) -> dict[int, int]:
         """Install the step's adapters (rank 0 decides, every rank installs): {lora_int_id: slot}."""
-        requests = {seq.lora_request.lora_int_id: seq.lora_request for seq in batch.seqs if seq.lora_request}
+        requests = {seq.lora_request.lora_int_id: (seq.lora_request, seq.lora_adapter)
+                    for seq in batch.seqs if seq.lora_request}
         return self.lora.activate(requests, self.install_lora) if requests else {}
 
-    def install_lora(self, slot: int, request) -> None:
-        """Put an adapter in a LoRA slot, on every rank: each reads the adapter and keeps its shard."""
+    def install_lora(self, slot: int, request, adapter=None) -> None:
+        """Put an adapter in a LoRA slot, on every rank: rank 0 from the copy its requests hold (read when they were
+        checked, so a step never reads a file), the workers from their own read of it; each keeps its shard."""
         if self.driver is not None:
             self.driver.call("install_lora", slot, request)
-        install(self.model, self.lora.layers, slot, self.lora.adapter(request))
+        install(self.model, self.lora.layers, slot, adapter if adapter is not None else self.lora.adapter(request))
 
     def _encode_missing(self, batch: SchedulerOutput, slot_of: dict[int, int]) -> None:
         """Run the vision tower once, in one packed batch, over every image this step needs and the cache lacks;

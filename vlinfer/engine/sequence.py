@@ -37,6 +37,7 @@ class Sequence:
         # it then has no sampling_params.
         self.pooling_params = None
         self.lora_request = None  # the LoRARequest it runs with (engine/lora_manager.py); None: the base model
+        self.lora_adapter = None  # that adapter as read when the request was checked (what rank 0 installs)
         # The adapter its images are encoded under: lora_request when that has vision-tower modules, else None
         # (LoRAManager.vision_lora). Part of each item's encoder-cache key.
         self.vision_lora = None
