@@ -37,7 +37,10 @@ class LoRASlots(nn.Module):
         self.ops = layer.ops  # the engine's op table: add_lora runs on it
         dtype, device = layer.params_dtype, next(layer.parameters()).device
         self.a = torch.zeros(max_loras, num_sub * max_rank, layer.input_size, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, layer.output_size, num_sub * max_rank, dtype=dtype, device=device)
+        # B [max_loras, out, R] as a view of [max_loras, R, out] storage: each slot's expand weight is then
+        # contiguous as a [R, out] matrix, and all slots' as one [S * R, out] (the CPU op's dense expand).
+        self.b = torch.zeros(max_loras, num_sub * max_rank, layer.output_size, dtype=dtype,
+                             device=device).transpose(1, 2)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()

@@ -102,7 +102,7 @@ class CpuOps(ReferenceOps):
             raise RuntimeError(f"CPU kernels for {self.isa} cannot run on this CPU (it supports up to {best})")
         self.ext = build_extension(self.isa)
         self._decode_rows = PerStep()  # this step's decode rows, shared by every layer
-        self._warned: set = set()  # shapes whose reference fallback was logged (cpu_lora), once per engine
+        self._lora_masks: dict = {}  # (slots, rank) -> PerStep of the step's LoRA shrink mask (cpu_lora.py)
         self.bf16_attention = bool(self.ext.bf16_attention_available())
         # Prefill-chunk and vision attention are matmul-shaped: where the CPU has AMX, torch's SDPA (oneDNN, AMX
         # tiles) runs them 2.7-3.3x faster than our vdpbf16ps kernels (bench/ops.py, Xeon with amx_bf16), so
@@ -244,8 +244,8 @@ class CpuOps(ReferenceOps):
         return cpu_moe.pack_moe_weights(w13, w2, panels=self.moe_panels)
 
     def add_lora(self, x, y, lora_a, lora_b, groups):
-        """Grouped GEMMs over the step's rows sorted by adapter slot (ops/cpu_lora.py)."""
-        return cpu_lora.add_lora(x, y, lora_a, lora_b, groups, self._warned)
+        """Two dense GEMMs over the step's used slots, other slots' columns masked (ops/cpu_lora.py)."""
+        return cpu_lora.add_lora(x, y, lora_a, lora_b, groups, self._lora_masks)
 
     # Quantized linears: our GGUF block kernel for per-channel int8, torch's int4 CPU kernel and oneDNN's int8 GEMM
     # (ops/cpu_quant.py).

@@ -162,17 +162,21 @@ class LoRAGroups:
     adapter covers every token of the step (N = T, the rows are 0..T-1: nothing to gather).
     offsets: int64 [S + 1] on the device, cumulative row counts of slots 0..S-1, S = the highest slot used + 1 (a
     slot with no row has an empty range): the segment bounds a grouped GEMM or a kernel reads without a host sync.
-    segments: (slot, start, count) on the host for each slot with rows, slot ascending."""
+    segments: (slot, start, count) on the host for each slot with rows, slot ascending.
+    token_slots: int64 [T] on the device, each token's slot (-1: the base model), for kernels that mask instead of
+    gathering."""
     rows: torch.Tensor | None
     offsets: torch.Tensor
     segments: tuple[tuple[int, int, int], ...]
+    token_slots: torch.Tensor
 
     def merged(self, factor: int) -> "LoRAGroups":
         """The same groups over rows merged `factor` to one, when each slot's rows are whole aligned runs of
         `factor` (a run's first row names its merged row): the vision tower's patch mergers. No host sync."""
         rows = None if self.rows is None else self.rows[::factor] // factor
         return LoRAGroups(rows, self.offsets // factor,
-                          tuple((slot, start // factor, count // factor) for slot, start, count in self.segments))
+                          tuple((slot, start // factor, count // factor) for slot, start, count in self.segments),
+                          self.token_slots[::factor])
 
 
 def lora_groups(slots: torch.Tensor, device) -> LoRAGroups | None:
@@ -186,7 +190,7 @@ def lora_groups(slots: torch.Tensor, device) -> LoRAGroups | None:
     segments = tuple((s, int(offsets[s]), int(counts[s])) for s in counts.nonzero().flatten().tolist())
     whole = len(segments) == 1 and used.numel() == slots.numel()
     rows = None if whole else used[torch.argsort(slots[used], stable=True)].to(device)
-    return LoRAGroups(rows, offsets.to(device), segments)
+    return LoRAGroups(rows, offsets.to(device), segments, slots.to(device))
 
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
