@@ -56,7 +56,7 @@ def main(argv=None) -> None:
         model = models.pop()
     else:
         model = args.model or DEFAULT_EMBEDDER
-    embedder = Pipeline(model, runner="pooling", **engine)
+    embedder = Pipeline(model, **{**engine, "runner": "pooling"})
     if records is None:  # the folder's items, embedded as `vlinfer embed` embeds them (errors recorded, not raised)
         records = embed_rows(embedder, file_rows([args.source]))
     hits = [r for r in records if r["error"] is None]
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     for hit in candidates:
         if not os.path.isfile(hit["path"]):
             raise SystemExit(f"error: the reranker reads each item, and {hit['path']!r} is not a file here")
-    reranker = Pipeline(args.reranker, runner="pooling", **engine)
+    reranker = Pipeline(args.reranker, **{**engine, "runner": "pooling"})
     documents = [{"video" if is_video(hit["path"]) else "image": hit["path"]} for hit in candidates]
     ranked = reranker.rerank(args.query, documents, top_k=args.top_k)
     for rank, result in enumerate(ranked, 1):

@@ -12,6 +12,8 @@ def cmd_embed(args) -> int:
     model = args.model or EMBED_MODEL
     from vlinfer import PoolingParams
     PoolingParams(dimensions=args.dimensions)  # a bad --dimensions fails before the model loads
+    if args.runner == "generate":
+        raise ValueError("--runner generate: `vlinfer embed` runs the pooling runner (leave --runner out)")
     if args.ray is not None:
         return _embed_on_ray(args, model)
     from vlinfer.captioning import embed_files, input_rows
@@ -19,7 +21,7 @@ def cmd_embed(args) -> int:
     rows = input_rows(args.inputs, args.text_column, args.id_column)  # bad inputs / output fail before the load
     check_resumable(args.out, args.resume, args.overwrite, model)
     from vlinfer import Pipeline
-    pipe = Pipeline(model, runner="pooling", **engine_options(args))
+    pipe = Pipeline(model, **{**engine_options(args), "runner": "pooling"})
     summary = embed_files(pipe, rows, args.out, instruction=args.instruction, dimensions=args.dimensions,
                           batch_size=args.batch_size, resume=args.resume, overwrite=args.overwrite,
                           progress=not args.no_progress)

@@ -21,7 +21,7 @@ class EmbedStage(EngineStage):
                  threads: int | None = None):
         super().__init__(threads)
         from vlinfer import Pipeline
-        self.pipe = Pipeline(model, runner="pooling", **engine_options)
+        self.pipe = Pipeline(model, **{**engine_options, "runner": "pooling"})
         check_embedder(self.pipe, dimensions)
         self.instruction, self.dimensions = instruction, dimensions
 
