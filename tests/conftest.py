@@ -3,6 +3,10 @@ import importlib.util
 import os
 import shutil
 import signal
+import socket
+import subprocess
+import sys
+import uuid
 
 import pytest
 import torch
@@ -204,3 +208,40 @@ def tiny_vl_with_context(tmp_path_factory):
         return built[max_position_embeddings]
 
     return checkpoint
+
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A one-node Ray cluster on loopback with 2 CPUs for the whole run (test_ray.py, test_embed_cli.py: one cluster,
+    as a second `ray start` in one process does not reconnect); yields its address. The test process joins it too."""
+    port = free_port()
+    # Ray's token authentication, as on a real cluster: the head, this process and the CLIs it starts share one.
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex, "RAY_USAGE_STATS_ENABLED": "0"}
+    saved = {k: os.environ.get(k) for k in auth}
+    os.environ.update(auth)
+    env = dict(os.environ)
+    import ray  # after the token is in the environment: Ray reads it once
+    subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+                    "--include-dashboard=false", "--disable-usage-stats"],
+                   check=True, env=env, capture_output=True, timeout=120)
+    address = f"127.0.0.1:{port}"
+    ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    try:
+        yield address
+    finally:
+        ray.shutdown()
+        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -16,7 +16,6 @@ import pytest
 
 from conftest import sigkill_when
 from images import picture
-from test_ray import cluster  # noqa: F401  test_ray's Ray cluster fixture (ray start --head on loopback, 2 CPUs)
 from vlinfer import Pipeline
 from vlinfer.cli import main
 from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl

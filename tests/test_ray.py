@@ -11,17 +11,15 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import uuid
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import sigkill_after_lines
+from conftest import RAY, free_port as _free_port, sigkill_after_lines
 from vlinfer import LLM, SamplingParams
 from vlinfer.captioning import caption_files, collect_images
 from vlinfer.integrations import MissingDependencyError
@@ -33,42 +31,6 @@ MAX_PIXELS = 32 * 32  # one image token per picture: the tests are about the boo
 MAX_TOKENS = 4
 ENGINE = dict(max_model_len=256, kv_cache_bytes=16 * 2 ** 20)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A one-node Ray cluster on loopback with 2 CPUs; yields its address. The test process joins it too."""
-    port = _free_port()
-    # Ray's token authentication, as on a real cluster: the head, this process and the CLIs it starts share one.
-    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex, "RAY_USAGE_STATS_ENABLED": "0"}
-    saved = {k: os.environ.get(k) for k in auth}
-    os.environ.update(auth)
-    env = dict(os.environ)
-    import ray  # after the token is in the environment: Ray reads it once
-    subprocess.run([RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
-                    "--include-dashboard=false", "--disable-usage-stats"],
-                   check=True, env=env, capture_output=True, timeout=120)
-    address = f"127.0.0.1:{port}"
-    ray.init(address=address, logging_level="WARNING", log_to_driver=False)
-    try:
-        yield address
-    finally:
-        ray.shutdown()
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
     """195 drawings (PNG/JPEG, 24..48 px) and 5 broken files."""
