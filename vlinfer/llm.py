@@ -41,9 +41,7 @@ class LLM:
         bad image, bad sampling_params) does not stop the others: after they finish, RequestError (a ValueError)
         names each rejected request and carries every output in `.outputs`. lora_request: a LoRARequest for every
         prompt, or a list of one (or None) per prompt (needs LLM(..., enable_lora=True))."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
-                                                 all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

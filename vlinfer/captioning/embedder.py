@@ -130,6 +130,23 @@ def check_lengths(records: list[dict], length: int | None, out: str) -> int | No
     return length
 
 
+class EmbedTally:
+    """What a run has written: every batch's vectors one length (check_lengths), appended to the output, counted,
+    shown on the bar. The local and the Ray run write through one."""
+
+    def __init__(self, writer, bar, length: int | None, out: str):
+        self.writer, self.bar, self.length, self.out = writer, bar, length, out
+        self.embedded = self.errors = 0
+
+    def add(self, records: list[dict]) -> None:
+        self.length = check_lengths(records, self.length, self.out)
+        self.writer.write(records)
+        self.errors += sum(r["error"] is not None for r in records)
+        self.embedded += sum(r["error"] is None for r in records)
+        self.bar.set_postfix({"errors": self.errors}, refresh=False)
+        self.bar.update(len(records))
+
+
 # ---- the run ----
 @dataclass
 class EmbedSummary:
@@ -162,16 +179,11 @@ def embed_files(pipe, rows: list[dict], out: str, instruction: str | None = None
     skipped = len(rows) - len(todo)
     previous_errors = recorded_errors((row_key(row["path"], texts) for row in rows), done)
     from tqdm.auto import tqdm
-    embedded = errors = 0
     start = time.perf_counter()
     with OutputWriter(out, EMBED_RECORD_FIELDS) as writer, \
             tqdm(total=len(todo), unit="item", desc="embed", disable=not progress, dynamic_ncols=True) as bar:
+        tally = EmbedTally(writer, bar, length, out)
         for begin in range(0, len(todo), batch_size):
-            records = embed_rows(pipe, todo[begin:begin + batch_size], instruction, dimensions)
-            length = check_lengths(records, length, out)
-            writer.write(records)
-            errors += sum(r["error"] is not None for r in records)
-            embedded += sum(r["error"] is None for r in records)
-            bar.set_postfix({"errors": errors}, refresh=False)
-            bar.update(len(records))
-    return EmbedSummary(len(rows), skipped, embedded, errors, time.perf_counter() - start, out, previous_errors)
+            tally.add(embed_rows(pipe, todo[begin:begin + batch_size], instruction, dimensions))
+    return EmbedSummary(len(rows), skipped, tally.embedded, tally.errors, time.perf_counter() - start, out,
+                        previous_errors)

@@ -140,7 +140,7 @@ class InputProcessor:
         sequence's own id is f"{request_id}#{index}"."""
         adapter = self.check_lora(lora_request) if lora_request is not None else None
         seqs = self._make_sequences(prompt, sampling_params, request_id)
-        vision_lora = self.lora.vision_lora(lora_request) if lora_request is not None else None
+        vision_lora = self.lora.vision_lora(lora_request, adapter) if lora_request is not None else None
         for seq in seqs:
             seq.lora_request, seq.lora_adapter, seq.vision_lora = lora_request, adapter, vision_lora
         return seqs

@@ -137,15 +137,12 @@ class LoRAManager:
             self.slot_used[slot] = self.steps
         return assignment
 
-    def vision_lora(self, request: LoRARequest) -> LoRARequest | None:
-        """The adapter a request's images are encoded under: its own when it has vision-tower modules, else None
-        (its images are then the base model's, shared with every request: Sequence.encoder_key)."""
-        adapter = self.check(request)
+    @staticmethod
+    def vision_lora(request: LoRARequest, adapter: LoRAAdapter) -> LoRARequest | None:
+        """The adapter a request's images are encoded under (`adapter`: its checked copy): its own when it has
+        vision-tower modules, else None (its images are then the base model's, shared with every request:
+        Sequence.encoder_key)."""
         return request if any(module.startswith(VISION_TOWER) for module in adapter.modules) else None
-
-    def adapter(self, request: LoRARequest) -> LoRAAdapter:
-        """The host copy of a checked adapter (read again if the LRU dropped it)."""
-        return self.check(request)
 
 
 def install(model, layers: dict, slot: int, adapter: LoRAAdapter) -> None:

@@ -258,7 +258,7 @@ class ModelRunner:
         checked, so a step never reads a file), the workers from their own read of it; each keeps its shard."""
         if self.driver is not None:
             self.driver.call("install_lora", slot, request)
-        install(self.model, self.lora.layers, slot, adapter if adapter is not None else self.lora.adapter(request))
+        install(self.model, self.lora.layers, slot, adapter if adapter is not None else self.lora.check(request))
 
     def _encode_missing(self, batch: SchedulerOutput, slot_of: dict[int, int]) -> None:
         """Run the vision tower once, in one packed batch, over every image this step needs and the cache lacks;

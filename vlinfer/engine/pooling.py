@@ -30,7 +30,7 @@ class PoolingSpec:
     def check(self, params: PoolingParams, model_name: str) -> None:
         """A request this engine cannot answer is a ValueError naming why, before it is queued."""
         task = params.task
-        if self.task == "embed" and task in ("classify",):
+        if self.task == "embed" and task == "classify":
             raise ValueError(f"model {model_name!r} is an embedding model: it has no classifier for task {task!r}")
         if self.task == "classify" and task == "embed":
             raise ValueError(f"model {model_name!r} is a classification (reranker) model: it gives scores, not "

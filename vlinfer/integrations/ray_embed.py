@@ -8,7 +8,7 @@ resumed job refuses another model or vector length than the recorded ones."""
 import time
 
 from vlinfer.captioning import EMBED_RECORD_FIELDS, EmbedSummary, OutputWriter, embed_rows, recorded
-from vlinfer.captioning.embedder import check_embedder, check_lengths, file_rows, recorded_length, row_key
+from vlinfer.captioning.embedder import EmbedTally, check_embedder, file_rows, recorded_length, row_key
 from vlinfer.captioning.output import recorded_errors
 from vlinfer.integrations import require_ray
 from vlinfer.integrations.ray_data import EngineStage, check_sizes, connect, input_dataset, run_stage
@@ -55,23 +55,19 @@ def embed_on_ray(inputs: list[str], out: str, *, model: str, engine_options: dic
     ds, total, skipped = input_dataset(ray, inputs, set(done), batch_size, lambda i: file_rows(i, text_column),
                                        key_of, id_column=id_column, text_column=text_column)
     previous_errors = recorded_errors(done.keys(), done)
-    embedded = errors = 0
     start = time.perf_counter()
     from tqdm.auto import tqdm
     with OutputWriter(out, EMBED_RECORD_FIELDS) as writer, \
             tqdm(total=total - skipped, unit="item", desc="embed (ray)", disable=not progress,
                  dynamic_ncols=True) as bar:
+        tally = EmbedTally(writer, bar, length, out)
         if ds is not None:
             blocks = run_stage(ray, ds, EmbedStage, dict(
                 model=model, engine_options=engine_options or {}, instruction=instruction, dimensions=dimensions),
                 batch_size=batch_size, replicas=replicas, cpus_per_replica=cpus_per_replica,
                 gpus_per_replica=gpus_per_replica)
             for records in blocks:
-                length = check_lengths(records, length, out)
-                writer.write(records)
-                errors += sum(r["error"] is not None for r in records)
-                embedded += sum(r["error"] is None for r in records)
-                bar.set_postfix({"errors": errors}, refresh=False)
-                bar.update(len(records))
-    return EmbedSummary(total, skipped, embedded, errors, time.perf_counter() - start, out, previous_errors)
+                tally.add(records)
+    return EmbedSummary(total, skipped, tally.embedded, tally.errors, time.perf_counter() - start, out,
+                        previous_errors)
 
