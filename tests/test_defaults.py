@@ -162,6 +162,8 @@ FLAG_VALUES = {
     "kv_cache_dtype": (["int8"], "int8"), "enable_lora": ([], True), "max_loras": (["3"], 3),
     "max_lora_rank": (["64"], 64), "max_cpu_loras": (["4"], 4), "runner": (["pooling"], "pooling"),
     "hf_overrides": (['{"classifier_from_token": ["no", "yes"]}'], {"classifier_from_token": ["no", "yes"]}),
+    "speculative_config": (['{"method": "ngram", "num_speculative_tokens": 3}'],
+                           {"method": "ngram", "num_speculative_tokens": 3}),
 }
 
 

@@ -255,7 +255,7 @@ def test_one_mixed_batch_is_each_rows_transformers_chain():
         assert_same(ours[i], hf(chain, prompt + out, logits[i]))
     # Greedy rows take the arg-max of their processed logits.
     tokens, _ = sampler.sample(logits.clone(), seqs, EOS)
-    assert tokens[1] == ours[1].argmax().item() and tokens[1] in seqs[1].sampling_params.allowed_token_ids
+    assert tokens[1] == [ours[1].argmax().item()] and tokens[1][0] in seqs[1].sampling_params.allowed_token_ids
 
 
 # ------------------------------------------------------------------------------------------------------- draws
@@ -285,7 +285,7 @@ def test_draws_follow_the_processed_distribution():
     generator = torch.Generator().manual_seed(1234)
     seqs = [make_seq(params, prompt, output, generator=generator) for _ in range(n)]
     tokens, _ = sampler.sample(logits.expand(n, -1).clone(), seqs, set())
-    counts = torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).float()
+    counts = torch.bincount(torch.tensor([t for [t] in tokens]), minlength=logits.shape[-1]).float()
     assert counts[expected == 0].sum() == 0, "a masked token was drawn"
     empirical = counts / n
     assert total_variation(empirical, expected) < 0.015
@@ -305,7 +305,7 @@ def test_the_inverse_cdf_draw_never_returns_a_masked_token(monkeypatch, uniform)
     """A uniform of exactly 0 once picked token 0 whatever its probability. Forced to 0, to the largest float32
     below 1 and to 0.5, every draw is a token the processed distribution allows: the first such token for 0, the
     last for just below 1."""
-    monkeypatch.setattr(sampler, "_uniform_draws", lambda seqs, rows, device: torch.full((len(rows),), uniform))
+    monkeypatch.setattr(sampler, "_uniforms", lambda seq, count, device: torch.full((count,), uniform))
     logits = random_logits(4, seed=15)
     logits[2, 0] = 30.0  # token 0 the most likely, then masked by allowed_token_ids below
     params = [SamplingParams(allowed_token_ids=[7, 20, 33]), SamplingParams(top_k=3),
@@ -313,7 +313,7 @@ def test_the_inverse_cdf_draw_never_returns_a_masked_token(monkeypatch, uniform)
     seqs = [make_seq(p, [4], [], [[0]] if i == 3 else []) for i, p in enumerate(params)]  # row 3: bad word [0]
     probs = processed(logits, seqs).softmax(-1)
     tokens, _ = sampler.sample(logits.clone(), seqs, EOS)
-    for row, token in enumerate(tokens):
+    for row, [token] in enumerate(tokens):
         allowed = probs[row].nonzero().flatten().tolist()
         assert token in allowed, (row, token, allowed)
         if uniform == 0.0:

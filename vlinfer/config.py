@@ -31,6 +31,68 @@ KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.fl
                    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 
 RUNNERS = ("auto", "generate", "pooling")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# speculative_config's default number of proposed tokens per step, and the batch above which no step proposes
+# (verifying k + 1 tokens per sequence then costs more compute than the weight reads it saves: docs/speculative.md).
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config, checked: proposals from n-grams of the sequence itself ("ngram") or from a smaller
+    draft model with the same vocabulary ("draft_model", given by "model"), verified by the target model in one
+    forward of k + 1 tokens per sequence (engine/speculative/)."""
+    method: str
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    # ngram: the longest suffix of prompt + output, from prompt_lookup_max tokens down to prompt_lookup_min, found
+    # earlier in the sequence proposes the tokens that followed it. vLLM's rule: one given, the other equals it.
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None  # draft_model: its checkpoint (a path or an alias)
+    draft_tensor_parallel_size: int = 1  # the draft runs whole on rank 0: only 1 is offered
+    # vLLM's disable_by_batch_size: no proposals in a step with more running sequences than this.
+    disable_by_batch_size: int = DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+
+    @classmethod
+    def of(cls, value: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (vLLM's shape), got {type(value).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} (supported: "
+                             f"{', '.join(sorted(known))}; EAGLE and MTP heads are not offered)")
+        fields = dict(value)
+        fields.setdefault("method", "draft_model" if fields.get("model") else None)
+        if fields["method"] not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method={fields['method']!r} is not supported: expected one of "
+                             f"{', '.join(SPECULATIVE_METHODS)} (or a 'model' for a draft model)")
+        if fields["method"] == "ngram":
+            lo, hi = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
+            lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+            fields["prompt_lookup_min"], fields["prompt_lookup_max"] = lo, hi
+        return cls(**fields)
+
+    def __post_init__(self):
+        for name in ("num_speculative_tokens", "disable_by_batch_size", "prompt_lookup_min", "prompt_lookup_max",
+                     "draft_tensor_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"speculative_config: {name} must be a positive int, got {value!r}")
+        if self.method == "ngram":
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ValueError(f"speculative_config: prompt_lookup_min={self.prompt_lookup_min} is above "
+                                 f"prompt_lookup_max={self.prompt_lookup_max}")
+            if self.model is not None:
+                raise ValueError("speculative_config: method='ngram' takes no draft 'model'")
+        elif not isinstance(self.model, str) or not self.model:
+            raise ValueError("speculative_config: method='draft_model' needs 'model', the draft's checkpoint")
+        if self.draft_tensor_parallel_size != 1:
+            raise ValueError(f"speculative_config: draft_tensor_parallel_size={self.draft_tensor_parallel_size} is not "
+                             "supported: the draft model runs whole on rank 0 (draft_tensor_parallel_size=1)")
 
 
 def default_batched_tokens(max_model_len: int) -> int:
@@ -101,8 +163,12 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's speculative_config (SpeculativeConfig's keys), e.g. {"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_min": 2, "prompt_lookup_max": 5}; stored checked, as a SpeculativeConfig. None: no speculation.
+    speculative_config: dict | SpeculativeConfig | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         for name in ("max_num_seqs", "kvcache_block_size", "max_model_len", "max_model_len_cap",
                      "max_num_batched_tokens", "kv_cache_bytes", "tensor_parallel_size", "max_loras", "max_lora_rank",
                      "max_cpu_loras"):

@@ -19,6 +19,21 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding (speculative_config): tokens proposed for this request and, of them, those the model
+    # accepted; verification steps that carried proposals. All 0 without speculation.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_drafts: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed tokens; None when nothing was proposed."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens per verification step that carried proposals: the accepted ones plus the one the model adds."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
 
     @property
     def time_in_queue(self) -> float | None:

@@ -26,7 +26,7 @@ FLAGS = {
     "quantization": "--quantization", "allow_image_urls": "--allow-image-urls", "logprobs_mode": "--logprobs-mode",
     "kv_cache_dtype": "--kv-cache-dtype", "enable_lora": "--enable-lora", "max_loras": "--max-loras",
     "max_lora_rank": "--max-lora-rank", "max_cpu_loras": "--max-cpu-loras", "runner": "--runner",
-    "hf_overrides": "--hf-overrides",
+    "hf_overrides": "--hf-overrides", "speculative_config": "--speculative-config",
     "temperature": "--temperature", "top_p": "--top-p", "max_tokens": "--max-tokens", "seed": "--seed",
 }
 ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)
@@ -34,7 +34,7 @@ ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)
 
 
 def json_object(text: str) -> dict:
-    """A JSON object flag value (--hf-overrides)."""
+    """A JSON object flag value (--hf-overrides, --speculative-config)."""
     import json
     try:
         value = json.loads(text)
@@ -125,6 +125,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: bool = True) ->
     p.add_argument("--hf-overrides", type=json_object, default=None, metavar="JSON",
                    help="config.json fields to replace, as vLLM's --hf-overrides, e.g. a Qwen3-VL reranker's "
                         "'{\"architectures\": [\"Qwen3VLForSequenceClassification\"], ...}'")
+    p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                   help="speculative decoding, as vLLM's --speculative-config: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or "
+                        "'{\"model\": DRAFT, \"num_speculative_tokens\": 4}' (docs/speculative.md)")
     p.add_argument("--seed", type=int, default=None,
                    help=f"the engine's seed for unseeded requests; the apps' own requests use it too (default: "
                         f"{ENGINE_DEFAULTS['seed']})")
@@ -155,7 +159,8 @@ def engine_options(args: argparse.Namespace) -> dict:
                    allow_image_urls=args.allow_image_urls, logprobs_mode=args.logprobs_mode,
                    kv_cache_dtype=args.kv_cache_dtype, enable_lora=lora_enabled(args), max_loras=args.max_loras,
                    max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras, runner=args.runner,
-                   hf_overrides=args.hf_overrides, seed=ENGINE_DEFAULTS["seed"] if args.seed is None else args.seed)
+                   hf_overrides=args.hf_overrides, speculative_config=args.speculative_config,
+                   seed=ENGINE_DEFAULTS["seed"] if args.seed is None else args.seed)
     if hasattr(args, "max_num_seqs"):
         options["max_num_seqs"] = args.max_num_seqs
     return options

@@ -120,6 +120,16 @@ class BlockManager:
             if block.hash is None and self.hash_to_block.setdefault(hashes[i], block.block_id) == block.block_id:
                 block.hash = hashes[i]
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the tail blocks past those seq.num_tokens needs: blocks taken for proposed tokens that were rejected
+        (speculative decoding). They hold no full block of accepted tokens, so no hash."""
+        while len(seq.block_table) > self.blocks_needed(seq.num_tokens):
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block.block_id] = None
+                self.free_blocks.move_to_end(block.block_id, last=False)
+
     def free(self, seq: Sequence) -> None:
         # Tail blocks first: a shared prefix outlives the suffixes that depend on it.
         for block_id in reversed(seq.block_table):

@@ -17,6 +17,7 @@ from vlinfer.engine.output_processor import OutputProcessor
 from vlinfer.engine.pooling import resolve_pooling
 from vlinfer.engine.scheduler import Scheduler
 from vlinfer.engine.sequence import Sequence
+from vlinfer.engine.speculative import DraftModel, Speculator
 from vlinfer.engine.worker import spawned_worker_main
 from vlinfer.inputs import PromptType
 from vlinfer.layers import ModelContext
@@ -90,13 +91,15 @@ class LLMEngine:
         self.model_runner = ModelRunner(config, self.hf_config, net, self.model_context, self.device, block_size,
                                         self.eos_token_ids, self.driver, self.grammar_matchers)
         ranks_per_host = self.driver.local_world_size if self.driver is not None else 1
+        draft = DraftModel.load(self, config.speculative_config)  # before sizing: its KV shares the budget
         self.resolved: ResolvedConfig = sizing.resolve(config, self.dtype, model_len, longest, block_size,
-                                                       self.model_runner, ranks_per_host)
+                                                       self.model_runner, ranks_per_host, draft)
         self.model_runner.allocate_kv_cache(self.resolved.num_blocks)
         self.model_runner.capture_graphs(self.resolved)  # for the block tables of the resolved length
         self.block_manager = BlockManager(self.resolved.num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.resolved.max_num_seqs,
                                    self.resolved.max_num_batched_tokens, config.max_loras if config.enable_lora else 0)
+        self.speculator = Speculator.for_engine(self, draft)
         self.input_processor = InputProcessor.for_engine(self, hasattr(net, "encode_images"))
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.resolved.max_model_len)
         self.requests: dict[str, Sequence] = {}  # by sequence id: every sequence added and not yet finished
@@ -107,7 +110,7 @@ class LLMEngine:
         return self.resolved.max_model_len
 
     @property
-    def is_multimodal(self) -> bool:
+    def is_multimodal(self) -> bool:  # a model with a vision tower
         return self.input_processor.is_multimodal
 
     def close(self) -> None:
@@ -136,8 +139,7 @@ class LLMEngine:
                              "LLM.generate, LLM.chat and LLMEngine.add_request run n")
         return self.make_sequences(prompt, sampling_params, request_id)[0]
 
-    def chat_prompt(self, messages: list[dict], *args, **kwargs) -> dict:
-        """One conversation -> a prompt dict for add_request / generate (InputProcessor.chat_prompt)."""
+    def chat_prompt(self, messages: list[dict], *args, **kwargs) -> dict:  # InputProcessor.chat_prompt
         return self.input_processor.chat_prompt(messages, *args, **kwargs)
 
     def add_sequence(self, seq: Sequence) -> str:
@@ -167,6 +169,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.model_runner.encoder_cache.release(seq)
+        self.speculator.release(seq)  # its draft model's KV, if any
         self.output_processor.remove(seq)
         del self.requests[seq.request_id]
 
@@ -190,19 +193,17 @@ class LLMEngine:
         now = time.time()
         for seq in batch.seqs:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
+        self.speculator.propose(batch)  # speculative decoding: proposed tokens join the decoding sequences' rows
         sampled, prompt_logprobs, pooled = self.model_runner.execute(batch)
         for seq, position, entry in prompt_logprobs:
             self.output_processor.add_prompt_logprob(seq, position, entry)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+        outputs = [self.pooling.request_output(seq, row) for seq, row in pooled]
+        outputs += [self.output_processor.append_tokens(seq, tokens, logprobs) for seq, tokens, logprobs in sampled]
+        self.speculator.settle(sampled)  # rejected proposals: their KV slots roll back, their blocks are freed
+        for seq in batch.seqs:
             self.block_manager.cache_full_blocks(seq)
-        outputs = []
-        for seq, row in pooled:
-            outputs.append(self.pooling.request_output(seq, row))
+        for seq in [seq for seq, _ in pooled] + [seq for seq, *_ in sampled if seq.finish_reason is not None]:
             self._finish(seq)
-        for seq, token_id, logprobs in sampled:
-            out = self.output_processor.append_token(seq, token_id, logprobs)
-            if out.finished:
-                self._finish(seq)
-            outputs.append(out)
         return outputs

@@ -213,7 +213,7 @@ class ModelRunner:
             block_tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
         for seq, n, table in zip(batch.seqs, batch.num_new_tokens, block_tables):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.token_ids[start:end] + seq.spec_token_ids)  # proposals follow the last token
             positions.append(self._positions(seq, start, end))
             pos = torch.arange(start, end)
             slots.append(table[pos // bs].long() * bs + pos % bs)
@@ -226,8 +226,8 @@ class ModelRunner:
             if end == seq.num_tokens and seq.pooling_params is not None:  # a pooling prefill ends: pool its row
                 pool_indices.append(cu_seqlens_q[-1] - 1)
                 pool_seqs.append(seq)
-            elif end == seq.num_tokens:  # the chunk reaches the sequence's end: its last logits pick a token
-                sample_indices.append(cu_seqlens_q[-1] - 1)
+            elif end == seq.num_tokens + len(seq.spec_token_ids):  # the chunk reaches the end: its last rows sample
+                sample_indices.extend(range(cu_seqlens_q[-1] - 1 - len(seq.spec_token_ids), cu_seqlens_q[-1]))
                 sample_seqs.append(seq)
         inputs = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long),
@@ -331,7 +331,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, sample_tokens: bool = True):
-        """Run one step. Returns [(seq, token_id, logprobs or None)] for sequences that finished their chunk,
+        """Run one step. Returns [(seq, token ids, their logprobs or None)] for sequences that finished their chunk
+        (one token, or accepted proposals and one more: engine/sampler.py),
         [(seq, prompt position, {token: (logprob, rank)})] for the prompt logprobs this step computed, and
         [(seq, pooled row on the host)] for the pooling requests whose prefill ended."""
         inputs, sample_seqs, prompt_rows, pool_seqs = self.prepare(batch)

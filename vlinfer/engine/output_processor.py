@@ -36,8 +36,23 @@ class OutputProcessor:
         """{token: (logprob, rank)} from the sampler -> {token: Logprob} with each token's text."""
         return {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in entry.items()}
 
-    def append_token(self, seq: Sequence, token_id: int, logprobs) -> RequestOutput:
-        """Append one sampled token; sets seq.finish_reason when it ends the request (out.finished)."""
+    def append_tokens(self, seq: Sequence, token_ids: list[int], logprobs: list) -> RequestOutput:
+        """Append a step's tokens (one, or accepted proposals and one more under speculative decoding) in order, up to
+        the first that ends the request (seq.finish_reason is then set; the rest are dropped): one output whose delta
+        is all of them."""
+        sent_chars = seq.num_streamed_chars
+        appended = []
+        for token_id, entry in zip(token_ids, logprobs):
+            out = self._append_token(seq, token_id, entry)
+            appended.append(token_id)
+            if out.finished:
+                break
+        out.outputs[0].delta_text = seq.output_text[sent_chars:seq.num_streamed_chars]
+        out.outputs[0].delta_token_ids = appended
+        return out
+
+    def _append_token(self, seq: Sequence, token_id: int, logprobs) -> RequestOutput:
+        """Append one token; sets seq.finish_reason when it ends the request (out.finished)."""
         p = seq.sampling_params
         seq.append_token(token_id)
         metrics = seq.metrics

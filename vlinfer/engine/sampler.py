@@ -25,6 +25,10 @@ on the same logits, and the whole chain against theirs in sequence):
    and top-p: the two orders differ only when min_p is combined with top_k or top_p.
 4. One inverse-CDF draw per row from the row's own generator, which never lands on a token of probability 0.
 
+Speculative decoding verifies proposed tokens in the same pass: a sequence with k proposals has k + 1 rows, row j
+seeing the first j proposals as output (their penalties, bad words, min_tokens), and `sample` keeps the proposals the
+model accepts (exactly, by the rules in its docstring) and adds one token of its own.
+
 Randomness comes from each sequence's own generator, so a seeded request draws the same tokens whatever else shares
 its batch."""
 from __future__ import annotations
@@ -166,12 +170,6 @@ def warp_logits(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return x
 
 
-def _uniform_draws(seqs: list[Sequence], rows: list[int], device) -> torch.Tensor:
-    """One uniform in [0, 1) per sampled row from that row's own generator: a seeded request draws the same tokens
-    whatever shares its batch, and the cost is one random number per row, not one per token."""
-    return torch.cat([torch.rand(1, generator=seqs[i].generator, device=device) for i in rows])
-
-
 def _inverse_cdf(probs: torch.Tensor, cdf: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """The token where each row's CDF (probs.cumsum(-1)) first exceeds uniform * mass. Never a token of
     probability 0: searching for the first CDF value strictly greater than the draw skips them (the first one >=
@@ -226,26 +224,122 @@ def prompt_logprob_entries(logits: torch.Tensor, next_tokens: list[int], num_log
     return entries
 
 
+def _uniforms(seq: Sequence, count: int, device) -> torch.Tensor:
+    """count uniforms in [0, 1) from the sequence's own generator: a seeded request draws the same tokens whatever
+    shares its batch, at a cost of a few random numbers per sequence, not one per vocabulary entry."""
+    return torch.rand(count, generator=seq.generator, device=device)
+
+
+class _Proposed:
+    """A sequence as row j of its verification sees it: its tokens, then its first j proposed tokens (the penalties,
+    bad words and min_tokens of that row count them as output)."""
+    __slots__ = ("token_ids", "num_prompt_tokens", "sampling_params", "bad_words_token_ids")
+
+    def __init__(self, seq: Sequence, j: int):
+        self.token_ids = seq.token_ids + seq.spec_token_ids[:j]
+        self.num_prompt_tokens = seq.num_prompt_tokens
+        self.sampling_params = seq.sampling_params
+        self.bad_words_token_ids = seq.bad_words_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+def _verification_rows(seqs: list[Sequence]) -> tuple[list, list[int]]:
+    """Each sequence's rows (itself, then one per proposed token) and the index of its first row."""
+    if not any(seq.spec_token_ids for seq in seqs):
+        return seqs, list(range(len(seqs)))
+    rows, first = [], []
+    for seq in seqs:
+        first.append(len(rows))
+        rows += [seq] + [_Proposed(seq, j) for j in range(1, len(seq.spec_token_ids) + 1)]
+    return rows, first
+
+
+def _draw(seqs: list[Sequence], rows: list, first: list[int], probs: torch.Tensor, random_rows: list[int]):
+    """For the sampled rows: (accept, replacement). Row j < k of a sequence with k proposals accepts proposal d_j
+    with probability p_j(d_j), else its replacement is drawn from p_j without d_j, renormalized: the modified
+    rejection sampling of Leviathan et al. with a proposal of probability 1 (n-gram and a greedy draft), whose output
+    is distributed as p_j itself. A sequence's last row draws from p_k. Each sequence takes 2k + 1 uniforms from its
+    own generator whatever the outcome (one, as without speculation, when k = 0)."""
+    dev = probs.device
+    where = {row: r for r, row in enumerate(random_rows)}
+    uniform = torch.empty(len(random_rows), 2, device=dev)
+    proposed = torch.zeros(len(random_rows), dtype=torch.long, device=dev)
+    last_rows = []
+    for seq, f in zip(seqs, first):
+        if f not in where:
+            continue
+        k = len(seq.spec_token_ids)
+        u = _uniforms(seq, 2 * k + 1, dev)
+        for j in range(k):
+            uniform[where[f + j]] = u[[j, k + j]]
+            proposed[where[f + j]] = seq.spec_token_ids[j]
+        uniform[where[f + k], 1] = u[2 * k]
+        last_rows.append(where[f + k])
+    residual = probs
+    if len(last_rows) < len(random_rows):  # some rows verify a proposal
+        accept = (uniform[:, 0] < probs.gather(1, proposed[:, None]).squeeze(1)).tolist()
+        residual = probs.scatter(1, proposed[:, None], 0.0)
+        last = _index(last_rows, dev)
+        residual[last] = probs[last]  # a last row has no proposal: it draws from p_k itself
+    else:
+        accept = [False] * len(random_rows)
+    return accept, _inverse_cdf(residual, residual.cumsum(-1), uniform[:, 1]).tolist()
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],
            grammar_bitmask: tuple[list[int], torch.Tensor] | None = None,
            apply_token_bitmask=token_bitmask_reference.apply_token_bitmask):
-    """logits [B, vocab] -> (token ids list[int], per-row {token: (logprob, rank)} or None). Float32 logits are processed
-    in place (the runner's are a fresh tensor each step; a copy of [B, vocab] per step would cost more than all
-    the rest here). grammar_bitmask: (rows, int32 [len(rows), ceil(vocab / 32)]) for the constrained rows, applied
-    by `apply_token_bitmask` (the engine passes its op table's)."""
+    """logits [R, vocab]: per sequence 1 + len(seq.spec_token_ids) rows, its last token's, then one per proposed token
+    (speculative decoding; engine/speculative/). Returns per sequence the tokens it emits and their {token: (logprob,
+    rank)} entries (None where not asked): the proposals it accepts, then one token from the first rejecting row, or
+    from the last row when all are accepted; without proposals, one token.
+
+    Verification is exact: a greedy row accepts its proposal iff it is the row's arg-max (the output equals decoding
+    without speculation); a sampled row follows _draw. Every row runs the chain of the module docstring on its own
+    context. Float32 logits are processed in place (the runner's are a fresh tensor each step; a copy of [R, vocab]
+    per step would cost more than all the rest here). grammar_bitmask: (sequence indices, int32 [len, ceil(vocab /
+    32)]) for constrained sequences (never speculated: one row each), applied by `apply_token_bitmask` (the engine
+    passes its op table's)."""
     logits = logits.float()
-    params = [s.sampling_params for s in seqs]
+    rows, first = _verification_rows(seqs)
+    params = [r.sampling_params for r in rows]
     raw_logprobs = torch.log_softmax(logits, -1) if any(p.logprobs is not None for p in params) else None
     if grammar_bitmask is not None:
-        apply_token_bitmask(logits, *grammar_bitmask)
-    logits = process_logits(logits, seqs, eos_token_ids)
-    tokens = logits.argmax(-1)
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        constrained, bitmask = grammar_bitmask
+        apply_token_bitmask(logits, [first[i] for i in constrained], bitmask)
+    logits = process_logits(logits, rows, eos_token_ids)
+    best = logits.argmax(-1).tolist()
+    random_rows = [r for r, p in enumerate(params) if not p.greedy]
+    accept, drawn = {}, {}
     if random_rows:
-        rows = _index(random_rows, logits.device)
-        probs = warp_logits(logits[rows], [params[i] for i in random_rows]).softmax(-1)
-        tokens[rows] = _inverse_cdf(probs, probs.cumsum(-1), _uniform_draws(seqs, random_rows, logits.device))
-    token_list = tokens.tolist()
-    logprobs = logprob_entries(raw_logprobs, token_list, [p.logprobs for p in params]) \
-        if raw_logprobs is not None else [None] * len(seqs)
-    return token_list, logprobs
+        rows_t = _index(random_rows, logits.device)
+        probs = warp_logits(logits[rows_t], [params[r] for r in random_rows]).softmax(-1)
+        accepted, replacement = _draw(seqs, rows, first, probs, random_rows)
+        accept, drawn = dict(zip(random_rows, accepted)), dict(zip(random_rows, replacement))
+    token_lists, chosen_rows = [], []
+    for seq, f in zip(seqs, first):
+        tokens = []
+        for j, proposal in enumerate(seq.spec_token_ids + [None]):
+            row = f + j
+            ok = proposal is not None and (accept[row] if row in accept else proposal == best[row])
+            tokens.append(proposal if ok else drawn.get(row, best[row]))
+            chosen_rows.append(row)
+            if not ok:
+                break
+        token_lists.append(tokens)
+    if raw_logprobs is None:
+        return token_lists, [[None] * len(t) for t in token_lists]
+    flat = logprob_entries(raw_logprobs[_index(chosen_rows, logits.device)], [t for ts in token_lists for t in ts],
+                           [params[r].logprobs for r in chosen_rows])
+    entries, start = [], 0
+    for tokens in token_lists:
+        entries.append(flat[start:start + len(tokens)])
+        start += len(tokens)
+    return token_lists, entries

@@ -60,6 +60,11 @@ class Sequence:
         # SamplingParams.structured_outputs as this sequence's grammar matcher (an llguidance LLMatcher, advanced
         # by every appended token; LLMEngine.make_sequences makes it); None when unconstrained.
         self.grammar_matcher = None
+        # Speculative decoding (engine/speculative/): the tokens proposed for this step, verified with the last token
+        # and never part of token_ids until accepted; and the adaptive rule's state (steps to sit out, misses in a row).
+        self.spec_token_ids: list[int] = []
+        self.spec_pause_steps = 0
+        self.spec_misses = 0
         self.output_logprobs: list[dict] = []  # per output token {token_id: outputs.Logprob}
         self.cumulative_logprob = 0.0
         # SamplingParams.prompt_logprobs: per prompt token {token_id: outputs.Logprob}, filled as prefill chunks

@@ -48,12 +48,14 @@ def block_size(config: EngineConfig, device) -> int:
 
 
 def resolve(config: EngineConfig, dtype, model_len: int, longest: int, block_size: int, runner,
-            ranks_per_host: int = 1) -> ResolvedConfig:
+            ranks_per_host: int = 1, draft=None) -> ResolvedConfig:
     """Size the KV pool for `runner` (its bytes per block, its dummy blocks, a profiled step on accelerators) and,
     with max_model_len unset, fit the context length to what the pool holds. ranks_per_host: tensor-parallel
-    ranks sharing this host's RAM (each holds its heads of every block)."""
+    ranks sharing this host's RAM (each holds its heads of every block). draft: a speculative draft model, whose
+    pool has as many blocks as the target's, from the same budget."""
     batched = config.max_num_batched_tokens or default_batched_tokens(longest)
-    num_blocks = _num_blocks(config, longest, block_size, batched, runner, ranks_per_host)
+    draft_bytes = draft.bytes_per_block if draft is not None else 0
+    num_blocks = _num_blocks(config, longest, block_size, batched, runner, ranks_per_host, draft_bytes)
     max_model_len = longest
     per_rank = " per rank" if config.tensor_parallel_size > 1 else ""
     if config.max_model_len is None:
@@ -73,7 +75,7 @@ def resolve(config: EngineConfig, dtype, model_len: int, longest: int, block_siz
 
 
 def _num_blocks(config: EngineConfig, longest: int, block_size: int, batched: int, runner,
-                ranks_per_host: int) -> int:
+                ranks_per_host: int, draft_bytes_per_block: int) -> int:
     """KV blocks in the pool. With max_model_len given, the pool must hold one sequence of that length. Without,
     the pool may hold less than `longest`, down to MIN_FITTED_MODEL_LEN tokens."""
     per_seq = math.ceil(longest / block_size)
@@ -87,7 +89,8 @@ def _num_blocks(config: EngineConfig, longest: int, block_size: int, batched: in
         peak = runner.profile_peak_memory(min(batched, longest))
         fraction = config.memory_utilization or ACCELERATOR_DEFAULT_MEMORY_UTILIZATION
         budget = fraction * platform.total_memory(runner.device) - peak
-    num_blocks = max(0, min(int(budget // runner.bytes_per_block) - runner.num_dummy_blocks, useful))
+    per_block = runner.bytes_per_block + draft_bytes_per_block
+    num_blocks = max(0, min(int(budget // per_block) - runner.num_dummy_blocks, useful))
     holds = f"KV cache budget of {int(budget)} bytes holds {num_blocks} blocks of {block_size} tokens"
     if config.max_model_len is not None and num_blocks < per_seq:
         raise ValueError(f"{holds}, fewer than one sequence of max_model_len={longest} needs ({per_seq}); "

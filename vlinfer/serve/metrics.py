@@ -40,6 +40,29 @@ class EngineCollector:
         # The family name without _total: the exposition adds it, as for every counter.
         yield CounterMetricFamily("vlinfer_num_preemptions", "Sequences preempted (recomputed later) since start",
                                   value=engine.scheduler.num_preemptions)
+        yield from self._speculative(engine.speculator)
+
+    @staticmethod
+    def _speculative(spec):
+        """Speculative decoding's counts (vLLM's spec_decode_* names): verifications that carried proposals, tokens
+        proposed, tokens accepted, accepted tokens by position in the proposal; acceptance as gauges."""
+        if spec.config is None:
+            return
+        for name, help, value in (("drafts", "Verifications of a sequence that carried proposals", spec.num_drafts),
+                                  ("draft_tokens", "Tokens proposed", spec.num_draft_tokens),
+                                  ("accepted_tokens", "Proposed tokens the model accepted", spec.num_accepted_tokens)):
+            yield CounterMetricFamily(f"vlinfer_spec_decode_num_{name}", help, value=value)
+        per_position = CounterMetricFamily("vlinfer_spec_decode_num_accepted_tokens_per_pos",
+                                           "Accepted tokens by their position in the proposal", labels=["position"])
+        for position, value in enumerate(spec.accepted_per_position):
+            per_position.add_metric([str(position)], value)
+        yield per_position
+        drafts, proposed = spec.num_drafts, spec.num_draft_tokens
+        yield GaugeMetricFamily("vlinfer_spec_decode_acceptance_rate", "Accepted / proposed tokens since start",
+                                value=spec.num_accepted_tokens / proposed if proposed else 0.0)
+        yield GaugeMetricFamily("vlinfer_spec_decode_mean_accepted_length",
+                                "Tokens per verification step with proposals: accepted ones plus the model's own",
+                                value=1 + spec.num_accepted_tokens / drafts if drafts else 0.0)
 
 
 class Metrics:

@@ -1,0 +1,120 @@
+"""A draft model: a smaller checkpoint with the target's vocabulary, run by the same engine on rank 0 (whole, not
+tensor-parallel: draft_tensor_parallel_size=1), greedily, with its own KV pool.
+
+Each target sequence has a shadow sequence in the draft's pool: the target's tokens, the draft's KV over them, and its
+own blocks (freed with the request). A proposal catches the shadow up on the tokens it has not seen (one prefill chunk
+for all sequences at once), then runs k - 1 one-token steps; the proposal is the k arg-max tokens, a proposal of
+probability 1, which the target verifies exactly (engine/sampler.py). After verification the shadow keeps its KV up
+to the accepted tokens. Images reach the draft as their placeholder tokens only (text-only drafting)."""
+import logging
+
+from vlinfer import loading, ops
+from vlinfer.config import EngineConfig, SpeculativeConfig
+from vlinfer.engine.block_manager import BlockManager
+from vlinfer.engine.build_model import load_model
+from vlinfer.engine.model_runner import ModelRunner
+from vlinfer.engine.scheduler import SchedulerOutput
+from vlinfer.engine.sequence import Sequence
+from vlinfer.layers import ModelContext
+from vlinfer.layers.distributed import SINGLE
+from vlinfer.models import get_model_class
+from vlinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("vlinfer")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+class DraftModel:
+    def __init__(self, runner: ModelRunner, name: str):
+        self.runner = runner
+        self.name = name
+        self.block_manager: BlockManager | None = None  # allocate() makes it, once the target's pool is sized
+        self.shadows: dict[int, Sequence] = {}  # target seq_id -> its shadow in the draft's pool
+        self.num_pool_misses = 0  # proposals skipped because the draft's pool was full
+
+    @classmethod
+    def load(cls, engine, config: SpeculativeConfig | None) -> "DraftModel | None":
+        """The draft of speculative_config, loaded on the engine's device, op implementation and dtype; None without
+        one. Before the target's KV pool is sized: the draft's pool takes its share of the same budget."""
+        if config is None or config.method != "draft_model":
+            return None
+        source = loading.resolve_model(config.model)
+        hf_config = loading.load_config(source)
+        get_model_class(hf_config)  # an unsupported architecture fails here, before any weight is read
+        vocab, target_vocab = hf_config.get_text_config().vocab_size, engine.text_config.vocab_size
+        if vocab != target_vocab:
+            raise ValueError(f"speculative_config: the draft model {config.model} has a vocabulary of {vocab} tokens "
+                             f"and the target {target_vocab}: a draft must share the target's tokenizer and vocabulary")
+        ctx = ModelContext(ops.select(engine.device.type, forced=engine.config.ops), SINGLE, dtype=engine.dtype)
+        net = load_model(source, hf_config, engine.device, ctx)
+        draft_config = EngineConfig(model=config.model, device=engine.device, enforce_eager=True,
+                                    max_num_seqs=engine.config.max_num_seqs)
+        block_size = engine.model_runner.block_size
+        runner = ModelRunner(draft_config, hf_config, net, ctx, engine.device, block_size, set())
+        logger.info("speculative decoding: draft model %s (%s) loaded on %s", source.name, type(net).__name__,
+                    engine.device)
+        return cls(runner, source.name)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.runner.bytes_per_block
+
+    def allocate(self, num_blocks: int) -> None:
+        """As many blocks as the target's pool: a shadow never holds more tokens than its target sequence. No prefix
+        caching: a shadow's tokens include proposals not yet verified."""
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, self.runner.block_size, enable_prefix_caching=False)
+
+    def _shadow(self, seq: Sequence) -> Sequence:
+        shadow = self.shadows.get(seq.seq_id)
+        if shadow is None:
+            shadow = self.shadows[seq.seq_id] = Sequence([], GREEDY, request_id=f"draft:{seq.request_id}")
+        shadow.token_ids = list(seq.token_ids)
+        return shadow
+
+    def propose(self, seqs: list[Sequence], ks: list[int], never: frozenset[int]) -> list[list[int]]:
+        """Up to ks[i] greedy draft tokens for each sequence, cut before a placeholder token; [] for a sequence whose
+        shadow found no room in the draft's pool (that shadow starts over later)."""
+        wanted, proposals = {}, {}
+        running = []
+        for seq, k in zip(seqs, ks):
+            shadow = self._shadow(seq)
+            # The whole proposal's KV at once: the catch-up chunk, then k - 1 proposed tokens.
+            if self.block_manager.allocate(shadow, shadow.num_tokens - shadow.num_computed_tokens + k - 1):
+                wanted[shadow.seq_id], proposals[shadow.seq_id] = k, []
+                running.append(shadow)
+            else:
+                self.num_pool_misses += 1
+                self.release(seq)
+        batch = SchedulerOutput(running, [s.num_tokens - s.num_computed_tokens for s in running])
+        while batch.seqs:
+            sampled, _, _ = self.runner.execute(batch)
+            going = []
+            for (shadow, tokens, _), n in zip(sampled, batch.num_new_tokens):
+                shadow.num_computed_tokens += n
+                proposal = proposals[shadow.seq_id]
+                proposal.append(tokens[0])
+                if len(proposal) < wanted[shadow.seq_id] and tokens[0] not in never:
+                    shadow.token_ids.append(tokens[0])
+                    going.append(shadow)
+            batch = SchedulerOutput(going, [1] * len(going))
+        result = []
+        for seq in seqs:
+            proposal = proposals.get(self.shadows[seq.seq_id].seq_id, []) if seq.seq_id in self.shadows else []
+            cut = next((i for i, t in enumerate(proposal) if t in never), len(proposal))
+            result.append(proposal[:cut])
+        return result
+
+    def rollback(self, seq: Sequence) -> None:
+        """After verification: the shadow's KV stays valid up to the accepted tokens (they equal its proposals);
+        its blocks past the target's tokens return to the draft's pool."""
+        shadow = self.shadows.get(seq.seq_id)
+        if shadow is not None:
+            shadow.token_ids = list(seq.token_ids)
+            shadow.num_computed_tokens = min(shadow.num_computed_tokens, seq.num_tokens - 1)
+            self.block_manager.trim(shadow)
+
+    def release(self, seq: Sequence) -> None:
+        shadow = self.shadows.pop(seq.seq_id, None)
+        if shadow is not None:
+            self.block_manager.free(shadow)

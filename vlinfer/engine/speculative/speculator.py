@@ -1,0 +1,122 @@
+"""Which sequences propose tokens in a step, how many, and what their verification leaves behind.
+
+- A sequence proposes only while decoding (its last token is its only one without KV), never as a pooling request
+  or under structured outputs (their grammar would have to advance over tokens that may be rejected; such a request
+  decodes one token a step), and only in a step whose batch holds at most disable_by_batch_size sequences: past that,
+  verifying k + 1 tokens per sequence costs more compute than the weight reads it saves.
+- k is num_speculative_tokens, lowered to what max_tokens, max_model_len and the step's token budget leave.
+- Adaptive: a verification that accepts none of a sequence's proposals makes it sit out 2^m - 1 steps (m: such
+  verifications in a row, the pause at most MAX_PAUSE_STEPS); one accepted token resets m.
+- KV: the proposals' blocks come only from free ones (a proposal never preempts anyone); after verification the
+  rejected proposals' slots roll back (num_computed_tokens) and blocks past the accepted tokens return to the pool.
+  Only accepted tokens ever enter token_ids, so prefix-cache hashes only ever cover them."""
+import logging
+
+from vlinfer.config import SpeculativeConfig
+from vlinfer.engine.block_manager import BlockManager
+from vlinfer.engine.scheduler import SchedulerOutput
+from vlinfer.engine.sequence import Sequence
+from vlinfer.engine.speculative.draft_model import DraftModel
+from vlinfer.engine.speculative.ngram import propose_ngram
+
+logger = logging.getLogger("vlinfer")
+MAX_PAUSE_STEPS = 31
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig | None, block_manager: BlockManager, max_num_batched_tokens: int,
+                 max_model_len: int, placeholder_ids: frozenset[int], draft: DraftModel | None = None):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.placeholder_ids = placeholder_ids  # image / video placeholder tokens: never proposed
+        self.draft = draft
+        # Totals over the engine's life (the server's /metrics): verifications with proposals, tokens proposed,
+        # tokens accepted, and accepted tokens by their position in the proposal.
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * (config.num_speculative_tokens if config is not None else 0)
+
+    @classmethod
+    def for_engine(cls, engine, draft: DraftModel | None) -> "Speculator":
+        """The engine's speculator; without speculative_config, one that never proposes."""
+        config = engine.config.speculative_config
+        hf = engine.hf_config
+        if config is None:
+            return cls(None, engine.block_manager, 0, 0, frozenset())
+        placeholders = frozenset(t for t in (getattr(hf, "image_token_id", None), getattr(hf, "video_token_id", None))
+                                 if t is not None)
+        if draft is not None:
+            draft.allocate(engine.resolved.num_blocks)
+        logger.info("speculative decoding: %s, %d tokens per step%s, off in steps of more than %d sequences",
+                    config.method if draft is None else f"draft model {config.model}", config.num_speculative_tokens,
+                    f", n-grams of {config.prompt_lookup_max} down to {config.prompt_lookup_min} tokens"
+                    if draft is None else "", config.disable_by_batch_size)
+        return cls(config, engine.block_manager, engine.resolved.max_num_batched_tokens,
+                   engine.resolved.max_model_len, placeholders, draft)
+
+    def _wanted(self, seq: Sequence, n: int) -> int:
+        """How many tokens this sequence may propose this step (0: none)."""
+        if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.pooling_params is not None \
+                or seq.grammar_matcher is not None:
+            return 0
+        if seq.spec_pause_steps:
+            seq.spec_pause_steps -= 1
+            return 0
+        return min(self.config.num_speculative_tokens, seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+
+    def propose(self, batch: SchedulerOutput) -> None:
+        """Give the step's decoding sequences their proposals (seq.spec_token_ids) and count them in
+        batch.num_new_tokens, within the step's token budget and the free KV blocks."""
+        if self.config is None or len(batch.seqs) > self.config.disable_by_batch_size:
+            return
+        wanted = [(i, k) for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                  if (k := self._wanted(seq, n)) > 0]
+        if not wanted:
+            return
+        seqs = [batch.seqs[i] for i, _ in wanted]
+        if self.draft is not None:
+            proposals = self.draft.propose(seqs, [k for _, k in wanted], self.placeholder_ids)
+        else:
+            c = self.config
+            proposals = [propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max,
+                                       self.placeholder_ids) for seq, (_, k) in zip(seqs, wanted)]
+        budget = self.max_num_batched_tokens - sum(batch.num_new_tokens)
+        for (i, _), seq, proposal in zip(wanted, seqs, proposals):
+            proposal = proposal[:budget]
+            if proposal and self.block_manager.allocate(seq, 1 + len(proposal)):
+                seq.spec_token_ids = proposal
+                batch.num_new_tokens[i] += len(proposal)
+                budget -= len(proposal)
+
+    def settle(self, sampled: list[tuple[Sequence, list[int], list]]) -> None:
+        """After the output processor took the step's tokens: roll each verified sequence back to its accepted
+        tokens, count them, and apply the adaptive rule."""
+        for seq, tokens, _ in sampled:
+            k = len(seq.spec_token_ids)
+            if not k:
+                continue
+            accepted = len(tokens) - 1
+            # Its KV holds the last token and the accepted proposals; a stop may have cut the tokens appended.
+            seq.num_computed_tokens = min(seq.num_computed_tokens - (k - accepted), seq.num_tokens)
+            self.block_manager.trim(seq)
+            if self.draft is not None:
+                self.draft.rollback(seq)
+            seq.spec_token_ids = []
+            seq.metrics.spec_num_drafts += 1
+            seq.metrics.spec_num_draft_tokens += k
+            seq.metrics.spec_num_accepted_tokens += accepted
+            self.num_drafts += 1
+            self.num_draft_tokens += k
+            self.num_accepted_tokens += accepted
+            for position in range(accepted):
+                self.accepted_per_position[position] += 1
+            seq.spec_misses = 0 if accepted else seq.spec_misses + 1
+            seq.spec_pause_steps = min(2 ** seq.spec_misses - 1, MAX_PAUSE_STEPS)
+
+    def release(self, seq: Sequence) -> None:
+        """A sequence finished or was aborted: its draft KV goes back to the draft's pool."""
+        seq.spec_token_ids = []
+        if self.draft is not None:
+            self.draft.release(seq)
