@@ -4,9 +4,12 @@ venv's python (see bench/peers/__init__.py):
     .venv-llamacpp/bin/python bench/peers/llamacpp_peer.py request.json result.json
 
 The request: {"model": .gguf path, "threads", "n_ctx", "runs": [{"name", "prompts": [[token ids]], "max_tokens": [n
-per prompt], "repeat"}]}. One sequence at a time (llama.cpp's single-stream case): the prompt in one batch, then one
-token per step, greedy (argmax of the last logits), EOS ignored, the KV cache overwritten from position 0 for every
-prompt. One warm-up prompt comes before the first timed run; loading the model is timed apart.
+per prompt], "repeat"}], optional "prompt_lookup": {"num_pred_tokens", "max_ngram_size"}}. One sequence at a time
+(llama.cpp's single-stream case): the prompt in one batch, then one token per step, greedy (argmax of the last
+logits), EOS ignored, the KV cache overwritten from position 0 for every prompt. With "prompt_lookup", llama-cpp-
+python's own prompt-lookup decoding (LlamaPromptLookupDecoding as the Llama's draft_model) through Llama.generate,
+which evaluates the proposed tokens with the last one and keeps those its greedy sampler agrees with. One warm-up
+prompt comes before the first timed run; loading the model is timed apart.
 """
 import sys
 import time
@@ -41,12 +44,28 @@ def handle(request: dict) -> dict:
     extra_buffers = not cpu_has_amx_int8()
     if not extra_buffers:
         without_extra_buffers(llama_cpp)
+    lookup = request.get("prompt_lookup")
+    draft = None
+    if lookup is not None:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup["num_pred_tokens"],
+                                          max_ngram_size=lookup["max_ngram_size"])
     llm = llama_cpp.Llama(model_path=request["model"], n_ctx=request["n_ctx"], n_batch=512, n_threads=threads,
-                          n_threads_batch=threads, logits_all=False, verbose=False)
+                          n_threads_batch=threads, logits_all=False, verbose=False, draft_model=draft)
     startup_s = time.perf_counter() - start
     vocab = llm.n_vocab()
 
+    def one_with_lookup(prompt, max_tokens):
+        llm.reset()  # no prefix reuse between prompts, as in `one`
+        out = []
+        for token in llm.generate(prompt, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(int(token))
+            if len(out) == max_tokens:
+                return out
+
     def one(prompt, max_tokens):
+        if draft is not None:
+            return one_with_lookup(prompt, max_tokens)
         llm.reset()  # n_tokens = 0: the next eval drops the cache past position 0 and refills it
         llm.eval(prompt)
         out = []

@@ -211,7 +211,8 @@ class ModelRunner:
         slot_of = self._activate_loras(batch)  # before the vision pass, whose adapters take slots too
         for i, seq in enumerate(batch.seqs):
             block_tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-        for seq, n, table in zip(batch.seqs, batch.num_new_tokens, block_tables):
+        segments = []  # each attention segment's sequence (a row of block_tables)
+        for i, (seq, n, table) in enumerate(zip(batch.seqs, batch.num_new_tokens, block_tables)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids.extend(seq.token_ids[start:end] + seq.spec_token_ids)  # proposals follow the last token
             positions.append(self._positions(seq, start, end))
@@ -221,8 +222,12 @@ class ModelRunner:
                 for j in range(start, min(end, seq.num_prompt_tokens - 1)):
                     prompt_indices.append(cu_seqlens_q[-1] + j - start)
                     prompt_rows.append((seq, j + 1))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + n)
-            seq_lens.append(end)
+            # A verification (the last token and its proposals) runs as one-token decode rows, each attending up to
+            # itself: the kernels, graphs and rounding of decoding, so its greedy tokens are decoding's own.
+            for seq_len in (range(start + 1, end + 1) if seq.spec_token_ids else (end,)):
+                seq_lens.append(seq_len)
+                cu_seqlens_q.append(cu_seqlens_q[-1] + (1 if seq.spec_token_ids else n))
+                segments.append(i)
             if end == seq.num_tokens and seq.pooling_params is not None:  # a pooling prefill ends: pool its row
                 pool_indices.append(cu_seqlens_q[-1] - 1)
                 pool_seqs.append(seq)
@@ -235,8 +240,8 @@ class ModelRunner:
             slot_mapping=torch.cat(slots),
             cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=block_tables,
-            decode_only=all(n == 1 for n in batch.num_new_tokens),
+            block_tables=block_tables if len(segments) == len(batch.seqs) else block_tables[segments],
+            decode_only=len(input_ids) == len(seq_lens),
             mm_inputs=self._multimodal_inputs(batch, len(input_ids), slot_of),
             logits_indices=torch.tensor(prompt_indices + sample_indices, dtype=torch.long),
             pool_indices=torch.tensor(pool_indices, dtype=torch.long),
