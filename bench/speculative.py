@@ -12,7 +12,8 @@ the "batch" rows run the 8 requests one after another there).
 
 Every engine generates the same tokens per request: as many as vlinfer's greedy answer without speculation has (EOS
 respected there, at most --max-tokens), then EOS ignored everywhere. Decode tok/s = (tokens - 1 per request) /
-(whole requests - prompts alone), best of --repeat, with prefix caching off (llama.cpp's peer resets its cache per
+(whole requests - prompts alone), best of --repeat x --rounds (vlinfer's engines take turns each round, so a
+slow spell of the machine hits them alike), with prefix caching off (llama.cpp's peer resets its cache per
 prompt too). "tokens" says whether the outputs equal vlinfer's without speculation. The memory-bandwidth share is
 decode tok/s x GGUF bytes (what one plain decode step reads) / the read bandwidth measured in the same run: above 100%
 is more tokens than plain decoding could read the weights for.
@@ -96,6 +97,7 @@ def main():
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="vlinfer's engines run in turn this many times; best kept")
     common.add_skip_args(p, "llama.cpp")
     args = p.parse_args()
     import torch
@@ -126,13 +128,21 @@ def main():
             shape = "batch of 8" if batch else "single stream"
             plan = runs(prompts, lengths[workload], args.repeat, batch)
             base_rate = None
-            for name, llm in engines.items():
-                spec = llm.engine.speculator
-                before = (spec.num_draft_tokens, spec.num_accepted_tokens)
-                results = time_runs(common.greedy(llm), plan, tag=f"{name} {workload} {shape}: ")
-                rate, outs = decode(results, lengths[workload])
+            timed = {name: None for name in engines}
+            counts = {name: [0, 0] for name in engines}
+            for _ in range(args.rounds):  # engines in turn, each round: a slow spell hits them alike
+                for name, llm in engines.items():
+                    spec = llm.engine.speculator
+                    before = (spec.num_draft_tokens, spec.num_accepted_tokens)
+                    got = time_runs(common.greedy(llm), plan, tag=f"{name} {workload} {shape}: ")
+                    timed[name] = got if timed[name] is None else \
+                        {run: {**got[run], "seconds": timed[name][run]["seconds"] + got[run]["seconds"]} for run in got}
+                    counts[name][0] += spec.num_draft_tokens - before[0]
+                    counts[name][1] += spec.num_accepted_tokens - before[1]
+            for name in engines:
+                rate, outs = decode(timed[name], lengths[workload])
                 reference.setdefault((workload, batch), outs)
-                proposed, accepted = spec.num_draft_tokens - before[0], spec.num_accepted_tokens - before[1]
+                proposed, accepted = counts[name]
                 base_rate = base_rate or rate
                 rows.append([workload, shape, name, f"{rate:.1f}", f"{rate / base_rate:.2f}x",
                              f"{accepted / proposed:.0%} of {proposed}" if proposed else "-",

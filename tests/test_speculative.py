@@ -14,7 +14,10 @@ from vlinfer.engine.sequence import Sequence
 from vlinfer.engine.speculative import ngram, speculator
 from vlinfer.engine.speculative.ngram import propose_ngram
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# adaptive off: every step proposes what it can, so the counts below do not depend on timings (the adaptive rules
+# have their own tests, and greedy identity is checked with them on too).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 # Prompts whose continuations repeat what came before (proposals hit) and ones that do not.
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [(i * 7 + j * 13) % 500 + 3 for j in range(30) for i in (1,)],
@@ -102,7 +105,8 @@ def test_ngram_takes_the_longest_recurring_suffix_and_a_whole_continuation():
 @pytest.mark.parametrize("proposer", ["ngram", "draft-self", "draft-other"])
 def test_greedy_outputs_equal_those_without_speculation(checkpoints, references, family, proposer):
     spec = NGRAM if proposer == "ngram" else \
-        {"model": checkpoints[family if proposer == "draft-self" else "other-qwen3"], "num_speculative_tokens": 3}
+        {"model": checkpoints[family if proposer == "draft-self" else "other-qwen3"], "num_speculative_tokens": 3,
+         "adaptive": False}
     if proposer == "draft-other" and family == "llama":
         spec["model"] = checkpoints["qwen3"]  # another architecture of the same vocabulary
     llm = LLM(checkpoints[family], speculative_config=spec, **OPTIONS)
@@ -114,9 +118,10 @@ def test_greedy_outputs_equal_those_without_speculation(checkpoints, references,
     assert_pools_empty(llm)
 
 
-@pytest.mark.parametrize("path", ["chunked-prefill", "preemption", "prefix-cache", "mixed-lengths"])
+@pytest.mark.parametrize("path", ["chunked-prefill", "preemption", "prefix-cache", "mixed-lengths", "adaptive"])
 def test_greedy_identity_on_every_scheduling_path(checkpoints, references, path):
     options = dict(OPTIONS)
+    spec = dict(NGRAM, adaptive=path == "adaptive")
     prompts, want = PROMPTS, references["qwen3"]
     if path == "chunked-prefill":  # prompts prefill in chunks beside other sequences' verifications
         options.update(max_num_batched_tokens=16, max_model_len=128)
@@ -124,7 +129,7 @@ def test_greedy_identity_on_every_scheduling_path(checkpoints, references, path)
         options.update(kv_cache_bytes=12 * 2 * 2 * 2 * 16 * 16 * 4, max_model_len=80)
     elif path == "prefix-cache":
         prompts, want = PROMPTS + PROMPTS, want + want
-    llm = LLM(checkpoints["qwen3"], speculative_config=NGRAM, **options)
+    llm = LLM(checkpoints["qwen3"], speculative_config=spec, **options)
     if path == "mixed-lengths":  # sequences finishing at different steps, some by max_tokens inside a proposal
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 7, 23, 2)]
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
@@ -212,7 +217,7 @@ def test_the_real_smollm2_copies_with_the_same_tokens():
     base = LLM("smollm2", kv_cache_bytes=32 * 2 ** 20, max_model_len=512)
     spec = LLM("smollm2", kv_cache_bytes=32 * 2 ** 20, max_model_len=512,
                speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
-                                   "prompt_lookup_max": 4})
+                                   "prompt_lookup_max": 4, "adaptive": False})
     want = base.generate([prompt], params, use_tqdm=False)[0]
     got = spec.generate([prompt], params, use_tqdm=False)[0]
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
@@ -262,7 +267,8 @@ def test_sampled_continuations_are_distributed_as_without_speculation(checkpoint
     against transformers' processed distributions, in total variation (bounds 3x the sampling noise)."""
     n, prompt = 6000, PROMPTS[0] + references["qwen3"][0][:12]  # the model's likely tokens recur: n-grams hit
     params = SamplingParams(n=n, temperature=0.7, top_k=4, max_tokens=3, ignore_eos=True, seed=3)
-    spec = NGRAM if proposer == "ngram" else {"model": checkpoints["qwen3"], "num_speculative_tokens": 2}
+    spec = NGRAM if proposer == "ngram" else {"model": checkpoints["qwen3"], "num_speculative_tokens": 2,
+                                              "adaptive": False}
     spec = dict(spec, disable_by_batch_size=n)
     # A token budget past what 1024 sequences use: proposals take what admissions leave (speculator.py).
     options = dict(OPTIONS, kv_cache_bytes=128 * 2 ** 20, max_num_seqs=1024, max_num_batched_tokens=32768)
@@ -307,7 +313,7 @@ def test_seeded_requests_repeat(checkpoints):
 # ------------------------------------------------------------------------------------------- engine state
 
 def test_aborts_between_verifications_leave_both_pools_empty(checkpoints):
-    for spec in (NGRAM, {"model": checkpoints["other-qwen3"], "num_speculative_tokens": 3}):
+    for spec in (NGRAM, {"model": checkpoints["other-qwen3"], "num_speculative_tokens": 3, "adaptive": False}):
         llm = LLM(checkpoints["qwen3"], speculative_config=spec, **OPTIONS)
         engine = llm.engine
         ids = [engine.add_request({"prompt_token_ids": p}, GREEDY) for p in PROMPTS]
@@ -340,7 +346,7 @@ def test_a_stream_shows_only_accepted_tokens(checkpoints, references):
 
 def test_the_adaptive_rule_pauses_failing_sequences_and_large_batches(checkpoints):
     seq = Sequence([1, 2, 3], GREEDY)
-    spec = speculator.Speculator(SpeculativeConfig.of(NGRAM), None, 100, 100, frozenset())
+    spec = speculator.Speculator(SpeculativeConfig.of(dict(NGRAM, adaptive=True)), None, 100, 100, frozenset())
     pauses = []
     for _ in range(7):
         seq.spec_token_ids = [4, 5]
@@ -355,10 +361,32 @@ def test_the_adaptive_rule_pauses_failing_sequences_and_large_batches(checkpoint
     seq.num_computed_tokens = seq.num_tokens + 1
     spec.settle([(seq, [4, 9], [None, None])])
     assert (seq.spec_misses, seq.spec_pause_steps) == (0, 0)
+    # Without the adaptive rules a failing sequence keeps proposing.
+    plain = speculator.Speculator(SpeculativeConfig.of(NGRAM), spec.block_manager, 100, 100, frozenset())
+    seq.spec_token_ids, seq.num_computed_tokens = [4], seq.num_tokens + 1
+    seq.append_token(9)
+    plain.settle([(seq, [9], [None])])
+    assert seq.spec_pause_steps == 0
     # disable_by_batch_size: four sequences in a step of a limit of three propose nothing.
     llm = LLM(checkpoints["qwen3"], speculative_config=dict(NGRAM, disable_by_batch_size=3), **OPTIONS)
     outputs(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert llm.engine.speculator.num_drafts == 0
+
+
+def test_each_batch_size_keeps_the_faster_way_and_probes_the_other():
+    """BatchClassRates: a class tries proposing, then not; keeps the one that emitted more tokens a second; runs the
+    other once every PROBE_EVERY steps; a change in the measured rates turns it around. Classes are apart."""
+    rates = speculator.BatchClassRates()
+    assert rates.choose(8) is True
+    rates.record(8, True, 40, 1.0)  # proposing: 40 tokens a second
+    assert rates.choose(9) is False  # 8 and 9: one class (8-15), whose other way is untried
+    rates.record(9, False, 80, 1.0)  # not proposing: 80
+    ways = [rates.choose(12) for _ in range(2 * speculator.PROBE_EVERY)]
+    assert ways.count(True) == 2 and ways.count(False) == 2 * speculator.PROBE_EVERY - 2
+    assert rates.choose(1) is True  # another class starts untried
+    for _ in range(20):  # proposing became faster (a copy-heavy stretch)
+        rates.record(8, True, 200, 1.0)
+    assert sum(rates.choose(8) for _ in range(speculator.PROBE_EVERY)) == speculator.PROBE_EVERY - 1
 
 
 def test_metrics_per_request_and_on_the_server(checkpoints):

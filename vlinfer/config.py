@@ -53,6 +53,10 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int = 1  # the draft runs whole on rank 0: only 1 is offered
     # vLLM's disable_by_batch_size: no proposals in a step with more running sequences than this.
     disable_by_batch_size: int = DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+    # vlinfer's: proposals stop where they do not pay (engine/speculative/speculator.py: sequences whose proposals
+    # keep failing pause; each batch size keeps whichever of proposing or not emits more tokens a second, measured).
+    # False: propose whenever the budget allows (for measurements and tests).
+    adaptive: bool = True
 
     @classmethod
     def of(cls, value: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -90,6 +94,8 @@ class SpeculativeConfig:
                 raise ValueError("speculative_config: method='ngram' takes no draft 'model'")
         elif not isinstance(self.model, str) or not self.model:
             raise ValueError("speculative_config: method='draft_model' needs 'model', the draft's checkpoint")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config: adaptive must be true or false, got {self.adaptive!r}")
         if self.draft_tensor_parallel_size != 1:
             raise ValueError(f"speculative_config: draft_tensor_parallel_size={self.draft_tensor_parallel_size} is not "
                              "supported: the draft model runs whole on rank 0 (draft_tensor_parallel_size=1)")

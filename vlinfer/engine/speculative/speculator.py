@@ -5,12 +5,19 @@
   decodes one token a step), and only in a step whose batch holds at most disable_by_batch_size sequences: past that,
   verifying k + 1 tokens per sequence costs more compute than the weight reads it saves.
 - k is num_speculative_tokens, lowered to what max_tokens, max_model_len and the step's token budget leave.
-- Adaptive: a verification that accepts none of a sequence's proposals makes it sit out 2^m - 1 steps (m: such
-  verifications in a row, the pause at most MAX_PAUSE_STEPS); one accepted token resets m.
+- Adaptive (speculative_config "adaptive", on by default):
+  - a verification that accepts none of a sequence's proposals makes it sit out 2^m - 1 steps (m: such
+    verifications in a row, the pause at most MAX_PAUSE_STEPS); one accepted token resets m;
+  - whether proposals pay depends on the batch: a small one is bound by reading the weights, and k + 1 rows per
+    sequence cost little more than one; a large one is bound by compute, and every proposed row costs as much as a
+    token. So each batch-size class (1, 2-3, 4-7, ...) measures its decode steps: tokens emitted per second with
+    proposals and without (a moving average of each), keeps the faster way, and runs the other one step in
+    PROBE_EVERY to follow a workload that changes. Decisions only change speed: the output is exact either way.
 - KV: the proposals' blocks come only from free ones (a proposal never preempts anyone); after verification the
   rejected proposals' slots roll back (num_computed_tokens) and blocks past the accepted tokens return to the pool.
   Only accepted tokens ever enter token_ids, so prefix-cache hashes only ever cover them."""
 import logging
+import time
 
 from vlinfer.config import SpeculativeConfig
 from vlinfer.engine.block_manager import BlockManager
@@ -21,6 +28,32 @@ from vlinfer.engine.speculative.ngram import propose_ngram
 
 logger = logging.getLogger("vlinfer")
 MAX_PAUSE_STEPS = 31
+PROBE_EVERY = 32  # decode steps of a batch-size class between two runs of the way it is not using
+RATE_MEMORY = 0.8  # the moving average keeps this much of its last value at each measured step
+
+
+class BatchClassRates:
+    """Per batch-size class, tokens emitted per second of decode steps with proposals (True) and without (False)."""
+
+    def __init__(self):
+        self.rates: dict[int, dict[bool, float]] = {}
+        self.steps: dict[int, int] = {}
+
+    def choose(self, size: int) -> bool:
+        """Whether this decode step proposes: untried ways first, then the faster, the other every PROBE_EVERY."""
+        c = size.bit_length()
+        rates = self.rates.setdefault(c, {})
+        self.steps[c] = step = self.steps.get(c, 0) + 1
+        for way in (True, False):
+            if way not in rates:
+                return way
+        best = rates[True] >= rates[False]
+        return best if step % PROBE_EVERY else not best
+
+    def record(self, size: int, proposed: bool, tokens: int, seconds: float) -> None:
+        rates = self.rates[size.bit_length()]
+        rate = tokens / max(seconds, 1e-9)
+        rates[proposed] = rate if proposed not in rates else RATE_MEMORY * rates[proposed] + (1 - RATE_MEMORY) * rate
 
 
 class Speculator:
@@ -36,6 +69,8 @@ class Speculator:
         # tokens accepted, and accepted tokens by their position in the proposal.
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * (config.num_speculative_tokens if config is not None else 0)
+        self.batch_rates = BatchClassRates()
+        self._measuring: tuple[int, bool, float] | None = None  # this decode step's (batch size, proposing, start)
 
     @classmethod
     def for_engine(cls, engine, draft: DraftModel | None) -> "Speculator":
@@ -69,8 +104,14 @@ class Speculator:
     def propose(self, batch: SchedulerOutput) -> None:
         """Give the step's decoding sequences their proposals (seq.spec_token_ids) and count them in
         batch.num_new_tokens, within the step's token budget and the free KV blocks."""
+        self._measuring = None
         if self.config is None or len(batch.seqs) > self.config.disable_by_batch_size:
             return
+        if self.config.adaptive and all(seq.num_computed_tokens == seq.num_tokens - 1 for seq in batch.seqs):
+            proposing = self.batch_rates.choose(len(batch.seqs))
+            self._measuring = (len(batch.seqs), proposing, time.perf_counter())
+            if not proposing:
+                return
         wanted = [(i, k) for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                   if (k := self._wanted(seq, n)) > 0]
         if not wanted:
@@ -92,7 +133,11 @@ class Speculator:
 
     def settle(self, sampled: list[tuple[Sequence, list[int], list]]) -> None:
         """After the output processor took the step's tokens: roll each verified sequence back to its accepted
-        tokens, count them, and apply the adaptive rule."""
+        tokens, count them, and apply the adaptive rules."""
+        if self._measuring is not None:
+            size, proposing, start = self._measuring
+            self.batch_rates.record(size, proposing, sum(len(tokens) for _, tokens, _ in sampled),
+                                    time.perf_counter() - start)
         for seq, tokens, _ in sampled:
             k = len(seq.spec_token_ids)
             if not k:
@@ -112,8 +157,9 @@ class Speculator:
             self.num_accepted_tokens += accepted
             for position in range(accepted):
                 self.accepted_per_position[position] += 1
-            seq.spec_misses = 0 if accepted else seq.spec_misses + 1
-            seq.spec_pause_steps = min(2 ** seq.spec_misses - 1, MAX_PAUSE_STEPS)
+            if self.config.adaptive:
+                seq.spec_misses = 0 if accepted else seq.spec_misses + 1
+                seq.spec_pause_steps = min(2 ** seq.spec_misses - 1, MAX_PAUSE_STEPS)
 
     def release(self, seq: Sequence) -> None:
         """A sequence finished or was aborted: its draft KV goes back to the draft's pool."""
