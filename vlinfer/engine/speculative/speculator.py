@@ -12,7 +12,7 @@
     sequence cost little more than one; a large one is bound by compute, and every proposed row costs as much as a
     token. So each batch-size class (1, 2-3, 4-7, ...) measures its decode steps: tokens emitted per second with
     proposals and without (a moving average of each), keeps the faster way, and runs the other one step in
-    PROBE_EVERY to follow a workload that changes. Decisions only change speed: the output is exact either way.
+    PROBE_EVERY to follow a workload that changes (one in up to MAX_PROBE_EVERY while the probes confirm the choice). Decisions only change speed: the output is exact either way.
 - KV: the proposals' blocks come only from free ones (a proposal never preempts anyone); after verification the
   rejected proposals' slots roll back (num_computed_tokens) and blocks past the accepted tokens return to the pool.
   Only accepted tokens ever enter token_ids, so prefix-cache hashes only ever cover them."""
@@ -28,7 +28,8 @@ from vlinfer.engine.speculative.ngram import propose_ngram
 
 logger = logging.getLogger("vlinfer")
 MAX_PAUSE_STEPS = 31
-PROBE_EVERY = 32  # decode steps of a batch-size class between two runs of the way it is not using
+PROBE_EVERY = 32  # decode steps of a batch-size class between two runs of the way it is not using, at first
+MAX_PROBE_EVERY = 512
 RATE_MEMORY = 0.8  # the moving average keeps this much of its last value at each measured step
 
 
@@ -38,9 +39,14 @@ class BatchClassRates:
     def __init__(self):
         self.rates: dict[int, dict[bool, float]] = {}
         self.steps: dict[int, int] = {}
+        # The class's next probe of the way it is not using: the interval doubles (up to MAX_PROBE_EVERY) while
+        # probes leave the choice as it was, so a settled class spends ever fewer steps on the slower way.
+        self.next_probe: dict[int, int] = {}
+        self.probe_every: dict[int, int] = {}
+        self.choice_at_probe: dict[int, bool] = {}
 
     def choose(self, size: int) -> bool:
-        """Whether this decode step proposes: untried ways first, then the faster, the other every PROBE_EVERY."""
+        """Whether this decode step proposes: untried ways first, then the faster, and now and then the other."""
         c = size.bit_length()
         rates = self.rates.setdefault(c, {})
         self.steps[c] = step = self.steps.get(c, 0) + 1
@@ -48,7 +54,12 @@ class BatchClassRates:
             if way not in rates:
                 return way
         best = rates[True] >= rates[False]
-        return best if step % PROBE_EVERY else not best
+        if step < self.next_probe.setdefault(c, PROBE_EVERY):
+            return best
+        settled = self.choice_at_probe.get(c) == best
+        every = min(2 * self.probe_every.get(c, PROBE_EVERY), MAX_PROBE_EVERY) if settled else PROBE_EVERY
+        self.probe_every[c], self.choice_at_probe[c], self.next_probe[c] = every, best, step + every
+        return not best
 
     def record(self, size: int, proposed: bool, tokens: int, seconds: float) -> None:
         rates = self.rates[size.bit_length()]
