@@ -120,6 +120,16 @@ class BlockManager:
             if block.hash is None and self.hash_to_block.setdefault(hashes[i], block.block_id) == block.block_id:
                 block.hash = hashes[i]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache). Only while no sequence holds a block: False, and
+        nothing changed, otherwise."""
+        if len(self.free_blocks) != len(self.blocks):
+            return False
+        for block in self.blocks:
+            block.hash = None
+        self.hash_to_block.clear()
+        return True
+
     def trim(self, seq: Sequence) -> None:
         """Free the tail blocks past those seq.num_tokens needs: blocks taken for proposed tokens that were rejected
         (speculative decoding). They hold no full block of accepted tokens, so no hash."""
