@@ -197,7 +197,7 @@ def test_skip_special_tokens_reaches_the_text(client, served, monkeypatch):
 
     def scripted(batch):
         sampled, prompt_logprobs, pooled = execute(batch)
-        return [(seq, box if seq.num_output_tokens == 1 else token, lp) for seq, token, lp in sampled], \
+        return [(seq, [box] if seq.num_output_tokens == 1 else tokens, lp) for seq, tokens, lp in sampled], \
             prompt_logprobs, pooled
 
     monkeypatch.setattr(runner, "execute", scripted)

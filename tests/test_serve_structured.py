@@ -192,7 +192,7 @@ def test_auto_parses_tool_calls_the_model_writes(client, served, monkeypatch):
 
     def scripted(batch):
         sampled, prompt_logprobs, pooled = execute(batch)
-        return [(seq, script[min(seq.num_output_tokens, len(script) - 1)], lp) for seq, _, lp in sampled], \
+        return [(seq, [script[min(seq.num_output_tokens, len(script) - 1)]], lp) for seq, _, lp in sampled], \
             prompt_logprobs, pooled
 
     monkeypatch.setattr(runner, "execute", scripted)
