@@ -20,12 +20,15 @@ attended position); no padding.
         --vllm-kv-cache-dtypes auto,fp8             # the long-context workload, one row per engine and KV-cache dtype
     python bench/throughput.py --structured         # the same workload unconstrained, then every request under a
                                                     # JSON schema, in one engine: the overhead and compile times
+    python bench/throughput.py --skip-transformers --skip-vllm --speculative-config '{"method": "ngram"}'
+                                                    # what speculative decoding costs on the standard batch
 
 --structured (vlinfer only): the grammars of the distinct schemas are compiled before the timed runs (their compile
 times are printed, and llguidance's one-time tokenizer build), so the two timed runs differ only by the masks.
 EOS stays ignored, so both runs generate the same number of tokens; once a request's JSON is complete its grammar
 allows only EOS, so the share of tokens generated inside an open grammar is printed too.
 """
+import json
 import os
 import sys
 import time
@@ -51,12 +54,12 @@ def model_flops(dims: dict, prompt_lens, out_lens) -> float:
     return total
 
 
-def run_vlinfer(args, prompts, out_lens, kv_cache_dtype="auto"):
+def run_vlinfer(args, prompts, out_lens, kv_cache_dtype="auto", speculative_config=None):
     from vlinfer import LLM, SamplingParams
     # The dense folder the peers read (the GGUF dequantized once): a GGUF given as is would run kept in its blocks
     # (bench/quantized.py measures that), and the engines here must run the same dense weights.
     llm = LLM(peers.hf_folder(args.model), dtype=args.dtype, max_model_len=args.max_input + args.max_output + 8,
-              enforce_eager=args.enforce_eager, kv_cache_dtype=kv_cache_dtype)
+              enforce_eager=args.enforce_eager, kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = common.greedy(llm)(prompts, out_lens)
@@ -89,7 +92,6 @@ STRUCTURED_SCHEMAS = [
 
 def run_vlinfer_structured(args, prompts, out_lens):
     """(unconstrained seconds, constrained seconds, report lines): one engine, the workload twice."""
-    import json as _json
     from vlinfer import LLM, SamplingParams, StructuredOutputsParams
     llm = LLM(peers.hf_folder(args.model), dtype=args.dtype, max_model_len=args.max_input + args.max_output + 8,
               enforce_eager=args.enforce_eager)
@@ -101,7 +103,7 @@ def run_vlinfer_structured(args, prompts, out_lens):
     lines = [f"llguidance tokenizer ({grammars.vocab_size} tokens, once per engine): "
              f"{grammars.tokenizer_seconds * 1e3:.0f} ms"]
     for i, c in enumerate(schemas):
-        lines.append(f"grammar compile, schema {i} ({len(_json.dumps(c.json))} chars of JSON schema): "
+        lines.append(f"grammar compile, schema {i} ({len(json.dumps(c.json))} chars of JSON schema): "
                      f"{grammars.compile_seconds[c.key] * 1e3:.1f} ms")
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, structured_outputs=schemas[0]), use_tqdm=False)
     seconds = {}
@@ -201,6 +203,8 @@ def main(argv=None):
     p.add_argument("--vllm-kv-cache-dtypes", default="auto",
                    help="comma-separated kv_cache_dtype values for vLLM-CPU, one run each (its CPU backend takes auto "
                         "and fp8 / fp8_e5m2, fp8 only with AVX-512 or AMX; no int8)")
+    p.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                   help="one more vlinfer run with this speculative_config (its cost on the standard batch)")
     p.add_argument("--structured-repeat", type=int, default=2,
                    help="--structured: alternate the two runs this many times, best of each")
     p.add_argument("--structured", action="store_true",
@@ -222,6 +226,11 @@ def main(argv=None):
     for kv_cache_dtype in args.kv_cache_dtypes.split(","):
         seconds, outputs = run_vlinfer(args, prompts, out_lens, kv_cache_dtype)
         name = "vlinfer" if kv_cache_dtype == "auto" else f"vlinfer, KV cache {kv_cache_dtype}"
+        rows.append((name, seconds, outputs))
+        progress(f"{name} done: {sum(out_lens) / seconds:.1f} tok/s")
+    if args.speculative_config is not None:
+        seconds, outputs = run_vlinfer(args, prompts, out_lens, speculative_config=args.speculative_config)
+        name = f"vlinfer, speculative {json.dumps(args.speculative_config)}"
         rows.append((name, seconds, outputs))
         progress(f"{name} done: {sum(out_lens) / seconds:.1f} tok/s")
     if not args.skip_transformers:

@@ -166,7 +166,8 @@ def test_stop_strings_eos_and_logprobs_are_those_without_speculation(checkpoints
     assert_pools_empty(spec)
 
 
-def test_structured_outputs_decode_unspeculated_beside_speculated_sequences(checkpoints):
+def test_structured_outputs_decode_unspeculated_beside_speculated_sequences(checkpoints, caplog):
+    caplog.set_level("INFO", logger="vlinfer")
     from vlinfer.sampling_params import StructuredOutputsParams
     base = LLM(checkpoints["qwen3"], **OPTIONS)
     spec = LLM(checkpoints["qwen3"], speculative_config=NGRAM, **OPTIONS)
@@ -177,6 +178,9 @@ def test_structured_outputs_decode_unspeculated_beside_speculated_sequences(chec
     want, got = base.generate(prompts, params, use_tqdm=False), spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [o.metrics.spec_num_draft_tokens == 0 for o in got] == [True, False, True, False]
+    assert [r.message for r in caplog.records].count("speculative decoding: requests with structured outputs decode "
+                                                     "one token a step (their grammar would have to advance over "
+                                                     "proposals that may be rejected)") == 1
     assert_pools_empty(spec)
 
 

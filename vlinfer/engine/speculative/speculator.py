@@ -81,6 +81,7 @@ class Speculator:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * (config.num_speculative_tokens if config is not None else 0)
         self.batch_rates = BatchClassRates()
+        self.said_structured = False
         self._measuring: tuple[int, bool, float] | None = None  # this decode step's (batch size, proposing, start)
 
     @classmethod
@@ -103,8 +104,13 @@ class Speculator:
 
     def _wanted(self, seq: Sequence, n: int) -> int:
         """How many tokens this sequence may propose this step (0: none)."""
-        if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.pooling_params is not None \
-                or seq.grammar_matcher is not None:
+        if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.pooling_params is not None:
+            return 0
+        if seq.grammar_matcher is not None:
+            if not self.said_structured:  # once per engine: a rule, not a failure
+                logger.info("speculative decoding: requests with structured outputs decode one token a step (their "
+                            "grammar would have to advance over proposals that may be rejected)")
+                self.said_structured = True
             return 0
         if seq.spec_pause_steps:
             seq.spec_pause_steps -= 1
