@@ -431,3 +431,20 @@ def test_tensor_parallel_greedy_identity(checkpoints, references):
             assert outputs(llm, PROMPTS, GREEDY) == references["qwen3"]
             assert llm.engine.speculator.num_draft_tokens > 0
             assert_pools_empty(llm)
+
+
+def test_a_draft_whose_proposals_the_target_dropped_keeps_a_valid_cache(checkpoints):
+    """Found by tests/test_engine_state_machine.py (the long run, draft engine): in a pool too small for every
+    proposal, the draft proposed, the target had no free block for the proposal and dropped it; the shadow kept the
+    KV of its own proposed tokens as if verified, and its next catch-up chunk was empty (an IndexError). A shadow
+    now keeps its KV only over the tokens the target kept. The same crowd, to the end: the tokens of each request
+    alone, both pools empty."""
+    spec = {"model": checkpoints["other-qwen3"], "num_speculative_tokens": 2, "adaptive": False}
+    llm = LLM(checkpoints["qwen3"], speculative_config=spec, dtype="float32", kv_cache_bytes=12 * 8192 * 2,
+              max_model_len=128)
+    prompts = [[3] * 41, [3] * 40, [3] * 41, [3] * 40]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = [outputs(LLM(checkpoints["qwen3"], **OPTIONS), [p], params)[0] for p in prompts[:2]]
+    assert outputs(llm, prompts, params) == alone * 2
+    assert llm.engine.speculator.draft.num_pool_misses > 0 or llm.engine.scheduler.num_preemptions > 0
+    assert_pools_empty(llm)

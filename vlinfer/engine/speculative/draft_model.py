@@ -4,8 +4,8 @@ tensor-parallel: draft_tensor_parallel_size=1), greedily, with its own KV pool.
 Each target sequence has a shadow sequence in the draft's pool: the target's tokens, the draft's KV over them, and its
 own blocks (freed with the request). A proposal catches the shadow up on the tokens it has not seen (one prefill chunk
 for all sequences at once), then runs k - 1 one-token steps; the proposal is the k arg-max tokens, a proposal of
-probability 1, which the target verifies exactly (engine/sampler.py). After verification the shadow keeps its KV up
-to the accepted tokens. Images reach the draft as their placeholder tokens only (text-only drafting)."""
+probability 1, which the target verifies exactly (engine/sampler.py). At its next proposal the shadow keeps its KV
+over the tokens the target kept (its proposals, if accepted), whether or not they were verified. Images reach the draft as their placeholder tokens only (text-only drafting)."""
 import logging
 
 from vlinfer import loading, ops
@@ -30,6 +30,7 @@ class DraftModel:
         self.name = name
         self.block_manager: BlockManager | None = None  # allocate() makes it, once the target's pool is sized
         self.shadows: dict[int, Sequence] = {}  # target seq_id -> its shadow in the draft's pool
+        self.synced: dict[int, int] = {}  # target seq_id -> how many target tokens its shadow had at its last proposal
         self.num_pool_misses = 0  # proposals skipped because the draft's pool was full
 
     @classmethod
@@ -66,10 +67,20 @@ class DraftModel:
         self.block_manager = BlockManager(num_blocks, self.runner.block_size, enable_prefix_caching=False)
 
     def _shadow(self, seq: Sequence) -> Sequence:
+        """The sequence's shadow, brought to its tokens: its KV stays valid over the tokens it shares with them (the
+        target's tokens up to the last proposal, then the proposed tokens the target kept, whether or not it
+        verified them), and never covers the last token, whose logits propose."""
         shadow = self.shadows.get(seq.seq_id)
         if shadow is None:
             shadow = self.shadows[seq.seq_id] = Sequence([], GREEDY, request_id=f"draft:{seq.request_id}")
-        shadow.token_ids = list(seq.token_ids)
+        old, new = shadow.token_ids, seq.token_ids
+        same, limit = self.synced.get(seq.seq_id, 0), min(len(old), len(new))
+        while same < limit and old[same] == new[same]:
+            same += 1
+        shadow.num_computed_tokens = min(shadow.num_computed_tokens, same, len(new) - 1)
+        shadow.token_ids = list(new)
+        self.synced[seq.seq_id] = len(new)
+        self.block_manager.trim(shadow)
         return shadow
 
     def propose(self, seqs: list[Sequence], ks: list[int], never: frozenset[int]) -> list[list[int]]:
@@ -105,16 +116,8 @@ class DraftModel:
             result.append(proposal[:cut])
         return result
 
-    def rollback(self, seq: Sequence) -> None:
-        """After verification: the shadow's KV stays valid up to the accepted tokens (they equal its proposals);
-        its blocks past the target's tokens return to the draft's pool."""
-        shadow = self.shadows.get(seq.seq_id)
-        if shadow is not None:
-            shadow.token_ids = list(seq.token_ids)
-            shadow.num_computed_tokens = min(shadow.num_computed_tokens, seq.num_tokens - 1)
-            self.block_manager.trim(shadow)
-
     def release(self, seq: Sequence) -> None:
+        self.synced.pop(seq.seq_id, None)
         shadow = self.shadows.pop(seq.seq_id, None)
         if shadow is not None:
             self.block_manager.free(shadow)

@@ -163,8 +163,6 @@ class Speculator:
             # Its KV holds the last token and the accepted proposals; a stop may have cut the tokens appended.
             seq.num_computed_tokens = min(seq.num_computed_tokens - (k - accepted), seq.num_tokens)
             self.block_manager.trim(seq)
-            if self.draft is not None:
-                self.draft.rollback(seq)
             seq.spec_token_ids = []
             seq.metrics.spec_num_drafts += 1
             seq.metrics.spec_num_draft_tokens += k
