@@ -134,21 +134,21 @@ class BlockManager:
         """Free the tail blocks past those seq.num_tokens needs: blocks taken for proposed tokens that were rejected
         (speculative decoding). They hold no full block of accepted tokens, so no hash."""
         while len(seq.block_table) > self.blocks_needed(seq.num_tokens):
-            block = self.blocks[seq.block_table.pop()]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block.block_id] = None
-                self.free_blocks.move_to_end(block.block_id, last=False)
+            self._release(seq.block_table.pop(), seq)
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first: a shared prefix outlives the suffixes that depend on it.
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            if block.ref_count <= 0:  # a second free would hand one block to two sequences
-                raise RuntimeError(f"KV block {block_id} freed twice (by sequence {seq.request_id})")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
-                if block.hash is None:  # holds nothing reusable: hand it out before cached blocks
-                    self.free_blocks.move_to_end(block_id, last=False)
+            self._release(block_id, seq)
         seq.block_table = []
+
+    def _release(self, block_id: int, seq: Sequence) -> None:
+        """Drop seq's reference to a block; unreferenced, it becomes free."""
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:  # a second free would hand one block to two sequences
+            raise RuntimeError(f"KV block {block_id} freed twice (by sequence {seq.request_id})")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
+            if block.hash is None:  # holds nothing reusable: hand it out before cached blocks
+                self.free_blocks.move_to_end(block_id, last=False)

@@ -40,19 +40,27 @@ class OutputProcessor:
         """Append a step's tokens (one, or accepted proposals and one more under speculative decoding) in order, up to
         the first that ends the request (seq.finish_reason is then set; the rest are dropped): one output whose delta
         is all of them."""
-        sent_chars = seq.num_streamed_chars
         appended = []
         for token_id, entry in zip(token_ids, logprobs):
-            out = self._append_token(seq, token_id, entry)
+            self._append_token(seq, token_id, entry)
             appended.append(token_id)
-            if out.finished:
+            if seq.finish_reason is not None:
                 break
-        out.outputs[0].delta_text = seq.output_text[sent_chars:seq.num_streamed_chars]
+        finished = seq.finish_reason is not None
+        p = seq.sampling_params
+        # While streaming, hold back text that could still turn out to be the start of a stop string (unless the
+        # stop string is output too: then everything before its end is final).
+        hold = 0 if finished or not p.stop_strings or p.include_stop_str_in_output else \
+            max(map(len, p.stop_strings)) - 1
+        visible = max(len(seq.output_text) - hold, seq.num_streamed_chars)
+        out = make_output(seq, finished)
+        out.outputs[0].delta_text = seq.output_text[seq.num_streamed_chars:visible]
         out.outputs[0].delta_token_ids = appended
+        seq.num_streamed_chars = visible
         return out
 
-    def _append_token(self, seq: Sequence, token_id: int, logprobs) -> RequestOutput:
-        """Append one token; sets seq.finish_reason when it ends the request (out.finished)."""
+    def _append_token(self, seq: Sequence, token_id: int, logprobs) -> None:
+        """Append one token; sets seq.finish_reason when it ends the request."""
         p = seq.sampling_params
         seq.append_token(token_id)
         metrics = seq.metrics
@@ -86,18 +94,8 @@ class OutputProcessor:
             logger.warning("request %s: its structured output constraint refused token %d (%s); aborted",
                            seq.request_id, token_id, grammar_error)
             seq.finish_reason = "abort"
-        finished = seq.finish_reason is not None
-        if finished:
+        if seq.finish_reason is not None:
             metrics.finished_time = metrics.last_token_time
-        # While streaming, hold back text that could still turn out to be the start of a stop string (unless the
-        # stop string is output too: then everything before its end is final).
-        hold = 0 if finished or not p.stop_strings or p.include_stop_str_in_output else longest_stop - 1
-        visible = max(len(seq.output_text) - hold, seq.num_streamed_chars)
-        out = make_output(seq, finished)
-        out.outputs[0].delta_text = seq.output_text[seq.num_streamed_chars:visible]
-        out.outputs[0].delta_token_ids = [token_id]
-        seq.num_streamed_chars = visible
-        return out
 
     @staticmethod
     def _check_stop_strings(seq: Sequence, sent: int, longest_stop: int) -> None:

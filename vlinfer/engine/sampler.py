@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from vlinfer.engine.sequence import Sequence
+from vlinfer.engine.sequence import PromptAndOutput, Sequence
 from vlinfer.ops import token_bitmask_reference
 from vlinfer.sampling_params import SamplingParams
 
@@ -230,7 +230,7 @@ def _uniforms(seq: Sequence, count: int, device) -> torch.Tensor:
     return torch.rand(count, generator=seq.generator, device=device)
 
 
-class _Proposed:
+class _Proposed(PromptAndOutput):
     """A sequence as row j of its verification sees it: its tokens, then its first j proposed tokens (the penalties,
     bad words and min_tokens of that row count them as output)."""
     __slots__ = ("token_ids", "num_prompt_tokens", "sampling_params", "bad_words_token_ids")
@@ -240,14 +240,6 @@ class _Proposed:
         self.num_prompt_tokens = seq.num_prompt_tokens
         self.sampling_params = seq.sampling_params
         self.bad_words_token_ids = seq.bad_words_token_ids
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 def _verification_rows(seqs: list[Sequence]) -> tuple[list, list[int]]:

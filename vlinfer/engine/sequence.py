@@ -16,7 +16,21 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
-class Sequence:
+class PromptAndOutput:
+    """token_ids split at num_prompt_tokens: what the sampler reads of a sequence (engine/sampler.py reads a proposed
+    token's row through the same split)."""
+    __slots__ = ()
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class Sequence(PromptAndOutput):
     _ids = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, *, request_id: str | None = None,
@@ -87,14 +101,6 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[:self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -86,35 +86,30 @@ class DraftModel:
     def propose(self, seqs: list[Sequence], ks: list[int], never: frozenset[int]) -> list[list[int]]:
         """Up to ks[i] greedy draft tokens for each sequence, cut before a placeholder token; [] for a sequence whose
         shadow found no room in the draft's pool (that shadow starts over later)."""
-        wanted, proposals = {}, {}
-        running = []
+        wanted, proposals = {}, {}  # by shadow
         for seq, k in zip(seqs, ks):
             shadow = self._shadow(seq)
             # The whole proposal's KV at once: the catch-up chunk, then k - 1 proposed tokens.
             if self.block_manager.allocate(shadow, shadow.num_tokens - shadow.num_computed_tokens + k - 1):
-                wanted[shadow.seq_id], proposals[shadow.seq_id] = k, []
-                running.append(shadow)
+                wanted[shadow], proposals[shadow] = k, []
             else:
                 self.num_pool_misses += 1
                 self.release(seq)
+        running = list(wanted)
         batch = SchedulerOutput(running, [s.num_tokens - s.num_computed_tokens for s in running])
         while batch.seqs:
             sampled, _, _ = self.runner.execute(batch)
             going = []
-            for (shadow, tokens, _), n in zip(sampled, batch.num_new_tokens):
+            for (shadow, [token], _), n in zip(sampled, batch.num_new_tokens):
                 shadow.num_computed_tokens += n
-                proposal = proposals[shadow.seq_id]
-                proposal.append(tokens[0])
-                if len(proposal) < wanted[shadow.seq_id] and tokens[0] not in never:
-                    shadow.token_ids.append(tokens[0])
+                if token in never:  # a placeholder ends the proposal before it
+                    continue
+                proposals[shadow].append(token)
+                if len(proposals[shadow]) < wanted[shadow]:
+                    shadow.token_ids.append(token)
                     going.append(shadow)
             batch = SchedulerOutput(going, [1] * len(going))
-        result = []
-        for seq in seqs:
-            proposal = proposals.get(self.shadows[seq.seq_id].seq_id, []) if seq.seq_id in self.shadows else []
-            cut = next((i for i, t in enumerate(proposal) if t in never), len(proposal))
-            result.append(proposal[:cut])
-        return result
+        return [proposals.get(self.shadows.get(seq.seq_id), []) for seq in seqs]
 
     def release(self, seq: Sequence) -> None:
         self.synced.pop(seq.seq_id, None)

@@ -33,6 +33,11 @@ MAX_PROBE_EVERY = 512
 RATE_MEMORY = 0.8  # the moving average keeps this much of its last value at each measured step
 
 
+def _decoding(seq: Sequence) -> bool:
+    """Its last token is the only one without KV: this step computes one token of it, and could verify proposals."""
+    return seq.num_computed_tokens == seq.num_tokens - 1
+
+
 class BatchClassRates:
     """Per batch-size class, tokens emitted per second of decode steps with proposals (True) and without (False)."""
 
@@ -104,7 +109,7 @@ class Speculator:
 
     def _wanted(self, seq: Sequence, n: int) -> int:
         """How many tokens this sequence may propose this step (0: none)."""
-        if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.pooling_params is not None:
+        if n != 1 or not _decoding(seq) or seq.pooling_params is not None:
             return 0
         if seq.grammar_matcher is not None:
             if not self.said_structured:  # once per engine: a rule, not a failure
@@ -124,7 +129,7 @@ class Speculator:
         self._measuring = None
         if self.config is None or len(batch.seqs) > self.config.disable_by_batch_size:
             return
-        if self.config.adaptive and all(seq.num_computed_tokens == seq.num_tokens - 1 for seq in batch.seqs):
+        if self.config.adaptive and all(map(_decoding, batch.seqs)):
             proposing = self.batch_rates.choose(len(batch.seqs))
             self._measuring = (len(batch.seqs), proposing, time.perf_counter())
             if not proposing:
