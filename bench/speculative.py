@@ -20,6 +20,7 @@ is more tokens than plain decoding could read the weights for.
 
     python bench/speculative.py
     python bench/speculative.py --num-speculative-tokens 5 --repeat 3
+    python bench/speculative.py --workloads free --shapes batch --rounds 4
 """
 import os
 import sys
@@ -98,6 +99,9 @@ def main():
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2, help="vlinfer's engines run in turn this many times; best kept")
+    p.add_argument("--workloads", nargs="+", choices=["copy-heavy", "free"], default=["copy-heavy", "free"])
+    p.add_argument("--shapes", nargs="+", choices=["single", "batch"], default=["single", "batch"],
+                   help="single stream, a batch of 8, or both")
     common.add_skip_args(p, "llama.cpp")
     args = p.parse_args()
     import torch
@@ -113,7 +117,8 @@ def main():
     base = LLM("smollm2", **options)
     tokenizer = base.get_tokenizer()
     draft = {"model": draft_checkpoint(base.engine.text_config.vocab_size), "num_speculative_tokens": k}
-    workloads = {"copy-heavy": [chat_ids(tokenizer, t) for t in COPY], "free": [chat_ids(tokenizer, t) for t in FREE]}
+    workloads = {name: [chat_ids(tokenizer, t) for t in texts] for name, texts in (("copy-heavy", COPY), ("free", FREE))
+                 if name in args.workloads}
     lengths = {}
     for name, prompts in workloads.items():  # each request's length: vlinfer's own answer, EOS respected
         outs = base.generate([{"prompt_token_ids": p} for p in prompts],
@@ -124,7 +129,7 @@ def main():
                "vlinfer draft (random)": LLM("smollm2", speculative_config=draft, **options)}
     rows, reference = [], {}
     for workload, prompts in workloads.items():
-        for batch in (False, True):
+        for batch in [shape == "batch" for shape in args.shapes]:
             shape = "batch of 8" if batch else "single stream"
             plan = runs(prompts, lengths[workload], args.repeat, batch)
             base_rate = None
@@ -171,6 +176,8 @@ def main():
     print()
     for workload in workloads:
         for shape in ("single stream", "batch of 8"):
+            if (workload, shape, "vlinfer") not in rate:
+                continue
             ngram_rate, lookup = rate[(workload, shape, "vlinfer n-gram")], rate.get((workload, shape,
                                                                                      "llama.cpp prompt lookup"))
             print(f"{workload}, {shape}: n-gram {ngram_rate / rate[(workload, shape, 'vlinfer')]:.2f}x vlinfer without "

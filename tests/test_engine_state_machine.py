@@ -1,7 +1,8 @@
 """The engine core as a state machine (hypothesis' RuleBasedStateMachine): requests of random prompts (some sharing
 a prefix, so the prefix cache hits), sampling options, n and tight max_tokens are added, aborted and stepped in a
 random order, on engines whose KV pool forces preemption, whose token budget chunks prefills, with and without
-speculative decoding, alongside requests that must be refused. After every rule:
+speculative decoding, alongside requests that must be refused; now and then every live request is run to its end
+(drain). After every rule:
 - each block's reference count equals the number of live sequences' tables that hold it (the draft model's pool
   likewise), and the free list is exactly the blocks nobody holds;
 - every prefix-cache hash names a block that carries that hash;
@@ -10,13 +11,15 @@ speculative decoding, alongside requests that must be refused. After every rule:
   (greedy, or sampled with a seed);
 and at the end, once everything finished or was aborted, no block is held and no entry is left.
 
-The default suite runs EXAMPLES examples of up to STEPS rules; the slow tier many more."""
+The default suite runs EXAMPLES examples of up to STEPS rules, an equal share on each engine; the slow tier many
+more."""
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from conftest import build_checkpoint, tiny_text_config
+from engine_machines import EngineRules, check_block_pool, completions_done
 from vlinfer import LLM, SamplingParams
 
 EXAMPLES, STEPS = 40, 40
@@ -81,12 +84,14 @@ sampling = st.builds(
     st.booleans(), st.integers(1, 3), st.integers(1, 12), st.integers(0, 2 ** 16))
 
 
-class EngineMachine(RuleBasedStateMachine):
+class EngineMachine(EngineRules):
     fixture = None  # the module's Engines, set by the test
 
-    @initialize(name=st.sampled_from(sorted(ENGINES)))
-    def start(self, name):
-        self.engine = self.fixture.engine(name)
+    engine_name = None  # the engine of ENGINES this run uses, set by run_machine
+
+    @initialize()
+    def start(self):
+        self.engine = self.fixture.engine(self.engine_name)
         # Every example starts from the same state, so hypothesis can replay and shrink it: an empty prefix cache,
         # request ids of its own.
         assert self.engine.block_manager.reset_prefix_cache()
@@ -120,45 +125,19 @@ class EngineMachine(RuleBasedStateMachine):
         assert self._held() == held and len(self.engine.requests) == live
         self.stats["refused"] += 1
 
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def abort(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.live)))
-        assert self.engine.abort_request(rid)
-        del self.live[rid]
-        self.stats["aborted"] += 1
-
-    @rule(steps=st.integers(1, 8))
-    def step(self, steps):
-        for _ in range(steps):
-            self.stats["steps"] += 1
-            for out in self.engine.step():
-                prompt, params, seen = self.live[out.request_id]
-                c = out.outputs[0]
-                seen[c.index] = list(c.token_ids)
-                if out.finished and c.finish_reason == "length":
-                    seen.setdefault("finished", set()).add(c.index)
-                    if len(seen["finished"]) == params.n:
-                        self.done.append(self.live.pop(out.request_id))
-
-    def _held(self):
-        return [b.ref_count for b in self.engine.block_manager.blocks]
+    def record(self, out):
+        prompt, params, seen = self.live[out.request_id]
+        if completions_done(seen, out, params.n):
+            self.done.append(self.live.pop(out.request_id))
 
     @invariant()
     def blocks_are_counted(self):
         if not hasattr(self, "engine"):
             return
-        engine = self.engine
         for manager, seqs in self._pools():
-            counts = [0] * manager.num_blocks
-            for seq in seqs:
-                for block in seq.block_table:
-                    counts[block] += 1
-            assert [b.ref_count for b in manager.blocks] == counts
-            assert set(manager.free_blocks) == {i for i, c in enumerate(counts) if c == 0}
-            assert all(manager.blocks[b].hash == h for h, b in manager.hash_to_block.items())
-        cache = engine.model_runner.encoder_cache
-        live = {seq.seq_id for seq in engine.requests.values()}
+            check_block_pool(manager, seqs)
+        cache = self.engine.model_runner.encoder_cache
+        live = {seq.seq_id for seq in self.engine.requests.values()}
         assert all(holders <= live for holders in cache.holders.values())
 
     def _pools(self):
@@ -179,13 +158,7 @@ class EngineMachine(RuleBasedStateMachine):
                 assert [seen[i] for i in range(params.n)] == self.fixture.tokens_alone(prompt, params)
                 self.stats["compared"] += 1
 
-    def teardown(self):
-        if not hasattr(self, "engine"):
-            return
-        for rid in list(self.live):
-            self.engine.abort_request(rid)
-        while self.engine.has_unfinished_requests():  # nothing is left running
-            self.engine.step()
+    def check_idle(self):
         self.blocks_are_counted()
         assert all(b.ref_count == 0 for b in self.engine.block_manager.blocks)
         assert len(self.engine.model_runner.encoder_cache) == 0
@@ -197,15 +170,18 @@ def run_machine(engines, examples: int, steps: int):
     """Run the machine; then check it ran what it should have (examples, finished requests compared, preemptions
     and proposals on the engines made for them) and print what it did."""
     EngineMachine.fixture = engines
-    EngineMachine.TestCase.settings = settings(max_examples=examples, stateful_step_count=steps, deadline=None,
-                                               suppress_health_check=list(HealthCheck), derandomize=True)
-    EngineMachine.TestCase().runTest()
+    EngineMachine.TestCase.settings = settings(max_examples=examples // len(ENGINES), stateful_step_count=steps,
+                                               deadline=None, suppress_health_check=list(HealthCheck),
+                                               derandomize=True)
+    for name in sorted(ENGINES):  # each engine its share of the examples
+        EngineMachine.engine_name = name
+        EngineMachine.TestCase().runTest()
     stats = dict(engines.stats)
     stats["preemptions"] = {n: e.scheduler.num_preemptions for n, e in engines.engines.items()}
     stats["proposed"] = {n: e.speculator.num_draft_tokens for n, e in engines.engines.items()}
     print(f"engine state machine: {stats}")
     assert stats["examples"] >= examples and stats["requests"] >= examples and stats["compared"] >= examples // 2
-    assert sum(stats["preemptions"].values()) > 0 and stats["proposed"].get("draft", 1) > 0
+    assert stats["preemptions"]["tight-pool"] > 0 and stats["proposed"]["ngram"] > 0 and stats["proposed"]["draft"] > 0
 
 
 def test_engine_state_machine(engines):

@@ -24,6 +24,7 @@ _PUBLIC = {
     "EngineConfig": "vlinfer.config",
     "LLMEngine": "vlinfer.engine",
     "ModelNotFoundError": "vlinfer.loading",
+    "CheckpointError": "vlinfer.loading",
 }
 __all__ = sorted(_PUBLIC)
 

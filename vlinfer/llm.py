@@ -51,9 +51,7 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
-        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
+        loras = _lora_per_prompt(lora_request, len(prompts))
         results: list[RequestOutput | None] = [None] * len(prompts)
         seqs, order = [], {}
         for i, (prompt, params, lora) in enumerate(zip(prompts, sampling_params, loras)):
@@ -93,10 +91,12 @@ class LLM:
 
     # ---- pooling (runner="pooling"): prefill only, a vector or a score per request; engine/pooling.py ----
     def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None,
-               use_tqdm: bool = True, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+               use_tqdm: bool = True, pooling_task: str | None = None, lora_request=None) -> list[PoolingRequestOutput]:
         """The pooled data of each prompt (`.outputs.data`): the embedding, or the classifier's probabilities.
-        Rejected prompts are answered as generate answers them: RequestError after the others finished."""
+        Rejected prompts are answered as generate answers them: RequestError after the others finished.
+        lora_request as in generate."""
         prompts = _prompt_list(prompts)
+        loras = _lora_per_prompt(lora_request, len(prompts))
         if not isinstance(pooling_params, list):
             pooling_params = [pooling_params or PoolingParams()] * len(prompts)
         if len(pooling_params) != len(prompts):
@@ -105,9 +105,9 @@ class LLM:
             pooling_params = [dataclasses.replace(p, task=pooling_task) for p in pooling_params]
         results: list = [None] * len(prompts)
         seqs, order = [], {}
-        for i, (prompt, params) in enumerate(zip(prompts, pooling_params)):
+        for i, (prompt, params, lora) in enumerate(zip(prompts, pooling_params, loras)):
             try:
-                seq = self.engine.make_sequences(prompt, params)[0]
+                seq = self.engine.make_sequences(prompt, params, lora_request=lora)[0]
             except ValueError as e:
                 results[i] = PoolingRequestOutput.rejected(f"rejected-{i}", str(e))
                 continue
@@ -119,18 +119,18 @@ class LLM:
         return results
 
     def embed(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
-              truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+              truncate_prompt_tokens: int | None = None, lora_request=None) -> list[PoolingRequestOutput]:
         """One embedding per prompt (`.outputs.embedding`), L2-normalized; PoolingParams(dimensions=k) keeps the
         leading k (Matryoshka) and normalizes again. Prompts are taken as given, as vLLM does: for the Qwen
         embedder's instruction format use Pipeline.embed or vlinfer.inputs.retrieval.embedding_messages."""
         params = pooling_params or PoolingParams()
         if truncate_prompt_tokens is not None:
             params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
-        return self.encode(prompts, dataclasses.replace(params, task="embed"), use_tqdm)
+        return self.encode(prompts, dataclasses.replace(params, task="embed"), use_tqdm, lora_request=lora_request)
 
-    def classify(self, prompts, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+    def classify(self, prompts, use_tqdm: bool = True, lora_request=None) -> list[PoolingRequestOutput]:
         """A classifier's probabilities per prompt (`.outputs.probs`); the Qwen rerankers give [P(yes)]."""
-        return self.encode(prompts, PoolingParams(task="classify"), use_tqdm)
+        return self.encode(prompts, PoolingParams(task="classify"), use_tqdm, lora_request=lora_request)
 
     def score(self, data_1, data_2, use_tqdm: bool = True, instruction: str | None = None,
               pooling_params: PoolingParams | None = None) -> list[PoolingRequestOutput]:
@@ -250,6 +250,14 @@ def _prompt_list(prompts) -> list:
                                              all(isinstance(t, int) for t in prompts)):
         return [prompts]
     return list(prompts)
+
+
+def _lora_per_prompt(lora_request, n: int) -> list:
+    """One LoRARequest (or None) for every prompt, or a list of one per prompt -> a list of n."""
+    loras = lora_request if isinstance(lora_request, list) else [lora_request] * n
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} lora_requests for {n} prompts")
+    return loras
 
 
 def _embedding_prompt(item):

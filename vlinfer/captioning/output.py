@@ -12,6 +12,11 @@ from vlinfer.captioning.inputs import CaptionInputError, require_pyarrow
 logger = logging.getLogger("vlinfer")
 
 
+class OutputWriteError(OSError):
+    """A batch could not be written (disk full, quota, a read-only or vanished output): the output keeps every
+    batch written before, whole, and none of this one; --resume continues from there once the cause is fixed."""
+
+
 def is_parquet(out: str) -> bool:
     return out.rstrip("/").lower().endswith(".parquet")
 
@@ -80,12 +85,29 @@ class OutputWriter:
             self.part, self.file = max(numbers, default=-1) + 1, None
         else:
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            self.file = open(out, "a", encoding="utf-8")
+            self.file = open(out, "ab", buffering=0)  # unbuffered: a failed write leaves nothing to flush later
 
     def write(self, records: list[dict]) -> None:
-        if not self.parquet:
+        """Append one batch, whole or not at all: an OSError midway (ENOSPC, EDQUOT, EIO, ...) takes back what
+        reached the output and raises OutputWriteError naming it."""
+        try:
+            self._jsonl(records) if not self.parquet else self._parquet(records)
+        except OSError as e:
+            raise OutputWriteError(e.errno, f"cannot write a batch of {len(records)} record(s) to {self.out}: "
+                                   f"{e.strerror or e}; nothing of that batch was kept, the batches before it "
+                                   "are whole: fix the cause and run again with --resume") from e
+
+    def _jsonl(self, records: list[dict]) -> None:
+        fd = self.file.fileno()
+        size = os.fstat(fd).st_size
+        try:
             write_records(self.file, records)
-            return
+        except OSError:
+            os.ftruncate(fd, size)  # the part of the batch that reached the file goes
+            os.fsync(fd)
+            raise
+
+    def _parquet(self, records: list[dict]) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
         unknown = {k for r in records for k in r} - set(self.fields)
@@ -95,8 +117,13 @@ class OutputWriter:
         tmp = os.path.join(self.out, f".{name}.tmp")  # hidden: readers of the folder (pyarrow, pandas) skip it
         # One schema for every part: inferred per batch, a batch without an error (or a caption) typed that column
         # null, and a folder of parts with null and string columns failed to read back as one table.
-        pq.write_table(pa.Table.from_pylist(records, schema=self.schema), tmp)
-        os.replace(tmp, os.path.join(self.out, name))  # a part is whole or absent: a kill never leaves half of one
+        try:
+            pq.write_table(pa.Table.from_pylist(records, schema=self.schema), tmp)
+            os.replace(tmp, os.path.join(self.out, name))  # a part is whole or absent: a kill never leaves half
+        except OSError:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
         self.part += 1
 
     def close(self) -> None:
@@ -157,8 +184,10 @@ def _parse_record(line: bytes) -> dict:
 
 
 def write_records(f, records: list[dict]) -> None:
-    f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    f.flush()
+    """One batch of records appended to the unbuffered binary file f and fsync'ed."""
+    data = memoryview("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
+    while data:  # a raw write may take only part of the bytes
+        data = data[f.write(data):]
     os.fsync(f.fileno())  # on disk before the next batch starts: a kill or power cut loses at most one batch
 
 

@@ -1,11 +1,13 @@
 """Command line: `python -m vlinfer generate|chat|caption|embed|bench ...` (also installed as `vlinfer`).
 
 Exit codes: 0 done; 1 caption or embed finished but some items could not be read (their errors are in the output);
-2 bad usage, a model that cannot be found, or a rejected request; 130 interrupted."""
+2 bad usage, a model that cannot be found, or a rejected request; 3 caption or embed could not write its output (disk
+full, ...): the batches written before are whole, --resume continues; 130 interrupted."""
 import argparse
 import logging
 import sys
 
+from vlinfer.captioning.output import OutputWriteError
 from vlinfer.cli import answer, bench, caption, embed
 from vlinfer.cli.options import flags_in_logs, name_flags, set_threads
 from vlinfer.cli.shared import CLI_FLAGS
@@ -49,6 +51,9 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad request, bad input, ModelNotFoundError, mistyped --device
         print(f"error: {name_flags(str(e), flags)}", file=sys.stderr)
         return 2
+    except OutputWriteError as e:
+        print(f"error: {e.strerror}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

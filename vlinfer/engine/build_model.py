@@ -28,9 +28,17 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quant
     label_token_ids (layers/pooler.py), read from the LM head's table as it streams by."""
     pooling_task = pooling.task if pooling is not None else None
     model_cls = get_model_class(hf_config)
+    tensors = loading.checkpoint_tensor_index(source)
+    # A config that lies about its sizes is refused before anything is allocated: its layer counts against the
+    # checkpoint's tensors, then the bytes of a model built on the meta device (shapes only) against its files.
+    loading.check_layer_counts(hf_config, tensors, source)
+    with torch.device("meta"):
+        skeleton = model_cls(hf_config, ctx)
+    loading.check_model_size(sum(t.numel() * t.element_size() for t in (*skeleton.parameters(), *skeleton.buffers())),
+                             source)
+    del skeleton
     with torch.device(device):  # thread-local: another engine building in another thread keeps its own device
         net = model_cls(hf_config, ctx).eval()  # every layer builds its parameters in ctx.dtype
-    tensors = loading.checkpoint_tensor_index(source)
     head_table = loading.lm_head_table(tensors, hf_config)
     if pooling_task is not None and head_table is None:
         net.lm_head = None  # an embedder saved without an LM head: nothing to generate with
@@ -41,11 +49,15 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quant
         with torch.device(device):
             net.classifier = TokenRowsHead(ctx, list(pooling.label_token_ids), hf_config.get_text_config().hidden_size)
     quant = detect_quantization(hf_config, source.folder, tensors, quantization)
-    if quant is not None:
-        assign_methods(net, quant, tensors)
+    with loading.fitting(source.path):
+        if quant is not None:
+            assign_methods(net, quant, tensors)
+        elif not source.gguf_file:
+            loading.check_float_tensors(tensors, source)
     keep_gguf_blocks = isinstance(quant, GgufQuantization)  # else GGUF files are dequantized on load, as before
     if keep_gguf_blocks:
-        assign_gguf_embeddings(net, tensors)
+        with loading.fitting(source.path):
+            assign_gguf_embeddings(net, tensors)
     counter = loading.ReadCounter()  # this load's own: two engines loading at once count apart
     weights = loading.iterate_weights(source, hf_config, lazy=True, keep_gguf_blocks=keep_gguf_blocks, counter=counter)
     if pooling_task is not None:
@@ -54,10 +66,11 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quant
     kv_scales = {}
     if kv_scheme is not None:  # its scale tensors go to the attention layers, not to load_weights
         weights = kv_cache.collect(weights, kv_scales)
-    if hasattr(net, "load_weights"):  # models with more than one tower route their own tensors
-        net.load_weights(weights)
-    else:
-        loading.load_weights(net, weights)
+    with loading.fitting(source.path):  # a tensor that does not fit its parameter
+        if hasattr(net, "load_weights"):  # models with more than one tower route their own tensors
+            net.load_weights(weights)
+        else:
+            loading.load_weights(net, weights)
     if kv_scheme is not None:
         kv_cache.attach(kv_scheme, kv_scales, decoder_attention(net), use=ctx.kv_cache_dtype == kv_scheme.cache_dtype)
     net.checkpoint_bytes_read = counter.bytes  # reported by ModelRunner.describe()

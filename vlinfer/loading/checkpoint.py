@@ -4,10 +4,43 @@ own GGUF reader does, so names and values match what transformers loads from the
 weights can stay in their blocks (loading/gguf.py)."""
 import glob
 import os
+import re
+from contextlib import contextmanager
 
 import torch
 
 from vlinfer.loading.sources import ModelNotFoundError, ModelSource
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read as what it claims to be: damaged, cut short, or a header that lies
+    about its lengths, offsets or dtypes."""
+
+
+@contextmanager
+def reading(path: str):
+    """The file parsers' errors (safetensors, gguf-py, transformers' GGUF reader: whatever a damaged file makes them
+    raise) as one CheckpointError naming the file."""
+    try:
+        yield
+    except (CheckpointError, ModelNotFoundError):
+        raise
+    except Exception as e:
+        cause = f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"{path}: not a readable checkpoint file ({cause[:300]}); a download cut short or "
+                              "a damaged file gives this") from e
+
+
+@contextmanager
+def fitting(path: str):
+    """Our own checks that a checkpoint fits its model (a tensor's shape, a layer's quantization scheme: ValueErrors
+    naming the tensor or layer) as a CheckpointError naming the file too."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from e
 
 
 def load_config(source: ModelSource, hf_overrides: dict | None = None):
@@ -23,10 +56,13 @@ def _read_config(source: ModelSource):
     from transformers import AutoConfig
     try:
         if source.gguf_file:
-            config = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file)
-            config.architectures = config.architectures or [_gguf_architecture(config)]
+            with reading(source.path):
+                config = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file)
+                config.architectures = config.architectures or [_gguf_architecture(config)]
             return config
         return AutoConfig.from_pretrained(source.path)
+    except CheckpointError:
+        raise
     except (OSError, ValueError) as e:
         raise ModelNotFoundError(f"could not read the model config of {source.name!r} at {source.path}: {e}") from e
 
@@ -38,7 +74,8 @@ def _gguf_architecture(config) -> str:
 def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
     if source.gguf_file:
-        return AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+        with reading(source.path):
+            return AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
     return AutoTokenizer.from_pretrained(source.path)
 
 
@@ -98,15 +135,65 @@ def checkpoint_tensor_index(source: ModelSource) -> dict:
     from vlinfer.layers.quantization import TensorInfo
     if source.gguf_file:
         from vlinfer.loading import gguf
-        return gguf.tensor_index(source.path, load_config(source))
+        config = load_config(source)
+        with reading(source.path):
+            return gguf.tensor_index(source.path, config)
     from safetensors import safe_open
     index = {}
     for file in sorted(glob.glob(os.path.join(source.path, "*.safetensors"))):
-        with safe_open(file, "pt", device="cpu") as f:
+        with reading(file), safe_open(file, "pt", device="cpu") as f:
             for name in f.keys():
                 tensor = f.get_slice(name)
                 index[name] = TensorInfo(tuple(tensor.get_shape()), tensor.get_dtype())
     return index
+
+
+# (config holding the count, its attribute, the tensor names that number those layers) for each stack of layers
+LAYER_STACKS = (("text", "num_hidden_layers", re.compile(r"(?:^|\.)layers\.(\d+)\.")),
+                ("vision", "depth", re.compile(r"(?:^|\.)visual\.blocks\.(\d+)\.")))
+
+
+def check_layer_counts(hf_config, tensors: dict, source: ModelSource) -> None:
+    """Refuse a config that declares more layers than its checkpoint has tensors for (before a model is built:
+    a count that lies would build layers until the memory runs out)."""
+    configs = {"text": hf_config.get_text_config(), "vision": getattr(hf_config, "vision_config", None)}
+    for which, attribute, pattern in LAYER_STACKS:
+        declared = getattr(configs[which], attribute, None) if configs[which] is not None else None
+        if not isinstance(declared, int):
+            continue
+        present = {int(m.group(1)) for name in tensors if (m := pattern.search(name))
+                   and (which == "vision" or "visual." not in name)}
+        if declared > len(present):
+            raise CheckpointError(f"{source.path}: its config declares {declared} {which} layers ({attribute}), its "
+                                  f"checkpoint has tensors for {len(present)}")
+
+
+# A model's parameters and tables come from its checkpoint: in float32 from 16-bit files, dequantized from 4-bit
+# blocks (GGUF Q4: 6.4x), with rotary tables for its whole context on top. A config describing a model many times its
+# files' size lies about its sizes (or the files are cut short); building it would only exhaust the memory.
+MAX_MODEL_BYTES_PER_CHECKPOINT_BYTE = 8
+MODEL_BYTES_MARGIN = 2 ** 30
+
+
+def check_model_size(model_bytes: int, source: ModelSource) -> None:
+    """Refuse a model whose config makes it larger than its checkpoint files can fill (before it is allocated)."""
+    files = [source.path] if source.gguf_file else glob.glob(os.path.join(source.path, "*.safetensors"))
+    checkpoint_bytes = sum(os.path.getsize(f) for f in files)
+    if model_bytes > MAX_MODEL_BYTES_PER_CHECKPOINT_BYTE * checkpoint_bytes + MODEL_BYTES_MARGIN:
+        raise CheckpointError(f"{source.path}: its config describes a model of {model_bytes / 2 ** 30:.1f} GiB "
+                              f"(parameters and tables), and its checkpoint files hold {checkpoint_bytes / 2 ** 20:.1f} "
+                              "MiB: a config that disagrees with its weights (sizes, vocabulary, context length) or "
+                              "files cut short")
+
+
+def check_float_tensors(tensors: dict, source: ModelSource) -> None:
+    """A checkpoint that declares no quantization holds floating-point tensors only: an integer or bool one is a
+    header that lies about its dtype (its bytes read as integers would load as garbage)."""
+    for name, info in tensors.items():
+        if not str(info.dtype).startswith(("F", "BF")):
+            raise CheckpointError(f"{source.path}: tensor {name!r} is stored as {info.dtype}, and the checkpoint "
+                                  "declares no quantization (its config has no quantization_config): a damaged or "
+                                  "mislabeled file")
 
 
 def lm_head_table(tensors: dict, hf_config) -> str | None:
@@ -132,13 +219,21 @@ def iterate_weights(source: ModelSource, config, lazy: bool = False, keep_gguf_b
     counter = counter if counter is not None else ReadCounter()
     if source.gguf_file:
         from vlinfer.loading import gguf
-        yield from gguf.iterate(source.path, config, keep_gguf_blocks)
+        with reading(source.path):
+            yield from gguf.iterate(source.path, config, keep_gguf_blocks)
         return
     from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(source.path, "*.safetensors")))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors files in {source.path}")
     for file in files:
-        with safe_open(file, "pt", device="cpu") as f:
+        with reading(file):
+            handle = safe_open(file, "pt", device="cpu")
+        with handle as f:
             for name in f.keys():
-                yield name, CheckpointSlice(f, name, counter) if lazy else counter.count(f.get_tensor(name))
+                if lazy:
+                    yield name, CheckpointSlice(f, name, counter)
+                else:
+                    with reading(file):
+                        tensor = f.get_tensor(name)
+                    yield name, counter.count(tensor)

@@ -221,6 +221,8 @@ def _decode_container(av, container, what: str, plan: Plan, resize: Resize, limi
     if not container.streams.video:
         raise VideoLoadError(f"{what} has no video stream (not a video)")
     stream = container.streams.video[0]
+    if stream.codec_context is None:  # a codec id FFmpeg has no decoder for: an unknown or damaged stream header
+        raise VideoLoadError(f"video in {what} has a video stream FFmpeg cannot decode (unknown or damaged codec)")
     stream.thread_type = "AUTO"
     width, height = stream.codec_context.width, stream.codec_context.height
     if width <= 0 or height <= 0:
@@ -294,14 +296,15 @@ def _decode_frames(container, stream, packets, wanted: list[int], what: str) -> 
 
 def _decode_sequential(container, stream, wanted: list[int], what: str) -> dict[int, torch.Tensor]:
     container.seek(0)
-    out, want = {}, set(wanted)
+    out, want, decoded = {}, set(wanted), 0
     for index, frame in enumerate(container.decode(stream)):
+        decoded = index + 1
         if index in want:
             out[index] = _frame_to_tensor(frame)
             if len(out) == len(want):
                 return out
-    raise VideoLoadError(f"video in {what} ended after {index + 1 if want else 0} frames, before frame "
-                         f"{max(want - set(out))} (truncated?)")
+    raise VideoLoadError(f"video in {what} ended after {decoded} frames, before frame {max(want - set(out))} "
+                         "(truncated?)")
 
 
 def _frame_to_tensor(frame) -> torch.Tensor:

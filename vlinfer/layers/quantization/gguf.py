@@ -83,7 +83,9 @@ def assign_gguf_embeddings(model: nn.Module, tensors: TensorIndex) -> int:
     sharded by rows as before), and re-tie an LM head that shares it; an untied LM head in blocks gets its own.
     Returns how many tables keep their blocks. Module names are the checkpoint's (the Llama-family layout)."""
     kept = 0
-    replaced = {}  # id of the old float parameter -> the new block parameter (for tied heads)
+    # id of the old float parameter -> (it, the new block parameter), for tied heads. The old parameter is kept in
+    # the entry: freed, its id could be reused by a later new parameter (an untied head's) and read as a tie.
+    replaced = {}
     modules = list(model.named_modules())
     for name, module in modules:
         if not isinstance(module, VocabParallelEmbedding):
@@ -106,14 +108,14 @@ def assign_gguf_embeddings(model: nn.Module, tensors: TensorIndex) -> int:
         module.weight = param
         module.gguf_type = ggml_type
         module.embedding_dtype = old.dtype
-        replaced[id(old)] = param
+        replaced[id(old)] = (old, param)
         kept += 1
     for name, module in modules:
         if isinstance(module, ParallelLMHead) and id(module.weight) in replaced:
-            source = next(m for _, m in modules if isinstance(m, VocabParallelEmbedding) and
-                          m.weight is replaced[id(module.weight)])
+            param = replaced[id(module.weight)][1]
+            source = next(m for _, m in modules if isinstance(m, VocabParallelEmbedding) and m.weight is param)
             module.gguf_type, module.embedding_dtype = source.gguf_type, source.embedding_dtype
-            module.weight = replaced[id(module.weight)]
+            module.weight = param
     if kept:
         logger.info("GGUF: %d embedding table(s) kept in blocks (lookups dequantize their rows; a tied LM head runs "
                     "gguf_linear on them)", kept)
