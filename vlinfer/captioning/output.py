@@ -91,7 +91,10 @@ class OutputWriter:
         """Append one batch, whole or not at all: an OSError midway (ENOSPC, EDQUOT, EIO, ...) takes back what
         reached the output and raises OutputWriteError naming it."""
         try:
-            self._jsonl(records) if not self.parquet else self._parquet(records)
+            if self.parquet:
+                self._parquet(records)
+            else:
+                self._jsonl(records)
         except OSError as e:
             raise OutputWriteError(e.errno, f"cannot write a batch of {len(records)} record(s) to {self.out}: "
                                    f"{e.strerror or e}; nothing of that batch was kept, the batches before it "

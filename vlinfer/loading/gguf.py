@@ -44,11 +44,11 @@ def _reader_and_mapping(path: str, config):
     reader = GGUFReader(path)
     field = reader.fields["general.architecture"]
     architecture = bytes(field.parts[field.data[0]]).decode()
-    # The processor reads the config transformers parsed from this file's header (head counts for Llama's q / k
-    # permutation): `config` is that parse.
     blocks = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
     if config.num_hidden_layers > len(blocks):  # before transformers builds that many layers to name them
         raise ValueError(f"its header declares {config.num_hidden_layers} blocks, it has tensors for {len(blocks)}")
+    # The processor reads the config transformers parsed from this file's header (head counts for Llama's q / k
+    # permutation): `config` is that parse.
     parsed = {"config": config.to_dict()}
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
     with torch.device("meta"):  # transformers maps GGUF names through an (empty) model of the same config
