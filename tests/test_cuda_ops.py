@@ -35,11 +35,12 @@ def batches(block_size):
 
 @pytest.fixture
 def sdpa_only(monkeypatch):
-    """CudaOps on CPU tensors with flash_attn absent; the Triton kernel as on this machine (whatever loading finds:
-    these tests are about attention)."""
+    """CudaOps on CPU tensors with flash_attn absent and our Triton attention failing to load: the reference's
+    attention (the sync-free matmul decode, SDPA per sequence); the cache write as on this machine."""
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn` raises ImportError
+    monkeypatch.setattr(cuda, "_checked_attention", lambda device: (_ for _ in ()).throw(RuntimeError("no Triton")))
     ops = CudaOps("cpu")
-    assert ops.features["attention"] == "sdpa"
+    assert ops.features["attention"] == "reference" and ops.features["paged_attention"] == "reference"
     return ops
 
 
@@ -133,11 +134,22 @@ def test_missing_triton_is_a_warning_and_the_reference_write(monkeypatch, caplog
 
 
 def test_flash_attn_absent_is_logged(monkeypatch, caplog):
+    """The start-up log names the attention each engine runs: our Triton kernels (interpreted here), or the
+    reference with a warning saying why when Triton cannot load."""
     monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     with caplog.at_level(logging.INFO, logger="vlinfer"):
-        CudaOps("cpu")
-    assert "flash_attn not installed" in caplog.text
-    assert "attention SDPA (prefill) + sync-free matmul decode" in caplog.text
+        ops = CudaOps("cpu")
+    assert ops.features["attention"] == "triton"
+    assert "flash_attn not installed; attention runs our Triton kernels" in caplog.text
+    assert "attention our Triton kernels (prefill, decode and the vision tower)" in caplog.text
+    caplog.clear()
+    monkeypatch.setitem(sys.modules, "triton", None)
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        ops = CudaOps("cpu")
+    assert ops.features["attention"] == "reference"
+    assert "Triton paged attention unavailable (ModuleNotFoundError" in caplog.text
+    assert "attention the pure-torch reference (prefill, decode and the vision tower)" in caplog.text
 
 
 # ---- Triton cache write, under the Triton interpreter ----
@@ -277,9 +289,10 @@ def test_two_instances_keep_their_own_state(fake_flash, monkeypatch, caplog):
     a = CudaOps("cpu")  # over the emulated flash_attn
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     b = CudaOps("cpu")  # made later, without flash_attn: must not switch `a` off it
-    assert a.features["attention"] == "flash_attn" and b.features["attention"] == "sdpa"
+    assert a.features["attention"] == "flash_attn" and b.features["attention"] == b.features["paged_attention"]
     assert b._flash is None and a._flash is fake_flash
-    assert a.flash_decode_applies(256, torch.bfloat16) and not b.flash_decode_applies(256, torch.bfloat16)
+    assert a.decode_reads_only_used_blocks(256, torch.bfloat16)
+    assert b.decode_reads_only_used_blocks(256, torch.bfloat16) == (b.features["attention"] == "triton")
 
     # Steps of the two engines interleaved, each over its own metadata tensors, layer after layer: each instance
     # builds its host metadata once for its step (one shared cache would rebuild it at every switch).
@@ -309,7 +322,7 @@ def test_two_instances_keep_their_own_state(fake_flash, monkeypatch, caplog):
 
 @pytest.mark.parametrize("block_size, dtype, why", [(16, torch.bfloat16, "not a multiple of 256"),
                                                     (256, torch.float32, "flash_attn takes float16 / bfloat16")])
-def test_flash_unsupported_cases_run_sdpa_with_a_warning(fake_flash, flash_ops, caplog, block_size, dtype, why):
+def test_flash_unsupported_cases_run_ours_with_a_warning(fake_flash, flash_ops, caplog, block_size, dtype, why):
     for q_lens, kv_lens in batches(block_size):
         args = make_batch(q_lens, kv_lens, 4, 2, 64, block_size, dtype)
         with caplog.at_level(logging.WARNING, logger="vlinfer"):
@@ -353,7 +366,7 @@ def test_a_broken_flash_attn_is_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(fake, "flash_attn_with_kvcache", lambda *a, **k: torch.zeros(2, 1, 2, 64))  # wrong results
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         ops = CudaOps("cpu")
-    assert ops.features["attention"] == "sdpa" and ops._flash is None
+    assert ops.features["attention"] == ops.features["paged_attention"] and ops._flash is None
     assert "flash_attn unusable (RuntimeError: flash_attn is off from the reference" in caplog.text
 
 
@@ -430,6 +443,127 @@ def test_triton_paged_attention_over_the_compute_dtype_equals_reference(triton_i
     q, k_cache, v_cache, cu, lens, tables = make_batch([1, 1], [5, 1], 4, 2, 64, 16, dtype)
     out = attention(q, k_cache, v_cache, cu, torch.tensor([5, 0], dtype=torch.int32), tables, 0.125)
     assert torch.isfinite(out).all() and out[1].abs().max() == 0
+
+
+# ---- our Triton attention over the compute dtype: the grid (issue 40), under the interpreter ----
+
+# Every block size, head dim and GQA group of the grid at least once, each dtype twice (the interpreter runs a case in
+# 0.4-2.5 s, so the default suite takes a covering set and the slow tier the whole product).
+COVER = [(16, 64, 1, torch.float32), (32, 80, 2, torch.bfloat16), (64, 96, 4, torch.float16),
+         (128, 128, 8, torch.float32), (256, 256, 1, torch.bfloat16), (16, 256, 8, torch.float16)]
+# Prefill from scratch, a chunk after a cached prefix crossing a block edge, decodes at and past a block edge, a
+# one-token sequence, and a graph's empty row (seq_len 0, its table all -1), in one launch; tables one block wider
+# than needed (-1 ids past each sequence's end).
+SMALL_BATCH = ([7, 5, 1, 1, 1, 1], [7, 40, 16, 33, 1, 0])
+# The slow tier's batches: query lengths to 512, contexts to 4096.
+LARGE_BATCHES = [([512], [700]), ([1] * 3, [4096, 1, 2049]), ([33, 1, 200], [33, 3000, 900])]
+
+
+def check_attention(ops, q_lens, kv_lens, block_size, head_dim, gqa, dtype):
+    args = make_batch(q_lens, [max(n, 1) for n in kv_lens], NUM_KV_HEADS * gqa, NUM_KV_HEADS, head_dim, block_size,
+                      dtype, seed=block_size + head_dim)
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    args[5][lens == 0] = -1  # an empty row's table: all padding
+    args = (*args[:4], lens, args[5])
+    ours = ops.paged_attention(*args, head_dim ** -0.5)
+    assert ours.dtype == dtype and ours.shape == args[0].shape
+    rows = torch.repeat_interleave(lens, torch.tensor(q_lens)) > 0
+    live = lens > 0
+    cu_live = torch.nn.functional.pad(torch.tensor(q_lens)[live].cumsum(0), (1, 0)).to(torch.int32)
+    ref = reference.paged_attention(*fp32((args[0][rows], args[1], args[2], cu_live, lens[live], args[5][live])),
+                                    head_dim ** -0.5)
+    assert rel_err(ours[rows], ref) < TOL[dtype], (q_lens, kv_lens)
+    assert (ours[~rows] == 0).all()  # an empty row gives zeros, not NaN
+
+
+@pytest.mark.parametrize("block_size, head_dim, gqa, dtype", COVER, ids=lambda v: DTYPE_IDS.get(v, str(v)))
+def test_triton_attention_grid_equals_reference(triton_interpreted, block_size, head_dim, gqa, dtype):
+    """The engine's dispatch (no flash_attn here) runs our kernel; prefill, prefix hits and decodes in one launch."""
+    assert triton_interpreted.features["attention"] == "triton"
+    check_attention(triton_interpreted, *SMALL_BATCH, block_size, head_dim, gqa, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("head_dim, gqa", [(64, 1), (80, 2), (96, 4), (128, 8), (256, 1), (64, 8)])
+def test_triton_attention_whole_grid_equals_reference(triton_interpreted, block_size, head_dim, gqa):
+    """Every block size with every head dim / GQA pair, the dtype in turn, each on the small batch and one of the
+    large ones (query lengths to 512, contexts to 4096) in turn: 5-20 s a case under the interpreter."""
+    turn = block_size // 16 + head_dim // 16 + gqa
+    dtype = (torch.float32, torch.bfloat16, torch.float16)[turn % 3]
+    batch = LARGE_BATCHES[turn // 3 % len(LARGE_BATCHES)]
+    for q_lens, kv_lens in (SMALL_BATCH, batch):
+        check_attention(triton_interpreted, q_lens, kv_lens, block_size, head_dim, gqa, dtype)
+
+
+@pytest.mark.parametrize("splits, kv_lens", [(4, [1000, 1, 0])] + [pytest.param(
+    s, lens, marks=pytest.mark.slow) for s, lens in ((2, [1, 4096]), (16, [300, 33, 1, 0]), (8, [2048, 2048]))])
+def test_triton_split_kv_decode_equals_reference(triton_interpreted, kv_lens, splits):
+    """Split-KV (flash-decoding) decode, splits past a short sequence's end (nothing to read), an empty row (a
+    graph's padding: zeros, not NaN); the same output as one split."""
+    from vlinfer.ops.triton_source import load_triton_module
+    attention = load_triton_module("paged_attention")
+    q, k_cache, v_cache, cu, _, tables = make_batch([1] * len(kv_lens), [max(n, 1) for n in kv_lens], 8,
+                                                    NUM_KV_HEADS, 64, 64, torch.bfloat16, extra_width=2)
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    ours = attention.paged_attention(q, k_cache, v_cache, cu, lens, tables, 0.125, splits=splits)
+    whole = attention.paged_attention(q, k_cache, v_cache, cu, lens, tables, 0.125, splits=1)
+    live = lens > 0
+    cu_live = torch.arange(int(live.sum()) + 1, dtype=torch.int32)
+    ref = reference.paged_attention(*fp32((q[live], k_cache, v_cache, cu_live, lens[live], tables[live])), 0.125)
+    assert rel_err(ours[live], ref) < TOL[torch.bfloat16] and rel_err(ours, whole) < TOL[torch.bfloat16]
+    assert torch.isfinite(ours).all() and (ours[~live] == 0).all()
+
+
+def test_triton_attention_splits_only_few_long_decodes():
+    """The split count follows from shapes only (a CUDA graph captures it): decode steps with few (sequence, KV
+    head) programs and a wide table split, a power of two up to MAX_SPLITS; prefill and big batches do not."""
+    from vlinfer.ops.triton_source import load_triton_module
+    module = load_triton_module("paged_attention")
+    assert module.num_splits(4, 4, 2, 32, 128) == 8  # 4k-token table, 8 programs
+    assert module.num_splits(1, 1, 8, 256, 128) == module.MAX_SPLITS  # 32k tokens
+    assert module.num_splits(64, 64, 8, 16, 128) == 1  # 512 programs: the GPU is full already
+    assert module.num_splits(9, 4, 2, 32, 128) == 1  # a prefill chunk in the step
+    assert module.num_splits(2, 2, 2, 2, 128) == 1  # a short table
+
+
+def test_triton_attention_takes_no_host_sync(triton_interpreted, monkeypatch):
+    """The kernel's wrapper reads no tensor value on the host (meta tensors have none): the launch is captured
+    whole, with the split-KV decode too."""
+    from vlinfer.ops.triton_source import load_triton_module
+    module = load_triton_module("paged_attention")
+    launched = []
+    monkeypatch.setattr(module, "_paged_attention_kernel", _Launcher(launched))
+    monkeypatch.setattr(module, "_combine_splits", _Launcher(launched))
+    args = [a.to("meta") for a in make_batch([1] * 4, [3, 4000, 17, 1], 8, 2, 64, 16, torch.bfloat16)]
+    out = module.paged_attention(*args, 0.125)
+    assert out.shape == args[0].shape and [name for name, _ in launched] == ["launch", "launch"]
+    assert launched[0][1][2] == module.num_splits(4, 4, 2, args[5].shape[1], 16) > 1
+
+
+class _Launcher:
+    """A stand-in for a @triton.jit kernel: kernel[grid](...) records the grid."""
+
+    def __init__(self, launched):
+        self.launched = launched
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launched.append(("launch", grid))
+
+
+@pytest.mark.parametrize("dtype, head_dim, heads, seg", [
+    (torch.float32, 64, 2, [16, 40, 1, 9]), (torch.bfloat16, 80, 3, [5, 33]),
+    pytest.param(torch.float16, 72, 16, [16, 300, 1, 45, 64], marks=pytest.mark.slow)],
+    ids=["fp32", "bf16", "fp16-long"])
+def test_triton_varlen_attention_equals_reference(triton_interpreted, dtype, head_dim, heads, seg):
+    """The vision tower's packed images and frames in one launch, bidirectional; the dispatch runs it where
+    flash_attn is absent."""
+    g = torch.Generator().manual_seed(head_dim)
+    q, k, v = (torch.randn(sum(seg), heads, head_dim, generator=g).to(dtype) for _ in range(3))
+    cu = torch.tensor([0, *itertools.accumulate(seg)], dtype=torch.int32)
+    ours = triton_interpreted.varlen_attention(q, k, v, cu, head_dim ** -0.5)
+    ref = reference.varlen_attention(q.float(), k.float(), v.float(), cu, head_dim ** -0.5)
+    assert ours.dtype == dtype and rel_err(ours, ref) < TOL[dtype]
 
 
 def test_an_engine_on_the_cuda_ops_runs_an_int8_cache_in_triton(triton_interpreted, qwen3_checkpoint, caplog):

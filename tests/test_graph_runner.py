@@ -180,25 +180,29 @@ def test_text_graph_mode_equals_eager(ops_mode, cpu_graphs, qwen3_checkpoint, mo
     # device="cpu": on a GPU machine "auto" would pick CUDA, and this test is about the CPU-tensor emulation.
     eager = LLM(path, dtype="float32", max_num_seqs=6, kv_cache_bytes=4 * 2 ** 20, enforce_eager=True, device="cpu")
     assert eager.engine.model_runner.graphs is None and not cpu_graphs
-    expected = generate(eager, PROMPTS)
+    # The CUDA ops' attention runs interpreted here (seconds a step): three prompts for them, five on the CPU ops.
+    prompts = PROMPTS if ops_mode == "cpu-compiled" else PROMPTS[:3]
+    expected = generate(eager, prompts)
     seen = record_batches(monkeypatch)
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         llm = LLM(path, dtype="float32", max_num_seqs=6, kv_cache_bytes=4 * 2 ** 20, device="cpu")
     assert llm.engine.ops_implementation == ops_mode
     ops = llm.engine.model_runner.ctx.ops
     if ops_mode == "cuda":
-        assert ops.features == {"cache_write": "triton", "attention": "sdpa"}
+        assert ops.features == {"cache_write": "triton", "paged_attention": "triton", "attention": "triton"}
     assert "graph mode: eager replay (test) for decode at batch sizes [1, 2, 4, 6]" in caplog.text
     assert len(cpu_graphs) == 1 and cpu_graphs[0].ops is ops  # the backend got this engine's op table
     assert ops is not eager.engine.model_runner.ctx.ops  # one per engine
     assert len(cpu_graphs[0].captured) == 4
-    assert generate(llm, PROMPTS) == expected
-    assert (5, 6) in seen and (3, 4) in seen  # padded replays
-    assert sum(llm.engine.model_runner.graphs.replays.values()) == len(seen) >= max(MAX_TOKENS) - 1
+    assert generate(llm, prompts) == expected
+    assert (3, 4) in seen and ((5, 6) in seen or ops_mode == "cuda")  # padded replays
+    assert sum(llm.engine.model_runner.graphs.replays.values()) == len(seen) >= max(MAX_TOKENS[:len(prompts)]) - 1
     assert_block_pool_empty(llm)
     # Again with the prompts sharing a cached prefix: prefill chunks after prefix hits stay eager, decode replays.
-    assert generate(llm, [p + [7] for p in PROMPTS]) == generate(eager, [p + [7] for p in PROMPTS])
-    assert_block_pool_empty(llm)
+    # (On the CPU ops only: the CUDA ops' attention runs interpreted here, tens of seconds a pass.)
+    if ops_mode == "cpu-compiled":
+        assert generate(llm, [p + [7] for p in PROMPTS]) == generate(eager, [p + [7] for p in PROMPTS])
+        assert_block_pool_empty(llm)
 
 
 VL_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n" \

@@ -2,7 +2,9 @@
 weights, float32: prompt logits within 1e-4 and greedy tokens equal, per adapter and mixed in one batch with base
 requests, through chunked prefill, the prefix cache (keyed by the adapter) and preemption; bad adapters refused by
 name while the others run."""
+import logging
 import os
+import re
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from conftest import assert_block_pool_empty, build_checkpoint, tiny_text_config
 from vlinfer import LLM, LoRARequest, SamplingParams
 from vlinfer.engine import SchedulerOutput
 from vlinfer.outputs import RequestError
+from vlinfer.platform import cpu_features
 
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (rank, alpha, rslora, targets, seed)
@@ -88,9 +91,17 @@ def prompt_logits(llm, prompt: tuple, lora: LoRARequest | None) -> torch.Tensor:
         engine.block_manager.free(seq)
 
 
-def test_logits_and_greedy_tokens_equal_peft_per_adapter(setup, references):
+def test_logits_and_greedy_tokens_equal_peft_per_adapter(setup, references, caplog):
+    """Where the CPU kernels have float32 panels (AVX-512) the decode steps' updates run the panel kernel
+    (kernels/cpu/lora_panels.cpp): the log says how many layers keep packed slots."""
     path, adapters = setup
-    llm = make_llm(path)
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        llm = make_llm(path)
+    packed = re.search(r"LoRA slots of (\d+) of (\d+) layers also kept in (\S+)'s packed layout", caplog.text)
+    assert packed, caplog.text
+    has_panels = llm.engine.model_runner.ctx.ops.name == "cpu-compiled" and \
+        cpu_features.CPU_ISAS.index(cpu_features.cpu_isa()) >= cpu_features.CPU_ISAS.index("avx512")
+    assert (packed[1] == packed[2]) if has_panels else packed[1] == "0", packed[0]
     for name in [None, *adapters]:
         lora = adapters.get(name)
         for prompt in PROMPTS:

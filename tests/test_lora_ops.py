@@ -1,14 +1,15 @@
 """The LoRA op's device implementations against its definition (vlinfer/ops/reference.py add_lora): the CPU one
-(CpuOps: two dense GEMMs, ops/cpu_lora.py), the CUDA one (CudaOps: our Triton shrink / expand under the Triton
-interpreter, on CPU tensors) and the NPU one (NpuOps on the emulated torch_npu's npu_grouped_matmul,
-tests/fake_torch_npu.py), over fused layers (3 sub-projections) and plain ones, adapter ranks 4 / 8 / 16 in slots of
-max rank 16, rows spread over slots with unused slots between, rows of no adapter, one adapter over every row; the
-step grouping (lora_groups) itself; and an engine with adapters on each accelerator path against the reference op
-table.
+(CpuOps, ops/cpu_lora.py: the panel kernel for small steps at every level that has it, two dense GEMMs otherwise),
+the CUDA one (CudaOps: our Triton shrink / expand under the Triton interpreter, on CPU tensors) and the NPU one
+(NpuOps on the emulated torch_npu's npu_grouped_matmul, tests/fake_torch_npu.py), over fused layers (3
+sub-projections) and plain ones, adapter ranks 4 / 8 / 16 in slots of max rank 16, rows spread over slots with
+unused slots between, rows of no adapter, one adapter over every row; the step grouping (lora_groups) itself; and an
+engine with adapters on each accelerator path against the reference op table.
 
 Tolerances: max |update ours - update reference| / max |update reference|, the update being what the op adds to y,
 the reference in float32 on the same (rounded) inputs: float32 1e-5, bfloat16 / float16 2e-2. Rows of no adapter
 keep y exactly."""
+import contextlib
 import logging
 import sys
 
@@ -17,6 +18,7 @@ import torch
 
 from fake_torch_npu import FakeNpuError, install
 from vlinfer.ops import cpu_lora, dispatch, reference
+from vlinfer.platform import cpu_features
 from vlinfer.ops.cpu import CpuOps
 from vlinfer.ops.cuda import CudaOps
 from vlinfer.ops.npu import NpuOps
@@ -60,13 +62,32 @@ def make_case(case, dtype, seed=0):
     return x.to(dtype), y.to(dtype), lora_a.to(dtype), lora_b.to(dtype), torch.tensor(slots)
 
 
-def check(ops, case, dtype, seed=0):
-    """ops.add_lora against the reference in float32: the update within TOL, the rows of no adapter unchanged."""
+def sub_outputs(case):
+    """(first row, rows) of each sub-projection's output, as make_case lays them out."""
+    n_sub, out = case[3], case[5]
+    return [(i * (out // n_sub), out // n_sub) for i in range(n_sub)]
+
+
+def packed_slots(ops, lora_a, lora_b, subs=None):
+    """ops' own layout of the slots (pack_lora), every slot copied in as the engine does after an install; subs:
+    the sub-projections' outputs (default: one, the whole output)."""
+    packed = ops.pack_lora(lora_a, lora_b, subs or [(0, lora_b.shape[1])])
+    for slot in range(lora_a.shape[0]):
+        ops.repack_lora(packed, slot, lora_a, lora_b)
+    return packed
+
+
+def check(ops, case, dtype, seed=0, packed=False, forbid=contextlib.nullcontext):
+    """ops.add_lora against the reference in float32: the update within TOL, the rows of no adapter unchanged.
+    packed: pass the op table's packed slots too ("blocks": knowing the sub-projections' outputs, so a fused layer's
+    expand reads only its own rank columns); forbid(): a context the op runs in."""
     x, y, lora_a, lora_b, slots = make_case(case, dtype, seed)
     groups = reference.lora_groups(slots, "cpu")
     expected = reference.add_lora(x.float(), y.float().clone(), lora_a.float(), lora_b.float(), groups) - y.float()
     out = y.clone()
-    ours = ops.add_lora(x, out, lora_a, lora_b, groups)
+    extra = (packed_slots(ops, lora_a, lora_b, sub_outputs(case) if packed == "blocks" else None),) if packed else ()
+    with forbid():
+        ours = ops.add_lora(x, out, lora_a, lora_b, groups, *extra)
     assert ours is out and ours.dtype == dtype  # in place
     update = ours.float() - y.float()
     assert ((update - expected).abs().max() / expected.abs().max()).item() < TOL[dtype], case_id(case)
@@ -141,6 +162,120 @@ def test_cpu_masks_other_slots_and_base_rows(cpu_ops):
     ours = cpu_ops.add_lora(x, y.clone(), lora_a, lora_b, groups)
     assert torch.equal(ours[3], y[3])
     torch.testing.assert_close(ours, reference.add_lora(x, y.clone(), lora_a, lora_b, groups), atol=3e-2, rtol=2e-2)
+
+
+# ---- CPU: the slots in panels, small steps (kernels/cpu/lora_panels.cpp) ----
+
+PANEL_CASES = [case for case in CASES if case[5] % 32 == 0]  # outputs in whole 32-output panels
+
+
+@pytest.fixture(scope="module", params=sorted({"generic", cpu_features.cpu_isa()}, key=cpu_features.CPU_ISAS.index))
+def cpu_level(request):
+    """CpuOps at the generic level (no panels) and at this CPU's best."""
+    return CpuOps(isa=request.param)
+
+
+def takes_panels(ops, dtype) -> bool:
+    """Whether this level's build runs the panel kernels for dtype (float32: AVX-512; bf16: AVX512-BF16)."""
+    level = cpu_features.CPU_ISAS.index(ops.isa)
+    return level >= cpu_features.CPU_ISAS.index("avx512" if dtype == torch.float32 else "avx512bf16")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", PANEL_CASES, ids=case_id)
+def test_cpu_panels_equal_reference(cpu_level, case, dtype, monkeypatch):
+    """Where the build has panels: the slots pack, and a small step runs the panel kernel alone (no GEMM through
+    torch), within TOL of the reference: gathered rows, rows of no adapter, unused slots between used ones, row
+    blocks past 16 rows and 1-3-row tails, fused layers. Where it has none: pack_lora gives None, and add_lora
+    runs the dense GEMMs on the plain slots."""
+    x, y, lora_a, lora_b, _ = make_case(case, dtype)
+    packed = cpu_level.pack_lora(lora_a, lora_b, sub_outputs(case))
+    if not takes_panels(cpu_level, dtype):
+        assert packed is None
+        return
+    assert packed.a.shape[:2] == (lora_a.shape[0], -(-lora_a.shape[1] // 16))
+    n_sub, out = case[3], case[5]
+    # Each 32-output panel reads its sub-projection's rank columns only (MAX_RANK each) when parts are whole panels.
+    part = out // n_sub
+    expected_ranges = [[i * MAX_RANK, (i + 1) * MAX_RANK] for i in range(n_sub) for _ in range(part // 32)] \
+        if part % 32 == 0 else [[0, n_sub * MAX_RANK]] * (out // 32)
+    assert packed.k_ranges.tolist() == expected_ranges
+    def no_torch_gemm():
+        patch = monkeypatch.context()
+        with patch as p:
+            p.setattr(torch.Tensor, "__matmul__", lambda *a: pytest.fail("a GEMM through torch on a small step"))
+            p.setattr(torch.Tensor, "addmm_", lambda *a, **k: pytest.fail("a GEMM through torch on a small step"))
+            yield
+    for packed in ("blocks", True):
+        check(cpu_level, case, dtype, packed=packed, forbid=contextlib.contextmanager(no_torch_gemm))
+
+
+def test_cpu_panels_follow_each_install(cpu_ops):
+    """A slot given another adapter (another rank, another slot's values) and repacked: the next step reads the new
+    one; the other slots are untouched."""
+    case = CASES[0]
+    x, y, lora_a, lora_b, slots = make_case(case, torch.float32)
+    packed = packed_slots(cpu_ops, lora_a, lora_b)
+    if packed is None:
+        assert not takes_panels(cpu_ops, torch.float32)
+        return
+    g = torch.Generator().manual_seed(5)
+    lora_a[2].zero_()
+    lora_b[2].zero_()
+    lora_a[2, :4] = torch.randn(4, lora_a.shape[2], generator=g)
+    lora_b[2, :, :4] = torch.randn(lora_b.shape[1], 4, generator=g)
+    groups = reference.lora_groups(slots, "cpu")
+    stale = cpu_ops.add_lora(x, y.clone(), lora_a, lora_b, groups, packed)
+    cpu_ops.repack_lora(packed, 2, lora_a, lora_b)
+    fresh = cpu_ops.add_lora(x, y.clone(), lora_a, lora_b, groups, packed)
+    expected = reference.add_lora(x, y.clone(), lora_a, lora_b, groups)
+    torch.testing.assert_close(fresh, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(stale[slots == 2], expected[slots == 2], atol=1e-3)
+    torch.testing.assert_close(stale[slots != 2], expected[slots != 2], atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_large_steps_take_the_dense_gemms(cpu_ops, monkeypatch):
+    """Past cpu_lora.PANEL_ROWS rows per adapter of the step the dense GEMMs run (their library rate wins there); up
+    to it, the panels."""
+    g = torch.Generator().manual_seed(3)
+    lora_a, lora_b = torch.randn(2, 16, 64, generator=g) / 8, torch.randn(2, 64, 16, generator=g) / 4
+    packed = packed_slots(cpu_ops, lora_a, lora_b)
+    if packed is None:
+        assert not takes_panels(cpu_ops, torch.float32)
+        return
+    calls = []
+    kernel = cpu_ops.ext.lora_panels_add
+    monkeypatch.setattr(cpu_ops.ext, "lora_panels_add", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    for rows, adapters, panels in [(cpu_lora.PANEL_ROWS, 1, True), (cpu_lora.PANEL_ROWS + 1, 1, False),
+                                   (cpu_lora.PANEL_ROWS + 1, 2, True), (2 * cpu_lora.PANEL_ROWS + 1, 2, False)]:
+        x, y = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g)
+        groups = reference.lora_groups(torch.arange(rows) % adapters, "cpu")
+        calls.clear()
+        ours = cpu_ops.add_lora(x, y.clone(), lora_a, lora_b, groups, packed)
+        assert calls == ([rows] if panels else []), (rows, adapters)
+        torch.testing.assert_close(ours, reference.add_lora(x, y.clone(), lora_a, lora_b, groups), atol=1e-5,
+                                   rtol=1e-5)
+
+
+def test_panel_kernel_refuses_bad_arguments(cpu_ops):
+    g = torch.Generator().manual_seed(4)
+    lora_a, lora_b = torch.randn(2, 16, 64, generator=g), torch.randn(2, 64, 16, generator=g)
+    packed = packed_slots(cpu_ops, lora_a, lora_b)
+    if packed is None:
+        assert not takes_panels(cpu_ops, torch.float32)
+        return
+    x, y = torch.randn(3, 64), torch.randn(3, 64)
+    groups = reference.lora_groups(torch.tensor([0, 1, 1]), "cpu")
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_ops.ext.lora_panels_add(x, y, packed.a, packed.b, packed.k_ranges, torch.tensor([0, 1, 7]), groups.offsets)
+    with pytest.raises(RuntimeError, match="x \\[T, 64\\]"):
+        cpu_ops.ext.lora_panels_add(x[:, :32], y, packed.a, packed.b, packed.k_ranges, groups.rows, groups.offsets)
+    with pytest.raises(RuntimeError, match="do not match"):
+        cpu_ops.ext.lora_panels_add(x, y, packed.a, packed.b[:, :, :4].contiguous(), packed.k_ranges, groups.rows,
+                                    groups.offsets)
+    with pytest.raises(RuntimeError, match="k range"):
+        cpu_ops.ext.lora_panels_add(x, y, packed.a, packed.b, torch.tensor([[1, 4], [0, 16]], dtype=torch.int32),
+                                    groups.rows, groups.offsets)
 
 
 # ---- CUDA: the Triton kernels under the interpreter ----

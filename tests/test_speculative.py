@@ -214,6 +214,7 @@ def test_images_prompts_never_propose_placeholders_and_keep_outputs(monkeypatch,
     assert_pools_empty(spec)
 
 
+@pytest.mark.slow  # 40 s: the real model, prompt lookup and plain decoding compared
 def test_the_real_smollm2_copies_with_the_same_tokens():
     prompt = ("<|im_start|>user\nRepeat exactly: The quick brown fox jumps over the lazy dog near the river bank."
               "<|im_end|>\n<|im_start|>assistant\n")

@@ -7,7 +7,8 @@ its inputs into the buffers, pads up to the smallest bucket that holds it and re
 (slot -1) and attend to nothing (length 0), or use a reserved dummy block where the backend asks for one, and their
 hidden states are cut off. Logits and sampling run eager on the real rows. Prefill and mixed steps, steps carrying
 image embeddings, batches above the largest bucket and contexts longer than the captured block-table width run
-eager.
+eager. With LoRA on, the graphs run the adapters' updates over static buffers (every row in a slot, the base
+model's and padding rows in one kept zero), so decode steps with adapters replay as well.
 
 How a graph is captured and replayed is a backend, picked by device type from BACKENDS and given the engine's op
 table (whether its ops can be captured decides whether graphs run): CUDA's records the forward with
@@ -31,15 +32,18 @@ import torch
 from vlinfer.engine import acl_graph
 from vlinfer.engine.graph_backend import GraphModeUnavailable
 from vlinfer.layers.context import ForwardContext, ModelContext
+from vlinfer.layers.lora import LoRAStep
 from vlinfer.ops import ReferenceOps
 from vlinfer.ops.cuda import CudaOps
+from vlinfer.ops.reference import LoRAGroups, captured_lora_groups
 
 logger = logging.getLogger("vlinfer")
 
 MAX_BUCKET = 256
 # Longest context a captured graph serves when its decode attention gathers the block table's whole width (the
-# SDPA path, without flash_attn): the static width then bounds the memory a replay needs. Longer steps run eager.
-# flash_attn reads only each sequence's own blocks, so with it the graphs serve up to max_model_len.
+# reference's matmul decode, where Triton cannot load): the static width then bounds the memory a replay needs.
+# Longer steps run eager. flash_attn and our Triton kernel read only each sequence's own blocks, so with them the
+# graphs serve up to max_model_len.
 MAX_CAPTURE_LEN = 8192
 
 
@@ -51,7 +55,7 @@ class CudaGraphBackend:
         self.pool = None  # one memory pool shared by every bucket's graph (they never replay at once)
 
     def reads_only_used_blocks(self, block_size: int, dtype: torch.dtype) -> bool:
-        return self.ops.flash_decode_applies(block_size, dtype)
+        return self.ops.decode_reads_only_used_blocks(block_size, dtype)
 
     def capture(self, fn):
         torch.cuda.synchronize(self.device)
@@ -130,7 +134,10 @@ class GraphRunner:
     model's layers read each forward's metadata from `ctx`, the engine's ModelContext."""
 
     def __init__(self, model: torch.nn.Module, ctx: ModelContext, device: torch.device, backend, sizes: list[int],
-                 max_blocks: int, uses_mrope: bool, dummy_block: int | None = None, block_size: int = 0):
+                 max_blocks: int, uses_mrope: bool, dummy_block: int | None = None, block_size: int = 0,
+                 lora_slots: int = 0):
+        """lora_slots: the LoRA layers' slot count, the last one kept zero (LoRAManager zero_slot), when adapters are
+        on: every graph then runs the LoRA updates over static groups, and steps with adapters replay too; 0: none."""
         self.model, self.ctx, self.backend, self.sizes, self.max_blocks = model, ctx, backend, sizes, max_blocks
         self.host_lengths = getattr(backend, "host_lengths", False)
         n = sizes[-1]
@@ -150,12 +157,20 @@ class GraphRunner:
         self.seq_lens = torch.full((n,), self.pad_len, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per row, always
         self.block_tables = self.pad_table.clone()
+        # The step's LoRA grouping (reference.captured_lora_groups), all rows in the zero slot until a step fills it.
+        self.lora_slots = lora_slots
+        long = dict(dtype=torch.long, device=device)
+        self.lora = dict(rows=torch.arange(n, **long), token_slots=torch.zeros(n, **long),
+                         offsets=torch.zeros(lora_slots + 1, **long)) if lora_slots else None
         self.graphs: dict[int, object] = {}
         self.replays = Counter()  # bucket -> replays (tests, logs)
 
     def _forward(self, size: int) -> torch.Tensor:
+        lora = None if self.lora is None else LoRAStep(LoRAGroups(
+            self.lora["rows"][:size], self.lora["offsets"], None, self.lora["token_slots"][:size], max_rows=size))
         step = ForwardContext(slot_mapping=self.slot_mapping[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
-                              seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], decode_only=True)
+                              seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], decode_only=True,
+                              lora=lora)
         with self.ctx.stepping(step):
             return self.model(self.input_ids[:size], self.positions[..., :size])
 
@@ -164,6 +179,7 @@ class GraphRunner:
         start = time.perf_counter()
         for size in reversed(self.sizes):  # largest first: the smaller graphs fit in the memory it pooled
             fn = functools.partial(self._forward, size)
+            self._fill_lora(None, size)
             # Warm-up outside capture, on all-padding buffers (nothing is written but the dummy block): Triton
             # compiles, lazy allocations (cuBLAS workspaces) and one-time host work happen here, not in the graph.
             fn()
@@ -193,11 +209,23 @@ class GraphRunner:
         self.block_tables[:b].fill_(-1)
         self.block_tables[:b, :width].copy_(inputs.block_tables)
         self.block_tables[b:size].copy_(self.pad_table[b:size])
+        self._fill_lora(inputs.lora_slots, size)
         # inputs are host tensors: their lengths cost no device sync
         lens = (inputs.seq_lens.tolist() + [self.pad_len] * (size - b),) if self.host_lengths else ()
         hidden_states = self.graphs[size].replay(*lens)
         self.replays[size] += 1
         return hidden_states[:b]
+
+    def _fill_lora(self, slots: torch.Tensor | None, size: int) -> None:
+        """The LoRA buffers for a step of `size` rows: each real row's slot (slots, a host tensor; None: the base
+        model for all), padding in the zero slot."""
+        if self.lora is None:
+            return
+        padded = torch.full((size,), -1, dtype=torch.long)
+        if slots is not None:
+            padded[:slots.shape[0]] = slots
+        for name, value in captured_lora_groups(padded, self.lora_slots).items():
+            self.lora[name][:value.shape[0]].copy_(value)
 
 
 def dummy_blocks(backend, max_num_seqs: int, block_size: int) -> int:

@@ -37,12 +37,15 @@ def _held_by_another_rank(model: torch.nn.Module, module: str) -> bool:
     return False
 
 
-def _sub_count(layer: LinearBase) -> int:
+def _sub_outputs(layer: LinearBase) -> list[tuple[int, int]]:
+    """(first row, rows) of each sub-projection in this rank's output, in the order targets() numbers them."""
     if isinstance(layer, QKVParallelLinear):
-        return 3
-    if isinstance(layer, MergedColumnParallelLinear):
-        return len(layer.output_sizes)
-    return 1
+        shards = list("qkv")
+    elif isinstance(layer, MergedColumnParallelLinear):
+        shards = list(range(len(layer.output_sizes)))
+    else:
+        shards = [None]
+    return [layer.output_shard(shard)[1:3] for shard in shards]
 
 
 def targets(model, adapter: LoRAAdapter, layers: dict) -> list[tuple[LinearBase, int, object, torch.Tensor, torch.Tensor]]:
@@ -77,12 +80,16 @@ class LoRAManager:
     """Rank 0's manager decides which adapter sits in which slot and installs it; under tensor parallelism the
     workers install their shard of the same adapter into the same slot (ModelRunner.install_lora)."""
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int):
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int,
+                 zero_slot: bool = False):
+        """zero_slot: one slot more, never given an adapter, for the base model's rows of a captured graph step
+        (graph_runner: every row there runs some slot)."""
         self.model = model
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
+        self.num_slots = max_loras + zero_slot
         self.layers = lora_layers(model)
         for layer in self.layers.values():
-            layer.lora = LoRASlots(layer, max_loras, max_rank, _sub_count(layer))
+            layer.lora = LoRASlots(layer, self.num_slots, max_rank, _sub_outputs(layer))
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id in each slot
         self.slot_used: list[int] = [0] * max_loras  # the step that last used each slot (LRU eviction)
         self.host: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()
@@ -90,6 +97,11 @@ class LoRAManager:
         self.lock = threading.Lock()
         logger.info("LoRA on %d linear layers: %d adapters per step, rank <= %d, %d kept on the host",
                     len(self.layers), max_loras, max_rank, max_cpu_loras)
+        packed = sum(layer.lora.packed is not None for layer in self.layers.values())
+        if self.layers:
+            ops = next(iter(self.layers.values())).ops
+            logger.info("LoRA slots of %d of %d layers also kept in %s's packed layout (its kernel for small steps); "
+                        "the others' updates read the plain slots", packed, len(self.layers), ops.name)
 
     def check(self, request: LoRARequest) -> LoRAAdapter:
         """Read and validate a request's adapter (in the caller's thread): a clear ValueError naming it and why.
@@ -151,6 +163,8 @@ def install(model, layers: dict, slot: int, adapter: LoRAAdapter) -> None:
         layer.lora.clear(slot)
     for layer, index, shard_id, a, b in targets(model, adapter, layers):
         layer.lora.set_sub(layer, slot, index, shard_id, a, b, adapter.scaling)
+    for layer in layers.values():
+        layer.lora.repack(slot)
 
 
 def step_groups(slots: torch.Tensor, device) -> LoRAStep | None:

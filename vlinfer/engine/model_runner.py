@@ -100,8 +100,8 @@ class ModelRunner:
         self.dummy_block: int | None = None
         # LoRA slots on the model's linears (every rank: workers install their shard of each adapter; the vision
         # tower's, on rank 0 alone).
-        self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank,
-                                config.max_cpu_loras or config.max_loras) if config.enable_lora else None
+        self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras,
+                                zero_slot=self.graph_backend is not None) if config.enable_lora else None
         if ctx.kv_cache_quantized:
             self._log_kv_cache_reader()
 
@@ -176,7 +176,8 @@ class ModelRunner:
         sizes = graph_runner.batch_sizes(resolved.max_num_seqs)
         width = graph_runner.blocks_for(self.graph_backend, resolved.max_model_len, self.block_size, self.dtype)
         graphs = graph_runner.GraphRunner(self.model, self.ctx, self.device, self.graph_backend, sizes, width,
-                                          self.uses_mrope, self.dummy_block, self.block_size)
+                                          self.uses_mrope, self.dummy_block, self.block_size,
+                                          self.lora.num_slots if self.lora else 0)
         try:
             graphs.capture()
         except Exception as e:  # out of memory after the KV pool, an op that syncs, ...
@@ -303,8 +304,8 @@ class ModelRunner:
         layers' collectives keep them in step (the pooled rows need none: the hidden states are whole on every
         rank)."""
         dev = self.device
-        if self.graphs is not None and inputs.lora_slots is None and self.graphs.can_run(inputs):
-            hidden_states = self.graphs.run(inputs)  # a step with adapters runs eager: captured steps have none
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            hidden_states = self.graphs.run(inputs)
         else:
             step = ForwardContext(
                 slot_mapping=inputs.slot_mapping.to(dev),

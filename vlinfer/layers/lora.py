@@ -31,8 +31,10 @@ class LoRAStep:
 
 
 class LoRASlots(nn.Module):
-    def __init__(self, layer, max_loras: int, max_rank: int, num_sub: int):
+    def __init__(self, layer, max_loras: int, max_rank: int, sub_outputs: list[tuple[int, int]]):
+        """sub_outputs: (first row, rows) of each sub-projection's part of this rank's output, in sub order."""
         super().__init__()
+        num_sub = len(sub_outputs)
         self.max_rank, self.num_sub = max_rank, num_sub
         self.ops = layer.ops  # the engine's op table: add_lora runs on it
         dtype, device = layer.params_dtype, next(layer.parameters()).device
@@ -41,6 +43,12 @@ class LoRASlots(nn.Module):
         # contiguous as a [R, out] matrix, and all slots' as one [S * R, out] (the CPU op's dense expand).
         self.b = torch.zeros(max_loras, num_sub * max_rank, layer.output_size, dtype=dtype,
                              device=device).transpose(1, 2)
+        self.packed = self.ops.pack_lora(self.a, self.b, sub_outputs)  # the op table's own copy, or None
+
+    def repack(self, slot: int) -> None:
+        """Refresh the op table's copy of `slot` after an adapter was installed there (clear + set_sub)."""
+        if self.packed is not None:
+            self.ops.repack_lora(self.packed, slot, self.a, self.b)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -64,4 +72,4 @@ class LoRASlots(nn.Module):
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> torch.Tensor:
         """y + each row's adapter update: x [T, in], y [T, out] (ops add_lora, in place)."""
-        return self.ops.add_lora(x, y, self.a, self.b, step.groups)
+        return self.ops.add_lora(x, y, self.a, self.b, step.groups, self.packed)

@@ -45,7 +45,8 @@ from vlinfer.ops.reference import ReferenceOps
 logger = logging.getLogger("vlinfer")
 SOURCES = tuple(os.path.join(CPU_KERNEL_DIR, name) for name in ("paged_ops.cpp", "attention_bf16.cpp",
                                                                  "moe_experts.cpp", "panel_linear.cpp",
-                                                                 "decode_layer.cpp", "kv_quant.cpp"))
+                                                                 "decode_layer.cpp", "kv_quant.cpp",
+                                                                 "lora_panels.cpp"))
 # dtypes whose prepacked linear oneDNN runs (bf16 needs AVX512-BF16 or AMX, checked at packing time)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Largest panel (32 x K weights) a dense linear takes panels for: the 8-row tiles re-read it from L2 (1 MB here);
@@ -243,9 +244,14 @@ class CpuOps(ReferenceOps):
     def pack_moe_weights(self, w13, w2):
         return cpu_moe.pack_moe_weights(w13, w2, panels=self.moe_panels)
 
-    def add_lora(self, x, y, lora_a, lora_b, groups):
-        """Two dense GEMMs over the step's used slots, other slots' columns masked (ops/cpu_lora.py)."""
-        return cpu_lora.add_lora(x, y, lora_a, lora_b, groups, self._lora_masks)
+    def pack_lora(self, lora_a, lora_b, sub_outputs):
+        return cpu_lora.pack(lora_a, lora_b, sub_outputs, bool(self.ext.panel_linear_available(lora_a.dtype)))
+
+    repack_lora = staticmethod(cpu_lora.repack_slot)
+
+    def add_lora(self, x, y, lora_a, lora_b, groups, packed=None):
+        """Small steps on the slots' panels, else dense GEMMs over the used slots (ops/cpu_lora.py)."""
+        return cpu_lora.add_lora(self.ext, x, y, lora_a, lora_b, groups, self._lora_masks, packed)
 
     # Quantized linears: our GGUF block kernel for per-channel int8, torch's int4 CPU kernel and oneDNN's int8 GEMM
     # (ops/cpu_quant.py).

@@ -6,13 +6,13 @@ import torch
 PANEL = 32  # outputs per panel
 
 
-def to_panels(w: torch.Tensor) -> torch.Tensor:
+def to_panels(w: torch.Tensor, width: int = PANEL) -> torch.Tensor:
     """[..., N, K] -> [..., N / 32, K, 32] (float32) or [..., N / 32, K / 2, 32, 2] (bf16); N a multiple of 32, K
-    even for bf16."""
+    even for bf16. width: outputs per panel other than 32 (the LoRA shrink's 16, kernels/cpu/lora_panels.cpp)."""
     *lead, n, k = w.shape
     if w.dtype == torch.bfloat16:
-        return w.reshape(*lead, n // PANEL, PANEL, k // 2, 2).transpose(-3, -2).contiguous()
-    return w.reshape(*lead, n // PANEL, PANEL, k).transpose(-2, -1).contiguous()
+        return w.reshape(*lead, n // width, width, k // 2, 2).transpose(-3, -2).contiguous()
+    return w.reshape(*lead, n // width, width, k).transpose(-2, -1).contiguous()
 
 
 def plain_shape(panels: torch.Tensor) -> torch.Size:

@@ -1,5 +1,5 @@
 """CUDA implementation of the attention ops: our Triton KV cache write (kernels/triton/store_kvcache.py),
-FlashAttention's varlen and paged-KV calls where `flash_attn` is installed, torch SDPA / matmuls otherwise; the fused
+FlashAttention's varlen and paged-KV calls where `flash_attn` is installed, our Triton attention otherwise; the fused
 MoE on our Triton kernels (ops/cuda_moe.py, kernels/triton/fused_moe.py), loaded when an MoE layer first asks; LoRA
 on our Triton shrink / expand (ops/cuda_lora.py, kernels/triton/lora.py), loaded when a LoRA layer first runs. Rotary,
 norms and SwiGLU stay on the pure-torch reference, which on CUDA is a handful of elementwise kernels.
@@ -8,12 +8,15 @@ norms and SwiGLU stay on the pure-torch reference, which on CUDA is a handful of
   documented constraint for flash_attn_with_kvcache and the paged flash_attn_varlen_func, flash-attn 2.x).
   platform.default_block_size picks 256 on CUDA when flash_attn is installed; with another block size, or a float32
   model (flash_attn takes fp16/bf16), attention runs the SDPA path instead, logged once per engine.
+- Without flash_attn, or where it does not apply: our Triton attention (kernels/triton/paged_attention.py): one
+  launch for a step's prefill chunks, prefix hits and decodes, reading each sequence's own blocks, split over the
+  keys for decode steps with few sequences; and the vision tower's packed images in one launch.
 - Graph safety: a decode-only batch is recognised from shapes alone (T == B: every sequence brings one token, none
   brings zero), and its attention takes no device->host sync and no data-dependent shape: flash_attn_with_kvcache
-  with cache_seqlens and the block table, or a matmul over the block table's whole width masked by seq_lens. With
-  the Triton cache write, a decode step can therefore be captured in a CUDA graph (vlinfer/engine/graph_runner.py).
-  Prefill and mixed steps read host lengths (max_seqlen_q/k) once per step and run eager.
-- Triton missing or failing on this machine: a warning, and the reference cache write (which syncs: no graphs).
+  with cache_seqlens and the block table, or our kernel (its grid and splits from shapes). With the Triton cache
+  write, a decode step can therefore be captured in a CUDA graph (vlinfer/engine/graph_runner.py).
+- Triton missing or failing on this machine: a warning, and the reference cache write (which syncs: no graphs) and
+  attention (a matmul over the block table's whole width for decode, SDPA per sequence or image otherwise).
 
 Run on a GPU once (an H200, 2026-11-29, torch 2.11, Triton 3.6, no flash_attn: the Triton cache write, SDPA and
 the sync-free matmul decode, with CUDA graphs): the engine tests pass there (bench/cuda_check.sh). The flash_attn
@@ -65,6 +68,13 @@ class CudaOps(ReferenceOps):
             "writing the cache with the pure-torch reference, which syncs with the host, so decode steps cannot run "
             "in CUDA graphs")
 
+        # Our paged and varlen attention: where flash_attn is missing or does not apply. At start: graph capture and
+        # its table width depend on it.
+        self._attention = self._triton.get(
+            "paged_attention", lambda: _checked_attention(device), "paged attention",
+            "attention runs the pure-torch reference (decode: a matmul over the block table's whole width; prefill: "
+            "SDPA per sequence with a host sync; the vision tower: SDPA per image)")
+        ours = "our Triton kernels" if self._attention is not None else "the pure-torch reference"
         try:
             import flash_attn
             self._flash = flash_attn  # the check runs the real call paths, which read it
@@ -72,17 +82,16 @@ class CudaOps(ReferenceOps):
             self.features["attention"] = "flash_attn"
         except Exception as e:
             self._flash = None
-            self.features["attention"] = "sdpa"
+            self.features["attention"] = "triton" if self._attention is not None else "reference"
             if isinstance(e, ModuleNotFoundError) and e.name == "flash_attn":
-                logger.info("ops[cuda]: flash_attn not installed; attention runs torch SDPA and matmuls")
+                logger.info("ops[cuda]: flash_attn not installed; attention runs %s", ours)
             else:  # installed but broken: built for another torch or GPU, a missing dependency, wrong results, ...
-                logger.warning("ops[cuda]: flash_attn unusable (%s); attention runs torch SDPA and matmuls",
-                               error_reason(e))
+                logger.warning("ops[cuda]: flash_attn unusable (%s); attention runs %s", error_reason(e), ours)
         self._step.reset()  # drop the check's tensors
         logger.info("ops[cuda]: cache write %s; attention %s", self.features["cache_write"],
                     f"flash_attn {getattr(self._flash, '__version__', '')} (paged: block sizes that are multiples of "
-                    f"{FLASH_BLOCK_MULTIPLE}; others and float32 run SDPA)" if self._flash is not None
-                    else "SDPA (prefill) + sync-free matmul decode over the block table")
+                    f"{FLASH_BLOCK_MULTIPLE}; others and float32 run {ours})" if self._flash is not None
+                    else f"{ours} (prefill, decode and the vision tower)")
 
     def _check_flash(self, device: torch.device) -> None:
         """A decode and a prefill chunk after a cached prefix over a 256-token paged cache, against the reference."""
@@ -138,7 +147,7 @@ class CudaOps(ReferenceOps):
 
     # ---- LoRA (vlinfer/ops/cuda_lora.py, kernels/triton/lora.py) ----
 
-    def add_lora(self, x, y, lora_a, lora_b, groups):
+    def add_lora(self, x, y, lora_a, lora_b, groups, packed=None):
         kernel = self._triton.get("lora", lambda: cuda_lora.checked_kernel(torch.device(self.device_type)),
                                   "LoRA shrink / expand", "LoRA updates run the pure-torch reference (one "
                                   "shrink-expand per adapter)")
@@ -170,10 +179,11 @@ class CudaOps(ReferenceOps):
 
     # ---- paged attention ----
 
-    def flash_decode_applies(self, block_size: int, dtype: torch.dtype) -> bool:
-        """Whether decode attention runs flash_attn (reading only each sequence's blocks) rather than the matmul
-        over the block table's whole width."""
-        return self._flash is not None and block_size % FLASH_BLOCK_MULTIPLE == 0 and dtype in HALF_DTYPES
+    def decode_reads_only_used_blocks(self, block_size: int, dtype: torch.dtype) -> bool:
+        """Whether decode attention reads only each sequence's own blocks (flash_attn where it applies, our Triton
+        kernel) rather than the reference's matmul over the block table's whole width."""
+        flash = self._flash is not None and block_size % FLASH_BLOCK_MULTIPLE == 0 and dtype in HALF_DTYPES
+        return flash or self._attention is not None
 
     def _flash_usable(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         if self._flash is None:
@@ -189,7 +199,8 @@ class CudaOps(ReferenceOps):
             return True
         if why not in self._warned:
             self._warned.add(why)
-            logger.warning("ops[cuda]: paged attention runs SDPA, not flash_attn: %s", why)
+            logger.warning("ops[cuda]: paged attention runs %s, not flash_attn: %s",
+                           "our Triton kernel" if self._attention is not None else "the pure-torch reference", why)
         return False
 
     def paged_attention(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
@@ -200,7 +211,9 @@ class CudaOps(ReferenceOps):
             if decode_only:
                 return self._flash_decode(q, k_cache, v_cache, seq_lens, block_tables, scale)
             return self._flash_varlen(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
-        if decode_only:
+        if self._attention is not None:
+            return self._attention.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+        if decode_only:  # no Triton (warned at start): the sync-free gather, then the reference
             return decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale)
         return reference.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
 
@@ -253,8 +266,11 @@ class CudaOps(ReferenceOps):
 
     def varlen_attention(self, q, k, v, cu_seqlens, scale):
         """Bidirectional attention within each packed segment: flash_attn_varlen_func (causal=False) when installed
-        and the dtype is half, else the reference (SDPA per segment)."""
+        and the dtype is half, else our Triton kernel (every segment in one launch), else the reference (SDPA per
+        segment)."""
         if self._flash is None or q.dtype not in HALF_DTYPES:
+            if self._attention is not None:
+                return self._attention.varlen_attention(q, k, v, cu_seqlens, scale)
             return reference.varlen_attention(q, k, v, cu_seqlens, scale)
         cu = cu_seqlens.to(torch.int32)
         max_len = self._varlen_step.get(_max_segment, cu_seqlens)
@@ -277,6 +293,25 @@ def _checked_cache_write(device: torch.device):
     if not (torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])):
         raise RuntimeError("the Triton cache write did not match the reference")
     return store
+
+
+def _checked_attention(device: torch.device):
+    """Our Triton attention module (kernels/triton/paged_attention.py), after one mixed step (a prefill chunk after a
+    cached prefix, a decode, a graph's empty row) with GQA, its keys split in two (the split-KV path and its combine),
+    compared with the reference. One launch pair: engines are built often in the tests, under the interpreter."""
+    module = load_triton_module("paged_attention")
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(4, 16, 2, 32, generator=g).to(device) for _ in range(2))
+    q = torch.randn(5, 4, 32, generator=g).to(device)
+    cu = torch.tensor([0, 3, 4, 5, 5], dtype=torch.int32, device=device)
+    lens = torch.tensor([20, 2, 30, 0], dtype=torch.int32, device=device)
+    tables = torch.tensor([[1, 0], [2, -1], [3, 1], [-1, -1]], dtype=torch.int32, device=device)
+    ours = module.paged_attention(q, k_cache, v_cache, cu, lens, tables, 0.125, splits=2)
+    expected = reference.paged_attention(q, k_cache, v_cache, cu, lens, tables, 0.125)
+    err = ((ours.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+    if not err < 1e-3:
+        raise RuntimeError(f"the Triton attention is off from the reference by {err:.3g}")
+    return module
 
 
 def _checked_quantized_cache(device: torch.device):

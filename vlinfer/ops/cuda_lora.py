@@ -1,6 +1,6 @@
 """The LoRA op for CUDA: our Triton shrink and expand kernels (kernels/triton/lora.py) behind reference.add_lora's
-contract, on the step's reference.LoRAGroups as they come (rows sorted by slot, device offsets; the longest segment
-from the host segments, so no host sync).
+contract, on the step's reference.LoRAGroups as they come (rows sorted by slot, device offsets; the grid from the
+host bound on the longest segment, so no host sync: a captured CUDA graph step runs it too).
 
 CudaOps loads and checks the kernels the first time a LoRA layer runs (triton_source.TritonKernels), not at engine
 start: an engine without adapters pays nothing. A Triton that is missing or fails the check is a warning, and the
@@ -34,5 +34,4 @@ def checked_kernel(device: torch.device):
 
 def add_lora(kernel, x, y, lora_a, lora_b, groups: reference.LoRAGroups, config: dict | None = None):
     """reference.add_lora on the Triton kernels."""
-    max_rows = max(count for _, _, count in groups.segments)
-    return kernel(x, y, lora_a, lora_b, groups.rows, groups.offsets, max_rows, config)
+    return kernel(x, y, lora_a, lora_b, groups.rows, groups.offsets, groups.max_rows, config)

@@ -359,7 +359,7 @@ class NpuOps(ReferenceOps):
     def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, expert_offset=0):
         return npu_moe.fused_moe(self._torch_npu, x, router_logits, w13, w2, top_k, renormalize, expert_offset)
 
-    def add_lora(self, x, y, lora_a, lora_b, groups):
+    def add_lora(self, x, y, lora_a, lora_b, groups, packed=None):
         return npu_lora.add_lora(self._torch_npu, x, y, lora_a, lora_b, groups)  # §7.8
 
     def pack_moe_weights(self, w13, w2):

@@ -162,13 +162,23 @@ class LoRAGroups:
     adapter covers every token of the step (N = T, the rows are 0..T-1: nothing to gather).
     offsets: int64 [S + 1] on the device, cumulative row counts of slots 0..S-1, S = the highest slot used + 1 (a
     slot with no row has an empty range): the segment bounds a grouped GEMM or a kernel reads without a host sync.
-    segments: (slot, start, count) on the host for each slot with rows, slot ascending.
+    segments: (slot, start, count) on the host for each slot with rows, slot ascending; None in a captured graph's
+    step (captured_lora_groups), whose grouping only the device holds.
     token_slots: int64 [T] on the device, each token's slot (-1: the base model), for kernels that mask instead of
-    gathering."""
+    gathering.
+    max_rows: the most rows of one slot, or a bound on it (host): a kernel's grid."""
     rows: torch.Tensor | None
     offsets: torch.Tensor
-    segments: tuple[tuple[int, int, int], ...]
+    segments: tuple[tuple[int, int, int], ...] | None
     token_slots: torch.Tensor
+    max_rows: int
+
+    def host_segments(self) -> tuple[tuple[int, int, int], ...]:
+        """segments, for implementations that group on the host; a captured step has none to give."""
+        if self.segments is None:
+            raise ValueError("LoRA groups of a captured graph step have no host segments: only a device-side add_lora "
+                             "(CUDA, NPU) runs them")
+        return self.segments
 
     def merged(self, factor: int) -> "LoRAGroups":
         """The same groups over rows merged `factor` to one, when each slot's rows are whole aligned runs of
@@ -176,7 +186,7 @@ class LoRAGroups:
         rows = None if self.rows is None else self.rows[::factor] // factor
         return LoRAGroups(rows, self.offsets // factor,
                           tuple((slot, start // factor, count // factor) for slot, start, count in self.segments),
-                          self.token_slots[::factor])
+                          self.token_slots[::factor], self.max_rows // factor)
 
 
 def lora_groups(slots: torch.Tensor, device) -> LoRAGroups | None:
@@ -190,17 +200,28 @@ def lora_groups(slots: torch.Tensor, device) -> LoRAGroups | None:
     segments = tuple((s, int(offsets[s]), int(counts[s])) for s in counts.nonzero().flatten().tolist())
     whole = len(segments) == 1 and used.numel() == slots.numel()
     rows = None if whole else used[torch.argsort(slots[used], stable=True)].to(device)
-    return LoRAGroups(rows, offsets.to(device), segments, slots.to(device))
+    return LoRAGroups(rows, offsets.to(device), segments, slots.to(device), int(counts.max()))
+
+
+def captured_lora_groups(slots: torch.Tensor, num_slots: int) -> dict[str, torch.Tensor]:
+    """A captured graph step's grouping (host tensors the graph runner copies into its static buffers): every row
+    in a slot, the base model's and padding rows (-1) in slot num_slots - 1, which the engine keeps zero (its update
+    adds 0), so the shapes are the bucket's whatever the adapters. rows [T], offsets [num_slots + 1], token_slots
+    [T]."""
+    slots = slots.masked_fill(slots < 0, num_slots - 1)
+    offsets = F.pad(torch.bincount(slots, minlength=num_slots).cumsum(0), (1, 0))
+    return dict(rows=torch.argsort(slots, stable=True), offsets=offsets, token_slots=slots)
 
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             groups: LoRAGroups) -> torch.Tensor:
+             groups: LoRAGroups, packed=None) -> torch.Tensor:
     """y[t] += (x[t] @ lora_a[s].T) @ lora_b[s].T for each token t of slot s in groups, in place; returns y.
 
     x [T, in], y [T, out] (the base layer's output); lora_a [max_loras, R, in], lora_b [max_loras, out, R], the
     slots' shrink and expand (layers/lora.py: R = n_sub * max_rank, the scaling folded into lora_b). The shrink is
-    rounded to x's dtype before the expand. Tokens of no slot keep y."""
-    for slot, start, count in groups.segments:
+    rounded to x's dtype before the expand. Tokens of no slot keep y. packed: an implementation's own copy of the
+    same slots (its pack_lora; None here)."""
+    for slot, start, count in groups.host_segments():
         a, b = lora_a[slot], lora_b[slot]
         if groups.rows is None:
             y.add_((x @ a.T) @ b.T)
@@ -242,6 +263,16 @@ class ReferenceOps:
     apply_token_bitmask = staticmethod(token_bitmask_reference.apply_token_bitmask)
     # LoRA: each token's adapter update after the base layer, grouped by adapter slot (layers/lora.py).
     add_lora = staticmethod(add_lora)
+
+    def pack_lora(self, lora_a: torch.Tensor, lora_b: torch.Tensor, sub_outputs: list[tuple[int, int]]):
+        """This table's own layout of a layer's LoRA slots (lora_a / lora_b as add_lora takes them, all zero;
+        sub_outputs: each sub-projection's (first output row, rows), layers/lora.py), passed back to add_lora as
+        `packed` and refreshed by repack_lora when a slot changes; None where add_lora reads the plain slots (the
+        reference, CUDA, NPU)."""
+        return None
+
+    def repack_lora(self, packed, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+        """Copy `slot` of the plain slots into `packed` (pack_lora's), after an adapter was installed there."""
 
     def pack_moe_weights(self, w13: torch.Tensor, w2: torch.Tensor):
         """(w13, w2) in the layout this implementation's `fused_moe` runs fastest on, or None to keep them as they
