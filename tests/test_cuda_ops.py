@@ -447,16 +447,16 @@ def test_triton_paged_attention_over_the_compute_dtype_equals_reference(triton_i
 
 # ---- our Triton attention over the compute dtype: the grid (issue 40), under the interpreter ----
 
-# Every block size, head dim and GQA group of the grid at least once, each dtype twice (the interpreter runs a case in
-# 0.4-2.5 s, so the default suite takes a covering set and the slow tier the whole product).
-COVER = [(16, 64, 1, torch.float32), (32, 80, 2, torch.bfloat16), (64, 96, 4, torch.float16),
-         (128, 128, 8, torch.float32), (256, 256, 1, torch.bfloat16), (16, 256, 8, torch.float16)]
+BLOCK_SIZES = [16, 32, 64, 128, 256]
+HEAD_DIM_GQA = [(64, 1), (80, 2), (96, 4), (128, 8), (256, 1), (64, 8)]
 # Prefill from scratch, a chunk after a cached prefix crossing a block edge, decodes at and past a block edge, a
 # one-token sequence, and a graph's empty row (seq_len 0, its table all -1), in one launch; tables one block wider
 # than needed (-1 ids past each sequence's end).
 SMALL_BATCH = ([7, 5, 1, 1, 1, 1], [7, 40, 16, 33, 1, 0])
-# The slow tier's batches: query lengths to 512, contexts to 4096.
-LARGE_BATCHES = [([512], [700]), ([1] * 3, [4096, 1, 2049]), ([33, 1, 200], [33, 3000, 900])]
+# Query lengths to 512, contexts to 4096: a long prefill over a prefix, long and short decodes beside an empty row,
+# prefill chunks and a decode mixed.
+LARGE_BATCHES = {"prefill-512": ([512, 1], [700, 1]), "decode-4096": ([1] * 4, [4096, 1, 2049, 0]),
+                 "mixed": ([33, 1, 200], [33, 3000, 900])}
 
 
 def check_attention(ops, q_lens, kv_lens, block_size, head_dim, gqa, dtype):
@@ -476,31 +476,34 @@ def check_attention(ops, q_lens, kv_lens, block_size, head_dim, gqa, dtype):
     assert (ours[~rows] == 0).all()  # an empty row gives zeros, not NaN
 
 
-@pytest.mark.parametrize("block_size, head_dim, gqa, dtype", COVER, ids=lambda v: DTYPE_IDS.get(v, str(v)))
-def test_triton_attention_grid_equals_reference(triton_interpreted, block_size, head_dim, gqa, dtype):
-    """The engine's dispatch (no flash_attn here) runs our kernel; prefill, prefix hits and decodes in one launch."""
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim, gqa", HEAD_DIM_GQA)
+def test_triton_attention_grid_equals_reference(triton_interpreted, block_size, head_dim, gqa):
+    """The engine's dispatch (no flash_attn here) runs our kernel; prefill, prefix hits and decodes in one launch.
+    Every block size with every head dim / GQA pair, the dtype in turn (each dtype meets every block size)."""
     assert triton_interpreted.features["attention"] == "triton"
+    dtype = (torch.float32, torch.bfloat16, torch.float16)[(block_size // 16 + head_dim // 16 + gqa) % 3]
     check_attention(triton_interpreted, *SMALL_BATCH, block_size, head_dim, gqa, dtype)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
-@pytest.mark.parametrize("head_dim, gqa", [(64, 1), (80, 2), (96, 4), (128, 8), (256, 1), (64, 8)])
-def test_triton_attention_whole_grid_equals_reference(triton_interpreted, block_size, head_dim, gqa):
-    """Every block size with every head dim / GQA pair on the small batch, the dtype in turn; and where the turn
-    comes to it (6 of the 30 cases, each head dim / GQA pair once), one large batch too: query lengths to 512,
-    contexts to 4096 (10-20 s each under the interpreter)."""
-    turn = block_size // 16 + head_dim // 16 + gqa
-    dtype = (torch.float32, torch.bfloat16, torch.float16)[turn % 3]
-    check_attention(triton_interpreted, *SMALL_BATCH, block_size, head_dim, gqa, dtype)
-    if [16, 32, 64, 128, 256].index(block_size) == [(64, 1), (80, 2), (96, 4), (128, 8), (256, 1),
-                                                     (64, 8)].index((head_dim, gqa)) % 5:
-        q_lens, kv_lens = LARGE_BATCHES[turn % len(LARGE_BATCHES)]
-        check_attention(triton_interpreted, q_lens, kv_lens, block_size, head_dim, gqa, dtype)
+# Each large batch at a few block sizes / head dims / dtypes; small blocks and 8-query-head groups (many programs and
+# block iterations: 7-20 s each under the interpreter) in the slow tier.
+LARGE_CASES = [("prefill-512", 256, 80, 2, torch.float32), ("prefill-512", 128, 64, 1, torch.bfloat16),
+               ("decode-4096", 128, 64, 1, torch.float16), ("decode-4096", 256, 256, 1, torch.bfloat16),
+               ("decode-4096", 64, 128, 8, torch.float32), ("mixed", 128, 96, 4, torch.float32)] + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in [
+        ("prefill-512", 16, 64, 1, torch.float32), ("prefill-512", 64, 128, 8, torch.bfloat16),
+        ("mixed", 16, 80, 2, torch.bfloat16), ("mixed", 32, 64, 8, torch.float16)]]
 
 
-@pytest.mark.parametrize("splits, kv_lens", [(4, [1000, 1, 0])] + [pytest.param(
-    s, lens, marks=pytest.mark.slow) for s, lens in ((2, [1, 4096]), (16, [300, 33, 1, 0]), (8, [2048, 2048]))])
+@pytest.mark.parametrize("batch, block_size, head_dim, gqa, dtype", LARGE_CASES,
+                         ids=lambda v: DTYPE_IDS.get(v, str(v)))
+def test_triton_attention_large_batches_equal_reference(triton_interpreted, batch, block_size, head_dim, gqa, dtype):
+    check_attention(triton_interpreted, *LARGE_BATCHES[batch], block_size, head_dim, gqa, dtype)
+
+
+@pytest.mark.parametrize("splits, kv_lens", [(4, [1000, 1, 0]), (2, [1, 4096]), (16, [300, 33, 1, 0]),
+                                             (8, [2048, 2048])])
 def test_triton_split_kv_decode_equals_reference(triton_interpreted, kv_lens, splits):
     """Split-KV (flash-decoding) decode, splits past a short sequence's end (nothing to read), an empty row (a
     graph's padding: zeros, not NaN); the same output as one split."""

@@ -19,12 +19,8 @@ import triton.language as tl
 
 # The kernels call no jit helpers of triton.language (tl.zeros, tl.zeros_like, tl.max, tl.cdiv): the interpreter
 # cannot run those when triton was imported before TRITON_INTERPRET was set (a test process that imported it for
-# another kernel first), so zeros come from tl.full and the row maximum from tl.reduce with our own combine.
-@triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
+# another kernel first), so zeros come from tl.full and the row maximum from tl.reduce with triton's own combine
+# (which the interpreter reduces with numpy; kernels/triton/paged_attention.py says the same).
 @triton.jit
 def _round_half_even(v):
     r = tl.floor(v + 0.5)
@@ -40,7 +36,7 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_x, BLOCK_M:
     cols = tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = tl.reduce(tl.abs(x), 1, _maximum) / 127.0
+    scale = tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max) / 127.0
     safe = tl.where(scale > 0, scale, 1.0)
     q = _round_half_even(tl.math.div_rn(x, tl.full((BLOCK_M, BLOCK_K), 0.0, tl.float32) + safe[:, None]))
     q = tl.minimum(tl.maximum(q, -128.0), 127.0)

@@ -19,17 +19,9 @@ import triton.language as tl
 
 SCALE_NONE, SCALE_PER_TENSOR, SCALE_PER_ROW = 0, 1, 2
 
-
-# No jit helpers of triton.language (tl.max, tl.sum, tl.zeros): the interpreter cannot run those when triton was
-# imported before TRITON_INTERPRET was set (kernels/triton/int8_gemm.py says the same); our own combines instead.
-@triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
+# Reductions through tl.reduce with triton's own combines, not tl.max / tl.sum: those are jit helpers the interpreter
+# cannot run when triton was imported before TRITON_INTERPRET was set, and the interpreter reduces these two combines
+# with numpy (a combine of our own it runs element by element in Python).
 
 
 @triton.jit
@@ -120,11 +112,11 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_p
         else:
             allowed = key_valid[None, :]
         s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _maximum))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet (or none at all)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.reduce(p, 1, _add)
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
@@ -151,13 +143,13 @@ def _combine_splits(part_ptr, lse_ptr, out_ptr, part_stride_t, part_stride_h, ou
     splits = tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, BLOCK_D)
     lse = tl.load(lse_ptr + (token * NUM_HEADS + head) * NUM_SPLITS + splits)
-    top = tl.reduce(lse, 0, _maximum)
+    top = tl.reduce(lse, 0, tl.standard._elementwise_max)
     top = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.exp(lse - top)
     part = tl.load(part_ptr + token * part_stride_t + head * part_stride_h + splits[:, None] * BLOCK_D
                    + dims[None, :], mask=dims[None, :] < HEAD_DIM, other=0.0)
-    total = tl.reduce(weight, 0, _add)
-    out = tl.reduce(part * weight[:, None], 0, _add) / tl.where(total > 0, total, 1.0)
+    total = tl.reduce(weight, 0, tl.standard._sum_combine)
+    out = tl.reduce(part * weight[:, None], 0, tl.standard._sum_combine) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + token * out_stride_t + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
 

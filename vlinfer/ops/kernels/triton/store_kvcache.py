@@ -60,13 +60,8 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 # ---- the write into a cache of another dtype (kv_cache_dtype; ops/kv_quant_reference.py defines the rows) ----
 # No jit helpers of triton.language (tl.max, tl.zeros): the interpreter cannot run those when triton was imported
-# before TRITON_INTERPRET was set (kernels/triton/int8_gemm.py says the same), so reductions use our own combine.
-
-@triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
+# before TRITON_INTERPRET was set (kernels/triton/paged_attention.py says the same), so reductions go through tl.reduce
+# with triton's own combine.
 @triton.jit
 def _float_bits(y, MANTISSA: tl.constexpr, BIAS: tl.constexpr, SIGN: tl.constexpr):
     """float32 y (within the format's range) -> the bits of a smaller float (e4m3fn: MANTISSA 3, BIAS 7, SIGN 0x80;
@@ -125,7 +120,8 @@ def _store_kvcache_quantized_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr
             cache_ptr, scale_ptr = v_cache_ptr, v_scale_ptr
         x = x.to(tl.float32)
         if INT8:  # a scale per row (token and KV head), written beside it
-            row_scale = tl.maximum(tl.reduce(tl.abs(x), 1, _maximum) / 127.0, 1.1754943508222875e-38)
+            row_max = tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max)
+            row_scale = tl.maximum(row_max / 127.0, 1.1754943508222875e-38)
             # torch.round's rule, ties to even; exact for |y| < 2**23, where floor and the fraction left are exact.
             y = x / row_scale[:, None]
             low = tl.floor(y)
