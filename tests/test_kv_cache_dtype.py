@@ -245,11 +245,11 @@ def kernel_ops(request):
 @pytest.mark.parametrize("head_dim", [64, 128, 48])  # the AVX-512 readers' two widths, and the plain loops'
 def test_cpu_kernels_write_and_read_as_the_reference(kernel_ops, name, dtype, head_dim):
     """The compiled cache write equals the reference's rows (int8 codes within one step where x / scale sits on a
-    rounding edge) and scales; decode attention over the stored rows, and a mixed step, equal the reference within
-    float32 summation order (bf16: one bf16 rounding)."""
+    rounding edge) and scales; decode attention over the stored rows (GQA and not), and a mixed step, equal the
+    reference within float32 summation order (bf16: one bf16 rounding)."""
     torch.manual_seed(3)
     cache_dtype = KV_CACHE_DTYPES[name]
-    blocks, block_size, kv_heads, heads = 9, 16, 2, 8
+    blocks, block_size, kv_heads = 9, 16, 2
     shape = (blocks, block_size, kv_heads, head_dim)
     per_row = cache_dtype == torch.int8
 
@@ -274,7 +274,8 @@ def test_cpu_kernels_write_and_read_as_the_reference(kernel_ops, name, dtype, he
         else:
             torch.testing.assert_close(a.float(), b.float(), rtol=1e-6, atol=0)
     tables = torch.tensor([[0, 3, 5, -1], [8, -1, -1, -1], [1, 2, 4, 6]], dtype=torch.int32)
-    for lens, q_lens in (([40, 3, 64], [1, 1, 1]), ([40, 3, 64], [5, 1, 1])):
+    # A group of 4 query heads per KV head (the AVX-512 reader converts each key row once for the group) and of 1.
+    for lens, q_lens, heads in (([40, 3, 64], [1, 1, 1], 8), ([40, 3, 64], [1, 1, 1], 2), ([40, 3, 64], [5, 1, 1], 8)):
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
         q = torch.randn(int(cu[-1]), heads, head_dim).to(dtype)

@@ -155,8 +155,20 @@ void decode_one_quantized(const float* q, int64_t group, const cache_t* k_base, 
       pre.next();
     }
     const __m512 row_scale = _mm512_load_ps(k_row_scale);
+    if (group == 1) {
+      const __m512 s = scores16<NV>(q, rows, [](const cache_t* p) { return load16(p); });
+      _mm512_storeu_ps(scores.data() + t0, _mm512_mul_ps(s, row_scale));
+      continue;
+    }
+    // A group's query heads share the key rows: each row converted to float32 once, into L1, not once per head.
+    alignas(64) float converted[16 * kHeadDim];
+    const float* float_rows[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      float_rows[j] = converted + j * kHeadDim;
+      for (int i = 0; i < NV; ++i) _mm512_store_ps(converted + j * kHeadDim + 16 * i, load16(rows[j] + 16 * i));
+    }
     for (int64_t g = 0; g < group; ++g) {
-      const __m512 s = scores16<NV>(q + g * kHeadDim, rows, [](const cache_t* p) { return load16(p); });
+      const __m512 s = scores16<NV>(q + g * kHeadDim, float_rows, [](const float* p) { return _mm512_load_ps(p); });
       _mm512_storeu_ps(scores.data() + g * padded + t0, _mm512_mul_ps(s, row_scale));
     }
   }
