@@ -20,11 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from paged_batches import make_batch, rel_err  # noqa: E402
+from paged_batches import CUDA_ATTENTION_TOL as TOL, fp32, make_batch, rel_err  # noqa: E402
 from vlinfer.ops import cuda, reference  # noqa: E402
 from vlinfer.ops.triton_source import load_triton_module  # noqa: E402
-
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 def check(device: str, small: bool) -> list[str]:
@@ -40,7 +38,7 @@ def check(device: str, small: bool) -> list[str]:
     for block_size, (head_dim, gqa), dtype, (q_lens, kv_lens) in itertools.product(blocks, heads, dtypes, batches):
         args = [a.to(device) for a in make_batch(q_lens, kv_lens, 2 * gqa, 2, head_dim, block_size, dtype)]
         ours = module.paged_attention(*args, head_dim ** -0.5)
-        ref = reference.paged_attention(*[a.float() if a.is_floating_point() else a for a in args], head_dim ** -0.5)
+        ref = reference.paged_attention(*fp32(args), head_dim ** -0.5)
         err = rel_err(ours, ref)
         rows.append(f"| {block_size} | {head_dim} | {gqa} | {str(dtype)[6:]} | {q_lens} / {kv_lens} | {err:.1e} | "
                     f"{'ok' if err < TOL[dtype] else 'FAIL'} |")

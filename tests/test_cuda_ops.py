@@ -13,13 +13,12 @@ import sys
 import pytest
 import torch
 
-from paged_batches import fp32, make_batch, rel_err
+from paged_batches import CUDA_ATTENTION_TOL as TOL, fp32, make_batch, rel_err
 from fake_flash_attn import FakeFlashError, install
 from vlinfer.engine import graph_runner
 from vlinfer.ops import OPS, ReferenceOps, cuda, dispatch, reference
 from vlinfer.ops.cuda import CudaOps
 
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 DTYPES = [torch.float32, torch.bfloat16]
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 NUM_KV_HEADS = 2

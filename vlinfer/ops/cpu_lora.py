@@ -20,7 +20,6 @@ from vlinfer.ops.per_step import PerStep
 # dense form's work grows with the adapters, the panels' does not; docs/benchmarks.md "LoRA updates").
 PANEL_ROWS = 128
 
-
 # Outputs per panel of the slots' A (the shrink's): ranks come in 16s, and 32-wide panels would double rank 16's work.
 RANK_PANEL = 16
 

@@ -1,6 +1,6 @@
-// LoRA updates of a step's rows on the slots' A and B packed in 32-output panels (panels.h; packed by ops/cpu.py
-// pack_lora): y[t] += (x[t] @ A[s]^T) @ B[s]^T for each row t of slot s, in one call, each row against its own
-// slot only (the gather form, no work for other slots).
+// LoRA updates of a step's rows on the slots' A packed in 16-output panels and B in 32-output panels (panels.h's
+// layout; packed by ops/cpu_lora.py pack and repack_slot): y[t] += (x[t] @ A[s]^T) @ B[s]^T for each row t of slot
+// s, in one call, each row against its own slot only (the gather form, no work for other slots).
 //
 // Why: at decode sizes (tens of rows, rank 16) the update is a few MFLOP a layer, and a library GEMM call costs
 // more than the work: oneDNN's shrink, expand and add took 1.1-1.4x the time of the base projection they follow

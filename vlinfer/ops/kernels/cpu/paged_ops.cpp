@@ -35,10 +35,10 @@ at::Tensor expert_matmul(const at::Tensor& x, const at::Tensor& w, const at::Ten
 at::Tensor expert_panel_matmul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& ends);
 bool expert_panels_available();
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias);
+bool panel_linear_available(at::ScalarType dtype);
 // kernels/cpu/lora_panels.cpp
 void lora_panels_add(const at::Tensor& x, at::Tensor& y, const at::Tensor& a_panels, const at::Tensor& b_panels,
                      const at::Tensor& k_ranges, const c10::optional<at::Tensor>& rows, const at::Tensor& offsets);
-bool panel_linear_available(at::ScalarType dtype);
 // kernels/cpu/kv_quant.cpp
 void store_kvcache_quantized(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                              at::Tensor& k_scale, at::Tensor& v_scale, const at::Tensor& slot_mapping);
@@ -586,8 +586,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "x @ w^T (+ bias) on weights packed in 32-output panels (CPU, AVX-512)",
         py::arg("x"), py::arg("panels"), py::arg("bias") = py::none());
   m.def("panel_linear_available", &panel_linear_available, "whether this build runs panel_linear for a dtype");
-  m.def("lora_panels_add", &lora_panels_add, "y[t] += (x[t] @ A[s]^T) @ B[s]^T per row's slot, A / B in 32-output "
-        "panels (CPU, AVX-512)", py::arg("x"), py::arg("y"), py::arg("a_panels"), py::arg("b_panels"),
+  m.def("lora_panels_add", &lora_panels_add, "y[t] += (x[t] @ A[s]^T) @ B[s]^T per row's slot, A in 16-output and B in "
+        "32-output panels (CPU, AVX-512)", py::arg("x"), py::arg("y"), py::arg("a_panels"), py::arg("b_panels"),
         py::arg("k_ranges"), py::arg("rows"), py::arg("offsets"));
   // module_local: each instruction-set level's extension registers its own class (tests load several at once).
   py::class_<DenseDecodeStack>(m, "DenseDecodeStack", py::module_local(),
