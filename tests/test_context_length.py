@@ -1,7 +1,9 @@
 """max_model_len: left unset, the model's own length, fitted to the KV cache when the cache holds less (Qwen3-VL
 declares 262144 positions); given, used as is and refused when it does not fit. Through LLM and Pipeline here; the
 CLI, the server and the demo in their own test files."""
+import json
 import logging
+import shutil
 
 import pytest
 from images import picture
@@ -104,3 +106,16 @@ def test_resolved_sizing_is_frozen_and_read_by_every_part(long_context):
     assert engine.model_runner.kv_cache.shape[2] == resolved.num_blocks + engine.model_runner.num_dummy_blocks
     assert engine.scheduler.max_num_batched_tokens == resolved.max_num_batched_tokens
     assert engine.model_runner.block_size == engine.block_manager.block_size == resolved.block_size
+
+
+@pytest.mark.parametrize("length", [0, -4096])
+def test_a_checkpoint_without_a_positive_length_is_refused_by_name(long_context, tmp_path, length):
+    """A damaged config (or GGUF context_length) declaring no usable length: an error naming the checkpoint
+    before any weight is read, not a rotary table of no rows failing inside the first step."""
+    folder = shutil.copytree(long_context, tmp_path / "damaged")
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = length
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"max_position_embeddings={length} is not a positive length") as e:
+        LLM(str(folder), kv_cache_bytes=POOL, **ENGINE)
+    assert str(folder) in str(e.value)

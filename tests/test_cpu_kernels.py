@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from paged_batches import fp32, make_batch, rel_err, rel_err_per_seq
 from vlinfer.platform import cpu_features
-from vlinfer.ops import cpu_panels, reference
+from vlinfer.ops import cpu_panels, cpu_prefill, reference
 from vlinfer.ops.cpu import CpuOps
 from vlinfer.ops.dispatch import select
 
@@ -104,6 +104,37 @@ def test_paged_attention_decode_and_mixed(cpu, dtype, block_size, head_dim, gqa)
         ref = reference.paged_attention(*args, scale)
         ours = cpu.paged_attention(*args, scale)
         assert rel_err_per_seq(ours, ref, args[3]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (16, 8, 128), (4, 4, 32), (8, 1, 80)])
+def test_chunk_over_context_equals_one_masked_call(dtype, heads, kv_heads, head_dim):
+    """cpu_prefill: a prefill chunk as two flash calls (its cached context, its own keys causally) merged by their
+    log-sum-exps equals SDPA over all keys under the shifted causal mask."""
+    g = torch.Generator().manual_seed(0)
+    for n, kv_len in [(2, 3), (37, 200), (100, 101), (64, 1000), (300, 310)]:
+        q = torch.randn(heads, n, head_dim, generator=g).to(dtype)
+        k, v = (torch.randn(kv_heads, kv_len, head_dim, generator=g).to(dtype) for _ in range(2))
+        mask = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - n, kv_len)[:, None]
+        ref = F.scaled_dot_product_attention(*(t.float() for t in (q, k, v)), attn_mask=mask, scale=0.1,
+                                             enable_gqa=heads != kv_heads)
+        ours = cpu_prefill.chunk_over_context(q, k, v, 0.1)
+        assert ours.dtype == dtype and ours.shape == q.shape
+        assert rel_err(ours.float(), ref) < TOL[dtype], (n, kv_len)
+
+
+def test_float32_chunks_over_a_context_take_the_split(cpu, monkeypatch):
+    """The op table's float32 prefill sends chunks after a cached context, and only those, to chunk_over_context."""
+    seen, split = [], cpu_prefill.chunk_over_context
+
+    def recording(q, k, v, scale):
+        seen.append((q.shape[1], k.shape[1]))
+        return split(q, k, v, scale)
+    monkeypatch.setattr(cpu_prefill, "chunk_over_context", recording)
+    args = make_batch([1, 7, 1, 33, 20], [40, 7, 200, 161, 20], 8, 2, 64, 16, torch.float32)
+    ours = cpu.paged_attention(*args, 0.125)
+    assert seen == [(33, 161)]
+    assert rel_err_per_seq(ours, reference.paged_attention(*args, 0.125), args[3]) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

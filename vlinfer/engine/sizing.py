@@ -6,6 +6,7 @@ the model cannot run fails at once), `block_size` before the model runner is bui
 loaded and its KV bytes per block are known."""
 import logging
 import math
+import numbers
 
 import torch
 
@@ -21,10 +22,14 @@ DEFAULT_MODEL_LEN = 4096  # for a config without max_position_embeddings
 def context_limit(config: EngineConfig, text_config) -> tuple[int, int]:
     """(the model's own length, the longest max_model_len this engine may run). With max_model_len unset the
     longest is the model's length (at most max_model_len_cap); `resolve` may fit it down to the KV pool."""
-    model_len = getattr(text_config, "max_position_embeddings", None) or DEFAULT_MODEL_LEN
+    declared = getattr(text_config, "max_position_embeddings", None)
+    if declared is not None and not (isinstance(declared, numbers.Integral) and declared >= 1):
+        raise ValueError(f"{config.model}: the checkpoint's max_position_embeddings={declared!r} is not a positive "
+                         "length (a damaged config or GGUF context_length)")
+    model_len = declared or DEFAULT_MODEL_LEN
     if config.max_model_len is not None and config.max_model_len > model_len:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
-                         f"max_position_embeddings={model_len}")
+                         f"max_position_embeddings={model_len} ({config.model})")
     return model_len, config.max_model_len or min(model_len, config.max_model_len_cap or model_len)
 
 

@@ -11,7 +11,8 @@ and every level the test machine supports.
 
 Attention in bfloat16 on CPUs with AVX512-BF16 (prefill chunks, decode, the vision tower) runs our vdpbf16ps
 kernels: torch's SDPA CPU kernel reaches about a third of the bf16 matmul rate on these shapes without AMX. In
-float32, prefill and vision attention stay on SDPA, which is exact against transformers. Matmuls are oneDNN's:
+float32, prefill and vision attention stay on torch's flash kernel (SDPA), which is exact against transformers; a
+prefill chunk over a cached context runs it twice, merged by log-sum-exp (cpu_prefill.py). Matmuls are oneDNN's:
 it uses AMX where the CPU has it, so we write no AMX code of our own.
 
 Linear layers: torch's F.linear re-lays out the weight for oneDNN (bf16) or runs MKL (float32) on every call;
@@ -36,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from vlinfer.platform import cpu_features
-from vlinfer.ops import (cpu_lora, cpu_moe, cpu_panels, cpu_quant, gguf_cpu, gguf_reference, kv_quant_reference,
-                         reference, token_bitmask_reference)
+from vlinfer.ops import (cpu_lora, cpu_moe, cpu_panels, cpu_prefill, cpu_quant, gguf_cpu, gguf_reference,
+                         kv_quant_reference, reference, token_bitmask_reference)
 from vlinfer.ops.per_step import PerStep
 from vlinfer.ops.cpu_isa_flags import CPU_KERNEL_DIR, ISA_FLAGS
 from vlinfer.ops.reference import ReferenceOps
@@ -168,8 +169,9 @@ class CpuOps(ReferenceOps):
                                                                seq_lens[rows], scale)
         if self._bf16_flash(q):
             self.ext.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out)
-        else:  # float32 (SDPA is exact there), or no AVX512-BF16 (logged at load)
-            reference.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out)
+        else:  # float32 (torch's flash kernel is exact there), or no AVX512-BF16 (logged at load)
+            reference.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out,
+                                        cpu_prefill.chunk_over_context)
         return out
 
     # KV caches in another dtype (kernels/cpu/kv_quant.cpp): the write and decode attention read the stored rows;
@@ -196,7 +198,7 @@ class CpuOps(ReferenceOps):
             prefill_tables = block_tables.index_fill(0, decode_rows, -1)  # their blocks need no reading back
         k, v, tables = kv_quant_reference.dequantized_blocks(k_cache, v_cache, k_scale, v_scale, prefill_tables,
                                                              q.dtype)
-        reference.prefill_attention(q, k, v, cu_seqlens_q, seq_lens, tables, scale, out)
+        reference.prefill_attention(q, k, v, cu_seqlens_q, seq_lens, tables, scale, out, cpu_prefill.chunk_over_context)
         return out
 
     def apply_rotary(self, q, k, cos, sin):

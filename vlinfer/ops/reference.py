@@ -78,8 +78,11 @@ def quantized_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return paged_attention(q, k, v, cu_seqlens_q, seq_lens, tables, scale)
 
 
-def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out) -> None:
-    """The multi-token rows of paged_attention (prefill chunks), one causal call per sequence, written to out."""
+def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out,
+                      chunk_over_context=None) -> None:
+    """The multi-token rows of paged_attention (prefill chunks), one causal call per sequence, written to out.
+    chunk_over_context(q [heads, n, d], k, v [kv_heads, kv_len, d], scale): how a chunk after a cached context is
+    attended where an op table has a faster way than the masked call below (ops/cpu_prefill.py)."""
     group = q.shape[1] // k_cache.shape[2]
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     starts = cu_seqlens_q[:-1].tolist()
@@ -93,6 +96,8 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         qs = q[starts[i]:starts[i] + n].transpose(0, 1)
         if n == kv_len:  # no cached context: plain causal, which lets SDPA skip the masked half of the blocks
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+        elif chunk_over_context is not None:
+            o = chunk_over_context(qs, k, v, scale)
         else:
             # Query j may see keys up to kv_len - n + j: a causal mask shifted by the cached context.
             q_pos = torch.arange(kv_len - n, kv_len, device=q.device)
