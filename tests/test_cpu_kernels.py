@@ -1,15 +1,14 @@
 """Our compiled CPU kernels against the pure-torch reference over a grid of shapes, float32 and bfloat16, on the
-generic build and on the build for this CPU's best level (cpu_features.cpu_isa). Those two cover every code path the
-CPU runs: the AVX2 and AVX-512 levels compile the same generic source with wider vector flags (only the
-AVX512-BF16 level adds code of its own), and each build costs about a minute of compiling on CI's two cores. Each
-test asserts the path its level should take (the AVX512-BF16 kernels exactly at that level), never a fixed CPU:
-CI runs on whatever machine it gets."""
+generic build, the build for this CPU's best level (cpu_features.cpu_isa) and the AVX2 build (tests/cpu_levels.py:
+its decode attention is code of its own, decode_avx2.h). Each test asserts the path its level should take (the
+AVX512-BF16 kernels exactly at that level), never a fixed CPU: CI runs on whatever machine it gets."""
 import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from cpu_levels import kernel_levels
 from paged_batches import fp32, make_batch, rel_err, rel_err_per_seq
 from vlinfer.platform import cpu_features
 from vlinfer.ops import cpu_panels, cpu_prefill, reference
@@ -19,10 +18,9 @@ from vlinfer.ops.dispatch import select
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # max abs error relative to max |reference|
 THIS_CPU = cpu_features.cpu_isa()
 real_flags = cpu_features.cpu_flags()
-LEVELS = sorted({"generic", THIS_CPU}, key=cpu_features.CPU_ISAS.index)
 
 
-@pytest.fixture(scope="module", params=LEVELS)
+@pytest.fixture(scope="module", params=kernel_levels())
 def cpu(request):
     """The kernels built for one level; each level is its own extension (its own cache entry)."""
     # bf16_prefill_kernels=True: the prefill and vision kernels are tested on every CPU that can run them, also
@@ -69,6 +67,22 @@ def test_compiled_kernels_load_on_this_machine(caplog):
         f"cpu-compiled ({THIS_CPU}")
     assert f"kernels built for {THIS_CPU}" in caplog.text
     assert "running the pure-torch reference" not in caplog.text
+
+
+def test_decode_attention_kernels_follow_the_level(cpu, caplog):
+    """Each level runs vector decode attention of its own (AVX2: decode_avx2.h; AVX-512: paged_ops.cpp, kv_quant.cpp,
+    attention_bf16.cpp) and says which at load; only the generic build runs the plain loops."""
+    kernels = cpu.ext.decode_attention_kernels()
+    if cpu.isa == "generic":
+        assert kernels == "the plain loops"
+    elif cpu.isa == "avx2":
+        assert kernels == "AVX2 (head_dim 64 / 128): float32, bf16, fp16, compressed caches"
+    else:
+        assert kernels.startswith("AVX-512 (head_dim 64 / 128): float32, compressed caches")
+        assert ("bf16 (AVX512-BF16)" in kernels) == (cpu.isa == "avx512bf16")
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        CpuOps(isa=cpu.isa)
+    assert f"ops[cpu]: decode attention kernels: {kernels}" in caplog.text
 
 
 def test_a_level_this_cpu_lacks_is_refused(monkeypatch):
@@ -573,7 +587,8 @@ def test_prepacked_linear_layers(dtype, caplog, cpu_context):
         assert "3 of 3 linear weights packed for cpu-compiled" in caplog.text
         assert all(m.weight.shape == w.shape for m, (w, _) in zip(model, plain) if m.weight.is_mkldnn)
     else:
-        assert "linear layers keep plain torch.bfloat16 weights (cpu-compiled has no packed layout" in caplog.text
+        # (the log names the layers' params_dtype, the context's float32: the model was moved to bf16 after)
+        assert "weights (cpu-compiled has no packed layout for them here)" in caplog.text
     # Row counts on each side of the padding buckets (ops.cpu.linear_rows_bucket): exact, padded to a power of two,
     # to a multiple of 64 and of 512.
     for rows in (7, 9, 33, 100, 600):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import assert_block_pool_empty
+from cpu_levels import kernel_levels
 from test_text_parity import PROMPTS, prompts_of_lengths
 from vlinfer import LLM, SamplingParams
 from vlinfer.config import KV_CACHE_DTYPES, EngineConfig
@@ -234,7 +235,7 @@ def test_readme_capacity_table():
         assert written == expected, (model, written, expected)
 
 
-@pytest.fixture(scope="module", params=sorted({"generic", cpu_features.cpu_isa()}, key=cpu_features.CPU_ISAS.index))
+@pytest.fixture(scope="module", params=kernel_levels())
 def kernel_ops(request):
     from vlinfer.ops.cpu import CpuOps
     return CpuOps(isa=request.param)
@@ -242,7 +243,7 @@ def kernel_ops(request):
 
 @pytest.mark.parametrize("name", COMPRESSED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 48])  # the AVX-512 readers' two widths, and the plain loops'
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # the vector readers' two widths, and the plain loops'
 def test_cpu_kernels_write_and_read_as_the_reference(kernel_ops, name, dtype, head_dim):
     """The compiled cache write equals the reference's rows (int8 codes within one step where x / scale sits on a
     rounding edge) and scales; decode attention over the stored rows (GQA and not), and a mixed step, equal the

@@ -72,7 +72,7 @@ def packed_slots(ops, lora_a, lora_b, subs=None):
     """ops' own layout of the slots (pack_lora), every slot copied in as the engine does after an install; subs:
     the sub-projections' outputs (default: one, the whole output)."""
     packed = ops.pack_lora(lora_a, lora_b, subs or [(0, lora_b.shape[1])])
-    for slot in range(lora_a.shape[0]):
+    for slot in range(lora_a.shape[0] if packed is not None else 0):  # None: no panels at this level (AVX2)
         ops.repack_lora(packed, slot, lora_a, lora_b)
     return packed
 

@@ -66,9 +66,7 @@ constexpr int64_t kPrefetch = 16;
 
 // `lines` 64-byte lines from `row` on (0: nothing).
 inline void prefetch_lines(const void* row, int64_t lines) {
-#if defined(__AVX512F__)
-  for (int64_t i = 0; i < lines; ++i) _mm_prefetch(static_cast<const char*>(row) + 64 * i, _MM_HINT_T0);
-#endif
+  for (int64_t i = 0; i < lines; ++i) __builtin_prefetch(static_cast<const char*>(row) + 64 * i, 0, 3);  // into L1
 }
 
 // Token t's cache row, walked in order: the block and offset advance by one each step. Deriving them per token as
@@ -138,23 +136,23 @@ inline void next_rows16(RowCursor& cur, RowCursor& pre, const T* base, int64_t t
   for (int64_t i = n; i < 16; ++i) rows[i] = rows[0];
 }
 
+// exp for the softmax kernels (exp512 here, exp256 in decode_avx2.h): x = n ln2 + r with ln2 split in two for
+// accuracy, e^r by its degree-6 Taylor polynomial (~1 ulp), highest coefficient first, then times 2^n.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[7] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+
 #if defined(__AVX512F__)
-// exp for the softmax, whose inputs are s - max <= 0: range reduction by ln2 and a degree-6 polynomial (~1 ulp),
-// the power of two applied by vscalefps. Inputs are clamped at -100 so the masked kLowest scores give 2^-144 * p,
-// which rounds to 0 in bfloat16 (a float32 denormal) and is nothing next to the row's maximum term of 1.
+// exp for the softmax, whose inputs are s - max <= 0 (kExpPoly), the power of two applied by vscalefps. Inputs are
+// clamped at -100 so the masked kLowest scores give 2^-144 * p, which rounds to 0 in bfloat16 (a float32 denormal)
+// and is nothing next to the row's maximum term of 1.
 inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   return _mm512_scalef_ps(p, n);
 }
 

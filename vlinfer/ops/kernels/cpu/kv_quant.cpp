@@ -12,6 +12,7 @@
 #include <limits>
 #include <vector>
 
+#include "decode_avx2.h"
 #include "decode_vectors.h"
 
 namespace {
@@ -217,6 +218,11 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t q_stride_b = q.stride(0), q_stride_h = q.stride(1);
   const int64_t o_stride_b = out.stride(0), o_stride_h = out.stride(1);
   const float fscale = static_cast<float>(scale);
+#if defined(VLINFER_AVX2_DECODE)
+  if (decode_attention_avx2<scalar_t, cache_t>(q, k_cache, v_cache, ks_ptr, vs_ptr, per_row, block_tables, seq_lens,
+                                               scale, out))
+    return;
+#endif
 
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qf(group * head_dim), acc(group * head_dim), row(head_dim), v_scales, inv_sum;

@@ -17,6 +17,7 @@
 #include <immintrin.h>
 #endif
 
+#include "decode_avx2.h"
 #include "decode_layer.h"
 #include "decode_vectors.h"
 
@@ -208,6 +209,18 @@ bool paged_decode_attention_f32(const at::Tensor&, const at::Tensor&, const at::
 
 }  // namespace
 
+// Which decode attention kernels this build runs, for the load-time log (ops/cpu.py) and the tests.
+std::string decode_attention_kernels() {
+#if defined(__AVX512F__)
+  return "AVX-512 (head_dim 64 / 128): float32, compressed caches" +
+         std::string(bf16_attention_available() ? ", bf16 (AVX512-BF16)" : "; bf16 / fp16 the plain loops");
+#elif defined(VLINFER_AVX2_DECODE)
+  return "AVX2 (head_dim 64 / 128): float32, bf16, fp16, compressed caches";
+#else
+  return "the plain loops";
+#endif
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
@@ -222,6 +235,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto out = at::empty_like(q);
   if (paged_decode_attention_bf16(q, k_cache, v_cache, tables, lens, scale, out)) return out;
   if (paged_decode_attention_f32(q, k_cache, v_cache, tables, lens, scale, out)) return out;
+#if defined(VLINFER_AVX2_DECODE)
+  static const float kNoScale = 1.f;  // rows of the compute dtype: stored as they are
+  auto avx2 = [&](auto value) {
+    using scalar_t = decltype(value);
+    return decode_attention_avx2<scalar_t, scalar_t>(q, k_cache, v_cache, &kNoScale, &kNoScale, false, tables, lens,
+                                                     scale, out);
+  };
+  const auto type = q.scalar_type();
+  if ((type == at::kFloat && avx2(float{})) || (type == at::kBFloat16 && avx2(c10::BFloat16{})) ||
+      (type == at::kHalf && avx2(c10::Half{})))
+    return out;
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     paged_decode_attention_impl<scalar_t>(q, k_cache, v_cache, tables, lens, scale, out);
   });
@@ -577,6 +602,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask, "grammar token bitmask applied to logits rows in place (CPU)");
   m.def("gelu_tanh_", &gelu_tanh_, "tanh-approximated GELU in place (CPU)");
   m.def("bf16_attention_available", &bf16_attention_available, "built with AVX512-BF16");
+  m.def("decode_attention_kernels", &decode_attention_kernels, "the decode attention kernels of this build");
   m.def("prefill_attention", &prefill_attention, "bf16 causal attention of prefill chunks over the paged cache (CPU)");
   m.def("vision_attention", &vision_attention, "bf16 varlen bidirectional attention (CPU, AVX512-BF16)");
   m.def("expert_matmul", &expert_matmul, "rows sorted by expert times their expert's [N, K] weight, transposed (CPU)");
