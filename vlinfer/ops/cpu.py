@@ -137,8 +137,7 @@ class CpuOps(ReferenceOps):
         else:
             logger.info("ops[cpu]: kernels built for %s; no AVX512-BF16 kernels at this level, so bf16 prefill and "
                         "vision attention run SDPA", self.isa)
-        self.decode_attention_kernels = self.ext.decode_attention_kernels()
-        logger.info("ops[cpu]: decode attention kernels: %s", self.decode_attention_kernels)
+        logger.info("ops[cpu]: decode attention kernels: %s", self.ext.decode_attention_kernels())
 
     def describe(self) -> str:
         if self.bf16_attention and not self.bf16_prefill_kernels:
