@@ -9,7 +9,8 @@ top hits reranked by a Qwen3-VL-Reranker.
 The query is embedded with the task's instruction, the items were with the default one (the Qwen embedder's
 format: docs/retrieval.md). An index made by `vlinfer embed` (a folder of Parquet parts, or a JSONL file) records
 its model: the query is embedded by the same one. Without the real weights in the Hugging Face cache the default
-embedder is vlinfer's embedded toy model, whose rankings mean little (the loader says so).
+embedder is vlinfer's embedded toy embedder (tools/train_toy_embedder.py), which finds the drawn world's objects
+(examples/images/red_house.png for "a red house") and knows nothing else (the loader says so).
 """
 import argparse
 import json

@@ -27,9 +27,8 @@ def cmd_embed(args) -> int:
                           progress=not args.no_progress)
     print(summary.line())
     if pipe.embedded:
-        print(f"note: {model!r} ran {pipe.engine.source.about}, not an embedding model: its vectors are no use for "
-              "retrieval; fetch real weights with: huggingface-cli download Qwen/Qwen3-VL-Embedding-2B",
-              file=sys.stderr)
+        print(f"note: {model!r} ran {pipe.engine.source.about}: its vectors find that world's objects only; fetch "
+              "real weights with: huggingface-cli download Qwen/Qwen3-VL-Embedding-2B", file=sys.stderr)
     return 1 if summary.errors or summary.previous_errors else 0
 
 

@@ -63,17 +63,25 @@ EMBEDDED_MODELS = {
     "qwen3-vl-toy-reranker": "the embedded TOY Qwen3-VL as a reranker: it scores a drawn scene by its own answer "
                              "to 'Is there <query>?' (its 'Yes' logit against its 'No'); it finds the drawn "
                              "world's objects (recall@5 100% on the held-out scenes) and knows NOTHING else",
+    # The toy's language model retrained as an embedder (tools/train_toy_embedder.py): the package holds the tensors
+    # it changes.
+    "qwen3-vl-toy-embedding": "the embedded TOY Qwen3-VL-Embedding: the toy retrained to embed drawn scenes and "
+                              "queries such as 'a red house' (recall@5 100% on the held-out scenes); it knows "
+                              "NOTHING else",
 }
-# The embedded models that are the toy's weights, and how each runs: (runner, hf_overrides, rerank_format).
-TOY_RUNS = {"qwen3-vl-toy": (None, {}, None),
+# The embedded models built from the toy's weights, and how each runs: (runner, hf_overrides, rerank_format).
+TOY_RUNS = {"qwen3-vl-toy": (None, {}, None), "qwen3-vl-toy-embedding": ("pooling", {}, None),
             "qwen3-vl-toy-reranker": ("pooling", {"architectures": ["Qwen3VLForSequenceClassification"],
                                                   "classifier_from_token": ["No", "Yes"],
                                                   "is_original_qwen3_reranker": True}, "toy-question")}
-# The default vision alias and the default embedder's fall back to the embedded toy when the real weights are not
-# on this machine (the embedder's runs the toy with runner="pooling": its vectors mean little, and it says so).
-OFFLINE_FALLBACK = {"qwen3-vl": "qwen3-vl-toy", "qwen3-vl-embedding": "qwen3-vl-toy"}
+# The default vision alias and the default embedder's fall back to the embedded toys when the real weights are not
+# on this machine.
+OFFLINE_FALLBACK = {"qwen3-vl": "qwen3-vl-toy", "qwen3-vl-embedding": "qwen3-vl-toy-embedding"}
 EMBEDDED_NOTICE = ("*** vlinfer is using {about} ({path}). For real answers fetch the weights: "
-                   "huggingface-cli download Qwen/Qwen3-VL-2B-Instruct ***")
+                   "huggingface-cli download {repo} ***")
+# The real model an embedded one stands in for, named in its notice (Qwen3-VL-2B-Instruct where not listed).
+EMBEDDED_STANDS_FOR = {"qwen3-vl-toy-embedding": HF_ALIASES["qwen3-vl-embedding"],
+                       "qwen3-vl-toy-reranker": HF_ALIASES["qwen3-vl-reranker-2b"]}
 
 
 def known_aliases() -> list[str]:
@@ -110,13 +118,17 @@ def embedded_model_path(name: str = "qwen3-vl-tiny") -> str:
         raise ModelNotFoundError(f"{name!r} is not an embedded model; they are {sorted(EMBEDDED_MODELS)}")
     toy = name in TOY_RUNS
     path = os.path.join(cache_dir(), f"qwen3-vl-toy-{embedded.read_manifest()['sha256'][:12]}" if toy else name)
+    if name == "qwen3-vl-toy-embedding":  # the toy's tensors and the embedder's: named after both
+        path += f"-embedding-{embedded.read_embedder_manifest()['sha256'][:12]}"
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         import shutil
         import tempfile
         from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
         os.makedirs(cache_dir(), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}-")
-        if toy:
+        if name == "qwen3-vl-toy-embedding":
+            embedded.build_embedder_checkpoint(embedded.PACKAGE_DIR, embedded.PACKAGE_DIR, tmp)
+        elif toy:
             embedded.build_checkpoint(embedded.PACKAGE_DIR, tmp)
         else:
             build_tiny_qwen3_vl(tmp, seed=0, tie_word_embeddings=False)
@@ -148,7 +160,8 @@ def resolve_model(model: str) -> ModelSource:
     tried = []
     if model in EMBEDDED_MODELS:
         path = embedded_model_path(model)
-        logger.warning(EMBEDDED_NOTICE.format(about=EMBEDDED_MODELS[model], path=path))
+        logger.warning(EMBEDDED_NOTICE.format(about=EMBEDDED_MODELS[model], path=path,
+                                              repo=EMBEDDED_STANDS_FOR.get(model, HF_ALIASES["qwen3-vl"])))
         runner, overrides, rerank_format = TOY_RUNS.get(model, (None, {}, None))
         return ModelSource(model, path, embedded=True, about=EMBEDDED_MODELS[model], runner=runner,
                            hf_overrides=dict(overrides), rerank_format=rerank_format or "qwen3-vl-reranker")
