@@ -78,3 +78,4 @@ def test_installed_wheel_runs_the_compiled_kernels_and_the_quickstart(tmp_path):
     shutil.copy2(os.path.join(REPO, "examples", "images", "red_house.png"), examples / "images")
     out = _run([python, str(examples / "quickstart.py")], cwd=tmp_path, env=env, timeout=1200)
     assert "[image]" in out.stdout and "[text]" in out.stdout and "done in" in out.stdout, out.stdout
+    assert "[search] 'a red house' among 1 pictures" in out.stdout and "red_house.png (cosine" in out.stdout
