@@ -24,7 +24,7 @@ DEFAULT_EMBEDDER = "qwen3-vl-embedding"
 
 
 def read_index(path: str) -> list[dict]:
-    """The records of a `vlinfer embed` output: {path, vector, model, error}."""
+    """The records of a `vlinfer embed` output: {path, vector, model, instruction, error}."""
     if path.rstrip("/").endswith(".parquet"):
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()

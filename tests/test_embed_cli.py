@@ -86,7 +86,7 @@ def test_folder_gives_pipeline_vectors_and_an_error_row(checkpoint, folder, pipe
     assert embed(checkpoint, str(folder), "--out", str(out), "--batch-size", "2") == 1  # 1: an unreadable file
     assert re.match(r"embedded 5 item\(s\), 1 error\(s\) in ", capsys.readouterr().out)
     table = pq.read_table(str(out))
-    assert table.schema.names == ["path", "vector", "model", "error"]
+    assert table.schema.names == ["path", "vector", "model", "instruction", "error"]
     assert table.schema.field("vector").type == pa.list_(pa.float32())
     rows = rows_by_path(out)
     broken = rows.pop(str(folder / "broken.png"))
@@ -123,13 +123,18 @@ def test_texts_of_a_table_instruction_and_dimensions(checkpoint, pipe, tmp_path,
                  instruction, "--dimensions", "8", "--out", str(out)) == 0
     expected = pipe.embed(texts=["A red house, two stars.", "A yellow sun."], instruction=instruction, dimensions=8)
     assert_vectors(rows_by_path(out), {"d1": expected[0], "d2": expected[1]})
-    # One output, one vector space: a resumed run with another length or another model is refused.
+    # One output, one vector space: a resumed run with another length, instruction or model is refused.
+    assert all(r["instruction"] == instruction + "." for r in rows_by_path(out).values())  # as the prompt had it
     assert embed(checkpoint, str(table), "--text-column", "body", "--id-column", "id", "--out", str(out),
-                 "--resume") == 0  # nothing left: no vector of another length written
+                 "--instruction", instruction, "--resume") == 0  # nothing left: no vector of another length written
     table.write_text(table.read_text() + "d3,A green tree.\n")
     assert embed(checkpoint, str(table), "--text-column", "body", "--id-column", "id", "--out", str(out),
-                 "--resume") == 2
+                 "--instruction", instruction, "--resume") == 2
     assert "a vector of 128 dimensions beside" in capsys.readouterr().err
+    assert embed(checkpoint, str(table), "--text-column", "body", "--id-column", "id", "--out", str(out),
+                 "--dimensions", "8", "--resume") == 2  # the default instruction: refused before the model loads
+    assert f"embedded with the instruction {instruction + '.'!r}, not \"Represent the user's input.\"" in \
+        capsys.readouterr().err
     assert main(["embed", str(table), "--text-column", "body", "--id-column", "id", "--out", str(out), "--resume",
                  "--model", "qwen3-vl-tiny", *ENGINE_FLAGS, "--no-progress"]) == 2
     assert f"holds records of model {checkpoint!r}" in capsys.readouterr().err
@@ -146,6 +151,19 @@ def test_texts_of_a_table_instruction_and_dimensions(checkpoint, pipe, tmp_path,
 
 def cli(checkpoint: str, *args) -> list[str]:
     return [sys.executable, "-m", "vlinfer", "embed", *args, "--model", checkpoint, *ENGINE_FLAGS, "--no-progress"]
+
+
+def test_records_from_before_the_instruction_column_resume():
+    """An output written before records carried their instruction resumes (its instruction is unknown, so not
+    checked); one that records another instruction does not."""
+    from vlinfer.captioning.embedder import recorded_length
+    from vlinfer.captioning.inputs import CaptionInputError
+    legacy = [{"path": "a.png", "vector": [0.6, 0.8], "model": "m", "error": None}]
+    assert recorded_length(legacy, "m", "Find pictures", "out.jsonl") == 2
+    other = [dict(legacy[0], instruction="Find pictures.")]
+    assert recorded_length(other, "m", "Find pictures", "out.jsonl") == 2  # recorded as the prompt had it
+    with pytest.raises(CaptionInputError, match="embedded with the instruction 'Find pictures.', not \"Represent"):
+        recorded_length(other, "m", None, "out.jsonl")
 
 
 def test_kill_between_batches_then_resume(checkpoint, pipe, tmp_path):
@@ -224,7 +242,8 @@ def test_ray_job_gives_the_local_rows(cluster, checkpoint, folder, tmp_path):
     expected, rows = rows_by_path(local), rows_by_path(on_ray)
     assert set(rows) == set(expected)
     for path, row in rows.items():
-        assert (row["model"], row["error"]) == (expected[path]["model"], expected[path]["error"]), path
+        assert [row[k] for k in ("model", "instruction", "error")] == \
+            [expected[path][k] for k in ("model", "instruction", "error")], path
         if row["error"] is None:
             np.testing.assert_allclose(row["vector"], expected[path]["vector"], atol=TOL, rtol=0, err_msg=path)
 

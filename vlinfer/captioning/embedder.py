@@ -4,7 +4,8 @@ its vector in the Qwen embedder's format (Pipeline.embed's), the model's name, o
 A row is {"path"} (a file: a video by its extension, else an image; "bytes" in the row stand for the file) or
 {"path", "text"} (a text from a table; "path" is the row's id). The output is the state, as for captions
 (output.py): each batch is written before the next starts, a resumed run skips every key already recorded, and a
-resumed run refuses a model or a vector length other than the recorded ones (one output, one vector space)."""
+resumed run refuses a model, an instruction or a vector length other than the recorded ones (one output, one vector
+space)."""
 import time
 from dataclasses import dataclass
 
@@ -12,17 +13,21 @@ from vlinfer.captioning.inputs import (CaptionInputError, check_names, collect_i
                                        read_table_rows, tables_in)
 from vlinfer.captioning.output import OutputWriter, check_output, recorded, recorded_errors, skipped_note
 from vlinfer.captioning.records import request_error
+from vlinfer.inputs.retrieval import embedding_instruction
 from vlinfer.outputs import RequestError
 from vlinfer.pipeline import embedding_prompt
 from vlinfer.pooling_params import PoolingParams
 
 # Every field of an embedding record, in order, with its column type (Arrow's type names): the Parquet schema and
-# the Ray job's columns are built from this one table. The vector is float32, as the model computes it.
-EMBED_RECORD_FIELDS = {"path": "string", "vector": "list<float>", "model": "string", "error": "string"}
+# the Ray job's columns are built from this one table. The vector is float32, as the model computes it; the
+# instruction is the system turn the item was embedded with (inputs/retrieval.py embedding_instruction).
+EMBED_RECORD_FIELDS = {"path": "string", "vector": "list<float>", "model": "string", "instruction": "string",
+                       "error": "string"}
 
 
-def embed_record(path: str, model: str, vector: list[float] | None = None, error: str | None = None) -> dict:
-    return {"path": path, "vector": vector, "model": model, "error": error}
+def embed_record(path: str, model: str, instruction: str, vector: list[float] | None = None,
+                 error: str | None = None) -> dict:
+    return {"path": path, "vector": vector, "model": model, "instruction": instruction, "error": error}
 
 
 # ---- inputs ----
@@ -71,22 +76,23 @@ def embed_rows(pipe, rows: list[dict], instruction: str | None = None, dimension
     error; the rest still run."""
     records: list[dict | None] = [None] * len(rows)
     prompts, indices = [], []
+    applied = embedding_instruction(instruction)
     for i, row in enumerate(rows):
         try:
             prompts.append(embedding_prompt(pipe.engine, _item(row), instruction))
             indices.append(i)
         except OSError as e:
-            records[i] = embed_record(row["path"], pipe.model, error=f"cannot read {row['path']!r}: {e}")
+            records[i] = embed_record(row["path"], pipe.model, applied, error=f"cannot read {row['path']!r}: {e}")
         except ValueError as e:
-            records[i] = embed_record(row["path"], pipe.model, error=str(e))
+            records[i] = embed_record(row["path"], pipe.model, applied, error=str(e))
     try:
         outputs = pipe.llm.embed(prompts, PoolingParams(dimensions=dimensions), use_tqdm=False) if prompts else []
     except RequestError as e:  # some items were rejected (an unreadable image); the others were embedded
         outputs = e.outputs
     for i, output in zip(indices, outputs):
         path = rows[i]["path"]
-        records[i] = embed_record(path, pipe.model, error=request_error(output.error, is_video(path))) \
-            if output.error else embed_record(path, pipe.model, vector=output.outputs.embedding)
+        records[i] = embed_record(path, pipe.model, applied, error=request_error(output.error, is_video(path))) \
+            if output.error else embed_record(path, pipe.model, applied, vector=output.outputs.embedding)
     return records
 
 
@@ -100,20 +106,27 @@ def _item(row: dict) -> dict:
 
 
 # ---- the run's consistency: one output, one vector space ----
-def check_resumable(out: str, resume: bool, overwrite: bool, model: str) -> None:
+def check_resumable(out: str, resume: bool, overwrite: bool, model: str, instruction: str | None = None) -> None:
     """What embed_files refuses about `out`, checked before a model loads: an existing output without resume or
-    overwrite, and (resume) records of another model or of mixed vector lengths."""
+    overwrite, and (resume) records of another model or instruction, or of mixed vector lengths."""
     check_output(out, resume, overwrite)
     if resume:
-        recorded_length(recorded(out, resume, overwrite=False), model, out)
+        recorded_length(recorded(out, resume, overwrite=False), model, instruction, out)
 
 
-def recorded_length(done: list[dict], model: str, out: str) -> int | None:
-    """The vector length of the records already in `out`, after refusing records of another model."""
+def recorded_length(done: list[dict], model: str, instruction: str | None, out: str) -> int | None:
+    """The vector length of the records already in `out`, after refusing records of another model or embedded
+    with another instruction (records written before vlinfer recorded the instruction have none: not checked)."""
     models = {r.get("model") for r in done} - {model}
     if models:
         raise CaptionInputError(f"{out} holds records of model {sorted(map(str, models))[0]!r}, not {model!r}: one "
                                 "output holds one model's vectors (write to another --out, or --overwrite)")
+    applied = embedding_instruction(instruction)
+    others = {r["instruction"] for r in done if r.get("instruction") is not None} - {applied}
+    if others:
+        raise CaptionInputError(f"{out} holds records embedded with the instruction {sorted(others)[0]!r}, not "
+                                f"{applied!r}: one output holds one instruction's vectors (pass that --instruction, "
+                                "write to another --out, or --overwrite)")
     return check_lengths(done, None, out)
 
 
@@ -174,7 +187,7 @@ def embed_files(pipe, rows: list[dict], out: str, instruction: str | None = None
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     texts = any("text" in row for row in rows)
     done = {row_key(r["path"], texts): r for r in recorded(out, resume, overwrite)}
-    length = recorded_length(list(done.values()), pipe.model, out)
+    length = recorded_length(list(done.values()), pipe.model, instruction, out)
     todo = [row for row in rows if row_key(row["path"], texts) not in done]
     skipped = len(rows) - len(todo)
     previous_errors = recorded_errors((row_key(row["path"], texts) for row in rows), done)

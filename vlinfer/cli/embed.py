@@ -19,7 +19,7 @@ def cmd_embed(args) -> int:
     from vlinfer.captioning import embed_files, input_rows
     from vlinfer.captioning.embedder import check_resumable
     rows = input_rows(args.inputs, args.text_column, args.id_column)  # bad inputs / output fail before the load
-    check_resumable(args.out, args.resume, args.overwrite, model)
+    check_resumable(args.out, args.resume, args.overwrite, model, args.instruction)
     from vlinfer import Pipeline
     pipe = Pipeline(model, **{**engine_options(args), "runner": "pooling"})
     summary = embed_files(pipe, rows, args.out, instruction=args.instruction, dimensions=args.dimensions,

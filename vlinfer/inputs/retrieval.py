@@ -46,9 +46,14 @@ def _instruction(instruction: str | None, default: str) -> str:
     return text if unicodedata.category(text[-1]).startswith("P") else text + "."
 
 
+def embedding_instruction(instruction: str | None = None) -> str:
+    """The system turn the embedder's conversation carries for `instruction` (None: the default)."""
+    return _instruction(instruction, EMBED_INSTRUCTION)
+
+
 def embedding_messages(item, instruction: str | None = None) -> list[dict]:
     """The embedder's conversation: the instruction as the system turn, the item as the user turn."""
-    return [{"role": "system", "content": [{"type": "text", "text": _instruction(instruction, EMBED_INSTRUCTION)}]},
+    return [{"role": "system", "content": [{"type": "text", "text": embedding_instruction(instruction)}]},
             {"role": "user", "content": item_parts(item)}]
 
 

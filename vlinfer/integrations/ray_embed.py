@@ -46,7 +46,7 @@ def embed_on_ray(inputs: list[str], out: str, *, model: str, engine_options: dic
     resolve_model(model)  # a missing model fails here, not in every actor; the embedded one is built once, here
     texts = text_column is not None
     done = {row_key(r["path"], texts): r for r in recorded(out, resume, overwrite)}
-    length = recorded_length(list(done.values()), model, out)
+    length = recorded_length(list(done.values()), model, instruction, out)
     connect(ray, address)
 
     def key_of(path: str) -> str:
