@@ -95,6 +95,7 @@ def test_a_level_this_cpu_lacks_is_refused(monkeypatch):
         CpuOps(isa="native")
 
 
+@pytest.mark.slow  # the generic build: one more build of the extension (tests/cpu_levels.py)
 def test_each_level_is_its_own_extension():
     """The kernel cache is keyed by level: a build for one CPU is never loaded on another that lacks its ISA."""
     names = {CpuOps(isa=level).ext.__name__ for level in ("generic", THIS_CPU)}

@@ -8,6 +8,7 @@ import torch
 from conftest import build_checkpoint, tiny_text_config
 from vlinfer import LLM, SamplingParams, platform
 from vlinfer.platform import cpu_features
+from vlinfer.platform.cpu_features import CPU_ISAS
 from vlinfer.ops import cpu_panels
 from vlinfer.ops.cpu import CpuOps
 
@@ -79,15 +80,23 @@ def test_fused_decode_layers_equal_the_modules(tiny_checkpoint, biased_llama, dt
                 caplog.text
 
 
-def test_without_avx512_the_modules_run(qwen3_checkpoint, monkeypatch, caplog):
+# The level a CPU without AVX-512 runs: AVX2 where this CPU has it (this CPU's own build on an AVX2 machine; one more
+# build, so the slow tier, above it), else the generic one.
+WITHOUT_AVX512 = "avx2" if CPU_ISAS.index(cpu_features.cpu_isa()) >= CPU_ISAS.index("avx2") else "generic"
+FLAGS = {"avx2": frozenset({"sse2", "avx", "avx2", "fma", "f16c"}), "generic": frozenset({"sse2"})}
+
+
+@pytest.mark.parametrize("level", [pytest.param(WITHOUT_AVX512, marks=() if WITHOUT_AVX512 == cpu_features.cpu_isa()
+                                                else pytest.mark.slow)])
+def test_without_avx512_the_modules_run(qwen3_checkpoint, monkeypatch, caplog, level):
     """A CPU without AVX-512 has no panels, so no fused layer: the modules run, logged, and the greedy tokens are
-    the fused AVX-512 engine's (float32). Flags mocked down to the generic x86-64 level, whose kernels the kernel
-    tests build anyway (AVX2 has no panels either: test_cpu_kernels.py _expected_layout)."""
+    the fused AVX-512 engine's (float32). Flags mocked down to AVX2 (or the generic level, which has no panels
+    either: test_cpu_kernels.py _expected_layout)."""
     folder = qwen3_checkpoint[0]
     reference, _, _ = run(folder, "float32", True, monkeypatch)
     with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="vlinfer"):
-        m.setattr(cpu_features, "cpu_flags", lambda: frozenset({"sse2"}))
-        assert cpu_features.cpu_isa() == "generic"
+        m.setattr(cpu_features, "cpu_flags", lambda: FLAGS[level])
+        assert cpu_features.cpu_isa() == level
         outs, calls, decoder = run(folder, "float32", True, monkeypatch)
     assert calls == 0 and decoder.decode_stack is None
     assert "decode steps run the 2 decoder layers module by module (cpu-compiled has no fused form" in caplog.text

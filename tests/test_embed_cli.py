@@ -203,10 +203,13 @@ def search_example():
 
 
 def search(*args) -> list[str]:
-    result = subprocess.run([sys.executable, os.path.join(REPO, "examples", "search.py"), *args, "--kv-cache-mb",
-                             "32"], cwd=REPO, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout.splitlines()
+    """The example's printed lines, run in this process (its main() is what `python examples/search.py` runs)."""
+    import contextlib
+    import io
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        search_example().main([*args, "--kv-cache-mb", "32"])
+    return printed.getvalue().splitlines()
 
 
 def test_search_example_ranks_by_cosine_then_by_the_reranker(checkpoint, reranker, folder, pipe, tmp_path):

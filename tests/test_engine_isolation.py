@@ -95,9 +95,9 @@ def test_two_dtypes_built_at_once_from_two_threads(tmp_path, monkeypatch):
     both_built = threading.Barrier(2, timeout=60)
     index = loading.checkpoint_tensor_index
 
-    def index_after_both_built(source):  # each model is built before its weights are indexed: meet here
+    def index_after_both_built(source, config):  # both engines meet here, mid-build
         both_built.wait()
-        return index(source)
+        return index(source, config)
 
     monkeypatch.setattr(loading, "checkpoint_tensor_index", index_after_both_built)
     engines, errors = {}, []

@@ -25,8 +25,10 @@ from vlinfer.ops.gguf_cpu import GgufCpuKernels
 
 TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
 THIS_CPU = cpu_features.cpu_isa()
-# Every level up to this CPU's best (the engine's build): CI may be AVX2-only, or AVX-512 with VNNI.
-LEVELS = cpu_features.CPU_ISAS[:cpu_features.CPU_ISAS.index(THIS_CPU) + 1]
+# Every level up to this CPU's best (the engine's build): CI may be AVX2-only, or AVX-512 with VNNI. Each is a build
+# of its own, so the levels below this CPU's are in the slow tier (as in tests/cpu_levels.py).
+LEVELS = [pytest.param(level, id=level, marks=() if level == THIS_CPU else pytest.mark.slow)
+          for level in cpu_features.CPU_ISAS[:cpu_features.CPU_ISAS.index(THIS_CPU) + 1]]
 BUILD_NAMES = {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512bf16": "avx512-vnni"}
 # (M, K, N): decode rows, small batches, prefill sizes; N a whole number of 16-row groups, groups and tail rows,
 # tail rows only
@@ -198,6 +200,25 @@ def test_tiny_gguf_kept_in_blocks_matches_transformers(tiny_gguf_files, type_nam
                                     do_sample=False)[0, len(prompt):].tolist()
         assert out.outputs[0].token_ids == expected, type_name
     assert_block_pool_empty(llm)
+
+
+def test_an_engine_indexes_a_gguf_file_once_through_the_array_reader(tiny_gguf_files, monkeypatch):
+    """A GGUF header takes seconds to parse (SmolLM2's vocabulary): a build indexes the file once and hands the
+    index on, and vlinfer's own reads (the index, the weights) see the file as a plain ndarray, not np.memmap,
+    whose Python-level slicing made every header field's read 3x slower."""
+    import numpy as np
+
+    from vlinfer import loading
+    from vlinfer.loading import gguf as gguf_loading
+    indexed, readers = [], []
+    index, array_reader = loading.checkpoint_tensor_index, gguf_loading._array_reader
+    monkeypatch.setattr(loading, "checkpoint_tensor_index", lambda *a: indexed.append(a) or index(*a))
+    monkeypatch.setattr(gguf_loading, "_array_reader", lambda path: readers.append(array_reader(path)) or readers[-1])
+    LLM(tiny_gguf_files["Q8_0"], dtype="float32", kv_cache_bytes=8 * 2 ** 20, max_model_len=256)
+    assert len(indexed) == 1, "the tensor index was built more than once"
+    assert len(readers) == 2  # the index's read and the weights'
+    assert all(type(reader.data) is np.ndarray for reader in readers)
+    assert all(type(tensor.data) is not np.memmap for tensor in readers[0].tensors)
 
 
 CHATS = [

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from cpu_levels import kernel_levels
 from fake_torch_npu import FakeNpuError, install
 from vlinfer.ops import cpu_lora, dispatch, reference
 from vlinfer.platform import cpu_features
@@ -169,9 +170,9 @@ def test_cpu_masks_other_slots_and_base_rows(cpu_ops):
 PANEL_CASES = [case for case in CASES if case[5] % 32 == 0]  # outputs in whole 32-output panels
 
 
-@pytest.fixture(scope="module", params=sorted({"generic", cpu_features.cpu_isa()}, key=cpu_features.CPU_ISAS.index))
+@pytest.fixture(scope="module", params=kernel_levels())
 def cpu_level(request):
-    """CpuOps at the generic level (no panels) and at this CPU's best."""
+    """CpuOps at this CPU's best level, and (slow tier) the generic and AVX2 ones, which have no panels."""
     return CpuOps(isa=request.param)
 
 

@@ -17,7 +17,7 @@ logger = logging.getLogger("vlinfer")
 
 
 def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quantization: str | None = None,
-               pooling=None):
+               pooling=None, tensors: dict | None = None):
     """Build the model on ctx's op table for ctx.tp's rank (its shard of every split layer) and load that shard:
     split weights are read lazily, only the rank's rows or columns of each (loading.CheckpointSlice).
     Each linear layer's quantization method is chosen from the checkpoint (or `quantization`, "int8" / "int4" on
@@ -25,10 +25,11 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quant
 
     A pooling model (engine/pooling.py PoolingSpec: task "embed" / "classify") keeps its LM head only where the
     checkpoint has one (generation requests may then share its engine); "classify" adds the head rows of its
-    label_token_ids (layers/pooler.py), read from the LM head's table as it streams by."""
+    label_token_ids (layers/pooler.py), read from the LM head's table as it streams by. `tensors`: the
+    checkpoint's loading.checkpoint_tensor_index where the caller has it (built here otherwise)."""
     pooling_task = pooling.task if pooling is not None else None
     model_cls = get_model_class(hf_config)
-    tensors = loading.checkpoint_tensor_index(source)
+    tensors = tensors if tensors is not None else loading.checkpoint_tensor_index(source, hf_config)
     # A config that lies about its sizes is refused before anything is allocated: its layer counts against the
     # checkpoint's tensors, then the bytes of a model built on the meta device (shapes only) against its files.
     loading.check_layer_counts(hf_config, tensors, source)

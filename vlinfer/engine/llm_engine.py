@@ -63,7 +63,8 @@ class LLMEngine:
         model_len, longest = sizing.context_limit(config, self.text_config)  # fails before any weight is read
         get_model_class(self.hf_config)  # an unsupported architecture fails here, before the workers load
         # A pooling engine generates too where its checkpoint has an LM head (requests of both kinds batch).
-        self.pooling, self.can_generate = resolve_pooling(config, self.source, self.hf_config, self.tokenizer)
+        tensors = loading.checkpoint_tensor_index(self.source, self.hf_config)
+        self.pooling, self.can_generate = resolve_pooling(config, self.source, self.hf_config, self.tokenizer, tensors)
         check_tensor_parallel_shapes(self.text_config, config.tensor_parallel_size, config.enable_expert_parallel)
         block_size = sizing.block_size(config, self.device)
         kv_cache_dtype = sizing.kv_cache_dtype(config, self.dtype, self.hf_config, self.source.folder)
@@ -78,7 +79,7 @@ class LLMEngine:
                                           expert_parallel=config.enable_expert_parallel, dtype=self.dtype,
                                           kv_cache_dtype=kv_cache_dtype)
         net = load_model(self.source, self.hf_config, self.device, self.model_context, config.quantization,
-                         self.pooling)
+                         self.pooling, tensors)
         if self.driver is not None:
             self.driver.wait_ready()
         logger.info("loaded %s (%s) on %s in %s in %.1fs%s", self.source.name, type(net).__name__, self.device,

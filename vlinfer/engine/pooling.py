@@ -63,10 +63,12 @@ class PoolingSpec:
                                     True, seq.num_cached_tokens, metrics=seq.metrics)
 
 
-def resolve_pooling(config: EngineConfig, source, hf_config, tokenizer) -> tuple[PoolingSpec | None, bool]:
-    """(what a pooling engine pools, None for a generating one; whether the checkpoint has an LM head). The runner:
-    the caller's, else the model source's (a retrieval alias), else "auto" (models/registry.py pooling_task)."""
-    has_lm_head = loading.lm_head_table(loading.checkpoint_tensor_index(source), hf_config) is not None
+def resolve_pooling(config: EngineConfig, source, hf_config, tokenizer,
+                    tensors: dict) -> tuple[PoolingSpec | None, bool]:
+    """(what a pooling engine pools, None for a generating one; whether the checkpoint, whose tensors
+    loading.checkpoint_tensor_index lists, has an LM head). The runner: the caller's, else the model source's (a
+    retrieval alias), else "auto" (models/registry.py pooling_task)."""
+    has_lm_head = loading.lm_head_table(tensors, hf_config) is not None
     runner = config.runner if config.runner != "auto" else (source.runner or "auto")
     task = pooling_task(hf_config, runner, has_lm_head)
     if task is None:

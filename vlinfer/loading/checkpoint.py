@@ -128,14 +128,15 @@ def eos_token_ids(source: ModelSource, tokenizer) -> set[int]:
     return ids
 
 
-def checkpoint_tensor_index(source: ModelSource) -> dict:
+def checkpoint_tensor_index(source: ModelSource, config) -> dict:
     """{tensor name: TensorInfo(shape, dtype)} of a safetensors checkpoint, from the file headers only (nothing is
-    read): what layers/quantization chooses each layer's method from. For a GGUF file, what iterate_weights(...,
-    keep_gguf_blocks=True) yields: dtype "Q8_0" / "Q4_0" / "Q4_1" for weights kept in their blocks (loading/gguf.py)."""
+    read): what layers/quantization chooses each layer's method from. For a GGUF file (whose header `config` is
+    load_config's parse), what iterate_weights(..., keep_gguf_blocks=True) yields: dtype "Q8_0" / "Q4_0" / "Q4_1"
+    for weights kept in their blocks (loading/gguf.py). An engine builds it once and passes it on: a GGUF header
+    takes seconds to parse."""
     from vlinfer.layers.quantization import TensorInfo
     if source.gguf_file:
         from vlinfer.loading import gguf
-        config = load_config(source)
         with reading(source.path):
             return gguf.tensor_index(source.path, config)
     from safetensors import safe_open
