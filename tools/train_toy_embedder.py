@@ -20,6 +20,7 @@ tower and the toy's own token rows stay as they are. The package stores only tho
 Seeded: the same seed, thread count and library versions give the same weights."""
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -157,7 +158,6 @@ def train(out: str, steps: int, batch_size: int, seed: int, threads: int, lr: fl
 
 
 def _train(out, steps, batch_size, seed, threads, lr, temperature, log_every) -> dict:
-    import math
     tokenizer, template = train_embedded.load_tokenizer_and_template()
     vocab = embedder_vocabulary(tokenizer, template)
     batcher = EmbedderBatcher(tokenizer, template, vocab)
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
                                                                "package's)")
     for flag, kind in (("steps", int), ("batch-size", int), ("seed", int), ("threads", int), ("lr", float),
                        ("temperature", float)):
-        p.add_argument(f"--{flag}", type=kind, help=f"default: embedded.EMBEDDER_TRAINING's")
+        p.add_argument(f"--{flag}", type=kind, help="default: embedded.EMBEDDER_TRAINING's")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--evaluate", action="store_true", help="only score the embedder in --out under vlinfer")
     p.add_argument("--eval-scenes", type=int, default=200)
