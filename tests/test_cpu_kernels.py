@@ -591,8 +591,8 @@ def test_prepacked_linear_layers(dtype, caplog, cpu_context):
         # (the log names the layers' params_dtype, the context's float32: the model was moved to bf16 after)
         assert "weights (cpu-compiled has no packed layout for them here)" in caplog.text
     # Row counts on each side of the padding buckets (ops.cpu.linear_rows_bucket): exact, padded to a power of two,
-    # to a multiple of 64 and of 512.
-    for rows in (7, 9, 33, 100, 600):
+    # to a multiple of 64, and split into 512-row blocks and a rest (linear_row_blocks).
+    for rows in (7, 9, 33, 100, 600, 1100):
         for m, (w, b), layout in zip(model, plain, layouts):
             inp = torch.randn(rows, w.shape[1], generator=g).to(dtype)
             ours, ref = m(inp), torch.nn.functional.linear(inp, w, b)
@@ -614,6 +614,15 @@ def test_linear_rows_buckets():
     assert [linear_rows_bucket(r) for r in (1, 8, 9, 17, 64, 65, 130, 512, 513, 1500)] == \
         [1, 8, 16, 32, 64, 128, 192, 512, 1024, 1536]
     assert len(buckets) <= 30, sorted(buckets)
+    # Above 512 rows, whole 512-row blocks and then the rest in its own bucket where that pads fewer rows.
+    from vlinfer.ops.cpu import linear_row_blocks
+    assert linear_row_blocks(3152) == [3072, 80] and linear_row_blocks(600) == [512, 88]
+    assert linear_row_blocks(1000) == [1000] and linear_row_blocks(512) == [512] and linear_row_blocks(7) == [7]
+    for rows in range(1, 4097):
+        blocks = linear_row_blocks(rows)
+        assert sum(blocks) == rows and all(linear_rows_bucket(b) in buckets for b in blocks)
+        padding = sum(linear_rows_bucket(b) - b for b in blocks)
+        assert padding <= linear_rows_bucket(rows) - rows and (rows <= 512 or padding <= 63), rows
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])

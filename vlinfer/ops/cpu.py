@@ -71,6 +71,9 @@ def build_extension(isa: str):
                           verbose=False)
 
 
+LARGE_ROWS_STEP = 512  # above this many rows, a prepacked linear's buckets are its multiples
+
+
 def linear_rows_bucket(rows: int) -> int:
     """The row count a prepacked linear runs at: 1-8 exact (single streams and small batches pay nothing), then
     powers of two to 64, multiples of 64 to 512, multiples of 512 above (chunked prefill sizes)."""
@@ -78,8 +81,18 @@ def linear_rows_bucket(rows: int) -> int:
         return rows
     if rows <= 64:
         return 1 << (rows - 1).bit_length()
-    step = 64 if rows <= 512 else 512
+    step = 64 if rows <= LARGE_ROWS_STEP else LARGE_ROWS_STEP
     return -(-rows // step) * step
+
+
+def linear_row_blocks(rows: int) -> list[int]:
+    """The row blocks a prepacked linear runs `rows` rows in, each padded to its bucket: one block; or, above
+    LARGE_ROWS_STEP rows, whole blocks of LARGE_ROWS_STEP rows and then the rest in its own smaller bucket where that
+    pads fewer rows: the same kernels, at most 63 padding rows instead of up to 511 (3152 vision rows ran as 3584)."""
+    head = rows // LARGE_ROWS_STEP * LARGE_ROWS_STEP
+    if rows > LARGE_ROWS_STEP and linear_rows_bucket(rows - head) - (rows - head) < linear_rows_bucket(rows) - rows:
+        return [head, rows - head]
+    return [rows]
 
 
 def _decode_rows(cu_seqlens_q: torch.Tensor) -> torch.Tensor | None:
@@ -313,6 +326,9 @@ class CpuOps(ReferenceOps):
         if not weight.is_mkldnn:
             return F.linear(x, weight, bias)
         rows = x.shape[0] if x.dim() == 2 else 0
+        blocks = linear_row_blocks(rows)
+        if len(blocks) > 1:
+            return torch.cat([self.linear(block, weight, bias) for block in x.split(blocks)])
         padded = linear_rows_bucket(rows)
         if padded == rows or rows == 0:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
