@@ -61,6 +61,16 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 
 
+def tool_script(name: str):
+    """A script of tools/ imported as a module (tools/ is not a package; its scripts import each other)."""
+    import importlib
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(os.path.join(REPO, "tools"))
+
+
 def sigkill_after_lines(cmd: list[str], out, lines: int, timeout: float, cwd: str) -> None:
     """Run cmd and SIGKILL it once the file `out` holds `lines` complete lines: a job killed halfway, for the
     resume tests. Fails when the job ends (or the timeout passes) before it can be killed."""

@@ -2,12 +2,11 @@
 it describes held-out drawn scenes truthfully, its outputs under vlinfer equal transformers' through batching,
 chunked prefill and the prefix cache, its training is reproducible, and the package ships it small."""
 import os
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, assert_block_pool_empty, hf_qwen3_vl_processor
+from conftest import REPO, assert_block_pool_empty, hf_qwen3_vl_processor, tool_script
 from vlinfer import LLM, Pipeline, SamplingParams
 from vlinfer.toy import embedded, scenes
 from vlinfer.loading import resolve_model
@@ -17,16 +16,6 @@ BAR = 0.9  # answers right in at least 90% of held-out scenes
 # Captions judged on their whole content (counts included, scenes.caption_is_right), as tools/train_embedded.py
 # --evaluate scores them; the README gives the full evaluation's figures.
 CAPTION_BAR = 0.9
-
-
-def tools_module():
-    """tools/train_embedded.py: the training recipe and the evaluation (tools/ is not a package)."""
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    try:
-        import train_embedded
-    finally:
-        sys.path.remove(os.path.join(REPO, "tools"))
-    return train_embedded
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +39,7 @@ def test_package_ships_the_trained_model_small():
 
 def test_toy_describes_held_out_scenes(toy):
     """The 200 held-out scenes (a seed training never used), scored as the issue asks and as the README states."""
-    scores = tools_module().evaluate(toy[1], seed=embedded.EVAL_SEED, count=200)
+    scores = tool_script("train_embedded").evaluate(toy[1], seed=embedded.EVAL_SEED, count=200)
     assert scores["caption_accuracy"] >= CAPTION_BAR and scores["answer_accuracy"] >= BAR, \
         {**scores, "failures": scores["failures"][:8]}
     assert_block_pool_empty(toy[1])
@@ -126,7 +115,7 @@ def test_toy_matches_transformers_through_batching_chunking_and_prefix_cache(toy
 
 def test_short_training_is_reproducible(tmp_path):
     """A few steps of the shipped recipe twice with one seed give one hash; another seed another."""
-    train_embedded = tools_module()
+    train_embedded = tool_script("train_embedded")
     kw = dict(steps=2, batch_size=1, threads=1, lr=2e-3, max_turns=2, shape=dict(embedded.SHAPE), log_every=100)
     first = train_embedded.train(str(tmp_path / "a"), seed=0, **kw)
     second = train_embedded.train(str(tmp_path / "b"), seed=0, **kw)
@@ -145,12 +134,12 @@ def test_toy_reranker_finds_kinds_of_objects_in_held_out_scenes():
     assert pipe.engine.pooling.task == "classify"
     kinds = [("red", "house"), ("blue", "circle"), ("green", "star"), ("yellow", "triangle"), ("purple", "square"),
              ("red", "star")]
-    scores = tools_module().evaluate_retrieval(pipe, count=60, kinds=kinds)
+    scores = tool_script("train_embedded").evaluate_retrieval(pipe, count=60, kinds=kinds)
     assert scores["queries"] >= 5 and scores["recall_at_5"] >= 0.9 and scores["precision_at_5"] >= 0.8, scores
     assert_block_pool_empty(pipe.llm)
 
 
 @pytest.mark.slow  # every kind of object (30) over the 200 held-out scenes: ~30 s on 2 cores
 def test_toy_reranker_recall_on_all_held_out_scenes():
-    scores = tools_module().evaluate_retrieval(Pipeline("qwen3-vl-toy-reranker", dtype="float32"), count=200)
+    scores = tool_script("train_embedded").evaluate_retrieval(Pipeline("qwen3-vl-toy-reranker", dtype="float32"), count=200)
     assert scores["recall_at_5"] >= 0.9, scores

@@ -6,26 +6,16 @@ import json
 import logging
 import os
 import shutil
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, assert_block_pool_empty
+from conftest import assert_block_pool_empty, tool_script
 from vlinfer import Pipeline
 from vlinfer.loading import resolve_model
 from vlinfer.toy import embedded, scenes
 
 BAR = 0.9  # recall@5: the issue's bar for the toy world's retrieval
-
-
-def tools_module(name: str):
-    """A script of tools/ (not a package)."""
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(os.path.join(REPO, "tools"))
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +57,8 @@ def test_embedder_opens_as_a_pooling_model_and_matches_transformers(embedder):
     with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in f.keys()
     assert embedder.engine.pooling.task == "embed" and embedder.engine.model_runner.model.lm_head is None
-    trainer = tools_module("train_toy_embedder")
-    tokenizer, template = tools_module("train_embedded").load_tokenizer_and_template()
+    trainer = tool_script("train_toy_embedder")
+    tokenizer, template = tool_script("train_embedded").load_tokenizer_and_template()
     batcher = trainer.EmbedderBatcher(tokenizer, template, None)
     model = Qwen3VLModel.from_pretrained(folder, dtype=torch.float32).eval()
     texts, images = ["a red house", "green star"], [image for _, image, _ in scenes.generate(embedded.EVAL_SEED, 3)]
@@ -85,13 +75,13 @@ def test_toy_embedder_finds_kinds_of_objects_in_held_out_scenes(embedder):
     the README's figure is the slow test's, every kind over 200."""
     kinds = [("red", "house"), ("blue", "circle"), ("green", "star"), ("yellow", "triangle"), ("purple", "square"),
              ("red", "star")]
-    scores = tools_module("train_embedded").evaluate_retrieval(embedder, count=60, kinds=kinds)
+    scores = tool_script("train_embedded").evaluate_retrieval(embedder, count=60, kinds=kinds)
     assert scores["queries"] >= 5 and scores["recall_at_5"] >= BAR and scores["precision_at_5"] >= 0.8, scores
 
 
 @pytest.mark.slow  # every kind of object (30) over the 200 held-out scenes
 def test_toy_embedder_recall_on_all_held_out_scenes(embedder):
-    scores = tools_module("train_embedded").evaluate_retrieval(embedder, count=200)
+    scores = tool_script("train_embedded").evaluate_retrieval(embedder, count=200)
     assert scores["recall_at_5"] >= BAR, scores
 
 
@@ -110,7 +100,7 @@ def test_offline_default_embedder_is_the_trained_toy(caplog, monkeypatch, tmp_pa
 
 
 def test_short_embedder_training_is_reproducible(tmp_path):
-    trainer = tools_module("train_toy_embedder")
+    trainer = tool_script("train_toy_embedder")
     kw = dict(steps=2, batch_size=3, threads=1, lr=2e-3, temperature=0.05, log_every=100)
     first = trainer.train(str(tmp_path / "a"), seed=0, **kw)
     again = trainer.train(str(tmp_path / "b"), seed=0, **kw)

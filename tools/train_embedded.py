@@ -335,10 +335,7 @@ def load_compact(model, folder: str, vocab: list[int]) -> dict:
     """Load a compact model's weights (a first stage's output) into `model`; returns that stage's manifest."""
     from safetensors.torch import load_file
     manifest = embedded.read_manifest(folder)
-    weights = os.path.join(folder, embedded.WEIGHTS)
-    if embedded.sha256(weights) != manifest["sha256"]:
-        raise ValueError(f"{weights} does not match the sha256 in its manifest")
-    tensors = load_file(weights)
+    tensors = load_file(embedded.checked_weights(folder, embedded.WEIGHTS, manifest))
     if tensors.pop("vocab_ids").tolist() != vocab:
         raise ValueError(f"{folder} was trained on another vocabulary than this world's")
     model.load_state_dict(tensors, strict=True)

@@ -45,16 +45,22 @@ def query_texts(colour: str, shape: str) -> tuple[str, ...]:
     return (f"{scenes._article(colour)} {colour} {shape}", f"{colour} {shape}")
 
 
+def prompt_text(tokenizer, template, item) -> str:
+    """An item's prompt in the embedder's format, as text: a picture stands as its placeholder, which the processor
+    expands."""
+    messages = embedding_messages(item)
+    for part in messages[1]["content"]:
+        part.pop("image", None)
+    return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template, add_generation_prompt=True)
+
+
 def embedder_vocabulary(tokenizer, template) -> list[int]:
     """The toy's vocabulary plus the tokens of the embedder's prompts (its instruction, the template's system turn,
     every query form)."""
     ids = set(train_embedded.world_vocabulary(tokenizer, template))
-    texts = [q for c in scenes.COLOURS for s in scenes.SHAPES for q in query_texts(c, s)]
-    for messages in [embedding_messages(t) for t in texts] + [embedding_messages({"image": "picture"})]:
-        for part in messages[1]["content"]:
-            part.pop("image", None)
-        ids.update(tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
-                                                           add_generation_prompt=True))["input_ids"])
+    items = [q for c in scenes.COLOURS for s in scenes.SHAPES for q in query_texts(c, s)] + [{"image": "picture"}]
+    for item in items:
+        ids.update(tokenizer(prompt_text(tokenizer, template, item))["input_ids"])
     return sorted(ids)
 
 
@@ -81,13 +87,7 @@ class EmbedderBatcher:
 
     def __call__(self, texts: list[str] | None = None, images: list | None = None) -> dict:
         items = [{"image": "picture"} for _ in images] if images else list(texts)
-        prompts = []
-        for item in items:
-            messages = embedding_messages(item)
-            for part in messages[1]["content"]:
-                part.pop("image", None)
-            prompts.append(self.processor.tokenizer.apply_chat_template(
-                messages, tokenize=False, chat_template=self.template, add_generation_prompt=True))
+        prompts = [prompt_text(self.processor.tokenizer, self.template, item) for item in items]
         out = self.processor(text=prompts, images=images or None, return_tensors="pt", padding=True)
         ids = self.compact[out["input_ids"]]
         if (ids < 0).any():
@@ -115,7 +115,7 @@ def contrastive_loss(queries: torch.Tensor, pictures: torch.Tensor, positive: to
     return (by_query.mean() + by_picture.mean()) / 2
 
 
-def sample_batch(rng: random.Random, size: int) -> tuple[list, list, list, torch.Tensor]:
+def sample_batch(rng: random.Random, size: int) -> tuple[list, list, torch.Tensor]:
     """`size` scenes and one query per scene (a kind of object it holds, in a random query form); positive[i, j]:
     scene j holds query i's kind."""
     drawn = [scenes.random_scene(rng) for _ in range(size)]
@@ -124,7 +124,7 @@ def sample_batch(rng: random.Random, size: int) -> tuple[list, list, list, torch
     texts = [rng.choice(query_texts(*kind)) for kind in kinds]
     positive = torch.tensor([[any((o.colour, o.shape) == kind for o in scene.objects) for scene in drawn]
                              for kind in kinds])
-    return images, texts, kinds, positive
+    return images, texts, positive
 
 
 def load_toy(model, vocab: list[int]) -> list[int]:
@@ -182,7 +182,7 @@ def _train(out, steps, batch_size, seed, threads, lr, temperature, log_every) ->
     rng = random.Random(seed * 1_000_003 + TRAIN_SEED)
     start, history = time.time(), []
     for step in range(1, steps + 1):
-        images, texts, _, positive = sample_batch(rng, batch_size)
+        images, texts, positive = sample_batch(rng, batch_size)
         loss = contrastive_loss(pooled(model.model, batcher(texts=texts)),
                                 pooled(model.model, batcher(images=images)), positive, temperature)
         optimizer.zero_grad(set_to_none=True)

@@ -91,14 +91,18 @@ def _read_manifest(folder: str, name: str, what: str, trainer: str) -> dict:
         return json.load(f)
 
 
+def checked_weights(folder: str, name: str, manifest: dict) -> str:
+    """folder/name, after checking it against the sha256 its manifest records."""
+    path = os.path.join(folder, name)
+    if sha256(path) != manifest["sha256"]:
+        raise ValueError(f"{path} does not match the sha256 in its manifest: the file is damaged or stale")
+    return path
+
+
 def _toy_tensors(compact_folder: str) -> dict:
     """The toy's full tensors: vocabulary rows scattered into zero matrices of VOCAB_SIZE rows."""
     from safetensors.torch import load_file
-    manifest = read_manifest(compact_folder)
-    weights = os.path.join(compact_folder, WEIGHTS)
-    if sha256(weights) != manifest["sha256"]:
-        raise ValueError(f"{weights} does not match the sha256 in its manifest: the file is damaged or stale")
-    tensors = load_file(weights)
+    tensors = load_file(checked_weights(compact_folder, WEIGHTS, read_manifest(compact_folder)))
     vocab = tensors.pop("vocab_ids")
     for name in VOCAB_ROWS:
         full = torch.zeros(VOCAB_SIZE, tensors[name].shape[1])
@@ -116,9 +120,7 @@ def build_embedder_checkpoint(compact_folder: str, embedder_folder: str, folder:
     if manifest["toy_sha256"] != toy_hash:
         raise ValueError(f"the toy embedder in {embedder_folder} was trained on toy {manifest['toy_sha256'][:12]}, "
                          f"not on the toy in {compact_folder} ({toy_hash[:12]}): retrain it")
-    weights = os.path.join(embedder_folder, EMBEDDER_WEIGHTS)
-    if sha256(weights) != manifest["sha256"]:
-        raise ValueError(f"{weights} does not match the sha256 in its manifest: the file is damaged or stale")
+    weights = checked_weights(embedder_folder, EMBEDDER_WEIGHTS, manifest)
     changed = load_file(weights)
     extra_vocab, extra_rows = changed.pop("extra_vocab_ids"), changed.pop(EMBEDDER_ROWS)
     tensors = _toy_tensors(compact_folder)
