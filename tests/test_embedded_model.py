@@ -141,5 +141,6 @@ def test_toy_reranker_finds_kinds_of_objects_in_held_out_scenes():
 
 @pytest.mark.slow  # every kind of object (30) over the 200 held-out scenes: ~30 s on 2 cores
 def test_toy_reranker_recall_on_all_held_out_scenes():
-    scores = tool_script("train_embedded").evaluate_retrieval(Pipeline("qwen3-vl-toy-reranker", dtype="float32"), count=200)
+    pipe = Pipeline("qwen3-vl-toy-reranker", dtype="float32")
+    scores = tool_script("train_embedded").evaluate_retrieval(pipe, count=200)
     assert scores["recall_at_5"] >= 0.9, scores
