@@ -33,12 +33,16 @@ browser:
 			"(root and the Debian archive needed); the demo screenshot test needs it" >&2; exit 1; }; }
 
 # The default run leaves out the tests marked slow (a Ray cluster, the real model end to end, long load tests);
-# test-full runs everything, and is what CI (.ci/run) runs.
+# test-full runs everything, and is what CI (.ci/run) runs. Both run the test files on TEST_WORKERS processes
+# (pytest-xdist, a file's tests on one worker so its module fixtures are built once); OpenMP threads that wait
+# passively, because spinning ones of two workers on two cores ran the engine tests up to 4x slower.
+TEST_WORKERS ?= 2
+PYTEST = OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 test: install browser
-	$(BIN)/python -m pytest -q -m "not slow" --durations=30
+	$(PYTEST) -m "not slow"
 
 test-full: install browser
-	$(BIN)/python -m pytest -q --durations=30
+	$(PYTEST)
 
 bench: install
 	$(BIN)/python bench/throughput.py

@@ -65,31 +65,39 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+CPU_PEAK_PROBE = "2048 rows x 2048 <-> 8192 features, the faster of oneDNN prepacked and F.linear, best of 5"
+
+
 def matmul_peak_gflops(dtype, device: str = "cpu") -> float:
-    """This machine's matmul rate now: the best of a few 2048 x 2048 x 8192 oneDNN matmuls on prepacked weights
-    (what our linear layers run) on CPU; the best of a few 8192^3 torch.matmul on a GPU."""
+    """This machine's matmul rate now: on CPU the best of a few 2048-row matmuls of 2048 -> 8192 and 8192 -> 2048
+    features, each on every kernel torch has for it: oneDNN on a prepacked weight (what our linear layers run at
+    decode sizes) and F.linear on the plain one (MKL's sgemm in float32: the faster at these sizes on some CPUs, the
+    AVX2 EPYC's among them, and faster with the longer inner dimension); on a GPU the best of a few 8192^3
+    torch.matmul."""
     import torch
     if device.startswith("cuda"):
         a = torch.randn(8192, 8192, device=device).to(dtype)
-        flops = 2 * 8192 ** 3
+        return 2 * 8192 ** 3 / _best_seconds(lambda: torch.matmul(a, a), device) / 1e9
+    seconds = float("inf")
+    for k, n in ((2048, 8192), (8192, 2048)):
+        x, weight = torch.randn(2048, k).to(dtype), torch.randn(n, k).to(dtype)
+        seconds = min(seconds, _best_seconds(lambda: torch.nn.functional.linear(x, weight), device))
+        if dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported():  # else oneDNN packs no bf16
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            seconds = min(seconds, _best_seconds(
+                lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), device))
+    return 2 * 2048 * 2048 * 8192 / seconds / 1e9
 
-        def matmul():
-            torch.matmul(a, a)
-    else:
-        x = torch.randn(2048, 2048).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(8192, 2048).to(dtype), None)
-        flops = 2 * 2048 * 2048 * 8192
 
-        def matmul():
-            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def _best_seconds(matmul, device: str, repeats: int = 5) -> float:
     best = float("inf")
-    for _ in range(5):
+    for _ in range(repeats):
         synchronize(device)
         start = time.perf_counter()
         matmul()
         synchronize(device)
         best = min(best, time.perf_counter() - start)
-    return flops / best / 1e9
+    return best
 
 
 def bandwidth_gbs() -> tuple[float, float]:

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `vlinfer bench` loads this file by its path
 import common  # noqa: E402
-from common import bandwidth_gbs, machine, matmul_peak_gflops, progress, table  # noqa: E402
+from common import CPU_PEAK_PROBE, bandwidth_gbs, machine, matmul_peak_gflops, progress, table  # noqa: E402
 
 
 def qwen3_moe_config(shape: str, layers: int):
@@ -209,8 +209,8 @@ def main(argv=None):
           [(name, f"{sum(out_lens) / r['batch_s']:.1f}", f"{flops / r['batch_s'] / peak / 1e9:.1%}",
             f"{r['per_token_s'] * 1e3:.1f}", f"{1 / r['per_token_s']:.1f}",
             f"{step_bytes / r['per_token_s'] / bandwidth / 1e9:.1%}") for name, r in rows])
-    print(f"\nMFU: model FLOPs / time / this machine's {dtype_name} matmul peak {peak:.0f} GFLOP/s (oneDNN 2048x2048x8192 "
-          f"prepacked, best of 5, before and after the engines). Bandwidth: {step_bytes / 1e9:.3f} GB of weights per "
+    print(f"\nMFU: model FLOPs / time / this machine's {dtype_name} matmul peak {peak:.0f} GFLOP/s "
+          f"({CPU_PEAK_PROBE}, before and after the engines). Bandwidth: {step_bytes / 1e9:.3f} GB of weights per "
           f"decode step (non-expert weights, LM head, {d['top_k']} experts per layer) / time per token / "
           f"{bandwidth:.1f} GB/s (best 1 GiB sum).")
     floor_bytes = batch_decode_bytes(d, config, out_lens, element)

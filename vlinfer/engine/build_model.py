@@ -104,7 +104,12 @@ def pack_weights(model: torch.nn.Module) -> None:
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     embeddings = [m.weight for m in model.modules()
                   if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
-    packed = sum(layer.pack_weight() for layer in linears)
+    # Parts that never run a decode step (vision towers: whole images' patches) see only prefill-sized row counts.
+    large_rows = {id(m) for part in model.modules() if getattr(part, "runs_prefill_only", False)
+                  for m in part.modules()}
+    was_packed = [layer.pack_weight(id(layer) in large_rows) for layer in linears]
+    prefill_plain = sum(not p for p, layer in zip(was_packed, linears) if id(layer) in large_rows)
+    packed = sum(was_packed)
     for head in (m for m in model.modules() if isinstance(m, ParallelLMHead)):
         tied = any(head.weight is w for w in embeddings)
         if head.pack_weight(tied) and tied:
@@ -125,8 +130,9 @@ def pack_weights(model: torch.nn.Module) -> None:
     if linears:
         dtype = linears[0].params_dtype
         if packed:
-            logger.info("%d of %d linear weights packed for %s (%s)", packed, len(linears), linears[0].ops.name,
-                        dtype)
+            logger.info("%d of %d linear weights packed for %s (%s); %d of the %d in parts that run prefill only "
+                        "kept plain", packed, len(linears), linears[0].ops.name, dtype, prefill_plain,
+                        sum(id(layer) in large_rows for layer in linears))
         else:
             logger.info("linear layers keep plain %s weights (%s has no packed layout for them here)", dtype,
                         linears[0].ops.name)

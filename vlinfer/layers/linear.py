@@ -126,11 +126,12 @@ class LinearBase(nn.Module):
             target = target.narrow(layout.output_dim, round(offset * per_row), round(rows * per_row))
         default_weight_loader(target, tensor)
 
-    def pack_weight(self) -> bool:
-        """Replace the weight by the op table's preferred layout, once, after loading; False when it has none."""
+    def pack_weight(self, large_rows: bool = False) -> bool:
+        """Replace the weight by the op table's preferred layout, once, after loading; False when it has none.
+        large_rows: this layer only ever runs prefill-sized row counts (ops pack_linear_weight)."""
         if self.method is not None:
             return self.method.process_weights_after_loading(self)
-        packed = self.ops.pack_linear_weight(self.weight)
+        packed = self.ops.pack_linear_weight(self.weight, large_rows)
         if packed is None:
             return False
         self.weight = nn.Parameter(packed, requires_grad=False)  # the plain weight is freed with the old one

@@ -152,6 +152,8 @@ class Qwen3VLVisionPatchMerger(nn.Module):
 
 
 class Qwen3VLVisionModel(nn.Module):
+    runs_prefill_only = True  # it encodes whole images' patches, never a decode step's few rows (pack_weights)
+
     def __init__(self, config, ctx: ModelContext):
         super().__init__()
         config = getattr(config, "vision_config", config)

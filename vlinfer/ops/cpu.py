@@ -358,11 +358,16 @@ class CpuOps(ReferenceOps):
             stack.add_layer(**layer)
         return stack
 
-    def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def pack_linear_weight(self, weight: torch.Tensor, large_rows: bool = False) -> torch.Tensor | None:
         """Our 32-output panels of a [out, in] weight where the kernels run them (see __init__) and the shape fits
         (whole panels, pairs of k, a panel of at most PANEL_BYTES); else oneDNN's blocked layout; None where this
-        CPU / torch build has neither for its dtype (the layer then keeps F.linear; ModelRunner logs which)."""
+        CPU / torch build has neither for its dtype, and for float32 weights of layers that only run large row
+        counts (the layer then keeps F.linear; pack_weights logs which)."""
         if weight.is_mkldnn or weight.dim() != 2:
+            return None
+        if large_rows and weight.dtype == torch.float32:
+            # Both packed layouts pay off at decode's few rows; from a few hundred rows up, MKL's sgemm behind
+            # F.linear on the plain weight is the faster float32 kernel (docs/benchmarks.md).
             return None
         n, k = weight.shape
         if weight.dtype in self.panel_dtypes and n % cpu_panels.PANEL == 0 and k % 2 == 0 and \

@@ -303,9 +303,10 @@ class ReferenceOps:
         the reference dequantizing them on every call)."""
         return None
 
-    def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def pack_linear_weight(self, weight: torch.Tensor, large_rows: bool = False) -> torch.Tensor | None:
         """The weight in the layout this implementation's `linear` runs fastest on, or None to keep it as it is.
-        Layers call it once after loading (model_runner.pack_weights); ops never see the layers themselves."""
+        Layers call it once after loading (build_model.pack_weights); ops never see the layers themselves.
+        large_rows: the layer only ever runs prefill-sized row counts (a vision tower's)."""
         return None
 
     def dense_decode_stack(self, layers: list[dict], num_heads: int, num_kv_heads: int, head_dim: int,
