@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import vlm_common  # noqa: E402
-from common import machine, matmul_peak_gflops, progress, table  # noqa: E402
+from common import CPU_PEAK_PROBE, machine, matmul_peak_gflops, progress, table  # noqa: E402
 from vlm_common import parse_size  # noqa: E402
 from vlm_throughput import picture, workload_flops  # noqa: E402
 
@@ -158,7 +158,7 @@ def main(argv=None):
             f"{image_flops / s['image'] / peak / 1e9:.0%}", f"{text_flops / s['text'] / peak / 1e9:.0%}",
             f"{flops / sum(s.values()) / peak / 1e9:.0%}") for name, s in rows])
     print(f"\nwork: {flops / 1e12:.2f} TFLOP ({sum(prompt_lens)} prompt tokens, {sum(image_tokens)} image tokens); "
-          f"{args.dtype} matmul peak measured now: {peak:.0f} GFLOP/s (oneDNN 2048x2048x8192)")
+          f"{args.dtype} matmul peak measured now: {peak:.0f} GFLOP/s ({CPU_PEAK_PROBE})")
     if h is not None:
         print(f"vlinfer / transformers: images {h['seconds']['image'] / v['seconds']['image']:.2f}x, texts "
               f"{h['seconds']['text'] / v['seconds']['text']:.2f}x, all "

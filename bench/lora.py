@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `vlinfer bench` loads this file by its path
 import common  # noqa: E402
 import peers  # noqa: E402
-from common import machine, matmul_peak_gflops, model_dims, progress, table  # noqa: E402
+from common import CPU_PEAK_PROBE, machine, matmul_peak_gflops, model_dims, progress, table  # noqa: E402
 from throughput import agreement, model_flops  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -218,7 +218,7 @@ def main(argv=None):
            f"({args.dtype})"],
           [(name, tokens, f"{s:.1f}", f"{tokens / s:.1f}", f"{base / s:.2f}x", f"{flops / s / peak / 1e9:.1%}")
            for name, s, flops in rows.values()])
-    print(f"\nmatmul peak: {peak:.0f} GFLOP/s {args.dtype} (oneDNN 2048x2048x8192 prepacked, best of 5; "
+    print(f"\nmatmul peak: {peak:.0f} GFLOP/s {args.dtype} ({CPU_PEAK_PROBE}; "
           f"{peak_before:.0f} before the engines, {peak_after:.0f} after); model FLOPs {base_flops / 1e12:.2f} "
           f"TFLOP, adapters {adapter_flops / 1e12:.3f} TFLOP more on the LoRA rows")
     print(f"vlinfer LoRA / base model: {base / ours:.2f}x (target >= 0.8x)")
