@@ -33,16 +33,18 @@ browser:
 			"(root and the Debian archive needed); the demo screenshot test needs it" >&2; exit 1; }; }
 
 # The default run leaves out the tests marked slow (a Ray cluster, the real model end to end, long load tests);
-# test-full runs everything, and is what CI (.ci/run) runs. Both run the test files on TEST_WORKERS processes
-# (pytest-xdist, a file's tests on one worker so its module fixtures are built once); OpenMP threads that wait
-# passively, because spinning ones of two workers on two cores ran the engine tests up to 4x slower.
+# test-full runs everything, and is what CI (.ci/run) runs. The default tests run on TEST_WORKERS processes
+# (pytest-xdist; a file's tests on one worker, so its module fixtures are built once), with OpenMP threads that
+# wait passively: spinning ones of two workers on two cores ran the engine tests up to 4x slower. The slow tier
+# runs in one process: on two workers one of them died near its end, twice, and xdist then hung.
 TEST_WORKERS ?= 2
-PYTEST = OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
+PYTEST_WORKERS = OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 test: install browser
-	$(PYTEST) -m "not slow"
+	$(PYTEST_WORKERS) -m "not slow"
 
 test-full: install browser
-	$(PYTEST)
+	$(PYTEST_WORKERS) -m "not slow"
+	$(BIN)/python -m pytest -q -m slow --durations=30
 
 bench: install
 	$(BIN)/python bench/throughput.py
