@@ -1,5 +1,5 @@
-"""Linear layers on this CPU: F.linear on the plain weight (MKL's sgemm in float32) beside oneDNN's prepacked layout
-(what the engine's decoder linears run, ops/cpu.py), per row count, in one run; then what those rates allow the
+"""Linear layers on this CPU: F.linear on the plain weight (MKL's sgemm in float32) beside the packed layout the
+engine's decoder linears run (ops/cpu.py pack_linear_weight), per row count, in one run; then what those rates allow the
 standard batch of bench/throughput.py: every linear of the model at the faster kernel for its row count and
 nothing else (attention, norms, sampling, the engine's Python) taking any time.
 
@@ -8,7 +8,6 @@ nothing else (attention, norms, sampling, the engine's Python) taking any time.
 """
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from common import machine, matmul_peak_gflops, model_dims, table, text_workload  # noqa: E402
+from ops import timed  # noqa: E402
 
 # (in, out) features: Qwen3-VL-2B's vision tower (qkv, fc1, fc2) and decoder (gate_up, down)
 SHAPES = [(1024, 3072), (1024, 4096), (4096, 1024), (2048, 6144), (6144, 2048)]
@@ -23,19 +23,11 @@ ROWS = (64, 256, 784, 3152)
 PREFILL_ROWS = 2048  # the standard batch's prefill steps (max_num_batched_tokens)
 
 
-def seconds(fn, repeats: int) -> float:
-    """Mean seconds of `repeats` calls after two warm-up calls."""
-    fn(), fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
-
-
 def kernels(ops, in_features: int, out_features: int, dtype):
-    """(F.linear on the plain weight, our linear on oneDNN's prepacked one) as functions of the input."""
+    """(F.linear on the plain weight, our linear on the layout the engine packs a decoder's weight in: oneDNN's, or
+    our panels where this CPU takes them) as functions of the input."""
     weight = (torch.randn(out_features, in_features) * 0.02).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    packed = ops.pack_linear_weight(weight)
     return (lambda x: F.linear(x, weight)), (lambda x: ops.linear(x, packed))
 
 
@@ -45,7 +37,7 @@ def shape_table(ops, dtype, repeats: int) -> None:
         plain, packed = kernels(ops, k, n, dtype)
         for m in ROWS:
             x = torch.randn(m, k).to(dtype)
-            a, b = seconds(lambda: plain(x), repeats), seconds(lambda: packed(x), repeats)
+            a, b = timed(lambda: plain(x), repeats) / 1e3, timed(lambda: packed(x), repeats) / 1e3
             rows_out.append((f"{m} x {k} -> {n}", f"{a * 1e3:.1f}", f"{b * 1e3:.1f}", f"{b / a:.2f}",
                              f"{2 * m * k * n / min(a, b) / 1e9:.0f}"))
     table(["rows x in -> out", "F.linear (ms)", "prepacked (ms)", "prepacked / F.linear", "best GFLOP/s"], rows_out)
@@ -65,7 +57,7 @@ def batch_ceiling(ops, dtype, args, peak: float) -> None:
         total = 0.0
         for shape in per_layer + ([head] if with_head else []):
             x = torch.randn(rows, shape[0]).to(dtype)
-            best = min(seconds(lambda: f(x), args.repeats) for f in funcs[shape])
+            best = min(timed(lambda: f(x), args.repeats) for f in funcs[shape]) / 1e3
             total += best * (1 if shape == head else d["layers"])
         return total
 

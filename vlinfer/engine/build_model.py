@@ -105,10 +105,10 @@ def pack_weights(model: torch.nn.Module) -> None:
     embeddings = [m.weight for m in model.modules()
                   if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
     # Parts that never run a decode step (vision towers: whole images' patches) see only prefill-sized row counts.
-    large_rows = {id(m) for part in model.modules() if getattr(part, "runs_prefill_only", False)
-                  for m in part.modules()}
-    was_packed = [layer.pack_weight(id(layer) in large_rows) for layer in linears]
-    prefill_plain = sum(not p for p, layer in zip(was_packed, linears) if id(layer) in large_rows)
+    prefill_only = {id(m) for part in model.modules() if getattr(part, "runs_prefill_only", False)
+                    for m in part.modules()}
+    large_rows = [id(layer) in prefill_only for layer in linears]
+    was_packed = [layer.pack_weight(large) for layer, large in zip(linears, large_rows)]
     packed = sum(was_packed)
     for head in (m for m in model.modules() if isinstance(m, ParallelLMHead)):
         tied = any(head.weight is w for w in embeddings)
@@ -131,8 +131,8 @@ def pack_weights(model: torch.nn.Module) -> None:
         dtype = linears[0].params_dtype
         if packed:
             logger.info("%d of %d linear weights packed for %s (%s); %d of the %d in parts that run prefill only "
-                        "kept plain", packed, len(linears), linears[0].ops.name, dtype, prefill_plain,
-                        sum(id(layer) in large_rows for layer in linears))
+                        "kept plain", packed, len(linears), linears[0].ops.name, dtype,
+                        sum(large and not p for large, p in zip(large_rows, was_packed)), sum(large_rows))
         else:
             logger.info("linear layers keep plain %s weights (%s has no packed layout for them here)", dtype,
                         linears[0].ops.name)
