@@ -17,7 +17,7 @@ from vlinfer import LLM, SamplingParams
 from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.serve import ServeConfig, build_app
-from vlinfer.serve.testing import ServerThread, data_uri, png_bytes
+from serve_helpers import ServerThread, data_uri, png_bytes
 
 MODEL = "qwen3-vl-tiny"
 KEY = "test-key-0123456789"

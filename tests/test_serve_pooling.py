@@ -25,7 +25,7 @@ from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.inputs.retrieval import EMBED_INSTRUCTION, embedding_messages, mm_processor_kwargs
 from vlinfer.pooling_params import PoolingParams
 from vlinfer.serve import ServeConfig, build_app
-from vlinfer.serve.testing import ServerThread, data_uri, png_bytes
+from serve_helpers import ServerThread, data_uri, png_bytes
 
 MODEL = "tiny-retrieval"
 KEY = "test-key-0123456789"

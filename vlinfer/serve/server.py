@@ -15,9 +15,10 @@ from vlinfer.serve.config import ServeConfig
 from vlinfer.serve.lora import Adapters
 from vlinfer.serve.memory import malloc_trim
 from vlinfer.serve.metrics import Metrics
-from vlinfer.serve.protocol import ApiError, now
-from vlinfer.serve.run import Run
 from vlinfer.serve.constraints import forced_tool
+from vlinfer.serve.errors import ApiError
+from vlinfer.serve.responses import now
+from vlinfer.serve.run import Run
 from vlinfer.serve.sampling import request_params
 from vlinfer.serve.tool_calls import tag_token_ids
 
