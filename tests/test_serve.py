@@ -59,6 +59,21 @@ def test_models(client):
     assert models[0].owned_by == "vlinfer"
 
 
+def test_each_route_is_in_its_familys_module():
+    """One module per route family (vlinfer/serve/routes/): where a route is handled, the file name
+    says; build_app includes each module's router."""
+    from vlinfer.serve.routes import admin, chat, completions, pooling
+    families = {"admin": ["/health", "/metrics", "/v1/models", "/v1/load_lora_adapter",
+                          "/v1/unload_lora_adapter"],
+                "chat": ["/v1/chat/completions"], "completions": ["/v1/completions"],
+                "pooling": ["/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank",
+                            "/v2/rerank"]}
+    handled = {route.path: module.__name__ for module in (admin, chat, completions, pooling)
+               for route in module.router.routes}
+    assert handled == {path: f"vlinfer.serve.routes.{family}"
+                       for family, paths in families.items() for path in paths}
+
+
 def test_chat_with_image_and_usage(client, served, offline):
     r = client.chat.completions.create(model=MODEL, messages=image_messages(), max_tokens=8, temperature=0)
     choice = r.choices[0]
