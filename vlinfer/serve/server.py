@@ -1,6 +1,7 @@
-"""The server's request handling around one EngineLoop: model (or LoRA adapter), task and capacity checks, sequences
-validated and queued from a worker thread (generating and pooling ones), prompts for both APIs, and the heap trimmed
-once a burst is over."""
+"""Server: what every route shares, around one EngineLoop (reached as request.app.state.server):
+the request's model (or LoRA adapter), task and capacity checks, sequences validated and queued from
+a worker thread (generating and pooling ones), prompts for both APIs, and the heap trimmed once a
+burst is over."""
 import asyncio
 import dataclasses
 
