@@ -19,6 +19,9 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# tests/ for serve_helpers.py (the in-process server, image data URIs); appended, so no module of
+# tests/ shadows one found before it.
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import common  # noqa: E402
 
 
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
         return 2
     content = [{"type": "text", "text": args.prompt}]
     if args.image:
-        from vlinfer.serve.testing import data_uri
+        from serve_helpers import data_uri
         with open(args.image, "rb") as f:
             mime = "image/png" if args.image.lower().endswith(".png") else "image/jpeg"
             content.insert(0, {"type": "image_url", "image_url": {"url": data_uri(f.read(), mime)}})
@@ -132,7 +135,7 @@ def main(argv=None) -> int:
             from vlinfer.engine.engine_loop import EngineLoop
             from vlinfer.engine.llm_engine import LLMEngine
             from vlinfer.serve import ServeConfig, build_app
-            from vlinfer.serve.testing import ServerThread
+            from serve_helpers import ServerThread
             engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
             loop = EngineLoop(engine)
             stack.callback(loop.close)

@@ -22,6 +22,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# tests/ for serve_helpers.py (the in-process server, image data URIs); appended, so no module of
+# tests/ shadows one found before it.
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import common  # noqa: E402
 import peers  # noqa: E402
 from common import machine, table  # noqa: E402
@@ -33,7 +36,7 @@ KINDS = ("chat", "chat-stream", "image-chat", "n2", "structured", "completion", 
 
 
 def image_uri(seed: int) -> str:
-    from vlinfer.serve.testing import data_uri, png_bytes
+    from serve_helpers import data_uri, png_bytes
     return data_uri(png_bytes(seed=seed, size=(64 + seed % 64, 48 + seed % 32)))
 
 

@@ -25,7 +25,7 @@ from conftest import assert_block_pool_empty
 from videos import drawn_clip
 from vlinfer import LLM, Pipeline, RequestError, SamplingParams
 from vlinfer.captioning import caption_files
-from vlinfer.serve.testing import data_uri, png_bomb
+from serve_helpers import data_uri, png_bomb
 
 MODEL = "qwen3-vl-tiny"
 CASES = {"llm-image": 300, "llm-video": 100, "pipeline": 60, "captioner": 4, "server": 100}  # captioner: folders
@@ -213,7 +213,7 @@ def run_captioner(llm, tmp_path, folders: int):
 def run_server(llm, cases: int):
     from vlinfer.engine.engine_loop import EngineLoop
     from vlinfer.serve import ServeConfig, build_app
-    from vlinfer.serve.testing import ServerThread
+    from serve_helpers import ServerThread
     loop = EngineLoop(llm.engine)
     outcomes = {"answered": 0, "refused": 0}
     try:

@@ -10,7 +10,7 @@ from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.inputs.limits import MAX_IMAGES, too_many_images
 from vlinfer.serve import ServeConfig, build_app
-from vlinfer.serve.testing import ServerThread, data_uri, png_bytes
+from serve_helpers import ServerThread, data_uri, png_bytes
 
 MODEL = "qwen3-vl-tiny"
 COUNT = MAX_IMAGES + 1

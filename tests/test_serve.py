@@ -17,7 +17,7 @@ from vlinfer import LLM, SamplingParams
 from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.serve import ServeConfig, build_app
-from vlinfer.serve.testing import ServerThread, data_uri, png_bytes
+from serve_helpers import ServerThread, data_uri, png_bytes
 
 MODEL = "qwen3-vl-tiny"
 KEY = "test-key-0123456789"
@@ -57,6 +57,21 @@ def test_models(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].owned_by == "vlinfer"
+
+
+def test_each_route_is_in_its_familys_module():
+    """One module per route family (vlinfer/serve/routes/): where a route is handled, the file name
+    says; build_app includes each module's router."""
+    from vlinfer.serve.routes import admin, chat, completions, pooling
+    families = {"admin": ["/health", "/metrics", "/v1/models", "/v1/load_lora_adapter",
+                          "/v1/unload_lora_adapter"],
+                "chat": ["/v1/chat/completions"], "completions": ["/v1/completions"],
+                "pooling": ["/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank",
+                            "/v2/rerank"]}
+    handled = {route.path: module.__name__ for module in (admin, chat, completions, pooling)
+               for route in module.router.routes}
+    assert handled == {path: f"vlinfer.serve.routes.{family}"
+                       for family, paths in families.items() for path in paths}
 
 
 def test_chat_with_image_and_usage(client, served, offline):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.serve import ServeConfig, build_app
-from vlinfer.serve.testing import ServerThread, data_uri, png_bytes
+from serve_helpers import ServerThread, data_uri, png_bytes
 
 MODEL = "qwen3-vl-tiny"
 CASES = 150  # per route in the default suite; SLOW_CASES in the slow tier

@@ -27,7 +27,7 @@ import pytest
 from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.serve import ImagePolicy, ServeConfig, build_app
-from vlinfer.serve.testing import ServerThread, chat_body, data_uri, png_bomb, png_bytes
+from serve_helpers import ServerThread, chat_body, data_uri, png_bomb, png_bytes
 
 MODEL = "qwen3-vl-tiny"
 MAX_BODY = 1 << 20

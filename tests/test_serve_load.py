@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from vlinfer import LLM, SamplingParams
-from vlinfer.serve.testing import data_uri, png_bytes
+from serve_helpers import data_uri, png_bytes
 
 pytestmark = pytest.mark.slow  # a load test: 64 concurrent streams: `make test-full` and CI run it, `make test` leaves it out
 

@@ -19,7 +19,7 @@ from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.serve import ServeConfig, build_app
 from vlinfer.serve.config import LoRAModule
-from vlinfer.serve.testing import ServerThread
+from serve_helpers import ServerThread
 
 BASE = "tiny-vl"
 KEY = "test-key-lora"

@@ -1,9 +1,10 @@
-"""The server's pooling routes (serve/pooling.py) on a tiny random Qwen3-VL checkpoint in float32: /v1/embeddings
-through the official `openai` client and with vLLM's chat-style messages, /score and /rerank with httpx, each
-answer equal to LLM.embed / LLM.score / Pipeline.embed on the same checkpoint; bad requests are 400s naming the
-problem while the server keeps answering; /v1/models says what each model does. Four in-process servers: an
-embedder (runner "pooling"), a reranker (vLLM's hf_overrides of the Qwen3-VL rerankers), the same checkpoint
-generating, and an embedder saved without its LM head (it cannot generate)."""
+"""The server's pooling routes (serve/routes/pooling.py) on a tiny random Qwen3-VL checkpoint in
+float32: /v1/embeddings through the official `openai` client and with vLLM's chat-style messages,
+/score and /rerank with httpx, each answer equal to LLM.embed / LLM.score / Pipeline.embed on the
+same checkpoint; bad requests are 400s naming the problem while the server keeps answering;
+/v1/models says what each model does. Four in-process servers: an embedder (runner "pooling"), a
+reranker (vLLM's hf_overrides of the Qwen3-VL rerankers), the same checkpoint generating, and an
+embedder saved without its LM head (it cannot generate)."""
 import base64
 import contextlib
 import io
@@ -25,7 +26,7 @@ from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.inputs.retrieval import EMBED_INSTRUCTION, embedding_messages, mm_processor_kwargs
 from vlinfer.pooling_params import PoolingParams
 from vlinfer.serve import ServeConfig, build_app
-from vlinfer.serve.testing import ServerThread, data_uri, png_bytes
+from serve_helpers import ServerThread, data_uri, png_bytes
 
 MODEL = "tiny-retrieval"
 KEY = "test-key-0123456789"

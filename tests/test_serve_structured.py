@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.serve import ServeConfig, build_app
-from vlinfer.serve.testing import ServerThread
+from serve_helpers import ServerThread
 from vlinfer.serve.tool_calls import ToolCallParser, parse_tool_calls
 
 MODEL = "qwen3-vl-tiny"

@@ -12,7 +12,7 @@ from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.multimodal.video_io import VideoLimits
 from vlinfer.serve import ServeConfig, build_app
 from vlinfer.cli.serve import build_parser, config_from_args
-from vlinfer.serve.testing import ServerThread
+from serve_helpers import ServerThread
 
 MODEL = "qwen3-vl-tiny"
 CLIP = encode(drawn_clip(12, 64, 96, seed=7), fps=4)

@@ -114,7 +114,7 @@ def test_smollm2_strict_json_schema_through_the_server():
     from vlinfer.engine.engine_loop import EngineLoop
     from vlinfer.engine.llm_engine import LLMEngine
     from vlinfer.serve import ServeConfig, build_app
-    from vlinfer.serve.testing import ServerThread
+    from serve_helpers import ServerThread
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}
     loop = EngineLoop(LLMEngine("smollm2", dtype="float32", kv_cache_bytes=64 * 2 ** 20, max_model_len=1024))

@@ -401,7 +401,7 @@ def test_metrics_per_request_and_on_the_server(checkpoints):
     import httpx
     from vlinfer.engine.engine_loop import EngineLoop
     from vlinfer.serve import ServeConfig, build_app
-    from vlinfer.serve.testing import ServerThread
+    from serve_helpers import ServerThread
     llm = LLM(checkpoints["qwen3"], speculative_config=NGRAM, **OPTIONS)
     out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0]
     m = out.metrics

@@ -1,6 +1,9 @@
-"""OpenAI-compatible HTTP server around one EngineLoop (`python -m vlinfer serve --model qwen3-vl`, vlinfer/cli/serve.py).
+"""OpenAI-compatible HTTP server around one EngineLoop (`python -m vlinfer serve --model qwen3-vl`,
+vlinfer/cli/serve.py). app.py builds the app; routes/ holds one module per route family (chat,
+completions, pooling, admin); protocol.py every request model.
 
-FastAPI and uvicorn are imported only when the server is used, so `vlinfer` itself never needs them."""
+FastAPI and uvicorn are imported only when the server is used, so `vlinfer` itself never needs
+them."""
 __all__ = ["ImagePolicy", "ServeConfig", "build_app"]
 _LAZY = {"ServeConfig": "vlinfer.serve.config", "build_app": "vlinfer.serve.app", "ImagePolicy": "vlinfer.serve.security"}
 

@@ -3,7 +3,8 @@ json_schema), vLLM's `structured_outputs` extra field, or a tool_choice that for
 function: the call object's JSON schema, see tool_calls.call_schema). At most one may constrain a request; each
 problem is a 400 naming the field it came from, before anything is queued."""
 from vlinfer.sampling_params import StructuredOutputsParams
-from vlinfer.serve.protocol import ApiError, NamedToolChoice
+from vlinfer.serve.errors import ApiError
+from vlinfer.serve.protocol import NamedToolChoice
 from vlinfer.serve.tool_calls import call_schema, required_calls_grammar
 from vlinfer.structured.grammar_spec import check_json_schema
 from vlinfer.structured.strict_schema import strict_schema

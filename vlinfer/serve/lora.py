@@ -10,34 +10,16 @@ import asyncio
 import itertools
 import logging
 
-from pydantic import Field
-
 from vlinfer.lora_request import LoRARequest
 from vlinfer.serve.config import ServeConfig
-from vlinfer.serve.protocol import ApiError, _Strict
+from vlinfer.serve.errors import ApiError
+from vlinfer.serve.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 logger = logging.getLogger("vlinfer.serve")
 RUNTIME_FLAG = "--allow-runtime-lora-updating"
 # lora_int_ids, unique in the process: two servers on one engine (an app beside the server, tests) never give one
 # id to two adapters.
 _LORA_IDS = itertools.count(1)
-
-
-class LoadLoRAAdapterRequest(_Strict):
-    """vLLM's /v1/load_lora_adapter body."""
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
-
-    def unsupported(self) -> None:
-        return None
-
-
-class UnloadLoRAAdapterRequest(_Strict):
-    """vLLM's /v1/unload_lora_adapter body (its lora_int_id is not taken: the server's ids are its own)."""
-    lora_name: str = Field(min_length=1)
-
-    def unsupported(self) -> None:
-        return None
 
 
 class Adapters:

@@ -6,7 +6,7 @@ import asyncio
 from vlinfer.inputs.limits import (MM_PROCESSOR_KWARGS, VIDEO_OPTIONS, text_only, too_many_images,
                                    unknown_mm_kwargs)
 from vlinfer.serve import security
-from vlinfer.serve.protocol import ApiError
+from vlinfer.serve.errors import ApiError
 from vlinfer.serve.video import check_video_options, video_bytes
 
 

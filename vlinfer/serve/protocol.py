@@ -1,48 +1,28 @@
-"""The OpenAI wire format: request models (strict: "0.5" is not a number, 5.0 is not an int), the error shape, and
-the response / stream chunk builders. Engine-side limits (top_p, top_k, penalties) stay in SamplingParams; only
-what the OpenAI API itself bounds (temperature <= 2, n, top_logprobs) is checked here."""
+"""The request models of every route (strict pydantic: "0.5" is not a number, 5.0 is not an int):
+chat, completions, embeddings, score, rerank and the LoRA routes; serve/body.py reads a body into
+one, serve/errors.py is the error shape, each route's module (serve/routes/) builds its response.
+
+Engine-side limits (top_p, top_k, penalties) stay in SamplingParams; only what the OpenAI API itself
+bounds (temperature <= 2, n, top_logprobs) is checked here."""
 import json
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from vlinfer.sampling_params import MAX_LOGPROBS
 
-MAX_SEED = 2 ** 63 - 1  # torch generators take 64-bit seeds; larger ints fail deep in the engine, not as a 400
+# torch generators take 64-bit seeds; larger ints fail deep in the engine, not as a 400
+MAX_SEED = 2 ** 63 - 1
 MAX_STOP_SEQUENCES = 16
 
 
-class ApiError(Exception):
-    """Raised anywhere in a request; the app turns it into the OpenAI error body with this status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-        self.type = type or error_type(status)
-
-
-def error_type(status: int) -> str:
-    if status == 401:
-        return "authentication_error"
-    if status >= 500:
-        return "server_error" if status == 500 else "service_unavailable_error"
-    return "invalid_request_error"
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
-               type: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type or error_type(status), "param": param,
-                                 "code": code}}).encode()
-
-
 class _Strict(BaseModel):
-    # Unknown fields are ignored (clients send new OpenAI fields before servers know them); known ones are strict.
+    # Unknown fields are ignored (clients send new OpenAI fields before servers know them); known
+    # ones are strict.
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+# ---- message content ----
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
@@ -90,7 +70,8 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None  # tool turns: the call this answers
 
 
-# OpenAI's rule for function names (also what keeps a name safe inside the template's JSON and our schema).
+# OpenAI's rule for function names (also what keeps a name safe inside the template's JSON and our
+# schema).
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
@@ -131,8 +112,10 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# ---- /v1/chat/completions and /v1/completions ----
 class _SamplingFields(_Strict):
-    """Fields both endpoints share; the extras after `seed` are vLLM's extensions of the OpenAI API."""
+    """Fields both endpoints share; the extras after `seed` are vLLM's extensions of the OpenAI
+    API."""
     model: str | None = None  # optional: the served model when absent
     n: int = Field(1, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -154,13 +137,16 @@ class _SamplingFields(_Strict):
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None
-    mm_processor_kwargs: dict[str, int | float | bool] | None = None  # app.check_mm_kwargs checks each key's type
-    logit_bias: dict[str, Any] | None = None  # OpenAI's: token id (a string in JSON) -> bias in [-100, 100]
+    # media.check_mm_kwargs checks each key's type
+    mm_processor_kwargs: dict[str, int | float | bool] | None = None
+    # OpenAI's: token id (a string in JSON) -> bias in [-100, 100]
+    logit_bias: dict[str, Any] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     response_format: ResponseFormat | None = None  # OpenAI's; vLLM takes it on completions too
     structured_outputs: dict[str, Any] | None = None  # vLLM's: StructuredOutputsParams' fields
-    # vLLM's older spelling of structured_outputs: refused by name, never ignored (the output would be unconstrained)
+    # vLLM's older spelling of structured_outputs: refused by name, never ignored (the output would
+    # be unconstrained)
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -180,14 +166,16 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Any = None
 
     def tool_problem(self) -> tuple[str, str] | None:
-        """Tools, tool_choice and tool turns that cannot be served, found before any work is done."""
+        """Tools, tool_choice and tool turns that cannot be served, found before any work is
+        done."""
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
-            return "tools", f"tools names a function twice: {sorted(n for n in set(names) if names.count(n) > 1)}"
+            twice = sorted(n for n in set(names) if names.count(n) > 1)
+            return "tools", f"tools names a function twice: {twice}"
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            return "tool_choice", f"tool_choice names the function {choice.function.name!r}, which is not in tools " \
-                                  f"({names})"
+            return "tool_choice", f"tool_choice names the function {choice.function.name!r}, " \
+                                  f"which is not in tools ({names})"
         if choice == "required" and not names:
             return "tool_choice", 'tool_choice "required" needs tools'
         for i, message in enumerate(self.messages):
@@ -199,12 +187,14 @@ class ChatCompletionRequest(_SamplingFields):
                 try:
                     json.loads(call.function.arguments)
                 except json.JSONDecodeError as e:
-                    return f"messages.{i}.tool_calls.{j}.function.arguments", f"arguments is not valid JSON: {e}"
+                    return f"messages.{i}.tool_calls.{j}.function.arguments", \
+                        f"arguments is not valid JSON: {e}"
         return None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.functions or self.function_call not in (None, "none"):
-            return "functions", "the legacy functions / function_call fields are not supported; use tools"
+            return "functions", ("the legacy functions / function_call fields are not supported; "
+                                 "use tools")
         problem = self.tool_problem() or _constraint_problem(self)
         if problem:
             return problem
@@ -234,115 +224,150 @@ class CompletionRequest(_SamplingFields):
 def _constraint_problem(req: _SamplingFields) -> tuple[str, str] | None:
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         if getattr(req, name) is not None:
-            return name, f"{name} is vLLM's older field; send structured_outputs: {{{name[7:]!r}: ...}}"
+            return name, (f"{name} is vLLM's older field; send structured_outputs: "
+                          f"{{{name[7:]!r}: ...}}")
     fmt = req.response_format
-    if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema_ is None):
-        return "response_format", ('response_format {"type": "json_schema"} needs "json_schema": {"name": ..., '
-                                   '"schema": {...}}')
+    if fmt is not None and fmt.type == "json_schema" and \
+            (fmt.json_schema is None or fmt.json_schema.schema_ is None):
+        return "response_format", ('response_format {"type": "json_schema"} needs "json_schema": '
+                                   '{"name": ..., "schema": {...}}')
     return None
 
 
-# ---- validation errors -> one clear message ----
-_UNION_LABELS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "ImagePart", "NamedToolChoice",
-                 "ScoreMultiModal"}
+# ---- /v1/embeddings, /score, /rerank ----
+class EmbeddingRequest(_Strict):
+    """OpenAI's embeddings request: `input`, one text or token-id prompt or a list of them, one
+    embedding each; or vLLM's `messages`, one conversation (images and videos allowed) through the
+    chat template, one embedding."""
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32 bytes
+    dimensions: int | None = None  # PoolingParams checks it (and the model's size)
+    user: str | None = None
+    # vLLM's extras
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    add_generation_prompt: bool = False  # messages: vLLM's default for embeddings
+    mm_processor_kwargs: dict[str, int | float | bool] | None = None
+    # vLLM's base64 options: only what OpenAI's client decodes
+    embed_dtype: Literal["float32"] = "float32"
+    endianness: Literal["native", "little"] = "native"
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if (self.input is None) == (self.messages is None):
+            return "input", ("send exactly one of input (text or token ids) and messages (a chat "
+                             "conversation, for images and video)")
+        if self.mm_processor_kwargs is not None and self.messages is None:
+            return "mm_processor_kwargs", ("mm_processor_kwargs applies to messages (the input "
+                                           "field has no media)")
+        return None
 
 
-def _clean_loc(loc) -> str:
-    """('messages', 0, 'content', 'list[tagged-union[...]]', 1) -> 'messages.0.content.1'"""
-    parts = [str(p) for p in loc if not (isinstance(p, str) and (p in _UNION_LABELS or "[" in p))]
-    return ".".join(parts)
+class ScoreMultiModal(_Strict):
+    """vLLM's multimodal score item: one item's content parts (text, image_url, video_url)."""
+    content: list[ContentPart] = Field(min_length=1)
 
 
-def validation_error(e: ValidationError) -> ApiError:
-    errors = sorted(e.errors(include_url=False), key=lambda err: -len(_clean_loc(err["loc"])))
-    seen, lines = set(), []
-    for err in errors:
-        line = f"{_clean_loc(err['loc']) or 'body'}: {err['msg']}"
-        if line not in seen:
-            seen.add(line)
-            lines.append(line)
-    message = "; ".join(lines[:3]) + (f" (and {len(lines) - 3} more)" if len(lines) > 3 else "")
-    return ApiError(400, f"invalid request: {message}", param=_clean_loc(errors[0]["loc"]) or None,
-                    code="invalid_value")
+ScoreItem = str | ScoreMultiModal
+ScoreItems = ScoreItem | list[ScoreItem]
 
 
-def parse_body(model: type[_Strict], body: bytes) -> Any:
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ApiError(400, "the request body is not valid UTF-8", code="invalid_json") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:  # nesting deep enough to exhaust the parser's stack
-        raise ApiError(400, "the request body is not valid JSON: nested too deeply", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}",
-                       code="invalid_json")
-    try:
-        request = model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
-    except RecursionError:
-        raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
-    problem = request.unsupported()
-    if problem:
-        raise ApiError(400, problem[1], param=problem[0], code="unsupported")
-    return request
+class _ScoreFields(_Strict):
+    model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    # vlinfer's: the reranker's task instruction (LLM.score's instruction=)
+    instruction: str | None = None
+    # vLLM's fields these routes cannot honour: refused by name, never ignored
+    mm_processor_kwargs: dict[str, Any] | None = None
+    use_activation: bool | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.mm_processor_kwargs is not None:
+            return "mm_processor_kwargs", ("mm_processor_kwargs is not taken here: the reranker "
+                                           "sizes images and videos as its own code does "
+                                           "(vlinfer.inputs.retrieval)")
+        if self.use_activation is False:
+            return "use_activation", ("use_activation: false (raw logits) is not supported; scores "
+                                      "are probabilities")
+        for name, items in self.sides():
+            for prefix, item in named_items(name, items):
+                for j, part in enumerate(item.content if isinstance(item, ScoreMultiModal) else []):
+                    if part.type == "image_url" and part.image_url.detail is not None:
+                        return f"{prefix}.content.{j}.image_url.detail", \
+                            "image_url.detail is not taken in score items: images are sized as " \
+                            "the reranker's code does"
+        return None
 
 
-# ---- responses ----
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+# vLLM's names of one pair
+SCORE_PAIRS = (("text_1", "text_2"), ("queries", "documents"), ("data_1", "data_2"))
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+class ScoreRequest(_ScoreFields):
+    """vLLM's /score: text_1 against text_2 (also named queries / documents or data_1 / data_2): one
+    item against each of a list, or two lists pairwise."""
+    text_1: ScoreItems | None = None
+    text_2: ScoreItems | None = None
+    queries: ScoreItems | None = None
+    documents: ScoreItems | None = None
+    data_1: ScoreItems | None = None
+    data_2: ScoreItems | None = None
+
+    def _given(self) -> list[tuple[str, str]]:
+        return [pair for pair in SCORE_PAIRS
+                if any(getattr(self, name) is not None for name in pair)]
+
+    def sides(self) -> list[tuple[str, Any]]:
+        """[(field, items), (field, items)] of the one pair given (empty while none is)."""
+        given = self._given()
+        return [(name, getattr(self, name)) for name in given[0]] if len(given) == 1 else []
+
+    def unsupported(self) -> tuple[str, str] | None:
+        given = self._given()
+        if len(given) != 1:
+            return "text_1", ("send one pair of fields: text_1 and text_2 (or queries and "
+                              "documents, or data_1 and data_2)")
+        missing = [name for name in given[0] if getattr(self, name) is None]
+        if missing:
+            return missing[0], \
+                f"{given[0][0]} and {given[0][1]} go together: {missing[0]} is missing"
+        return super().unsupported()
 
 
-def pooling_usage(prompt_tokens: int) -> dict:
-    """The usage of an embedding or scoring request: prompt tokens only."""
-    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+class RerankRequest(_ScoreFields):
+    """vLLM's /rerank (Jina / Cohere): the query against each document, best first, the top_n of
+    them (0: all)."""
+    query: ScoreItem
+    documents: ScoreItems
+    top_n: int = Field(0, ge=0)
+
+    def sides(self) -> list[tuple[str, Any]]:
+        return [("query", self.query), ("documents", self.documents)]
 
 
-class Logprobs:
-    """Formats the engine's per-token {token_id: Logprob} dicts (top-k plus the chosen token) the OpenAI way: the
-    same raw logprobs and token texts (Logprob.decoded_token) LLM.generate returns."""
-
-    def __init__(self, top: int):
-        self.top = top
-
-    def _top(self, entry: dict) -> list:
-        return sorted(entry.values(), key=lambda lp: -lp.logprob)[:self.top]
-
-    def chat(self, token_ids: list[int], entries: list[dict]) -> dict:
-        content = []
-        for token_id, entry in zip(token_ids, entries):
-            chosen = entry[token_id]
-            content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
-                            "bytes": list(chosen.decoded_token.encode()),
-                            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
-                                              "bytes": list(lp.decoded_token.encode())} for lp in self._top(entry)]})
-        return {"content": content}
-
-    def completion(self, token_ids: list[int], entries: list[dict], text_offset: int) -> dict:
-        tokens, token_logprobs, tops, offsets = [], [], [], []
-        for token_id, entry in zip(token_ids, entries):
-            chosen = entry[token_id]
-            tokens.append(chosen.decoded_token)
-            token_logprobs.append(chosen.logprob)
-            tops.append({lp.decoded_token: lp.logprob for lp in self._top(entry)})
-            offsets.append(text_offset)
-            text_offset += len(chosen.decoded_token)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+def named_items(field: str, items) -> list[tuple[str, Any]]:
+    """(param, item) of a field holding one item or a list of them."""
+    if isinstance(items, list):
+        return [(f"{field}.{i}", item) for i, item in enumerate(items)]
+    return [(field, items)]
 
 
-def now() -> int:
-    return int(time.time())
+# ---- /v1/load_lora_adapter, /v1/unload_lora_adapter ----
+class LoadLoRAAdapterRequest(_Strict):
+    """vLLM's /v1/load_lora_adapter body."""
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+    def unsupported(self) -> None:
+        return None
 
 
-def sse(data: dict | str) -> bytes:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+class UnloadLoRAAdapterRequest(_Strict):
+    """vLLM's /v1/unload_lora_adapter body (its lora_int_id is not taken: the server's ids are its
+    own)."""
+    lora_name: str = Field(min_length=1)
+
+    def unsupported(self) -> None:
+        return None

@@ -1,4 +1,5 @@
-"""The sequences of one HTTP request merged into one stream of outputs, with the server's metrics and abort."""
+"""Run: one request in flight, its sequences' outputs merged into one stream, with the server's
+metrics and the abort of whatever is unfinished when the request ends early."""
 import asyncio
 import time
 

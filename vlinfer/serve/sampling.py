@@ -4,7 +4,8 @@ import re
 
 from vlinfer.sampling_params import SamplingParams
 from vlinfer.serve.constraints import output_constraint
-from vlinfer.serve.protocol import MAX_STOP_SEQUENCES, ApiError
+from vlinfer.serve.errors import ApiError
+from vlinfer.serve.protocol import MAX_STOP_SEQUENCES
 
 
 def _sampling_error(e: ValueError) -> ApiError:

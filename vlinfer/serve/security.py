@@ -21,7 +21,7 @@ import PIL.Image
 from vlinfer.inputs.limits import MAX_IMAGE_PIXELS, MAX_IMAGES, too_many_pixels
 from vlinfer.multimodal.image_io import ImageLoadError, load_image
 from vlinfer.multimodal.url_fetch import UrlFetchError, UrlPolicy, fetch_image_url
-from vlinfer.serve.protocol import ApiError, error_body
+from vlinfer.serve.errors import ApiError, error_body
 
 
 # ---- API key ----

@@ -1,6 +1,7 @@
-"""The server's request handling around one EngineLoop: model (or LoRA adapter), task and capacity checks, sequences
-validated and queued from a worker thread (generating and pooling ones), prompts for both APIs, and the heap trimmed
-once a burst is over."""
+"""Server: what every route shares, around one EngineLoop (reached as request.app.state.server):
+the request's model (or LoRA adapter), task and capacity checks, sequences validated and queued from
+a worker thread (generating and pooling ones), prompts for both APIs, and the heap trimmed once a
+burst is over."""
 import asyncio
 import dataclasses
 
@@ -15,9 +16,10 @@ from vlinfer.serve.config import ServeConfig
 from vlinfer.serve.lora import Adapters
 from vlinfer.serve.memory import malloc_trim
 from vlinfer.serve.metrics import Metrics
-from vlinfer.serve.protocol import ApiError, now
-from vlinfer.serve.run import Run
 from vlinfer.serve.constraints import forced_tool
+from vlinfer.serve.errors import ApiError
+from vlinfer.serve.responses import now
+from vlinfer.serve.run import Run
 from vlinfer.serve.sampling import request_params
 from vlinfer.serve.tool_calls import tag_token_ids
 

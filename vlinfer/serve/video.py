@@ -10,7 +10,7 @@ import binascii
 from vlinfer.multimodal.video_io import VideoLimits
 from vlinfer.multimodal.video_processor import VideoOptions
 from vlinfer.serve import security
-from vlinfer.serve.protocol import ApiError
+from vlinfer.serve.errors import ApiError
 
 BOOLEAN_OPTIONS = ("cap_pixels_per_frame", "do_sample_frames")
 

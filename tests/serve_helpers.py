@@ -1,5 +1,7 @@
-"""An in-process server on a free port, for tests and bench/serving.py: uvicorn in a thread around an app, so the
-caller can look at the engine (KV pool, encoder cache) while clients talk HTTP to it."""
+"""What the server tests share (bench/serving.py and bench/soak.py too): an in-process server on a
+free port (uvicorn in a thread around an app, so the caller can look at the engine, its KV pool and
+encoder cache, while clients talk HTTP to it), generated PNGs and image bombs, data URIs, and chat
+request bodies."""
 import threading
 import time
 
