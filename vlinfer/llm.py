@@ -24,7 +24,7 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """vLLM's: drop every cached KV block, so the next requests compute their prompts afresh. Only while no
         request runs (False otherwise)."""
-        return self.engine.block_manager.reset_prefix_cache()
+        return self.engine.scheduler.reset_prefix_cache()
 
     def get_tokenizer(self):
         """The engine's tokenizer (a transformers tokenizer), as vLLM's LLM.get_tokenizer: chat templates, counts."""
