@@ -120,7 +120,8 @@ class Scheduler:
         only (False, and nothing taken, when too few are free): proposals, a draft's shadows."""
         return self.block_manager.allocate(seq, num_new_tokens)
 
-    def update(self, batch: SchedulerOutput, sampled: list[tuple[Sequence, list[int], list]]):
+    def update(self, batch: SchedulerOutput,
+               sampled: list[tuple[Sequence, list[int], list]]) -> None:
         """A step's result, once the output processor appended its sampled tokens: each scheduled
         sequence's KV now covers its num_new_tokens more tokens; a verified one keeps only its last
         token's and its accepted proposals' KV (the rejected slots roll back, the blocks past its
