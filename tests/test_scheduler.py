@@ -18,7 +18,8 @@ def fake_token(seq: Sequence) -> int:
 
 class Harness:
     """A scheduler plus the part of LLMEngine.step that matters to it: after each schedule(), every scheduled
-    sequence computes its tokens, registers full blocks, and samples a fake token when its chunk reaches its end;
+    sequence computes its tokens and registers full blocks (Scheduler.update), and samples a fake
+    token when its chunk reaches its end;
     a sequence finishes at max_tokens. Checks the scheduler's invariants before and after every step."""
 
     def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
@@ -50,8 +51,7 @@ class Harness:
             self.chunks[seq.seq_id].append(n)
             if seq not in running_before:
                 self.admitted.append(seq)
-            seq.num_computed_tokens += n
-            self.bm.cache_full_blocks(seq)
+        s.update(out, [])  # the engine's way: progress and block caching in one place
         for seq in out.seqs:
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.append_token(fake_token(seq))
@@ -283,6 +283,47 @@ def test_max_num_seqs_caps_the_running_set(prefix):
     h.run(on_step=lambda hh, out: peak.append((len(hh.sched.running), len(hh.sched.waiting))))
     assert max(r for r, _ in peak) == 2
     assert any(r == 2 and w > 0 for r, w in peak)  # full while others waited
+
+
+# -------------------------------------------------------------------------------------- proposals
+
+def test_update_keeps_accepted_proposals_and_rolls_back_the_rest():
+    """Speculative decoding's bookkeeping, all in the scheduler: proposals are placed within the
+    step's budget in free blocks; update advances progress over every verified row, then rolls the
+    rejected ones back (their slots and the blocks past the sequence's tokens), clears them."""
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, 4, 12)
+    seq = Sequence(list(range(1, 8)), SamplingParams(max_tokens=20))
+    sched.add(seq)
+    out = sched.schedule()
+    sched.update(out, [])
+    seq.append_token(50)  # 8 tokens, the first 7 computed: a decode
+    out = sched.schedule()
+    assert out.num_new_tokens == [1]
+    sched.add_proposals(out, [(0, [51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62])])
+    assert seq.spec_token_ids == list(range(51, 62))  # cut to the 12-token budget
+    assert out.num_new_tokens == [12] and len(seq.block_table) == 5  # room for 7 + 12 tokens
+    seq.append_token(51)
+    seq.append_token(52)
+    seq.append_token(9)  # two proposals accepted, then the target's own token
+    sched.update(out, [(seq, [51, 52, 9], [None] * 3)])
+    assert seq.num_computed_tokens == 10 and seq.num_tokens == 11  # the last one's KV: next step
+    assert seq.spec_token_ids == [] and len(seq.block_table) == 3 and bm.num_free_blocks == 5
+    assert [bm.blocks[b].hash is not None for b in seq.block_table] == [True, True, False]
+    sched.finish(seq)
+    assert bm.num_free_blocks == 8
+
+
+def test_proposals_never_preempt():
+    bm = BlockManager(2, 4)
+    sched = Scheduler(bm, 4, 64)
+    seq = Sequence([1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=20))
+    sched.add(seq)
+    sched.update(sched.schedule(), [])
+    seq.append_token(8)
+    out = sched.schedule()
+    sched.add_proposals(out, [(0, [9, 10])])  # 10 tokens would need a third block
+    assert seq.spec_token_ids == [] and out.num_new_tokens == [1] and len(seq.block_table) == 2
 
 
 # ------------------------------------------------------------------------------------------------ preemption

@@ -351,27 +351,23 @@ def test_a_stream_shows_only_accepted_tokens(checkpoints, references):
 
 def test_the_adaptive_rule_pauses_failing_sequences_and_large_batches(checkpoints):
     seq = Sequence([1, 2, 3], GREEDY)
-    spec = speculator.Speculator(SpeculativeConfig.of(dict(NGRAM, adaptive=True)), None, 100, 100, frozenset())
+    spec = speculator.Speculator(SpeculativeConfig.of(dict(NGRAM, adaptive=True)), 100, frozenset())
     pauses = []
     for _ in range(7):
         seq.spec_token_ids = [4, 5]
-        seq.num_computed_tokens = seq.num_tokens + 2
         seq.append_token(9)
-        seq.block_table = []
-        spec.block_manager = type("BM", (), {"trim": staticmethod(lambda s: None)})()
-        spec.settle([(seq, [9], [None])])
-        pauses.append(seq.spec_pause_steps)
+        spec.record([(seq, [9], [None])])
+        pauses.append(spec.pause_steps[seq.seq_id])
     assert pauses == [1, 3, 7, 15, 31, 31, 31]
     seq.spec_token_ids = [4]
-    seq.num_computed_tokens = seq.num_tokens + 1
-    spec.settle([(seq, [4, 9], [None, None])])
-    assert (seq.spec_misses, seq.spec_pause_steps) == (0, 0)
+    spec.record([(seq, [4, 9], [None, None])])
+    assert (spec.misses[seq.seq_id], spec.pause_steps[seq.seq_id]) == (0, 0)
     # Without the adaptive rules a failing sequence keeps proposing.
-    plain = speculator.Speculator(SpeculativeConfig.of(NGRAM), spec.block_manager, 100, 100, frozenset())
-    seq.spec_token_ids, seq.num_computed_tokens = [4], seq.num_tokens + 1
+    plain = speculator.Speculator(SpeculativeConfig.of(NGRAM), 100, frozenset())
+    seq.spec_token_ids = [4]
     seq.append_token(9)
-    plain.settle([(seq, [9], [None])])
-    assert seq.spec_pause_steps == 0
+    plain.record([(seq, [9], [None])])
+    assert plain.pause_steps.get(seq.seq_id, 0) == 0
     # disable_by_batch_size: four sequences in a step of a limit of three propose nothing.
     llm = LLM(checkpoints["qwen3"], speculative_config=dict(NGRAM, disable_by_batch_size=3), **OPTIONS)
     outputs(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))

@@ -4,6 +4,7 @@ from collections import Counter
 
 from tqdm.auto import tqdm
 
+from vlinfer.engine.drive import drive
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.inputs import PromptType
 from vlinfer.inputs.retrieval import RERANK_FORMATS, mm_processor_kwargs
@@ -24,7 +25,7 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """vLLM's: drop every cached KV block, so the next requests compute their prompts afresh. Only while no
         request runs (False otherwise)."""
-        return self.engine.block_manager.reset_prefix_cache()
+        return self.engine.scheduler.reset_prefix_cache()
 
     def get_tokenizer(self):
         """The engine's tokenizer (a transformers tokenizer), as vLLM's LLM.get_tokenizer: chat templates, counts."""
@@ -73,19 +74,14 @@ class LLM:
         sizes = Counter(seq.parent_id for seq in seqs)  # completions per request
         done: dict[str, list[RequestOutput]] = {}
         bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req")
-        try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished and out.request_id in order:
-                        finished = done.setdefault(out.request_id, [])
-                        finished.append(out)
-                        if len(finished) == sizes[out.request_id]:
-                            results[order[out.request_id]] = _merge(finished)
-                            bar.update(1)
-        except BaseException:
-            for seq in seqs:  # a failed or interrupted run must not leave its requests holding blocks
-                self.engine.abort_request(seq.request_id)
-            raise
+        try:  # a failed or interrupted run aborts its requests (drive): none is left holding blocks
+            for out in drive(self.engine, order):
+                if out.finished:
+                    finished = done.setdefault(out.request_id, [])
+                    finished.append(out)
+                    if len(finished) == sizes[out.request_id]:
+                        results[order[out.request_id]] = _merge(finished)
+                        bar.update(1)
         finally:
             bar.close()
 

@@ -2,6 +2,7 @@
 from collections.abc import Iterable, Iterator
 
 from vlinfer.config import ANSWER_MAX_TOKENS
+from vlinfer.engine.drive import drive
 from vlinfer.inputs.limits import text_only
 from vlinfer.inputs.retrieval import embedding_messages, mm_processor_kwargs
 from vlinfer.llm import LLM
@@ -103,19 +104,10 @@ class Pipeline:
         params = self.sampling_params(sampling_params, **sampling)
         prompt_dict = self.engine.chat_prompt(messages, mm_processor_kwargs=mm_processor_kwargs)
         request_id = self.engine.add_request(prompt_dict, params, lora_request=self.lora_request)
-        unfinished = set(range(params.n))
-        try:
-            while unfinished:
-                for out in self.engine.step():
-                    if out.request_id != request_id:
-                        continue
-                    completion = out.outputs[0]
-                    if completion.delta_text:
-                        yield completion.delta_text if params.n == 1 else (completion.index, completion.delta_text)
-                    if out.finished:
-                        unfinished.discard(completion.index)
-        finally:
-            self.engine.abort_request(request_id)  # no-op when it finished
+        for out in drive(self.engine, [request_id]):  # closed early: drive aborts the request
+            delta, index = out.outputs[0].delta_text, out.outputs[0].index
+            if delta:
+                yield delta if params.n == 1 else (index, delta)
 
     def caption(self, images: Iterable, prompt: str = "Describe this image.", batch_size: int = 8,
                 sampling_params: SamplingParams | None = None, mm_processor_kwargs: dict | None = None,

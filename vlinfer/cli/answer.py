@@ -6,6 +6,7 @@ from vlinfer.cli.options import name_flags
 from vlinfer.cli.shared import (CLI_FLAGS, TEXT_MODEL, VISION_MODEL, add_lora_arg, add_max_pixels, add_model_args,
                                 add_sampling_args, build_llm, lora_request, mm_kwargs, sampling_params)
 from vlinfer.config import ANSWER_MAX_TOKENS, CHAT_TEMPERATURE, CHAT_TOP_P
+from vlinfer.engine.drive import drive
 from vlinfer.inputs.limits import text_only
 
 
@@ -38,13 +39,10 @@ def _stream_answer(engine, request_id: str) -> str | None:
     """Print the answer as it arrives; None when interrupted (the request is aborted, its blocks freed)."""
     answer = ""
     try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id == request_id:
-                    print(out.outputs[0].delta_text, end="", flush=True)
-                    answer = out.outputs[0].text
-    except KeyboardInterrupt:
-        engine.abort_request(request_id)
+        for out in drive(engine, [request_id]):
+            print(out.outputs[0].delta_text, end="", flush=True)
+            answer = out.outputs[0].text
+    except KeyboardInterrupt:  # drive aborted the request
         print("\n(interrupted)", file=sys.stderr)
         return None
     print()

@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 
+from vlinfer.engine.drive import step
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.engine.sequence import Sequence
 from vlinfer.outputs import PoolingRequestOutput, RequestOutput
@@ -160,15 +161,14 @@ class EngineLoop:
         while self._take_inbox():
             if not self.engine.has_unfinished_requests():
                 continue
-            try:
-                outputs = self.engine.step()
+            try:  # a failed step aborts every request in the engine: each is some stream's
+                outputs = step(self.engine, self.engine.requests)
             except Exception as e:  # an engine fault fails the running requests, not the process
                 with self._lock:  # requests submitted during the failed step fail with it, never reaching the engine
                     streams, self._streams = self._streams, {}
                     self._new_seqs = []
                 logger.exception("engine step failed; failing %d requests", len(streams))
-                for request_id, stream in streams.items():
-                    self.engine.abort_request(request_id)
+                for stream in streams.values():
                     stream.queue.put(RuntimeError(f"engine step failed: {e}"))
                 continue
             with self._lock:  # which streams still want outputs (an abort may have just taken one)

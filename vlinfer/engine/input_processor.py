@@ -32,16 +32,19 @@ class InputProcessor:
         self.lora = lora  # engine/lora_manager.py's LoRAManager when LoRA is enabled
 
     @classmethod
-    def for_engine(cls, engine, multimodal: bool) -> "InputProcessor":
-        """The processor of a built engine (llm_engine.py): its tokenizer, limits, media processor, chat template,
-        grammars, seed and pooling."""
+    def of_model(cls, source, hf_config, tokenizer, device: torch.device, max_model_len: int,
+                 multimodal: bool, allow_image_urls=False, grammar_matchers=None, seed: int = 0,
+                 pooling=None, can_generate: bool = True, lora=None) -> "InputProcessor":
+        """The processor of one model (a loading.ModelSource, its config and tokenizer): its
+        vocabulary and chat template, and with a vision tower (multimodal) its media processor; the
+        rest as the constructor takes them."""
         from vlinfer.multimodal import Qwen3VLInputProcessor, load_chat_template
-        config, folder = engine.config, engine.source.folder
-        mm_processor = Qwen3VLInputProcessor(engine.hf_config, engine.tokenizer, folder, engine.device,
-                                             config.allow_image_urls) if multimodal else None
-        return cls(engine.tokenizer, engine.text_config.vocab_size, engine.source.name, engine.resolved.max_model_len,
-                   mm_processor, load_chat_template(folder, engine.tokenizer, multimodal), engine.grammar_matchers,
-                   engine.device, config.seed, engine.pooling, engine.can_generate, engine.model_runner.lora)
+        mm_processor = Qwen3VLInputProcessor(hf_config, tokenizer, source.folder, device,
+                                             allow_image_urls) if multimodal else None
+        template = load_chat_template(source.folder, tokenizer, multimodal)
+        return cls(tokenizer, hf_config.get_text_config().vocab_size, source.name, max_model_len,
+                   mm_processor, template, grammar_matchers, device, seed, pooling, can_generate,
+                   lora)
 
     @property
     def is_multimodal(self) -> bool:

@@ -5,22 +5,20 @@ import logging
 import time
 from itertools import count
 
-from vlinfer import loading, ops, platform
+from vlinfer import loading, platform
 from vlinfer.config import EngineConfig, ResolvedConfig
 from vlinfer.distributed import ParallelConfig, TPDriver, check_tensor_parallel_shapes
 from vlinfer.engine import sizing
 from vlinfer.engine.block_manager import BlockManager
-from vlinfer.engine.build_model import load_model
+from vlinfer.engine.build_runner import build_runner
 from vlinfer.engine.input_processor import InputProcessor
-from vlinfer.engine.model_runner import ModelRunner
 from vlinfer.engine.output_processor import OutputProcessor
 from vlinfer.engine.pooling import resolve_pooling
 from vlinfer.engine.scheduler import Scheduler
 from vlinfer.engine.sequence import Sequence
-from vlinfer.engine.speculative import DraftModel, Speculator
+from vlinfer.engine.speculative import DraftModel, Speculator, placeholder_token_ids
 from vlinfer.engine.worker import spawned_worker_main
 from vlinfer.inputs import PromptType
-from vlinfer.layers import ModelContext
 from vlinfer.layers.distributed import SINGLE
 from vlinfer.models import get_model_class
 from vlinfer.outputs import PoolingRequestOutput, RequestOutput
@@ -74,34 +72,39 @@ class LLMEngine:
                                        "dtype": self.dtype, "kv_cache_dtype": kv_cache_dtype, "pooling": self.pooling,
                                        "device_type": self.device.type, "block_size": block_size})
             group = self.driver.group
-        # This engine's own op table, dtype and step state: another engine in the process never sees them.
-        self.model_context = ModelContext(ops.select(self.device.type, forced=config.ops), group,
-                                          expert_parallel=config.enable_expert_parallel, dtype=self.dtype,
-                                          kv_cache_dtype=kv_cache_dtype)
-        net = load_model(self.source, self.hf_config, self.device, self.model_context, config.quantization,
-                         self.pooling, tensors)
-        if self.driver is not None:
-            self.driver.wait_ready()
-        logger.info("loaded %s (%s) on %s in %s in %.1fs%s", self.source.name, type(net).__name__, self.device,
-                    self.dtype, time.perf_counter() - start,
-                    f", tensor parallel over {group.size} ranks" if group.size > 1 else "")
-        self.ops_implementation = self.model_context.ops.name
         self.eos_token_ids = loading.eos_token_ids(self.source, self.tokenizer)
         # Structured outputs over the logits' width; nothing is built until a request is constrained.
         self.grammar_matchers = GrammarMatchers(self.tokenizer, self.text_config.vocab_size, self.eos_token_ids)
-        self.model_runner = ModelRunner(config, self.hf_config, net, self.model_context, self.device, block_size,
-                                        self.eos_token_ids, self.driver, self.grammar_matchers)
+        self.model_runner = runner = build_runner(
+            config, self.source, self.hf_config, self.device, block_size, ops_choice=config.ops,
+            dtype=self.dtype, kv_cache_dtype=kv_cache_dtype, group=group,
+            expert_parallel=config.enable_expert_parallel, quantization=config.quantization,
+            pooling=self.pooling, tensors=tensors, eos_token_ids=self.eos_token_ids,
+            driver=self.driver, grammar_matchers=self.grammar_matchers)
+        logger.info("loaded %s (%s) on %s in %s in %.1fs%s", self.source.name,
+                    type(runner.model).__name__, self.device, self.dtype,
+                    time.perf_counter() - start,
+                    f", tensor parallel over {group.size} ranks" if group.size > 1 else "")
+        self.model_context, self.ops_implementation = runner.ctx, runner.ctx.ops.name
         ranks_per_host = self.driver.local_world_size if self.driver is not None else 1
-        draft = DraftModel.load(self, config.speculative_config)  # before sizing: its KV shares the budget
+        # Before sizing: the draft's KV pool takes its share of the same budget.
+        draft = DraftModel.load(config.speculative_config, self.text_config.vocab_size, self.device,
+                                config.ops, self.dtype, block_size, config.max_num_seqs)
         self.resolved: ResolvedConfig = sizing.resolve(config, self.dtype, model_len, longest, block_size,
                                                        self.model_runner, ranks_per_host, draft)
         self.model_runner.allocate_kv_cache(self.resolved.num_blocks)
+        if draft is not None:  # as many blocks as the target's pool
+            draft.allocate_kv_cache(self.resolved.num_blocks)
         self.model_runner.capture_graphs(self.resolved)  # for the block tables of the resolved length
         self.block_manager = BlockManager(self.resolved.num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.resolved.max_num_seqs,
                                    self.resolved.max_num_batched_tokens, config.max_loras if config.enable_lora else 0)
-        self.speculator = Speculator.for_engine(self, draft)
-        self.input_processor = InputProcessor.for_engine(self, hasattr(net, "encode_images"))
+        self.speculator = Speculator(config.speculative_config, self.resolved.max_model_len,
+                                     placeholder_token_ids(self.hf_config), draft)
+        self.input_processor = InputProcessor.of_model(
+            self.source, self.hf_config, self.tokenizer, self.device, self.resolved.max_model_len,
+            hasattr(runner.model, "encode_images"), config.allow_image_urls, self.grammar_matchers,
+            config.seed, self.pooling, self.can_generate, runner.lora)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.resolved.max_model_len)
         self.requests: dict[str, Sequence] = {}  # by sequence id: every sequence added and not yet finished
         self._request_ids = count()
@@ -194,17 +197,14 @@ class LLMEngine:
         now = time.time()
         for seq in batch.seqs:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
-        self.speculator.propose(batch)  # speculative decoding: proposed tokens join the decoding sequences' rows
+        self.scheduler.add_proposals(batch, self.speculator.propose(batch))  # speculative decoding
         sampled, prompt_logprobs, pooled = self.model_runner.execute(batch)
         for seq, position, entry in prompt_logprobs:
             self.output_processor.add_prompt_logprob(seq, position, entry)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
         outputs = [self.pooling.request_output(seq, row) for seq, row in pooled]
         outputs += [self.output_processor.append_tokens(seq, tokens, logprobs) for seq, tokens, logprobs in sampled]
-        self.speculator.settle(sampled)  # rejected proposals: their KV slots roll back, their blocks are freed
-        for seq in batch.seqs:
-            self.block_manager.cache_full_blocks(seq)
+        self.speculator.record(sampled)  # acceptance, before update rolls back the rejected
+        self.scheduler.update(batch, sampled)
         for seq in [seq for seq, _ in pooled] + [seq for seq, *_ in sampled if seq.finish_reason is not None]:
             self._finish(seq)
         return outputs

@@ -1,6 +1,11 @@
 """Continuous batching: each step gives every running sequence its next tokens (one for a decode, a chunk for
 a prefill) within a token budget, admits waiting sequences while blocks and budget last, and preempts by
-recompute when the KV pool runs dry."""
+recompute when the KV pool runs dry.
+
+The scheduler is the one owner of a sequence's progress (num_computed_tokens), its proposals
+(spec_token_ids) and its KV blocks (the block manager): the engine hands it each step's result
+(update), as vLLM's update_from_output and nano-vllm's postprocess take it; the speculator only
+proposes and counts acceptance."""
 from collections import deque
 from dataclasses import dataclass
 
@@ -18,6 +23,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """A draft model (speculative/draft_model.py) keeps a Scheduler of its own over its pool for its
+    shadow sequences: it batches them itself (schedule() never runs there) and goes through reserve,
+    update, rollback and free, so a shadow's progress and blocks have its target's owner."""
+
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_loras: int = 0):
         self.block_manager = block_manager
@@ -93,11 +102,61 @@ class Scheduler:
             budget -= n
         return out
 
+    def add_proposals(self, batch: SchedulerOutput, proposals: list[tuple[int, list[int]]]) -> None:
+        """Put the speculator's proposals (batch index, tokens) into the step: each cut to the token
+        budget the step leaves and placed in free blocks only (a proposal never preempts anyone), or
+        dropped. A placed one is verified with its sequence's last token (seq.spec_token_ids,
+        counted in num_new_tokens)."""
+        budget = self.max_num_batched_tokens - sum(batch.num_new_tokens)
+        for i, proposal in proposals:
+            seq, proposal = batch.seqs[i], proposal[:budget]
+            if proposal and self.reserve(seq, 1 + len(proposal)):
+                seq.spec_token_ids = proposal
+                batch.num_new_tokens[i] += len(proposal)
+                budget -= len(proposal)
+
+    def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """KV room for num_new_tokens more tokens after seq.num_computed_tokens, from free blocks
+        only (False, and nothing taken, when too few are free): proposals, a draft's shadows."""
+        return self.block_manager.allocate(seq, num_new_tokens)
+
+    def update(self, batch: SchedulerOutput,
+               sampled: list[tuple[Sequence, list[int], list]]) -> None:
+        """A step's result, once the output processor appended its sampled tokens: each scheduled
+        sequence's KV now covers its num_new_tokens more tokens; a verified one keeps only its last
+        token's and its accepted proposals' KV (the rejected slots roll back, the blocks past its
+        tokens return to the pool); full blocks enter the prefix cache."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        for seq, tokens, _ in sampled:
+            if seq.spec_token_ids:
+                rejected = len(seq.spec_token_ids) - (len(tokens) - 1)
+                # A stop may have cut the tokens appended: its KV never reaches past them.
+                self.rollback(seq, min(seq.num_computed_tokens - rejected, seq.num_tokens))
+                seq.spec_token_ids = []
+        for seq in batch.seqs:
+            self.block_manager.cache_full_blocks(seq)
+
+    def rollback(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Keep seq's KV over its first num_computed_tokens tokens at most and free the blocks past
+        those its tokens need: rejected proposals (update), a draft shadow's stale tokens."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_computed_tokens)
+        self.block_manager.trim(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Take a sequence out of the schedule, whether it finished or was aborted, and free its blocks."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self.free(seq)
+        seq.spec_token_ids = []  # proposals of a step that failed before its update
         seq.status = SequenceStatus.FINISHED
+
+    def free(self, seq: Sequence) -> None:
+        """Return a sequence's blocks to the pool: at finish, or a draft's unscheduled shadow."""
+        self.block_manager.free(seq)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached block; only while no sequence holds one (else False)."""
+        return self.block_manager.reset_prefix_cache()

@@ -58,7 +58,7 @@ class Sequence(PromptAndOutput):
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks, filled lazily
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache; only the scheduler moves it
         self.num_cached_tokens = 0  # of the prompt, how many came from the prefix cache at first admission
         self.num_preemptions = 0
         self.mm_items = mm_items or []
@@ -75,10 +75,8 @@ class Sequence(PromptAndOutput):
         # by every appended token; LLMEngine.make_sequences makes it); None when unconstrained.
         self.grammar_matcher = None
         # Speculative decoding (engine/speculative/): the tokens proposed for this step, verified with the last token
-        # and never part of token_ids until accepted; and the adaptive rule's state (steps to sit out, misses in a row).
+        # and never part of token_ids until accepted. The scheduler places and clears them.
         self.spec_token_ids: list[int] = []
-        self.spec_pause_steps = 0
-        self.spec_misses = 0
         self.output_logprobs: list[dict] = []  # per output token {token_id: outputs.Logprob}
         self.cumulative_logprob = 0.0
         # SamplingParams.prompt_logprobs: per prompt token {token_id: outputs.Logprob}, filled as prefill chunks

@@ -21,7 +21,6 @@ from datetime import timedelta
 
 import torch
 
-from vlinfer import ops
 from vlinfer.config import EngineConfig
 from vlinfer.distributed.comm import (IDLE_TIMEOUT, ParallelConfig, connect_store, control_channel, device_group,
                                       rank_device)
@@ -63,14 +62,13 @@ def serve(url: str, rank: int, world: int, local_rank: int, parallel: ParallelCo
 
 
 def _build(init: dict, device: torch.device, group):
-    from vlinfer.engine.build_model import load_model
-    from vlinfer.engine.model_runner import ModelRunner
-    from vlinfer.layers import ModelContext
+    from vlinfer.engine.build_runner import build_runner
     config = init["config"]
-    ctx = ModelContext(ops.select(device.type, forced=config.ops), group, expert_parallel=config.enable_expert_parallel,
-                       dtype=init["dtype"], kv_cache_dtype=init["kv_cache_dtype"])
-    model = load_model(init["source"], init["hf_config"], device, ctx, config.quantization, init["pooling"])
-    return ModelRunner(config, init["hf_config"], model, ctx, device, init["block_size"], set())
+    return build_runner(config, init["source"], init["hf_config"], device, init["block_size"],
+                        ops_choice=config.ops, dtype=init["dtype"],
+                        kv_cache_dtype=init["kv_cache_dtype"], group=group,
+                        expert_parallel=config.enable_expert_parallel,
+                        quantization=config.quantization, pooling=init["pooling"])
 
 
 def _loop(channel, runner, rank: int) -> None:

@@ -5,18 +5,23 @@ Each target sequence has a shadow sequence in the draft's pool: the target's tok
 own blocks (freed with the request). A proposal catches the shadow up on the tokens it has not seen (one prefill chunk
 for all sequences at once), then runs k - 1 one-token steps; the proposal is the k arg-max tokens, a proposal of
 probability 1, which the target verifies exactly (engine/sampler.py). At its next proposal the shadow keeps its KV
-over the tokens the target kept (its proposals, if accepted), whether or not they were verified. Images reach the draft as their placeholder tokens only (text-only drafting)."""
+over the tokens the target kept (its proposals, if accepted), whether or not they were verified.
+Images reach the draft as their placeholder tokens only (text-only drafting).
+
+The shadows' progress and blocks have their target's owner: a Scheduler of the draft's own over its
+pool (reserve, update, rollback, free); the draft batches its shadows itself, so that Scheduler
+never schedules."""
 import logging
 
-from vlinfer import loading, ops
+import torch
+
+from vlinfer import loading
 from vlinfer.config import EngineConfig, SpeculativeConfig
 from vlinfer.engine.block_manager import BlockManager
-from vlinfer.engine.build_model import load_model
+from vlinfer.engine.build_runner import build_runner
 from vlinfer.engine.model_runner import ModelRunner
-from vlinfer.engine.scheduler import SchedulerOutput
+from vlinfer.engine.scheduler import Scheduler, SchedulerOutput
 from vlinfer.engine.sequence import Sequence
-from vlinfer.layers import ModelContext
-from vlinfer.layers.distributed import SINGLE
 from vlinfer.models import get_model_class
 from vlinfer.sampling_params import SamplingParams
 
@@ -28,43 +33,51 @@ class DraftModel:
     def __init__(self, runner: ModelRunner, name: str):
         self.runner = runner
         self.name = name
-        self.block_manager: BlockManager | None = None  # allocate() makes it, once the target's pool is sized
+        self.scheduler: Scheduler | None = None  # made by allocate_kv_cache(), after sizing
         self.shadows: dict[int, Sequence] = {}  # target seq_id -> its shadow in the draft's pool
         self.synced: dict[int, int] = {}  # target seq_id -> how many target tokens its shadow had at its last proposal
         self.num_pool_misses = 0  # proposals skipped because the draft's pool was full
 
     @classmethod
-    def load(cls, engine, config: SpeculativeConfig | None) -> "DraftModel | None":
-        """The draft of speculative_config, loaded on the engine's device, op implementation and dtype; None without
-        one. Before the target's KV pool is sized: the draft's pool takes its share of the same budget."""
+    def load(cls, config: SpeculativeConfig | None, target_vocab_size: int, device: torch.device,
+             ops_choice: str | None, dtype: torch.dtype, block_size: int,
+             max_num_seqs: int) -> "DraftModel | None":
+        """The draft of speculative_config on the target's device, op implementation (ops_choice),
+        dtype and block size; None without one. Loaded before the target's KV pool is sized: its
+        pool takes its share of the same budget. Its KV stays in its compute dtype: the target's
+        kv_cache_dtype is resolved for the target's checkpoint."""
         if config is None or config.method != "draft_model":
             return None
         source = loading.resolve_model(config.model)
         hf_config = loading.load_config(source)
         get_model_class(hf_config)  # an unsupported architecture fails here, before any weight is read
-        vocab, target_vocab = hf_config.get_text_config().vocab_size, engine.text_config.vocab_size
-        if vocab != target_vocab:
-            raise ValueError(f"speculative_config: the draft model {config.model} has a vocabulary of {vocab} tokens "
-                             f"and the target {target_vocab}: a draft must share the target's tokenizer and vocabulary")
-        ctx = ModelContext(ops.select(engine.device.type, forced=engine.config.ops), SINGLE, dtype=engine.dtype)
-        net = load_model(source, hf_config, engine.device, ctx)
-        draft_config = EngineConfig(model=config.model, device=engine.device, enforce_eager=True,
-                                    max_num_seqs=engine.config.max_num_seqs)
-        block_size = engine.model_runner.block_size
-        runner = ModelRunner(draft_config, hf_config, net, ctx, engine.device, block_size, set())
-        logger.info("speculative decoding: draft model %s (%s) loaded on %s", source.name, type(net).__name__,
-                    engine.device)
+        vocab = hf_config.get_text_config().vocab_size
+        if vocab != target_vocab_size:
+            raise ValueError(f"speculative_config: the draft model {config.model} has a vocabulary "
+                             f"of {vocab} tokens and the target {target_vocab_size}: a draft must "
+                             "share the target's tokenizer and vocabulary")
+        draft_config = EngineConfig(model=config.model, device=device, enforce_eager=True,
+                                    max_num_seqs=max_num_seqs)
+        runner = build_runner(draft_config, source, hf_config, device, block_size,
+                              ops_choice=ops_choice, dtype=dtype, kv_cache_dtype=None)
+        logger.info("speculative decoding: draft model %s (%s) loaded on %s", source.name,
+                    type(runner.model).__name__, device)
         return cls(runner, source.name)
 
     @property
     def bytes_per_block(self) -> int:
         return self.runner.bytes_per_block
 
-    def allocate(self, num_blocks: int) -> None:
+    @property
+    def block_manager(self) -> BlockManager | None:
+        return self.scheduler.block_manager if self.scheduler is not None else None
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
         """As many blocks as the target's pool: a shadow never holds more tokens than its target sequence. No prefix
         caching: a shadow's tokens include proposals not yet verified."""
         self.runner.allocate_kv_cache(num_blocks)
-        self.block_manager = BlockManager(num_blocks, self.runner.block_size, enable_prefix_caching=False)
+        pool = BlockManager(num_blocks, self.runner.block_size, enable_prefix_caching=False)
+        self.scheduler = Scheduler(pool, 0, 0)  # no admission limits: propose() batches the shadows
 
     def _shadow(self, seq: Sequence) -> Sequence:
         """The sequence's shadow, brought to its tokens: its KV stays valid over the tokens it shares with them (the
@@ -77,10 +90,9 @@ class DraftModel:
         same, limit = self.synced.get(seq.seq_id, 0), min(len(old), len(new))
         while same < limit and old[same] == new[same]:
             same += 1
-        shadow.num_computed_tokens = min(shadow.num_computed_tokens, same, len(new) - 1)
         shadow.token_ids = list(new)
         self.synced[seq.seq_id] = len(new)
-        self.block_manager.trim(shadow)
+        self.scheduler.rollback(shadow, min(same, len(new) - 1))
         return shadow
 
     def propose(self, seqs: list[Sequence], ks: list[int], never: frozenset[int]) -> list[list[int]]:
@@ -90,7 +102,8 @@ class DraftModel:
         for seq, k in zip(seqs, ks):
             shadow = self._shadow(seq)
             # The whole proposal's KV at once: the catch-up chunk, then k - 1 proposed tokens.
-            if self.block_manager.allocate(shadow, shadow.num_tokens - shadow.num_computed_tokens + k - 1):
+            catch_up = shadow.num_tokens - shadow.num_computed_tokens
+            if self.scheduler.reserve(shadow, catch_up + k - 1):
                 wanted[shadow], proposals[shadow] = k, []
             else:
                 self.num_pool_misses += 1
@@ -99,9 +112,9 @@ class DraftModel:
         batch = SchedulerOutput(running, [s.num_tokens - s.num_computed_tokens for s in running])
         while batch.seqs:
             sampled, _, _ = self.runner.execute(batch)
+            self.scheduler.update(batch, sampled)
             going = []
-            for (shadow, [token], _), n in zip(sampled, batch.num_new_tokens):
-                shadow.num_computed_tokens += n
+            for shadow, [token], _ in sampled:
                 if token in never:  # a placeholder ends the proposal before it
                     continue
                 proposals[shadow].append(token)
@@ -115,4 +128,4 @@ class DraftModel:
         self.synced.pop(seq.seq_id, None)
         shadow = self.shadows.pop(seq.seq_id, None)
         if shadow is not None:
-            self.block_manager.free(shadow)
+            self.scheduler.free(shadow)

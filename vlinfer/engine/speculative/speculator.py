@@ -13,14 +13,15 @@
     token. So each batch-size class (1, 2-3, 4-7, ...) measures its decode steps: tokens emitted per second with
     proposals and without (a moving average of each), keeps the faster way, and runs the other one step in
     PROBE_EVERY to follow a workload that changes (one in up to MAX_PROBE_EVERY while the probes confirm the choice). Decisions only change speed: the output is exact either way.
-- KV: the proposals' blocks come only from free ones (a proposal never preempts anyone); after verification the
-  rejected proposals' slots roll back (num_computed_tokens) and blocks past the accepted tokens return to the pool.
-  Only accepted tokens ever enter token_ids, so prefix-cache hashes only ever cover them."""
+- KV: the scheduler places the proposals (engine/scheduler.py add_proposals: free blocks only, a
+  proposal never preempts anyone) and, after verification, rolls the rejected ones' slots back and
+  returns the blocks past the accepted tokens (update). The speculator proposes and counts
+  acceptance; it writes no progress and no blocks. Only accepted tokens ever enter token_ids, so
+  prefix-cache hashes only ever cover them."""
 import logging
 import time
 
 from vlinfer.config import SpeculativeConfig
-from vlinfer.engine.block_manager import BlockManager
 from vlinfer.engine.scheduler import SchedulerOutput
 from vlinfer.engine.sequence import Sequence
 from vlinfer.engine.speculative.draft_model import DraftModel
@@ -72,12 +73,20 @@ class BatchClassRates:
         rates[proposed] = rate if proposed not in rates else RATE_MEMORY * rates[proposed] + (1 - RATE_MEMORY) * rate
 
 
+def placeholder_token_ids(hf_config) -> frozenset[int]:
+    """The model's image and video placeholder tokens: the input processor places them, never a
+    proposal."""
+    ids = (getattr(hf_config, "image_token_id", None), getattr(hf_config, "video_token_id", None))
+    return frozenset(t for t in ids if t is not None)
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig | None, block_manager: BlockManager, max_num_batched_tokens: int,
-                 max_model_len: int, placeholder_ids: frozenset[int], draft: DraftModel | None = None):
+    """config None: a speculator that never proposes. draft: the draft model of method
+    "draft_model", its KV pool allocated (DraftModel.allocate_kv_cache); None proposes n-grams."""
+
+    def __init__(self, config: SpeculativeConfig | None, max_model_len: int,
+                 placeholder_ids: frozenset[int], draft: DraftModel | None = None):
         self.config = config
-        self.block_manager = block_manager
-        self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.placeholder_ids = placeholder_ids  # image / video placeholder tokens: never proposed
         self.draft = draft
@@ -85,27 +94,20 @@ class Speculator:
         # tokens accepted, and accepted tokens by their position in the proposal.
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * (config.num_speculative_tokens if config is not None else 0)
+        # The adaptive rule's state by seq_id, the speculator's own (dropped at release):
+        # verifications in a row that accepted nothing, and the steps a sequence still sits out.
+        self.misses: dict[int, int] = {}
+        self.pause_steps: dict[int, int] = {}
         self.batch_rates = BatchClassRates()
         self.said_structured = False
         self._measuring: tuple[int, bool, float] | None = None  # this decode step's (batch size, proposing, start)
-
-    @classmethod
-    def for_engine(cls, engine, draft: DraftModel | None) -> "Speculator":
-        """The engine's speculator; without speculative_config, one that never proposes."""
-        config = engine.config.speculative_config
-        hf = engine.hf_config
-        if config is None:
-            return cls(None, engine.block_manager, 0, 0, frozenset())
-        placeholders = frozenset(t for t in (getattr(hf, "image_token_id", None), getattr(hf, "video_token_id", None))
-                                 if t is not None)
-        if draft is not None:
-            draft.allocate(engine.resolved.num_blocks)
-        logger.info("speculative decoding: %s, %d tokens per step%s, off in steps of more than %d sequences",
-                    config.method if draft is None else f"draft model {config.model}", config.num_speculative_tokens,
-                    f", n-grams of {config.prompt_lookup_max} down to {config.prompt_lookup_min} tokens"
-                    if draft is None else "", config.disable_by_batch_size)
-        return cls(config, engine.block_manager, engine.resolved.max_num_batched_tokens,
-                   engine.resolved.max_model_len, placeholders, draft)
+        if config is not None:
+            ngrams = (f", n-grams of {config.prompt_lookup_max} down to {config.prompt_lookup_min} "
+                      "tokens" if draft is None else "")
+            method = config.method if draft is None else f"draft model {config.model}"
+            logger.info("speculative decoding: %s, %d tokens per step%s, off in steps of more than "
+                        "%d sequences", method, config.num_speculative_tokens, ngrams,
+                        config.disable_by_batch_size)
 
     def _wanted(self, seq: Sequence, n: int) -> int:
         """How many tokens this sequence may propose this step (0: none)."""
@@ -117,27 +119,27 @@ class Speculator:
                             "grammar would have to advance over proposals that may be rejected)")
                 self.said_structured = True
             return 0
-        if seq.spec_pause_steps:
-            seq.spec_pause_steps -= 1
+        if self.pause_steps.get(seq.seq_id):
+            self.pause_steps[seq.seq_id] -= 1
             return 0
         return min(self.config.num_speculative_tokens, seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1)
 
-    def propose(self, batch: SchedulerOutput) -> None:
-        """Give the step's decoding sequences their proposals (seq.spec_token_ids) and count them in
-        batch.num_new_tokens, within the step's token budget and the free KV blocks."""
+    def propose(self, batch: SchedulerOutput) -> list[tuple[int, list[int]]]:
+        """The step's proposals, (batch index, tokens) of the decoding sequences that propose; the
+        scheduler places them (add_proposals) within the step's token budget and free KV blocks."""
         self._measuring = None
         if self.config is None or len(batch.seqs) > self.config.disable_by_batch_size:
-            return
+            return []
         if self.config.adaptive and all(map(_decoding, batch.seqs)):
             proposing = self.batch_rates.choose(len(batch.seqs))
             self._measuring = (len(batch.seqs), proposing, time.perf_counter())
             if not proposing:
-                return
+                return []
         wanted = [(i, k) for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                   if (k := self._wanted(seq, n)) > 0]
         if not wanted:
-            return
+            return []
         seqs = [batch.seqs[i] for i, _ in wanted]
         if self.draft is not None:
             proposals = self.draft.propose(seqs, [k for _, k in wanted], self.placeholder_ids)
@@ -145,17 +147,12 @@ class Speculator:
             c = self.config
             proposals = [propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max,
                                        self.placeholder_ids) for seq, (_, k) in zip(seqs, wanted)]
-        budget = self.max_num_batched_tokens - sum(batch.num_new_tokens)
-        for (i, _), seq, proposal in zip(wanted, seqs, proposals):
-            proposal = proposal[:budget]
-            if proposal and self.block_manager.allocate(seq, 1 + len(proposal)):
-                seq.spec_token_ids = proposal
-                batch.num_new_tokens[i] += len(proposal)
-                budget -= len(proposal)
+        return [(i, proposal) for (i, _), proposal in zip(wanted, proposals)]
 
-    def settle(self, sampled: list[tuple[Sequence, list[int], list]]) -> None:
-        """After the output processor took the step's tokens: roll each verified sequence back to its accepted
-        tokens, count them, and apply the adaptive rules."""
+    def record(self, sampled: list[tuple[Sequence, list[int], list]]) -> None:
+        """After the output processor took the step's tokens, before the scheduler rolls back what
+        was rejected: count each verified sequence's accepted proposals (totals, its request's
+        metrics), apply the adaptive rules, and time the decode step."""
         if self._measuring is not None:
             size, proposing, start = self._measuring
             self.batch_rates.record(size, proposing, sum(len(tokens) for _, tokens, _ in sampled),
@@ -165,10 +162,6 @@ class Speculator:
             if not k:
                 continue
             accepted = len(tokens) - 1
-            # Its KV holds the last token and the accepted proposals; a stop may have cut the tokens appended.
-            seq.num_computed_tokens = min(seq.num_computed_tokens - (k - accepted), seq.num_tokens)
-            self.block_manager.trim(seq)
-            seq.spec_token_ids = []
             seq.metrics.spec_num_drafts += 1
             seq.metrics.spec_num_draft_tokens += k
             seq.metrics.spec_num_accepted_tokens += accepted
@@ -178,11 +171,14 @@ class Speculator:
             for position in range(accepted):
                 self.accepted_per_position[position] += 1
             if self.config.adaptive:
-                seq.spec_misses = 0 if accepted else seq.spec_misses + 1
-                seq.spec_pause_steps = min(2 ** seq.spec_misses - 1, MAX_PAUSE_STEPS)
+                misses = 0 if accepted else self.misses.get(seq.seq_id, 0) + 1
+                self.misses[seq.seq_id] = misses
+                self.pause_steps[seq.seq_id] = min(2 ** misses - 1, MAX_PAUSE_STEPS)
 
     def release(self, seq: Sequence) -> None:
-        """A sequence finished or was aborted: its draft KV goes back to the draft's pool."""
-        seq.spec_token_ids = []
+        """A sequence finished or was aborted: its adaptive state goes, its draft KV returns to the
+        draft's pool."""
+        self.misses.pop(seq.seq_id, None)
+        self.pause_steps.pop(seq.seq_id, None)
         if self.draft is not None:
             self.draft.release(seq)
