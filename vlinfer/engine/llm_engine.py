@@ -22,7 +22,7 @@ from vlinfer.engine.worker import spawned_worker_main
 from vlinfer.inputs import PromptType
 from vlinfer.layers import ModelContext
 from vlinfer.layers.distributed import SINGLE
-from vlinfer.models import get_model_class
+from vlinfer.models import SupportsMultiModal, get_model_class
 from vlinfer.outputs import PoolingRequestOutput, RequestOutput
 from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
@@ -78,8 +78,8 @@ class LLMEngine:
         self.model_context = ModelContext(ops.select(self.device.type, forced=config.ops), group,
                                           expert_parallel=config.enable_expert_parallel, dtype=self.dtype,
                                           kv_cache_dtype=kv_cache_dtype)
-        net = load_model(self.source, self.hf_config, self.device, self.model_context, config.quantization,
-                         self.pooling, tensors)
+        net, bytes_read = load_model(self.source, self.hf_config, self.device, self.model_context,
+                                     config.quantization, self.pooling, tensors)
         if self.driver is not None:
             self.driver.wait_ready()
         logger.info("loaded %s (%s) on %s in %s in %.1fs%s", self.source.name, type(net).__name__, self.device,
@@ -89,19 +89,19 @@ class LLMEngine:
         self.eos_token_ids = loading.eos_token_ids(self.source, self.tokenizer)
         # Structured outputs over the logits' width; nothing is built until a request is constrained.
         self.grammar_matchers = GrammarMatchers(self.tokenizer, self.text_config.vocab_size, self.eos_token_ids)
-        self.model_runner = ModelRunner(config, self.hf_config, net, self.model_context, self.device, block_size,
-                                        self.eos_token_ids, self.driver, self.grammar_matchers)
+        self.model_runner = ModelRunner(config, self.hf_config, net, self.model_context, self.device,
+                                        block_size, self.eos_token_ids, self.driver,
+                                        self.grammar_matchers, bytes_read)
         ranks_per_host = self.driver.local_world_size if self.driver is not None else 1
         draft = DraftModel.load(self, config.speculative_config)  # before sizing: its KV shares the budget
         self.resolved: ResolvedConfig = sizing.resolve(config, self.dtype, model_len, longest, block_size,
                                                        self.model_runner, ranks_per_host, draft)
-        self.model_runner.allocate_kv_cache(self.resolved.num_blocks)
-        self.model_runner.capture_graphs(self.resolved)  # for the block tables of the resolved length
+        self.model_runner.init_cache(self.resolved)  # the pool, then graphs over its addresses
         self.block_manager = BlockManager(self.resolved.num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.resolved.max_num_seqs,
                                    self.resolved.max_num_batched_tokens, config.max_loras if config.enable_lora else 0)
         self.speculator = Speculator.for_engine(self, draft)
-        self.input_processor = InputProcessor.for_engine(self, hasattr(net, "encode_images"))
+        self.input_processor = InputProcessor.for_engine(self, isinstance(net, SupportsMultiModal))
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.resolved.max_model_len)
         self.requests: dict[str, Sequence] = {}  # by sequence id: every sequence added and not yet finished
         self._request_ids = count()

@@ -69,8 +69,10 @@ def _build(init: dict, device: torch.device, group):
     config = init["config"]
     ctx = ModelContext(ops.select(device.type, forced=config.ops), group, expert_parallel=config.enable_expert_parallel,
                        dtype=init["dtype"], kv_cache_dtype=init["kv_cache_dtype"])
-    model = load_model(init["source"], init["hf_config"], device, ctx, config.quantization, init["pooling"])
-    return ModelRunner(config, init["hf_config"], model, ctx, device, init["block_size"], set())
+    model, bytes_read = load_model(init["source"], init["hf_config"], device, ctx,
+                                   config.quantization, init["pooling"])
+    return ModelRunner(config, init["hf_config"], model, ctx, device, init["block_size"], set(),
+                       checkpoint_bytes_read=bytes_read)
 
 
 def _loop(channel, runner, rank: int) -> None:

@@ -47,18 +47,19 @@ class DraftModel:
             raise ValueError(f"speculative_config: the draft model {config.model} has a vocabulary of {vocab} tokens "
                              f"and the target {target_vocab}: a draft must share the target's tokenizer and vocabulary")
         ctx = ModelContext(ops.select(engine.device.type, forced=engine.config.ops), SINGLE, dtype=engine.dtype)
-        net = load_model(source, hf_config, engine.device, ctx)
+        net, bytes_read = load_model(source, hf_config, engine.device, ctx)
         draft_config = EngineConfig(model=config.model, device=engine.device, enforce_eager=True,
                                     max_num_seqs=engine.config.max_num_seqs)
         block_size = engine.model_runner.block_size
-        runner = ModelRunner(draft_config, hf_config, net, ctx, engine.device, block_size, set())
+        runner = ModelRunner(draft_config, hf_config, net, ctx, engine.device, block_size, set(),
+                             checkpoint_bytes_read=bytes_read)
         logger.info("speculative decoding: draft model %s (%s) loaded on %s", source.name, type(net).__name__,
                     engine.device)
         return cls(runner, source.name)
 
     @property
     def bytes_per_block(self) -> int:
-        return self.runner.bytes_per_block
+        return self.runner.cache_pool.bytes_per_block
 
     def allocate(self, num_blocks: int) -> None:
         """As many blocks as the target's pool: a shadow never holds more tokens than its target sequence. No prefix
