@@ -89,8 +89,8 @@ class LLMEngine:
         self.eos_token_ids = loading.eos_token_ids(self.source, self.tokenizer)
         # Structured outputs over the logits' width; nothing is built until a request is constrained.
         self.grammar_matchers = GrammarMatchers(self.tokenizer, self.text_config.vocab_size, self.eos_token_ids)
-        self.model_runner = ModelRunner(config, self.hf_config, net, self.model_context, self.device,
-                                        block_size, self.eos_token_ids, self.driver,
+        self.model_runner = ModelRunner(config, self.hf_config, net, self.model_context,
+                                        self.device, block_size, self.eos_token_ids, self.driver,
                                         self.grammar_matchers, bytes_read)
         ranks_per_host = self.driver.local_world_size if self.driver is not None else 1
         draft = DraftModel.load(self, config.speculative_config)  # before sizing: its KV shares the budget
