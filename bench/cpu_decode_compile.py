@@ -69,9 +69,9 @@ def register_kernels_as_custom_ops(runner, variant: str) -> None:
     for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary", "linear"):
         setattr(ops, op, getattr(reference, op))
     if variant == "pool":
-        for i, layer in enumerate(runner.attention_layers):
-            assert layer.k_cache.data_ptr() == runner.kv_cache[0, i].data_ptr()
-            layer.kv_pool, layer.layer_index = runner.kv_cache, i
+        for i, layer in enumerate(runner.cache_pool.layers):
+            assert layer.k_cache.data_ptr() == runner.cache_pool.kv_cache[0, i].data_ptr()
+            layer.kv_pool, layer.layer_index = runner.cache_pool.kv_cache, i
 
         def forward(self, q, k, v):  # Attention.forward, with the write addressed as (pool, layer)
             step = self.ctx.forward_context()
@@ -102,7 +102,7 @@ def measure(args) -> None:
     bs, b = runner.block_size, args.batch
     lens = [rng.randint(args.min_context, args.max_context) for _ in range(b)]
     width = -(-max(lens) // bs)
-    blocks = list(range(runner.kv_cache.shape[2]))
+    blocks = list(range(runner.cache_pool.kv_cache.shape[2]))
     rng.shuffle(blocks)
     tables = torch.tensor([[blocks[(i * width + j) % len(blocks)] for j in range(width)] for i in range(b)],
                           dtype=torch.int32)
@@ -111,8 +111,8 @@ def measure(args) -> None:
     gen = torch.Generator().manual_seed(args.seed)
     input_ids = torch.randint(100, 30000, (b,), generator=gen)
     positions = seq_lens.long() - 1
-    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=gen).to(runner.kv_cache.dtype))
-    pool = runner.kv_cache
+    pool = runner.cache_pool.kv_cache
+    pool.copy_(torch.randn(pool.shape, generator=gen).to(pool.dtype))
     print(f"POOL {tuple(pool.shape)} {pool.numel() * pool.element_size() / 2 ** 20:.1f} MiB", flush=True)
     step_ctx = ForwardContext(slot_mapping=slots, cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32),
                               seq_lens=seq_lens, block_tables=tables, decode_only=True)

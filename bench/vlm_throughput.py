@@ -90,7 +90,7 @@ def run_vlinfer(args, path, requests, max_model_len):
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     stats = dict(tokens=produced, seconds=elapsed, ttft_mean=sum(ttft) / len(ttft), ttft_max=max(ttft),
                  preprocess=timer.seconds["preprocess"], vision=timer.seconds["vision"], steps=steps,
-                 images_encoded=engine.model_runner.num_images_encoded,
+                 images_encoded=engine.model_runner.vision.num_images_encoded,
                  prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
                  image_tokens=sum(i["num_tokens"] for o in outs for i in o.images),
                  prompt_ids=[o.prompt_token_ids for o in outs], outputs=[o.outputs[0].token_ids for o in outs])

@@ -103,7 +103,8 @@ def test_resolved_sizing_is_frozen_and_read_by_every_part(long_context):
     assert engine.max_model_len == engine.input_processor.max_model_len == engine.output_processor.max_model_len \
         == resolved.max_model_len
     assert engine.block_manager.num_blocks == resolved.num_blocks
-    assert engine.model_runner.kv_cache.shape[2] == resolved.num_blocks + engine.model_runner.num_dummy_blocks
+    pool = engine.model_runner.cache_pool
+    assert pool.kv_cache.shape[2] == resolved.num_blocks + pool.num_dummy_blocks
     assert engine.scheduler.max_num_batched_tokens == resolved.max_num_batched_tokens
     assert engine.model_runner.block_size == engine.block_manager.block_size == resolved.block_size
 

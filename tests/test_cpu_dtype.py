@@ -78,7 +78,8 @@ def test_engine_on_a_bf16_checkpoint_follows_the_cpu(bf16_checkpoint, has_bf16, 
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         llm = LLM(bf16_checkpoint, kv_cache_bytes=1 << 20, ops="reference")
     expected = torch.bfloat16 if has_bf16 else torch.float32
-    assert llm.engine.dtype == expected and llm.engine.model_runner.kv_cache.dtype == expected
+    assert llm.engine.dtype == expected
+    assert llm.engine.model_runner.cache_pool.kv_cache.dtype == expected
     assert llm.engine.model_runner.model.lm_head.weight.dtype == expected
     assert caplog.text.count("dtype: ") == 1
     # An explicit dtype wins over the CPU rule.

@@ -91,7 +91,7 @@ def test_two_dtypes_built_at_once_from_two_threads(tmp_path, monkeypatch):
     for dtype in ("bfloat16", "float32"):
         llm = LLM(str(tmp_path), dtype=dtype, **options)
         alone[dtype] = _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
-        bytes_read[dtype] = llm.engine.model_runner.model.checkpoint_bytes_read
+        bytes_read[dtype] = llm.engine.model_runner.checkpoint_bytes_read
     both_built = threading.Barrier(2, timeout=60)
     index = loading.checkpoint_tensor_index
 
@@ -119,6 +119,6 @@ def test_two_dtypes_built_at_once_from_two_threads(tmp_path, monkeypatch):
     for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         engine = engines[name].engine
         assert {p.dtype for p in engine.model_runner.model.parameters()} == {dtype}
-        assert engine.model_runner.kv_cache.dtype == dtype == engine.resolved.dtype
-        assert engine.model_runner.model.checkpoint_bytes_read == bytes_read[name] > 0
+        assert engine.model_runner.cache_pool.kv_cache.dtype == dtype == engine.resolved.dtype
+        assert engine.model_runner.checkpoint_bytes_read == bytes_read[name] > 0
         assert _tokens(engines[name].generate(PROMPTS, PARAMS, use_tqdm=False)) == alone[name]

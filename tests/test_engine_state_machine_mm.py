@@ -62,7 +62,8 @@ class Engines:
         self.reference = LLM(self.path, **{**OPTIONS, "max_loras": 2, "max_cpu_loras": 3,
                                            "max_num_batched_tokens": 512, "kv_cache_bytes": 64 * 2 ** 20})
         runner = self.reference.engine.model_runner
-        pool_bytes = (POOL_BLOCKS + runner.num_dummy_blocks) * self.reference.engine.resolved.bytes_per_block
+        pool_bytes = ((POOL_BLOCKS + runner.cache_pool.num_dummy_blocks)
+                      * self.reference.engine.resolved.bytes_per_block)
         self.engine = LLM(self.path, **OPTIONS, kv_cache_bytes=pool_bytes).engine
         assert self.engine.resolved.num_blocks == POOL_BLOCKS
         runner, install = self.engine.model_runner, self.engine.model_runner.install_lora

@@ -16,7 +16,7 @@ from images import picture
 from vlinfer import LLM, SamplingParams
 from vlinfer.config import EngineConfig
 from vlinfer.engine import graph_runner
-from vlinfer.engine.model_runner import StepInputs
+from vlinfer.engine.step_inputs import StepInputs
 from vlinfer.layers import ModelContext
 from vlinfer.ops import ReferenceOps
 from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl

@@ -110,7 +110,7 @@ def test_every_scheduling_path_stays_within_the_tolerance(qwen3_checkpoint, name
         rounds = 2
     else:
         bytes_per_block = LLM(path, dtype="float32", kv_cache_bytes=1 << 20,
-                              kv_cache_dtype=name).engine.model_runner.bytes_per_block
+                              kv_cache_dtype=name).engine.model_runner.cache_pool.bytes_per_block
         llm = LLM(path, dtype="float32", kv_cache_bytes=6 * bytes_per_block, max_model_len=96,
                   max_num_batched_tokens=64, kv_cache_dtype=name)
         rounds = 1
@@ -140,8 +140,8 @@ def test_a_cache_of_the_compute_dtype_is_todays_path(qwen3_checkpoint):
     runs = []
     for name in ("auto", "bfloat16"):
         llm = LLM(path, dtype="bfloat16", kv_cache_bytes=8 << 20, kv_cache_dtype=name)
-        assert llm.engine.model_runner.kv_scales is None
-        assert all(layer.k_scale is None for layer in llm.engine.model_runner.attention_layers)
+        assert llm.engine.model_runner.cache_pool.kv_scales is None
+        assert all(layer.k_scale is None for layer in llm.engine.model_runner.cache_pool.layers)
         runs.append([o.outputs[0].logprobs for o in llm.generate(
             PROMPTS[:4], SamplingParams(temperature=0, max_tokens=8, logprobs=2), use_tqdm=False)])
     assert runs[0] == runs[1]
@@ -224,7 +224,7 @@ def test_readme_capacity_table():
     import re
 
     from conftest import REPO
-    from vlinfer.engine.model_runner import kv_bytes_per_token
+    from vlinfer.engine.cache_pool import kv_bytes_per_token
     text = open(f"{REPO}/docs/kv-cache.md").read()
     shapes = {"Qwen3-VL-2B": (28, 8, 128), "SmolLM2-135M": (30, 3, 64)}
     for model, shape in shapes.items():

@@ -29,7 +29,7 @@ def kv_rows(path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every decoder layer's K and V rows [tokens, kv_heads, head_dim] over PROMPTS, as our float32 engine stores
     them (after the norms and rotary): the calibration set."""
     llm = LLM(path, dtype="float32", kv_cache_bytes=8 << 20)
-    layers = llm.engine.model_runner.attention_layers
+    layers = llm.engine.model_runner.cache_pool.layers
     rows = [([], []) for _ in layers]
 
     def capture(i):
@@ -122,12 +122,12 @@ def test_static_int8_checkpoints_open_and_match_transformers(scheme_checkpoints,
     assert llm.engine.resolved.kv_cache_dtype == torch.int8
     assert f"static int8 KV cache, scales per {granularity}" in caplog.text
     assert "KV cache in torch.int8 with the checkpoint's static scales" in caplog.text
-    layers = llm.engine.model_runner.attention_layers
+    layers = llm.engine.model_runner.cache_pool.layers
     assert all(layer.static_kv_scales is not None for layer in layers)
     for prompt, ours in zip(PROMPTS, path_logits(llm, PROMPTS)):
         assert relative_gap(ours, reference_logits(model, prompt)) < STATIC_INT8_TOLERANCE
     # The row scales stay 1.0: the static scales do the work.
-    assert bool((llm.engine.model_runner.kv_scales == 1).all())
+    assert bool((llm.engine.model_runner.cache_pool.kv_scales == 1).all())
 
 
 def test_fp8_checkpoint_scales_reach_the_cache_and_are_used(scheme_checkpoints, caplog):
@@ -138,8 +138,8 @@ def test_fp8_checkpoint_scales_reach_the_cache_and_are_used(scheme_checkpoints, 
     assert "so both are 1.0" not in caplog.text
     runner = llm.engine.model_runner
     for i, (k, v) in enumerate(rows):
-        torch.testing.assert_close(runner.kv_scales[0, i], k.abs().amax() / FP8_MAX)
-        torch.testing.assert_close(runner.kv_scales[1, i], v.abs().amax() / FP8_MAX)
+        torch.testing.assert_close(runner.cache_pool.kv_scales[0, i], k.abs().amax() / FP8_MAX)
+        torch.testing.assert_close(runner.cache_pool.kv_scales[1, i], v.abs().amax() / FP8_MAX)
     for prompt, ours in zip(PROMPTS, path_logits(llm, PROMPTS)):
         assert relative_gap(ours, reference_logits(model, prompt)) < TOLERANCE["fp8"]
     # Scales a thousand times too small saturate every row: the outputs move, so the scales are read.
@@ -165,7 +165,7 @@ def test_scheme_checkpoints_through_chunked_prefill_prefix_hits_and_preemption(s
         assert [o.outputs[0].token_ids for o in outs] == baseline
     assert all(o.num_cached_tokens > 0 for o in outs if len(o.prompt_token_ids) > 16)  # the second round hit
     assert_block_pool_empty(chunked)
-    block = chunked.engine.model_runner.bytes_per_block
+    block = chunked.engine.model_runner.cache_pool.bytes_per_block
     tight = LLM(built["c8"], dtype="float32", kv_cache_bytes=6 * block, max_model_len=96, max_num_batched_tokens=64)
     assert [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)] == baseline
     assert tight.engine.scheduler.num_preemptions > 0
@@ -216,10 +216,12 @@ def test_an_explicit_other_cache_dtype_overrides_the_scheme_with_a_warning(schem
         llm = LLM(built["c8"], dtype="float32", kv_cache_bytes=8 << 20, kv_cache_dtype="bfloat16")
     assert llm.engine.resolved.kv_cache_dtype == torch.bfloat16
     assert "kv_cache_dtype=bfloat16 overrides the checkpoint's KV scheme" in caplog.text
-    assert all(layer.static_kv_scales is None for layer in llm.engine.model_runner.attention_layers)
+    layers = llm.engine.model_runner.cache_pool.layers
+    assert all(layer.static_kv_scales is None for layer in layers)
     # Asking for the scheme's own dtype by name uses its scales.
     llm = LLM(built["fp8"], dtype="float32", kv_cache_bytes=8 << 20, kv_cache_dtype="fp8")
-    assert all(layer.static_kv_scales is not None for layer in llm.engine.model_runner.attention_layers)
+    layers = llm.engine.model_runner.cache_pool.layers
+    assert all(layer.static_kv_scales is not None for layer in layers)
 
 
 def _refused(src, dst, tensors, config=None, description=None, match=""):

@@ -116,7 +116,7 @@ def test_mixed_batch_equals_each_alone(setup, references, options):
     assert [o.outputs[0].token_ids for o in outs] == [references[(n, c)][1] for n, c in zip(names, cases)]
     # The image and the clip's three groups, encoded once for the base and the language-only adapter together and
     # once under each vision adapter.
-    assert llm.engine.model_runner.num_images_encoded == 3 * (1 + 3)
+    assert llm.engine.model_runner.vision.num_images_encoded == 3 * (1 + 3)
     assert len(llm.engine.model_runner.encoder_cache) == 0
     assert_block_pool_empty(llm)
 
@@ -131,7 +131,7 @@ def test_same_image_is_encoded_again_under_a_vision_adapter_only(setup, referenc
     for name, encoded in steps:  # each admitted while the ones before still hold their encodings
         ids.append(engine.add_request(prompt, GREEDY, lora_request=adapters.get(name)))
         engine.step()
-        assert runner.num_images_encoded == encoded, name
+        assert runner.vision.num_images_encoded == encoded, name
     assert len(runner.encoder_cache) == 3  # the base's (shared with "text"), "both"'s and "eyes"'s
     finished = {}
     while engine.has_unfinished_requests():
@@ -139,7 +139,7 @@ def test_same_image_is_encoded_again_under_a_vision_adapter_only(setup, referenc
             if out.finished:
                 finished[out.request_id] = out.outputs[0].token_ids
     assert [finished[i] for i in ids] == [references[(n, "image")][1] for n, _ in steps]
-    assert len(runner.encoder_cache) == 0 and runner.num_images_encoded == 3
+    assert len(runner.encoder_cache) == 0 and runner.vision.num_images_encoded == 3
     assert_block_pool_empty(llm)
 
 

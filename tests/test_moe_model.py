@@ -198,7 +198,7 @@ def test_chunked_prefill_prefix_cache_and_preemption(moe_models, references, kin
     assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // 16 * 16 > 0
     assert again.outputs[0].token_ids == expected[-1]
     assert_block_pool_empty(chunked)
-    per_block = chunked.engine.model_runner.bytes_per_block
+    per_block = chunked.engine.model_runner.cache_pool.bytes_per_block
     longest = max(chunked.engine.make_sequence(r).num_tokens for r in requests(kind)) + NUM_NEW
     blocks = (longest + 15) // 16 + 1  # room for the longest request and a little more: the others preempt
     tight = make_llm(path, kv_cache_bytes=blocks * per_block, max_model_len=blocks * 16, max_num_batched_tokens=32)

@@ -190,13 +190,14 @@ def test_text_graph_mode_equals_eager(npu_graphs, qwen3_checkpoint, text_expecte
     assert graph_runner.blocks_for(runner.graph_backend, 100_000, BLOCK, torch.bfloat16) == -(-100_000 // BLOCK)
     # One reserved block past the block manager's: the padded rows' slots.
     bm = llm.engine.block_manager
-    assert runner.kv_cache.shape[2] == bm.num_blocks + 1 and runner.dummy_block == bm.num_blocks
+    pool = runner.cache_pool
+    assert pool.kv_cache.shape[2] == bm.num_blocks + 1 and pool.dummy_block == bm.num_blocks
     assert graphs.pad_slots.tolist() == [bm.num_blocks * BLOCK + i for i in range(6)]
 
     assert generate(llm, PROMPTS) == text_expected
     replays = sum(graphs.replays.values())
     assert replays >= 15 and graphs.replays[6] and graphs.replays[4]  # batches 5 and 3 padded
-    layers = len(runner.attention_layers)
+    layers = len(runner.cache_pool.layers)
     # Every replay re-issued every layer's attention task, and replayed it.
     assert npu_graphs.graph.updates["npu_fused_infer_attention_score.out"] == layers * replays
     assert npu_graphs.graph.replayed["npu_fused_infer_attention_score.out"] == layers * replays

@@ -369,7 +369,9 @@ def test_engine_int8_float16_matches_the_cpu_engine_and_transformers(  # noqa: F
     assert "KV cache in torch.int8: npu kernels write it and read it" in caplog.text
     assert "pure-torch reference" not in caplog.text
     runner = llm.engine.model_runner
-    assert runner.kv_cache.dtype == torch.int8 and runner.kv_scales[0, 0].transpose(1, 2).is_contiguous()
+    pool = runner.cache_pool
+    assert pool.kv_cache.dtype == torch.int8
+    assert pool.kv_scales[0, 0].transpose(1, 2).is_contiguous()
     for prompt, ours, cpu in zip(PROMPTS, path_logits(llm, PROMPTS), cpu_int8_logits):
         assert relative_gap(ours.float(), cpu) < TOLERANCE["int8"], len(prompt)
         assert relative_gap(ours.float(), reference_logits(model, prompt)) < TOLERANCE["int8"], len(prompt)
@@ -450,7 +452,7 @@ def test_engine_c8_checkpoint_matches_the_cpu_engine_and_transformers(  # noqa: 
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     assert fake_npu.calls["npu_dynamic_quant"] == start  # static rows: the layer quantized them
     assert any(kw.get("key_antiquant_mode") == 5 for kw in fia_calls(fake_npu))
-    assert bool((llm.engine.model_runner.kv_scales == 1).all())
+    assert bool((llm.engine.model_runner.cache_pool.kv_scales == 1).all())
     assert_block_pool_empty(llm)
 
 
@@ -478,7 +480,7 @@ def test_graph_mode_over_the_int8_cache_equals_eager(npu_graphs, qwen3_checkpoin
     before = npu_graphs.graph.updates["npu_fused_infer_attention_score.out"]
     assert generate(llm, GRAPH_PROMPTS) == expected
     replays = sum(graphs.replays.values())
-    layers = len(llm.engine.model_runner.attention_layers)
+    layers = len(llm.engine.model_runner.cache_pool.layers)
     assert replays >= 10
     # Every replay re-issued every layer's int8 decode task (antiquant mode 5) with the step's lengths.
     assert npu_graphs.graph.updates["npu_fused_infer_attention_score.out"] - before == layers * replays

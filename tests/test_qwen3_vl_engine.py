@@ -119,7 +119,7 @@ def test_mixed_batch_matches_transformers(checkpoint, references):
     assert [len(o.images) for o in outs] == [1, 2, 0, 1, 1, 2]
     assert outs[0].images[0] == {"size": [224, 320], "num_tokens": 70}
     # IMG_C appears in two requests but is encoded once; every image exactly once.
-    assert llm.engine.model_runner.num_images_encoded == 6
+    assert llm.engine.model_runner.vision.num_images_encoded == 6
     assert len(llm.engine.model_runner.encoder_cache) == 0
     assert_block_pool_empty(llm)
 
@@ -135,7 +135,7 @@ def test_chunked_prefill_through_images(checkpoint, references, budget):
 def test_preemption_keeps_outputs_and_frees_everything(checkpoint, references):
     path = checkpoint[0]
     probe = make_llm(path)
-    per_block = probe.engine.model_runner.bytes_per_block
+    per_block = probe.engine.model_runner.cache_pool.bytes_per_block
     longest = max(probe.engine.make_sequence(r).num_tokens for r in requests()) + NUM_NEW
     # Room for the longest request and a little more, for four requests: they must preempt and recompute.
     blocks = (longest + 15) // 16 + 1
@@ -261,7 +261,7 @@ def test_different_images_are_never_confused(checkpoint):
     other = picture(120, 160, 42)
     outs = llm.generate([{"prompt": PROMPT_1, "multi_modal_data": {"image": [im]}} for im in (IMG_A, one_pixel, other)],
                         GREEDY, use_tqdm=False)
-    assert llm.engine.model_runner.num_images_encoded == 3
+    assert llm.engine.model_runner.vision.num_images_encoded == 3
     for out, image in zip(outs, (IMG_A, one_pixel, other)):
         ids, kwargs = hf_inputs(llm, PROMPT_1, [image])
         assert out.outputs[0].token_ids == hf_greedy(model, ids, kwargs)

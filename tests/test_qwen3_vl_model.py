@@ -9,6 +9,7 @@ from transformers import Qwen3VLForConditionalGeneration as HFQwen3VL
 
 from vlinfer.layers import Attention, ForwardContext, ModelContext
 from vlinfer.loading import ModelSource, iterate_weights
+from vlinfer.models.interfaces import SupportsMRoPE, SupportsMultiModal
 from vlinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from vlinfer.multimodal.mrope import mrope_positions  # noqa: E402
 from vlinfer.ops.cpu import CpuOps  # noqa: E402
@@ -135,7 +136,7 @@ def test_checkpoint_names(models):
     assert any(n.startswith("model.language_model.layers.0.self_attn.q_proj") for n in names)
     assert any(n.startswith("model.visual.blocks.0.") for n in names)
     assert "lm_head.weight" in names
-    assert getattr(ours, "uses_mrope") is True
+    assert isinstance(ours, SupportsMRoPE) and isinstance(ours, SupportsMultiModal)
     # Same values as HF after loading (spot checks across the three groups).
     torch.testing.assert_close(ours.lm_head.weight, hf.lm_head.weight, rtol=0, atol=0)
     torch.testing.assert_close(ours.model.visual.merger.linear_fc2.weight, hf.model.visual.merger.linear_fc2.weight,

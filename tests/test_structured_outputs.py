@@ -86,7 +86,7 @@ def tiny_vl():
     """The embedded random Qwen3-VL with a tight KV pool (10 blocks of 16 tokens, ~3 of these sequences) and a
     32-token step budget: the batches below preempt and chunk their prefills."""
     probe = LLM("qwen3-vl-tiny", max_model_len=160, kv_cache_bytes=2 ** 20)
-    per_block = probe.engine.model_runner.bytes_per_block
+    per_block = probe.engine.model_runner.cache_pool.bytes_per_block
     probe.close()
     return LLM("qwen3-vl-tiny", max_model_len=160, kv_cache_bytes=10 * per_block, max_num_batched_tokens=32)
 

@@ -139,7 +139,8 @@ def test_int8_kv_cache_on_two_ranks_equals_one_rank(text_checkpoints, references
     path = text_checkpoints["qwen3-kv2"]
     one = prompt_logits(LLM(path, **OPTIONS, kv_cache_dtype="int8"))
     with LLM(path, tensor_parallel_size=2, **OPTIONS, kv_cache_dtype="int8") as llm:
-        assert llm.engine.model_runner.kv_scales.shape[-1] == 1  # this rank's one KV head of two
+        pool = llm.engine.model_runner.cache_pool
+        assert pool.kv_scales.shape[-1] == 1  # this rank's one KV head of two
         two = prompt_logits(llm)
         assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == len(PROMPTS)
         assert_block_pool_empty(llm)
@@ -158,7 +159,8 @@ def test_c8_static_int8_checkpoint_on_two_ranks_equals_one_rank(text_checkpoints
     one = prompt_logits(LLM(path, **OPTIONS))
     with LLM(path, tensor_parallel_size=2, **OPTIONS) as llm:
         assert llm.engine.resolved.kv_cache_dtype == torch.int8
-        assert llm.engine.model_runner.attention_layers[0].static_kv_scales.k_scale.shape == (1, 16)
+        layer = llm.engine.model_runner.cache_pool.layers[0]
+        assert layer.static_kv_scales.k_scale.shape == (1, 16)
         two = prompt_logits(llm)
     torch.testing.assert_close(two, one, rtol=5e-3, atol=5e-3)
 
@@ -231,7 +233,8 @@ def test_qwen3_vl_with_images_matches_transformers_and_one_rank(tmp_path_factory
         # A 48-token budget cuts prefill chunks through the images: each rank gets just its chunk's image rows.
         outs = llm.generate(cases, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == reference
-        assert llm.engine.model_runner.num_images_encoded == 3  # on rank 0, once per distinct image
+        vision = llm.engine.model_runner.vision
+        assert vision.num_images_encoded == 3  # on rank 0, once per distinct image
         ranks = llm.engine.model_runner.describe_all()
         visual = [sum(b for n, (_, b) in r["params"].items() if n.startswith("model.visual.")) for r in ranks]
         assert visual[0] > 0 and visual[1] == 0  # the vision tower lives on rank 0 only

@@ -103,8 +103,8 @@ def test_preemption_under_a_tiny_pool_keeps_outputs(tiny_checkpoint, references)
     path, _ = tiny_checkpoint
     config = LLM(path, dtype="float32", kv_cache_bytes=2 ** 20).engine.model_runner
     # 12 blocks of 16 tokens hold ~1.5 of the longest sequences (129 + 32 tokens): the scheduler must preempt.
-    llm = LLM(path, dtype="float32", kv_cache_bytes=12 * config.bytes_per_block, max_model_len=192,
-              max_num_batched_tokens=64)
+    llm = LLM(path, dtype="float32", kv_cache_bytes=12 * config.cache_pool.bytes_per_block,
+              max_model_len=192, max_num_batched_tokens=64)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == references
     preemptions = llm.engine.scheduler.num_preemptions

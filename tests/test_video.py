@@ -177,7 +177,7 @@ def test_mixed_batch_matches_transformers_and_echoes_sampling(llm, references):
 def test_chunked_prefill_and_preemption_through_videos(checkpoint, llm, references):
     """One engine both chunks (16 tokens a step: a clip's group of 20 tokens spans two steps, and no clip fits one
     step) and preempts (a KV pool of one longest request plus a block)."""
-    per_block = llm.engine.model_runner.bytes_per_block
+    per_block = llm.engine.model_runner.cache_pool.bytes_per_block
     longest = max(llm.engine.make_sequence(request(*case)).num_tokens for case in CASES) + NUM_NEW
     blocks = (longest + 15) // 16 + 1
     small = make_llm(checkpoint[0], kv_cache_bytes=blocks * per_block, max_model_len=blocks * 16,
@@ -198,13 +198,14 @@ def test_prefix_cache_hits_same_clip_only(checkpoint, references):
     assert video_start >= 16
     assert again.num_cached_tokens == (len(first.prompt_token_ids) - 1) // 16 * 16 > video_start
     assert again.outputs[0].token_ids == first.outputs[0].token_ids == references[0]
-    assert llm.engine.model_runner.num_images_encoded == 2  # its 2 groups, encoded once
+    assert llm.engine.model_runner.vision.num_images_encoded == 2  # its 2 groups, encoded once
     # The same clip sampled at 4 fps: other frames and timestamps, so nothing after the clip's start is reused.
     few = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # a cache miss: an ordinary run, 8 do
     other = llm.generate([request(*case, fps=4)], few, use_tqdm=False)[0]
     assert other.num_cached_tokens == video_start // 16 * 16
     assert other.videos[0]["num_frames"] == 8
-    assert llm.engine.model_runner.num_images_encoded == 2 + 4  # its 4 groups, none from the cache
+    encoded = llm.engine.model_runner.vision.num_images_encoded
+    assert encoded == 2 + 4  # its 4 groups, none from the cache
     assert other.outputs[0].token_ids == hf_greedy(model, *hf_inputs(path, *case, fps=4), num_new=8)
     assert_block_pool_empty(llm)
 

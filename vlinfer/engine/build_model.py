@@ -1,32 +1,40 @@
 """Builds an engine's model on its op table and dtype (ModelContext), loads its checkpoint shard, and gives its
 weights the layout its ops prefer."""
 import logging
+from typing import NamedTuple
 
 import torch
 
 from vlinfer import loading
-from vlinfer.layers import Attention, ModelContext, ParallelLMHead, VocabParallelEmbedding
+from vlinfer.layers import ModelContext, ParallelLMHead, VocabParallelEmbedding
 from vlinfer.layers.fused_moe import FusedMoE
 from vlinfer.layers.linear import LinearBase
-from vlinfer.layers.pooler import TokenRowsHead
 from vlinfer.layers.quantization import assign_methods, detect_quantization, kv_cache
 from vlinfer.layers.quantization.gguf import GgufQuantization, assign_gguf_embeddings
 from vlinfer.models import get_model_class
+from vlinfer.models.interfaces import (Heads, OwnsWeightLoading, PagedAttentionBlock, PrefillOnly,
+                                       SupportsFusedDecode, SupportsPooling)
 
 logger = logging.getLogger("vlinfer")
 
 
+class LoadedModel(NamedTuple):
+    model: torch.nn.Module
+    checkpoint_bytes_read: int  # this load's own count: two engines loading at once count apart
+
+
 def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quantization: str | None = None,
-               pooling=None, tensors: dict | None = None):
+               pooling=None, tensors: dict | None = None) -> LoadedModel:
     """Build the model on ctx's op table for ctx.tp's rank (its shard of every split layer) and load that shard:
     split weights are read lazily, only the rank's rows or columns of each (loading.CheckpointSlice).
     Each linear layer's quantization method is chosen from the checkpoint (or `quantization`, "int8" / "int4" on
     load) before any weight is read, so a checkpoint vlinfer cannot run fails here, before the KV pool.
 
-    A pooling model (engine/pooling.py PoolingSpec: task "embed" / "classify") keeps its LM head only where the
-    checkpoint has one (generation requests may then share its engine); "classify" adds the head rows of its
-    label_token_ids (layers/pooler.py), read from the LM head's table as it streams by. `tensors`: the
-    checkpoint's loading.checkpoint_tensor_index where the caller has it (built here otherwise)."""
+    A pooling model (engine/pooling.py PoolingSpec: task "embed" / "classify") is built with its
+    LM head only where the checkpoint has one (generation requests may then share its engine);
+    "classify" builds it with the head rows of its label_token_ids (layers/pooler.py), read from
+    the LM head's table as it streams by. `tensors`: the checkpoint's
+    loading.checkpoint_tensor_index where the caller has it (built here otherwise)."""
     pooling_task = pooling.task if pooling is not None else None
     model_cls = get_model_class(hf_config)
     tensors = tensors if tensors is not None else loading.checkpoint_tensor_index(source, hf_config)
@@ -38,17 +46,11 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quant
     loading.check_model_size(sum(t.numel() * t.element_size() for t in (*skeleton.parameters(), *skeleton.buffers())),
                              source)
     del skeleton
-    with torch.device(device):  # thread-local: another engine building in another thread keeps its own device
-        net = model_cls(hf_config, ctx).eval()  # every layer builds its parameters in ctx.dtype
     head_table = loading.lm_head_table(tensors, hf_config)
-    if pooling_task is not None and head_table is None:
-        net.lm_head = None  # an embedder saved without an LM head: nothing to generate with
-    if pooling_task == "classify":
-        if head_table is None:
-            raise ValueError("a classification model needs its LM head's rows, and the checkpoint has no "
-                             "lm_head.weight (nor a tied embedding)")
-        with torch.device(device):
-            net.classifier = TokenRowsHead(ctx, list(pooling.label_token_ids), hf_config.get_text_config().hidden_size)
+    heads = _heads(model_cls, pooling, head_table)
+    # torch.device is thread-local: another engine building in another thread keeps its own device
+    with torch.device(device):
+        net = model_cls(hf_config, ctx, heads).eval()  # parameters in ctx.dtype
     quant = detect_quantization(hf_config, source.folder, tensors, quantization)
     with loading.fitting(source.path):
         if quant is not None:
@@ -68,26 +70,41 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quant
     if kv_scheme is not None:  # its scale tensors go to the attention layers, not to load_weights
         weights = kv_cache.collect(weights, kv_scales)
     with loading.fitting(source.path):  # a tensor that does not fit its parameter
-        if hasattr(net, "load_weights"):  # models with more than one tower route their own tensors
+        if isinstance(net, OwnsWeightLoading):  # two towers, or MoE experts: routes its tensors
             net.load_weights(weights)
         else:
             loading.load_weights(net, weights)
     if kv_scheme is not None:
         kv_cache.attach(kv_scheme, kv_scales, decoder_attention(net), use=ctx.kv_cache_dtype == kv_scheme.cache_dtype)
-    net.checkpoint_bytes_read = counter.bytes  # reported by ModelRunner.describe()
-    return net
+    return LoadedModel(net, counter.bytes)
+
+
+def _heads(model_cls, pooling, head_table: str | None) -> Heads:
+    """The heads the model is built with: without an LM head where a pooling model's checkpoint
+    has none (an embedder saved without one: nothing to generate with); with a classifier's rows
+    for "classify"."""
+    if pooling is None:
+        return Heads()
+    if not issubclass(model_cls, SupportsPooling):
+        raise ValueError(f"{model_cls.__name__} has no pooling heads: run it with "
+                         "runner='generate'")
+    if pooling.task != "classify":
+        return Heads(lm_head=head_table is not None)
+    if head_table is None:
+        raise ValueError("a classification model needs its LM head's rows, and the checkpoint "
+                         "has no lm_head.weight (nor a tied embedding)")
+    return Heads(lm_head=True, classifier_token_ids=tuple(pooling.label_token_ids))
 
 
 def _pooling_weights(net, weights, head_table: str | None, keep_gguf_blocks: bool):
     """A pooling model's checkpoint stream: the classifier's rows taken from the LM head's table on the way past
     (that tensor still goes on to its parameter); lm_head.weight dropped where the model keeps no LM head."""
-    classifier = getattr(net, "classifier", None)
     for name, tensor in weights:
-        if classifier is not None and name == head_table:
+        if net.classifier is not None and name == head_table:
             if keep_gguf_blocks:
                 raise ValueError("a classification model from a GGUF file with its LM head kept in blocks is not "
                                  "supported")
-            classifier.load_rows(tensor)
+            net.classifier.load_rows(tensor)
         if name == "lm_head.weight" and net.lm_head is None:
             continue
         yield name, tensor
@@ -95,7 +112,7 @@ def _pooling_weights(net, weights, head_table: str | None, keep_gguf_blocks: boo
 
 def decoder_attention(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers' self-attention modules (their qkv_proj and paged Attention), in layer order."""
-    return [m for m in model.modules() if isinstance(getattr(m, "attn", None), Attention) and hasattr(m, "qkv_proj")]
+    return [m for m in model.modules() if isinstance(m, PagedAttentionBlock)]
 
 
 def pack_weights(model: torch.nn.Module) -> None:
@@ -105,7 +122,7 @@ def pack_weights(model: torch.nn.Module) -> None:
     embeddings = [m.weight for m in model.modules()
                   if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
     # Parts that never run a decode step (vision towers: whole images' patches) see only prefill-sized row counts.
-    prefill_only = {id(m) for part in model.modules() if getattr(part, "runs_prefill_only", False)
+    prefill_only = {id(m) for part in model.modules() if isinstance(part, PrefillOnly)
                     for m in part.modules()}
     large_rows = [id(layer) in prefill_only for layer in linears]
     was_packed = [layer.pack_weight(large) for layer, large in zip(linears, large_rows)]
@@ -119,7 +136,7 @@ def pack_weights(model: torch.nn.Module) -> None:
     if experts:
         packed_experts = sum(layer.pack_weight() for layer in experts)
         logger.info("%d of %d MoE expert layers packed for %s", packed_experts, len(experts), experts[0].ops.name)
-    for decoder in (m for m in model.modules() if hasattr(m, "fuse_decode")):
+    for decoder in (m for m in model.modules() if isinstance(m, SupportsFusedDecode)):
         if decoder.fuse_decode():
             logger.info("decode steps run all %d decoder layers in one op call (%s)", len(decoder.layers),
                         decoder.ctx.ops.name)

@@ -28,10 +28,10 @@ def build_runner(config: EngineConfig, source, hf_config, device: torch.device, 
     # The runner's own op table, dtype and step state: no other engine in the process sees them.
     ctx = ModelContext(ops.select(device.type, forced=ops_choice), group,
                        expert_parallel=expert_parallel, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
-    net = load_model(source, hf_config, device, ctx, quantization, pooling, tensors)
+    net, bytes_read = load_model(source, hf_config, device, ctx, quantization, pooling, tensors)
     runner = ModelRunner(config, hf_config, net, ctx, device, block_size,
                          eos_token_ids if eos_token_ids is not None else set(), driver,
-                         grammar_matchers)
+                         grammar_matchers, checkpoint_bytes_read=bytes_read)
     if driver is not None:  # the workers load their shards while this rank loads its own
         driver.wait_ready()
     return runner

@@ -242,3 +242,21 @@ def blocks_for(backend, max_model_len: int, block_size: int, dtype: torch.dtype)
     if reads_only_used is None or not reads_only_used(block_size, dtype):
         max_model_len = min(max_model_len, MAX_CAPTURE_LEN)
     return math.ceil(max_model_len / block_size)
+
+
+def capture(model: torch.nn.Module, ctx: ModelContext, device: torch.device, backend,
+            max_num_seqs: int, max_model_len: int, block_size: int, mrope: bool,
+            dummy_block: int | None, lora_slots: int) -> GraphRunner | None:
+    """The decode graphs over the current KV pool for up to max_num_seqs sequences of up to
+    max_model_len tokens; None (eager, logged) where capture fails."""
+    sizes = batch_sizes(max_num_seqs)
+    width = blocks_for(backend, max_model_len, block_size, ctx.dtype)
+    graphs = GraphRunner(model, ctx, device, backend, sizes, width, mrope, dummy_block, block_size,
+                         lora_slots)
+    try:
+        graphs.capture()
+    except Exception as e:  # out of memory after the KV pool, an op that syncs, ...
+        logger.warning("graph mode: capture failed (%s: %s), running eager", type(e).__name__,
+                       str(e).splitlines()[0][:200] if str(e) else "")
+        return None
+    return graphs

@@ -20,7 +20,7 @@ from vlinfer.engine.speculative import DraftModel, Speculator, placeholder_token
 from vlinfer.engine.worker import spawned_worker_main
 from vlinfer.inputs import PromptType
 from vlinfer.layers.distributed import SINGLE
-from vlinfer.models import get_model_class
+from vlinfer.models import SupportsMultiModal, get_model_class
 from vlinfer.outputs import PoolingRequestOutput, RequestOutput
 from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
@@ -92,10 +92,9 @@ class LLMEngine:
                                 config.ops, self.dtype, block_size, config.max_num_seqs)
         self.resolved: ResolvedConfig = sizing.resolve(config, self.dtype, model_len, longest, block_size,
                                                        self.model_runner, ranks_per_host, draft)
-        self.model_runner.allocate_kv_cache(self.resolved.num_blocks)
+        self.model_runner.init_cache(self.resolved)  # the pool, then graphs over its addresses
         if draft is not None:  # as many blocks as the target's pool
             draft.allocate_kv_cache(self.resolved.num_blocks)
-        self.model_runner.capture_graphs(self.resolved)  # for the block tables of the resolved length
         self.block_manager = BlockManager(self.resolved.num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.resolved.max_num_seqs,
                                    self.resolved.max_num_batched_tokens, config.max_loras if config.enable_lora else 0)
@@ -103,7 +102,7 @@ class LLMEngine:
                                      placeholder_token_ids(self.hf_config), draft)
         self.input_processor = InputProcessor.of_model(
             self.source, self.hf_config, self.tokenizer, self.device, self.resolved.max_model_len,
-            hasattr(runner.model, "encode_images"), config.allow_image_urls, self.grammar_matchers,
+            isinstance(runner.model, SupportsMultiModal), config.allow_image_urls, self.grammar_matchers,
             config.seed, self.pooling, self.can_generate, runner.lora)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.resolved.max_model_len)
         self.requests: dict[str, Sequence] = {}  # by sequence id: every sequence added and not yet finished

@@ -11,6 +11,7 @@ from vlinfer.layers.linear import LinearBase, MergedColumnParallelLinear, QKVPar
 from vlinfer.layers.lora import LoRASlots, LoRAStep
 from vlinfer.loading.lora import LoRAAdapter, read_peft_adapter
 from vlinfer.lora_request import LoRARequest
+from vlinfer.models.interfaces import SupportsMultiModal
 from vlinfer.ops.reference import lora_groups
 
 logger = logging.getLogger("vlinfer")
@@ -25,16 +26,10 @@ def lora_layers(model: torch.nn.Module) -> dict[str, LinearBase]:
 
 
 def _held_by_another_rank(model: torch.nn.Module, module: str) -> bool:
-    """Whether `module` lies under a submodule this rank leaves None: Qwen3-VL's vision tower on tensor-parallel
-    ranks other than 0 (rank 0 checks those modules and runs them)."""
-    owner = model
-    for part in module.split(".")[:-1]:
-        if not hasattr(owner, part):  # no such submodule: not this model's module at all
-            return False
-        owner = getattr(owner, part)
-        if owner is None:
-            return True
-    return False
+    """Whether `module` lies in a part this rank does not hold: Qwen3-VL's vision tower on
+    tensor-parallel ranks other than 0 (rank 0 checks those modules and runs them)."""
+    return (isinstance(model, SupportsMultiModal) and not model.holds_vision_tower
+            and module.startswith(VISION_TOWER))
 
 
 def _sub_outputs(layer: LinearBase) -> list[tuple[int, int]]:
@@ -51,7 +46,7 @@ def _sub_outputs(layer: LinearBase) -> list[tuple[int, int]]:
 def targets(model, adapter: LoRAAdapter, layers: dict) -> list[tuple[LinearBase, int, object, torch.Tensor, torch.Tensor]]:
     """(layer, sub-projection index, shard id, lora_A, lora_B) per adapter module, through the model's fused-module
     mapping; ValueError naming a module the model does not have or whose shapes do not fit."""
-    packed = getattr(model, "packed_modules_mapping", {})
+    packed = model.packed_modules_mapping
     out = []
     for module, (a, b) in adapter.modules.items():
         name, shard_id, index = module, None, 0
@@ -131,6 +126,19 @@ class LoRAManager:
                 break
             del self.host[victim]
         return adapter
+
+    def activate_step(self, seqs, install) -> dict[int, int]:
+        """activate() for the adapters of a step's sequences; {} when none runs one."""
+        requests = {seq.lora_request.lora_int_id: (seq.lora_request, seq.lora_adapter)
+                    for seq in seqs if seq.lora_request}
+        return self.activate(requests, install) if requests else {}
+
+    def install(self, slot: int, request: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
+        """Put this rank's shard of an adapter in a slot: rank 0's from the checked copy its
+        requests hold (read when they were checked, so a step never reads a file), a worker's from
+        its own read of it."""
+        adapter = adapter if adapter is not None else self.check(request)
+        install(self.model, self.layers, slot, adapter)
 
     def activate(self, requests: dict[int, tuple[LoRARequest, LoRAAdapter]], install) -> dict[int, int]:
         """Slots for this step's adapters, {lora_int_id: slot} (at most max_loras: the scheduler's bound): those

@@ -3,7 +3,7 @@ and the machine's memory in, a frozen ResolvedConfig out.
 
 Three calls, in the order the engine can answer them: `context_limit` before any weight is read (a max_model_len
 the model cannot run fails at once), `block_size` before the model runner is built, and `resolve` once the model is
-loaded and its KV bytes per block are known."""
+loaded and its cache pool (engine/cache_pool.py) says what a KV block and a state slot cost."""
 import logging
 import math
 import numbers
@@ -54,35 +54,37 @@ def block_size(config: EngineConfig, device) -> int:
 
 def resolve(config: EngineConfig, dtype, model_len: int, longest: int, block_size: int, runner,
             ranks_per_host: int = 1, draft=None) -> ResolvedConfig:
-    """Size the KV pool for `runner` (its bytes per block, its dummy blocks, a profiled step on accelerators) and,
-    with max_model_len unset, fit the context length to what the pool holds. ranks_per_host: tensor-parallel
-    ranks sharing this host's RAM (each holds its heads of every block). draft: a speculative draft model, whose
-    pool has as many blocks as the target's, from the same budget."""
+    """Size the KV pool for `runner` (its cache pool's bytes per block and per state slot, its
+    dummy blocks, a profiled step on accelerators) and, with max_model_len unset, fit the context
+    length to what the pool holds. ranks_per_host: tensor-parallel ranks sharing this host's RAM
+    (each holds its heads of every block). draft: a speculative draft model, whose pool has as
+    many blocks as the target's, from the same budget."""
+    pool = runner.cache_pool
     batched = config.max_num_batched_tokens or default_batched_tokens(longest)
     draft_bytes = draft.bytes_per_block if draft is not None else 0
     num_blocks = _num_blocks(config, longest, block_size, batched, runner, ranks_per_host, draft_bytes)
     max_model_len = longest
     per_rank = " per rank" if config.tensor_parallel_size > 1 else ""
     if config.max_model_len is None:
-        max_model_len = _fitted_len(config, model_len, longest, num_blocks, block_size, runner.bytes_per_block,
-                                    per_rank)
+        max_model_len = _fitted_len(config, model_len, longest, num_blocks, block_size,
+                                    pool.bytes_per_block, per_rank)
         if config.max_num_batched_tokens is None:  # the fitted length may be shorter than the step budget
             batched = default_batched_tokens(max_model_len)
     resolved = ResolvedConfig(dtype=dtype, max_model_len=max_model_len, block_size=block_size,
                               max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs,
-                              num_blocks=num_blocks, bytes_per_block=runner.bytes_per_block,
-                              kv_cache_dtype=runner.kv_cache_dtype)
-    logger.info("KV cache: %d blocks of %d tokens in %s (%.1f MiB%s, %d tokens); max_model_len=%d, %d tokens per "
-                "step", num_blocks, block_size, str(runner.kv_cache_dtype).removeprefix("torch."),
-                num_blocks * runner.bytes_per_block / 2 ** 20, per_rank, resolved.kv_cache_tokens, max_model_len,
-                batched)
+                              num_blocks=num_blocks, bytes_per_block=pool.bytes_per_block,
+                              kv_cache_dtype=pool.dtype)
+    logger.info("KV cache: %s; max_model_len=%d, %d tokens per step",
+                pool.capacity(num_blocks, per_rank), max_model_len, batched)
     return resolved
 
 
 def _num_blocks(config: EngineConfig, longest: int, block_size: int, batched: int, runner,
                 ranks_per_host: int, draft_bytes_per_block: int) -> int:
-    """KV blocks in the pool. With max_model_len given, the pool must hold one sequence of that length. Without,
-    the pool may hold less than `longest`, down to MIN_FITTED_MODEL_LEN tokens."""
+    """KV blocks in the pool. With max_model_len given, the pool must hold one sequence of that
+    length. Without, the pool may hold less than `longest`, down to MIN_FITTED_MODEL_LEN tokens.
+    State slots (one per sequence the scheduler may run) come out of the budget first."""
+    pool = runner.cache_pool
     per_seq = math.ceil(longest / block_size)
     useful = config.max_num_seqs * per_seq  # more blocks than every sequence at full length is waste
     if config.kv_cache_bytes is not None:
@@ -94,8 +96,9 @@ def _num_blocks(config: EngineConfig, longest: int, block_size: int, batched: in
         peak = runner.profile_peak_memory(min(batched, longest))
         fraction = config.memory_utilization or ACCELERATOR_DEFAULT_MEMORY_UTILIZATION
         budget = fraction * platform.total_memory(runner.device) - peak
-    per_block = runner.bytes_per_block + draft_bytes_per_block
-    num_blocks = max(0, min(int(budget // per_block) - runner.num_dummy_blocks, useful))
+    budget -= config.max_num_seqs * pool.bytes_per_slot  # 0 for a pure-attention model
+    per_block = pool.bytes_per_block + draft_bytes_per_block
+    num_blocks = max(0, min(int(budget // per_block) - pool.num_dummy_blocks, useful))
     holds = f"KV cache budget of {int(budget)} bytes holds {num_blocks} blocks of {block_size} tokens"
     if config.max_model_len is not None and num_blocks < per_seq:
         raise ValueError(f"{holds}, fewer than one sequence of max_model_len={longest} needs ({per_seq}); "

@@ -4,9 +4,12 @@ from torch import nn
 
 from vlinfer.layers import (Attention, MergedColumnParallelLinear, ModelContext, ParallelLMHead, QKVParallelLinear,
                             RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
+from vlinfer.layers.pooler import TokenRowsHead
+from vlinfer.models.interfaces import (Heads, PagedAttentionBlock, SupportsFusedDecode,
+                                       SupportsPooling)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(nn.Module, PagedAttentionBlock):
     def __init__(self, ctx: ModelContext, config, qk_norm: bool = False):
         super().__init__()
         self.ops = ctx.ops
@@ -87,7 +90,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(nn.Module, SupportsFusedDecode):
     def __init__(self, ctx: ModelContext, config, qk_norm: bool = False, rotary_emb: nn.Module | None = None,
                  make_mlp=None):
         """make_mlp(layer_index) -> the layer's MLP module (MoE models), or None: the dense LlamaMLP."""
@@ -140,7 +143,25 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-class LlamaForCausalLM(nn.Module):
+def build_lm_head(ctx: ModelContext, text_config, embed_tokens: nn.Module, tied: bool,
+                  heads: Heads) -> ParallelLMHead | None:
+    """The LM head, sharing the embedding's table when tied; None for a model built without one."""
+    if not heads.lm_head:
+        return None
+    lm_head = ParallelLMHead(ctx, text_config.vocab_size, text_config.hidden_size)
+    if tied:
+        lm_head.weight = embed_tokens.weight
+    return lm_head
+
+
+def build_classifier(ctx: ModelContext, text_config, heads: Heads) -> TokenRowsHead | None:
+    """A reranker's label rows of the LM head (filled from its table as the checkpoint loads)."""
+    if heads.classifier_token_ids is None:
+        return None
+    return TokenRowsHead(ctx, list(heads.classifier_token_ids), text_config.hidden_size)
+
+
+class LlamaForCausalLM(nn.Module, SupportsPooling):
     # checkpoint name fragment -> (our fused parameter fragment, shard id)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -151,13 +172,13 @@ class LlamaForCausalLM(nn.Module):
     }
     qk_norm = False
 
-    def __init__(self, config, ctx: ModelContext):
+    def __init__(self, config, ctx: ModelContext, heads: Heads = Heads()):
         super().__init__()
         self.config = config
         self.model = LlamaModel(ctx, config, self.qk_norm)
-        self.lm_head = ParallelLMHead(ctx, config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = build_lm_head(ctx, config, self.model.embed_tokens,
+                                     config.tie_word_embeddings, heads)
+        self.classifier = build_classifier(ctx, config, heads)  # registered last: loaded last
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

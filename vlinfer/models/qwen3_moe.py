@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from vlinfer.loading import load_weights
-from vlinfer.layers import ModelContext, ParallelLMHead
+from vlinfer.layers import ModelContext
 from vlinfer.layers.fused_moe import FusedMoE
-from vlinfer.models.llama import LlamaForCausalLM, LlamaModel
+from vlinfer.models.interfaces import Heads, OwnsWeightLoading, SupportsPooling
+from vlinfer.models.llama import LlamaForCausalLM, LlamaModel, build_classifier, build_lm_head
 
 # One expert's projection tensor (`weight`, or a quantized projection's `weight_packed`, `weight_scale`, ...), or a
 # layer's fused 3-D tensor.
@@ -75,18 +76,18 @@ def check_experts_loaded(model: nn.Module) -> None:
                                  f"{' ...' if len(missing) > 8 else ''}")
 
 
-class Qwen3MoeForCausalLM(nn.Module):
+class Qwen3MoeForCausalLM(nn.Module, SupportsPooling, OwnsWeightLoading):
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping  # attention and the dense layers' MLPs
 
-    def __init__(self, config, ctx: ModelContext):
+    def __init__(self, config, ctx: ModelContext, heads: Heads = Heads()):
         super().__init__()
         self.config = config
         # transformers' Qwen3MoeTopKRouter renormalizes the top-k weights only when norm_topk_prob is set.
         make_mlp = moe_mlp_factory(ctx, config, renormalize=bool(config.norm_topk_prob))
         self.model = LlamaModel(ctx, config, qk_norm=True, make_mlp=make_mlp)
-        self.lm_head = ParallelLMHead(ctx, config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = build_lm_head(ctx, config, self.model.embed_tokens,
+                                     config.tie_word_embeddings, heads)
+        self.classifier = build_classifier(ctx, config, heads)  # registered last: loaded last
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weights(self, route_expert_tensors(self, weights))

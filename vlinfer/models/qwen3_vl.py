@@ -12,11 +12,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from vlinfer.layers import ModelContext, ParallelLMHead, rope_inv_freq
+from vlinfer.layers import ModelContext, rope_inv_freq
 from vlinfer.layers.linear import as_tensor
 from vlinfer.layers.rotary import mrope_cos_sin
 from vlinfer.loading import load_weights
-from vlinfer.models.llama import LlamaForCausalLM, LlamaModel
+from vlinfer.models.interfaces import (Heads, OwnsWeightLoading, SupportsMRoPE, SupportsMultiModal,
+                                       SupportsPooling)
+from vlinfer.models.llama import LlamaForCausalLM, LlamaModel, build_classifier, build_lm_head
 from vlinfer.models.qwen3_vl_vision import Qwen3VLVisionModel, split_image_embeds
 
 
@@ -99,20 +101,24 @@ class _TextWeights(nn.Module):
         self.lm_head = owner.lm_head
 
 
-class Qwen3VLForConditionalGeneration(nn.Module):
+class Qwen3VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRoPE, SupportsPooling,
+                                      OwnsWeightLoading):
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
-    uses_mrope = True
 
-    def __init__(self, config, ctx: ModelContext):
+    def __init__(self, config, ctx: ModelContext, heads: Heads = Heads()):
         super().__init__()
         self.config = config
         text = config.text_config
         self.model = Qwen3VLModel(ctx, config, self.text_mlp_factory(ctx, text))
-        self.lm_head = ParallelLMHead(ctx, text.vocab_size, text.hidden_size)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.language_model.embed_tokens.weight
+        tied = getattr(config, "tie_word_embeddings", False)
+        self.lm_head = build_lm_head(ctx, text, self.model.language_model.embed_tokens, tied, heads)
         self.spatial_merge_size = config.vision_config.spatial_merge_size
         self.num_deepstack = len(config.vision_config.deepstack_visual_indexes)
+        self.classifier = build_classifier(ctx, text, heads)  # registered last: loaded last
+
+    @property
+    def holds_vision_tower(self) -> bool:
+        return self.model.visual is not None
 
     def text_mlp_factory(self, ctx: ModelContext, text_config):
         """make_mlp(layer_index) for the decoder's layers (the MoE variant's sparse blocks); None: dense MLPs."""

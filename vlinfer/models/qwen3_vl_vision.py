@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlinfer.layers import ModelContext, ReplicatedLinear
+from vlinfer.models.interfaces import PrefillOnly
 
 
 def _act(ctx: ModelContext, name: str):
@@ -151,8 +152,7 @@ class Qwen3VLVisionPatchMerger(nn.Module):
             return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
-class Qwen3VLVisionModel(nn.Module):
-    runs_prefill_only = True  # it encodes whole images' patches, never a decode step's few rows (pack_weights)
+class Qwen3VLVisionModel(nn.Module, PrefillOnly):  # whole images' patches, never a decode step
 
     def __init__(self, config, ctx: ModelContext):
         super().__init__()

@@ -66,7 +66,7 @@ class DraftModel:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.runner.bytes_per_block
+        return self.runner.cache_pool.bytes_per_block
 
     @property
     def block_manager(self) -> BlockManager | None:

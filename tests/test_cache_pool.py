@@ -1,0 +1,83 @@
+"""The cache pool (engine/cache_pool.py) without a model: what it allocates, binds and costs per
+block and slot."""
+import pytest
+import torch
+
+from vlinfer.engine.cache_pool import CachePool, PagedKVSpec, StateSlotSpec, kv_bytes_per_token
+from vlinfer.layers import Attention, ModelContext
+from vlinfer.layers.quantization.kv_cache import StaticKVScales
+from vlinfer.ops.reference import ReferenceOps
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 3, 2, 8, 4
+
+
+def pool(dtype, quantized, dummy=0, states=()):
+    ctx = ModelContext(ReferenceOps(), dtype=torch.float32, kv_cache_dtype=dtype)
+    layers = tuple(Attention(ctx, 4, HEAD_DIM, HEAD_DIM ** -0.5, KV_HEADS) for _ in range(LAYERS))
+    spec = PagedKVSpec(layers, dtype, quantized)
+    return CachePool([spec, *states], BLOCK, torch.device("cpu"), ctx.ops, num_dummy_blocks=dummy)
+
+
+@pytest.mark.parametrize("dtype,quantized,row_bytes", [(torch.float32, False, HEAD_DIM * 4),
+                                                       (torch.bfloat16, False, HEAD_DIM * 2),
+                                                       (torch.int8, True, HEAD_DIM + 4),
+                                                       (torch.float8_e4m3fn, True, HEAD_DIM)])
+def test_allocation_and_bytes_per_block(dtype, quantized, row_bytes):
+    p = pool(dtype, quantized, dummy=1)
+    # K and V rows of every layer and KV head, for each of a block's tokens (int8: plus a float32
+    # scale per row)
+    assert p.bytes_per_block == 2 * LAYERS * KV_HEADS * BLOCK * row_bytes
+    assert p.bytes_per_block == BLOCK * kv_bytes_per_token(LAYERS, KV_HEADS, HEAD_DIM, dtype)
+    assert p.bytes_per_slot == 0
+    p.allocate(5)
+    assert p.kv_cache.shape == (2, LAYERS, 5 + 1, BLOCK, KV_HEADS, HEAD_DIM)
+    assert p.kv_cache.dtype == dtype
+    assert p.dummy_block == 5
+    for i, layer in enumerate(p.layers):
+        assert layer.k_cache.data_ptr() == p.kv_cache[0, i].data_ptr()
+        assert layer.v_cache.data_ptr() == p.kv_cache[1, i].data_ptr()
+    if dtype == torch.int8:  # one scale per token and KV head, 1.0
+        assert p.kv_scales.shape == (2, LAYERS, 6, BLOCK, KV_HEADS)
+        assert bool((p.kv_scales == 1).all())
+        assert p.layers[1].k_scale.data_ptr() == p.kv_scales[0, 1].data_ptr()
+    elif quantized:  # fp8: one per layer for K and for V
+        assert p.kv_scales.shape == (2, LAYERS) and bool((p.kv_scales == 1).all())
+    else:
+        assert p.kv_scales is None and all(layer.k_scale is None for layer in p.layers)
+    # what it holds per block is what sizing counts per block (fp8: plus its per-layer pair, not per
+    # block)
+    per_layer = 2 * LAYERS * 4 if quantized and dtype != torch.int8 else 0
+    assert p.nbytes == 6 * p.bytes_per_block + per_layer
+    p.release()
+    assert p.kv_cache is None and p.nbytes == 0
+    assert all(layer.k_cache.numel() == 0 for layer in p.layers)
+
+
+def test_fp8_static_scales_fill_the_layers_pair():
+    p = pool(torch.float8_e4m3fn, True)
+    scales = StaticKVScales(k_scale=torch.tensor(0.5), v_scale=torch.tensor(0.25))
+    p.layers[2].static_kv_scales = scales
+    p.allocate(2)
+    assert p.kv_scales[:, 2].tolist() == [0.5, 0.25] and p.kv_scales[:, 0].tolist() == [1.0, 1.0]
+
+
+def test_capacity_line():
+    p = pool(torch.bfloat16, False)
+    mib = 4096 * p.bytes_per_block / 2 ** 20
+    assert p.capacity(4096, " per rank") == (f"4096 blocks of {BLOCK} tokens in bfloat16 "
+                                             f"({mib:.1f} MiB per rank, {4096 * BLOCK} tokens)")
+
+
+def test_state_slots_are_sized_not_allocated():
+    """The hybrid seam: a state spec costs bytes per sequence slot, counted beside the blocks."""
+    state = StateSlotSpec(num_layers=2, shapes=((6, 3), (2, 4, 5)), dtype=torch.float32)
+    assert state.bytes_per_slot == 2 * (6 * 3 + 2 * 4 * 5) * 4
+    p = pool(torch.float32, False, states=[state])
+    assert p.bytes_per_slot == state.bytes_per_slot
+    with pytest.raises(NotImplementedError):
+        p.allocate(1)
+
+
+def test_one_paged_group():
+    with pytest.raises(ValueError, match="one paged KV spec"):
+        CachePool([], BLOCK, torch.device("cpu"), ReferenceOps())

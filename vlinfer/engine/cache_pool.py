@@ -1,0 +1,182 @@
+"""The cache pool: the one owner of a model's cache memory on this rank. Built from cache specs, it
+says what each costs (bytes per KV block, bytes per state slot) for engine/sizing.py to decide how
+many to hold, allocates them, binds them to the layers that read and write them, and describes
+the capacity it holds.
+
+Two kinds of cache memory (docs/design.md "Two kinds of cache memory"):
+- paged KV blocks (`PagedKVSpec`): K and V of a group of attention layers, block_size tokens a
+  block, grown with the context and shared by prefix; a sequence holds a list of blocks
+  (BlockManager).
+- per-sequence state slots (`StateSlotSpec`): the fixed-size recurrent state of linear-attention
+  layers (hybrid models, docs hybrid-models.md), one slot per running sequence whatever its
+  length. Declared so sizing can count them; not allocated yet (no model asks for them).
+A pure-attention model asks for one PagedKVSpec; a hybrid model would ask for both."""
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from vlinfer.layers import Attention
+
+logger = logging.getLogger("vlinfer")
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                       kv_cache_dtype: torch.dtype) -> int:
+    """One token's K and V over every layer as stored: the rows, and an int8 cache's per-row
+    float32 scales."""
+    element = torch.empty((), dtype=kv_cache_dtype).element_size()
+    row = head_dim * element + (4 if kv_cache_dtype == torch.int8 else 0)
+    return 2 * num_layers * num_kv_heads * row
+
+
+def kv_cache_scales(kv_cache_dtype: torch.dtype, quantized: bool, shape: tuple, device,
+                    ops) -> torch.Tensor | None:
+    """The scales of a cache stored in another dtype than the compute dtype
+    (ops/kv_quant_reference.py): int8, one per token and KV head, written with each row (1.0 under
+    a checkpoint's static scales), in the memory order the op table's kernels read; a floating
+    cache, one per layer for K and for V, 1.0 until a checkpoint's scales fill them. None for a
+    cache of the compute dtype."""
+    if not quantized:
+        return None
+    if kv_cache_dtype == torch.int8:
+        return ops.int8_kv_scales(shape, device)
+    return torch.ones(*shape[:2], dtype=torch.float32, device=device)
+
+
+@dataclass(frozen=True, eq=False)
+class PagedKVSpec:
+    """A group of attention layers whose K and V live in paged blocks, all of one shape (this
+    rank's KV heads). quantized: stored in another dtype than the compute dtype, with scales."""
+    layers: tuple[Attention, ...]
+    dtype: torch.dtype
+    quantized: bool = False
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layers[0].num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kv_bytes_per_token(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class StateSlotSpec:
+    """A group of linear-attention layers whose state is fixed-size per sequence (a conv state and
+    a recurrent state per layer), held in slots, one per running sequence, not in blocks: it does
+    not grow with the context. `shapes`: one layer's state tensors, e.g. ((conv_dim, kernel - 1),
+    (v_heads, key_head_dim, value_head_dim)), sized from the config. The seam for hybrid models:
+    sized by the pool and counted by sizing, not allocated yet."""
+    num_layers: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def bytes_per_slot(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * sum(math.prod(shape) for shape in self.shapes) * element
+
+
+class CachePool:
+    """This rank's cache memory. Every rank sizes and allocates the same number of blocks (block
+    tables come from rank 0), each of its own KV heads only: bytes are per rank.
+    num_dummy_blocks: blocks past those the block manager hands out, where padded graph rows write
+    (graph_runner.dummy_blocks); the budget covers them."""
+
+    def __init__(self, specs: list, block_size: int, device: torch.device, ops,
+                 num_dummy_blocks: int = 0):
+        kv = [spec for spec in specs if isinstance(spec, PagedKVSpec)]
+        if len(kv) != 1:  # one attention group today; a hybrid's several would each get a tensor
+            raise ValueError(f"a cache pool takes one paged KV spec, got {len(kv)}")
+        self.kv = kv[0]
+        self.states = [spec for spec in specs if isinstance(spec, StateSlotSpec)]
+        self.block_size, self.device, self.ops = block_size, device, ops
+        self.num_dummy_blocks = num_dummy_blocks
+        self.kv_cache: torch.Tensor | None = None  # [2, layers, blocks, block_size, heads, dim]
+        self.kv_scales: torch.Tensor | None = None  # with a quantized cache: kv_cache_scales
+        self.dummy_block: int | None = None  # the first block past the block manager's
+        if self.kv.quantized:
+            self._log_readers()
+
+    def _log_readers(self) -> None:
+        """Which scales a cache stored in another dtype uses; which kernels write and read it."""
+        stored, ops = self.kv.dtype, self.ops
+        if all(layer.static_kv_scales is not None for layer in self.kv.layers):
+            logger.info("KV cache in %s with the checkpoint's static scales (%s)", stored,
+                        "fp8: k_scale / v_scale per layer" if stored != torch.int8 else
+                        "int8: K's scales on the query, V's on the output")
+        elif stored in (torch.float8_e4m3fn, torch.float8_e5m2):
+            logger.warning("KV cache in %s: the checkpoint has no k_scale / v_scale, so both are "
+                           "1.0 (as vLLM does)", stored)
+        if stored in ops.kv_cache_kernels:
+            logger.info("KV cache in %s: %s kernels write it and read it", stored, ops.name)
+        else:
+            logger.warning("KV cache in %s: %s has no kernel that reads it; its writes and "
+                           "attention run the pure-torch reference (ops/kv_quant_reference.py)",
+                           stored, ops.name)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
+    @property
+    def layers(self) -> tuple[Attention, ...]:
+        return self.kv.layers
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.kv.bytes_per_token
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """One sequence's state over every state spec: 0 for a pure-attention model."""
+        return sum(spec.bytes_per_slot for spec in self.states)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated now, scales included."""
+        return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.kv_scales)
+                   if t is not None)
+
+    def allocate(self, num_blocks: int) -> None:
+        """num_blocks for the block manager (plus the dummy blocks), bound to the layers."""
+        if self.states:
+            raise NotImplementedError("state slots (linear-attention layers) are not allocated yet")
+        self.release()  # an old pool (the profiling one), views included, goes before the new one
+        # Empty, not zeroed: untouched pages cost no RAM, so a generous pool only occupies what
+        # requests use. Every attention path reads only slots below each sequence's length (the
+        # reference masks the padding it gathers), so stale slots never reach an output.
+        kv = self.kv
+        shape = (2, len(kv.layers), num_blocks + self.num_dummy_blocks, self.block_size,
+                 kv.num_kv_heads)
+        self.kv_cache = torch.empty(*shape, kv.head_dim, dtype=kv.dtype, device=self.device)
+        self.kv_scales = kv_cache_scales(kv.dtype, kv.quantized, shape, self.device, self.ops)
+        self.dummy_block = num_blocks if self.num_dummy_blocks else None
+        for i, layer in enumerate(kv.layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            if self.kv_scales is not None:
+                layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
+                if layer.static_kv_scales is not None and kv.dtype != torch.int8:  # fp8's pair
+                    layer.k_scale.fill_(layer.static_kv_scales.k_scale)
+                    layer.v_scale.fill_(layer.static_kv_scales.v_scale)
+
+    def release(self) -> None:
+        """Drop the pool and the layers' views of it."""
+        self.kv_cache = self.kv_scales = None
+        self.dummy_block = None
+        for layer in self.kv.layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+            layer.k_scale = layer.v_scale = None
+
+    def capacity(self, num_blocks: int, per_rank: str = "") -> str:
+        """The capacity of num_blocks, for the sizing log: blocks, dtype, bytes, tokens."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (f"{num_blocks} blocks of {self.block_size} tokens in {dtype} "
+                f"({num_blocks * self.bytes_per_block / 2 ** 20:.1f} MiB{per_rank}, "
+                f"{num_blocks * self.block_size} tokens)")

@@ -1,0 +1,72 @@
+"""What a model class can do, declared on the class (vLLM's SupportsMultiModal and friends).
+
+The engine reads these declarations with isinstance; it never probes a built model with
+hasattr / getattr and never sets attributes on one. A model's heads are chosen when it is built
+(`Heads`, the third constructor argument): the LM head where the checkpoint has one, a
+classifier's rows for a reranker. Everything else a class declares by inheriting:
+
+- `SupportsMultiModal`: a vision tower; `encode_images` turns packed images into their rows.
+- `SupportsMRoPE`: positions are three rows (temporal, height, width), [3, T], not [T].
+- `SupportsPooling`: `pool` turns pooled rows' hidden states into a pooling request's output.
+- `OwnsWeightLoading`: `load_weights` routes its own checkpoint stream (two towers, MoE experts).
+- `SupportsFusedDecode` (a decoder): `fuse_decode` runs decode steps' layers in one op call.
+- `PrefillOnly` (a part): it never runs a decode step's few rows (vision towers), so its linears
+  keep the layout that suits large row counts.
+- `PagedAttentionBlock` (an attention module): its `qkv_proj` and `attn` (layers.Attention) keep
+  K and V in the paged KV cache; a checkpoint's KV scales attach to these, in layer order.
+
+A hybrid model (linear-attention layers beside full attention: docs hybrid-models.md) will
+declare its recurrent state here too, for the cache pool's state slots (engine/cache_pool.py)."""
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The heads a model is built with. lm_head=False: an embedder saved without one (nothing to
+    generate with). classifier_token_ids: a reranker's label tokens, whose LM head rows are its
+    classifier (layers/pooler.py)."""
+    lm_head: bool = True
+    classifier_token_ids: tuple[int, ...] | None = None
+
+
+class SupportsMultiModal:
+    holds_vision_tower: bool  # this tensor-parallel rank holds the tower (rank 0 alone does)
+
+    def encode_images(self, pixel_values: torch.Tensor,
+                      grid_thw) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One packed vision pass: per image (embeds [n, hidden], deepstack [k, n, hidden])."""
+        raise NotImplementedError
+
+
+class SupportsMRoPE:
+    pass
+
+
+class SupportsPooling:
+    def pool(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """A pooling request's output from its pooled rows' hidden states: a classifier's label
+        logits where the model was built with one (no vocabulary matmul), else the rows."""
+        classifier = self.classifier
+        return classifier(hidden_states) if classifier is not None else hidden_states
+
+
+class OwnsWeightLoading:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+
+class SupportsFusedDecode:
+    def fuse_decode(self) -> bool:
+        """Fuse the layers for decode steps once after packing; False where they cannot be."""
+        raise NotImplementedError
+
+
+class PrefillOnly:
+    pass
+
+
+class PagedAttentionBlock:
+    pass
