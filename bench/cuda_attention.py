@@ -1,8 +1,9 @@
-"""Our Triton paged attention (vlinfer/ops/kernels/triton/paged_attention.py) on a GPU: checked against the pure-torch
-reference over a grid of block sizes, head dims, GQA groups and dtypes, then timed against the reference's gather
-decode (ops/cuda.py decode_attention: a matmul over every sequence's whole block-table width) at batch 1 / 8 / 64 x
-2k context and at long contexts (a few sequences of 8-32k tokens, split-KV on and off), each as a share of the HBM
-read time of its KV (the KV bytes over this GPU's copy bandwidth, measured in the same run).
+"""Our Triton paged attention (vlinfer/ops/cuda/triton/paged_attention.py) on a GPU: checked against
+the pure-torch reference over a grid of block sizes, head dims, GQA groups and dtypes, then timed
+against the reference's gather decode (ops/cuda/backend.py decode_attention: a matmul over every
+sequence's whole block-table width) at batch 1 / 8 / 64 x 2k context and at long contexts (a few
+sequences of 8-32k tokens, split-KV on and off), each as a share of the HBM read time of its KV (the
+KV bytes over this GPU's copy bandwidth, measured in the same run).
 
     python bench/cuda_attention.py                    # on a CUDA GPU: the check, then the timings
     TRITON_INTERPRET=1 python bench/cuda_attention.py --device cpu --check-only --small
@@ -21,8 +22,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from paged_batches import CUDA_ATTENTION_TOL as TOL, fp32, make_batch, rel_err  # noqa: E402
-from vlinfer.ops import cuda, reference  # noqa: E402
-from vlinfer.ops.triton_source import load_triton_module  # noqa: E402
+from vlinfer.ops import reference  # noqa: E402
+from vlinfer.ops.cuda import attention as cuda  # noqa: E402
+from vlinfer.ops.cuda.loader import load_triton_module  # noqa: E402
 
 
 def check(device: str, small: bool) -> list[str]:

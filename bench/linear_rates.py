@@ -1,7 +1,8 @@
 """Linear layers on this CPU: F.linear on the plain weight (MKL's sgemm in float32) beside the packed layout the
-engine's decoder linears run (ops/cpu.py pack_linear_weight), per row count, in one run; then what those rates allow the
-standard batch of bench/throughput.py: every linear of the model at the faster kernel for its row count and
-nothing else (attention, norms, sampling, the engine's Python) taking any time.
+engine's decoder linears run (ops/cpu/backend.py pack_linear_weight), per row count, in one run;
+then what those rates allow the standard batch of bench/throughput.py: every linear of the model at
+the faster kernel for its row count and nothing else (attention, norms, sampling, the engine's
+Python) taking any time.
 
     python bench/linear_rates.py                      # Qwen3-VL-2B's vision and decoder shapes, then SmolLM2's batch
     python bench/linear_rates.py --skip-shapes        # only the standard batch's ceiling

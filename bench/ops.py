@@ -18,7 +18,7 @@ import common  # noqa: E402
 from vlinfer.platform import cpu_features
 from vlinfer.layers import ModelContext
 from vlinfer.ops import reference
-from vlinfer.ops.dispatch import select
+from vlinfer.ops.select import select
 
 
 def timed(fn, repeat):
@@ -69,7 +69,7 @@ def gguf_rows(repeat, impls):
     """GGUF linears (SmolLM2's gate/up projection in Q4_1, its 49152-token LM head in Q8_0): the reference
     (dequantize + matmul per call) vs each implementation's gguf_linear on the layout its pack_gguf_weight makes."""
     import gguf
-    from vlinfer.ops import gguf_reference
+    from vlinfer.ops.reference import gguf as gguf_reference
     rows = []
     for type_name, ggml_type, out_features, in_features, row_counts in [("Q4_1", 3, 3072, 576, (1, 32, 512)),
                                                                         ("Q8_0", 8, 49152, 576, (1, 32))]:
@@ -115,7 +115,8 @@ def main(argv=None):
     rows = []
     for dtype in () if args.gguf_only else (torch.bfloat16, torch.float32):
         dt = str(dtype).replace("torch.", "")
-        # b=1: a single stream, its kv heads split over the cores (vlinfer/ops/kernels/cpu/decode_vectors.h DecodeItems)
+        # b=1: a single stream, its kv heads split over the cores
+        # (vlinfer/ops/cpu/csrc/decode_vectors.h DecodeItems)
         for batch, ctx, heads, kv_heads, head_dim in [(32, 1024, 16, 8, 128), (32, 1024, 9, 3, 64),
                                                       (64, 256, 9, 3, 64), (8, 4096, 16, 2, 128),
                                                       (1, 4096, 9, 3, 64), (1, 4096, 16, 8, 128)]:

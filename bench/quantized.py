@@ -1,7 +1,7 @@
 """Quantized weights on CPU: SmolLM2-135M dense float32 and bfloat16, int8 (quantized on load; float32 and bfloat16
-compute), and the Q4_1 GGUF kept in its blocks (our kernels, vlinfer/ops/kernels/cpu/gguf_blocks.cpp), side by side with
-llama.cpp on the same Q4_1 file (llama-cpp-python built from source in .venv-llamacpp by `make peers`; skipped,
-saying so, when absent).
+compute), and the Q4_1 GGUF kept in its blocks (our kernels, vlinfer/ops/cpu/csrc/gguf_blocks.cpp),
+side by side with llama.cpp on the same Q4_1 file (llama-cpp-python built from source in
+.venv-llamacpp by `make peers`; skipped, saying so, when absent).
 
 Two workloads, greedy, EOS ignored:
 - single stream: one 32-token prompt (seeded ids) and 128 new tokens. Each engine runs the prompt alone (1 token)
@@ -11,9 +11,11 @@ Two workloads, greedy, EOS ignored:
 
 A single-stream decode step reads every weight once, so its limit is bandwidth / weight bytes per step. The bytes
 per step are counted for each engine's weight format (linear weights and the LM head: float32 4 bytes a weight,
-bfloat16 2, int8 34 bytes per 32 (held as Q8_0 blocks of d = 1, ops/cpu_quant.py) plus a float scale per row,
-Q4_1 20 bytes per 32 weights, the Q8_0 embedding / tied LM head 34 per 32). The read bandwidth is measured in the same run (bench/single_stream.py's sum of a 1 GiB tensor, best of
-5, before and after the engines; the higher is used), and each decode rate is shown as its share of that limit.
+bfloat16 2, int8 34 bytes per 32 (held as Q8_0 blocks of d = 1, ops/cpu/quant.py) plus a float scale
+per row, Q4_1 20 bytes per 32 weights, the Q8_0 embedding / tied LM head 34 per 32). The read
+bandwidth is measured in the same run (bench/single_stream.py's sum of a 1 GiB tensor, best of 5,
+before and after the engines; the higher is used), and each decode rate is shown as its share of
+that limit.
 
 Dense and int8 runs load the GGUF dequantized to a float32 safetensors folder (written once by bench/peers, the
 same gguf-py dequantization transformers does); the Q4_1 run loads the file itself.

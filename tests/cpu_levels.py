@@ -1,8 +1,9 @@
 """The CPU kernel levels the kernel tests build (tests/test_cpu_kernels.py, test_kv_cache_dtype.py): this CPU's best
 level, the generic build, and AVX2 wherever this CPU is above it. AVX2 has decode attention code of its own
-(kernels/cpu/decode_avx2.h) that a test run on an AVX-512 machine would otherwise never execute. Each level is one
-more build of the extension (about two minutes of CI's two cores), so only the level this CPU runs is in the default
-run; the others are marked slow (CI's full run builds and tests them all)."""
+(cpu/csrc/decode_avx2.h) that a test run on an AVX-512 machine would otherwise never execute. Each
+level is one more build of the extension (about two minutes of CI's two cores), so only the level
+this CPU runs is in the default run; the others are marked slow (CI's full run builds and tests them
+all)."""
 import pytest
 
 from vlinfer.platform import cpu_features

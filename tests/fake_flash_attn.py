@@ -1,10 +1,11 @@
 """A pure-torch stand-in for the two flash_attn functions vlinfer's CUDA path calls, so that path runs on CPU tensors.
 
 Written from flash_attn's documented contracts (the docstrings of flash_attn_varlen_func and flash_attn_with_kvcache,
-flash-attn 2.x), not from vlinfer/ops/reference.py: q/k/v last dim contiguous, fp16/bf16 only, int32 cu_seqlens,
-cache_seqlens and block_table, a paged cache's page_block_size a multiple of 256, heads a multiple of KV heads, the
-causal mask aligned to the bottom-right corner, a row with nothing to attend to giving zeros. A violation raises
-FakeFlashError, so a call the real library would reject fails the test. Computes in float32, casts at the end.
+flash-attn 2.x), not from vlinfer/ops/reference/: q/k/v last dim contiguous, fp16/bf16 only, int32
+cu_seqlens, cache_seqlens and block_table, a paged cache's page_block_size a multiple of 256, heads
+a multiple of KV heads, the causal mask aligned to the bottom-right corner, a row with nothing to
+attend to giving zeros. A violation raises FakeFlashError, so a call the real library would reject
+fails the test. Computes in float32, casts at the end.
 
 Use `install(monkeypatch)`: sys.modules["flash_attn"] and VLINFER_OPS=cuda, undone when the test ends. A CudaOps made
 while it is installed (directly, or by an engine starting) loads the fake; an earlier one keeps what it loaded.

@@ -1,13 +1,14 @@
 """A pure-torch stand-in for the torch_npu operators vlinfer's NPU path calls, so that path runs on CPU tensors.
 
 Written from the contracts in docs/npu-ops.md (§2 for each op, §3 for the reference semantics), not from
-vlinfer/ops/reference.py. Each op checks what that note states (layouts, dtypes, shapes, block-size limits, sparse
-modes, keyword names) and raises FakeNpuError on a violation, so a call the device would reject, or one with
-undefined results there (duplicate slots, bad block ids), fails the test. Everything computes in float32 and casts
-to the input dtype at the end, as §3 prescribes. What the note leaves open is marked "interpretation". The
-quantized-linear ops (npu_dynamic_quant, npu_quantize, npu_quant_matmul, npu_weight_quant_batchmatmul) are in
-tests/fake_torch_npu_quant.py and the MoE ones in tests/fake_torch_npu_moe.py, registered here; npu_grouped_matmul
-(§2.11), which the MoE and LoRA ops share, is here.
+vlinfer/ops/reference/. Each op checks what that note states (layouts, dtypes, shapes, block-size
+limits, sparse modes, keyword names) and raises FakeNpuError on a violation, so a call the device
+would reject, or one with undefined results there (duplicate slots, bad block ids), fails the test.
+Everything computes in float32 and casts to the input dtype at the end, as §3 prescribes. What the
+note leaves open is marked "interpretation". The quantized-linear ops (npu_dynamic_quant,
+npu_quantize, npu_quant_matmul, npu_weight_quant_batchmatmul) are in tests/fake_torch_npu_quant.py
+and the MoE ones in tests/fake_torch_npu_moe.py, registered here; npu_grouped_matmul (§2.11), which
+the MoE and LoRA ops share, is here.
 
 Use the `fake_npu` fixture (sys.modules["torch_npu"] plus VLINFER_OPS=npu, undone afterwards: an engine started in
 the test runs the NPU ops on it), or install() / loaded() (which also returns an NpuOps loaded on it) with a
@@ -994,7 +995,7 @@ def fake_npu(monkeypatch):
 
 def loaded(monkeypatch, **variant):
     """install(), then select the op table as an engine on CPU tensors does at start-up: (the fake, its NpuOps)."""
-    from vlinfer.ops import dispatch
+    from vlinfer.ops import select as dispatch
     from vlinfer.ops.npu import NpuOps
     fake = install(monkeypatch, **variant)
     ops = dispatch.select("cpu")

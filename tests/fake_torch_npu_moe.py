@@ -1,10 +1,11 @@
 """The emulated torch_npu's MoE operators (registered on FakeTorchNpu by tests/fake_torch_npu.py).
 
-Written from the documented contracts, not from vlinfer/ops/moe_reference.py: the torch_npu API pages of
-Ascend/op-plugin (npu_moe_gating_top_k_softmax, npu_moe_init_routing_v2, npu_moe_finalize_routing) and the MoE
-research note's kernel section (npu_grouped_matmul, which LoRA calls too, is in tests/fake_torch_npu.py, §2.11).
-Each op checks what its page states (dtypes, shapes, the argument values "currently supported") and raises
-FakeNpuError on a call the device would reject. Arithmetic is float32, cast to the documented output dtype.
+Written from the documented contracts, not from vlinfer/ops/reference/moe.py: the torch_npu API
+pages of Ascend/op-plugin (npu_moe_gating_top_k_softmax, npu_moe_init_routing_v2,
+npu_moe_finalize_routing) and the MoE research note's kernel section (npu_grouped_matmul, which LoRA
+calls too, is in tests/fake_torch_npu.py, §2.11). Each op checks what its page states (dtypes,
+shapes, the argument values "currently supported") and raises FakeNpuError on a call the device
+would reject. Arithmetic is float32, cast to the documented output dtype.
 
 Interpretations (the pages leave them open):
 - init_routing_v2 sorts (expert id, flat row n*K + k) pairs stably: ties keep row order (keyValueSort).

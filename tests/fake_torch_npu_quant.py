@@ -1,8 +1,9 @@
 """The emulated torch_npu's quantization operators (registered on FakeTorchNpu by tests/fake_torch_npu.py).
 
-Written from the documented contracts, not from vlinfer/ops/quant_reference.py: the shared quantization note
-(quantization.md) §3 (torch-npu 2.14 docstrings: npu_dynamic_quant OPD:4655, npu_quantize OPD:11343, npu_quant_matmul OPD:4953,
-npu_weight_quant_batchmatmul OPD:5410) plus the CANN formulas behind them:
+Written from the documented contracts, not from vlinfer/ops/reference/quant.py: the shared
+quantization note (quantization.md) §3 (torch-npu 2.14 docstrings: npu_dynamic_quant OPD:4655,
+npu_quantize OPD:11343, npu_quant_matmul OPD:4953, npu_weight_quant_batchmatmul OPD:5410) plus the
+CANN formulas behind them:
 - aclnnQuantMatmulV4/V5: int32 bias: out = (x1 @ x2 + bias) * scale [* pertoken_scale]; bf16/fp32 bias: out =
   x1 @ x2 * scale [* pertoken_scale] + bias.
 - aclnnWeightQuantBatchMatmulV2/V3: y = x @ ANTIQUANT(weight) + bias, ANTIQUANT(weight) = (weight +

@@ -12,9 +12,9 @@ Quantization, per layer type (weights per output channel; W8A16 per group of 32 
   weight_scale, quant_bias = round(bias / deq_scale) - input_offset * sum_k weight[n, k]; the float bias is not
   written (it is in quant_bias).
 The reference: transformers on the dense checkpoint with each quantized linear's weight replaced by its
-dequantized one; W8A8 layers first quantize their input with vlinfer/ops/quant_reference.py's per-token / per-tensor
-quantizers and dequantize it ((codes - offset) * scale), and a static layer adds the bias quant_bias stands for,
-(quant_bias + input_offset * sum_k weight) * deq_scale."""
+dequantized one; W8A8 layers first quantize their input with vlinfer/ops/reference/quant.py's
+per-token / per-tensor quantizers and dequantize it ((codes - offset) * scale), and a static layer
+adds the bias quant_bias stands for, (quant_bias + input_offset * sum_k weight) * deq_scale."""
 import json
 import os
 import shutil
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from vlinfer.ops import quant_reference
+from vlinfer.ops.reference import quant as quant_reference
 
 GROUP = 32
 

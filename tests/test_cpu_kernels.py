@@ -11,9 +11,11 @@ import torch.nn.functional as F
 from cpu_levels import kernel_levels
 from paged_batches import fp32, make_batch, rel_err, rel_err_per_seq
 from vlinfer.platform import cpu_features
-from vlinfer.ops import cpu_panels, cpu_prefill, reference
+from vlinfer.ops import reference
 from vlinfer.ops.cpu import CpuOps
-from vlinfer.ops.dispatch import select
+from vlinfer.ops.cpu import attention as cpu_prefill
+from vlinfer.ops.cpu import panels as cpu_panels
+from vlinfer.ops.select import select
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # max abs error relative to max |reference|
 THIS_CPU = cpu_features.cpu_isa()
@@ -155,8 +157,8 @@ def test_float32_chunks_over_a_context_take_the_split(cpu, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_attention_splits_a_single_stream_by_kv_head(cpu, dtype):
     """Fewer sequences than threads: one work item per (sequence, kv head) instead of per sequence (a single
-    stream's attention on every core, vlinfer/ops/kernels/cpu/decode_vectors.h DecodeItems); bit for bit the one-thread result,
-    where each sequence is one item."""
+    stream's attention on every core, vlinfer/ops/cpu/csrc/decode_vectors.h DecodeItems); bit for
+    bit the one-thread result, where each sequence is one item."""
     args = make_batch([1], [300], 8, 4, 64, 16, dtype)
     threads = torch.get_num_threads()
     try:
@@ -455,7 +457,9 @@ def test_int8_layers_run_the_block_kernel_at_every_row_count(cpu_ops, rows, n, k
     the 16-row group, rows past one 32-row tile): equal to the reference on the activations as the kernel holds
     them (float32 rounding), and within ~1e-5 of the float-activation W8A16 reference (the documented tolerance).
     bf16 activations from BF16_PANEL_ROWS rows take the bf16 panels instead, where this CPU has AVX512-BF16."""
-    from vlinfer.ops import cpu_quant, gguf_reference, quant_reference
+    from vlinfer.ops.cpu import quant as cpu_quant
+    from vlinfer.ops.reference import gguf as gguf_reference
+    from vlinfer.ops.reference import quant as quant_reference
     g = torch.Generator().manual_seed(rows * n + k)
     tensors = {"weight": torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8),
                "weight_scale": torch.rand(n, 1, generator=g) * 0.02}
@@ -481,7 +485,7 @@ def test_int8_layers_run_the_block_kernel_at_every_row_count(cpu_ops, rows, n, k
 
 def test_int8_layers_off_the_block_size_run_the_reference_loudly(cpu_ops, caplog):
     """K not a multiple of 32 (the blocks' size) or group scales: dequantize + matmul, and the log says why."""
-    from vlinfer.ops import quant_reference
+    from vlinfer.ops.reference import quant as quant_reference
     g = torch.Generator().manual_seed(0)
     odd = {"weight": torch.randint(-128, 128, (24, 40), generator=g, dtype=torch.int8),
            "weight_scale": torch.rand(24, 1, generator=g) * 0.02}
@@ -499,7 +503,7 @@ def test_int8_layers_off_the_block_size_run_the_reference_loudly(cpu_ops, caplog
 
 def test_int8_layers_without_block_kernels_run_the_reference_loudly(cpu_ops, monkeypatch, caplog):
     """The block kernels failing to build (no compiler) is logged once per engine; int8 layers keep the reference."""
-    from vlinfer.ops import gguf_cpu
+    from vlinfer.ops.cpu import gguf as gguf_cpu
 
     def no_compiler(isa):
         raise RuntimeError("no c++ compiler")
@@ -525,7 +529,7 @@ def _layout(weight) -> str:
 def _expected_layout(ops, n: int, k: int, dtype) -> str:
     """Where this CPU's kernels take panels (float32 on AVX-512, bf16 on AVX512-BF16 without AMX) and the shape
     fits (whole 32-output panels, even k, a panel of at most PANEL_BYTES): panels; else oneDNN where it packs."""
-    from vlinfer.ops.cpu import PANEL_BYTES
+    from vlinfer.ops.cpu.linear import PANEL_BYTES
     level = cpu_features.CPU_ISAS.index(ops.isa)
     takes = level >= cpu_features.CPU_ISAS.index("avx512") if dtype == torch.float32 else \
         ops.isa == "avx512bf16" and "amx_bf16" not in cpu_features.cpu_flags()
@@ -540,10 +544,10 @@ def _expected_layout(ops, n: int, k: int, dtype) -> str:
                                    (3072, 576, 130), (64, 2, 2), (64, 4096, 9)],
                          ids=lambda s: f"{s[0]}x{s[1]}-rows{s[2]}")
 def test_panel_linear_equals_f_linear(cpu, shape, dtype):
-    """Dense panels (vlinfer/ops/kernels/cpu/panel_linear.cpp) at every level: the product within one rounding of the float32
-    F.linear, with and without bias, at 1..130 rows (pairs of panels in 4-row tiles; past 4 rows one panel per
-    work item, an odd count of them included, in 8-row tiles; row blocks over the cores); a level without them
-    refuses by name."""
+    """Dense panels (vlinfer/ops/cpu/csrc/panel_linear.cpp) at every level: the product within one
+    rounding of the float32 F.linear, with and without bias, at 1..130 rows (pairs of panels in
+    4-row tiles; past 4 rows one panel per work item, an odd count of them included, in 8-row tiles;
+    row blocks over the cores); a level without them refuses by name."""
     n, k, rows = shape
     g = torch.Generator().manual_seed(n + k)
     w, x, b = (torch.randn(n, k, generator=g) * 0.1).to(dtype), torch.randn(rows, k, generator=g).to(dtype), \
@@ -624,14 +628,14 @@ def _layout_or_none(weight) -> str | None:
 def test_linear_rows_buckets():
     """A prepacked linear runs at few distinct row counts (oneDNN keeps a JIT kernel per count): every count
     maps to a bucket at least as large, and 1..4096 rows touch at most 30 buckets."""
-    from vlinfer.ops.cpu import linear_rows_bucket
+    from vlinfer.ops.cpu.linear import linear_rows_bucket
     buckets = {linear_rows_bucket(rows) for rows in range(1, 4097)}
     assert all(linear_rows_bucket(rows) >= rows for rows in range(1, 4097))
     assert [linear_rows_bucket(r) for r in (1, 8, 9, 17, 64, 65, 130, 512, 513, 1500)] == \
         [1, 8, 16, 32, 64, 128, 192, 512, 1024, 1536]
     assert len(buckets) <= 30, sorted(buckets)
     # Above 512 rows, whole 512-row blocks and then the rest in its own bucket where that pads fewer rows.
-    from vlinfer.ops.cpu import linear_row_blocks
+    from vlinfer.ops.cpu.linear import linear_row_blocks
     assert linear_row_blocks(3152) == [3072, 80] and linear_row_blocks(600) == [512, 88]
     assert linear_row_blocks(1000) == [1000] and linear_row_blocks(512) == [512] and linear_row_blocks(7) == [7]
     for rows in range(1, 4097):

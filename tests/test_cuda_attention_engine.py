@@ -1,10 +1,11 @@
 """The engine on the CUDA ops without flash_attn (CPU tensors, our Triton attention under the Triton interpreter:
-kernels/triton/paged_attention.py) against the reference op table, end to end on a tiny Qwen3-VL: text, images and
-a video in one batch, chunked prefill (16-token steps), prefix-cache hits (the same prompts again); and preemption
-(a pool too small for the batch, on the text model). float32: greedy tokens equal. The kernels' launches are
-counted, so a dispatch that fell back to the reference fails here. The Qwen3-VL test is in the slow tier (minutes
-under the interpreter); the default suite runs the text engine on these ops here, in tests/test_graph_runner.py and
-tests/test_lora_graphs.py, and the kernels' grid in tests/test_cuda_ops.py."""
+cuda/triton/paged_attention.py) against the reference op table, end to end on a tiny Qwen3-VL: text,
+images and a video in one batch, chunked prefill (16-token steps), prefix-cache hits (the same
+prompts again); and preemption (a pool too small for the batch, on the text model). float32: greedy
+tokens equal. The kernels' launches are counted, so a dispatch that fell back to the reference fails
+here. The Qwen3-VL test is in the slow tier (minutes under the interpreter); the default suite runs
+the text engine on these ops here, in tests/test_graph_runner.py and tests/test_lora_graphs.py, and
+the kernels' grid in tests/test_cuda_ops.py."""
 import collections
 
 import numpy as np

@@ -1,7 +1,7 @@
-"""The CUDA ops (vlinfer/ops/cuda.py, CudaOps) on CPU tensors: dispatch, the Triton cache write under the Triton
-interpreter, the SDPA / matmul attention paths and the flash_attn wiring through an emulated flash_attn
-(tests/fake_flash_attn.py), each against the pure-torch reference over a grid of shapes; and two instances keeping
-their own state.
+"""The CUDA ops (vlinfer/ops/cuda/, CudaOps) on CPU tensors: dispatch, the Triton cache write under
+the Triton interpreter, the SDPA / matmul attention paths and the flash_attn wiring through an
+emulated flash_attn (tests/fake_flash_attn.py), each against the pure-torch reference over a grid of
+shapes; and two instances keeping their own state.
 
 Tolerances: max |ours - reference| / max |reference|, the reference in float32 on the same (rounded) inputs:
 float32 2e-5, bfloat16 2e-2 (the CPU kernel tests' values). Cache writes must be exact.
@@ -16,8 +16,10 @@ import torch
 from paged_batches import CUDA_ATTENTION_TOL as TOL, fp32, make_batch, rel_err
 from fake_flash_attn import FakeFlashError, install
 from vlinfer.engine import graph_runner
-from vlinfer.ops import OPS, ReferenceOps, cuda, dispatch, reference
+from vlinfer.ops import OPS, ReferenceOps, reference
+from vlinfer.ops import select as dispatch
 from vlinfer.ops.cuda import CudaOps
+from vlinfer.ops.cuda import attention as cuda_attention
 
 DTYPES = [torch.float32, torch.bfloat16]
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -127,9 +129,9 @@ def test_missing_triton_is_a_warning_and_the_reference_write(monkeypatch, caplog
     assert k_cache.count_nonzero() == 3 * 2 * 64
     # And a CUDA device with these ops runs eager: the reference write syncs with the host.
     with pytest.raises(graph_runner.GraphModeUnavailable, match="Triton unavailable"):
-        graph_runner.BACKENDS["cuda"](torch.device("cuda"), ops)
+        ops.graph_capture(torch.device("cuda"))
     ops.features["cache_write"] = "triton"  # what the check looks at
-    assert graph_runner.BACKENDS["cuda"](torch.device("cuda"), ops).ops is ops
+    assert ops.graph_capture(torch.device("cuda")).ops is ops
 
 
 def test_flash_attn_absent_is_logged(monkeypatch, caplog):
@@ -237,7 +239,7 @@ def test_decode_attention_padding_rows_and_nan_slots():
     q_pad = torch.cat([q, torch.randn(2, 4, 64)])
     lens_pad = torch.cat([lens, torch.zeros(2, dtype=torch.int32)])
     tables_pad = torch.cat([tables, torch.full((2, tables.shape[1]), -1, dtype=torch.int32)])
-    out = cuda.decode_attention(q_pad, k_cache, v_cache, lens_pad, tables_pad, 0.125)
+    out = cuda_attention.decode_attention(q_pad, k_cache, v_cache, lens_pad, tables_pad, 0.125)
     assert torch.allclose(out[:3], clean, atol=1e-5)
     assert torch.equal(out[3:], torch.zeros_like(out[3:]))
 
@@ -268,8 +270,8 @@ def test_flash_paged_attention_equals_reference(fake_flash, flash_ops, gqa, head
 def count_paged_meta(monkeypatch) -> list:
     """One entry per host-metadata build (each a device->host sync on a GPU)."""
     calls = []
-    original = cuda._paged_meta
-    monkeypatch.setattr(cuda, "_paged_meta", lambda *a: calls.append(1) or original(*a))
+    original = cuda_attention.paged_meta
+    monkeypatch.setattr(cuda_attention, "paged_meta", lambda *a: calls.append(1) or original(*a))
     return calls
 
 
@@ -383,7 +385,7 @@ def compressed_scales(cache_dtype, num_blocks, block_size, num_kv_heads):
 
 @pytest.mark.parametrize("name", list(COMPRESSED))
 def test_triton_quantizing_cache_write_equals_reference(triton_interpreted, name):
-    from vlinfer.ops import kv_quant_reference
+    from vlinfer.ops.reference import kv_cache as kv_quant_reference
     cache_dtype = COMPRESSED[name]
     g = torch.Generator().manual_seed(5)
     qkv = torch.randn(21, 8 * 64, generator=g) * 3
@@ -408,7 +410,7 @@ def test_triton_paged_attention_over_compressed_caches_equals_reference(triton_i
                                                                          head_dim, gqa, dtype):
     """Prefill from scratch, a chunk after a cached prefix, a prefix hit and decodes in one launch, over a cache
     the reference wrote, against the reference's reading of the same stored rows."""
-    from vlinfer.ops import kv_quant_reference
+    from vlinfer.ops.reference import kv_cache as kv_quant_reference
     cache_dtype = COMPRESSED[name]
     for q_lens, kv_lens in batches(block_size):
         q, k_dense, v_dense, cu, lens, tables = make_batch(q_lens, kv_lens, NUM_KV_HEADS * gqa, NUM_KV_HEADS,
@@ -433,7 +435,7 @@ def test_triton_paged_attention_over_compressed_caches_equals_reference(triton_i
 def test_triton_paged_attention_over_the_compute_dtype_equals_reference(triton_interpreted, dtype):
     """The same kernel without scales (the cache of the compute dtype), a decode row of an empty sequence
     (a padded graph row: seq_len 0) giving zeros."""
-    from vlinfer.ops.triton_source import load_triton_module
+    from vlinfer.ops.cuda.loader import load_triton_module
     attention = load_triton_module("paged_attention").paged_attention
     for q_lens, kv_lens in batches(16):
         args = make_batch(q_lens, kv_lens, NUM_KV_HEADS * 2, NUM_KV_HEADS, 64, 16, dtype)
@@ -506,7 +508,7 @@ def test_triton_attention_large_batches_equal_reference(triton_interpreted, batc
 def test_triton_split_kv_decode_equals_reference(triton_interpreted, kv_lens, splits):
     """Split-KV (flash-decoding) decode, splits past a short sequence's end (nothing to read), an empty row (a
     graph's padding: zeros, not NaN); the same output as one split."""
-    from vlinfer.ops.triton_source import load_triton_module
+    from vlinfer.ops.cuda.loader import load_triton_module
     attention = load_triton_module("paged_attention")
     q, k_cache, v_cache, cu, _, tables = make_batch([1] * len(kv_lens), [max(n, 1) for n in kv_lens], 8,
                                                     NUM_KV_HEADS, 64, 64, torch.bfloat16, extra_width=2)
@@ -523,7 +525,7 @@ def test_triton_split_kv_decode_equals_reference(triton_interpreted, kv_lens, sp
 def test_triton_attention_splits_only_few_long_decodes():
     """The split count follows from shapes only (a CUDA graph captures it): decode steps with few (sequence, KV
     head) programs and a wide table split, a power of two up to MAX_SPLITS; prefill and big batches do not."""
-    from vlinfer.ops.triton_source import load_triton_module
+    from vlinfer.ops.cuda.loader import load_triton_module
     module = load_triton_module("paged_attention")
     assert module.num_splits(4, 4, 2, 32, 128) == 8  # 4k-token table, 8 programs
     assert module.num_splits(1, 1, 8, 256, 128) == module.MAX_SPLITS  # 32k tokens
@@ -535,7 +537,7 @@ def test_triton_attention_splits_only_few_long_decodes():
 def test_triton_attention_takes_no_host_sync(triton_interpreted, monkeypatch):
     """The kernel's wrapper reads no tensor value on the host (meta tensors have none): the launch is captured
     whole, with the split-KV decode too."""
-    from vlinfer.ops.triton_source import load_triton_module
+    from vlinfer.ops.cuda.loader import load_triton_module
     module = load_triton_module("paged_attention")
     launched = []
     monkeypatch.setattr(module, "_paged_attention_kernel", _Launcher(launched))

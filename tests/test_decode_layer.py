@@ -1,5 +1,6 @@
-"""A dense decoder layer's decode step in one op call (vlinfer/ops/kernels/cpu/decode_layer.cpp, CpuOps.dense_decode_layer):
-taken where this CPU runs the layer's projections on panels, and then bit for bit the layer its modules run."""
+"""A dense decoder layer's decode step in one op call (vlinfer/ops/cpu/csrc/decode_layer.cpp,
+CpuOps.dense_decode_layer): taken where this CPU runs the layer's projections on panels, and then
+bit for bit the layer its modules run."""
 import logging
 
 import pytest
@@ -9,7 +10,7 @@ from conftest import build_checkpoint, tiny_text_config
 from vlinfer import LLM, SamplingParams, platform
 from vlinfer.platform import cpu_features
 from vlinfer.platform.cpu_features import CPU_ISAS
-from vlinfer.ops import cpu_panels
+from vlinfer.ops.cpu import panels as cpu_panels
 from vlinfer.ops.cpu import CpuOps
 
 PROMPTS = [[5, 17, 33, 9], list(range(40, 77)), [300, 301]]  # three lengths: mixed and decode-only steps

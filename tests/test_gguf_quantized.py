@@ -1,8 +1,9 @@
-"""GGUF Q8_0 / Q4_0 / Q4_1 weights kept in their blocks: our CPU kernels (vlinfer/ops/kernels/cpu/gguf_blocks.cpp) against the
-pure-torch reference (vlinfer/ops/gguf_reference.py) over shapes and every build this CPU runs (generic, AVX2,
-AVX-512 without and with VNNI); tiny GGUF files of each type, written with the `gguf` package, against
-transformers loading the same file (it dequantizes); the real SmolLM2-135M Q4_1 file kept in blocks against
-transformers; and quantization="int8" on it.
+"""GGUF Q8_0 / Q4_0 / Q4_1 weights kept in their blocks: our CPU kernels
+(vlinfer/ops/cpu/csrc/gguf_blocks.cpp) against the pure-torch reference
+(vlinfer/ops/reference/gguf.py) over shapes and every build this CPU runs (generic, AVX2, AVX-512
+without and with VNNI); tiny GGUF files of each type, written with the `gguf` package, against
+transformers loading the same file (it dequantizes); the real SmolLM2-135M Q4_1 file kept in blocks
+against transformers; and quantization="int8" on it.
 
 The op holds the activations as two int8 digits per element, per 32 along K (gguf_reference.quantize_activations),
 then takes integer block products. The transformers references run their linears on the same quantized activations
@@ -20,8 +21,8 @@ from conftest import SMOLLM2_GGUF, assert_block_pool_empty, smollm2_dir
 from gguf_checkpoints import write_tiny_llama_gguf
 from vlinfer import LLM, SamplingParams, platform
 from vlinfer.platform import cpu_features
-from vlinfer.ops import gguf_reference
-from vlinfer.ops.gguf_cpu import GgufCpuKernels
+from vlinfer.ops.cpu.gguf import GgufCpuKernels
+from vlinfer.ops.reference import gguf as gguf_reference
 
 TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
 THIS_CPU = cpu_features.cpu_isa()

@@ -18,7 +18,7 @@ from vlinfer.config import EngineConfig
 from vlinfer.engine import graph_runner
 from vlinfer.engine.step_inputs import StepInputs
 from vlinfer.layers import ModelContext
-from vlinfer.ops import ReferenceOps
+from vlinfer.ops import Backend, ReferenceOps
 from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
 
 
@@ -43,7 +43,7 @@ def cpu_graphs(monkeypatch):
     def factory(device, ops):
         made.append(ReplayBackend(device, ops))
         return made[-1]
-    monkeypatch.setitem(graph_runner.BACKENDS, "cpu", factory)
+    monkeypatch.setattr(Backend, "graph_capture", lambda self, device: factory(device, self))
     return made
 
 
@@ -243,17 +243,18 @@ def test_qwen3_vl_graph_mode_equals_eager(cpu_graphs, vl_checkpoint, monkeypatch
 def test_block_table_width_is_bounded_unless_attention_reads_only_used_blocks(monkeypatch):
     import sys
     from vlinfer.ops.cuda import CudaOps
+    from vlinfer.ops.cuda.graph import CudaGraphBackend
     assert graph_runner.blocks_for(ReplayBackend("cpu"), 512, 16, torch.float32) == 32
     assert graph_runner.blocks_for(ReplayBackend("cpu"), 100_000, 16, torch.float32) == 8192 // 16
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     ops = CudaOps("cpu")
-    backend = graph_runner.CudaGraphBackend(torch.device("cuda"), ops)
+    backend = CudaGraphBackend(torch.device("cuda"), ops)
     assert graph_runner.blocks_for(backend, 100_000, 256, torch.bfloat16) == 8192 // 256  # no flash_attn: SDPA
     ops._flash = object()  # flash_attn present: decode reads only each sequence's blocks
     assert graph_runner.blocks_for(backend, 100_000, 256, torch.bfloat16) == -(-100_000 // 256)
     assert graph_runner.blocks_for(backend, 100_000, 16, torch.bfloat16) == 8192 // 16  # SDPA: block size
     assert graph_runner.blocks_for(backend, 100_000, 256, torch.float32) == 8192 // 256  # SDPA: dtype
     # Another engine's op table without flash_attn bounds its own graphs, not this one's.
-    other = graph_runner.CudaGraphBackend(torch.device("cuda"), CudaOps("cpu"))
+    other = CudaGraphBackend(torch.device("cuda"), CudaOps("cpu"))
     assert graph_runner.blocks_for(other, 100_000, 256, torch.bfloat16) == 8192 // 256
     assert graph_runner.blocks_for(backend, 100_000, 256, torch.bfloat16) == -(-100_000 // 256)

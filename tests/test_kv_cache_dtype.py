@@ -1,6 +1,7 @@
-"""KV caches stored in another dtype than the compute dtype (kv_cache_dtype, ops/kv_quant_reference.py): the rows
-written and read back, the capacity they buy, and the engine's outputs against transformers on the same weights,
-through every scheduling path, within the tolerance README's correctness table states."""
+"""KV caches stored in another dtype than the compute dtype (kv_cache_dtype,
+ops/reference/kv_cache.py): the rows written and read back, the capacity they buy, and the engine's
+outputs against transformers on the same weights, through every scheduling path, within the
+tolerance README's correctness table states."""
 import logging
 
 import pytest
@@ -12,7 +13,8 @@ from test_text_parity import PROMPTS, prompts_of_lengths
 from vlinfer import LLM, SamplingParams
 from vlinfer.config import KV_CACHE_DTYPES, EngineConfig
 from vlinfer.engine import SchedulerOutput
-from vlinfer.ops import kv_quant_reference, reference
+from vlinfer.ops import reference
+from vlinfer.ops.reference import kv_cache as kv_quant_reference
 from vlinfer.platform import cpu_features
 
 # The stated tolerance (README, correctness): the largest |our logit - transformers' logit| along a sequence, as a

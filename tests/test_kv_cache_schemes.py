@@ -17,7 +17,8 @@ from test_kv_cache_dtype import TOLERANCE, path_logits, reference_logits, relati
 from test_text_parity import PROMPTS
 from vlinfer import LLM, SamplingParams
 from vlinfer.layers.quantization.kv_cache import StaticKVScales
-from vlinfer.ops import kv_quant_reference, reference
+from vlinfer.ops import reference
+from vlinfer.ops.reference import kv_cache as kv_quant_reference
 from vlinfer.ops.cpu import CpuOps
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max

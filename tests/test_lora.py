@@ -93,7 +93,7 @@ def prompt_logits(llm, prompt: tuple, lora: LoRARequest | None) -> torch.Tensor:
 
 def test_logits_and_greedy_tokens_equal_peft_per_adapter(setup, references, caplog):
     """Where the CPU kernels have float32 panels (AVX-512) the decode steps' updates run the panel kernel
-    (kernels/cpu/lora_panels.cpp): the log says how many layers keep packed slots."""
+    (cpu/csrc/lora_panels.cpp): the log says how many layers keep packed slots."""
     path, adapters = setup
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         llm = make_llm(path)

@@ -21,6 +21,9 @@ from test_graph_runner import MAX_TOKENS, PROMPTS, cpu_graphs, greedy  # noqa: F
 from test_lora import ALL_LINEARS, make_adapter
 from vlinfer import LLM, LoRARequest
 from vlinfer.engine import graph_runner
+from vlinfer.layers.lora import LoRAGroups
+from vlinfer.ops.npu import NpuOps
+from vlinfer.ops.npu import graph as npu_graph
 
 NPU_KW = dict(dtype="bfloat16", kvcache_block_size=128, max_num_seqs=6, kv_cache_bytes=8 * 2 ** 20, max_model_len=512)
 CUDA_KW = dict(dtype="float32", max_num_seqs=6, kv_cache_bytes=4 * 2 ** 20, device="cpu")
@@ -85,7 +88,7 @@ def npu_expected(qwen3_checkpoint, adapters):
 
 def test_npu_lora_steps_replay_acl_graphs(monkeypatch, qwen3_checkpoint, adapters, npu_expected, caplog):
     fake, _ = loaded(monkeypatch)
-    monkeypatch.setitem(graph_runner.BACKENDS, "cpu", graph_runner.BACKENDS["npu"])
+    monkeypatch.setattr(NpuOps, "graph_capture", lambda ops, device: npu_graph.backend(device, ops))
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         llm = LLM(qwen3_checkpoint[0], **NPU_KW, **LORA_KW)
     assert "graph mode: ACL graphs" in caplog.text and "capture failed" not in caplog.text
@@ -100,7 +103,7 @@ def test_npu_lora_steps_replay_acl_graphs(monkeypatch, qwen3_checkpoint, adapter
 def test_npu_lora_replays_with_stale_groups_go_wrong(monkeypatch, qwen3_checkpoint, adapters, npu_expected):
     """The check above would miss a runner that does not refill the LoRA buffers before a replay: it must fail."""
     loaded(monkeypatch)
-    monkeypatch.setitem(graph_runner.BACKENDS, "cpu", graph_runner.BACKENDS["npu"])
+    monkeypatch.setattr(NpuOps, "graph_capture", lambda ops, device: npu_graph.backend(device, ops))
     original = graph_runner.GraphRunner._fill_lora
     monkeypatch.setattr(graph_runner.GraphRunner, "_fill_lora",
                         lambda self, slots, size: original(self, None, size))  # every row on the zero slot
@@ -126,7 +129,7 @@ def test_host_grouped_ops_refuse_a_captured_step():
     """The CPU and reference ops group rows on the host: a captured step's groups (no host segments) are refused
     by name, so a graph backend over them fails its capture and the engine runs eager (logged)."""
     from vlinfer.ops import reference
-    groups = reference.LoRAGroups(torch.arange(2), torch.tensor([0, 0, 2]), None, torch.tensor([1, 1]), 2)
+    groups = LoRAGroups(torch.arange(2), torch.tensor([0, 0, 2]), None, torch.tensor([1, 1]), 2)
     x, a, b = torch.randn(2, 4), torch.zeros(2, 4, 4), torch.zeros(2, 4, 4)
     with pytest.raises(ValueError, match="captured graph step have no host segments"):
         reference.add_lora(x, torch.zeros(2, 4), a, b, groups)

@@ -1,10 +1,11 @@
-"""The LoRA op's device implementations against its definition (vlinfer/ops/reference.py add_lora): the CPU one
-(CpuOps, ops/cpu_lora.py: the panel kernel for small steps at every level that has it, two dense GEMMs otherwise),
-the CUDA one (CudaOps: our Triton shrink / expand under the Triton interpreter, on CPU tensors) and the NPU one
-(NpuOps on the emulated torch_npu's npu_grouped_matmul, tests/fake_torch_npu.py), over fused layers (3
-sub-projections) and plain ones, adapter ranks 4 / 8 / 16 in slots of max rank 16, rows spread over slots with
-unused slots between, rows of no adapter, one adapter over every row; the step grouping (lora_groups) itself; and an
-engine with adapters on each accelerator path against the reference op table.
+"""The LoRA op's device implementations against its definition (vlinfer/ops/reference/ add_lora):
+the CPU one (CpuOps, ops/cpu/lora.py: the panel kernel for small steps at every level that has it,
+two dense GEMMs otherwise), the CUDA one (CudaOps: our Triton shrink / expand under the Triton
+interpreter, on CPU tensors) and the NPU one (NpuOps on the emulated torch_npu's npu_grouped_matmul,
+tests/fake_torch_npu.py), over fused layers (3 sub-projections) and plain ones, adapter ranks 4 / 8
+/ 16 in slots of max rank 16, rows spread over slots with unused slots between, rows of no adapter,
+one adapter over every row; the step grouping (lora_groups) itself; and an engine with adapters on
+each accelerator path against the reference op table.
 
 Tolerances: max |update ours - update reference| / max |update reference|, the update being what the op adds to y,
 the reference in float32 on the same (rounded) inputs: float32 1e-5, bfloat16 / float16 2e-2. Rows of no adapter
@@ -18,12 +19,15 @@ import torch
 
 from cpu_levels import kernel_levels
 from fake_torch_npu import FakeNpuError, install
-from vlinfer.ops import cpu_lora, dispatch, reference
+from vlinfer.layers.lora import lora_groups
+from vlinfer.ops import reference
+from vlinfer.ops import select as dispatch
+from vlinfer.ops.cpu import lora as cpu_lora
 from vlinfer.platform import cpu_features
 from vlinfer.ops.cpu import CpuOps
 from vlinfer.ops.cuda import CudaOps
 from vlinfer.ops.npu import NpuOps
-from vlinfer.ops.triton_source import load_triton_module
+from vlinfer.ops.cuda.loader import load_triton_module
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 MAX_RANK = 16
@@ -83,7 +87,7 @@ def check(ops, case, dtype, seed=0, packed=False, forbid=contextlib.nullcontext)
     packed: pass the op table's packed slots too ("blocks": knowing the sub-projections' outputs, so a fused layer's
     expand reads only its own rank columns); forbid(): a context the op runs in."""
     x, y, lora_a, lora_b, slots = make_case(case, dtype, seed)
-    groups = reference.lora_groups(slots, "cpu")
+    groups = lora_groups(slots, "cpu")
     expected = reference.add_lora(x.float(), y.float().clone(), lora_a.float(), lora_b.float(), groups) - y.float()
     out = y.clone()
     extra = (packed_slots(ops, lora_a, lora_b, sub_outputs(case) if packed == "blocks" else None),) if packed else ()
@@ -100,24 +104,24 @@ def check(ops, case, dtype, seed=0, packed=False, forbid=contextlib.nullcontext)
 
 def test_lora_groups_sorts_rows_by_slot():
     slots = torch.tensor([2, 0, -1, 2, 3, 0, -1, 3, 2])
-    groups = reference.lora_groups(slots, "cpu")
+    groups = lora_groups(slots, "cpu")
     assert groups.rows.tolist() == [1, 5, 0, 3, 8, 4, 7]
     assert groups.offsets.tolist() == [0, 2, 2, 5, 7] and groups.offsets.dtype == torch.int64
     assert groups.segments == ((0, 0, 2), (2, 2, 3), (3, 5, 2))
-    whole = reference.lora_groups(torch.full((6,), 2), "cpu")
+    whole = lora_groups(torch.full((6,), 2), "cpu")
     assert whole.rows is None and whole.offsets.tolist() == [0, 0, 0, 6] and whole.segments == ((2, 0, 6),)
-    assert reference.lora_groups(torch.full((4,), -1), "cpu") is None
-    some = reference.lora_groups(torch.tensor([-1, 1, 1]), "cpu")
+    assert lora_groups(torch.full((4,), -1), "cpu") is None
+    some = lora_groups(torch.tensor([-1, 1, 1]), "cpu")
     assert some.rows.tolist() == [1, 2] and some.segments == ((1, 0, 2),)
 
 
 def test_merged_groups_name_the_merged_rows():
     """Runs of 4 rows per merged row (the vision tower's 2x2 patch mergers): each slot's runs merge to one row."""
     slots = torch.tensor([1] * 4 + [-1] * 4 + [0] * 8 + [1] * 4)
-    merged = reference.lora_groups(slots, "cpu").merged(4)
+    merged = lora_groups(slots, "cpu").merged(4)
     assert merged.rows.tolist() == [2, 3, 0, 4] and merged.offsets.tolist() == [0, 2, 4]
     assert merged.segments == ((0, 0, 2), (1, 2, 2))
-    whole = reference.lora_groups(torch.full((8,), 1), "cpu").merged(4)
+    whole = lora_groups(torch.full((8,), 1), "cpu").merged(4)
     assert whole.rows is None and whole.offsets.tolist() == [0, 0, 2] and whole.segments == ((1, 0, 2),)
 
 
@@ -144,7 +148,7 @@ def test_cpu_runs_two_dense_gemms_without_a_gather(cpu_ops, monkeypatch):
     expand); one adapter over every row: two plain matmuls."""
     for case in CASES:
         x, y, lora_a, lora_b, slots = make_case(case, torch.float32)
-        groups = reference.lora_groups(slots, "cpu")
+        groups = lora_groups(slots, "cpu")
         expected = reference.add_lora(x, y.clone(), lora_a, lora_b, groups)
         with monkeypatch.context() as patch:
             patch.setattr(torch, "_grouped_mm", lambda *a, **k: pytest.fail("grouped GEMM called"))
@@ -159,13 +163,13 @@ def test_cpu_masks_other_slots_and_base_rows(cpu_ops):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(5, 64, generator=g).bfloat16(), torch.randn(5, 32, generator=g).bfloat16()
     lora_a, lora_b = torch.randn(2, 4, 64, generator=g).bfloat16() / 8, torch.randn(2, 32, 4, generator=g).bfloat16()
-    groups = reference.lora_groups(torch.tensor([0, 1, 1, -1, 0]), "cpu")
+    groups = lora_groups(torch.tensor([0, 1, 1, -1, 0]), "cpu")
     ours = cpu_ops.add_lora(x, y.clone(), lora_a, lora_b, groups)
     assert torch.equal(ours[3], y[3])
     torch.testing.assert_close(ours, reference.add_lora(x, y.clone(), lora_a, lora_b, groups), atol=3e-2, rtol=2e-2)
 
 
-# ---- CPU: the slots in panels, small steps (kernels/cpu/lora_panels.cpp) ----
+# ---- CPU: the slots in panels, small steps (cpu/csrc/lora_panels.cpp) ----
 
 PANEL_CASES = [case for case in CASES if case[5] % 32 == 0]  # outputs in whole 32-output panels
 
@@ -225,7 +229,7 @@ def test_cpu_panels_follow_each_install(cpu_ops):
     lora_b[2].zero_()
     lora_a[2, :4] = torch.randn(4, lora_a.shape[2], generator=g)
     lora_b[2, :, :4] = torch.randn(lora_b.shape[1], 4, generator=g)
-    groups = reference.lora_groups(slots, "cpu")
+    groups = lora_groups(slots, "cpu")
     stale = cpu_ops.add_lora(x, y.clone(), lora_a, lora_b, groups, packed)
     cpu_ops.repack_lora(packed, 2, lora_a, lora_b)
     fresh = cpu_ops.add_lora(x, y.clone(), lora_a, lora_b, groups, packed)
@@ -250,7 +254,7 @@ def test_cpu_large_steps_take_the_dense_gemms(cpu_ops, monkeypatch):
     for rows, adapters, panels in [(cpu_lora.PANEL_ROWS, 1, True), (cpu_lora.PANEL_ROWS + 1, 1, False),
                                    (cpu_lora.PANEL_ROWS + 1, 2, True), (2 * cpu_lora.PANEL_ROWS + 1, 2, False)]:
         x, y = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g)
-        groups = reference.lora_groups(torch.arange(rows) % adapters, "cpu")
+        groups = lora_groups(torch.arange(rows) % adapters, "cpu")
         calls.clear()
         ours = cpu_ops.add_lora(x, y.clone(), lora_a, lora_b, groups, packed)
         assert calls == ([rows] if panels else []), (rows, adapters)
@@ -266,7 +270,7 @@ def test_panel_kernel_refuses_bad_arguments(cpu_ops):
         assert not takes_panels(cpu_ops, torch.float32)
         return
     x, y = torch.randn(3, 64), torch.randn(3, 64)
-    groups = reference.lora_groups(torch.tensor([0, 1, 1]), "cpu")
+    groups = lora_groups(torch.tensor([0, 1, 1]), "cpu")
     with pytest.raises(RuntimeError, match="out of range"):
         cpu_ops.ext.lora_panels_add(x, y, packed.a, packed.b, packed.k_ranges, torch.tensor([0, 1, 7]), groups.offsets)
     with pytest.raises(RuntimeError, match="x \\[T, 64\\]"):
@@ -309,7 +313,7 @@ def test_triton_row_blocks_and_k_splits(cuda_ops, monkeypatch, block_m, split_k)
     module = load_triton_module("lora")
     config = dict(BLOCK_M=block_m, BLOCK_R=16, BLOCK_K=16, SPLIT_K=split_k, BLOCK_N=32)
     x, y, lora_a, lora_b, slots = make_case(CASES[1], torch.float32)
-    groups = reference.lora_groups(slots, "cpu")
+    groups = lora_groups(slots, "cpu")
     expected = reference.add_lora(x, y.clone(), lora_a, lora_b, groups)
     ours = module.add_lora(x, y.clone(), lora_a, lora_b, groups.rows, groups.offsets, 30, config)
     assert ((ours - expected).abs().max() / (expected - y).abs().max()).item() < 1e-5
@@ -361,9 +365,10 @@ def test_npu_add_lora_refuses_what_the_grouped_matmul_cannot_take(npu_env):
     many_a = torch.zeros(1025, *lora_a.shape[1:], dtype=lora_a.dtype)
     many_b = torch.zeros(1025, *lora_b.shape[1:], dtype=lora_b.dtype)
     with pytest.raises(ValueError, match="at most 1024 groups"):
-        ops.add_lora(x, y, many_a, many_b, reference.lora_groups(slots, "cpu"))
+        ops.add_lora(x, y, many_a, many_b, lora_groups(slots, "cpu"))
     with pytest.raises(ValueError, match="must share a dtype"):
-        ops.add_lora(x.float(), y.float(), lora_a, lora_b, reference.lora_groups(torch.tensor([0] * 5), "cpu"))
+        groups = lora_groups(torch.tensor([0] * 5), "cpu")
+        ops.add_lora(x.float(), y.float(), lora_a, lora_b, groups)
 
 
 def test_fake_grouped_matmul_rejects_what_its_page_rejects(npu_env):

@@ -1,8 +1,9 @@
-"""The fused MoE op's device implementations against its definition (vlinfer/ops/moe_reference.py): the CPU one
-(CpuOps, ops/cpu_moe.py), the CUDA one (CudaOps: our Triton kernels under the Triton interpreter, on CPU tensors) and
-the NPU one (NpuOps on the emulated torch_npu of tests/fake_torch_npu_moe.py), over a sampled grid of tokens
-1..512, experts 4..128, top-k 1..8, with experts that receive no tokens and the expert-parallel case (a rank holding
-experts [offset, offset + E_local) of E_total). H differs from I and from 2I, so a transposed weight cannot pass.
+"""The fused MoE op's device implementations against its definition (vlinfer/ops/reference/moe.py):
+the CPU one (CpuOps, ops/cpu/moe.py), the CUDA one (CudaOps: our Triton kernels under the Triton
+interpreter, on CPU tensors) and the NPU one (NpuOps on the emulated torch_npu of
+tests/fake_torch_npu_moe.py), over a sampled grid of tokens 1..512, experts 4..128, top-k 1..8, with
+experts that receive no tokens and the expert-parallel case (a rank holding experts [offset, offset
++ E_local) of E_total). H differs from I and from 2I, so a transposed weight cannot pass.
 
 Tolerances: max |ours - reference| / max |reference|, the reference in float32 on the same (rounded) inputs: float32
 1e-5, bfloat16 2e-2 (bf16 rounds the expert outputs and the routing weights; measured 4e-3..1e-2).
@@ -15,7 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fake_torch_npu import FakeNpuError, install
 from vlinfer.platform import cpu_features
-from vlinfer.ops import cpu_moe, dispatch, moe_reference
+from vlinfer.ops import select as dispatch
+from vlinfer.ops.cpu import moe as cpu_moe
+from vlinfer.ops.reference import moe as moe_reference
 from vlinfer.ops.cpu import CpuOps
 from vlinfer.ops.cuda import CudaOps
 from vlinfer.ops.npu import NpuOps
@@ -198,7 +201,7 @@ def test_grid_has_empty_experts_and_remote_pairs():
 # ---- the Triton design: alignment, graph safety, block sizes ----
 
 def test_align_block_size_pads_each_expert_to_its_blocks():
-    from vlinfer.ops import cuda_moe
+    from vlinfer.ops.cuda import moe as cuda_moe
     kernel = cuda_moe.load_kernel()
     ids = torch.tensor([[2, 0], [2, 5], [1, 2]])  # local experts 0..2 at offset 0 of 6: expert 5 is remote
     sorted_ids, experts, padded = kernel.align_block_size(ids, 4, 3, 0)
@@ -229,7 +232,7 @@ class NoHostSync(TorchDispatchMode):
 def test_triton_alignment_takes_no_host_sync():
     """Routing and alignment read nothing back and their sizes come from shapes, and the launches' grids come from
     those sizes: a CUDA graph can capture the op. (Under the interpreter the kernels themselves run on the host.)"""
-    from vlinfer.ops import cuda_moe
+    from vlinfer.ops.cuda import moe as cuda_moe
     kernel = cuda_moe.load_kernel()
     logits = torch.randn(5, 16)
     with NoHostSync():
@@ -239,7 +242,7 @@ def test_triton_alignment_takes_no_host_sync():
 
 
 def test_block_config_grows_with_pairs_per_expert():
-    from vlinfer.ops import cuda_moe
+    from vlinfer.ops.cuda import moe as cuda_moe
     kernel = cuda_moe.load_kernel()
     assert kernel.block_config(8, 128, 2048, 768)["BLOCK_M"] == 16  # a decode step of one sequence
     assert kernel.block_config(8 * 4096, 128, 2048, 768)["BLOCK_M"] == 64  # prefill

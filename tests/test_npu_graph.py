@@ -1,8 +1,9 @@
-"""Graph mode on the NPU (vlinfer/engine/acl_graph.py, the "graph mode" section of vlinfer/ops/npu.py and
-vlinfer/ops/npu_graph.py) on CPU tensors, through the ACL graph emulation of tests/fake_torch_npu.py: a replay
-re-executes what the capture recorded, and a torch_npu task keeps its captured host arguments (FIA's lengths) unless
-it was re-issued through graph_task_update_begin/end. So graphs whose attention is not updated give wrong outputs
-here, as on the device.
+"""Graph mode on the NPU (vlinfer/ops/npu/graph.py, the "graph mode" section of
+vlinfer/ops/npu/backend.py and vlinfer/ops/npu/graph.py) on CPU tensors, through the ACL graph
+emulation of tests/fake_torch_npu.py: a replay re-executes what the capture recorded, and a
+torch_npu task keeps its captured host arguments (FIA's lengths) unless it was re-issued through
+graph_task_update_begin/end. So graphs whose attention is not updated give wrong outputs here, as on
+the device.
 
 The engine runs on CPU tensors with the NPU ops (VLINFER_OPS=npu); the "cpu" device type gets the NPU graph
 backend, as tests/test_graph_runner.py does with its replaying backend. bfloat16 throughout: FIA takes fp16/bf16."""
@@ -21,7 +22,9 @@ from vlinfer.config import EngineConfig
 from vlinfer.engine import graph_runner
 from vlinfer.layers import ModelContext
 from vlinfer.ops import ReferenceOps, reference
-from vlinfer.ops.npu import GraphCapture, NpuOps
+from vlinfer.ops.npu import NpuOps
+from vlinfer.ops.npu import graph as npu_graph
+from vlinfer.ops.npu.graph import GraphCapture
 
 BLOCK = 128
 KW = dict(dtype="bfloat16", kvcache_block_size=BLOCK, max_num_seqs=6, kv_cache_bytes=8 * 2 ** 20, max_model_len=512)
@@ -31,7 +34,7 @@ KW = dict(dtype="bfloat16", kvcache_block_size=BLOCK, max_num_seqs=6, kv_cache_b
 def npu_graphs(monkeypatch):
     """The emulated torch_npu with its graph APIs, and the NPU graph backend for the engine's (CPU) device."""
     fake, _ = loaded(monkeypatch)
-    monkeypatch.setitem(graph_runner.BACKENDS, "cpu", graph_runner.BACKENDS["npu"])
+    monkeypatch.setattr(NpuOps, "graph_capture", lambda ops, device: npu_graph.backend(device, ops))
     return fake
 
 

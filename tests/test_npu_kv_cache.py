@@ -1,10 +1,11 @@
-"""int8 KV caches on the NPU path (vlinfer/ops/npu_kv_cache.py behind vlinfer/ops/npu.py, docs/npu-ops.md §2.10 and
-§7.7) on CPU tensors, through the emulated torch_npu of tests/fake_torch_npu.py: the quantizing cache write
-(npu_dynamic_quant + the cache scatter) and attention (FIA antiquant mode 5 for decodes, the blocks read back for
-prefill chunks) against vlinfer/ops/kv_quant_reference.py; the emulation refusing what the contracts forbid; the
-engine on a tiny model with kv_cache_dtype="int8" and on an msModelSlim C8 checkpoint against the CPU engine and
-transformers; ACL-graph decode over the int8 cache; and the logged reference path for what FIA cannot read (fp8, a
-failed check).
+"""int8 KV caches on the NPU path (vlinfer/ops/npu/kv_cache.py behind vlinfer/ops/npu/backend.py,
+docs/npu-ops.md §2.10 and §7.7) on CPU tensors, through the emulated torch_npu of
+tests/fake_torch_npu.py: the quantizing cache write (npu_dynamic_quant + the cache scatter) and
+attention (FIA antiquant mode 5 for decodes, the blocks read back for prefill chunks) against
+vlinfer/ops/reference/kv_cache.py; the emulation refusing what the contracts forbid; the engine on a
+tiny model with kv_cache_dtype="int8" and on an msModelSlim C8 checkpoint against the CPU engine and
+transformers; ACL-graph decode over the int8 cache; and the logged reference path for what FIA
+cannot read (fp8, a failed check).
 
 Tolerances: the cache write must equal the reference's bit for bit (the emulation rounds as torch does); attention
 against the reference on the same cache, docs/npu-ops.md §3's 2e-3 (fp16) / 1e-2 (bf16); the engine, the int8 bound
@@ -26,8 +27,11 @@ from test_npu_ops import BATCHES, DTYPE_IDS, HALF, NUM_KV_HEADS, TOL
 from test_text_parity import PROMPTS, prompts_of_lengths
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine import graph_runner
-from vlinfer.ops import kv_quant_reference, reference
-from vlinfer.ops.npu import GraphCapture
+from vlinfer.ops import reference
+from vlinfer.ops.npu import NpuOps
+from vlinfer.ops.npu import graph as npu_graph
+from vlinfer.ops.npu.graph import GraphCapture
+from vlinfer.ops.reference import kv_cache as kv_quant_reference
 
 BLOCK = 128
 FIA = "npu_fused_infer_attention_score"
@@ -461,7 +465,7 @@ def test_engine_c8_checkpoint_matches_the_cpu_engine_and_transformers(  # noqa: 
 @pytest.fixture
 def npu_graphs(monkeypatch):
     fake, _ = loaded(monkeypatch)
-    monkeypatch.setitem(graph_runner.BACKENDS, "cpu", graph_runner.BACKENDS["npu"])
+    monkeypatch.setattr(NpuOps, "graph_capture", lambda ops, device: npu_graph.backend(device, ops))
     return fake
 
 

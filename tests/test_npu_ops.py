@@ -1,5 +1,6 @@
-"""The NPU ops (vlinfer/ops/npu.py) against the pure-torch reference on CPU tensors, through the emulated torch_npu
-of tests/fake_torch_npu.py, plus the emulation catching calls the documented contracts reject.
+"""The NPU ops (vlinfer/ops/npu/backend.py) against the pure-torch reference on CPU tensors, through
+the emulated torch_npu of tests/fake_torch_npu.py, plus the emulation catching calls the documented
+contracts reject.
 
 Tolerances: max |npu - reference| / max |reference|, the reference evaluated in float32 on the same (rounded) inputs.
 float16 2e-3 and bfloat16 1e-2 are docs/npu-ops.md §3's NPU-vs-reference tolerances; float32 (norms, rotary, SwiGLU
@@ -13,8 +14,11 @@ import torch
 
 from paged_batches import fp32, make_batch, rel_err
 from fake_torch_npu import FakeNpuError, FakeTorchNpu, install, loaded
-from vlinfer.ops import OPS, ReferenceOps, dispatch, npu, reference
-from vlinfer.ops.npu import GraphCapture, NpuOps
+from vlinfer.ops import OPS, ReferenceOps, reference
+from vlinfer.ops import select as dispatch
+from vlinfer.ops.npu import NpuOps
+from vlinfer.ops.npu import host as npu
+from vlinfer.ops.npu.graph import GraphCapture
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
 HALF = [torch.float16, torch.bfloat16]

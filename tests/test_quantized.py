@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from tests.conftest import build_checkpoint
 from tests.quantized_checkpoints import write_compressed_tensors, write_fp8_block
 from vlinfer import LLM, SamplingParams
-from vlinfer.ops import cpu_quant, quant_reference
+from vlinfer.ops.cpu import quant as cpu_quant
+from vlinfer.ops.reference import quant as quant_reference
 
 PROMPT = [3, 17, 92, 44, 5, 8, 250, 31]
 NEW_TOKENS = 8

@@ -1,5 +1,6 @@
-"""The CUDA quantized linears (vlinfer/ops/cuda_quant.py via CudaOps) on CPU tensors: our Triton kernels
-(vlinfer/ops/kernels/triton/int8_gemm.py, weight_only_gemm.py) under the Triton interpreter, against quant_reference.
+"""The CUDA quantized linears (vlinfer/ops/cuda/quant.py via CudaOps) on CPU tensors: our Triton
+kernels (vlinfer/ops/cuda/triton/int8_gemm.py, weight_only_gemm.py) under the Triton interpreter,
+against quant_reference.
 
 Tolerances (max |ours - reference| / max |reference|): W8A8 codes and integer products are exact and the epilogue
 follows the reference's order, so float32 results are equal and bf16 within one rounding (1e-2). Weight-only: the
@@ -10,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from vlinfer.ops import quant_reference
+from vlinfer.ops.reference import quant as quant_reference
 from vlinfer.ops.cuda import CudaOps
 
 SHAPES = [(1, 64, 48), (17, 96, 130), (40, 128, 64)]  # (M, K, N): decode, odd tiles, two M tiles

@@ -1,5 +1,6 @@
-"""The NPU quantized linears (vlinfer/ops/npu_quant.py via NpuOps) against quant_reference on CPU tensors, through
-the emulated torch_npu ops of tests/fake_torch_npu_quant.py, plus the emulation rejecting calls the contracts do.
+"""The NPU quantized linears (vlinfer/ops/npu/quant.py via NpuOps) against quant_reference on CPU
+tensors, through the emulated torch_npu ops of tests/fake_torch_npu_quant.py, plus the emulation
+rejecting calls the contracts do.
 
 Tolerances (max |npu - reference| / max |reference|): the int8 codes and the integer products are exact on both
 sides, so W8A8 differs only by the final rounding to bf16/fp16 (one ulp: 1e-2 bf16, 2e-3 fp16). Weight-only: the
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from fake_torch_npu import FakeNpuError, loaded
-from vlinfer.ops import quant_reference
+from vlinfer.ops.reference import quant as quant_reference
 
 SHAPES = [(1, 64, 32), (7, 128, 96), (33, 256, 160)]  # (M, K, N)
 W8A8_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}

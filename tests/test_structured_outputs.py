@@ -264,7 +264,7 @@ def test_token_bitmask_unpacks_and_masks_only_its_rows():
     """The bit layout (bit t % 32 of word t // 32, bit 31 the sign bit) against a per-token loop; logits wider than
     the mask's vocabulary get -inf past it; unconstrained rows are untouched."""
     import torch
-    from vlinfer.ops.token_bitmask_reference import apply_token_bitmask, unpack_bitmask
+    from vlinfer.ops.reference.bitmask import apply_token_bitmask, unpack_bitmask
     vocab = 100
     allowed = torch.rand(3, vocab, generator=torch.Generator().manual_seed(0)) < 0.3
     allowed[:, 31] = allowed[:, 63] = True  # the sign bit of two words
@@ -284,11 +284,12 @@ def test_token_bitmask_unpacks_and_masks_only_its_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_bitmask_kernel_equals_the_reference(dtype):
-    """The CPU op table's kernel (vlinfer/ops/kernels/cpu/paged_ops.cpp) against ops/token_bitmask_reference.py: random masks
-    with all-ones and all-zeros words, a vocabulary that is not a multiple of 32, logits wider than the mask, only
-    some rows constrained and out of order."""
+    """The CPU op table's kernel (vlinfer/ops/cpu/csrc/paged_ops.cpp) against
+    ops/reference/bitmask.py: random masks with all-ones and all-zeros words, a vocabulary that is
+    not a multiple of 32, logits wider than the mask, only some rows constrained and out of
+    order."""
     from vlinfer.ops.cpu import CpuOps
-    from vlinfer.ops.token_bitmask_reference import apply_token_bitmask
+    from vlinfer.ops.reference.bitmask import apply_token_bitmask
     ops = CpuOps()
     g = torch.Generator().manual_seed(0)
     for vocab, words in ((100, 4), (49157, 1537), (130, 4)):  # the last: 130 logits, a 128-token mask

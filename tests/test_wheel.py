@@ -1,10 +1,11 @@
-"""The built wheel carries what vlinfer loads from its own files: the kernel sources (vlinfer/ops/kernels, built or
-loaded by path at first use), the chat templates and the embedded toy with its embedder's tensors. Built from a
-copy of the checkout, installed with --no-deps into a fresh venv outside it, whose dependencies come from the
-repository's .venv by a .pth line (no second torch install) while .venv's editable vlinfer stays invisible: paths a
-.pth file lists are added to sys.path after the venv's own site-packages and their own .pth files (the editable
-finder's) are never run. From there the engine must run the compiled CPU op table, not the reference, and
-examples/quickstart.py must run.
+"""The built wheel carries what vlinfer loads from its own files: the kernel sources
+(vlinfer/ops/cpu/csrc, cuda/triton, built or loaded by path at first use), the chat templates and
+the embedded toy with its embedder's tensors. Built from a copy of the checkout, installed with
+--no-deps into a fresh venv outside it, whose dependencies come from the repository's .venv by a
+.pth line (no second torch install) while .venv's editable vlinfer stays invisible: paths a .pth
+file lists are added to sys.path after the venv's own site-packages and their own .pth files (the
+editable finder's) are never run. From there the engine must run the compiled CPU op table, not the
+reference, and examples/quickstart.py must run.
 
 The CPU kernels compile once in a private TORCH_EXTENSIONS_DIR (minutes on 2 cores): torch's cache is keyed by the
 extension's name, and building the same name from the wheel's source paths in the shared cache would rebuild it in
@@ -24,7 +25,8 @@ CHECK = textwrap.dedent("""
     import os, sys
     import vlinfer
     from vlinfer import LLM
-    from vlinfer.ops import cpu, triton_source
+    from vlinfer.ops.cpu import loader as cpu
+    from vlinfer.ops.cuda import loader as triton_source
     from vlinfer.toy import embedded
     venv = sys.argv[1]
     toy_files = [os.path.join(embedded.PACKAGE_DIR, name) for name in

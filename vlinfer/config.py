@@ -26,7 +26,7 @@ CHAT_TEMPERATURE = 0.7  # the chat UIs (`vlinfer chat`, the demo): varied replie
 CHAT_TOP_P = 0.9
 # kv_cache_dtype names (vLLM's) -> the dtype K and V are stored in; "auto" stores the compute dtype. fp8 caches
 # carry one float32 scale per layer for K and one for V (1.0 unless the checkpoint has them); int8 caches one float32
-# scale per token and KV head, written beside the row when it is stored (ops/kv_quant_reference.py).
+# scale per token and KV head, written beside the row when it is stored (ops/reference/kv_cache.py).
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn,
                    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 
@@ -121,7 +121,8 @@ class EngineConfig:
     # Tokens per step. None: default_batched_tokens(max_model_len), i.e. min(max_model_len, 8192), at least 2048;
     # longer prompts prefill in chunks.
     max_num_batched_tokens: int | None = None
-    # None: the device's default (platform.default_block_size): 16 on CPU, 128 on NPU, 256 on CUDA with flash_attn.
+    # None: the device's default (its op backend's default_block_size): 16 on CPU, 128 on NPU, 256
+    # on CUDA with flash_attn.
     kvcache_block_size: int | None = None
     # Share of memory for weights + activations + KV cache on accelerators; on CPU, of the RAM free after load.
     memory_utilization: float | None = None

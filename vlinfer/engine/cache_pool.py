@@ -34,7 +34,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
 def kv_cache_scales(kv_cache_dtype: torch.dtype, quantized: bool, shape: tuple, device,
                     ops) -> torch.Tensor | None:
     """The scales of a cache stored in another dtype than the compute dtype
-    (ops/kv_quant_reference.py): int8, one per token and KV head, written with each row (1.0 under
+    (ops/reference/kv_cache.py): int8, one per token and KV head, written with each row (1.0 under
     a checkpoint's static scales), in the memory order the op table's kernels read; a floating
     cache, one per layer for K and for V, 1.0 until a checkpoint's scales fill them. None for a
     cache of the compute dtype."""
@@ -118,7 +118,7 @@ class CachePool:
             logger.info("KV cache in %s: %s kernels write it and read it", stored, ops.name)
         else:
             logger.warning("KV cache in %s: %s has no kernel that reads it; its writes and "
-                           "attention run the pure-torch reference (ops/kv_quant_reference.py)",
+                           "attention run the pure-torch reference (ops/reference/kv_cache.py)",
                            stored, ops.name)
 
     @property

@@ -10,13 +10,13 @@ image embeddings, batches above the largest bucket and contexts longer than the 
 eager. With LoRA on, the graphs run the adapters' updates over static buffers (every row in a slot, the base
 model's and padding rows in one kept zero), so decode steps with adapters replay as well.
 
-How a graph is captured and replayed is a backend, picked by device type from BACKENDS and given the engine's op
-table (whether its ops can be captured decides whether graphs run): CUDA's records the forward with
-torch.cuda.CUDAGraph; the NPU's (acl_graph.py) with torch.npu.NPUGraph, re-issuing its attention tasks with each
-step's host lengths before a replay (such a backend sets `host_lengths`) and padding into a dummy block. Buckets,
-buffers and padding do not depend on it otherwise, so tests run them on CPU with a backend whose "graph" re-runs the
-recorded callable on the static buffers (tests/test_graph_runner.py), or under an emulated torch_npu whose graphs
-replay what was captured (tests/test_npu_graph.py).
+How a graph is captured and replayed is the op table's answer (Backend.graph_capture,
+ops/interface.py): CUDA's records the forward with torch.cuda.CUDAGraph (ops/cuda/graph.py); the
+NPU's with torch.npu.NPUGraph, re-issuing its attention tasks with each step's host lengths before a
+replay (such a backend sets `host_lengths`) and padding into a dummy block (ops/npu/graph.py).
+Buckets, buffers and padding do not depend on it otherwise, so tests run them on CPU with a backend
+whose "graph" re-runs the recorded callable on the static buffers (tests/test_graph_runner.py), or
+under an emulated torch_npu whose graphs replay what was captured (tests/test_npu_graph.py).
 
 Graph mode stays off under tensor parallelism: every rank would have to capture and replay in lock step with the
 collectives inside the graph, which is not done yet.
@@ -29,13 +29,9 @@ from collections import Counter
 
 import torch
 
-from vlinfer.engine import acl_graph
-from vlinfer.engine.graph_backend import GraphModeUnavailable
 from vlinfer.layers.context import ForwardContext, ModelContext
-from vlinfer.layers.lora import LoRAStep
-from vlinfer.ops import ReferenceOps
-from vlinfer.ops.cuda import CudaOps
-from vlinfer.ops.reference import LoRAGroups, captured_lora_groups
+from vlinfer.layers.lora import LoRAGroups, LoRAStep, captured_lora_groups
+from vlinfer.ops import Backend, GraphModeUnavailable
 
 logger = logging.getLogger("vlinfer")
 
@@ -47,53 +43,6 @@ MAX_BUCKET = 256
 MAX_CAPTURE_LEN = 8192
 
 
-class CudaGraphBackend:
-    name = "CUDA graphs"
-
-    def __init__(self, device: torch.device, ops: CudaOps):
-        self.device, self.ops = device, ops
-        self.pool = None  # one memory pool shared by every bucket's graph (they never replay at once)
-
-    def reads_only_used_blocks(self, block_size: int, dtype: torch.dtype) -> bool:
-        return self.ops.decode_reads_only_used_blocks(block_size, dtype)
-
-    def capture(self, fn):
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = fn()
-        if self.pool is None:
-            self.pool = graph.pool()
-        torch.cuda.synchronize(self.device)
-        return _CudaGraph(graph, output)
-
-
-class _CudaGraph:
-    def __init__(self, graph, output: torch.Tensor):
-        self.graph, self.output = graph, output
-
-    def replay(self) -> torch.Tensor:
-        self.graph.replay()
-        return self.output  # the static output: read it before the next replay
-
-
-def _cuda_backend(device: torch.device, ops: ReferenceOps) -> CudaGraphBackend:
-    """CUDA graphs need every op in the decode step to be free of host syncs: our CUDA ops with the Triton cache
-    write (vlinfer/ops/cuda.py). The reference ops read lengths on the host (.tolist()) and cannot be captured."""
-    if not isinstance(ops, CudaOps):
-        raise GraphModeUnavailable(f"the {ops.name} ops read sequence lengths on the host")
-    if ops.features.get("cache_write") != "triton":
-        raise GraphModeUnavailable("the KV cache write is the pure-torch reference (Triton unavailable), which "
-                                   "syncs with the host")
-    return CudaGraphBackend(device, ops)
-
-
-# Device type -> factory(device, ops) returning a backend with capture(fn) -> object with replay() -> hidden states,
-# or raising GraphModeUnavailable. A backend with host_lengths=True gets the rows' KV lengths as a host list:
-# capture(fn, lens), replay(lens).
-BACKENDS = {"cuda": _cuda_backend, "npu": acl_graph.backend}
-
-
 def batch_sizes(max_num_seqs: int) -> list[int]:
     """Powers of two below the largest batch, then the largest batch itself: min(max_num_seqs, MAX_BUCKET)."""
     top = min(max_num_seqs, MAX_BUCKET)
@@ -101,17 +50,24 @@ def batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [top]
 
 
-def select_backend(config, device: torch.device, ops: ReferenceOps, kv_cache_dtype: torch.dtype | None = None):
-    """The graph backend for this engine (its op table: `ops`), or None to run eager; logs which graph mode runs
-    and why. kv_cache_dtype: a cache stored in another dtype than the compute dtype, None otherwise."""
+def select_backend(config, device: torch.device, ops: Backend,
+                   kv_cache_dtype: torch.dtype | None = None):
+    """The graph backend for this engine, asked of its op table (`ops.graph_capture`), or None to
+    run eager; logs which graph mode runs and why. kv_cache_dtype: a cache stored in another dtype
+    than the compute dtype, None otherwise."""
     if config.enforce_eager:
         logger.info("graph mode: off (enforce_eager=True), running eager")
         return None
-    if kv_cache_dtype is not None and kv_cache_dtype not in ops.kv_cache_kernels and device.type in BACKENDS:
+    try:
+        backend, unavailable = ops.graph_capture(device), None
+    except GraphModeUnavailable as e:
+        backend, unavailable = None, e
+    has_graphs = backend is not None or unavailable is not None
+    if kv_cache_dtype is not None and kv_cache_dtype not in ops.kv_cache_kernels and has_graphs:
         logger.info("graph mode: off, the KV cache in %s is read by the pure-torch reference (it syncs with the "
                     "host), running eager", kv_cache_dtype)
         return None
-    if device.type not in BACKENDS:
+    if not has_graphs:
         if device.type == "cpu":
             logger.info("graph mode: none on cpu, running eager (torch.compile of the decode step measured slower "
                         "here: bench/cpu_decode_compile.py)")
@@ -122,11 +78,10 @@ def select_backend(config, device: torch.device, ops: ReferenceOps, kv_cache_dty
         logger.info("graph mode: off under tensor parallelism (%d ranks), running eager",
                     config.tensor_parallel_size)
         return None
-    try:
-        return BACKENDS[device.type](device, ops)
-    except GraphModeUnavailable as e:
-        logger.warning("graph mode: graphs unavailable on %s (%s), running eager", device.type, e)
-        return None
+    if unavailable is not None:
+        logger.warning("graph mode: graphs unavailable on %s (%s), running eager", device.type,
+                       unavailable)
+    return backend
 
 
 class GraphRunner:
@@ -157,7 +112,8 @@ class GraphRunner:
         self.seq_lens = torch.full((n,), self.pad_len, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per row, always
         self.block_tables = self.pad_table.clone()
-        # The step's LoRA grouping (reference.captured_lora_groups), all rows in the zero slot until a step fills it.
+        # The step's LoRA grouping (layers/lora.py captured_lora_groups), all rows in the zero slot
+        # until a step fills it.
         self.lora_slots = lora_slots
         long = dict(dtype=torch.long, device=device)
         self.lora = dict(rows=torch.arange(n, **long), token_slots=torch.zeros(n, **long),

@@ -8,11 +8,10 @@ from collections import OrderedDict
 import torch
 
 from vlinfer.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
-from vlinfer.layers.lora import LoRASlots, LoRAStep
+from vlinfer.layers.lora import LoRASlots, LoRAStep, lora_groups
 from vlinfer.loading.lora import LoRAAdapter, read_peft_adapter
 from vlinfer.lora_request import LoRARequest
 from vlinfer.models.interfaces import SupportsMultiModal
-from vlinfer.ops.reference import lora_groups
 
 logger = logging.getLogger("vlinfer")
 # Qwen3-VL's vision tower and its mergers, in PEFT's module names and ours alike (model.visual.blocks.0.attn.qkv, ...)

@@ -7,8 +7,8 @@ on the same logits, and the whole chain against theirs in sequence):
    mask included: one rule for every request, vLLM's default (logprobs_mode="raw_logprobs"), and what the OpenAI
    API reports. Each entry carries its rank in the vocabulary by that logprob.
 1. structured outputs: the grammar's token bitmask (the op table's apply_token_bitmask, defined in
-   ops/token_bitmask_reference.py), for constrained rows, all in one pass, so every later step only sees the
-   tokens the grammar allows.
+   ops/reference/bitmask.py), for constrained rows, all in one pass, so every later step only sees
+   the tokens the grammar allows.
 2. process_logits, on every row (greedy ones too, so they change the arg-max):
    a. logit_bias added (transformers' SequenceBiasLogitsProcessor with one-token sequences; vLLM adds it before
       the penalties too);
@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from vlinfer.engine.sequence import PromptAndOutput, Sequence
-from vlinfer.ops import token_bitmask_reference
+from vlinfer.ops.reference import bitmask as token_bitmask_reference
 from vlinfer.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")

@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-from vlinfer import platform
+from vlinfer import ops, platform
 from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, CPU_DEFAULT_MEMORY_UTILIZATION, KV_CACHE_DTYPES,
                             MIN_FITTED_MODEL_LEN, EngineConfig, ResolvedConfig, default_batched_tokens)
 from vlinfer.layers.quantization import kv_cache
@@ -49,7 +49,7 @@ def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, hf_config, folder: 
 
 
 def block_size(config: EngineConfig, device) -> int:
-    return config.kvcache_block_size or platform.default_block_size(device)
+    return config.kvcache_block_size or ops.default_block_size(device.type)
 
 
 def resolve(config: EngineConfig, dtype, model_len: int, longest: int, block_size: int, runner,

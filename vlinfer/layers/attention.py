@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from vlinfer.layers.context import ModelContext
-from vlinfer.ops import kv_quant_reference
+from vlinfer.ops.reference import kv_cache as kv_quant_reference
 
 
 class Attention(nn.Module):
@@ -17,8 +17,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         # Views into the engine's KV pool [num_blocks, block_size, kv_heads, head_dim], bound by the model runner.
         self.k_cache = self.v_cache = torch.tensor([])
-        # With a cache stored in another dtype (kv_cache_dtype): its scales (ops/kv_quant_reference.py), bound with
-        # the cache. None: the cache holds the compute dtype.
+        # With a cache stored in another dtype (kv_cache_dtype): its scales
+        # (ops/reference/kv_cache.py), bound with the cache. None: the cache holds the compute
+        # dtype.
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         # A checkpoint's static KV scales (layers/quantization/kv_cache.py StaticKVScales), when its cache dtype runs.
@@ -42,7 +43,8 @@ class Attention(nn.Module):
 
     def _static_int8(self, q, k, v, step) -> torch.Tensor:
         """A static int8 cache, read by the per-row int8 path with row scales 1.0: K's channel scales multiply the
-        query, V's scale and offset apply to the output (ops/kv_quant_reference.py says why that is exact)."""
+        query, V's scale and offset apply to the output (ops/reference/kv_cache.py says why that is
+        exact)."""
         s, group = self.static_kv_scales, self.num_heads // self.num_kv_heads
         # The rows are int8 already: the op table's plain cache write copies them (row scales stay 1.0).
         self.ops.store_kvcache(kv_quant_reference.quantize_static(k, s.k_scale, s.k_offset),

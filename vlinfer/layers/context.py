@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from vlinfer.layers.distributed import SINGLE, TPGroup
-from vlinfer.ops import ReferenceOps
+from vlinfer.ops import Backend
 
 
 @dataclass
@@ -28,7 +28,7 @@ class ForwardContext:
 
 @dataclass(eq=False)
 class ModelContext:
-    ops: ReferenceOps
+    ops: Backend
     tp: TPGroup = SINGLE
     step: ForwardContext | None = None  # set by the model runner for the duration of one forward
     # MoE layers: each rank holds whole experts (EngineConfig.enable_expert_parallel) rather than a slice of every

@@ -12,14 +12,69 @@ shard and B whole, its update added before the all-reduce that sums the partial 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from vlinfer.ops.reference import LoRAGroups
+from vlinfer.ops.reference.lora import group_by_slot
+
+
+@dataclass(frozen=True, eq=False)
+class LoRAGroups:
+    """One step's tokens that run a LoRA adapter, grouped by slot: what add_lora reads, built once
+    per step (lora_groups) and shared by every LoRA layer. Slot s's tokens are
+    rows[offsets[s]:offsets[s + 1]].
+
+    rows: int64 [N] token indices on the device, by slot ascending and in token order within a slot;
+    None when one adapter covers every token of the step (N = T, the rows are 0..T-1: nothing to
+    gather). offsets: int64 [S + 1] on the device, cumulative row counts of slots 0..S-1, S = the
+    highest slot used + 1 (a slot with no row has an empty range): the segment bounds a grouped GEMM
+    or a kernel reads without a host sync. segments: (slot, start, count) on the host for each slot
+    with rows, slot ascending; None in a captured graph's step (captured_lora_groups), whose
+    grouping only the device holds. token_slots: int64 [T] on the device, each token's slot (-1: the
+    base model), for kernels that mask instead of gathering.
+    max_rows: the most rows of one slot, or a bound on it (host): a kernel's grid."""
+    rows: torch.Tensor | None
+    offsets: torch.Tensor
+    segments: tuple[tuple[int, int, int], ...] | None
+    token_slots: torch.Tensor
+    max_rows: int
+
+    def host_segments(self) -> tuple[tuple[int, int, int], ...]:
+        """segments, for implementations that group on the host; a captured step has none to
+        give."""
+        if self.segments is None:
+            raise ValueError("LoRA groups of a captured graph step have no host segments: only a device-side add_lora "
+                             "(CUDA, NPU) runs them")
+        return self.segments
+
+    def merged(self, factor: int) -> "LoRAGroups":
+        """The same groups over rows merged `factor` to one, when each slot's rows are whole aligned
+        runs of `factor` (a run's first row names its merged row): the vision tower's patch mergers.
+        No host sync."""
+        rows = None if self.rows is None else self.rows[::factor] // factor
+        return LoRAGroups(rows, self.offsets // factor,
+                          tuple((slot, start // factor, count // factor) for slot, start, count in self.segments),
+                          self.token_slots[::factor], self.max_rows // factor)
+
+
+def lora_groups(slots: torch.Tensor, device) -> LoRAGroups | None:
+    """The step's LoRAGroups from each token's slot (a host tensor, -1: the base model); None when
+    no token runs an adapter."""
+    fields = group_by_slot(slots, device)
+    return None if fields is None else LoRAGroups(**fields)
+def captured_lora_groups(slots: torch.Tensor, num_slots: int) -> dict[str, torch.Tensor]:
+    """A captured graph step's grouping (host tensors the graph runner copies into its static
+    buffers): every row in a slot, the base model's and padding rows (-1) in slot num_slots - 1,
+    which the engine keeps zero (its update adds 0), so the shapes are the bucket's whatever the
+    adapters. rows [T], offsets [num_slots + 1], token_slots [T]."""
+    slots = slots.masked_fill(slots < 0, num_slots - 1)
+    offsets = F.pad(torch.bincount(slots, minlength=num_slots).cumsum(0), (1, 0))
+    return dict(rows=torch.argsort(slots, stable=True), offsets=offsets, token_slots=slots)
 
 
 @dataclass
 class LoRAStep:
-    """One step's adapters: the tokens that run one, grouped by slot (ops.reference.LoRAGroups: no gather when one
+    """One step's adapters: the tokens that run one, grouped by slot (LoRAGroups: no gather when one
     adapter covers the whole step). Built once per step by the model runner, read by every LoRA layer."""
     groups: LoRAGroups
 

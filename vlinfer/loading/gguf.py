@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from vlinfer.layers.quantization.base import TensorInfo
-from vlinfer.ops.gguf_reference import GGUF_BLOCK_TYPES
+from vlinfer.ops.reference.gguf import GGUF_BLOCK_TYPES
 
 logger = logging.getLogger("vlinfer")
 KEPT_TYPE_NAMES = {name for name, _ in GGUF_BLOCK_TYPES.values()}

@@ -1,6 +1,5 @@
 """What the device is and what it holds: which device, which dtype it computes in, its memory, its KV block size and
 its collective backend."""
-import importlib.util
 import logging
 
 import torch
@@ -95,16 +94,6 @@ def total_memory(device: torch.device) -> int:
     if device.type == "npu":
         return torch.npu.mem_get_info(device)[1]
     return available_memory(device)
-
-
-def default_block_size(device: torch.device) -> int:
-    """KV cache block size when the user gives none (kvcache_block_size=None, the default)."""
-    if device.type == "npu":  # the only block size every torch_npu paged attention path accepts
-        return 128
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        # flash_attn's paged KV cache needs a multiple of 256 (vlinfer/ops/cuda.py); other sizes run SDPA.
-        return 256
-    return 16
 
 
 def distributed_backend(device: torch.device) -> str:

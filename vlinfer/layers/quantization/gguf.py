@@ -9,7 +9,8 @@ it) keeps its blocks too when the file has them quantized (assign_gguf_embedding
 A layer holds `weight`: uint8 [N, K / 32 * block_bytes], the file's block rows for its output features (fused q/k/v
 and gate/up shards stacked by rows, like dense weights). Blocks run along K, so a row-parallel rank's columns are
 a whole number of blocks when its K is a multiple of 32 (refused otherwise, naming the layer). The matmul is the op
-table's `gguf_linear` (ops/gguf_reference.py defines it; the CPU kernel is vlinfer/ops/kernels/cpu/gguf_blocks.cpp)."""
+table's `gguf_linear` (ops/reference/gguf.py defines it; the CPU kernel is
+vlinfer/ops/cpu/csrc/gguf_blocks.cpp)."""
 import logging
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 
 from vlinfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from vlinfer.layers.quantization.base import CheckpointQuantization, LinearMethod, ParamLayout, ParamSpec, TensorIndex
-from vlinfer.ops.gguf_reference import BLOCK, GGUF_BLOCK_TYPES, block_bytes
+from vlinfer.ops.reference.gguf import BLOCK, GGUF_BLOCK_TYPES, block_bytes
 
 logger = logging.getLogger("vlinfer")
 GGML_TYPE_IDS = {name: type_id for type_id, (name, _) in GGUF_BLOCK_TYPES.items()}

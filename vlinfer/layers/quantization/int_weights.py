@@ -8,7 +8,7 @@ import logging
 import torch
 
 from vlinfer.layers.quantization.base import LinearMethod, ParamLayout, ParamSpec
-from vlinfer.ops.quant_reference import dequantize_weight
+from vlinfer.ops.reference.quant import dequantize_weight
 
 logger = logging.getLogger("vlinfer")
 

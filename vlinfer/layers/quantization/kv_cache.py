@@ -11,8 +11,9 @@
   ([kv_heads * head_dim]; no offset: 0).
 
 Static int8 stores round(x / scale + offset) clamped to [-128, 127] and reads (stored - offset) * scale
-(ops/kv_quant_reference.py: quantize_static). The scale tensors never reach load_weights: `collect` takes them out
-of the checkpoint stream, `attach` checks them and gives each decoder attention layer its rank's share."""
+(ops/reference/kv_cache.py: quantize_static). The scale tensors never reach load_weights: `collect`
+takes them out of the checkpoint stream, `attach` checks them and gives each decoder attention layer
+its rank's share."""
 import json
 import os
 import re

@@ -17,8 +17,8 @@ Types and tensors (msModelSlim's weight-format description; the shared quantizat
   one, is loaded but not added; without one the layer has no bias.
 Anything else (W4A8_DYNAMIC, W8A8_MIX, sparse types, FA quantization) is refused naming it. kv_cache_type C8 (an
 int8 KV cache with static per-channel scales) is the KV cache's: kv_cache.py reads it.
-Layers run on any device through the engine's op table (quant_reference.py defines the math; ops/npu_quant.py runs
-torch_npu's calls, ops/cuda_quant.py our Triton kernels).
+Layers run on any device through the engine's op table (ops/reference/quant.py defines the math;
+ops/npu/quant.py runs torch_npu's calls, ops/cuda/quant.py our Triton kernels).
 """
 import json
 import logging
