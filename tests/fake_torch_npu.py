@@ -995,9 +995,9 @@ def fake_npu(monkeypatch):
 
 def loaded(monkeypatch, **variant):
     """install(), then select the op table as an engine on CPU tensors does at start-up: (the fake, its NpuOps)."""
-    from vlinfer.ops import select as dispatch
+    from vlinfer.ops.select import select
     from vlinfer.ops.npu import NpuOps
     fake = install(monkeypatch, **variant)
-    ops = dispatch.select("cpu")
+    ops = select("cpu")
     assert type(ops) is NpuOps and ops._torch_npu is fake
     return fake, ops

@@ -468,7 +468,7 @@ def test_int8_layers_run_the_block_kernel_at_every_row_count(cpu_ops, rows, n, k
     x = torch.randn(rows, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype)
     out = cpu_ops.weight_only_linear(x, packed, bias)
-    kernels = cpu_ops.block_kernels()
+    kernels = cpu_ops._block_kernels()
     assert kernels.bf16_panels == (cpu_ops.isa == "avx512bf16")
     if dtype == torch.bfloat16 and rows >= cpu_quant.BF16_PANEL_ROWS and kernels.bf16_panels:
         assert torch.equal(out, kernels.int8_linear_bf16(x, packed["cpu"]["weight"], packed["cpu"]["scale"], bias))

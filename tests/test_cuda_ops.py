@@ -17,7 +17,7 @@ from paged_batches import CUDA_ATTENTION_TOL as TOL, fp32, make_batch, rel_err
 from fake_flash_attn import FakeFlashError, install
 from vlinfer.engine import graph_runner
 from vlinfer.ops import OPS, ReferenceOps, reference
-from vlinfer.ops import select as dispatch
+from vlinfer.ops.select import select
 from vlinfer.ops.cuda import CudaOps
 from vlinfer.ops.cuda import attention as cuda_attention
 
@@ -39,7 +39,8 @@ def sdpa_only(monkeypatch):
     """CudaOps on CPU tensors with flash_attn absent and our Triton attention failing to load: the reference's
     attention (the sync-free matmul decode, SDPA per sequence); the cache write as on this machine."""
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn` raises ImportError
-    monkeypatch.setattr(cuda, "_checked_attention", lambda device: (_ for _ in ()).throw(RuntimeError("no Triton")))
+    monkeypatch.setattr(cuda_attention, "checked_attention",
+                        lambda device: (_ for _ in ()).throw(RuntimeError("no Triton")))
     ops = CudaOps("cpu")
     assert ops.features["attention"] == "reference" and ops.features["paged_attention"] == "reference"
     return ops
@@ -76,7 +77,7 @@ def test_cuda_device_selects_the_cuda_implementation(monkeypatch, caplog):
         ReferenceOps.__init__(self, device_type)
     monkeypatch.setattr(CudaOps, "__init__", init)
     with caplog.at_level(logging.INFO, logger="vlinfer"):
-        ops = dispatch.select("cuda")
+        ops = select("cuda")
     assert type(ops) is CudaOps and ops.name == "cuda" and ops.device_type == "cuda"
     assert loaded == ["cuda"]
     assert "ops: cuda implementation for cuda" in caplog.text
@@ -87,7 +88,7 @@ def test_cuda_device_selects_the_cuda_implementation(monkeypatch, caplog):
                                    "weight_only_linear", "pack_quantized_linear", "store_quantized_kvcache",
                                    "quantized_paged_attention", "add_lora"}
     assert ops.paged_attention.__func__ is CudaOps.paged_attention and ops.rms_norm is reference.rms_norm
-    assert dispatch.select("cuda") is not ops  # a new op table per call: one per engine
+    assert select("cuda") is not ops  # a new op table per call: one per engine
     assert loaded == ["cuda", "cuda"]
 
 
@@ -98,17 +99,17 @@ def test_a_failing_cuda_load_falls_back_with_a_warning(monkeypatch, caplog):
         raise RuntimeError("no driver")
     monkeypatch.setattr(CudaOps, "__init__", broken)
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
-        assert type(dispatch.select("cuda")) is ReferenceOps
+        assert type(select("cuda")) is ReferenceOps
     assert "CUDA kernels unavailable (RuntimeError: no driver); running the pure-torch reference" in caplog.text
 
 
 def test_vlinfer_ops_cuda_forces_it_on_cpu_tensors_and_only_there(monkeypatch):
     monkeypatch.setenv("VLINFER_OPS", "cuda")
     monkeypatch.setitem(sys.modules, "flash_attn", None)
-    ops = dispatch.select("cpu")
+    ops = select("cpu")
     assert type(ops) is CudaOps and ops.device_type == "cpu"
     with pytest.raises(RuntimeError, match="not on 'npu'"):
-        dispatch.select("npu")  # a forced implementation that cannot load is an error, not a fallback
+        select("npu")  # a forced implementation that cannot load is an error, not a fallback
     with pytest.raises(RuntimeError, match="not on 'npu'"):
         CudaOps("npu")
 

@@ -21,7 +21,7 @@ from cpu_levels import kernel_levels
 from fake_torch_npu import FakeNpuError, install
 from vlinfer.layers.lora import lora_groups
 from vlinfer.ops import reference
-from vlinfer.ops import select as dispatch
+from vlinfer.ops.select import select
 from vlinfer.ops.cpu import lora as cpu_lora
 from vlinfer.platform import cpu_features
 from vlinfer.ops.cpu import CpuOps
@@ -338,7 +338,7 @@ def npu_env(monkeypatch):
     """(the emulated torch_npu, an NpuOps on it), as an engine on CPU tensors would select it; per test, so that
     no other test (which may import transformers, whose accelerate probes for torch_npu) sees the fake."""
     fake = install(monkeypatch)
-    ops = dispatch.select("cpu")
+    ops = select("cpu")
     assert type(ops) is NpuOps
     return fake, ops
 

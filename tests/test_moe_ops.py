@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fake_torch_npu import FakeNpuError, install
 from vlinfer.platform import cpu_features
-from vlinfer.ops import select as dispatch
+from vlinfer.ops.select import select
 from vlinfer.ops.cpu import moe as cpu_moe
 from vlinfer.ops.reference import moe as moe_reference
 from vlinfer.ops.cpu import CpuOps
@@ -109,7 +109,7 @@ def npu_env():
     """(the emulated torch_npu, an NpuOps on it), as an engine on CPU tensors would select it."""
     with pytest.MonkeyPatch.context() as mp:
         fake = install(mp)
-        ops = dispatch.select("cpu")
+        ops = select("cpu")
         assert type(ops) is NpuOps
         yield fake, ops
 

@@ -67,7 +67,7 @@ def test_replay_keeps_captured_lengths_unless_updated(monkeypatch, tnd):
     q, k_cache, v_cache, cu, tables = attention_inputs(captured)
     seq_lens = torch.tensor(captured, dtype=torch.int32)
     graph, capture = torch.npu.NPUGraph(), GraphCapture(captured)
-    with ops.capturing(capture), torch.npu.graph(graph):
+    with ops._capturing(capture), torch.npu.graph(graph):
         out = ops.paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 0.125)
     assert ops._capture is None  # capturing ends with its block
     assert len(capture.tasks) == 1
@@ -85,7 +85,7 @@ def test_replay_keeps_captured_lengths_unless_updated(monkeypatch, tnd):
     assert not close(out, expected(q, k_cache, v_cache, cu, tables, now))
     # Re-issued on the update stream with the step's lengths: the replay attends over them.
     stream = torch.npu.Stream()
-    ops.update_graph_attention(capture, now, stream)
+    ops._update_graph_attention(capture, now, stream)
     graph.replay()
     assert close(out, expected(q, k_cache, v_cache, cu, tables, now))
     assert fake.graph.updates == {"npu_fused_infer_attention_score.out": 1}
@@ -93,11 +93,11 @@ def test_replay_keeps_captured_lengths_unless_updated(monkeypatch, tnd):
 
     # What the update mechanism refuses: the default stream, and tensors other than the captured ones.
     with pytest.raises(FakeNpuError, match="update stream"):
-        ops.update_graph_attention(capture, now, torch.npu.current_stream())
+        ops._update_graph_attention(capture, now, torch.npu.current_stream())
     task = capture.tasks[0]
     task.args = (task.args[0].clone(),) + task.args[1:]
     with pytest.raises(FakeNpuError, match="captured tensors"):
-        ops.update_graph_attention(capture, now, stream)
+        ops._update_graph_attention(capture, now, stream)
 
 
 def test_capture_refuses_host_syncs(monkeypatch):
@@ -214,13 +214,13 @@ def test_text_graph_mode_without_length_updates_goes_wrong(npu_graphs, qwen3_che
     def events_only(self, capture, kv_lens, stream):  # orders the replay, never re-issues the tasks
         for task in capture.tasks:
             task.event.record(stream)
-    monkeypatch.setattr(NpuOps, "update_graph_attention", events_only)
+    monkeypatch.setattr(NpuOps, "_update_graph_attention", events_only)
     llm = LLM(qwen3_checkpoint[0], **KW)
     assert llm.engine.model_runner.graphs is not None
     assert generate(llm, PROMPTS) != text_expected
     assert not npu_graphs.graph.updates
 
-    monkeypatch.setattr(NpuOps, "update_graph_attention", lambda self, capture, kv_lens, stream: None)
+    monkeypatch.setattr(NpuOps, "_update_graph_attention", lambda self, capture, kv_lens, stream: None)
     llm = LLM(qwen3_checkpoint[0], **KW)
     with pytest.raises(FakeNpuError, match="never recorded"):
         generate(llm, PROMPTS)

@@ -192,12 +192,12 @@ def test_a_captured_int8_decode_replays_with_each_steps_lengths(monkeypatch):
     new_k = torch.randn(3, NUM_KV_HEADS, 64).bfloat16()
     slots = tables[:, 0].long() * BLOCK + 2  # a row in each sequence's first block
     graph, capture = torch.npu.NPUGraph(), GraphCapture(captured)
-    with ops.capturing(capture), torch.npu.graph(graph):
+    with ops._capturing(capture), torch.npu.graph(graph):
         ops.store_quantized_kvcache(new_k, new_k, k_cache, v_cache, k_scale, v_scale, slots)
         out = ops.quantized_paged_attention(q, k_cache, v_cache, k_scale, v_scale, cu, seq_lens, tables, 0.125)
     assert len(capture.tasks) == 1 and capture.tasks[0].kwargs["key_antiquant_mode"] == 5
     new_k.copy_(torch.randn(3, NUM_KV_HEADS, 64).bfloat16())  # the next step's keys, in the graph's buffer
-    ops.update_graph_attention(capture, now, torch.npu.Stream())
+    ops._update_graph_attention(capture, now, torch.npu.Stream())
     graph.replay()
     ref = reference.quantized_paged_attention(q.float(), k_cache, v_cache, k_scale, v_scale, cu, seq_lens, tables,
                                               0.125)
@@ -228,7 +228,7 @@ def test_other_compressed_caches_run_the_reference_with_a_warning(monkeypatch, c
         assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
         assert torch.equal(out, reference.quantized_paged_attention(q, *caches[2:], *scales[2:], cu, seq_lens, tables,
                                                                     0.125))
-        with pytest.raises(RuntimeError, match="cannot be captured"), ops.capturing(GraphCapture([1])):
+        with pytest.raises(RuntimeError, match="cannot be captured"), ops._capturing(GraphCapture([1])):
             ops.quantized_paged_attention(q[:1], caches[0], caches[1], *scales[:2], cu[:2].clamp(max=1),
                                           seq_lens[:1], tables[:1], 0.125)
     for op in ("store_quantized_kvcache", "quantized_paged_attention"):

@@ -15,7 +15,7 @@ import torch
 from paged_batches import fp32, make_batch, rel_err
 from fake_torch_npu import FakeNpuError, FakeTorchNpu, install, loaded
 from vlinfer.ops import OPS, ReferenceOps, reference
-from vlinfer.ops import select as dispatch
+from vlinfer.ops.select import select
 from vlinfer.ops.npu import NpuOps
 from vlinfer.ops.npu import host as npu
 from vlinfer.ops.npu.graph import GraphCapture
@@ -109,7 +109,7 @@ def test_two_instances_keep_their_own_state(monkeypatch, caplog):
         for ops in (a, b, a, b):
             ops.paged_attention(*args32, 0.125)
     assert caplog.text.count("paged_attention on torch.float32 runs the pure-torch reference") == 2
-    with a.capturing(GraphCapture([1, 2])):
+    with a._capturing(GraphCapture([1, 2])):
         with pytest.raises(RuntimeError, match="cannot be captured"):
             a.paged_attention(*args32, 0.125)
         out = b.paged_attention(*step_a, 0.125)  # a mixed batch: eager, not a captured decode
@@ -242,7 +242,10 @@ def test_load_detects_the_2_14_contracts(monkeypatch, caplog):
     # Every op the NPU has a fused operator for; linear and the GELU stay torch's (one aclnn op each already), and
     # so do the GGUF block ops (dequantize + matmul: GGUF files are a CPU format). A compressed KV cache
     # (kv_cache_dtype) is int8 on torch_npu (tests/test_npu_kv_cache.py), checked on first use, not at load.
-    on_torch = {"linear", "gelu_tanh", "gguf_linear", "gguf_embedding", "pack_gguf_weight"}
+    # The linears' packing, the fused decode stack, LoRA's own slot layout and the token bitmask stay the
+    # reference's too (plain weights, module by module, plain slots, torch ops on the logits).
+    on_torch = {"linear", "gelu_tanh", "gguf_linear", "gguf_embedding", "pack_gguf_weight",
+                "pack_linear_weight", "dense_decode_stack", "pack_lora", "repack_lora", "apply_token_bitmask"}
     assert {op for op in OPS if getattr(NpuOps, op) is not getattr(ReferenceOps, op)} == set(OPS) - on_torch
     assert ops.rms_norm.__func__ is NpuOps.rms_norm
     assert ops.linear is reference.linear and ops.gelu_tanh is reference.gelu_tanh
@@ -273,10 +276,10 @@ def test_missing_tnd_paged_support_falls_back_to_split_calls(monkeypatch, caplog
 def test_without_any_cache_write_op_npu_cannot_load(monkeypatch, caplog):
     install(monkeypatch, scatter_pa=False, atb=False)  # ATB listed but NNAL not sourced: OSError on first use
     with pytest.raises(OSError, match="NNAL"):
-        dispatch.select("cpu")  # forced: an error, not a silent fallback
+        select("cpu")  # forced: an error, not a silent fallback
     monkeypatch.delenv("VLINFER_OPS")
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
-        assert type(dispatch.select("npu")) is ReferenceOps
+        assert type(select("npu")) is ReferenceOps
     assert "torch_npu kernels unavailable (" in caplog.text  # no "npu" device here: fails even earlier
 
 
@@ -285,7 +288,7 @@ def test_npu_device_without_torch_npu_runs_the_reference(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
     monkeypatch.delenv("VLINFER_OPS")
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
-        assert type(dispatch.select("npu")) is ReferenceOps
+        assert type(select("npu")) is ReferenceOps
     assert "torch_npu kernels unavailable (ModuleNotFoundError" in caplog.text
 
 
@@ -293,13 +296,13 @@ def test_override_values(monkeypatch, caplog):
     install(monkeypatch)
     monkeypatch.setenv("VLINFER_OPS", "reference")
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
-        ops = dispatch.select("npu")
+        ops = select("npu")
     assert type(ops) is ReferenceOps and ops.device_type == "npu"
     assert "ops: reference forced on device type npu" in caplog.text
-    assert type(dispatch.select("cpu", forced="npu")) is NpuOps  # an explicit choice wins over the environment
+    assert type(select("cpu", forced="npu")) is NpuOps  # an explicit choice wins over the environment
     monkeypatch.setenv("VLINFER_OPS", "tpu")
     with pytest.raises(ValueError, match="expected one of cuda, npu, cpu-compiled, reference"):
-        dispatch.select("cpu")
+        select("cpu")
 
 
 # ---- the emulation rejects calls the contracts forbid ----

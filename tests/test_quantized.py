@@ -169,7 +169,7 @@ def test_int8_on_load_in_bf16_within_the_documented_tolerance(dense_qwen3):
     llm = LLM(dense_qwen3, dtype="bfloat16", kv_cache_bytes=4 << 20, quantization="int8")
     ops = llm.engine.model_context.ops
     if ops.name == "cpu-compiled":  # the panels exist exactly where the CPU has AVX512-BF16
-        assert ops.block_kernels().bf16_panels == (ops.isa == "avx512bf16")
+        assert ops._block_kernels().bf16_panels == (ops.isa == "avx512bf16")
     prompts = [PROMPT[:5], (PROMPT * 2)[:16], (PROMPT * 5)[:40]]
     engine = llm.engine
     seqs = [engine.make_sequence(p) for p in prompts]

@@ -36,9 +36,10 @@ from vlinfer.ops.cuda import lora as cuda_lora
 from vlinfer.ops.cuda import moe as cuda_moe
 from vlinfer.ops.cuda import quant as cuda_quant
 from vlinfer.ops.cuda import attention as cuda_attention
-from vlinfer.ops.cuda.attention import (FLASH_BLOCK_MULTIPLE, HALF_DTYPES, checked_attention,
-                                        checked_cache_write, decode_attention, max_segment)
-from vlinfer.ops.cuda.kv_cache import COMPRESSED_KV_DTYPES, checked_quantized_cache
+from vlinfer.ops.cuda import kv_cache as cuda_kv_cache
+from vlinfer.ops.cuda.attention import (FLASH_BLOCK_MULTIPLE, HALF_DTYPES, decode_attention,
+                                        max_segment)
+from vlinfer.ops.cuda.kv_cache import COMPRESSED_KV_DTYPES
 from vlinfer.ops.cuda.loader import TritonKernels, error_reason
 from vlinfer.ops.interface import PerStep
 from vlinfer.ops.reference import ReferenceOps
@@ -72,14 +73,14 @@ class CudaOps(ReferenceOps):
 
         # At start, not on first use: whether decode steps can run in CUDA graphs depends on it.
         self._triton_store = self._triton.get(
-            "cache_write", lambda: checked_cache_write(device), "KV cache write",
+            "cache_write", lambda: cuda_attention.checked_cache_write(device), "KV cache write",
             "writing the cache with the pure-torch reference, which syncs with the host, so decode steps cannot run "
             "in CUDA graphs")
 
         # Our paged and varlen attention: where flash_attn is missing or does not apply. At start: graph capture and
         # its table width depend on it.
         self._attention = self._triton.get(
-            "paged_attention", lambda: checked_attention(device), "paged attention",
+            "paged_attention", lambda: cuda_attention.checked_attention(device), "paged attention",
             "attention runs the pure-torch reference (decode: a matmul over the block table's whole width; prefill: "
             "SDPA per sequence with a host sync; the vision tower: SDPA per image)")
         ours = "our Triton kernels" if self._attention is not None else "the pure-torch reference"
@@ -261,7 +262,7 @@ class CudaOps(ReferenceOps):
         """(the quantizing cache write, paged attention over stored rows), checked against the reference on first
         use, or None (logged once): then the reference writes and reads such caches."""
         device = torch.device(self.device_type)
-        return self._triton.get("quantized_kv_cache", lambda: checked_quantized_cache(device),
+        return self._triton.get("quantized_kv_cache", lambda: cuda_kv_cache.checked_quantized_cache(device),
                                 "compressed KV cache kernels", "a compressed KV cache is written and read "
                                 "by the pure-torch reference")
 

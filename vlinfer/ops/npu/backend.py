@@ -309,6 +309,9 @@ class NpuOps(ReferenceOps):
         finally:
             self._capture = None
 
+    def _update_graph_attention(self, capture: "GraphCapture", kv_lens: list[int], stream) -> None:
+        npu_graph.update_graph_attention(self._torch_npu, capture, kv_lens, stream)
+
     def _no_fallback_in_capture(self, op: str, dtype: torch.dtype, why: str = HALF_ONLY) -> None:
         if self._capture is not None:
             raise RuntimeError(f"{op} on {dtype} runs the pure-torch reference, which reads lengths on the host: it "

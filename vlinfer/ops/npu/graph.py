@@ -178,7 +178,7 @@ class AclGraph:
         # The updates rewrite tasks of this graph: let them start after everything queued before
         # (the previous replay of the same graph included).
         self.update_stream.wait_stream(torch.npu.current_stream())
-        update_graph_attention(self.ops._torch_npu, self.capture, seq_lens, self.update_stream)
+        self.ops._update_graph_attention(self.capture, seq_lens, self.update_stream)
         self.graph.replay()
         return self.output  # the static output: read it before the next replay
 
