@@ -5,8 +5,10 @@ stay on these definitions."""
 import torch
 
 from vlinfer.ops.interface import Backend
-from vlinfer.ops.reference import (activation, attention, bitmask, gguf, kv_cache, linear, lora,
-                                   moe, norm, quant, rotary)
+from vlinfer.ops.reference import (activation, attention, bitmask, gguf, kv_cache, lora, moe, norm,
+                                   quant, rotary)
+# By name: the package re-exports the function `linear` under its module's name.
+from vlinfer.ops.reference.linear import linear as dense_linear
 
 
 class ReferenceOps(Backend):
@@ -32,7 +34,7 @@ class ReferenceOps(Backend):
     silu_and_mul = staticmethod(activation.silu_and_mul)
     gelu_tanh = staticmethod(activation.gelu_tanh)
     varlen_attention = staticmethod(attention.varlen_attention)
-    linear = staticmethod(linear.linear)
+    linear = staticmethod(dense_linear)
     fused_moe = staticmethod(moe.fused_moe)
     apply_token_bitmask = staticmethod(bitmask.apply_token_bitmask)
     # LoRA: each token's adapter update after the base layer, grouped by adapter slot

@@ -13,7 +13,7 @@ sorted list belongs to one expert):
    to the pair's row of [T * top_k, H]; blocks of expert -1 write zeros (their pairs contribute nothing here).
 4. the sum over each token's top_k rows.
 
-Loaded by file path from vlinfer/ops/cuda/backend.py (kernels/ is not a Python package). Runs on CPU
+Loaded by file path by vlinfer/ops/cuda/loader.py (triton/ is not a package). Runs on CPU
 tensors under the Triton interpreter (TRITON_INTERPRET=1 set before this file is loaded), which is
 how tests/test_moe_ops.py checks it without a GPU. Every step takes no device->host sync and
 allocates by shapes known on the host (the grid is sized for the worst case and blocks past the

@@ -9,7 +9,7 @@
 Divisions use div_rn (IEEE round-to-nearest): Triton's `/` on fp32 is an approximate division on NVIDIA GPUs, which
 would move codes at rounding ties away from the reference.
 
-Loaded by file path from vlinfer/ops/cuda/quant.py (kernels/ is not a package; see
+Loaded by file path by vlinfer/ops/cuda/loader.py (triton/ is not a package; see
 store_kvcache.py). Runs on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1), which is
 how tests/test_quantized_cuda_ops.py checks it.
 """

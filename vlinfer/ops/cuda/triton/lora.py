@@ -13,7 +13,7 @@ sorted by slot, offsets[s] the start of slot s's segment).
 Programs whose row block lies past their slot's segment exit at once: the grid is sized from the longest segment
 (max_rows, known on the host), slots with no rows cost an empty program each. Nothing reads a value back.
 
-Loaded by file path from vlinfer/ops/cuda/lora.py (kernels/ is not a package). Runs on CPU tensors
+Loaded by file path by vlinfer/ops/cuda/loader.py (triton/ is not a package). Runs on CPU tensors
 under the Triton interpreter (TRITON_INTERPRET=1 set before this file is loaded), which is how
 tests/test_lora_ops.py checks it. The kernels call no jit helpers (tl.zeros, tl.cdiv): the
 interpreter cannot run those when triton was imported before TRITON_INTERPRET was set, so zeros come

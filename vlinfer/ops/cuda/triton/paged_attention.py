@@ -11,7 +11,7 @@ belongs to comes from a prefix sum of tiles per sequence made on the device, and
 from shapes alone (tokens / BLOCK_M + sequences; programs past the last tile return), so the launch takes no host
 sync and a CUDA graph can capture it.
 
-Loaded by file path from vlinfer/ops/cuda/backend.py (kernels/ is not a package); tests run it under
+Loaded by file path by vlinfer/ops/cuda/loader.py (triton/ is not a package); tests run it under
 the Triton interpreter.
 """
 import torch

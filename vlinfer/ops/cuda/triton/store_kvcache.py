@@ -3,7 +3,7 @@ slot of the paged cache [num_blocks, block_size, kv_heads, head_dim]. A slot < 0
 of a CUDA graph's batch) writes nothing. The skip is a mask inside the kernel, not a host-side filter, so the write
 takes no device->host sync and a CUDA graph can capture it.
 
-Loaded by file path from vlinfer/ops/cuda/backend.py: kernels/ is not a Python package, because
+Loaded by file path by vlinfer/ops/cuda/loader.py: triton/ is not a package, because
 `kernels` is the name of an unrelated PyPI package that transformers probes for. Runs on CPU tensors
 under the Triton interpreter (TRITON_INTERPRET=1 set before this file is loaded), which is how
 tests/test_cuda_ops.py checks it without a GPU.

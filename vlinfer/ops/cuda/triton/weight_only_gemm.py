@@ -14,7 +14,7 @@ wrong results for tl.dot on bfloat16 tiles (found here: off by 1e10). Both opera
 the cast to x's dtype, so this changes only the summation, not what is summed; on a GPU, 16-bit tiles go to the
 tensor cores as they are.
 
-Loaded by file path (kernels/ is not a package); tested under the Triton interpreter on CPU tensors.
+Loaded by file path (triton/ is not a package); tested under the Triton interpreter on CPU tensors.
 """
 import os
 
