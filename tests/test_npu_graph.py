@@ -220,7 +220,8 @@ def test_text_graph_mode_without_length_updates_goes_wrong(npu_graphs, qwen3_che
     assert generate(llm, PROMPTS) != text_expected
     assert not npu_graphs.graph.updates
 
-    monkeypatch.setattr(NpuOps, "_update_graph_attention", lambda self, capture, kv_lens, stream: None)
+    monkeypatch.setattr(NpuOps, "_update_graph_attention",
+                        lambda self, capture, kv_lens, stream: None)
     llm = LLM(qwen3_checkpoint[0], **KW)
     with pytest.raises(FakeNpuError, match="never recorded"):
         generate(llm, PROMPTS)

@@ -228,7 +228,8 @@ def test_other_compressed_caches_run_the_reference_with_a_warning(monkeypatch, c
         assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
         assert torch.equal(out, reference.quantized_paged_attention(q, *caches[2:], *scales[2:], cu, seq_lens, tables,
                                                                     0.125))
-        with pytest.raises(RuntimeError, match="cannot be captured"), ops._capturing(GraphCapture([1])):
+        with pytest.raises(RuntimeError, match="cannot be captured"), \
+                ops._capturing(GraphCapture([1])):
             ops.quantized_paged_attention(q[:1], caches[0], caches[1], *scales[:2], cu[:2].clamp(max=1),
                                           seq_lens[:1], tables[:1], 0.125)
     for op in ("store_quantized_kvcache", "quantized_paged_attention"):

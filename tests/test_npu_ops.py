@@ -242,10 +242,11 @@ def test_load_detects_the_2_14_contracts(monkeypatch, caplog):
     # Every op the NPU has a fused operator for; linear and the GELU stay torch's (one aclnn op each already), and
     # so do the GGUF block ops (dequantize + matmul: GGUF files are a CPU format). A compressed KV cache
     # (kv_cache_dtype) is int8 on torch_npu (tests/test_npu_kv_cache.py), checked on first use, not at load.
-    # The linears' packing, the fused decode stack, LoRA's own slot layout and the token bitmask stay the
-    # reference's too (plain weights, module by module, plain slots, torch ops on the logits).
+    # The linears' packing, the fused decode stack, LoRA's own slot layout and the token bitmask
+    # stay the reference's too (plain weights, module by module, plain slots, torch ops).
     on_torch = {"linear", "gelu_tanh", "gguf_linear", "gguf_embedding", "pack_gguf_weight",
-                "pack_linear_weight", "dense_decode_stack", "pack_lora", "repack_lora", "apply_token_bitmask"}
+                "pack_linear_weight", "dense_decode_stack", "pack_lora", "repack_lora",
+                "apply_token_bitmask"}
     assert {op for op in OPS if getattr(NpuOps, op) is not getattr(ReferenceOps, op)} == set(OPS) - on_torch
     assert ops.rms_norm.__func__ is NpuOps.rms_norm
     assert ops.linear is reference.linear and ops.gelu_tanh is reference.gelu_tanh
@@ -299,7 +300,8 @@ def test_override_values(monkeypatch, caplog):
         ops = select("npu")
     assert type(ops) is ReferenceOps and ops.device_type == "npu"
     assert "ops: reference forced on device type npu" in caplog.text
-    assert type(select("cpu", forced="npu")) is NpuOps  # an explicit choice wins over the environment
+    # an explicit choice wins over the environment
+    assert type(select("cpu", forced="npu")) is NpuOps
     monkeypatch.setenv("VLINFER_OPS", "tpu")
     with pytest.raises(ValueError, match="expected one of cuda, npu, cpu-compiled, reference"):
         select("cpu")

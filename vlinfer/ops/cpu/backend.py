@@ -136,11 +136,12 @@ class CpuOps(ReferenceOps):
     def store_quantized_kvcache(self, key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
         self.ext.store_kvcache_quantized(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
 
-    def quantized_paged_attention(self, q, k_cache, v_cache, k_scale, v_scale, cu_seqlens_q, seq_lens,
-                                  block_tables, scale):
+    def quantized_paged_attention(self, q, k_cache, v_cache, k_scale, v_scale, cu_seqlens_q,
+                                  seq_lens, block_tables, scale):
         decode_rows = self._decode_rows.get(attention.decode_rows, cu_seqlens_q)
-        return kv_cache.quantized_paged_attention(self.ext, decode_rows, q, k_cache, v_cache, k_scale,
-                                                  v_scale, cu_seqlens_q, seq_lens, block_tables, scale)
+        return kv_cache.quantized_paged_attention(self.ext, decode_rows, q, k_cache, v_cache,
+                                                  k_scale, v_scale, cu_seqlens_q, seq_lens,
+                                                  block_tables, scale)
 
     def apply_rotary(self, q, k, cos, sin):
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
@@ -183,7 +184,8 @@ class CpuOps(ReferenceOps):
         bf16 panel-packed experts on our expert_panel_matmul (see __init__), otherwise small groups
         on expert_matmul."""
         return moe.fused_moe(x, router_logits, w13, w2, top_k, renormalize, expert_offset,
-                             self.silu_and_mul, self.ext.expert_matmul, self.ext.expert_panel_matmul)
+                             self.silu_and_mul, self.ext.expert_matmul,
+                             self.ext.expert_panel_matmul)
 
     def pack_moe_weights(self, w13, w2):
         return moe.pack_moe_weights(w13, w2, panels=self.moe_panels)

@@ -17,8 +17,8 @@ def quantized_paged_attention(ext, decode_rows, q, k_cache, v_cache, k_scale, v_
     """decode_rows: attention.decode_rows of this step (the op table keeps it per step)."""
     seq_lens, block_tables = seq_lens.to(torch.int32), block_tables.to(torch.int32)
     if decode_rows is None:
-        return ext.paged_decode_attention_quantized(q, k_cache, v_cache, k_scale, v_scale, block_tables,
-                                                    seq_lens, scale)
+        return ext.paged_decode_attention_quantized(q, k_cache, v_cache, k_scale, v_scale,
+                                                    block_tables, seq_lens, scale)
     out = torch.empty_like(q)
     prefill_tables = block_tables
     if decode_rows.numel():

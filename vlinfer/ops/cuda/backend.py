@@ -262,9 +262,10 @@ class CudaOps(ReferenceOps):
         """(the quantizing cache write, paged attention over stored rows), checked against the reference on first
         use, or None (logged once): then the reference writes and reads such caches."""
         device = torch.device(self.device_type)
-        return self._triton.get("quantized_kv_cache", lambda: cuda_kv_cache.checked_quantized_cache(device),
-                                "compressed KV cache kernels", "a compressed KV cache is written and read "
-                                "by the pure-torch reference")
+        return self._triton.get("quantized_kv_cache",
+                                lambda: cuda_kv_cache.checked_quantized_cache(device),
+                                "compressed KV cache kernels", "a compressed KV cache is written "
+                                "and read by the pure-torch reference")
 
     @property
     def kv_cache_kernels(self) -> tuple:

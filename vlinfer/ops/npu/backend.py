@@ -98,11 +98,12 @@ class NpuOps(ReferenceOps):
         (PFA) a multiple of 128 in [128, 512]. Said here rather than left to the kernel's error
         code."""
         if multi_token and (block_size % 128 or not 128 <= block_size <= 512):
-            raise ValueError(f"NPU prefill attention needs kvcache_block_size to be a multiple of 128 in "
-                             f"[128, 512] (FIA with a paged cache, npu-ops.md §2.3); got {block_size}")
+            raise ValueError(f"NPU prefill attention needs kvcache_block_size to be a multiple of "
+                             f"128 in [128, 512] (FIA with a paged cache, npu-ops.md §2.3); got "
+                             f"{block_size}")
         if block_size % decode_align or block_size > 512:
-            raise ValueError(f"NPU decode attention needs kvcache_block_size {decode_align}-aligned and "
-                             f"<= 512; got {block_size}")
+            raise ValueError(f"NPU decode attention needs kvcache_block_size "
+                             f"{decode_align}-aligned and <= 512; got {block_size}")
 
     def _probe(self, device: torch.device) -> bool:
         """Write a tiny fp16 cache with the detected op (surfacing a missing NNAL/ATB library now, not mid-request),

@@ -13,5 +13,6 @@ from vlinfer.ops.reference.norm import add_rms_norm, rms_norm
 from vlinfer.ops.reference.rotary import apply_rotary, rotate_half
 
 __all__ = ["ReferenceOps", "add_lora", "add_rms_norm", "apply_rotary", "gelu_tanh", "linear",
-           "paged_attention", "prefill_attention", "quantized_paged_attention", "rms_norm", "rotate_half",
-           "silu_and_mul", "store_kvcache", "store_quantized_kvcache", "varlen_attention"]
+           "paged_attention", "prefill_attention", "quantized_paged_attention", "rms_norm",
+           "rotate_half", "silu_and_mul", "store_kvcache", "store_quantized_kvcache",
+           "varlen_attention"]
