@@ -1,10 +1,12 @@
-"""What every bench/ script shares: the machine line and the machine's own limits measured in the same run (every
-figure is printed next to the CPU's name and flags, the load, and a share of the matmul peak or the memory bandwidth
-measured here), the command-line options the scripts have in common, the seeded text workload, the random-weight
-checkpoints built once, greedy generation on vlinfer and on transformers, and the markdown tables.
+"""What every bench/ script shares: the machine line and the machine's own limits measured in the
+same run (every figure is printed next to the CPU's name and flags, the load, and a share of the
+matmul peak or the memory bandwidth measured here), the command-line options the scripts have in
+common, the seeded text workload, the random-weight checkpoints built once, greedy generation on
+vlinfer and on transformers, and the markdown tables.
 
-Each script puts bench/ on sys.path before `import common` (`vlinfer bench` loads a script by its path). torch is
-imported inside the functions that need it: bench/serving.py, a pure HTTP client with --url, does not load it."""
+Each script puts bench/ on sys.path before `import common` (`vlinfer bench` loads a script by its
+path). torch is imported inside the functions that need it: bench/serving.py, a pure HTTP client
+with --url, does not load it."""
 import argparse
 import datetime
 import gc
@@ -15,11 +17,12 @@ import random
 import shutil
 import time
 
-# ------------------------------------------------------------------------------------------------- the machine
+# -------------------------------------------------------------------------------------------------
+# the machine
 
 # The flags that decide which of our CPU kernels run (and how fast torch's bf16 matmul is).
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile",
-             "amx_bf16", "amx_int8")
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
+             "amx_tile", "amx_bf16", "amx_int8")
 
 
 def cpu() -> str:
@@ -46,8 +49,8 @@ def load() -> str:
 
 
 def machine(device: str = "cpu") -> str:
-    """The CPU, torch and its threads, the time and the load (and the GPU when the engines run on one): printed
-    with every figure, since the figures only mean something next to them."""
+    """The CPU, torch and its threads, the time and the load (and the GPU when the engines run on
+    one): printed with every figure, since the figures only mean something next to them."""
     import torch
     accelerator = f", {torch.cuda.get_device_name()}" if device.startswith("cuda") else ""
     return (f"{cpu()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
@@ -55,7 +58,8 @@ def machine(device: str = "cpu") -> str:
 
 
 def progress(text: str) -> None:
-    """'<text>; <load>' as each engine finishes: a slow row next to a high load is the machine, not the engine."""
+    """'<text>; <load>' as each engine finishes: a slow row next to a high load is the machine, not
+    the engine."""
     print(f"{text}; {load()}", flush=True)
 
 
@@ -69,11 +73,11 @@ CPU_PEAK_PROBE = "2048 rows x 2048 <-> 8192 features, the faster of oneDNN prepa
 
 
 def matmul_peak_gflops(dtype, device: str = "cpu") -> float:
-    """This machine's matmul rate now: on CPU the best of a few 2048-row matmuls of 2048 -> 8192 and 8192 -> 2048
-    features, each on every kernel torch has for it: oneDNN on a prepacked weight (what our linear layers run at
-    decode sizes) and F.linear on the plain one (MKL's sgemm in float32: the faster at these sizes on some CPUs, the
-    AVX2 EPYC's among them, and faster with the longer inner dimension); on a GPU the best of a few 8192^3
-    torch.matmul."""
+    """This machine's matmul rate now: on CPU the best of a few 2048-row matmuls of 2048 -> 8192 and
+    8192 -> 2048 features, each on every kernel torch has for it: oneDNN on a prepacked weight (what
+    our linear layers run at decode sizes) and F.linear on the plain one (MKL's sgemm in float32:
+    the faster at these sizes on some CPUs, the AVX2 EPYC's among them, and faster with the longer
+    inner dimension); on a GPU the best of a few 8192^3 torch.matmul."""
     import torch
     if device.startswith("cuda"):
         a = torch.randn(8192, 8192, device=device).to(dtype)
@@ -82,10 +86,14 @@ def matmul_peak_gflops(dtype, device: str = "cpu") -> float:
     for k, n in ((2048, 8192), (8192, 2048)):
         x, weight = torch.randn(2048, k).to(dtype), torch.randn(n, k).to(dtype)
         seconds = min(seconds, _best_seconds(lambda: torch.nn.functional.linear(x, weight), device))
-        if dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported():  # else oneDNN packs no bf16
+        # else oneDNN packs no bf16
+        if dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            seconds = min(seconds, _best_seconds(
-                lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), device))
+            seconds = min(
+                seconds,
+                _best_seconds(
+                    lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                    device))
     return 2 * 2048 * 2048 * 8192 / seconds / 1e9
 
 
@@ -101,8 +109,8 @@ def _best_seconds(matmul, device: str, repeats: int = 5) -> float:
 
 
 def bandwidth_gbs() -> tuple[float, float]:
-    """(read, copy) GB/s now: best of 5 sums of a 1 GiB float32 tensor (reads it once) and copies of a 512 MiB one
-    (reads and writes it once), far beyond any cache."""
+    """(read, copy) GB/s now: best of 5 sums of a 1 GiB float32 tensor (reads it once) and copies of
+    a 512 MiB one (reads and writes it once), far beyond any cache."""
     import torch
     big = torch.ones(2 ** 28)
     src, dst = torch.ones(2 ** 27), torch.empty(2 ** 27)
@@ -117,25 +125,30 @@ def bandwidth_gbs() -> tuple[float, float]:
     return big.nbytes / read / 1e9, 2 * src.nbytes / copy / 1e9
 
 
-# ------------------------------------------------------------------------------------------------- arguments
+# -------------------------------------------------------------------------------------------------
+# arguments
 
 def parser(doc: str) -> argparse.ArgumentParser:
     """The script's docstring, kept as written, is its --help."""
-    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return argparse.ArgumentParser(description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 DTYPES = ["bfloat16", "float32", "float16"]
 
 
 def add_model_arg(p, default: str = "smollm2") -> None:
-    p.add_argument("--model", default=default, help=f"an alias, a folder or a GGUF file (default {default})")
+    p.add_argument("--model", default=default,
+                   help=f"an alias, a folder or a GGUF file (default {default})")
 
 
 def add_dtype_arg(p, default: str = "bfloat16", choices=DTYPES) -> None:
     p.add_argument("--dtype", default=default, choices=choices)
 
 
-def add_seed_arg(p, help: str = "seed of the workload: the same inputs for every engine and every run") -> None:
+def add_seed_arg(
+        p,
+        help: str = "seed of the workload: the same inputs for every engine and every run") -> None:
     p.add_argument("--seed", type=int, default=0, help=help)
 
 
@@ -146,7 +159,8 @@ def add_transformers_args(p, batch_size: int) -> None:
 
 
 def add_skip_args(p, *peers: str) -> None:
-    """--skip-vllm, --skip-llamacpp: the subprocess peers (bench/peers) a script runs when installed."""
+    """--skip-vllm, --skip-llamacpp: the subprocess peers (bench/peers) a script runs when
+    installed."""
     for peer in peers:
         p.add_argument(f"--skip-{peer.replace('.', '')}", action="store_true")
 
@@ -168,54 +182,64 @@ def add_text_workload_args(p, num_requests: int, max_output: int) -> None:
     add_seed_arg(p)
 
 
-# ------------------------------------------------------------------------------------------------- workloads
+# -------------------------------------------------------------------------------------------------
+# workloads
 
 def token_ids(rng: random.Random, n: int) -> list[int]:
-    """n seeded random token ids, clear of the special tokens at either end of the vocabularies benchmarked."""
+    """n seeded random token ids, clear of the special tokens at either end of the vocabularies
+    benchmarked."""
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 def text_workload(args) -> tuple[list[list[int]], list[int]]:
-    """(prompts as token ids, output length of each): seeded random, the same for every engine of a run and every
-    run of a seed."""
+    """(prompts as token ids, output length of each): seeded random, the same for every engine of a
+    run and every run of a seed."""
     rng = random.Random(args.seed)
-    prompts = [token_ids(rng, rng.randint(args.min_input, args.max_input)) for _ in range(args.num_requests)]
+    prompts = [
+        token_ids(rng, rng.randint(args.min_input, args.max_input))
+        for _ in range(args.num_requests)
+    ]
     outputs = [rng.randint(args.min_output, args.max_output) for _ in range(args.num_requests)]
     return prompts, outputs
 
 
 def single_stream_runs(prompt: list[int], output_len: int, repeat: int) -> list[dict]:
-    """The prompt alone (1 token) and the whole request, as peers.protocol.time_runs takes them: the difference is
-    the decode time, with the prefill taken out (see decode_rate)."""
+    """The prompt alone (1 token) and the whole request, as peers.protocol.time_runs takes them: the
+    difference is the decode time, with the prefill taken out (see decode_rate)."""
     return [dict(name="prompt", prompts=[prompt], max_tokens=[1], repeat=repeat),
             dict(name="whole", prompts=[prompt], max_tokens=[output_len], repeat=repeat)]
 
 
 def decode_rate(runs: dict, output_len: int) -> tuple[float, float, float]:
-    """(best prompt-alone seconds, best whole-request seconds, decode tok/s) of single_stream_runs' results."""
+    """(best prompt-alone seconds, best whole-request seconds, decode tok/s) of single_stream_runs'
+    results."""
     first, whole = min(runs["prompt"]["seconds"]), min(runs["whole"]["seconds"])
     return first, whole, (output_len - 1) / (whole - first)
 
 
 def model_dims(model: str) -> dict:
-    """A text model's shapes and its linear parameters per forwarded token (layers) and per sampled token (head)."""
+    """A text model's shapes and its linear parameters per forwarded token (layers) and per sampled
+    token (head)."""
     from vlinfer import loading
     c = loading.load_config(loading.resolve_model(model)).get_text_config()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    d = dict(layers=c.num_hidden_layers, hidden=c.hidden_size, q_dim=c.num_attention_heads * head_dim,
-             kv_dim=c.num_key_value_heads * head_dim, intermediate=c.intermediate_size, vocab=c.vocab_size,
+    d = dict(layers=c.num_hidden_layers, hidden=c.hidden_size,
+             q_dim=c.num_attention_heads * head_dim, kv_dim=c.num_key_value_heads * head_dim,
+             intermediate=c.intermediate_size, vocab=c.vocab_size,
              tied=bool(getattr(c, "tie_word_embeddings", False)))
     h = d["hidden"]
-    d["layer_params"] = d["layers"] * (h * (2 * d["q_dim"] + 2 * d["kv_dim"]) + 3 * h * d["intermediate"])
+    d["layer_params"] = d["layers"] * (h * (2 * d["q_dim"] + 2 * d["kv_dim"]) +
+                                       3 * h * d["intermediate"])
     d["head_params"] = h * d["vocab"]
     return d
 
 
 def random_checkpoint(folder: str, what: str, model_class: str, make_config, dtype, seed: int,
                       files: dict | None = None) -> str:
-    """A random-weight checkpoint in `folder`, built once and reused afterwards: transformers' `model_class` with
-    its default init (seeded) saved as safetensors, the Qwen tokenizer, and `files` (name -> JSON). Built into a
-    temporary folder renamed when complete, so an interrupted build is never mistaken for a finished one."""
+    """A random-weight checkpoint in `folder`, built once and reused afterwards: transformers'
+    `model_class` with its default init (seeded) saved as safetensors, the Qwen tokenizer, and
+    `files` (name -> JSON). Built into a temporary folder renamed when complete, so an interrupted
+    build is never mistaken for a finished one."""
     folder = os.path.abspath(os.path.expanduser(folder))
     if os.path.exists(os.path.join(folder, ".complete")):
         return folder
@@ -243,15 +267,17 @@ def random_checkpoint(folder: str, what: str, model_class: str, make_config, dty
     open(os.path.join(partial, ".complete"), "w").close()
     shutil.rmtree(folder, ignore_errors=True)
     os.rename(partial, folder)
-    print(f"built {num_params / 1e9:.2f}B parameters in {time.perf_counter() - start:.0f}s", flush=True)
+    print(f"built {num_params / 1e9:.2f}B parameters in {time.perf_counter() - start:.0f}s",
+          flush=True)
     return folder
 
 
-# ------------------------------------------------------------------------------------------------- generation
+# -------------------------------------------------------------------------------------------------
+# generation
 
 def greedy(llm):
-    """generate(prompts, max_tokens) -> token id lists on a vlinfer LLM: greedy, EOS ignored, so every engine of a
-    run generates exactly the requested tokens."""
+    """generate(prompts, max_tokens) -> token id lists on a vlinfer LLM: greedy, EOS ignored, so
+    every engine of a run generates exactly the requested tokens."""
     from vlinfer import SamplingParams
 
     def generate(prompts, max_tokens):
@@ -260,28 +286,32 @@ def greedy(llm):
     return generate
 
 
-def left_padded_generate(model, prompts, out_lens, batch_size: int, pad: int = 0) -> list[list[int]]:
-    """transformers `generate` over left-padded batches: each batch generates its longest requested output and
-    only the requested tokens of each row are kept, so it counts the same tokens as the other engines."""
+def left_padded_generate(model, prompts, out_lens, batch_size: int,
+                         pad: int = 0) -> list[list[int]]:
+    """transformers `generate` over left-padded batches: each batch generates its longest requested
+    output and only the requested tokens of each row are kept, so it counts the same tokens as the
+    other engines."""
     import torch
     outputs = []
     for i in range(0, len(prompts), batch_size):
         batch, lens = prompts[i:i + batch_size], out_lens[i:i + batch_size]
         width = max(map(len, batch))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
+                            device=model.device)
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
-                                 do_sample=False, pad_token_id=pad)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max(lens),
+                                 min_new_tokens=max(lens), do_sample=False, pad_token_id=pad)
         outputs.extend(row[width:width + n] for row, n in zip(out.tolist(), lens))
     return outputs
 
 
-# ------------------------------------------------------------------------------------------------- tables
+# -------------------------------------------------------------------------------------------------
+# tables
 
 def markdown(header: list[str], rows, right: bool = False) -> str:
-    """A markdown table of preformatted cells (an empty one stays '| |'); right=True right-aligns every column but
-    the first."""
+    """A markdown table of preformatted cells (an empty one stays '| |'); right=True right-aligns
+    every column but the first."""
     def line(cells):
         return "|" + "|".join(f" {c} " if str(c) else " " for c in cells) + "|"
 

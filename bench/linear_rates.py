@@ -1,10 +1,11 @@
-"""Linear layers on this CPU: F.linear on the plain weight (MKL's sgemm in float32) beside the packed layout the
-engine's decoder linears run (ops/cpu/backend.py pack_linear_weight), per row count, in one run;
-then what those rates allow the standard batch of bench/throughput.py: every linear of the model at
-the faster kernel for its row count and nothing else (attention, norms, sampling, the engine's
-Python) taking any time.
+"""Linear layers on this CPU: F.linear on the plain weight (MKL's sgemm in float32) beside the
+packed layout the engine's decoder linears run (ops/cpu/backend.py pack_linear_weight), per row
+count, in one run; then what those rates allow the standard batch of bench/throughput.py: every
+linear of the model at the faster kernel for its row count and nothing else (attention, norms,
+sampling, the engine's Python) taking any time.
 
-    python bench/linear_rates.py                      # Qwen3-VL-2B's vision and decoder shapes, then SmolLM2's batch
+    python bench/linear_rates.py                      # Qwen3-VL-2B's vision and decoder shapes,
+    then SmolLM2's batch
     python bench/linear_rates.py --skip-shapes        # only the standard batch's ceiling
 """
 import os
@@ -25,8 +26,8 @@ PREFILL_ROWS = 2048  # the standard batch's prefill steps (max_num_batched_token
 
 
 def kernels(ops, in_features: int, out_features: int, dtype):
-    """(F.linear on the plain weight, our linear on the layout the engine packs a decoder's weight in: oneDNN's, or
-    our panels where this CPU takes them) as functions of the input."""
+    """(F.linear on the plain weight, our linear on the layout the engine packs a decoder's weight
+    in: oneDNN's, or our panels where this CPU takes them) as functions of the input."""
     weight = (torch.randn(out_features, in_features) * 0.02).to(dtype)
     packed = ops.pack_linear_weight(weight)
     return (lambda x: F.linear(x, weight)), (lambda x: ops.linear(x, packed))
@@ -39,14 +40,18 @@ def shape_table(ops, dtype, repeats: int) -> None:
         for m in ROWS:
             x = torch.randn(m, k).to(dtype)
             a, b = timed(lambda: plain(x), repeats) / 1e3, timed(lambda: packed(x), repeats) / 1e3
-            rows_out.append((f"{m} x {k} -> {n}", f"{a * 1e3:.1f}", f"{b * 1e3:.1f}", f"{b / a:.2f}",
-                             f"{2 * m * k * n / min(a, b) / 1e9:.0f}"))
-    table(["rows x in -> out", "F.linear (ms)", "prepacked (ms)", "prepacked / F.linear", "best GFLOP/s"], rows_out)
+            rows_out.append((f"{m} x {k} -> {n}", f"{a * 1e3:.1f}", f"{b * 1e3:.1f}",
+                             f"{b / a:.2f}", f"{2 * m * k * n / min(a, b) / 1e9:.0f}"))
+    table([
+        "rows x in -> out", "F.linear (ms)", "prepacked (ms)", "prepacked / F.linear",
+        "best GFLOP/s"
+    ], rows_out)
 
 
 def batch_ceiling(ops, dtype, args, peak: float) -> None:
-    """Seconds of the standard batch's linears, each step at the faster kernel for its rows, and the MFU that
-    leaves if nothing else took time (the FLOPs counted as bench/throughput.py counts them)."""
+    """Seconds of the standard batch's linears, each step at the faster kernel for its rows, and the
+    MFU that leaves if nothing else took time (the FLOPs counted as bench/throughput.py counts
+    them)."""
     d = model_dims(args.model)
     h = d["hidden"]
     per_layer = [(h, d["q_dim"] + 2 * d["kv_dim"]), (d["q_dim"], h), (h, 2 * d["intermediate"]),
@@ -64,22 +69,28 @@ def batch_ceiling(ops, dtype, args, peak: float) -> None:
 
     prompts, outputs = text_workload(args)
     prompt_tokens = sum(len(p) for p in prompts)
-    decode_rows = [sum(o > s for o in outputs) for s in range(max(outputs))]  # active sequences at each step
+    # active sequences at each step
+    decode_rows = [sum(o > s for o in outputs) for s in range(max(outputs))]
     by_rows = {rows: step(rows, True) for rows in sorted(set(decode_rows))}
     rates = [(rows, 2 * rows * (d["layer_params"] + d["head_params"]) / by_rows[rows] / 1e9)
              for rows in (16, 32, 64) if rows in by_rows]
     prefill = step(PREFILL_ROWS, False) * prompt_tokens / PREFILL_ROWS
     decode = sum(by_rows[rows] for rows in decode_rows)
-    flops = 2 * d["layer_params"] * (prompt_tokens + sum(outputs)) + 2 * d["head_params"] * sum(outputs)
+    flops = 2 * d["layer_params"] * (prompt_tokens +
+                                     sum(outputs)) + 2 * d["head_params"] * sum(outputs)
     table(["decode step rows", "linears + LM head, GFLOP/s", "share of the peak"],
           [(rows, f"{rate:.0f}", f"{rate / peak:.0%}") for rows, rate in rates])
     ceiling = flops / (prefill + decode) / 1e9
-    print(f"\n{args.model} {args.num_requests} requests ({prompt_tokens} prompt tokens, {sum(outputs)} output "
-          f"tokens): the linears alone take {prefill:.1f} s of prefill ({PREFILL_ROWS}-row steps) and {decode:.1f} s "
-          f"of decode steps (their LM head included), {flops / 1e12:.2f} TFLOP: {ceiling:.0f} GFLOP/s, "
-          f"{ceiling / peak:.0%} of the peak; a share p of the peak leaves "
-          f"flops / (p x peak) - {prefill + decode:.1f} s for everything else (at 70%: "
-          f"{flops / (0.7 * peak * 1e9) - prefill - decode:.1f} s)")
+    print(
+        f"\n{args.model} {args.num_requests} requests ({prompt_tokens} prompt tokens, "
+        f"{sum(outputs)} output "
+        f"tokens): the linears alone take {prefill:.1f} s of prefill ({PREFILL_ROWS}-row steps) "
+        f"and {decode:.1f} s "
+        f"of decode steps (their LM head included), {flops / 1e12:.2f} TFLOP: {ceiling:.0f} "
+        "GFLOP/s, "
+        f"{ceiling / peak:.0%} of the peak; a share p of the peak leaves "
+        f"flops / (p x peak) - {prefill + decode:.1f} s for everything else (at 70%: "
+        f"{flops / (0.7 * peak * 1e9) - prefill - decode:.1f} s)")
 
 
 def main(argv=None):

@@ -1,11 +1,11 @@
-"""A multi-turn chat about two images, given as a file path and as a base64 data URI (what an OpenAI-style
-client sends).
+"""A multi-turn chat about two images, given as a file path and as a base64 data URI (what an
+OpenAI-style client sends).
 
     python examples/chat_with_images.py
 
-Without the real Qwen3-VL weights in the Hugging Face cache this runs the embedded toy model, trained only on drawn
-scenes of coloured shapes (as these example images are): the conversation mechanics are real, and so are its answers
-about such scenes; it knows nothing else.
+Without the real Qwen3-VL weights in the Hugging Face cache this runs the embedded toy model,
+trained only on drawn scenes of coloured shapes (as these example images are): the conversation
+mechanics are real, and so are its answers about such scenes; it knows nothing else.
 """
 import base64
 import os

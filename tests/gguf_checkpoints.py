@@ -1,7 +1,8 @@
-"""Tiny Llama GGUF files written with the `gguf` package the way llama.cpp's converter writes them: seeded random
-weights, the q / k rows permuted for ggml's rotary (transformers reverses it on load), every 2-D weight quantized
-to one block type (gguf-py's own quantizer), norms in F32, and a small byte-level BPE vocabulary (the 256 byte
-symbols, one merge and the chat specials) so that transformers' GGUF tokenizer conversion runs."""
+"""Tiny Llama GGUF files written with the `gguf` package the way llama.cpp's converter writes them:
+seeded random weights, the q / k rows permuted for ggml's rotary (transformers reverses it on load),
+every 2-D weight quantized to one block type (gguf-py's own quantizer), norms in F32, and a small
+byte-level BPE vocabulary (the 256 byte symbols, one merge and the chat specials) so that
+transformers' GGUF tokenizer conversion runs."""
 import os
 
 import numpy as np
@@ -25,12 +26,16 @@ def _byte_symbols() -> list[str]:
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's convert permutation of q / k rows (the inverse of transformers' reverse_permute)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    """llama.cpp's convert permutation of q / k rows (the inverse of transformers' reverse_permute).
+    """
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1,
+                                                                                2).reshape(w.shape)
 
 
-def write_tiny_llama_gguf(path: str, type_name: str, seed: int = 0, tie_embeddings: bool = True) -> str:
-    """A 2-layer Llama GGUF at `path` with every 2-D weight in `type_name` blocks (Q8_0, Q4_0, Q4_1)."""
+def write_tiny_llama_gguf(path: str, type_name: str, seed: int = 0,
+                          tie_embeddings: bool = True) -> str:
+    """A 2-layer Llama GGUF at `path` with every 2-D weight in `type_name` blocks (Q8_0, Q4_0,
+    Q4_1)."""
     import gguf
     qtype = gguf.GGMLQuantizationType[type_name]
     rng = np.random.default_rng(seed)
@@ -50,8 +55,10 @@ def write_tiny_llama_gguf(path: str, type_name: str, seed: int = 0, tie_embeddin
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(vocab)
-    writer.add_file_type({"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-                          "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[type_name])
+    writer.add_file_type({
+        "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+        "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1
+    }[type_name])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -59,8 +66,9 @@ def write_tiny_llama_gguf(path: str, type_name: str, seed: int = 0, tie_embeddin
     writer.add_token_merges(["\u0120 t"])
     writer.add_bos_token_id(257)
     writer.add_eos_token_id(259)
-    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    writer.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
     def weight(name: str, rows: int, cols: int, scale: float = 0.2):
         w = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)

@@ -1,5 +1,5 @@
-"""Seeded test pictures: a random base colour, a horizontal ramp and per-pixel noise, so two seeds never collide;
-and a local HTTP server that hands one out, for the URL-fetch tests."""
+"""Seeded test pictures: a random base colour, a horizontal ramp and per-pixel noise, so two seeds
+never collide; and a local HTTP server that hands one out, for the URL-fetch tests."""
 import http.server
 import threading
 
@@ -9,7 +9,8 @@ from PIL import Image
 
 def picture(h: int, w: int, seed: int) -> Image.Image:
     rng = np.random.RandomState(seed)
-    base = rng.randint(0, 255, (1, 1, 3)) + np.linspace(0, 60, w)[None, :, None] + rng.randint(0, 40, (h, w, 3))
+    base = rng.randint(0, 255, (1, 1, 3)) + np.linspace(0, 60, w)[None, :, None] + rng.randint(
+        0, 40, (h, w, 3))
     return Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
 
 

@@ -1,17 +1,23 @@
-"""Tiny msModelSlim checkpoints for tests, written by the format's documented rules (msModelSlim's "quantization
-weight format" page: quant_model_weight*.safetensors + quant_model_description.json mapping every tensor to FLOAT /
-W8A8 / W8A8_DYNAMIC / W8A16), and the transformers reference that runs the same dequantized weights with the same
-activation quantization.
+"""Tiny msModelSlim checkpoints for tests, written by the format's documented rules (msModelSlim's
+"quantization weight format" page: quant_model_weight*.safetensors + quant_model_description.json
+mapping every tensor to FLOAT / W8A8 / W8A8_DYNAMIC / W8A16), and the transformers reference that
+runs the same dequantized weights with the same activation quantization.
 
-Quantization, per layer type (weights per output channel; W8A16 per group of 32 input features, asymmetric):
-- W8A16: scale = (max - min) / 255, offset = -128 - round(min / scale), weight = clamp(round(W / scale) + offset);
+Quantization, per layer type (weights per output channel; W8A16 per group of 32 input features,
+asymmetric):
+- W8A16: scale = (max - min) / 255, offset = -128 - round(min / scale), weight = clamp(round(W /
+  scale) + offset);
   dequantized (weight - offset) * scale.
 - W8A8_DYNAMIC: symmetric, scale = max|W| / 127, weight_offset 0.
-- W8A8 (static): symmetric weights as above; input_scale / input_offset from min / max calibration of the layer's
-  input over a calibration prompt (asymmetric, as msModelSlim's Qwen3-VL recipe), deq_scale = input_scale *
-  weight_scale, quant_bias = round(bias / deq_scale) - input_offset * sum_k weight[n, k]; the float bias is not
+- W8A8 (static): symmetric weights as above; input_scale / input_offset from min / max calibration
+  of the layer's
+  input over a calibration prompt (asymmetric, as msModelSlim's Qwen3-VL recipe), deq_scale =
+  input_scale *
+  weight_scale, quant_bias = round(bias / deq_scale) - input_offset * sum_k weight[n, k]; the float
+  bias is not
   written (it is in quant_bias).
-The reference: transformers on the dense checkpoint with each quantized linear's weight replaced by its
+The reference: transformers on the dense checkpoint with each quantized linear's weight replaced by
+its
 dequantized one; W8A8 layers first quantize their input with vlinfer/ops/reference/quant.py's
 per-token / per-tensor quantizers and dequantize it ((codes - offset) * scale), and a static layer
 adds the bias quant_bias stands for, (quant_bias + input_offset * sum_k weight) * deq_scale."""
@@ -65,8 +71,9 @@ def calibrate(model, run) -> dict:
 
 
 def write_modelslim(dense_folder: str, out_folder: str, types: dict, ranges: dict) -> dict:
-    """Write the msModelSlim checkpoint of dense_folder with `types` {module name: W8A8 | W8A8_DYNAMIC | W8A16}
-    (others FLOAT). Returns what the reference needs: {module name: (kind, dequantized weight, extra)}."""
+    """Write the msModelSlim checkpoint of dense_folder with `types` {module name: W8A8 |
+    W8A8_DYNAMIC | W8A16} (others FLOAT). Returns what the reference needs: {module name: (kind,
+    dequantized weight, extra)}."""
     os.makedirs(out_folder, exist_ok=True)
     for name in os.listdir(dense_folder):
         if not name.endswith(".safetensors") and not name.endswith(".index.json"):
@@ -91,7 +98,10 @@ def write_modelslim(dense_folder: str, out_folder: str, types: dict, ranges: dic
         bias = state.get(f"{prefix}.bias")
         if kind == "W8A16":
             q, scale, offset, deq = _w8a16(w)
-            layer = {"weight": q, "weight_scale": scale.to(tensor.dtype), "weight_offset": offset.to(tensor.dtype)}
+            layer = {
+                "weight": q, "weight_scale": scale.to(tensor.dtype),
+                "weight_offset": offset.to(tensor.dtype)
+            }
             reference[prefix] = ("W8A16", deq, None)
         else:
             q, scale, deq = _symmetric(w)
@@ -105,23 +115,29 @@ def write_modelslim(dense_folder: str, out_folder: str, types: dict, ranges: dic
                 input_scale = torch.tensor([max(high - low, 1e-6) / 255])
                 input_offset = torch.tensor([float(-128 - round(low / input_scale.item()))])
                 deq_scale = (input_scale * scale.reshape(-1)).float()
-                folded = torch.zeros(w.shape[0]) if bias is None else torch.round(bias.float() / deq_scale)
+                folded = torch.zeros(w.shape[0]) if bias is None else torch.round(bias.float() /
+                                                                                  deq_scale)
                 quant_bias = (folded - input_offset * q.float().sum(1)).to(torch.int32)
-                layer.update(input_scale=input_scale.to(tensor.dtype), input_offset=input_offset.to(tensor.dtype),
-                             deq_scale=deq_scale, quant_bias=quant_bias)
-                effective_bias = (quant_bias.double() + input_offset.double() * q.double().sum(1)) * deq_scale.double()
-                reference[prefix] = ("W8A8", deq, (input_scale, input_offset, effective_bias.float()))
+                layer.update(input_scale=input_scale.to(tensor.dtype),
+                             input_offset=input_offset.to(tensor.dtype), deq_scale=deq_scale,
+                             quant_bias=quant_bias)
+                effective_bias = (quant_bias.double() +
+                                  input_offset.double() * q.double().sum(1)) * deq_scale.double()
+                reference[prefix] = ("W8A8", deq, (input_scale, input_offset,
+                                                   effective_bias.float()))
         for suffix, value in layer.items():
             out[f"{prefix}.{suffix}"] = value.contiguous()
             description[f"{prefix}.{suffix}"] = kind
-    save_file(out, os.path.join(out_folder, "quant_model_weight_w8a8.safetensors"), metadata={"format": "pt"})
+    save_file(out, os.path.join(out_folder, "quant_model_weight_w8a8.safetensors"),
+              metadata={"format": "pt"})
     with open(os.path.join(out_folder, "quant_model_description.json"), "w") as f:
         json.dump(description, f, indent=2)
     return reference
 
 
 def apply_reference(model, reference: dict) -> None:
-    """Make a transformers model (the dense checkpoint's) run the msModelSlim layers as vlinfer defines them."""
+    """Make a transformers model (the dense checkpoint's) run the msModelSlim layers as vlinfer
+    defines them."""
     modules = dict(model.named_modules())
     for prefix, (kind, deq, extra) in reference.items():
         module = modules[prefix]

@@ -1,8 +1,8 @@
-"""Writers of tiny quantized checkpoints for tests/test_quantized.py, each following its format's own rules: the
-compressed-tensors package computes the scales (calculate_qparams), quantizes (quantize), packs (pack_to_int32) and
-writes the config (QuantizationConfig); FP8 block checkpoints follow Qwen's layout (weight float8_e4m3fn +
-weight_scale_inv per 128 x 128 block). Each writer also returns the dequantized weights, which the transformers
-reference runs."""
+"""Writers of tiny quantized checkpoints for tests/test_quantized.py, each following its format's
+own rules: the compressed-tensors package computes the scales (calculate_qparams), quantizes
+(quantize), packs (pack_to_int32) and writes the config (QuantizationConfig); FP8 block checkpoints
+follow Qwen's layout (weight float8_e4m3fn + weight_scale_inv per 128 x 128 block). Each writer also
+returns the dequantized weights, which the transformers reference runs."""
 import json
 import os
 import shutil
@@ -19,7 +19,8 @@ def _linear_names(state: dict, include_vision: bool = False) -> list[str]:
         if not name.endswith(".weight") or state[name].dim() != 2:
             continue
         module = name[: -len(".weight")]
-        if module.rsplit(".", 1)[-1] in LINEAR_SUFFIXES and (include_vision or ".visual." not in name):
+        if module.rsplit(".", 1)[-1] in LINEAR_SUFFIXES and (include_vision or
+                                                             ".visual." not in name):
             names.append(module)
     return names
 
@@ -32,7 +33,8 @@ def _copy_folder(src: str, dst: str) -> None:
 
 
 def _write(dst: str, tensors: dict, quantization_config: dict) -> None:
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(dst, "model.safetensors"),
+    save_file({k: v.contiguous()
+               for k, v in tensors.items()}, os.path.join(dst, "model.safetensors"),
               metadata={"format": "pt"})
     path = os.path.join(dst, "config.json")
     with open(path) as f:
@@ -45,23 +47,30 @@ def _write(dst: str, tensors: dict, quantization_config: dict) -> None:
 def scheme_args(scheme: str, group_size: int):
     """compressed-tensors QuantizationScheme for one of the schemes the tests write."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    weights = {"w4a16": dict(num_bits=4, strategy="group", group_size=group_size, symmetric=True),
-               "w4a16_asym": dict(num_bits=4, strategy="group", group_size=group_size, symmetric=False),
-               "w8a16": dict(num_bits=8, strategy="channel", symmetric=True),
-               "w8a16_group": dict(num_bits=8, strategy="group", group_size=group_size, symmetric=True),
-               "w8a8_dynamic": dict(num_bits=8, strategy="channel", symmetric=True),
-               "w8a8_static": dict(num_bits=8, strategy="channel", symmetric=True)}[scheme]
-    acts = {"w8a8_dynamic": dict(num_bits=8, strategy="token", symmetric=True, dynamic=True),
-            "w8a8_static": dict(num_bits=8, strategy="tensor", symmetric=False, dynamic=False)}.get(scheme)
+    weights = {
+        "w4a16": dict(num_bits=4, strategy="group", group_size=group_size,
+                      symmetric=True), "w4a16_asym": dict(num_bits=4, strategy="group",
+                                                          group_size=group_size, symmetric=False),
+        "w8a16": dict(num_bits=8, strategy="channel",
+                      symmetric=True), "w8a16_group": dict(num_bits=8, strategy="group",
+                                                           group_size=group_size, symmetric=True),
+        "w8a8_dynamic": dict(num_bits=8, strategy="channel",
+                             symmetric=True), "w8a8_static": dict(num_bits=8, strategy="channel",
+                                                                  symmetric=True)
+    }[scheme]
+    acts = {
+        "w8a8_dynamic": dict(num_bits=8, strategy="token", symmetric=True, dynamic=True),
+        "w8a8_static": dict(num_bits=8, strategy="tensor", symmetric=False, dynamic=False)
+    }.get(scheme)
     return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
                               input_activations=None if acts is None else QuantizationArgs(**acts))
 
 
 def write_compressed_tensors(src: str, dst: str, scheme: str, group_size: int = 128, ignore=(),
                              input_scales: dict | None = None):
-    """A compressed-tensors copy of the dense checkpoint in src. Returns (dequantized weights by tensor name,
-    the scheme). input_scales: {module: (scale, zero_point)} for static activations (else calibrated from a
-    fixed value)."""
+    """A compressed-tensors copy of the dense checkpoint in src. Returns (dequantized weights by
+    tensor name, the scheme). input_scales: {module: (scale, zero_point)} for static activations
+    (else calibrated from a fixed value)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization import QuantizationConfig
     from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
@@ -90,14 +99,16 @@ def write_compressed_tensors(src: str, dst: str, scheme: str, group_size: int = 
             out[f"{module}.weight_packed"] = pack_to_int32(q, args.num_bits)
             out[f"{module}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
             if not args.symmetric:
-                out[f"{module}.weight_zero_point"] = pack_to_int32(zp.to(torch.int8), args.num_bits, packed_dim=0)
+                out[f"{module}.weight_zero_point"] = pack_to_int32(zp.to(torch.int8), args.num_bits,
+                                                                   packed_dim=0)
         else:
             out[f"{module}.weight"] = q
         if scheme == "w8a8_static":
             s, z = (input_scales or {}).get(module, (0.02, 3))
             out[f"{module}.input_scale"] = torch.tensor([s], dtype=torch.float32)
             out[f"{module}.input_zero_point"] = torch.tensor([z], dtype=torch.int8)
-    config = QuantizationConfig(config_groups={"group_0": qscheme}, quant_method="compressed-tensors",
+    config = QuantizationConfig(config_groups={"group_0": qscheme},
+                                quant_method="compressed-tensors",
                                 format="pack-quantized" if packed_format else "int-quantized",
                                 ignore=["lm_head", *ignore], quantization_status="compressed")
     _write(dst, out, config.model_dump(mode="json"))
@@ -105,7 +116,8 @@ def write_compressed_tensors(src: str, dst: str, scheme: str, group_size: int = 
 
 
 def write_fp8_block(src: str, dst: str, block: int = 128):
-    """Qwen-style FP8: weight float8_e4m3fn, weight_scale_inv [ceil(N/b), ceil(K/b)] float32, W = W8 * s_inv."""
+    """Qwen-style FP8: weight float8_e4m3fn, weight_scale_inv [ceil(N/b), ceil(K/b)] float32, W = W8
+    * s_inv."""
     _copy_folder(src, dst)
     state = load_file(os.path.join(src, "model.safetensors"))
     out, dequantized = dict(state), {}

@@ -31,8 +31,10 @@ def test_bad_prompt(llm, prompt, match):
     with pytest.raises(RequestError, match=match) as info:
         llm.generate([[1, 2, 3], prompt], SamplingParams(max_tokens=4), use_tqdm=False)
     good, bad = info.value.outputs
-    assert len(good.outputs[0].token_ids) == 4 and good.error is None  # the good request in the call completed
-    assert re.search(match, bad.error) and bad.outputs[0].finish_reason == "error"  # its own reason, per request
+    # the good request in the call completed
+    assert len(good.outputs[0].token_ids) == 4 and good.error is None
+    # its own reason, per request
+    assert re.search(match, bad.error) and bad.outputs[0].finish_reason == "error"
     assert bad.outputs[0].token_ids == [] and bad.outputs[0].text == ""
     serves_next_call(llm)
 

@@ -1,5 +1,5 @@
-"""BlockManager: paged allocation, reference counts, prefix caching by chained block hashes, and eviction of
-cached free blocks. Pure Python, no model."""
+"""BlockManager: paged allocation, reference counts, prefix caching by chained block hashes, and
+eviction of cached free blocks. Pure Python, no model."""
 import random
 
 import pytest
@@ -22,31 +22,36 @@ def tokens(n, seed=0, vocab=50_000):
 
 
 def compute(bm: BlockManager, seq: Sequence, n: int) -> None:
-    """What one engine step does for seq: make room for n tokens, 'compute' them, register full blocks."""
+    """What one engine step does for seq: make room for n tokens, 'compute' them, register full
+    blocks."""
     assert bm.allocate(seq, n)
     seq.num_computed_tokens += n
     bm.cache_full_blocks(seq)
 
 
 def prefill(bm: BlockManager, seq: Sequence) -> None:
-    """Admit seq the way the scheduler does (prefix hits first) and compute the rest of its tokens."""
+    """Admit seq the way the scheduler does (prefix hits first) and compute the rest of its tokens.
+    """
     seq.num_computed_tokens = bm.allocate_prefix(seq)
     compute(bm, seq, seq.num_tokens - seq.num_computed_tokens)
 
 
 def check_pool(bm: BlockManager) -> None:
-    """Free pool holds exactly the blocks with ref_count 0; hash_to_block maps each hash to the one block carrying
-    it, and every block that carries a hash is the one mapped (an identical copy stays unhashed)."""
+    """Free pool holds exactly the blocks with ref_count 0; hash_to_block maps each hash to the one
+    block carrying it, and every block that carries a hash is the one mapped (an identical copy
+    stays unhashed)."""
     assert set(bm.free_blocks) == {b.block_id for b in bm.blocks if b.ref_count == 0}
     assert all(b.ref_count >= 0 for b in bm.blocks)
     for h, block_id in bm.hash_to_block.items():
         assert bm.blocks[block_id].hash == h
     hashed = [b for b in bm.blocks if b.hash is not None]
     assert len({b.hash for b in hashed}) == len(hashed), "two blocks carry the same hash"
-    assert all(bm.hash_to_block.get(b.hash) == b.block_id for b in hashed), "a hashed block is unreachable"
+    assert all(bm.hash_to_block.get(b.hash) == b.block_id
+               for b in hashed), "a hashed block is unreachable"
 
 
-# ------------------------------------------------------------------------------------------------ allocation
+# ------------------------------------------------------------------------------------------------
+# allocation
 
 def test_blocks_needed():
     bm = BlockManager(4, 16)
@@ -94,7 +99,8 @@ def test_allocate_returns_false_and_allocates_nothing_when_pool_is_short():
     check_pool(bm)
 
 
-# ---------------------------------------------------------------------------------------- reference counts
+# ---------------------------------------------------------------------------------------- reference
+# counts
 
 def test_shared_prefix_blocks_are_ref_counted_and_return_to_pool_only_at_zero():
     bm = BlockManager(8, 4)
@@ -140,12 +146,14 @@ def test_double_free_of_a_block_raises():
     stale = list(a.block_table)
     bm.free(a)
     a.block_table = stale  # a stale table that still names the freed blocks
-    with pytest.raises(RuntimeError, match=r"KV block \d+ freed twice"):  # an error, not an assert `python -O` drops
+    # an error, not an assert `python -O` drops
+    with pytest.raises(RuntimeError, match=r"KV block \d+ freed twice"):
         bm.free(a)
     assert all(blk.ref_count == 0 for blk in bm.blocks)  # refused before any count went negative
 
 
-# ----------------------------------------------------------------------------------------- prefix hit / miss
+# ----------------------------------------------------------------------------------------- prefix
+# hit / miss
 
 def test_cache_full_blocks_registers_only_computed_full_blocks():
     bm = BlockManager(8, 16)
@@ -159,7 +167,9 @@ def test_cache_full_blocks_registers_only_computed_full_blocks():
     bm.cache_full_blocks(a)
     assert len(bm.hash_to_block) == 2
     assert [bm.blocks[x].hash for x in a.block_table] == [*a.block_hashes[:2], None]
-    assert bm.hash_to_block == {a.block_hashes[0]: a.block_table[0], a.block_hashes[1]: a.block_table[1]}
+    assert bm.hash_to_block == {
+        a.block_hashes[0]: a.block_table[0], a.block_hashes[1]: a.block_table[1]
+    }
     check_pool(bm)
 
 
@@ -187,7 +197,8 @@ def test_different_first_token_misses_everything():
     other = seq_of([prompt[0] + 1] + prompt[1:])
     assert bm.allocate_prefix(other) == 0
     assert other.block_table == []
-    assert not set(other.block_hashes) & set(bm.hash_to_block)  # chained: no later block matches either
+    # chained: no later block matches either
+    assert not set(other.block_hashes) & set(bm.hash_to_block)
     check_pool(bm)
 
 
@@ -197,8 +208,8 @@ def test_fully_cached_prompt_recomputes_its_last_block_in_a_private_block():
     a = seq_of(prompt)
     prefill(bm, a)
     b = seq_of(prompt)
-    # The block holding the last token is not reused: the last token is recomputed for its logits, and its KV
-    # must not be written into a block that `a` reads.
+    # The block holding the last token is not reused: the last token is recomputed for its logits,
+    # and its KV must not be written into a block that `a` reads.
     assert bm.allocate_prefix(b) == 16
     assert b.block_table == a.block_table[:1]
     b.num_computed_tokens = 16
@@ -242,7 +253,8 @@ def test_prefix_hit_takes_blocks_out_of_the_free_pool():
     check_pool(bm)
 
 
-# ------------------------------------------------------------------------------------------------ hash chain
+# ------------------------------------------------------------------------------------------------
+# hash chain
 
 def test_hash_block_is_deterministic_and_depends_on_every_input():
     toks = list(range(16))
@@ -272,7 +284,8 @@ def test_same_block_tokens_after_different_parents_hash_differently():
 def test_hash_block_accepts_any_hash_it_returns_as_a_parent():
     """hash_block returns a 128-bit unsigned digest; chaining must work whatever its top bit is."""
     toks = list(range(16))
-    big = next(h for h in (hash_block(None, [t] * 16) for t in range(200)) if h >= 1 << (HASH_BITS - 1))
+    big = next(h for h in (hash_block(None, [t] * 16) for t in range(200))
+               if h >= 1 << (HASH_BITS - 1))
     assert 0 <= big < 1 << HASH_BITS
     child = hash_block(big, toks)  # the parent's top bit is set
     assert child == hash_block(big, toks) and child != hash_block(big - 1, toks)
@@ -310,7 +323,8 @@ def test_mm_content_hash_in_block_1_shares_block_0_only():
     b = seq_of(prompt, [image(20, 8, 0xFEEDFACE)])
     hb = bm.update_block_hashes(b)
     assert hb[0] == a.block_hashes[0]
-    assert all(hb[i] != a.block_hashes[i] for i in (1, 2, 3))  # block 1 differs, and so every later one
+    # block 1 differs, and so every later one
+    assert all(hb[i] != a.block_hashes[i] for i in (1, 2, 3))
     assert bm.allocate_prefix(b) == 16
     assert b.block_table == a.block_table[:1]
     b.num_computed_tokens = 16
@@ -321,7 +335,8 @@ def test_mm_content_hash_in_block_1_shares_block_0_only():
 
 def test_mm_same_content_hash_is_a_full_hit():
     bm = BlockManager(16, 16)
-    prompt = tokens(65, seed=9)  # 4 full blocks + 1 token: the last token sits in a partial block of its own
+    # 4 full blocks + 1 token: the last token sits in a partial block of its own
+    prompt = tokens(65, seed=9)
     big = (1 << 64) - 3  # image_content_hash is a 64-bit unsigned key
     a = seq_of(prompt, [image(20, 8, big)])
     prefill(bm, a)
@@ -341,7 +356,8 @@ def test_mm_item_spanning_a_block_edge_keys_both_blocks():
     prompt = tokens(48, seed=10)
     a = seq_of(prompt, [image(10, 10, 1)])  # 10..19: blocks 0 and 1
     b = seq_of(prompt, [image(10, 10, 2)])
-    assert a.mm_hashes_in(0, 16) == (1,) and a.mm_hashes_in(16, 32) == (1,) and a.mm_hashes_in(32, 48) == ()
+    assert a.mm_hashes_in(0, 16) == (1, ) and a.mm_hashes_in(16, 32) == (1, ) and a.mm_hashes_in(
+        32, 48) == ()
     prefill(bm, a)
     assert bm.allocate_prefix(b) == 0
 
@@ -354,7 +370,8 @@ def test_mm_items_do_not_change_hashes_of_blocks_they_do_not_touch():
     assert with_image[:2] == plain[:2] and with_image[2] != plain[2]
 
 
-# -------------------------------------------------------------------------------------------------- eviction
+# --------------------------------------------------------------------------------------------------
+# eviction
 
 def test_freed_cached_blocks_stay_findable_and_unhashed_are_reused_first():
     bm = BlockManager(4, 4)
@@ -393,7 +410,8 @@ def test_unhashed_freed_block_is_reused_before_older_cached_ones():
 def test_identical_block_computed_alongside_a_cached_one_stays_unhashed_and_is_reused_first():
     bm = BlockManager(6, 4)
     a, b = seq_of(range(9)), seq_of(range(9))
-    # Both admitted in one step, before either has computed anything: no hits, each gets its own blocks.
+    # Both admitted in one step, before either has computed anything: no hits, each gets its own
+    # blocks.
     assert bm.allocate_prefix(a) == 0 and bm.allocate_prefix(b) == 0
     assert bm.allocate(a, 9) and bm.allocate(b, 9)
     assert not set(a.block_table) & set(b.block_table)
@@ -402,7 +420,8 @@ def test_identical_block_computed_alongside_a_cached_one_stays_unhashed_and_is_r
     bm.cache_full_blocks(b)
     assert a.block_hashes == b.block_hashes and len(a.block_hashes) == 2
     assert [bm.blocks[x].hash for x in a.block_table] == [*a.block_hashes, None]
-    assert all(bm.blocks[x].hash is None for x in b.block_table)  # copies of cached blocks: left unhashed
+    # copies of cached blocks: left unhashed
+    assert all(bm.blocks[x].hash is None for x in b.block_table)
     assert bm.hash_to_block == dict(zip(a.block_hashes, a.block_table))
     bm.cache_full_blocks(b)  # registering again changes nothing
     assert all(bm.blocks[x].hash is None for x in b.block_table)
@@ -449,7 +468,8 @@ def test_lru_least_recently_freed_cached_block_is_evicted_first():
     assert evicted == a_blocks[1]  # a's tail goes first: its head is still useful on its own
     assert bm.blocks[evicted].hash is not None  # c's own full block now
     assert a.block_hashes[1] not in bm.hash_to_block  # the evicted block's hash no longer hits
-    assert a.block_hashes[0] in bm.hash_to_block and all(h in bm.hash_to_block for h in b.block_hashes)
+    assert a.block_hashes[0] in bm.hash_to_block and all(h in bm.hash_to_block
+                                                         for h in b.block_hashes)
     # One token past two blocks, so a hit on the second block is possible: only b's still exists.
     a2 = seq_of(range(9))
     assert bm.allocate_prefix(a2) == 4 and a2.block_table == a_blocks[:1]
@@ -476,7 +496,8 @@ def test_lru_a_prefix_hit_refreshes_a_cached_block():
     assert bm.allocate_prefix(seq_of(range(5))) == 4
 
 
-# ------------------------------------------------------------------------------------- prefix caching disabled
+# ------------------------------------------------------------------------------------- prefix
+# caching disabled
 
 def test_prefix_caching_disabled_never_hits():
     bm = BlockManager(8, 4, enable_prefix_caching=False)

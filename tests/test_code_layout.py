@@ -1,9 +1,10 @@
-"""The rules of the code's layout, checked on the source: every vlinfer module imports only its own room and the
-rooms below it (docs/design.md "Rooms"; lazy imports inside functions and dynamic import maps count), neither
-vlinfer/ nor bench/ has an import circle, no library code sets torch's process-wide state, no file outgrows one
-idea, vlinfer/ops and vlinfer/layers keep no mutable state at module level (each engine owns its op table and step
-metadata), vlinfer/ops is one package per device behind one interface; and every document the code
-cites is in the repository, with the sections and sources it is cited for."""
+"""The rules of the code's layout, checked on the source: every vlinfer module imports only its own
+room and the rooms below it (docs/design.md "Rooms"; lazy imports inside functions and dynamic
+import maps count), neither vlinfer/ nor bench/ has an import circle, no library code sets torch's
+process-wide state, no file outgrows one idea, vlinfer/ops and vlinfer/layers keep no mutable state
+at module level (each engine owns its op table and step metadata), vlinfer/ops is one package per
+device behind one interface; and every document the code cites is in the repository, with the
+sections and sources it is cited for."""
 import ast
 import importlib
 import os
@@ -13,17 +14,24 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.join(REPO, "vlinfer")
-# The rooms, top first. A module imports its own row and the rows below it, never one above; in the last row (the
-# leaves) each room stands alone and imports no other. Kept in step with docs/design.md "Rooms".
+# The rooms, top first. A module imports its own row and the rows below it, never one above; in the
+# last row (the leaves) each room stands alone and imports no other. Kept in step with
+# docs/design.md "Rooms".
 ROOMS = [
     ["vlinfer.cli", "vlinfer.__main__"],  # the command line: `python -m vlinfer`, `vlinfer ...`
     ["vlinfer.integrations"],  # Ray Data captioning and embedding, Ray Serve replicas
     ["vlinfer.serve"],  # the OpenAI-compatible server
     ["vlinfer.captioning"],  # the batch jobs (caption, embed) the CLI, the demo and Ray share
     ["vlinfer", "vlinfer.llm", "vlinfer.pipeline"],  # the public face
-    ["vlinfer.engine"],  # the loop, its input and output processors, scheduler, KV blocks, model runner, workers
-    ["vlinfer.config", "vlinfer.sampling_params", "vlinfer.pooling_params", "vlinfer.lora_request", "vlinfer.outputs"],  # the public data types
-    ["vlinfer.distributed"],  # tensor-parallel processes: rendezvous, control channel, rank 0's driver
+    # the loop, its input and output processors, scheduler, KV blocks, model runner, workers
+    ["vlinfer.engine"],
+    # the public data types
+    [
+        "vlinfer.config", "vlinfer.sampling_params", "vlinfer.pooling_params",
+        "vlinfer.lora_request", "vlinfer.outputs"
+    ],
+    # tensor-parallel processes: rendezvous, control channel, rank 0's driver
+    ["vlinfer.distributed"],
     ["vlinfer.models"],  # model forwards
     ["vlinfer.loading"],  # finding a model, reading its config, tokenizer and tensors
     ["vlinfer.layers"],  # layers, their sharding and quantization methods
@@ -57,8 +65,9 @@ MODULES = _modules(ROOT, "vlinfer")
 
 
 def _imports(module: str, modules: dict[str, str]) -> set[str]:
-    """The modules of `modules` that `module` imports anywhere in its body: `import a.b`, `from a import b` (a.b
-    when that is a module, else a's __init__), relative imports, and strings naming a module (importlib maps)."""
+    """The modules of `modules` that `module` imports anywhere in its body: `import a.b`, `from a
+    import b` (a.b when that is a module, else a's __init__), relative imports, and strings naming a
+    module (importlib maps)."""
     tree = ast.parse(open(modules[module]).read())
     package = module if modules[module].endswith("__init__.py") else module.rpartition(".")[0]
     names = set()
@@ -87,7 +96,8 @@ def room(module: str) -> str:
 
 
 def test_every_module_has_a_room():
-    assert not [m for m in MODULES if room(m) not in RANK], "add the new package to ROOMS and docs/design.md"
+    assert not [m for m in MODULES if room(m) not in RANK
+                ], "add the new package to ROOMS and docs/design.md"
 
 
 def test_imports_point_one_way():
@@ -96,7 +106,8 @@ def test_imports_point_one_way():
         a, b = room(m), room(t)
         return a == b or RANK[b] < RANK[a] or (RANK[b] == RANK[a] and a not in LEAVES)
 
-    bad = sorted(f"{m} -> {t}" for m, targets in GRAPH.items() for t in targets if not allowed(m, t))
+    bad = sorted(f"{m} -> {t}" for m, targets in GRAPH.items() for t in targets
+                 if not allowed(m, t))
     assert not bad, "imports pointing up or across: " + "; ".join(bad)
 
 
@@ -111,8 +122,9 @@ def test_the_checker_sees_lazy_and_dynamic_imports():
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Package __init__ files re-export their modules, so edges into a package's own __init__ from inside it are
-    the package's public face, not a circle between rooms; every other circle counts."""
+    """Package __init__ files re-export their modules, so edges into a package's own __init__ from
+    inside it are the package's public face, not a circle between rooms; every other circle counts.
+    """
     def edges(module):
         return {t for t in graph[module] if not module.startswith(t + ".")}
 
@@ -141,10 +153,18 @@ def test_no_import_circles_in_vlinfer():
 
 
 def test_no_import_circles_in_bench():
-    """bench/ scripts import each other by file name (each puts bench/ on sys.path) or as bench.<name>."""
-    bench = {name.removeprefix("bench."): path for name, path in _modules(os.path.join(REPO, "bench"), "bench").items()}
+    """bench/ scripts import each other by file name (each puts bench/ on sys.path) or as
+    bench.<name>."""
+    bench = {
+        name.removeprefix("bench."): path
+        for name, path in _modules(os.path.join(REPO, "bench"), "bench").items()
+    }
     bench.update({f"bench.{name}": path for name, path in list(bench.items())})
-    graph = {m: {t.removeprefix("bench.") for t in _imports(m, bench)} for m in bench if not m.startswith("bench.")}
+    graph = {
+        m: {t.removeprefix("bench.")
+            for t in _imports(m, bench)}
+        for m in bench if not m.startswith("bench.")
+    }
     assert "throughput" in graph and "peers" in graph
     cycles = _cycles(graph)
     assert not cycles, "import circles in bench/: " + "; ".join(" -> ".join(c) for c in cycles)
@@ -164,10 +184,14 @@ def _section(text: str, heading: str) -> str:
 
 
 def test_design_doc_lists_the_rooms_in_order():
-    """docs/design.md's "Rooms" table has one row per rank, top first, naming the rooms of this file's ROOMS."""
+    """docs/design.md's "Rooms" table has one row per rank, top first, naming the rooms of this
+    file's ROOMS."""
     text = open(os.path.join(REPO, "docs", "design.md"), encoding="utf-8").read()
-    rows = [re.findall(r"`([^`]+)`", line.split("|")[1]) for line in _section(text, "## Rooms").splitlines()
-            if line.startswith("| `vlinfer")]
+    rows = [
+        re.findall(r"`([^`]+)`",
+                   line.split("|")[1]) for line in _section(text, "## Rooms").splitlines()
+        if line.startswith("| `vlinfer")
+    ]
     assert rows == [[_room_path(r) for r in rooms] for rooms in ROOMS]
 
 
@@ -175,19 +199,29 @@ def test_readme_layout_section_matches_the_packages():
     """The README's layout lists every package folder of vlinfer/, and nothing that is not one."""
     text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
     listed = set(re.findall(r"vlinfer/(\w+)/", _section(text, "## Layout")))
-    packages = {name for name in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, name, "__init__.py"))}
+    packages = {
+        name
+        for name in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, name, "__init__.py"))
+    }
     assert listed == packages
 
 
-LIBRARY = [path for module, path in MODULES.items() if not module.startswith(("vlinfer.cli", "vlinfer.__main__"))]
+LIBRARY = [
+    path for module, path in MODULES.items()
+    if not module.startswith(("vlinfer.cli", "vlinfer.__main__"))
+]
 
 
 @pytest.mark.parametrize("call", ["set_default_dtype", "set_num_threads", "set_default_device"])
 def test_no_torch_process_state_set_by_library_code(call):
-    """torch keeps one default dtype, device and thread pool per process: library code never sets them (two
-    engines in one process would see each other's). The one thread setter, platform/threads.py, is called by
-    process entry points only (the CLI, a spawned worker's main, a Ray actor's start), which the next test checks."""
-    found = [os.path.relpath(p, REPO) for p in LIBRARY if re.search(rf"\btorch\.{call}\(", open(p).read())]
+    """torch keeps one default dtype, device and thread pool per process: library code never sets
+    them (two engines in one process would see each other's). The one thread setter,
+    platform/threads.py, is called by process entry points only (the CLI, a spawned worker's main, a
+    Ray actor's start), which the next test checks."""
+    found = [
+        os.path.relpath(p, REPO) for p in LIBRARY if re.search(rf"\btorch\.{call}\(",
+                                                               open(p).read())
+    ]
     assert found == (["vlinfer/platform/threads.py"] if call == "set_num_threads" else [])
 
 
@@ -195,12 +229,18 @@ def test_threads_set_only_at_process_entry_points():
     callers = {}
     for module, path in MODULES.items():
         tree = ast.parse(open(path).read())
-        for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
-            if any(isinstance(c, ast.Call) and getattr(c.func, "id", getattr(c.func, "attr", None)) ==
-                   "set_process_threads" for c in ast.walk(fn)):
+        for fn in (n for n in ast.walk(tree)
+                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            if any(
+                    isinstance(c, ast.Call) and
+                    getattr(c.func, "id", getattr(c.func, "attr", None)) == "set_process_threads"
+                    for c in ast.walk(fn)):
                 callers.setdefault(module, set()).add(fn.name)
-    assert callers == {"vlinfer.cli.options": {"set_threads"}, "vlinfer.engine.worker": {"spawned_worker_main"},
-                       "vlinfer.integrations.ray_data": {"__init__"}, "vlinfer.integrations.ray_serve": {"__init__"}}
+    assert callers == {
+        "vlinfer.cli.options": {"set_threads"}, "vlinfer.engine.worker": {"spawned_worker_main"},
+        "vlinfer.integrations.ray_data": {"__init__"},
+        "vlinfer.integrations.ray_serve": {"__init__"}
+    }
 
 
 def test_one_concept_per_file():
@@ -290,9 +330,11 @@ def _module_level_names(module: str):
 
 @pytest.mark.parametrize("module", [m for m in MODULES if m.startswith(STATEFUL_PACKAGES)])
 def test_no_module_level_state_in_ops_and_layers(module):
-    """Only constants (UPPER_CASE, never rebound), the logger and __all__ at module level; no `global`."""
+    """Only constants (UPPER_CASE, never rebound), the logger and __all__ at module level; no
+    `global`."""
     tree = ast.parse(open(MODULES[module]).read())
-    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Global, ast.Nonlocal))], f"{module} uses global"
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Global, ast.Nonlocal))
+                ], f"{module} uses global"
     bad = []
     for name, node in _module_level_names(module):
         constant = name.lstrip("_").isupper() and not isinstance(node, ast.AugAssign)
@@ -302,8 +344,9 @@ def test_no_module_level_state_in_ops_and_layers(module):
 
 
 def test_module_constants_unchanged_by_running_engines(qwen3_checkpoint):
-    """The constants the rule above lets through are not mutated at run time: two engines run, and every
-    module-level value in vlinfer.ops / vlinfer.layers compares equal to its copy from before."""
+    """The constants the rule above lets through are not mutated at run time: two engines run, and
+    every module-level value in vlinfer.ops / vlinfer.layers compares equal to its copy from before.
+    """
     from vlinfer import LLM, SamplingParams
     modules = [importlib.import_module(m) for m in MODULES if m.startswith(STATEFUL_PACKAGES)]
 
@@ -341,12 +384,16 @@ def _cited_docs() -> dict[str, list[str]]:
 def test_every_cited_document_is_in_the_repository():
     cited = _cited_docs()
     assert NPU_NOTE in cited  # the scan sees the citations (vlinfer/ops/npu/ cites the NPU note)
-    missing = {doc: files for doc, files in cited.items() if not os.path.isfile(os.path.join(REPO, doc))}
+    missing = {
+        doc: files
+        for doc, files in cited.items() if not os.path.isfile(os.path.join(REPO, doc))
+    }
     assert not missing, f"documents cited but not in the repository: {missing}"
 
 
 def _sections(text: str) -> dict[str, str]:
-    """'2.3' -> that section's text, from headings '## 2. ...' / '### 2.3 ...' (a section holds its subsections)."""
+    """'2.3' -> that section's text, from headings '## 2. ...' / '### 2.3 ...' (a section holds its
+    subsections)."""
     heads = [(m.start(), m.group(1), len(m.group(0).split()[0]))
              for m in re.finditer(r"^(?:##|###) (\d+(?:\.\d+)?)\.? ", text, re.M)]
     sections = {}
@@ -357,13 +404,16 @@ def _sections(text: str) -> dict[str, str]:
 
 
 def test_npu_note_has_every_section_and_source_the_code_cites():
-    """Files citing the NPU note refer to its sections (§2.3, §2.3 "Masks") and to the wheel's docstring lines
-    (OPD:8219); each must be in the note, so a citation always leads somewhere."""
+    """Files citing the NPU note refer to its sections (§2.3, §2.3 "Masks") and to the wheel's
+    docstring lines (OPD:8219); each must be in the note, so a citation always leads somewhere."""
     with open(os.path.join(REPO, NPU_NOTE), encoding="utf-8") as f:
         note = f.read()
     sections = _sections(note)
-    citing = [path for path in CITING if "npu-ops.md" in open(path, encoding="utf-8", errors="replace").read()
-              and not path.endswith("test_code_layout.py")]
+    citing = [
+        path for path in CITING
+        if "npu-ops.md" in open(path, encoding="utf-8", errors="replace").read() and
+        not path.endswith("test_code_layout.py")
+    ]
     assert any(p.endswith(os.path.join("ops", "npu", "backend.py")) for p in citing)
     bad = []
     for path in citing:

@@ -1,6 +1,7 @@
-"""dtype="auto" and the kernel level on each class of x86 CPU, with the CPU's flags mocked: a bf16 checkpoint
-computes in bf16 only where the CPU has native bf16 (AVX512-BF16 or AMX-BF16), float32 elsewhere (an AVX2-only
-EPYC runs torch's bf16 matmul at 0.3 GFLOP/s against 140 in float32), logged once; an explicit dtype is obeyed."""
+"""dtype="auto" and the kernel level on each class of x86 CPU, with the CPU's flags mocked: a bf16
+checkpoint computes in bf16 only where the CPU has native bf16 (AVX512-BF16 or AMX-BF16), float32
+elsewhere (an AVX2-only EPYC runs torch's bf16 matmul at 0.3 GFLOP/s against 140 in float32), logged
+once; an explicit dtype is obeyed."""
 import json
 import logging
 
@@ -42,13 +43,15 @@ def test_auto_dtype_and_kernel_level_per_cpu_class(cpu, monkeypatch, caplog):
         assert "dtype: bfloat16, the checkpoint's" in caplog.text
     else:
         assert f"dtype: float32, this CPU has no native bfloat16 ({level})" in caplog.text
-    assert platform.resolve_dtype("auto", _config("float16"), cpu_device) == (torch.float16 if fp16 else torch.float32)
+    assert platform.resolve_dtype("auto", _config("float16"),
+                                  cpu_device) == (torch.float16 if fp16 else torch.float32)
     # float32 checkpoints stay float32; an explicit dtype is always obeyed, whatever the CPU.
     assert platform.resolve_dtype("auto", _config("float32"), cpu_device) == torch.float32
     assert platform.resolve_dtype("bfloat16", _config("float32"), cpu_device) == torch.bfloat16
     assert platform.resolve_dtype(torch.bfloat16, _config("float32"), cpu_device) == torch.bfloat16
     # Accelerators take the checkpoint's dtype: the rule is about this CPU's arithmetic.
-    assert platform.resolve_dtype("auto", _config("bfloat16"), torch.device("cuda")) == torch.bfloat16
+    assert platform.resolve_dtype("auto", _config("bfloat16"),
+                                  torch.device("cuda")) == torch.bfloat16
 
 
 def test_cpu_flags_reads_this_machine():
@@ -62,7 +65,8 @@ def test_cpu_flags_reads_this_machine():
 def bf16_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("bf16-ckpt")
     build_checkpoint(str(path), tiny_text_config("qwen3", True))
-    # Declared bf16, as hub checkpoints are (the float32 tensors are converted on load like any others).
+    # Declared bf16, as hub checkpoints are (the float32 tensors are converted on load like any
+    # others).
     config = json.loads((path / "config.json").read_text())
     config["dtype"] = "bfloat16"
     (path / "config.json").write_text(json.dumps(config))
@@ -70,9 +74,10 @@ def bf16_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("has_bf16", [False, True], ids=["avx2-only", "avx512-bf16"])
-def test_engine_on_a_bf16_checkpoint_follows_the_cpu(bf16_checkpoint, has_bf16, monkeypatch, caplog):
-    """The engine's KV pool and weights take the chosen dtype; the log names the reason once. The reference ops
-    keep the test from compiling another kernel level for the mocked CPU."""
+def test_engine_on_a_bf16_checkpoint_follows_the_cpu(bf16_checkpoint, has_bf16, monkeypatch,
+                                                     caplog):
+    """The engine's KV pool and weights take the chosen dtype; the log names the reason once. The
+    reference ops keep the test from compiling another kernel level for the mocked CPU."""
     flags = BASE | ({"avx512_bf16"} if has_bf16 else set())
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
     with caplog.at_level(logging.INFO, logger="vlinfer"):

@@ -13,12 +13,14 @@ from vlinfer.platform.cpu_features import CPU_ISAS
 from vlinfer.ops.cpu import panels as cpu_panels
 from vlinfer.ops.cpu import CpuOps
 
-PROMPTS = [[5, 17, 33, 9], list(range(40, 77)), [300, 301]]  # three lengths: mixed and decode-only steps
+# three lengths: mixed and decode-only steps
+PROMPTS = [[5, 17, 33, 9], list(range(40, 77)), [300, 301]]
 
 
 @pytest.fixture(scope="module")
 def biased_llama(tmp_path_factory):
-    """A tiny Llama with biases on every projection (attention_bias, mlp_bias): the fused op's bias epilogues."""
+    """A tiny Llama with biases on every projection (attention_bias, mlp_bias): the fused op's bias
+    epilogues."""
     config = tiny_text_config("llama", False)
     config.attention_bias = config.mlp_bias = True
     path = tmp_path_factory.mktemp("llama-biased")
@@ -27,9 +29,9 @@ def biased_llama(tmp_path_factory):
 
 
 def run(folder, dtype, fused: bool, monkeypatch):
-    """Greedy tokens and their top-5 logprobs, the decoder, and how many decode steps ran the fused stack (fusion
-    switched off on request). Chunks of 16 tokens: steps with prefill rows take the modules, decode-only steps the
-    fused stack."""
+    """Greedy tokens and their top-5 logprobs, the decoder, and how many decode steps ran the fused
+    stack (fusion switched off on request). Chunks of 16 tokens: steps with prefill rows take the
+    modules, decode-only steps the fused stack."""
     with monkeypatch.context() as m:
         if not fused:
             m.setattr(CpuOps, "dense_decode_stack", lambda self, layers, **attention: None)
@@ -55,15 +57,18 @@ class CountingStack:
 
 
 def this_cpu_fuses(dtype) -> bool:
-    """Panels for this dtype on this CPU (float32 on AVX-512, bf16 on AVX512-BF16 without AMX): the fused op."""
+    """Panels for this dtype on this CPU (float32 on AVX-512, bf16 on AVX512-BF16 without AMX): the
+    fused op."""
     return dtype in CpuOps().panel_dtypes
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_layers_equal_the_modules(tiny_checkpoint, biased_llama, dtype, monkeypatch, caplog):
-    """Llama (untied / tied, GQA / MQA, biased) and Qwen3 (q/k norms): the same greedy tokens and the same top-5
-    logprobs, bit for bit, with the decode layers fused and run module by module; the fused op runs exactly where
-    this CPU's kernels take panels, and the start-up log says how many layers it fuses."""
+def test_fused_decode_layers_equal_the_modules(tiny_checkpoint, biased_llama, dtype, monkeypatch,
+                                               caplog):
+    """Llama (untied / tied, GQA / MQA, biased) and Qwen3 (q/k norms): the same greedy tokens and
+    the same top-5 logprobs, bit for bit, with the decode layers fused and run module by module; the
+    fused op runs exactly where this CPU's kernels take panels, and the start-up log says how many
+    layers it fuses."""
     for folder in (tiny_checkpoint[0], biased_llama):
         with caplog.at_level(logging.INFO, logger="vlinfer"):
             caplog.clear()
@@ -81,18 +86,21 @@ def test_fused_decode_layers_equal_the_modules(tiny_checkpoint, biased_llama, dt
                 caplog.text
 
 
-# The level a CPU without AVX-512 runs: AVX2 where this CPU has it (this CPU's own build on an AVX2 machine; one more
-# build, so the slow tier, above it), else the generic one.
-WITHOUT_AVX512 = "avx2" if CPU_ISAS.index(cpu_features.cpu_isa()) >= CPU_ISAS.index("avx2") else "generic"
+# The level a CPU without AVX-512 runs: AVX2 where this CPU has it (this CPU's own build on an AVX2
+# machine; one more build, so the slow tier, above it), else the generic one.
+WITHOUT_AVX512 = "avx2" if CPU_ISAS.index(
+    cpu_features.cpu_isa()) >= CPU_ISAS.index("avx2") else "generic"
 FLAGS = {"avx2": frozenset({"sse2", "avx", "avx2", "fma", "f16c"}), "generic": frozenset({"sse2"})}
 
 
-@pytest.mark.parametrize("level", [pytest.param(WITHOUT_AVX512, marks=() if WITHOUT_AVX512 == cpu_features.cpu_isa()
-                                                else pytest.mark.slow)])
+@pytest.mark.parametrize("level", [
+    pytest.param(WITHOUT_AVX512,
+                 marks=() if WITHOUT_AVX512 == cpu_features.cpu_isa() else pytest.mark.slow)
+])
 def test_without_avx512_the_modules_run(qwen3_checkpoint, monkeypatch, caplog, level):
-    """A CPU without AVX-512 has no panels, so no fused layer: the modules run, logged, and the greedy tokens are
-    the fused AVX-512 engine's (float32). Flags mocked down to AVX2 (or the generic level, which has no panels
-    either: test_cpu_kernels.py _expected_layout)."""
+    """A CPU without AVX-512 has no panels, so no fused layer: the modules run, logged, and the
+    greedy tokens are the fused AVX-512 engine's (float32). Flags mocked down to AVX2 (or the
+    generic level, which has no panels either: test_cpu_kernels.py _expected_layout)."""
     folder = qwen3_checkpoint[0]
     reference, _, _ = run(folder, "float32", True, monkeypatch)
     with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="vlinfer"):
@@ -105,16 +113,20 @@ def test_without_avx512_the_modules_run(qwen3_checkpoint, monkeypatch, caplog, l
 
 
 def test_fused_stack_refuses_a_prefill_row(cpu_ops):
-    """The stack serves one query token per sequence, one cache pair per layer: anything else is refused by name
-    rather than read as decode rows."""
+    """The stack serves one query token per sequence, one cache pair per layer: anything else is
+    refused by name rather than read as decode rows."""
     panels = cpu_panels.to_panels(torch.randn(64, 64))
-    stack = cpu_ops.ext.DenseDecodeStack(num_heads=2, num_kv_heads=1, head_dim=16, scale=0.25, eps=1e-6, qk_eps=0.0)
-    stack.add_layer(input_norm=torch.ones(64), post_norm=torch.ones(64), qkv=panels, qkv_bias=None, q_norm=None,
-                    k_norm=None, o=panels, o_bias=None, gate_up=panels, gate_up_bias=None, down=panels, down_bias=None)
+    stack = cpu_ops.ext.DenseDecodeStack(num_heads=2, num_kv_heads=1, head_dim=16, scale=0.25,
+                                         eps=1e-6, qk_eps=0.0)
+    stack.add_layer(input_norm=torch.ones(64), post_norm=torch.ones(64), qkv=panels, qkv_bias=None,
+                    q_norm=None, k_norm=None, o=panels, o_bias=None, gate_up=panels,
+                    gate_up_bias=None, down=panels, down_bias=None)
     cache = torch.zeros(4, 16, 1, 16)
-    step = (torch.zeros(3, dtype=torch.long), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
+    step = (torch.zeros(3, dtype=torch.long), torch.zeros(2, 1, dtype=torch.int32),
+            torch.ones(2, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="one query token per sequence: 3 rows for 2 sequences"):
-        stack.forward(torch.randn(3, 64), torch.ones(3, 16), torch.zeros(3, 16), [cache], [cache], *step)
+        stack.forward(torch.randn(3, 64), torch.ones(3, 16), torch.zeros(3, 16), [cache], [cache],
+                      *step)
     with pytest.raises(RuntimeError, match="1 layers, 2 key and 2 value caches"):
-        stack.forward(torch.randn(2, 64), torch.ones(2, 16), torch.zeros(2, 16), [cache] * 2, [cache] * 2,
-                      step[0][:2], *step[1:])
+        stack.forward(torch.randn(2, 64), torch.ones(2, 16), torch.zeros(2, 16), [cache] * 2,
+                      [cache] * 2, step[0][:2], *step[1:])

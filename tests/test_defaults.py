@@ -1,6 +1,7 @@
-"""README.md's defaults table against the code: each entry point's own defaults (argparse, signatures, EngineConfig,
-SamplingParams, the server's request handling, the demo's sliders) are read and written the way the table writes
-them, cell by cell, so a default changed in code or in the README alone fails here."""
+"""README.md's defaults table against the code: each entry point's own defaults (argparse,
+signatures, EngineConfig, SamplingParams, the server's request handling, the demo's sliders) are
+read and written the way the table writes them, cell by cell, so a default changed in code or in the
+README alone fails here."""
 import dataclasses
 import importlib.util
 import inspect
@@ -15,8 +16,8 @@ from vlinfer.cli import build_parser
 from vlinfer.cli.shared import sampling_params as cli_sampling_params
 from vlinfer.cli.options import ENGINE_DEFAULTS, FLAGS, engine_options
 from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, CPU_DEFAULT_MEMORY_UTILIZATION,
-                            DEFAULT_MAX_BATCHED_TOKENS, MIN_BATCHED_TOKENS, MIN_FITTED_MODEL_LEN, EngineConfig,
-                            default_batched_tokens)
+                            DEFAULT_MAX_BATCHED_TOKENS, MIN_BATCHED_TOKENS, MIN_FITTED_MODEL_LEN,
+                            EngineConfig, default_batched_tokens)
 from vlinfer.cli import serve as serve_cli
 from vlinfer.serve.config import ServeConfig
 from vlinfer.serve.server import Server
@@ -24,12 +25,13 @@ from vlinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = ("LLM", "Pipeline", "generate", "chat", "caption", "serve", "demo")
-ROWS = ("max_model_len", "max_num_batched_tokens", "temperature", "top_p", "max_tokens", "max_num_seqs",
-        "memory_utilization")
+ROWS = ("max_model_len", "max_num_batched_tokens", "temperature", "top_p", "max_tokens",
+        "max_num_seqs", "memory_utilization")
 
 
 def load_demo():
-    spec = importlib.util.spec_from_file_location("vlinfer_demo_defaults", ROOT / "apps" / "demo.py")
+    spec = importlib.util.spec_from_file_location("vlinfer_demo_defaults",
+                                                  ROOT / "apps" / "demo.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -40,7 +42,8 @@ def readme_section() -> str:
 
 
 def readme_table() -> dict[str, dict[str, str]]:
-    """setting (the first `name` in its row's first cell) -> entry point -> cell text without backticks."""
+    """setting (the first `name` in its row's first cell) -> entry point -> cell text without
+    backticks."""
     text = readme_section()
     first = text[text.index("\n|") + 1:]  # the first table only; the media limits' follows it
     lines = [line for line in first.split("\n\n", 1)[0].splitlines() if line.startswith("|")]
@@ -57,13 +60,15 @@ def readme_table() -> dict[str, dict[str, str]]:
 
 
 def entry_points() -> dict[str, tuple[dict, dict]]:
-    """entry point -> (the engine options it passes to LLM, over EngineConfig's defaults; its default sampling, as
-    {field: value} or, for the server, per endpoint)."""
-    # LLM and Pipeline add no engine defaults of their own: every option goes through to EngineConfig (Pipeline's
-    # own keyword, lora, is an adapter for its requests, not an engine option).
+    """entry point -> (the engine options it passes to LLM, over EngineConfig's defaults; its
+    default sampling, as {field: value} or, for the server, per endpoint)."""
+    # LLM and Pipeline add no engine defaults of their own: every option goes through to
+    # EngineConfig (Pipeline's own keyword, lora, is an adapter for its requests, not an engine
+    # option).
     for init in (LLM.__init__, Pipeline.__init__):
         params = [p for p in inspect.signature(init).parameters.values() if p.name != "lora"]
-        assert params[-1].kind is inspect.Parameter.VAR_KEYWORD and len(params) == 3, inspect.signature(init)
+        assert params[-1].kind is inspect.Parameter.VAR_KEYWORD and len(
+            params) == 3, inspect.signature(init)
     assert ENGINE_DEFAULTS == {f.name: f.default for f in dataclasses.fields(EngineConfig)
                                if f.default is not dataclasses.MISSING}
     points = {"LLM": (ENGINE_DEFAULTS, dataclasses.asdict(SamplingParams())),
@@ -72,18 +77,24 @@ def entry_points() -> dict[str, tuple[dict, dict]]:
     for command, argv in {"generate": ["generate", "hi"], "chat": ["chat"],
                           "caption": ["caption", "x.png", "--out", "c.jsonl"]}.items():
         args = cli.parse_args(argv)
-        points[command] = ({**ENGINE_DEFAULTS, **engine_options(args)}, dataclasses.asdict(cli_sampling_params(args)))
-    # The server: what a request that sets nothing gets (Server.sampling_params on a stand-in engine).
+        points[command] = ({**ENGINE_DEFAULTS,
+                            **engine_options(args)}, dataclasses.asdict(cli_sampling_params(args)))
+    # The server: what a request that sets nothing gets (Server.sampling_params on a stand-in
+    # engine).
     context = 12345
-    server = SimpleNamespace(engine=SimpleNamespace(max_model_len=context), config=ServeConfig(served_model_names=("m",)))
-    chat = Server.sampling_params(server, ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), None)
+    server = SimpleNamespace(engine=SimpleNamespace(max_model_len=context),
+                             config=ServeConfig(served_model_names=("m", )))
+    chat = Server.sampling_params(
+        server, ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), None)
     completion = Server.sampling_params(server, CompletionRequest(prompt="hi"), None)
     assert chat.max_tokens == context  # unset: the room left in the context
     serve = {"chat": dataclasses.asdict(chat), "completions": dataclasses.asdict(completion)}
-    points["serve"] = ({**ENGINE_DEFAULTS, **engine_options(serve_cli.build_parser().parse_args([]))}, serve)
+    points["serve"] = (
+        {**ENGINE_DEFAULTS, **engine_options(serve_cli.build_parser().parse_args([]))}, serve)
     demo = load_demo()
     demo_sampling = dataclasses.asdict(Pipeline.sampling_params(**demo.SAMPLING_DEFAULTS))
-    points["demo"] = ({**ENGINE_DEFAULTS, **demo.demo_engine_options(demo.parse_args([]))}, demo_sampling)
+    points["demo"] = ({**ENGINE_DEFAULTS,
+                       **demo.demo_engine_options(demo.parse_args([]))}, demo_sampling)
     return points
 
 
@@ -122,7 +133,8 @@ def test_the_readme_table_is_every_entry_points_defaults():
 
 def test_the_rules_under_the_table_are_the_codes():
     text = " ".join(readme_section().split())
-    assert (f"min(context length, {DEFAULT_MAX_BATCHED_TOKENS}), at least {MIN_BATCHED_TOKENS}") in text
+    assert (
+        f"min(context length, {DEFAULT_MAX_BATCHED_TOKENS}), at least {MIN_BATCHED_TOKENS}") in text
     assert f"down to {MIN_FITTED_MODEL_LEN}" in text
     assert (f"{CPU_DEFAULT_MEMORY_UTILIZATION} of the RAM free after loading (CPU) / "
             f"{ACCELERATOR_DEFAULT_MEMORY_UTILIZATION} of device memory") in text
@@ -131,8 +143,8 @@ def test_the_rules_under_the_table_are_the_codes():
 
 
 def test_every_app_has_the_flags_the_table_names():
-    """The KV budget and memory share the errors mention, and the other engine settings, are flags in every app
-    (the demo's max_num_seqs is --concurrency), and the README names each."""
+    """The KV budget and memory share the errors mention, and the other engine settings, are flags
+    in every app (the demo's max_num_seqs is --concurrency), and the README names each."""
     engine_flags = [flag for name, flag in FLAGS.items() if flag.startswith("--") and
                     name not in ("temperature", "top_p", "max_tokens", "seed")]
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices
@@ -140,7 +152,8 @@ def test_every_app_has_the_flags_the_table_names():
     parsers.update(serve=serve_cli.build_parser(), demo=load_demo().build_parser())
     for name, parser in parsers.items():
         have = {s for action in parser._actions for s in action.option_strings}
-        wanted = [("--concurrency" if name == "demo" and f == "--max-num-seqs" else f) for f in engine_flags]
+        wanted = [("--concurrency" if name == "demo" and f == "--max-num-seqs" else f)
+                  for f in engine_flags]
         assert [f for f in wanted if f not in have] == [], name
         if name == "demo":
             assert "--max-num-seqs" not in have  # one knob, not two
@@ -148,39 +161,62 @@ def test_every_app_has_the_flags_the_table_names():
     assert [f for f in engine_flags + ["--concurrency"] if f"`{f}`" not in text] == []
 
 
-# A value other than the default for each engine option, as a flag's argv and the keyword it must become.
+# A value other than the default for each engine option, as a flag's argv and the keyword it must
+# become.
 FLAG_VALUES = {
-    "device": (["cpu"], "cpu"), "dtype": (["float32"], "float32"), "max_model_len": (["4096"], 4096),
-    "max_num_seqs": (["3"], 3), "max_num_batched_tokens": (["3000"], 3000), "kvcache_block_size": (["32"], 32),
-    "memory_utilization": (["0.3"], 0.3), "kv_cache_bytes": (["2M"], 2 << 20),
-    "enable_prefix_caching": ([], False), "ops": (["reference"], "reference"), "enforce_eager": ([], True),
-    "tensor_parallel_size": (["2"], 2), "enable_expert_parallel": ([], True),
+    "device": (["cpu"], "cpu"),
+    "dtype": (["float32"], "float32"),
+    "max_model_len": (["4096"], 4096),
+    "max_num_seqs": (["3"], 3),
+    "max_num_batched_tokens": (["3000"], 3000),
+    "kvcache_block_size": (["32"], 32),
+    "memory_utilization": (["0.3"], 0.3),
+    "kv_cache_bytes": (["2M"], 2 << 20),
+    "enable_prefix_caching": ([], False),
+    "ops": (["reference"], "reference"),
+    "enforce_eager": ([], True),
+    "tensor_parallel_size": (["2"], 2),
+    "enable_expert_parallel": ([], True),
     "distributed_init_method": (["tcp://127.0.0.1:29500"], "tcp://127.0.0.1:29500"),
-    "distributed_timeout_s": (["5"], 5.0), "distributed_startup_timeout_s": (["50"], 50.0), "seed": (["7"], 7),
-    "quantization": (["int8"], "int8"), "allow_image_urls": ([], True), "logprobs_mode": (["raw_logprobs"],
-                                                                                      "raw_logprobs"),
-    "kv_cache_dtype": (["int8"], "int8"), "enable_lora": ([], True), "max_loras": (["3"], 3),
-    "max_lora_rank": (["64"], 64), "max_cpu_loras": (["4"], 4), "runner": (["pooling"], "pooling"),
-    "hf_overrides": (['{"classifier_from_token": ["no", "yes"]}'], {"classifier_from_token": ["no", "yes"]}),
+    "distributed_timeout_s": (["5"], 5.0),
+    "distributed_startup_timeout_s": (["50"], 50.0),
+    "seed": (["7"], 7),
+    "quantization": (["int8"], "int8"),
+    "allow_image_urls": ([], True),
+    "logprobs_mode": (["raw_logprobs"], "raw_logprobs"),
+    "kv_cache_dtype": (["int8"], "int8"),
+    "enable_lora": ([], True),
+    "max_loras": (["3"], 3),
+    "max_lora_rank": (["64"], 64),
+    "max_cpu_loras": (["4"], 4),
+    "runner": (["pooling"], "pooling"),
+    "hf_overrides": (['{"classifier_from_token": ["no", "yes"]}'],
+                     {"classifier_from_token": ["no", "yes"]}),
     "speculative_config": (['{"method": "ngram", "num_speculative_tokens": 3}'],
                            {"method": "ngram", "num_speculative_tokens": 3}),
 }
 
 
 def test_every_engine_option_is_one_flag_on_every_surface():
-    """Each EngineConfig field (but the model, a positional or --model, and the apps' own context cap) is one flag
-    of vLLM's spelling, the same in the CLI's generate, chat and caption, the server and the demo, and reaches LLM(...)
-    as that keyword with the value given."""
-    fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "max_model_len_cap")]
+    """Each EngineConfig field (but the model, a positional or --model, and the apps' own context
+    cap) is one flag of vLLM's spelling, the same in the CLI's generate, chat and caption, the
+    server and the demo, and reaches LLM(...) as that keyword with the value given."""
+    fields = [
+        f.name for f in dataclasses.fields(EngineConfig)
+        if f.name not in ("model", "max_model_len_cap")
+    ]
     assert sorted(FLAG_VALUES) == sorted(fields)
     assert [name for name in fields if name not in FLAGS] == []
     demo = load_demo()
-    surfaces = {"generate": (lambda argv: engine_options(build_parser().parse_args(["generate", "hi", *argv]))),
-                "chat": (lambda argv: engine_options(build_parser().parse_args(["chat", *argv]))),
-                "caption": (lambda argv: engine_options(build_parser().parse_args(["caption", "x", "--out", "o",
-                                                                                   *argv]))),
-                "serve": (lambda argv: engine_options(serve_cli.build_parser().parse_args(argv))),
-                "demo": (lambda argv: demo.demo_engine_options(demo.parse_args(argv)))}
+    surfaces = {
+        "generate": (
+            lambda argv: engine_options(build_parser().parse_args(["generate", "hi", *argv]))),
+        "chat": (lambda argv: engine_options(build_parser().parse_args(["chat", *argv]))),
+        "caption": (lambda argv: engine_options(build_parser().parse_args(
+            ["caption", "x", "--out", "o", *argv]))),
+        "serve": (lambda argv: engine_options(serve_cli.build_parser().parse_args(argv))),
+        "demo": (lambda argv: demo.demo_engine_options(demo.parse_args(argv)))
+    }
     for surface, options_of in surfaces.items():
         for name, (values, expected) in FLAG_VALUES.items():
             flag = FLAGS[name]
@@ -193,8 +229,8 @@ def test_every_engine_option_is_one_flag_on_every_surface():
 
 
 def test_a_given_long_context_still_prefills_in_bounded_steps(tiny_vl_with_context):
-    """max_model_len given (not fitted) on a 262144-position model: the step budget is min(context, 8192), not the
-    whole context."""
+    """max_model_len given (not fitted) on a 262144-position model: the step budget is min(context,
+    8192), not the whole context."""
     bytes_per_token = 2 * 2 * 32 * 2 * 4  # the tiny Qwen3-VL's float32 KV
     llm = LLM(tiny_vl_with_context(262144), dtype="float32", device="cpu", max_model_len=16384,
               kv_cache_bytes=16384 * bytes_per_token)
@@ -212,11 +248,13 @@ def test_verbose_before_or_after_the_subcommand(command):
 
 
 def test_readme_media_limits_are_the_code_table():
-    """README.md's media-limits rows, cell by cell, against vlinfer/inputs/limits.py's TABLE, and the values the
-    table writes against the limits themselves."""
+    """README.md's media-limits rows, cell by cell, against vlinfer/inputs/limits.py's TABLE, and
+    the values the table writes against the limits themselves."""
     from vlinfer.inputs import limits
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in readme_section().splitlines()
-            if line.startswith("| `") and line.split("|")[1].strip().strip("`") in {n for n, _, _ in limits.TABLE}]
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in readme_section().splitlines() if line.startswith("| `") and
+            line.split("|")[1].strip().strip("`") in {n
+                                                      for n, _, _ in limits.TABLE}]
     assert [(name.strip("`"), value, what) for name, value, what in rows] == list(limits.TABLE)
     values = {name: value for name, value, _ in limits.TABLE}
     assert int(values["max_images"]) == limits.MAX_IMAGES

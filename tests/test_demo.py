@@ -1,5 +1,6 @@
-"""The Gradio demo (apps/demo.py) end to end: a real server subprocess on the embedded tiny model, driven through
-gradio_client the way a browser tab drives it, plus one headless Chromium screenshot of the page."""
+"""The Gradio demo (apps/demo.py) end to end: a real server subprocess on the embedded tiny model,
+driven through gradio_client the way a browser tab drives it, plus one headless Chromium screenshot
+of the page."""
 import importlib.util
 import os
 import re
@@ -50,8 +51,10 @@ def _start(log_path: Path, *args: str) -> tuple[subprocess.Popen, int]:
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log:
         # A new session: _stop kills the whole process group, not just the Python process.
-        proc = subprocess.Popen([sys.executable, str(DEMO), *args, "--port", str(port)], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(DEMO), *args, "--port",
+             str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True)
     return proc, port
 
 
@@ -67,15 +70,19 @@ def _wait_serving(proc: subprocess.Popen, url: str, log_path: Path) -> None:
         except OSError:
             pass
         if time.monotonic() > deadline:
-            pytest.fail(f"the demo did not serve within {STARTUP_TIMEOUT}s:\n{log_path.read_text()[-3000:]}")
+            pytest.fail(
+                f"the demo did not serve within {STARTUP_TIMEOUT}s:\n{log_path.read_text()[-3000:]}"
+            )
         time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """(url, port, log path) of a demo server on qwen3-vl-tiny; always stopped, whatever the tests do."""
+    """(url, port, log path) of a demo server on qwen3-vl-tiny; always stopped, whatever the tests
+    do."""
     log_path = tmp_path_factory.mktemp("demo") / "server.log"
-    proc, port = _start(log_path, "--model", "qwen3-vl-tiny", "--max-model-len", "4096", "--concurrency", "8")
+    proc, port = _start(log_path, "--model", "qwen3-vl-tiny", "--max-model-len", "4096",
+                        "--concurrency", "8")
     url = f"http://127.0.0.1:{port}/"
     try:
         _wait_serving(proc, url, log_path)
@@ -85,9 +92,11 @@ def server(tmp_path_factory):
 
 
 def _client(url: str) -> Client:
-    # timeout: gradio_client's plain requests (predict polls, cancel) default to httpx's 5 s, too short when the
-    # machine is busy (CI, a benchmark next door); the streams themselves have no timeout.
-    return Client(url, verbose=False, download_files=False, analytics_enabled=False, httpx_kwargs={"timeout": 60})
+    # timeout: gradio_client's plain requests (predict polls, cancel) default to httpx's 5 s, too
+    # short when the machine is busy (CI, a benchmark next door); the streams themselves have no
+    # timeout.
+    return Client(url, verbose=False, download_files=False, analytics_enabled=False,
+                  httpx_kwargs={"timeout": 60})
 
 
 def _image(path: Path, color=(200, 40, 40), size=(64, 48)) -> str:
@@ -111,8 +120,9 @@ def _answer(history: list[dict]) -> str:
 
 
 def _as_input(history: list[dict]) -> list[dict]:
-    """A returned chat history, sent back as a browser does: file parts keep the server's FileData (its path in
-    the server's upload cache), so the images of earlier turns are not uploaded again."""
+    """A returned chat history, sent back as a browser does: file parts keep the server's FileData
+    (its path in the server's upload cache), so the images of earlier turns are not uploaded again.
+    """
     for message in history:
         for part in message["content"]:
             assert part.get("type") != "file" or isinstance(part["file"], dict), part
@@ -157,21 +167,36 @@ def _demo_module():
 def test_history_becomes_openai_messages():
     demo = _demo_module()
     history = [
-        {"role": "user", "content": [{"type": "file", "file": {"path": "/a.png"}}, {"type": "text", "text": "hi"}]},
+        {
+            "role": "user", "content": [{"type": "file", "file": {"path": "/a.png"}},
+                                        {"type": "text", "text": "hi"}]
+        },
         {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
-        {"role": "user", "content": [{"type": "file", "file": {"path": "/bad.png"}}, {"type": "text", "text": "?"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "rejected"}],
-         "metadata": {"title": demo.NOTICE_TITLE}},
+        {
+            "role": "user", "content": [{"type": "file", "file": {"path": "/bad.png"}},
+                                        {"type": "text", "text": "?"}]
+        },
+        {
+            "role": "assistant", "content": [{"type": "text", "text": "rejected"}],
+            "metadata": {"title": demo.NOTICE_TITLE}
+        },
         {"role": "user", "content": [{"path": "/b.png"}, {"path": "/c.png"}, "both?"]},
     ]
     assert demo.model_messages(history) == [
-        {"role": "user", "content": [{"type": "image", "image": "/a.png"}, {"type": "text", "text": "hi"}]},
+        {
+            "role": "user", "content": [{"type": "image", "image": "/a.png"},
+                                        {"type": "text", "text": "hi"}]
+        },
         {"role": "assistant", "content": "hello"},
         # the rejected turn and its notice are gone
-        {"role": "user", "content": [{"type": "image", "image": "/b.png"}, {"type": "image", "image": "/c.png"},
-                                     {"type": "text", "text": "both?"}]},
+        {
+            "role": "user", "content": [{"type": "image",
+                                         "image": "/b.png"}, {"type": "image", "image": "/c.png"},
+                                        {"type": "text", "text": "both?"}]
+        },
     ]
-    assert demo.read_input({"text": "  q ", "files": [{"path": "/x.png"}, "/y.png"]}) == ("q", ["/x.png", "/y.png"])
+    assert demo.read_input({"text": "  q ", "files": [{"path": "/x.png"},
+                                                      "/y.png"]}) == ("q", ["/x.png", "/y.png"])
     assert demo.example_images(ROOT / "no-such-folder") == []
 
 
@@ -182,7 +207,8 @@ def test_image_question_streams_an_answer_and_keeps_history(server, tmp_path):
     job = _chat(client, "What color is this image?", [_image(tmp_path / "red.png")], max_tokens=24)
     seen = _watch(job)
     history = job.result(timeout=60)[0]
-    assert history[0]["role"] == "user" and any(p.get("type") == "file" for p in history[0]["content"])
+    assert history[0]["role"] == "user" and any(
+        p.get("type") == "file" for p in history[0]["content"])
     final = _answer(history)
     assert final and seen[-1] == final
     grown = [t for t in seen if t]
@@ -191,7 +217,10 @@ def test_image_question_streams_an_answer_and_keeps_history(server, tmp_path):
     assert not bad, f"partial answers must only grow: {bad[:3]}"
 
     # A second turn with two more images: the history (with its image) goes back to the model.
-    images = [_image(tmp_path / "green.png", (30, 200, 30)), _image(tmp_path / "blue.png", (30, 30, 200), (48, 64))]
+    images = [
+        _image(tmp_path / "green.png", (30, 200, 30)),
+        _image(tmp_path / "blue.png", (30, 30, 200), (48, 64))
+    ]
     job = _chat(client, "And these two?", images, history=_as_input(history), max_tokens=8)
     history2 = job.result(timeout=60)[0]
     assert [m["role"] for m in history2] == ["user", "assistant", "user", "assistant"]
@@ -217,8 +246,10 @@ def test_two_sessions_are_batched_together(server, tmp_path):
 
     def session(i):
         start = time.monotonic()
-        # Long enough that the first is still generating when the second arrives, even on a loaded machine.
-        history = _chat(clients[i], f"Session {i}: describe it.", [image], max_tokens=200).result(timeout=90)[0]
+        # Long enough that the first is still generating when the second arrives, even on a loaded
+        # machine.
+        history = _chat(clients[i], f"Session {i}: describe it.", [image],
+                        max_tokens=200).result(timeout=90)[0]
         spans[i] = (start, time.monotonic())
         answers[i] = _answer(history)
 
@@ -231,7 +262,8 @@ def test_two_sessions_are_batched_together(server, tmp_path):
         t.join(timeout=120)
     stop.set()
     watcher.join(timeout=10)
-    assert sorted(answers) == [0, 1] and all(answers.values()), f"a session got no answer: {answers}"
+    assert sorted(answers) == [0, 1] and all(
+        answers.values()), f"a session got no answer: {answers}"
     (s0, e0), (s1, e1) = spans[0], spans[1]
     assert max(s0, s1) < min(e0, e1), "the two sessions did not overlap in time"
     assert most_active[0] >= 2, "the engine never held both requests at once: they were not batched"
@@ -250,7 +282,8 @@ def test_broken_image_gets_a_clear_message_and_server_keeps_serving(server, tmp_
     assert "rejected" in text and "cannot identify image format" in text, text
     assert "Traceback" not in text
 
-    # The next turn carries the rejected one in its history; the demo leaves it out of the model's prompt.
+    # The next turn carries the rejected one in its history; the demo leaves it out of the model's
+    # prompt.
     job = _chat(client, "Then just say something.", [], history=_as_input(history), max_tokens=8)
     history2 = job.result(timeout=60)[0]
     assert _answer(history2) and not (history2[-1].get("metadata") or {}).get("title"), history2[-1]
@@ -267,13 +300,16 @@ def test_stop_aborts_the_request_in_the_engine(server, tmp_path):
     job = _chat(client, "Talk for a long time.", [_image(tmp_path / "red.png")], max_tokens=4000)
     deadline = time.monotonic() + 60
     while len(job.outputs()) < 3:
-        assert not job.done() and time.monotonic() < deadline, "the long request did not start streaming"
+        assert not job.done() and time.monotonic(
+        ) < deadline, "the long request did not start streaming"
         time.sleep(0.05)
     assert _active(observer) == 1
-    request_id = re.findall(r"request (\S+): \d+ messages, \d+ images, max_tokens=4000", log_path.read_text())[-1]
+    request_id = re.findall(r"request (\S+): \d+ messages, \d+ images, max_tokens=4000",
+                            log_path.read_text())[-1]
     job.cancel()  # what the Stop button does: Gradio cancels the event and closes the generator
-    # The demo logs the abort of an unfinished answer (one that ended by itself would not say so): the event, not
-    # how fast the engine emptied, shows that Stop freed it. The deadline only bounds a wait.
+    # The demo logs the abort of an unfinished answer (one that ended by itself would not say so):
+    # the event, not how fast the engine emptied, shows that Stop freed it. The deadline only bounds
+    # a wait.
     stopped = f"request {request_id}: stopped before it finished, aborted in the engine"
     deadline = time.monotonic() + 60
     while stopped not in log_path.read_text() or _active(observer):
@@ -286,16 +322,19 @@ def test_example_gallery_lists_the_example_images(server):
     url, _, _ = server
     folder = ROOT / "examples" / "images"
     suffixes = _demo_module().IMAGE_SUFFIXES
-    expected = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in suffixes) if folder.is_dir() else []
+    expected = sorted(p.name for p in folder.iterdir()
+                      if p.suffix.lower() in suffixes) if folder.is_dir() else []
     galleries = [c for c in _client(url).config["components"] if c.get("type") == "gallery"]
-    assert expected, "examples/images ships the example pictures"  # else this test would check nothing
+    # else this test would check nothing
+    assert expected, "examples/images ships the example pictures"
     assert len(galleries) == 1
     shown = sorted(Path(item["image"]["path"]).name for item in galleries[0]["props"]["value"])
     assert shown == expected
 
 
 def test_screenshot(server, tmp_path):
-    """One headless Chromium screenshot of the page. DEMO_SCREENSHOT=docs/demo.png refreshes the committed one."""
+    """One headless Chromium screenshot of the page. DEMO_SCREENSHOT=docs/demo.png refreshes the
+    committed one."""
     # A test dependency like the pip ones: missing, it fails the run rather than shrinking it.
     assert shutil.which("chromium"), "the browser is missing: install Debian's chromium (apt-get install -y " \
                                      "chromium) to take the demo screenshot"
@@ -310,29 +349,35 @@ def test_screenshot(server, tmp_path):
     with Image.open(out) as img:
         assert img.size == (1280, 900)
         colors = img.convert("RGB").getcolors(maxcolors=1 << 20)
-    # A blank or error page has a handful of colours; the rendered app (text, sliders, buttons) has hundreds.
-    assert colors is not None and len(colors) > 50, f"the screenshot looks blank ({len(colors or [])} colours)"
+    # A blank or error page has a handful of colours; the rendered app (text, sliders, buttons) has
+    # hundreds.
+    assert colors is not None and len(
+        colors) > 50, f"the screenshot looks blank ({len(colors or [])} colours)"
 
 
 @pytest.mark.slow  # a demo subprocess
 def test_default_context_length_follows_the_model(tiny_vl_with_context, tmp_path):
-    """No --max-model-len: a 2048-position model serves at 2048 (a fixed 8192 default used to refuse to start);
-    a 262144-position one (as Qwen3-VL declares) at 8192, fitted down to a small KV cache, with a warning."""
+    """No --max-model-len: a 2048-position model serves at 2048 (a fixed 8192 default used to refuse
+    to start); a 262144-position one (as Qwen3-VL declares) at 8192, fitted down to a small KV
+    cache, with a warning."""
     runs = {2048: ((), 2048), 262144: (("--kv-cache-size", "3M"), 3072)}
     demos = {}
     try:
         for positions, (extra, _) in runs.items():  # both at once: their startups overlap
             log_path = tmp_path / f"demo-{positions}.log"
-            proc, port = _start(log_path, "--model", tiny_vl_with_context(positions), "--concurrency", "2", *extra)
+            proc, port = _start(log_path, "--model", tiny_vl_with_context(positions),
+                                "--concurrency", "2", *extra)
             demos[positions] = (proc, f"http://127.0.0.1:{port}/", log_path)
         for positions, (proc, url, log_path) in demos.items():
             _wait_serving(proc, url, log_path)
             client = _client(url)
-            header = " ".join(str(c.get("props", {}).get("value")) for c in client.config["components"]
-                              if c.get("type") == "markdown")
+            header = " ".join(
+                str(c.get("props", {}).get("value")) for c in client.config["components"]
+                if c.get("type") == "markdown")
             assert f"**max context:** {runs[positions][1]} tokens" in header, header[:500]
             assert _answer(_chat(client, "Hello?", [], max_tokens=4).result(timeout=60)[0])
-        assert "--max-model-len=3072: the KV cache" in demos[262144][2].read_text()  # the demo's flag
+        # the demo's flag
+        assert "--max-model-len=3072: the KV cache" in demos[262144][2].read_text()
     finally:
         for proc, _, _ in demos.values():
             _stop(proc)

@@ -1,6 +1,7 @@
-"""The Gradio demo (apps/demo.py) with videos: a clip uploaded through gradio_client, shown in the chat and
-answered with a streamed reply; a follow-up turn that carries the clip in its history; a broken clip rejected
-with a clear notice while the demo keeps serving. The server helpers are tests/test_demo.py's."""
+"""The Gradio demo (apps/demo.py) with videos: a clip uploaded through gradio_client, shown in the
+chat and answered with a streamed reply; a follow-up turn that carries the clip in its history; a
+broken clip rejected with a clear notice while the demo keeps serving. The server helpers are
+tests/test_demo.py's."""
 import re
 
 import gradio  # noqa: F401  (the demo's own dependency: a test dependency, imported, never skipped)
@@ -14,7 +15,8 @@ from videos import drawn_clip, encode
 def server(tmp_path_factory):
     """(url, log path) of a demo server on qwen3-vl-tiny."""
     log_path = tmp_path_factory.mktemp("demo-video") / "server.log"
-    proc, port = _start(log_path, "--model", "qwen3-vl-tiny", "--max-model-len", "4096", "--concurrency", "4")
+    proc, port = _start(log_path, "--model", "qwen3-vl-tiny", "--max-model-len", "4096",
+                        "--concurrency", "4")
     url = f"http://127.0.0.1:{port}/"
     try:
         _wait_serving(proc, url, log_path)
@@ -30,26 +32,32 @@ def _file_parts(message: dict) -> list[dict]:
 def test_uploaded_video_is_shown_and_answered_with_a_stream(server, tmp_path):
     url, log_path = server
     clip = tmp_path / "clip.mp4"
-    encode(drawn_clip(12, 64, 96, seed=7), fps=4, path=clip)  # 3 s: 6 frames at 2 fps, 3 temporal groups
+    # 3 s: 6 frames at 2 fps, 3 temporal groups
+    encode(drawn_clip(12, 64, 96, seed=7), fps=4, path=clip)
     client = _client(url)
     job = _chat(client, "What happens in this clip?", [str(clip)], max_tokens=24)
     seen = _watch(job)
     history = job.result(timeout=90)[0]
-    # The chat shows the clip as the user's file (a video: Gradio's mime type from the upload), then the answer.
+    # The chat shows the clip as the user's file (a video: Gradio's mime type from the upload), then
+    # the answer.
     (shown,) = _file_parts(history[0])
-    assert shown["file"]["path"].endswith(".mp4") and shown["file"].get("mime_type", "video/mp4").startswith("video")
+    assert shown["file"]["path"].endswith(".mp4") and shown["file"].get(
+        "mime_type", "video/mp4").startswith("video")
     final = _answer(history)
     assert final and seen[-1] == final
     grown = [t for t in seen if t]
     assert len(grown) >= 3, f"the answer did not stream: {len(grown)} distinct partial answers"
     assert all(b.startswith(a) for a, b in zip(grown, grown[1:])), "partial answers must only grow"
-    assert re.search(r"request \S+: 1 messages, 0 images, 1 videos, max_tokens=24", log_path.read_text())
+    assert re.search(r"request \S+: 1 messages, 0 images, 1 videos, max_tokens=24",
+                     log_path.read_text())
 
     # A follow-up turn: the clip stays in the history the model sees.
-    history2 = _chat(client, "And at the end?", [], history=_as_input(history), max_tokens=6).result(timeout=90)[0]
+    history2 = _chat(client, "And at the end?", [], history=_as_input(history),
+                     max_tokens=6).result(timeout=90)[0]
     assert [m["role"] for m in history2] == ["user", "assistant", "user", "assistant"]
     assert _answer(history2) and not (history2[-1].get("metadata") or {}).get("title")
-    assert re.search(r"request \S+: 3 messages, 0 images, 1 videos, max_tokens=6", log_path.read_text())
+    assert re.search(r"request \S+: 3 messages, 0 images, 1 videos, max_tokens=6",
+                     log_path.read_text())
 
 
 def test_broken_video_gets_a_clear_message_and_serving_goes_on(server, tmp_path):

@@ -1,7 +1,8 @@
-"""Two engines in one process own their op tables and step state: a Qwen3 engine on the compiled CPU kernels and a
-Llama engine on the pure-torch reference, stepped alternately and from two threads at once, each give exactly the
-tokens they give alone. (Before engines owned their state, the second thread died with "attention called outside a
-model runner step": the other engine's step had cleared a module-global context.)"""
+"""Two engines in one process own their op tables and step state: a Qwen3 engine on the compiled CPU
+kernels and a Llama engine on the pure-torch reference, stepped alternately and from two threads at
+once, each give exactly the tokens they give alone. (Before engines owned their state, the second
+thread died with "attention called outside a model runner step": the other engine's step had cleared
+a module-global context.)"""
 import threading
 
 import pytest
@@ -20,7 +21,10 @@ def engines(tmp_path_factory):
     build_checkpoint(str(llama), tiny_text_config("llama", False), seed=2)
     a = LLM(str(qwen3), dtype="float32", kv_cache_bytes=1 << 22, ops="cpu-compiled")
     b = LLM(str(llama), dtype="float32", kv_cache_bytes=1 << 22, ops="reference")
-    alone = {name: _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) for name, llm in (("a", a), ("b", b))}
+    alone = {
+        name: _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+        for name, llm in (("a", a), ("b", b))
+    }
     return a, b, alone
 
 
@@ -78,10 +82,11 @@ def test_two_threads_match_each_engine_alone(engines):
 
 
 def test_two_dtypes_built_at_once_from_two_threads(tmp_path, monkeypatch):
-    """A bfloat16 and a float32 engine built at the same moment in two threads: every parameter and KV block of
-    each is in its own dtype (the dtype travels in ModelContext, never through torch's one default dtype per
-    process), the process default is untouched, each counts the checkpoint bytes it read itself (a per-load counter,
-    not a process-wide one), and each gives the tokens it gives when built alone."""
+    """A bfloat16 and a float32 engine built at the same moment in two threads: every parameter and
+    KV block of each is in its own dtype (the dtype travels in ModelContext, never through torch's
+    one default dtype per process), the process default is untouched, each counts the checkpoint
+    bytes it read itself (a per-load counter, not a process-wide one), and each gives the tokens it
+    gives when built alone."""
     import torch
 
     from vlinfer import loading

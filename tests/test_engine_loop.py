@@ -1,4 +1,5 @@
-"""EngineLoop: callers submit and abort from their own threads while the loop thread steps the engine."""
+"""EngineLoop: callers submit and abort from their own threads while the loop thread steps the
+engine."""
 import threading
 
 import pytest
@@ -7,7 +8,8 @@ from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.sampling_params import SamplingParams
 
-WAIT_S = 60  # only reached when the loop is broken; the assertions are on events, not on how long things took
+# only reached when the loop is broken; the assertions are on events, not on how long things took
+WAIT_S = 60
 
 
 class GatedStep:
@@ -21,13 +23,15 @@ class GatedStep:
 
     def __call__(self):
         self.started.set()
-        self.release.wait()  # no timeout: a step that gave up waiting would let a blocked submit through
+        # no timeout: a step that gave up waiting would let a blocked submit through
+        self.release.wait()
         return self.step()
 
 
 @pytest.fixture
 def gated_loop(qwen3_checkpoint):
-    engine = LLMEngine(qwen3_checkpoint[0], dtype="float32", max_model_len=128, kv_cache_bytes=1 << 20)
+    engine = LLMEngine(qwen3_checkpoint[0], dtype="float32", max_model_len=128,
+                       kv_cache_bytes=1 << 20)
     gate = GatedStep(engine)
     loop = EngineLoop(engine)
     yield loop, gate
@@ -51,7 +55,8 @@ def test_submit_and_abort_do_not_wait_for_the_step_in_progress(gated_loop):
     loop, gate = gated_loop
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     first = loop.submit([5, 6, 7], params)
-    assert gate.started.wait(WAIT_S)  # the loop thread is now inside a step, which cannot end until released
+    # the loop thread is now inside a step, which cannot end until released
+    assert gate.started.wait(WAIT_S)
 
     submitted, second = call_in_thread(lambda: loop.submit([8, 9, 10], params))
     assert submitted.wait(WAIT_S), "submit waited for the step in progress"

@@ -1,13 +1,14 @@
-"""Generated damaged checkpoint files (hypothesis) opened through LLM: a tiny random Qwen3 whose model.safetensors,
-and a tiny Llama GGUF (Q8_0 blocks) whose header, are cut short or lie (the safetensors header length, a tensor's
-dtype, data offsets or shape, the header's JSON; a GGUF field's or tensor record's counts, lengths, types, dims or
-offsets, random bytes of the header).
+"""Generated damaged checkpoint files (hypothesis) opened through LLM: a tiny random Qwen3 whose
+model.safetensors, and a tiny Llama GGUF (Q8_0 blocks) whose header, are cut short or lie (the
+safetensors header length, a tensor's dtype, data offsets or shape, the header's JSON; a GGUF
+field's or tensor record's counts, lengths, types, dims or offsets, random bytes of the header).
 
-The property: LLM(...) raises a ValueError naming the file or its folder (loading.CheckpointError: the parsers' own errors
-named; a tensor that does not fit its parameter; a dtype the checkpoint cannot hold), or it opens and answers a
-request (a GGUF field it reads differently, e.g. a tensor offset pointing at other data, changes the model in a way
-no reader can tell). Never another exception, a crash or a hang. After each batch, the undamaged files still open
-and give their usual answer.
+The property: LLM(...) raises a ValueError naming the file or its folder (loading.CheckpointError:
+the parsers' own errors named; a tensor that does not fit its parameter; a dtype the checkpoint
+cannot hold), or it opens and answers a request (a GGUF field it reads differently, e.g. a tensor
+offset pointing at other data, changes the model in a way no reader can tell). Never another
+exception, a crash or a hang. After each batch, the undamaged files still open and give their usual
+answer.
 
 The counts of cases per format are printed (pytest -s) and asserted to be at least CASES each."""
 import json
@@ -27,9 +28,9 @@ OPTIONS = dict(dtype="float32", kv_cache_bytes=4 * 2 ** 20, max_model_len=64)
 GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 PROMPT = [5, 17, 42, 99]
 
-junk = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.text(max_size=6),
-                 st.lists(st.integers(-3, 2 ** 40), max_size=4), st.dictionaries(st.text(max_size=3), st.integers(),
-                                                                                 max_size=2))
+junk = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.text(max_size=6),
+                 st.lists(st.integers(-3, 2**40), max_size=4),
+                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,8 @@ def originals(tmp_path_factory):
 def answer(path: str) -> list[int]:
     llm = LLM(path, **OPTIONS)
     out = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    assert len(out) == GREEDY.max_tokens and all(0 <= t < llm.engine.text_config.vocab_size for t in out)
+    assert len(out) == GREEDY.max_tokens and all(0 <= t < llm.engine.text_config.vocab_size
+                                                 for t in out)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     return out
@@ -62,7 +64,8 @@ class Blob(bytes):
 def damaged_safetensors(draw, data: bytes) -> tuple[str, bytes]:
     n = int.from_bytes(data[:8], "little")
     header, body = json.loads(data[8:8 + n]), data[8 + n:]
-    kind = draw(st.sampled_from(["truncate", "length", "dtype", "offsets", "shape", "json", "bytes"]))
+    kind = draw(
+        st.sampled_from(["truncate", "length", "dtype", "offsets", "shape", "json", "bytes"]))
     if kind == "truncate":
         return kind, Blob(data[:draw(st.integers(0, len(data) - 1))])
     if kind == "length":
@@ -77,13 +80,18 @@ def damaged_safetensors(draw, data: bytes) -> tuple[str, bytes]:
     names = sorted(k for k in header if k != "__metadata__")
     entry = header[draw(st.sampled_from(names))]
     if kind == "dtype":
-        entry["dtype"] = draw(st.sampled_from(["F16", "BF16", "F64", "I32", "I64", "I8", "U8", "BOOL", "F8_E4M3",
-                                               "F8_E5M2", "Q4", "", "f32"]) | junk)
+        entry["dtype"] = draw(
+            st.sampled_from([
+                "F16", "BF16", "F64", "I32", "I64", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "Q4",
+                "", "f32"
+            ]) | junk)
     elif kind == "offsets":
         start, end = entry["data_offsets"]
-        entry["data_offsets"] = draw(st.sampled_from([[end, start], [start, end + 4], [start + 4, end + 4],
-                                                      [start, len(body) + 64], [0, 0]]) |
-                                     st.lists(st.integers(-5, 2 * len(body)), max_size=3) | junk)
+        entry["data_offsets"] = draw(
+            st.sampled_from([[end, start], [start, end + 4], [start + 4, end +
+                                                              4], [start, len(body) +
+                                                                   64], [0, 0]]) |
+            st.lists(st.integers(-5, 2 * len(body)), max_size=3) | junk)
     elif kind == "shape":
         entry["shape"] = draw(st.lists(st.integers(-3, 2 ** 40), max_size=4) | junk)
     else:
@@ -130,7 +138,8 @@ def damaged_gguf(draw, path: str, out: str) -> str:
 
 
 def opens_or_names_the_file(path: str, shown: str, outcomes: dict, kind: str) -> None:
-    """`shown`: what the error must name (the damaged file, or the checkpoint folder for a tensor's dtype)."""
+    """`shown`: what the error must name (the damaged file, or the checkpoint folder for a tensor's
+    dtype)."""
     try:
         llm = LLM(path, **OPTIONS)
     except (ValueError, FileNotFoundError) as e:
@@ -138,7 +147,8 @@ def opens_or_names_the_file(path: str, shown: str, outcomes: dict, kind: str) ->
         outcomes["refused"] += 1
         return
     out = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    assert len(out) == GREEDY.max_tokens and all(0 <= t < llm.engine.text_config.vocab_size for t in out)
+    assert len(out) == GREEDY.max_tokens and all(0 <= t < llm.engine.text_config.vocab_size
+                                                 for t in out)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     outcomes["opened"] += 1
@@ -151,7 +161,8 @@ def run_safetensors(originals, tmp_path, cases: int):
     damaged = tmp_path / "damaged"
     shutil.copytree(folder, damaged)  # (makes tmp_path too)
 
-    @settings(max_examples=cases, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=cases, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
     @given(case=damaged_safetensors(data))
     def one(case):
         kind, blob = case
@@ -160,7 +171,8 @@ def run_safetensors(originals, tmp_path, cases: int):
         opens_or_names_the_file(str(damaged), str(damaged), outcomes, kind)
 
     one()
-    print(f"safetensors: {sum(outcomes.values())} generated cases, {outcomes}, kinds {sorted(kinds)}")
+    print(
+        f"safetensors: {sum(outcomes.values())} generated cases, {outcomes}, kinds {sorted(kinds)}")
     assert sum(outcomes.values()) >= cases and outcomes["refused"] > 0 and len(kinds) == 7
     assert answer(folder) == answers[folder]
 
@@ -171,7 +183,8 @@ def run_gguf(originals, tmp_path, cases: int):
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = str(tmp_path / "damaged.gguf")
 
-    @settings(max_examples=cases, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=cases, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
     @given(data=st.data())
     def one(data):
         kind = data.draw(damaged_gguf(gguf_file, out))
@@ -198,9 +211,10 @@ def test_many_damaged_checkpoints(originals, tmp_path):
     run_gguf(originals, tmp_path / "gguf", SLOW_CASES)
 
 
-# Regressions of cases the generated GGUF headers found: sizes that lie made the loader build (and the machine's
-# memory run out on) a model of terabytes, or billions of layers; a tensor that claims an integer dtype loaded as
-# garbage. Each is refused, naming the file, before anything is allocated.
+# Regressions of cases the generated GGUF headers found: sizes that lie made the loader build (and
+# the machine's memory run out on) a model of terabytes, or billions of layers; a tensor that claims
+# an integer dtype loaded as garbage. Each is refused, naming the file, before anything is
+# allocated.
 @pytest.mark.parametrize("key, value, match", [
     ("llama.feed_forward_length", 2 ** 31 - 1, "config describes a model of"),
     ("llama.vocab_size", 2 ** 32 - 1, "config describes a model of"),
@@ -229,6 +243,7 @@ def test_an_integer_tensor_in_a_float_checkpoint_is_refused(originals, tmp_path)
     header["model.norm.weight"]["dtype"] = "I32"
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
-    (folder / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
+    (folder /
+     "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
     with pytest.raises(ValueError, match="'model.norm.weight' is stored as I32"):
         LLM(str(folder), **OPTIONS)

@@ -1,15 +1,18 @@
-"""Generated hostile image and video files (hypothesis) through every surface that takes them: LLM.generate (bytes),
-Pipeline.chat (a file path), the captioner (a folder of them) and the server (data URIs). Images: PNG, JPEG, GIF,
-WebP, BMP and TIFF in every mode PIL writes there (1, L, LA, P, RGB, RGBA, CMYK, I;16, I, F), animated ones, sizes
-from 1 pixel to a 1 x 3000 strip, and damaged ones: cut short, a wrong magic, bytes flipped, a header claiming
-huge dimensions (a decompression bomb). Videos: H.264 MP4, MJPEG AVI and VP9 WebM clips of 0 to 5 frames at fps
-from 1/1000 to 10000, with and without a rotation tag, cut short or with bytes flipped.
+"""Generated hostile image and video files (hypothesis) through every surface that takes them:
+LLM.generate (bytes), Pipeline.chat (a file path), the captioner (a folder of them) and the server
+(data URIs). Images: PNG, JPEG, GIF, WebP, BMP and TIFF in every mode PIL writes there (1, L, LA, P,
+RGB, RGBA, CMYK, I;16, I, F), animated ones, sizes from 1 pixel to a 1 x 3000 strip, and damaged
+ones: cut short, a wrong magic, bytes flipped, a header claiming huge dimensions (a decompression
+bomb). Videos: H.264 MP4, MJPEG AVI and VP9 WebM clips of 0 to 5 frames at fps from 1/1000 to 10000,
+with and without a rotation tag, cut short or with bytes flipped.
 
-The property: a clear error naming the image or video (a ValueError, a RequestError for that request, a caption
-record with its error, a 4xx) or an answer. Never another exception, a crash, a 5xx or a hang; after each batch the
-engine holds no KV block and no encoder entry, and still gives a plain request its usual answer.
+The property: a clear error naming the image or video (a ValueError, a RequestError for that
+request, a caption record with its error, a 4xx) or an answer. Never another exception, a crash, a
+5xx or a hang; after each batch the engine holds no KV block and no encoder entry, and still gives a
+plain request its usual answer.
 
-The counts of cases per surface are printed (pytest -s) and asserted to be at least the surface's count."""
+The counts of cases per surface are printed (pytest -s) and asserted to be at least the surface's
+count."""
 import io
 import os
 from fractions import Fraction
@@ -28,7 +31,8 @@ from vlinfer.captioning import caption_files
 from serve_helpers import data_uri, png_bomb
 
 MODEL = "qwen3-vl-tiny"
-CASES = {"llm-image": 300, "llm-video": 100, "pipeline": 60, "captioner": 4, "server": 100}  # captioner: folders
+# captioner: folders
+CASES = {"llm-image": 300, "llm-video": 100, "pipeline": 60, "captioner": 4, "server": 100}
 SLOW_FACTOR = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 IMAGE_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\n"
@@ -63,18 +67,20 @@ def image_files(draw) -> bytes:
     buf = io.BytesIO()
     try:
         images[0].save(buf, fmt, save_all=frames > 1, append_images=images[1:])
-    except (OSError, ValueError, KeyError):  # a mode this PIL cannot write in that format: a plain PNG instead
+    # a mode this PIL cannot write in that format: a plain PNG instead
+    except (OSError, ValueError, KeyError):
         buf = io.BytesIO()
         images[0].convert("RGB").save(buf, "PNG")
     return damaged(draw, buf.getvalue(), bomb=True)
 
 
 def damaged(draw, data: bytes, bomb: bool = False) -> bytes:
-    how = draw(st.sampled_from(["none", "none", "truncate", "magic", "flip"] + (["bomb"] if bomb else [])))
+    how = draw(
+        st.sampled_from(["none", "none", "truncate", "magic", "flip"] + (["bomb"] if bomb else [])))
     if not data:  # a container PyAV wrote nothing into
         return data
-    # Offsets are drawn as shares of the length: an encoder's output may differ by a few bytes between runs, and
-    # hypothesis replays a case by its draws.
+    # Offsets are drawn as shares of the length: an encoder's output may differ by a few bytes
+    # between runs, and hypothesis replays a case by its draws.
     share = st.floats(0, 1, exclude_max=True)
     if how == "truncate":
         return data[:int(draw(share) * len(data))]
@@ -86,17 +92,25 @@ def damaged(draw, data: bytes, bomb: bool = False) -> bytes:
             flipped[int(draw(share) * len(data))] = draw(st.integers(0, 255))
         return bytes(flipped)
     if how == "bomb":
-        return png_bomb(*draw(st.sampled_from([(40000, 40000), (100000, 1), (1, 100000), (2 ** 31 - 1, 2)])))
+        return png_bomb(
+            *draw(st.sampled_from([(40000, 40000), (100000, 1), (1, 100000), (2**31 - 1, 2)])))
     return data
 
 
 @st.composite
 def video_files(draw) -> bytes:
     import av
-    container, codec = draw(st.sampled_from([("mp4", "libx264"), ("avi", "mjpeg"), ("webm", "libvpx-vp9")]))
+    container, codec = draw(
+        st.sampled_from([("mp4", "libx264"), ("avi", "mjpeg"), ("webm", "libvpx-vp9")]))
     frames = draw(st.integers(0, 5))
     height, width = draw(st.sampled_from([16, 32, 48])), draw(st.sampled_from([16, 32, 64]))
-    fps = draw(st.sampled_from([Fraction(1, 1000), Fraction(1, 3), Fraction(2), Fraction(25), Fraction(10000)]))
+    fps = draw(
+        st.sampled_from(
+            [Fraction(1, 1000),
+             Fraction(1, 3),
+             Fraction(2),
+             Fraction(25),
+             Fraction(10000)]))
     buf = io.BytesIO()
     out = av.open(buf, "w", format=container)
     stream = out.add_stream(codec, rate=fps)
@@ -104,7 +118,8 @@ def video_files(draw) -> bytes:
     stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
     if draw(st.booleans()):
         stream.metadata["rotate"] = str(draw(st.sampled_from([90, 180, 270, 45, -90])))
-    for frame in drawn_clip(frames, height, width, seed=draw(st.integers(0, 100))) if frames else []:
+    for frame in drawn_clip(frames, height, width, seed=draw(st.integers(0,
+                                                                         100))) if frames else []:
         for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
             out.mux(packet)
     for packet in stream.encode():
@@ -140,10 +155,14 @@ def generate_one(llm, prompt, outcomes: dict) -> None:
 def run_llm(llm, kind: str, cases: int):
     before, outcomes = plain(llm), {"answered": 0, "refused": 0}
 
-    @settings(max_examples=cases, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=cases, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
     @given(data=image_files() if kind == "image" else video_files())
     def one(data):
-        prompt = {"prompt": IMAGE_PROMPT if kind == "image" else VIDEO_PROMPT, "multi_modal_data": {kind: [data]}}
+        prompt = {
+            "prompt": IMAGE_PROMPT if kind == "image" else VIDEO_PROMPT,
+            "multi_modal_data": {kind: [data]}
+        }
         generate_one(llm, prompt, outcomes)
 
     one()
@@ -157,13 +176,16 @@ def run_pipeline(tmp_path, cases: int):
     pipe = Pipeline(MODEL, dtype="float32", max_model_len=2048, kv_cache_bytes=64 << 20)
     outcomes, path = {"answered": 0, "refused": 0}, tmp_path / "upload.bin"
 
-    @settings(max_examples=cases, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=cases, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
     @given(data=image_files())
     def one(data):
         path.write_bytes(data)
         try:
-            out = pipe.chat([{"role": "user", "content": [{"type": "image", "image": str(path)},
-                                                          {"type": "text", "text": "What is it?"}]}], GREEDY)
+            out = pipe.chat([{
+                "role": "user", "content": [{"type": "image", "image": str(path)},
+                                            {"type": "text", "text": "What is it?"}]
+            }], GREEDY)
             assert isinstance(out, str)
             outcomes["answered"] += 1
         except ValueError as e:
@@ -177,12 +199,14 @@ def run_pipeline(tmp_path, cases: int):
 
 
 def run_captioner(llm, tmp_path, folders: int):
-    """Folders of 12 generated images and clips each: one record per file, a caption or an error naming it."""
+    """Folders of 12 generated images and clips each: one record per file, a caption or an error
+    naming it."""
     records_seen = {"captioned": 0, "errors": 0}
 
-    @settings(max_examples=folders, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-    @given(images=st.lists(image_files(), min_size=8, max_size=8), videos=st.lists(video_files(), min_size=4,
-                                                                                   max_size=4))
+    @settings(max_examples=folders, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(images=st.lists(image_files(), min_size=8, max_size=8),
+           videos=st.lists(video_files(), min_size=4, max_size=4))
     def one(images, videos):
         folder = tmp_path / f"folder{sum(records_seen.values())}"
         folder.mkdir()
@@ -191,8 +215,8 @@ def run_captioner(llm, tmp_path, folders: int):
         for p, data in zip(paths, images + videos):
             open(p, "wb").write(data)
         out = folder / "captions.jsonl"
-        summary = caption_files(llm, paths, str(out), batch_size=4, max_pixels=64 * 64, progress=False,
-                                sampling_params=GREEDY)
+        summary = caption_files(llm, paths, str(out), batch_size=4, max_pixels=64 * 64,
+                                progress=False, sampling_params=GREEDY)
         from vlinfer.captioning import read_records
         records = read_records(str(out))
         assert sorted(r["path"] for r in records) == sorted(paths)
@@ -218,13 +242,20 @@ def run_server(llm, cases: int):
     outcomes = {"answered": 0, "refused": 0}
     try:
         with ServerThread(build_app(loop, ServeConfig(served_model_names=(MODEL,)))) as url:
-            @settings(max_examples=cases, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-            @given(data=image_files(), mime=st.sampled_from(["image/png", "image/jpeg", "image/gif", "text/plain"]))
+
+            @settings(max_examples=cases, deadline=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(data=image_files(),
+                   mime=st.sampled_from(["image/png", "image/jpeg", "image/gif", "text/plain"]))
             def one(data, mime):
-                r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
-                    "model": MODEL, "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": [
-                        {"type": "image_url", "image_url": {"url": data_uri(data, mime)}},
-                        {"type": "text", "text": "What is it?"}]}]})
+                r = httpx.post(
+                    url + "/v1/chat/completions", timeout=60, json={
+                        "model": MODEL, "max_tokens": 2, "temperature": 0, "messages": [{
+                            "role": "user", "content": [{
+                                "type": "image_url", "image_url": {"url": data_uri(data, mime)}
+                            }, {"type": "text", "text": "What is it?"}]
+                        }]
+                    })
                 assert r.status_code < 500, r.text[:500]
                 if r.status_code >= 400:
                     assert names_the_medium(r.json()["error"]["message"]), r.text[:500]
@@ -258,8 +289,9 @@ def test_many_generated_media(llm, tmp_path):
     run_all(llm, tmp_path, SLOW_FACTOR)
 
 
-# Regressions of cases the generated videos found (a damaged WebM and a damaged MP4; FFmpeg's view of them, faked):
-# both crashed the request with an AttributeError / UnboundLocalError instead of naming the video.
+# Regressions of cases the generated videos found (a damaged WebM and a damaged MP4; FFmpeg's view
+# of them, faked): both crashed the request with an AttributeError / UnboundLocalError instead of
+# naming the video.
 class FakeStream:
     codec_context = None
 

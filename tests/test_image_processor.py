@@ -1,5 +1,6 @@
-"""Image input layer + Qwen3-VL image preprocessor, checked against transformers' fast Qwen2VLImageProcessor (what
-AutoImageProcessor builds for qwen3_vl), constructed locally with the published Qwen3-VL parameters."""
+"""Image input layer + Qwen3-VL image preprocessor, checked against transformers' fast
+Qwen2VLImageProcessor (what AutoImageProcessor builds for qwen3_vl), constructed locally with the
+published Qwen3-VL parameters."""
 import base64
 import io
 import json
@@ -36,8 +37,8 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def ref():
-    return Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
-                                 image_std=[0.5] * 3, resample=3,
+    return Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2,
+                                 image_mean=[0.5] * 3, image_std=[0.5] * 3, resample=3,
                                  size={"shortest_edge": 65536, "longest_edge": 16777216})
 
 
@@ -50,7 +51,8 @@ def rand_image(h, w, seed=0, mode="RGB"):
     rng = np.random.default_rng(seed)
     # Smooth-ish content plus noise so bicubic resampling has real work (and overshoot) to do.
     yy, xx = np.mgrid[0:h, 0:w]
-    base = np.stack([(xx * 255 // max(w - 1, 1)), (yy * 255 // max(h - 1, 1)), ((xx + yy) % 256)], -1)
+    base = np.stack([(xx * 255 // max(w - 1, 1)), (yy * 255 // max(h - 1, 1)), ((xx + yy) % 256)],
+                    -1)
     arr = np.clip(base + rng.integers(-40, 41, (h, w, 3)), 0, 255).astype(np.uint8)
     return PIL.Image.fromarray(arr).convert(mode) if mode != "RGB" else PIL.Image.fromarray(arr)
 
@@ -68,10 +70,11 @@ def assert_same(ours: ProcessedImages, theirs):
     assert diff <= TOL, diff
 
 
-# ------------------------------------------------------------------------------------------- processor parity
+# -------------------------------------------------------------------------------------------
+# processor parity
 
-SIZES = [(32, 32), (57, 300), (300, 57), (480, 640), (640, 480), (997, 1000), (720, 1280), (1280, 720),
-         (20, 300), (5, 5), (33, 47), (1023, 511)]
+SIZES = [(32, 32), (57, 300), (300, 57), (480, 640), (640, 480), (997, 1000), (720, 1280),
+         (1280, 720), (20, 300), (5, 5), (33, 47), (1023, 511)]
 
 
 @pytest.mark.parametrize("hw", SIZES, ids=[f"{h}x{w}" for h, w in SIZES])
@@ -102,7 +105,12 @@ def test_matches_transformers_per_call_pixels(ref, proc, hw, mn, mx):
 
 def test_batch_matches_transformers(ref, proc):
     # Two same-shaped images exercise transformers' shape grouping; order must survive it.
-    ims = [rand_image(120, 200, 1), rand_image(64, 64, 2), rand_image(120, 200, 3), rand_image(301, 77, 4)]
+    ims = [
+        rand_image(120, 200, 1),
+        rand_image(64, 64, 2),
+        rand_image(120, 200, 3),
+        rand_image(301, 77, 4)
+    ]
     out = proc(ims)
     assert_same(out, ref_call(ref, ims))
     assert sum(out.num_tokens) * 4 == out.pixel_values.shape[0]
@@ -146,7 +154,8 @@ def test_token_count_without_processing(ref, proc):
         assert proc.grid_thw(h, w)[1] * 16 == proc.resized_size(h, w)[0]
     im = rand_image(333, 222, 1)
     assert proc([im]).num_tokens == [proc.num_image_tokens(333, 222)]
-    assert proc.num_image_tokens(333, 222, max_pixels=64 * 64) == proc([im], max_pixels=64 * 64).num_tokens[0]
+    assert proc.num_image_tokens(333, 222,
+                                 max_pixels=64 * 64) == proc([im], max_pixels=64 * 64).num_tokens[0]
 
 
 def test_smart_resize_matches_transformers():
@@ -158,15 +167,19 @@ def test_smart_resize_matches_transformers():
         if max(h, w) / min(h, w) > 200:
             continue
         theirs = hf_smart_resize(h, w, 32, mn, mx)
-        if theirs[0] * theirs[1] <= mx:  # where transformers keeps max_pixels, the grids are the same
+        # where transformers keeps max_pixels, the grids are the same
+        if theirs[0] * theirs[1] <= mx:
             assert smart_resize(h, w, 32, mn, mx) == theirs
 
 
 @pytest.mark.parametrize("hw, mn, mx, expected", [
-    ((10, 10), 65536, 50000, (192, 192)),     # below min_pixels, min above max: transformers gives 256x256
-    ((20, 300), 65536, 66000, (64, 992)),     # upscale to min rounds both sides past a max just above it
+    # below min_pixels, min above max: transformers gives 256x256
+    ((10, 10), 65536, 50000, (192, 192)),
+    # upscale to min rounds both sides past a max just above it
+    ((20, 300), 65536, 66000, (64, 992)),
     ((300, 57), 65536, 70000, (576, 96)),     # the same, the other orientation
-    ((40, 8000), 1024, 10240, (32, 320)),     # aspect ratio 200: one side stays 32, the other must shrink
+    # aspect ratio 200: one side stays 32, the other must shrink
+    ((40, 8000), 1024, 10240, (32, 320)),
 ])
 def test_max_pixels_is_an_upper_bound(proc, hw, mn, mx, expected):
     theirs = hf_smart_resize(*hw, 32, mn, mx)
@@ -186,13 +199,16 @@ def test_max_pixels_below_one_patch_window_is_refused(proc):
 
 def test_detail_sets_the_pixel_budget(proc):
     ims = [rand_image(800, 800, 1), rand_image(800, 800, 2), rand_image(800, 800, 3)]
-    # low: at most LOW_DETAIL_MAX_PIXELS = 512 x 512; high and auto (and unset): max_pixels as configured.
+    # low: at most LOW_DETAIL_MAX_PIXELS = 512 x 512; high and auto (and unset): max_pixels as
+    # configured.
     out = proc(ims, detail=["low", "high", None])
     assert out.sizes == [(512, 512), (800, 800), (800, 800)] and out.num_tokens == [256, 625, 625]
     assert proc(ims[:1], detail="auto").sizes == proc(ims[:1]).sizes == [(800, 800)]
-    assert proc(ims[:1], detail="low", max_pixels=256 * 256).sizes == [(256, 256)]  # the smaller budget wins
+    # the smaller budget wins
+    assert proc(ims[:1], detail="low", max_pixels=256 * 256).sizes == [(256, 256)]
     assert proc(ims[:1], detail="high", max_pixels=256 * 256).sizes == [(256, 256)]
-    assert proc.max_pixels_for("low") == 512 * 512 and proc.max_pixels_for("high") == proc.max_pixels
+    assert proc.max_pixels_for("low") == 512 * 512 and proc.max_pixels_for(
+        "high") == proc.max_pixels
     with pytest.raises(ValueError, match="detail must be one of auto, low, high, got 'medium'"):
         proc(ims[:1], detail="medium")
 
@@ -205,7 +221,8 @@ def test_validation(proc):
     with pytest.raises(ValueError, match="smaller than the patch factor"):
         smart_resize(10, 10, 32, 0, 10**6)
     # max_pixels wins over a larger min_pixels (here as in transformers).
-    assert smart_resize(1000, 1000, 32, 65536, 4096) == hf_smart_resize(1000, 1000, 32, 65536, 4096) == (64, 64)
+    assert smart_resize(1000, 1000, 32, 65536, 4096) == hf_smart_resize(
+        1000, 1000, 32, 65536, 4096) == (64, 64)
     with pytest.raises(TypeError, match="load_image"):
         proc([np.zeros((32, 32, 3), np.uint8)])
 
@@ -214,7 +231,8 @@ def test_single_image_and_empty(proc):
     out = proc(rand_image(64, 64))
     assert len(out) == 1 and out.grid_thw.shape == (1, 3)
     empty = proc([])
-    assert empty.pixel_values.shape == (0, 1536) and empty.grid_thw.shape == (0, 3) and len(empty) == 0
+    assert empty.pixel_values.shape == (0, 1536) and empty.grid_thw.shape == (0,
+                                                                              3) and len(empty) == 0
 
 
 def test_temporal_repeat_and_layout(proc):
@@ -228,15 +246,20 @@ def test_from_config(tmp_path):
     p = Qwen3VLImageProcessor.from_config_dict(QWEN3_VL_CONFIG)
     assert (p.patch_size, p.temporal_patch_size, p.merge_size, p.min_pixels, p.max_pixels) == \
         (16, 2, 2, 65536, 16777216)
-    legacy = Qwen3VLImageProcessor.from_config_dict({**QWEN3_VL_CONFIG, "min_pixels": 1024, "max_pixels": 4096})
+    legacy = Qwen3VLImageProcessor.from_config_dict(
+        {**QWEN3_VL_CONFIG, "min_pixels": 1024, "max_pixels": 4096})
     assert (legacy.min_pixels, legacy.max_pixels) == (1024, 4096)
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**QWEN3_VL_CONFIG, "patch_size": 14}))
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps({**QWEN3_VL_CONFIG, "patch_size": 14}))
     assert Qwen3VLImageProcessor.from_pretrained(tmp_path).patch_size == 14
-    # No settings in the checkpoint: the published values (the class defaults), as the video processor does.
+    # No settings in the checkpoint: the published values (the class defaults), as the video
+    # processor does.
     assert Qwen3VLImageProcessor.from_pretrained(tmp_path / "nope").patch_size == 16
     (tmp_path / "nested").mkdir()
     (tmp_path / "nested" / "processor_config.json").write_text(
-        json.dumps({"image_processor": {**QWEN3_VL_CONFIG, "patch_size": 14}, "video_processor": {"fps": 3}}))
+        json.dumps({
+            "image_processor": {**QWEN3_VL_CONFIG, "patch_size": 14}, "video_processor": {"fps": 3}
+        }))
     assert Qwen3VLImageProcessor.from_pretrained(tmp_path / "nested").patch_size == 14
 
 
@@ -248,7 +271,8 @@ def test_cuda_matches_transformers_on_cuda(ref, proc):
     assert_same(out, ref_call(ref, ims, device="cuda"))
 
 
-# ------------------------------------------------------------------------------------------------- image_io
+# -------------------------------------------------------------------------------------------------
+# image_io
 
 def png_bytes(im, **kw):
     buf = io.BytesIO()
@@ -309,7 +333,8 @@ def _conversion_cases():
     p = PIL.Image.fromarray(rgb).convert("P", palette=PIL.Image.Palette.ADAPTIVE, colors=16)
     p_trans = p.copy()
     p_trans.info["transparency"] = 3
-    cmyk = PIL.Image.frombytes("CMYK", (36, 24), rng.integers(0, 256, (24, 36, 4), dtype=np.uint8).tobytes())
+    cmyk = PIL.Image.frombytes("CMYK", (36, 24),
+                               rng.integers(0, 256, (24, 36, 4), dtype=np.uint8).tobytes())
     i16 = PIL.Image.fromarray(rng.integers(0, 65536, (24, 36), dtype=np.uint16))
     i16_low = PIL.Image.fromarray(rng.integers(0, 256, (24, 36), dtype=np.uint16))
     i32 = PIL.Image.fromarray(rng.integers(-100, 400, (24, 36), dtype=np.int32))
@@ -367,7 +392,8 @@ def test_url_fetch_local_server():
     server = ImageServer(data)
     try:
         url = f"{server.url}/x.png"
-        # The server's checks (vlinfer/multimodal/url_fetch.py): loopback is refused unless the policy allows it.
+        # The server's checks (vlinfer/multimodal/url_fetch.py): loopback is refused unless the
+        # policy allows it.
         with pytest.raises(ImageLoadError, match="non-public address 127.0.0.1"):
             load_image(url, url_policy=UrlPolicy())
         assert load_image(url, url_policy=UrlPolicy(allow_private=True, timeout=5)).size == (50, 30)
@@ -378,18 +404,21 @@ def test_url_fetch_local_server():
 
 
 def _png_header_only(w, h):
-    """A PNG that claims w x h RGB pixels but carries (almost) no data: what a decompression bomb's header looks
-    like, without spending memory to build a real one."""
+    """A PNG that claims w x h RGB pixels but carries (almost) no data: what a decompression bomb's
+    header looks like, without spending memory to build a real one."""
     def chunk(kind, body):
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(
+            ">I", zlib.crc32(kind + body))
     ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(
+        b"IEND", b"")
 
 
 def test_decompression_bomb():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # PIL's DecompressionBombWarning must not leak out
-        # Over our limit but under PIL's hard limit: our error, named with the pixel count and the limit.
+        # Over our limit but under PIL's hard limit: our error, named with the pixel count and the
+        # limit.
         with pytest.raises(ImageLoadError, match=r"100000000 pixels, over the limit of 50000000"):
             load_image(_png_header_only(10000, 10000), max_image_pixels=50_000_000)
         # Over PIL's own hard limit: still our error type, not PIL's.

@@ -17,10 +17,12 @@ from vlinfer.ops import reference
 from vlinfer.ops.reference import kv_cache as kv_quant_reference
 from vlinfer.platform import cpu_features
 
-# The stated tolerance (README, correctness): the largest |our logit - transformers' logit| along a sequence, as a
-# share of transformers' largest |logit| there, float32 model and weights. fp8 runs with scale 1.0 (no checkpoint
-# scales): e4m3 keeps 3 mantissa bits, e5m2 2.
-TOLERANCE = {"bfloat16": 2e-2, "float16": 3e-3, "int8": 3e-2, "fp8": 0.15, "fp8_e4m3": 0.15, "fp8_e5m2": 0.3}
+# The stated tolerance (README, correctness): the largest |our logit - transformers' logit| along a
+# sequence, as a share of transformers' largest |logit| there, float32 model and weights. fp8 runs
+# with scale 1.0 (no checkpoint scales): e4m3 keeps 3 mantissa bits, e5m2 2.
+TOLERANCE = {
+    "bfloat16": 2e-2, "float16": 3e-3, "int8": 3e-2, "fp8": 0.15, "fp8_e4m3": 0.15, "fp8_e5m2": 0.3
+}
 COMPRESSED = ["bfloat16", "float16", "fp8", "fp8_e5m2", "int8"]
 
 
@@ -46,30 +48,39 @@ def path_logits(llm, token_lists):
 
 
 def test_the_names_are_vllms_and_an_unknown_one_is_refused_before_loading(tmp_path):
-    assert set(KV_CACHE_DTYPES) == {"auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"}
+    assert set(KV_CACHE_DTYPES) == {
+        "auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"
+    }
     assert KV_CACHE_DTYPES["fp8"] is KV_CACHE_DTYPES["fp8_e4m3"]
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp4' is not supported: expected one of auto, bfloat16"):
+    with pytest.raises(
+            ValueError,
+            match=r"kv_cache_dtype='fp4' is not supported: expected one of auto, bfloat16"):
         EngineConfig(model="x", kv_cache_dtype="fp4")
-    with pytest.raises(ValueError, match="kv_cache_dtype='q8_0'"):  # no checkpoint needed: nothing is read first
+    # no checkpoint needed: nothing is read first
+    with pytest.raises(ValueError, match="kv_cache_dtype='q8_0'"):
         LLM(str(tmp_path / "missing"), kv_cache_dtype="q8_0")
 
 
 def test_int8_rows_round_to_their_own_scale_and_padding_slots_are_skipped():
     torch.manual_seed(0)
-    key, value = torch.randn(5, 2, 16) * torch.tensor([1.0, 50.0])[None, :, None], torch.randn(5, 2, 16)
+    key, value = torch.randn(5, 2, 16) * torch.tensor([1.0, 50.0])[None, :, None], torch.randn(
+        5, 2, 16)
     k_cache = torch.zeros(3, 4, 2, 16, dtype=torch.int8)
     v_cache = torch.zeros_like(k_cache)
     k_scale, v_scale = torch.ones(3, 4, 2), torch.ones(3, 4, 2)
     slots = torch.tensor([0, 5, -1, 11, 2])
-    kv_quant_reference.store_quantized_kvcache(key, value, k_cache, v_cache, k_scale, v_scale, slots)
+    kv_quant_reference.store_quantized_kvcache(key, value, k_cache, v_cache, k_scale, v_scale,
+                                               slots)
     flat_scale = k_scale.view(-1, 2)
     for row, slot in enumerate(slots.tolist()):
         if slot < 0:
             continue
         expected = key[row].abs().amax(-1) / 127
         torch.testing.assert_close(flat_scale[slot], expected)
-        back = kv_quant_reference.dequantize(k_cache.view(-1, 2, 16)[slot], flat_scale[slot], torch.float32)
-        assert ((back - key[row]).abs() <= expected[:, None] / 2 + 1e-6).all()  # within half a step of its row
+        back = kv_quant_reference.dequantize(
+            k_cache.view(-1, 2, 16)[slot], flat_scale[slot], torch.float32)
+        # within half a step of its row
+        assert ((back - key[row]).abs() <= expected[:, None] / 2 + 1e-6).all()
     untouched = [s for s in range(12) if s not in slots.tolist()]
     assert (k_cache.view(-1, 2, 16)[untouched] == 0).all() and (flat_scale[untouched] == 1).all()
 
@@ -85,7 +96,8 @@ def test_floating_caches_apply_the_per_tensor_scale_and_saturate(name):
     limit = torch.finfo(dtype).max
     torch.testing.assert_close(back[0, 0, :2], torch.tensor([0.5, -3.0]), rtol=0.13, atol=0)
     expected_big = min(5e5, limit) * 2
-    torch.testing.assert_close(back[0, 0, 2:], torch.tensor([expected_big, -expected_big]), rtol=0.13, atol=0)
+    torch.testing.assert_close(back[0, 0, 2:], torch.tensor([expected_big, -expected_big]),
+                               rtol=0.13, atol=0)
 
 
 @pytest.mark.parametrize("name", COMPRESSED)
@@ -94,21 +106,22 @@ def test_prompt_logits_within_the_stated_tolerance(tiny_checkpoint, name):
     llm = LLM(path, dtype="float32", kv_cache_bytes=8 << 20, kv_cache_dtype=name)
     assert llm.engine.resolved.kv_cache_dtype == KV_CACHE_DTYPES[name]
     for prompt, ours in zip(PROMPTS, path_logits(llm, PROMPTS)):
-        assert relative_gap(ours, reference_logits(model, prompt)) < TOLERANCE[name], (name, len(prompt))
+        assert relative_gap(ours, reference_logits(model,
+                                                   prompt)) < TOLERANCE[name], (name, len(prompt))
 
 
 @pytest.mark.parametrize("name", ["int8", "bfloat16", "fp8"])
 @pytest.mark.parametrize("path_kind", ["chunked-prefix", "preemption"])
 def test_every_scheduling_path_stays_within_the_tolerance(qwen3_checkpoint, name, path_kind):
-    """Greedy outputs through chunked prefill and prefix-cache hits (twice), or preemption and recompute: every
-    generated token is what transformers' logits along that same sequence make within the tolerance, and our logits
-    there are within it."""
+    """Greedy outputs through chunked prefill and prefix-cache hits (twice), or preemption and
+    recompute: every generated token is what transformers' logits along that same sequence make
+    within the tolerance, and our logits there are within it."""
     path, model = qwen3_checkpoint
     shared = prompts_of_lengths([40], seed=7)[0]
     prompts = PROMPTS[:5] + [shared + tail for tail in prompts_of_lengths([3, 20], seed=8)]
     if path_kind == "chunked-prefix":
-        llm = LLM(path, dtype="float32", kv_cache_bytes=8 << 20, max_num_batched_tokens=16, max_model_len=256,
-                  kv_cache_dtype=name)
+        llm = LLM(path, dtype="float32", kv_cache_bytes=8 << 20, max_num_batched_tokens=16,
+                  max_model_len=256, kv_cache_dtype=name)
         rounds = 2
     else:
         bytes_per_block = LLM(path, dtype="float32", kv_cache_bytes=1 << 20,
@@ -136,8 +149,8 @@ def test_every_scheduling_path_stays_within_the_tolerance(qwen3_checkpoint, name
 
 
 def test_a_cache_of_the_compute_dtype_is_todays_path(qwen3_checkpoint):
-    """kv_cache_dtype naming the compute dtype stores it as "auto" does: no scales, bit-identical outputs, and the
-    fused decode stack still runs."""
+    """kv_cache_dtype naming the compute dtype stores it as "auto" does: no scales, bit-identical
+    outputs, and the fused decode stack still runs."""
     path, _ = qwen3_checkpoint
     runs = []
     for name in ("auto", "bfloat16"):
@@ -152,18 +165,23 @@ def test_a_cache_of_the_compute_dtype_is_todays_path(qwen3_checkpoint):
 def test_capacity_counts_the_stored_bytes_and_scales(qwen3_checkpoint):
     path, _ = qwen3_checkpoint
     budget = 4 << 20
-    blocks = {name: LLM(path, dtype="float32", kv_cache_bytes=budget, max_num_seqs=1024,
-                        kv_cache_dtype=name).engine.resolved for name in ("auto", "bfloat16", "fp8", "int8")}
+    blocks = {
+        name: LLM(path, dtype="float32", kv_cache_bytes=budget, max_num_seqs=1024,
+                  kv_cache_dtype=name).engine.resolved
+        for name in ("auto", "bfloat16", "fp8", "int8")
+    }
     head_dim = 16
     assert blocks["bfloat16"].bytes_per_block * 2 == blocks["auto"].bytes_per_block
     assert blocks["fp8"].bytes_per_block * 4 == blocks["auto"].bytes_per_block
     # int8: head_dim bytes and one float32 scale per row, against 4 * head_dim bytes.
-    assert blocks["int8"].bytes_per_block * 4 * head_dim == blocks["auto"].bytes_per_block * (head_dim + 4)
+    assert blocks["int8"].bytes_per_block * 4 * head_dim == blocks["auto"].bytes_per_block * (
+        head_dim + 4)
     for resolved in blocks.values():
         assert resolved.num_blocks == budget // resolved.bytes_per_block
     llm = LLM(path, dtype="float32", kv_cache_bytes=budget, kv_cache_dtype="int8")
     described = llm.engine.model_runner.describe()
-    assert described["kv_cache_bytes"] == llm.engine.resolved.num_blocks * llm.engine.resolved.bytes_per_block
+    assert described[
+        "kv_cache_bytes"] == llm.engine.resolved.num_blocks * llm.engine.resolved.bytes_per_block
 
 
 def test_the_log_names_the_cache_dtype_its_reader_and_the_unfused_decode(qwen3_checkpoint, caplog):
@@ -172,12 +190,15 @@ def test_the_log_names_the_cache_dtype_its_reader_and_the_unfused_decode(qwen3_c
         LLM(path, dtype="float32", kv_cache_bytes=4 << 20, kv_cache_dtype="fp8", ops="reference")
     text = caplog.text
     assert "KV cache in torch.float8_e4m3fn: the checkpoint has no k_scale / v_scale, so both are 1.0" in text
-    assert ("KV cache in torch.float8_e4m3fn: reference has no kernel that reads it; its writes and attention run "
-            "the pure-torch reference") in text
+    assert (
+        "KV cache in torch.float8_e4m3fn: reference has no kernel that reads it; its writes and "
+        "attention run "
+        "the pure-torch reference") in text
     assert "blocks of 16 tokens in float8_e4m3fn" in text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vlinfer"):
-        LLM(path, dtype="float32", kv_cache_bytes=4 << 20, kv_cache_dtype="int8", ops="cpu-compiled")
+        LLM(path, dtype="float32", kv_cache_bytes=4 << 20, kv_cache_dtype="int8",
+            ops="cpu-compiled")
     text = caplog.text
     assert "KV cache in torch.int8: cpu-compiled kernels write it and read it" in text
     assert "module by module (the KV cache is stored in torch.int8)" in text
@@ -185,8 +206,8 @@ def test_the_log_names_the_cache_dtype_its_reader_and_the_unfused_decode(qwen3_c
 
 
 def test_quantized_attention_reads_only_the_named_blocks():
-    """The reference reads back the blocks the tables name (renumbered), and equals attention over the
-    dequantized cache; stale blocks elsewhere (NaN) never reach an output."""
+    """The reference reads back the blocks the tables name (renumbered), and equals attention over
+    the dequantized cache; stale blocks elsewhere (NaN) never reach an output."""
     torch.manual_seed(1)
     k_cache = torch.randint(-127, 128, (6, 4, 2, 8), dtype=torch.int8)
     v_cache = torch.randint(-127, 128, (6, 4, 2, 8), dtype=torch.int8)
@@ -196,7 +217,8 @@ def test_quantized_attention_reads_only_the_named_blocks():
     seq_lens = torch.tensor([7, 3], dtype=torch.int32)
     cu = torch.tensor([0, 3, 4], dtype=torch.int32)  # a 3-token chunk and a decode
     q = torch.randn(4, 4, 8)
-    out = reference.quantized_paged_attention(q, k_cache, v_cache, k_scale, v_scale, cu, seq_lens, tables, 0.3)
+    out = reference.quantized_paged_attention(q, k_cache, v_cache, k_scale, v_scale, cu, seq_lens,
+                                              tables, 0.3)
     dense_k = kv_quant_reference.dequantize(k_cache, k_scale, torch.float32)
     dense_v = kv_quant_reference.dequantize(v_cache, v_scale, torch.float32)
     expected = reference.paged_attention(q, dense_k, dense_v, cu, seq_lens, tables, 0.3)
@@ -215,7 +237,8 @@ def test_the_embedded_vl_model_captions_the_same_with_a_compressed_cache(name):
     params = SamplingParams(temperature=0, max_tokens=32)
     texts = {}
     for kv in ("auto", name):
-        llm = LLM("qwen3-vl-toy", dtype="float32", max_model_len=1024, kv_cache_bytes=64 << 20, kv_cache_dtype=kv)
+        llm = LLM("qwen3-vl-toy", dtype="float32", max_model_len=1024, kv_cache_bytes=64 << 20,
+                  kv_cache_dtype=kv)
         texts[kv] = [o.outputs[0].text for o in llm.chat(chats, params, use_tqdm=False)]
         assert_block_pool_empty(llm)
     assert texts[name] == texts["auto"]
@@ -245,11 +268,13 @@ def kernel_ops(request):
 
 @pytest.mark.parametrize("name", COMPRESSED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 48])  # the vector readers' two widths, and the plain loops'
+# the vector readers' two widths, and the plain loops'
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
 def test_cpu_kernels_write_and_read_as_the_reference(kernel_ops, name, dtype, head_dim):
-    """The compiled cache write equals the reference's rows (int8 codes within one step where x / scale sits on a
-    rounding edge) and scales; decode attention over the stored rows (GQA and not), and a mixed step, equal the
-    reference within float32 summation order (bf16: one bf16 rounding)."""
+    """The compiled cache write equals the reference's rows (int8 codes within one step where x /
+    scale sits on a rounding edge) and scales; decode attention over the stored rows (GQA and not),
+    and a mixed step, equal the reference within float32 summation order (bf16: one bf16 rounding).
+    """
     torch.manual_seed(3)
     cache_dtype = KV_CACHE_DTYPES[name]
     blocks, block_size, kv_heads = 9, 16, 2
@@ -264,7 +289,8 @@ def test_cpu_kernels_write_and_read_as_the_reference(kernel_ops, name, dtype, he
 
     ours, theirs = empty_cache(), empty_cache()
     tokens = 100
-    key, value = torch.randn(tokens, kv_heads, head_dim).to(dtype), torch.randn(tokens, kv_heads, head_dim).to(dtype)
+    key, value = torch.randn(tokens, kv_heads,
+                             head_dim).to(dtype), torch.randn(tokens, kv_heads, head_dim).to(dtype)
     slots = torch.randperm(blocks * block_size)[:tokens]
     slots[7] = -1
     kernel_ops.store_quantized_kvcache(key, value, *ours[:2], *ours[2:], slots)
@@ -277,25 +303,33 @@ def test_cpu_kernels_write_and_read_as_the_reference(kernel_ops, name, dtype, he
         else:
             torch.testing.assert_close(a.float(), b.float(), rtol=1e-6, atol=0)
     tables = torch.tensor([[0, 3, 5, -1], [8, -1, -1, -1], [1, 2, 4, 6]], dtype=torch.int32)
-    # A group of 4 query heads per KV head (the AVX-512 reader converts each key row once for the group) and of 1.
-    for lens, q_lens, heads in (([40, 3, 64], [1, 1, 1], 8), ([40, 3, 64], [1, 1, 1], 2), ([40, 3, 64], [5, 1, 1], 8)):
+    # A group of 4 query heads per KV head (the AVX-512 reader converts each key row once for the
+    # group) and of 1.
+    for lens, q_lens, heads in (([40, 3, 64], [1, 1, 1], 8), ([40, 3,
+                                                               64], [1, 1, 1], 2), ([40, 3,
+                                                                                     64], [5, 1,
+                                                                                           1], 8)):
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
         q = torch.randn(int(cu[-1]), heads, head_dim).to(dtype)
-        got = kernel_ops.quantized_paged_attention(q, *ours[:2], *ours[2:], cu, seq_lens, tables, 0.125)
-        expected = reference.quantized_paged_attention(q, *ours[:2], *ours[2:], cu, seq_lens, tables, 0.125)
-        tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+        got = kernel_ops.quantized_paged_attention(q, *ours[:2], *ours[2:], cu, seq_lens, tables,
+                                                   0.125)
+        expected = reference.quantized_paged_attention(q, *ours[:2], *ours[2:], cu, seq_lens,
+                                                       tables, 0.125)
+        tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(
+            rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got, expected, **tolerance)
 
 
 def test_no_decode_graphs_over_a_cache_the_reference_reads(caplog):
-    """CUDA / NPU graphs capture only host-sync-free steps: a KV cache that only the reference reads runs eager,
-    and says so."""
+    """CUDA / NPU graphs capture only host-sync-free steps: a KV cache that only the reference reads
+    runs eager, and says so."""
     import types
 
     from vlinfer.engine import graph_runner
     from vlinfer.ops import ReferenceOps
     with caplog.at_level(logging.INFO, logger="vlinfer"):
-        assert graph_runner.select_backend(EngineConfig(model="m"), types.SimpleNamespace(type="cuda"),
-                                           ReferenceOps("cuda"), torch.int8) is None
+        assert graph_runner.select_backend(EngineConfig(model="m"),
+                                           types.SimpleNamespace(type="cuda"), ReferenceOps("cuda"),
+                                           torch.int8) is None
     assert "graph mode: off, the KV cache in torch.int8 is read by the pure-torch reference" in caplog.text

@@ -1,7 +1,7 @@
-"""Promises of the Python API beyond its outputs: LLM.chat answers a bad conversation as generate answers a bad
-prompt; constructing and running an LLM leaves torch's global RNG alone; allow_image_urls fetches through the
-server's fetch (address checks, no proxies from the environment, byte and time limits); validation that matters
-raises errors that `python -O` keeps."""
+"""Promises of the Python API beyond its outputs: LLM.chat answers a bad conversation as generate
+answers a bad prompt; constructing and running an LLM leaves torch's global RNG alone;
+allow_image_urls fetches through the server's fetch (address checks, no proxies from the
+environment, byte and time limits); validation that matters raises errors that `python -O` keeps."""
 import ast
 import asyncio
 import io
@@ -45,21 +45,27 @@ def test_chat_answers_bad_conversations_and_runs_the_others(vl):
     good = {0: user("Hello there."),
             2: user([{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]),
             6: user("Name a colour.")}
-    bad = {1: (user("look at <|image_pad|> this"), "special vision token"),
-           3: (user([{"type": "video", "video": "clip.mp4"}]), "video 0: video file not found: clip.mp4"),
-           4: (user("hi") + ["not a message"], "message 1 must be a dict"),
-           5: (user("word " * 2000), "more than max_model_len=1024")}  # rejected by generate, after the template
+    bad = {
+        1: (user("look at <|image_pad|> this"), "special vision token"),
+        3: (user([{"type": "video",
+                   "video": "clip.mp4"}]), "video 0: video file not found: clip.mp4"),
+        4: (user("hi") + ["not a message"], "message 1 must be a dict"),
+        # rejected by generate, after the template
+        5: (user("word " * 2000), "more than max_model_len=1024")
+    }
     conversations = [good[i] if i in good else bad[i][0] for i in range(7)]
     with pytest.raises(RequestError) as info:
         vl.chat(conversations, GREEDY, use_tqdm=False)
     outs = info.value.outputs
     assert len(outs) == 7
     for i, (_, match) in bad.items():
-        assert match in outs[i].error and outs[i].outputs[0].finish_reason == "error", (i, outs[i].error)
+        assert match in outs[i].error and outs[i].outputs[0].finish_reason == "error", (
+            i, outs[i].error)
         assert f"request {i}: " in str(info.value)
     for i, conversation in good.items():
         alone = vl.chat(conversation, GREEDY, use_tqdm=False)[0]
-        assert outs[i].error is None and outs[i].outputs[0].token_ids == alone.outputs[0].token_ids, i
+        assert outs[i].error is None and outs[i].outputs[0].token_ids == alone.outputs[
+            0].token_ids, i
         assert len(alone.outputs[0].token_ids) == 4
     assert sorted(i for i, o in enumerate(outs) if o.error) == sorted(bad)
     assert_block_pool_empty(vl)
@@ -71,7 +77,8 @@ def test_chat_with_only_bad_conversations_and_per_conversation_params(vl):
     params = [GREEDY, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)]
     with pytest.raises(RequestError) as info:
         vl.chat([user([{"type": "audio"}]), user("Hello there.")], params, use_tqdm=False)
-    assert len(info.value.outputs[1].outputs[0].token_ids) == 2  # the second conversation kept its own params
+    # the second conversation kept its own params
+    assert len(info.value.outputs[1].outputs[0].token_ids) == 2
     with pytest.raises(ValueError, match="got 1 sampling_params for 2 conversations"):
         vl.chat([user([{"type": "audio"}]), user("Hello there.")], [GREEDY], use_tqdm=False)
     assert_block_pool_empty(vl)
@@ -84,9 +91,11 @@ def test_llm_leaves_the_global_rng_alone(qwen3_checkpoint, tiny_vl_with_context)
     before = torch.random.get_rng_state()
     text = LLM(qwen3_checkpoint[0], dtype="float32", kv_cache_bytes=4 << 20)
     first = text.generate([[3, 4, 5], [6, 7]], sampled, use_tqdm=False)
-    vision = LLM(tiny_vl_with_context(2048), **ENGINE)  # the vision tower's position embedding included
-    vision.chat(user([{"type": "image", "image": picture(64, 64, seed=1)}, {"type": "text", "text": "Hi"}]),
-                sampled, use_tqdm=False)
+    # the vision tower's position embedding included
+    vision = LLM(tiny_vl_with_context(2048), **ENGINE)
+    vision.chat(
+        user([{"type": "image", "image": picture(64, 64, seed=1)}, {"type": "text", "text": "Hi"}]),
+        sampled, use_tqdm=False)
     assert torch.equal(torch.random.get_rng_state(), before)
     # The engine's draws come from its own generators: another global state, the same tokens.
     torch.manual_seed(99)
@@ -99,7 +108,8 @@ def test_llm_leaves_the_global_rng_alone(qwen3_checkpoint, tiny_vl_with_context)
 @pytest.fixture
 def image_server(monkeypatch):
     """Proxies in the environment point at a dead port: a fetch that used them would fail."""
-    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy",
+                 "ALL_PROXY"):
         monkeypatch.setenv(name, "http://127.0.0.1:9")
     for name in ("no_proxy", "NO_PROXY"):
         monkeypatch.delenv(name, raising=False)
@@ -113,22 +123,29 @@ def test_allow_image_urls_checks_addresses_like_the_server(tiny_vl_with_context,
     server, image = image_server
     llm = LLM(tiny_vl_with_context(2048), allow_image_urls=True, **ENGINE)
     url_part = {"type": "image_url", "image_url": {"url": f"{server.url}/x.png"}}
-    with pytest.raises(RequestError, match="image 0: image URL host '127.0.0.1' resolves to the non-public "
-                                           "address 127.0.0.1"):
+    with pytest.raises(
+            RequestError, match="image 0: image URL host '127.0.0.1' resolves to the non-public "
+            "address 127.0.0.1"):
         llm.chat(user([url_part, {"type": "text", "text": "What is it?"}]), GREEDY, use_tqdm=False)
     assert_block_pool_empty(llm)
-    with pytest.raises(ValueError, match="allow_image_urls must be True, False or a vlinfer.multimodal.UrlPolicy"):
+    with pytest.raises(
+            ValueError,
+            match="allow_image_urls must be True, False or a vlinfer.multimodal.UrlPolicy"):
         LLM(tiny_vl_with_context(2048), allow_image_urls="yes", **ENGINE)
 
 
 def test_a_url_policy_fetches_without_env_proxies(tiny_vl_with_context, image_server):
     server, image = image_server
-    llm = LLM(tiny_vl_with_context(2048), allow_image_urls=UrlPolicy(allow_private=True, timeout=10), **ENGINE)
+    llm = LLM(tiny_vl_with_context(2048), allow_image_urls=UrlPolicy(allow_private=True,
+                                                                     timeout=10), **ENGINE)
     url_part = {"type": "image_url", "image_url": {"url": f"{server.url}/x.png"}}
-    fetched = llm.chat(user([url_part, {"type": "text", "text": "What is it?"}]), GREEDY, use_tqdm=False)[0]
-    inline = llm.chat(user([{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]), GREEDY,
-                      use_tqdm=False)[0]
-    assert fetched.outputs[0].token_ids == inline.outputs[0].token_ids and fetched.images == inline.images
+    fetched = llm.chat(user([url_part, {"type": "text", "text": "What is it?"}]), GREEDY,
+                       use_tqdm=False)[0]
+    inline = llm.chat(
+        user([{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]), GREEDY,
+        use_tqdm=False)[0]
+    assert fetched.outputs[0].token_ids == inline.outputs[
+        0].token_ids and fetched.images == inline.images
 
 
 def test_the_shared_fetch_limits_bytes_and_time(image_server):
@@ -136,23 +153,26 @@ def test_the_shared_fetch_limits_bytes_and_time(image_server):
     data = png(image)
     private = dict(allow_private=True)
     assert fetch_image_url_sync(f"{server.url}/x.png", UrlPolicy(**private)) == data
-    with pytest.raises(UrlFetchError, match=f"image URL body is {len(data)} bytes, over the limit of 100"):
+    with pytest.raises(UrlFetchError,
+                       match=f"image URL body is {len(data)} bytes, over the limit of 100"):
         fetch_image_url_sync(f"{server.url}/x.png", UrlPolicy(max_bytes=100, **private))
     with pytest.raises(UrlFetchError, match="took longer than 0.3s"):
         fetch_image_url_sync(f"{server.url}/slow.png", UrlPolicy(timeout=0.3, **private))
     assert not server.release.is_set()  # the limit ended the fetch, not the server answering
     with pytest.raises(UrlFetchError, match="is not in the allowed hosts"):
-        fetch_image_url_sync(f"{server.url}/x.png", UrlPolicy(allowed_hosts=("example.com",), **private))
+        fetch_image_url_sync(f"{server.url}/x.png",
+                             UrlPolicy(allowed_hosts=("example.com", ), **private))
 
 
 def test_the_server_fetches_through_the_same_function(image_server):
     server, image = image_server
     policy = ImagePolicy(allowed_url_hosts=("127.0.0.1",), allow_private_urls=True, url_timeout=5.0,
                          max_image_bytes=1 << 20)
-    assert policy.url_policy == UrlPolicy(allowed_hosts=("127.0.0.1",), allow_private=True, timeout=5.0,
-                                          max_bytes=1 << 20, max_redirects=3,
-                                          allowlist_name="this server's allowlist (--allowed-url-hosts)")
-    assert asyncio.run(fetch_url(f"{server.url}/x.png", policy)) == png(image)  # env proxies ignored here too
+    assert policy.url_policy == UrlPolicy(
+        allowed_hosts=("127.0.0.1", ), allow_private=True, timeout=5.0, max_bytes=1 << 20,
+        max_redirects=3, allowlist_name="this server's allowlist (--allowed-url-hosts)")
+    # env proxies ignored here too
+    assert asyncio.run(fetch_url(f"{server.url}/x.png", policy)) == png(image)
     with pytest.raises(Exception, match="non-public address 127.0.0.1") as info:
         asyncio.run(fetch_url(f"{server.url}/x.png", ImagePolicy(allowed_url_hosts=("*",))))
     assert info.value.status == 400
@@ -188,8 +208,8 @@ try:
 except RuntimeError as e:
     print("raised:", e)
 """
-    res = subprocess.run([sys.executable, "-O", "-c", script], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run([sys.executable, "-O", "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().startswith("raised: KV block ") and "freed twice" in res.stdout
 
@@ -207,17 +227,22 @@ def _checkpoint_with_config(tmp_path, family: str, **changes) -> str:
 
 
 def test_a_checkpoint_that_disagrees_with_its_config_names_the_weight(tmp_path):
-    path = _checkpoint_with_config(tmp_path, "qwen3", intermediate_size=96)  # the weights were saved with 128
-    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight': "
-                                         r"shape mismatch: "):
+    # the weights were saved with 128
+    path = _checkpoint_with_config(tmp_path, "qwen3", intermediate_size=96)
+    with pytest.raises(
+            ValueError,
+            match=r"checkpoint tensor 'model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight': "
+            r"shape mismatch: "):
         LLM(path, dtype="float32", kv_cache_bytes=4 << 20)
 
 
-@pytest.mark.parametrize("tensor", ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-                                    "model.embed_tokens.weight"])
+@pytest.mark.parametrize("tensor", [
+    "model.layers.0.mlp.gate_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+    "model.embed_tokens.weight"
+])
 def test_a_weight_too_large_for_its_slice_is_refused_not_cut(monkeypatch, qwen3_checkpoint, tensor):
-    """Fused and vocabulary layers load slices of the checkpoint tensor: a larger tensor must be refused, not
-    narrowed to the parameter's size."""
+    """Fused and vocabulary layers load slices of the checkpoint tensor: a larger tensor must be
+    refused, not narrowed to the parameter's size."""
     from vlinfer import loading
     from vlinfer.engine.build_model import load_model
     from vlinfer.layers import ModelContext
@@ -226,8 +251,10 @@ def test_a_weight_too_large_for_its_slice_is_refused_not_cut(monkeypatch, qwen3_
     hf_config = loading.load_config(source)
     good = dict(loading.iterate_weights(source, hf_config))
     grown = torch.cat([good[tensor], good[tensor][:1]])  # one row more than the config says
-    monkeypatch.setattr(loading, "iterate_weights",
-                        lambda *a, **k: iter([(n, grown if n == tensor else t) for n, t in good.items()]))
-    with pytest.raises(ValueError, match=f"checkpoint tensor {tensor!r}: shape mismatch: checkpoint "
-                                         rf"\({grown.shape[0]}, {grown.shape[1]}\) has {grown.shape[0]} rows"):
+    monkeypatch.setattr(
+        loading, "iterate_weights",
+        lambda *a, **k: iter([(n, grown if n == tensor else t) for n, t in good.items()]))
+    with pytest.raises(
+            ValueError, match=f"checkpoint tensor {tensor!r}: shape mismatch: checkpoint "
+            rf"\({grown.shape[0]}, {grown.shape[1]}\) has {grown.shape[0]} rows"):
         load_model(source, hf_config, torch.device("cpu"), ModelContext(ReferenceOps()))

@@ -1,7 +1,7 @@
-"""LoRA adapters made by peft itself (random non-zero B), run by the engine against transformers + PEFT on the same
-weights, float32: prompt logits within 1e-4 and greedy tokens equal, per adapter and mixed in one batch with base
-requests, through chunked prefill, the prefix cache (keyed by the adapter) and preemption; bad adapters refused by
-name while the others run."""
+"""LoRA adapters made by peft itself (random non-zero B), run by the engine against transformers +
+PEFT on the same weights, float32: prompt logits within 1e-4 and greedy tokens equal, per adapter
+and mixed in one batch with base requests, through chunked prefill, the prefix cache (keyed by the
+adapter) and preemption; bad adapters refused by name while the others run."""
 import logging
 import os
 import re
@@ -19,12 +19,15 @@ ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # name -> (rank, alpha, rslora, targets, seed)
 ADAPTERS = {"style": (8, 16, False, ALL_LINEARS, 1), "fields": (4, 8, True, ALL_LINEARS, 2),
             "attn": (16, 8, False, ["q_proj", "v_proj"], 3)}
-# Token ids (the tiny checkpoints' vocabulary is 512 wide): a short, a longer and a repetitive prompt.
-PROMPTS = [(5, 17, 42, 99), (7, 300, 12, 48, 250, 3, 77, 8, 401, 66, 21, 9, 130, 44), (11, 12, 11, 12, 11, 12)]
+# Token ids (the tiny checkpoints' vocabulary is 512 wide): a short, a longer and a repetitive
+# prompt.
+PROMPTS = [(5, 17, 42, 99), (7, 300, 12, 48, 250, 3, 77, 8, 401, 66, 21, 9, 130, 44),
+           (11, 12, 11, 12, 11, 12)]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-def make_adapter(base, folder: str, rank: int, alpha: int, rslora: bool, targets: list[str], seed: int) -> str:
+def make_adapter(base, folder: str, rank: int, alpha: int, rslora: bool, targets: list[str],
+                 seed: int) -> str:
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(seed)
     config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets,
@@ -48,7 +51,8 @@ def setup(request, tmp_path_factory):
     adapters = {}
     for i, (name, spec) in enumerate(ADAPTERS.items()):
         base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        adapters[name] = LoRARequest(name, i + 1, make_adapter(base, str(tmp_path_factory.mktemp(name)), *spec))
+        adapters[name] = LoRARequest(name, i + 1,
+                                     make_adapter(base, str(tmp_path_factory.mktemp(name)), *spec))
     return path, adapters
 
 
@@ -56,7 +60,8 @@ def peft_model(path: str, adapter: LoRARequest | None):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return PeftModel.from_pretrained(model, adapter.lora_path).eval() if adapter is not None else model
+    return PeftModel.from_pretrained(model,
+                                     adapter.lora_path).eval() if adapter is not None else model
 
 
 def reference(path, adapter, prompt: tuple) -> tuple[torch.Tensor, list[int]]:
@@ -76,8 +81,8 @@ def references(setup):
 
 
 def make_llm(path, **kw):
-    options = dict(dtype="float32", kv_cache_bytes=16 * 2 ** 20, max_model_len=256, enable_lora=True, max_loras=2,
-                   max_lora_rank=16)
+    options = dict(dtype="float32", kv_cache_bytes=16 * 2**20, max_model_len=256, enable_lora=True,
+                   max_loras=2, max_lora_rank=16)
     return LLM(path, **{**options, **kw})
 
 
@@ -92,12 +97,13 @@ def prompt_logits(llm, prompt: tuple, lora: LoRARequest | None) -> torch.Tensor:
 
 
 def test_logits_and_greedy_tokens_equal_peft_per_adapter(setup, references, caplog):
-    """Where the CPU kernels have float32 panels (AVX-512) the decode steps' updates run the panel kernel
-    (cpu/csrc/lora_panels.cpp): the log says how many layers keep packed slots."""
+    """Where the CPU kernels have float32 panels (AVX-512) the decode steps' updates run the panel
+    kernel (cpu/csrc/lora_panels.cpp): the log says how many layers keep packed slots."""
     path, adapters = setup
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         llm = make_llm(path)
-    packed = re.search(r"LoRA slots of (\d+) of (\d+) layers also kept in (\S+)'s packed layout", caplog.text)
+    packed = re.search(r"LoRA slots of (\d+) of (\d+) layers also kept in (\S+)'s packed layout",
+                       caplog.text)
     assert packed, caplog.text
     has_panels = llm.engine.model_runner.ctx.ops.name == "cpu-compiled" and \
         cpu_features.CPU_ISAS.index(cpu_features.cpu_isa()) >= cpu_features.CPU_ISAS.index("avx512")
@@ -110,14 +116,17 @@ def test_logits_and_greedy_tokens_equal_peft_per_adapter(setup, references, capl
             scale = ref_logits.abs().max()
             assert (ours - ref_logits).abs().max() / scale < 1e-4, (name, prompt)
         outs = llm.generate([list(p) for p in PROMPTS], GREEDY, use_tqdm=False, lora_request=lora)
-        assert [o.outputs[0].token_ids for o in outs] == [references[(name, p)][1] for p in PROMPTS], name
+        assert [o.outputs[0].token_ids
+                for o in outs] == [references[(name, p)][1] for p in PROMPTS], name
     base = references[(None, PROMPTS[0])][1]
-    assert any(references[(name, PROMPTS[0])][1] != base for name in adapters)  # the adapters change the answers
+    # the adapters change the answers
+    assert any(references[(name, PROMPTS[0])][1] != base for name in adapters)
     assert_block_pool_empty(llm)
 
 
 def test_merged_adapter_gives_the_same_logits(setup):
-    """PEFT's merge_and_unload() folds B A into the weights: the engine's unmerged updates equal it too."""
+    """PEFT's merge_and_unload() folds B A into the weights: the engine's unmerged updates equal it
+    too."""
     path, adapters = setup
     merged = peft_model(path, adapters["style"]).merge_and_unload()
     ids = torch.tensor([PROMPTS[1]])
@@ -128,17 +137,20 @@ def test_merged_adapter_gives_the_same_logits(setup):
 
 
 def test_mixed_batch_equals_each_alone_through_every_scheduling_path(setup, references):
-    """Three adapters and the base model interleaved in one call, with two slots (adapters swap in and out), 16-token
-    chunks and a pool small enough to preempt: every request gets what it gets alone."""
+    """Three adapters and the base model interleaved in one call, with two slots (adapters swap in
+    and out), 16-token chunks and a pool small enough to preempt: every request gets what it gets
+    alone."""
     path, adapters = setup
     names = [None, "style", "fields", "attn"] * 3
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
     inputs = [list(p) for p in prompts]
     loras = [adapters.get(n) for n in names]
-    for options in (dict(max_num_batched_tokens=16), dict(kv_cache_bytes=24 * 1024, max_model_len=32)):
+    for options in (dict(max_num_batched_tokens=16), dict(kv_cache_bytes=24 * 1024,
+                                                          max_model_len=32)):
         llm = make_llm(path, **options)
         outs = llm.generate(inputs, GREEDY, use_tqdm=False, lora_request=loras)
-        assert [o.outputs[0].token_ids for o in outs] == [references[(n, p)][1] for n, p in zip(names, prompts)]
+        assert [o.outputs[0].token_ids
+                for o in outs] == [references[(n, p)][1] for n, p in zip(names, prompts)]
         assert_block_pool_empty(llm)
     assert llm.engine.scheduler.num_preemptions > 0
 
@@ -163,24 +175,31 @@ def test_bad_adapters_are_refused_by_name_and_the_others_run(setup, tmp_path, re
     missing = LoRARequest("missing", 10, str(tmp_path / "nowhere"))
     corrupt_dir = tmp_path / "corrupt"
     corrupt_dir.mkdir()
-    (corrupt_dir / "adapter_config.json").write_text(open(os.path.join(adapters["style"].lora_path,
-                                                                       "adapter_config.json")).read())
+    (corrupt_dir / "adapter_config.json").write_text(
+        open(os.path.join(adapters["style"].lora_path, "adapter_config.json")).read())
     (corrupt_dir / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
     corrupt = LoRARequest("corrupt", 11, str(corrupt_dir))
     other_base = str(tmp_path / "other-base")
     config = tiny_text_config("llama", False)
     config.hidden_size, config.intermediate_size = 32, 96
     build_checkpoint(other_base, config)
-    foreign = LoRARequest("foreign", 12, make_adapter(AutoModelForCausalLM.from_pretrained(other_base),
-                                                      str(tmp_path / "foreign"), 4, 8, False, ALL_LINEARS, 5))
-    head_only = LoRARequest("head", 13, make_adapter(AutoModelForCausalLM.from_pretrained(path),
-                                                     str(tmp_path / "head"), 4, 8, False, ["lm_head"], 6))
+    foreign = LoRARequest(
+        "foreign", 12,
+        make_adapter(AutoModelForCausalLM.from_pretrained(other_base), str(tmp_path / "foreign"), 4,
+                     8, False, ALL_LINEARS, 5))
+    head_only = LoRARequest(
+        "head", 13,
+        make_adapter(AutoModelForCausalLM.from_pretrained(path), str(tmp_path / "head"), 4, 8,
+                     False, ["lm_head"], 6))
     from safetensors.torch import load_file, save_file
     renamed = tmp_path / "renamed"
     renamed.mkdir()
     (renamed / "adapter_config.json").write_text((corrupt_dir / "adapter_config.json").read_text())
-    tensors = {k.replace("self_attn.o_proj", "self_attn.out_proj"): v for k, v in
-               load_file(os.path.join(adapters["style"].lora_path, "adapter_model.safetensors")).items()}
+    tensors = {
+        k.replace("self_attn.o_proj", "self_attn.out_proj"): v
+        for k, v in load_file(os.path.join(adapters["style"].lora_path,
+                                           "adapter_model.safetensors")).items()
+    }
     save_file(tensors, str(renamed / "adapter_model.safetensors"))
     unknown = LoRARequest("unknown", 14, str(renamed))  # a module this model does not have
     loras = [adapters["style"], too_big, missing, corrupt, foreign, head_only, None, unknown]
@@ -193,7 +212,8 @@ def test_bad_adapters_are_refused_by_name_and_the_others_run(setup, tmp_path, re
     assert "no adapter_config.json" in outs[2].error
     assert "cannot be read" in outs[3].error
     assert "another model" in outs[4].error
-    assert "lm_head" in outs[5].error  # PEFT stores the head's own weight beside its LoRA: refused by name
+    # PEFT stores the head's own weight beside its LoRA: refused by name
+    assert "lm_head" in outs[5].error
     assert "out_proj" in outs[7].error and "not a linear layer" in outs[7].error
     assert_block_pool_empty(llm)
     off = LLM(path, dtype="float32", kv_cache_bytes=4 * 2 ** 20, max_model_len=128)
@@ -205,8 +225,9 @@ def test_bad_adapters_are_refused_by_name_and_the_others_run(setup, tmp_path, re
 
 @pytest.mark.slow  # two processes: `make test-full` and CI run it
 def test_tensor_parallel_adapters_equal_peft(setup, references):
-    """TP=2: A whole and B split by output rows on column-parallel layers, A split by input columns and B whole
-    on row-parallel ones (the update added before the all-reduce); each worker installs its shard."""
+    """TP=2: A whole and B split by output rows on column-parallel layers, A split by input columns
+    and B whole on row-parallel ones (the update added before the all-reduce); each worker installs
+    its shard."""
     path, adapters = setup
     with make_llm(path, tensor_parallel_size=2) as llm:
         names = [None, "style", "fields", "attn"]

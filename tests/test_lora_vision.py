@@ -1,10 +1,10 @@
-"""LoRA on Qwen3-VL's vision tower and mergers as well as its language model: adapters made by peft itself (random
-non-zero B), run by the engine against transformers + PEFT on the same weights, float32: prompt logits within 1e-4
-and greedy tokens equal for an image prompt and a video prompt (and on Qwen3-VL-MoE, the same vision code); a
-language-only, a vision+language and a
-vision-only adapter and the base model mixed in one batch (one packed vision pass, each image's patch rows under its
-own adapter), chunked; and the encoder cache keyed by the vision adapter: the same image is encoded again under a
-vision adapter, never under a language-only one."""
+"""LoRA on Qwen3-VL's vision tower and mergers as well as its language model: adapters made by peft
+itself (random non-zero B), run by the engine against transformers + PEFT on the same weights,
+float32: prompt logits within 1e-4 and greedy tokens equal for an image prompt and a video prompt
+(and on Qwen3-VL-MoE, the same vision code); a language-only, a vision+language and a vision-only
+adapter and the base model mixed in one batch (one packed vision pass, each image's patch rows under
+its own adapter), chunked; and the encoder cache keyed by the vision adapter: the same image is
+encoded again under a vision adapter, never under a language-only one."""
 import json
 
 import pytest
@@ -24,9 +24,13 @@ NUM_NEW = 16
 I = "<|vision_start|><|image_pad|><|vision_end|>"
 IMG = picture(96, 128, 1)
 # (prompt, images, videos): an image prompt and a video prompt (three temporal groups of a clip).
-CASES = {"image": (ASK.format("Look: " + I), [IMG], []), "video": (ASK.format(V), [], [(CLIP_ODD, META_ODD)])}
-# PEFT target_modules regexes (full match on the module name): every vision linear (blocks' qkv, proj and MLP, the
-# merger's and the DeepStack mergers'; not the patch embedding, a Conv3d) and the decoder's.
+CASES = {
+    "image": (ASK.format("Look: " + I), [IMG], []),
+    "video": (ASK.format(V), [], [(CLIP_ODD, META_ODD)])
+}
+# PEFT target_modules regexes (full match on the module name): every vision linear (blocks' qkv,
+# proj and MLP, the merger's and the DeepStack mergers'; not the patch embedding, a Conv3d) and the
+# decoder's.
 VISION = (r"model\.visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])"
           r"|(merger|deepstack_merger_list\.\d+)\.linear_fc[12])")
 TEXT = r"model\.language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
@@ -39,13 +43,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from transformers import Qwen3VLForConditionalGeneration
-    path = build_tiny_qwen3_vl(str(tmp_path_factory.mktemp("vl")), seed=0, tie_word_embeddings=False)
+    path = build_tiny_qwen3_vl(str(tmp_path_factory.mktemp("vl")), seed=0,
+                               tie_word_embeddings=False)
     with open(f"{path}/video_preprocessor_config.json", "w") as f:
         json.dump(HUB_VIDEO_CONFIG, f)
     adapters = {}
     for i, (name, spec) in enumerate(ADAPTERS.items()):
         base = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-        adapters[name] = LoRARequest(name, i + 1, make_adapter(base, str(tmp_path_factory.mktemp(name)), *spec))
+        adapters[name] = LoRARequest(name, i + 1,
+                                     make_adapter(base, str(tmp_path_factory.mktemp(name)), *spec))
     return path, adapters
 
 
@@ -53,7 +59,8 @@ def peft_model(path: str, adapter: LoRARequest | None):
     from peft import PeftModel
     from transformers import Qwen3VLForConditionalGeneration
     model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    return PeftModel.from_pretrained(model, adapter.lora_path).eval() if adapter is not None else model
+    return PeftModel.from_pretrained(model,
+                                     adapter.lora_path).eval() if adapter is not None else model
 
 
 @pytest.fixture(scope="module")
@@ -67,14 +74,15 @@ def references(setup):
             ids, kwargs = hf_inputs(path, text, images, videos)
             with torch.no_grad():
                 logits = model(input_ids=ids, **kwargs).logits[0]
-                out = model.generate(ids, max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False, **kwargs)
+                out = model.generate(ids, max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
+                                     do_sample=False, **kwargs)
             refs[(name, case)] = logits, out[0, ids.shape[1]:].tolist()
     return refs
 
 
 def make_llm(path, **kw):
-    options = dict(dtype="float32", kv_cache_bytes=32 * 2 ** 20, max_model_len=2048, enable_lora=True, max_loras=3,
-                   max_lora_rank=8)
+    options = dict(dtype="float32", kv_cache_bytes=32 * 2**20, max_model_len=2048, enable_lora=True,
+                   max_loras=3, max_lora_rank=8)
     return LLM(path, **{**options, **kw})
 
 
@@ -92,10 +100,13 @@ def test_vision_adapters_equal_peft_on_images_and_video(setup, references):
             assert engine.block_manager.allocate(seq, seq.num_tokens)
             ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens]))
             ref_logits, _ = references[(name, case)]
-            assert ((ours - ref_logits).abs().max() / ref_logits.abs().max()).item() < 1e-4, (name, case)
+            assert ((ours - ref_logits).abs().max() / ref_logits.abs().max()).item() < 1e-4, (name,
+                                                                                              case)
             engine.abort_request(seq.request_id)
-        outs = llm.generate([request(*c) for c in CASES.values()], GREEDY, use_tqdm=False, lora_request=lora)
-        assert [o.outputs[0].token_ids for o in outs] == [references[(name, c)][1] for c in CASES], name
+        outs = llm.generate([request(*c) for c in CASES.values()], GREEDY, use_tqdm=False,
+                            lora_request=lora)
+        assert [o.outputs[0].token_ids for o in outs] == [references[(name, c)][1]
+                                                          for c in CASES], name
     for case in CASES:  # each adapter changes transformers' answer, the vision-only one included
         answers = [references[(name, case)][1] for name in [None, *adapters]]
         assert len({tuple(a) for a in answers}) == len(answers), case
@@ -105,17 +116,19 @@ def test_vision_adapters_equal_peft_on_images_and_video(setup, references):
 
 @pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 16}], ids=["whole", "chunk16"])
 def test_mixed_batch_equals_each_alone(setup, references, options):
-    """The base model and the three adapters on the same image and the same clip, all in one batch: the vision pass
-    packs the base's images (shared with the language-only adapter's) and each vision adapter's own copy."""
+    """The base model and the three adapters on the same image and the same clip, all in one batch:
+    the vision pass packs the base's images (shared with the language-only adapter's) and each
+    vision adapter's own copy."""
     path, adapters = setup
     llm = make_llm(path, **options)
     names = [None, "text", "both", "eyes"] * 2
     cases = ["image"] * 4 + ["video"] * 4
     outs = llm.generate([request(*CASES[c]) for c in cases], GREEDY, use_tqdm=False,
                         lora_request=[adapters.get(n) for n in names])
-    assert [o.outputs[0].token_ids for o in outs] == [references[(n, c)][1] for n, c in zip(names, cases)]
-    # The image and the clip's three groups, encoded once for the base and the language-only adapter together and
-    # once under each vision adapter.
+    assert [o.outputs[0].token_ids
+            for o in outs] == [references[(n, c)][1] for n, c in zip(names, cases)]
+    # The image and the clip's three groups, encoded once for the base and the language-only adapter
+    # together and once under each vision adapter.
     assert llm.engine.model_runner.vision.num_images_encoded == 3 * (1 + 3)
     assert len(llm.engine.model_runner.encoder_cache) == 0
     assert_block_pool_empty(llm)
@@ -126,7 +139,8 @@ def test_same_image_is_encoded_again_under_a_vision_adapter_only(setup, referenc
     llm = make_llm(path)
     engine, runner = llm.engine, llm.engine.model_runner
     prompt = request(*CASES["image"])
-    steps = [(None, 1), ("both", 2), ("text", 2), ("eyes", 3), ("both", 3)]  # (adapter, images encoded after it)
+    # (adapter, images encoded after it)
+    steps = [(None, 1), ("both", 2), ("text", 2), ("eyes", 3), ("both", 3)]
     ids = []
     for name, encoded in steps:  # each admitted while the ones before still hold their encodings
         ids.append(engine.add_request(prompt, GREEDY, lora_request=adapters.get(name)))
@@ -145,8 +159,8 @@ def test_same_image_is_encoded_again_under_a_vision_adapter_only(setup, referenc
 
 @pytest.mark.slow  # two processes: `make test-full` and CI run it
 def test_tensor_parallel_vision_adapters_equal_peft(setup, references):
-    """TP=2: the vision tower and its adapters' slots live on rank 0 alone (the worker installs only its shard of
-    the language model's part of each adapter)."""
+    """TP=2: the vision tower and its adapters' slots live on rank 0 alone (the worker installs only
+    its shard of the language model's part of each adapter)."""
     path, adapters = setup
     names = [None, "text", "both", "eyes"]
     with make_llm(path, tensor_parallel_size=2) as llm:
@@ -156,7 +170,8 @@ def test_tensor_parallel_vision_adapters_equal_peft(setup, references):
 
 
 def test_qwen3_vl_moe_vision_adapter_equals_peft(tmp_path):
-    """Qwen3-VL-MoE runs the same vision tower: a vision + attention adapter's image prompt logits as PEFT's."""
+    """Qwen3-VL-MoE runs the same vision tower: a vision + attention adapter's image prompt logits
+    as PEFT's."""
     from peft import PeftModel
     from transformers import Qwen3VLMoeForConditionalGeneration
     with torch.random.fork_rng(devices=[]):
@@ -172,7 +187,8 @@ def test_qwen3_vl_moe_vision_adapter_equals_peft(tmp_path):
     llm = make_llm(path, kv_cache_bytes=16 * 2 ** 20, max_model_len=1024)
     engine = llm.engine
     images = [IMG_B, IMG_C]
-    seq = engine.make_sequences({"prompt": PROMPT_TWO, "multi_modal_data": {"image": images}}, lora_request=lora)[0]
+    seq = engine.make_sequences({"prompt": PROMPT_TWO, "multi_modal_data": {"image": images}},
+                                lora_request=lora)[0]
     engine.add_sequence(seq)
     assert seq.vision_lora == lora and engine.block_manager.allocate(seq, seq.num_tokens)
     ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens]))
@@ -187,7 +203,8 @@ def test_qwen3_vl_moe_vision_adapter_equals_peft(tmp_path):
 
 
 def test_a_patch_embedding_adapter_is_refused_by_name(setup, references, tmp_path):
-    """PEFT adapts the patch embedding (a Conv3d) with convolution-shaped A and B: refused by name, the others run."""
+    """PEFT adapts the patch embedding (a Conv3d) with convolution-shaped A and B: refused by name,
+    the others run."""
     from transformers import Qwen3VLForConditionalGeneration
     path, adapters = setup
     base = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
@@ -195,8 +212,10 @@ def test_a_patch_embedding_adapter_is_refused_by_name(setup, references, tmp_pat
                                                r"model\.visual\.patch_embed\.proj", 5))
     llm = make_llm(path)
     with pytest.raises(RequestError) as e:
-        llm.generate([request(*CASES["image"])] * 2, GREEDY, use_tqdm=False, lora_request=[conv, adapters["eyes"]])
+        llm.generate([request(*CASES["image"])] * 2, GREEDY, use_tqdm=False,
+                     lora_request=[conv, adapters["eyes"]])
     outs = e.value.outputs
-    assert "model.visual.patch_embed.proj" in outs[0].error and "not a linear layer's adapter" in outs[0].error
+    assert "model.visual.patch_embed.proj" in outs[
+        0].error and "not a linear layer's adapter" in outs[0].error
     assert outs[1].outputs[0].token_ids == references[("eyes", "image")][1]
     assert_block_pool_empty(llm)

@@ -1,5 +1,6 @@
-"""One over-limit request (one image more than the table's per-request limit, vlinfer/inputs/limits.py) refused
-the same way, naming the same limit, by LLM.generate, the server and the CLI."""
+"""One over-limit request (one image more than the table's per-request limit,
+vlinfer/inputs/limits.py) refused the same way, naming the same limit, by LLM.generate, the server
+and the CLI."""
 import openai
 import pytest
 
@@ -36,12 +37,18 @@ def test_server_refuses():
     loop = EngineLoop(engine)
     try:
         with ServerThread(build_app(loop, ServeConfig(served_model_names=(MODEL,)))) as url:
-            with openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=60, max_retries=0) as client:
-                parts = [{"type": "image_url", "image_url": {"url": data_uri(png_bytes(seed=s, size=(16, 16)))}}
-                         for s in range(COUNT)]
+            with openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=60,
+                               max_retries=0) as client:
+                parts = [{
+                    "type": "image_url",
+                    "image_url": {"url": data_uri(png_bytes(seed=s, size=(16, 16)))}
+                } for s in range(COUNT)]
                 with pytest.raises(openai.BadRequestError) as e:
-                    client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
-                        {"role": "user", "content": parts + [{"type": "text", "text": "Describe."}]}])
+                    client.chat.completions.create(
+                        model=MODEL, max_tokens=2, messages=[{
+                            "role": "user",
+                            "content": parts + [{"type": "text", "text": "Describe."}]
+                        }])
     finally:
         loop.close()
     assert REFUSAL in str(e.value) and e.value.code == "too_many_images"
@@ -53,15 +60,17 @@ def test_cli_refuses(tmp_path, capsys):
         path = tmp_path / f"{seed}.png"
         picture(16, 16, seed).save(path)
         paths += ["--image", str(path)]
-    code = main(["generate", "Describe.", "--model", MODEL, "--dtype", "float32", "--max-model-len", "2048",
-                 "--kv-cache-size", "64M", *paths])
+    code = main([
+        "generate", "Describe.", "--model", MODEL, "--dtype", "float32", "--max-model-len", "2048",
+        "--kv-cache-size", "64M", *paths
+    ])
     assert code  # an error line and a non-zero exit status
     assert REFUSAL in capsys.readouterr().err
 
 
 def test_videos_count_toward_the_limit():
-    """MAX_IMAGES images and one video: one medium over the limit, refused with the same words by LLM.generate and
-    the server (videos are media of the request as images are)."""
+    """MAX_IMAGES images and one video: one medium over the limit, refused with the same words by
+    LLM.generate and the server (videos are media of the request as images are)."""
     import numpy as np
     frames = np.zeros((2, 32, 32, 3), dtype=np.uint8)
     llm = LLM(MODEL, **ENGINE)
@@ -75,13 +84,20 @@ def test_videos_count_toward_the_limit():
     loop = EngineLoop(llm.engine)
     try:
         with ServerThread(build_app(loop, ServeConfig(served_model_names=(MODEL,)))) as url:
-            with openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=60, max_retries=0) as client:
-                parts = [{"type": "image_url", "image_url": {"url": data_uri(png_bytes(seed=s, size=(16, 16)))}}
-                         for s in range(MAX_IMAGES)]
-                parts.append({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}})
+            with openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=60,
+                               max_retries=0) as client:
+                parts = [{
+                    "type": "image_url",
+                    "image_url": {"url": data_uri(png_bytes(seed=s, size=(16, 16)))}
+                } for s in range(MAX_IMAGES)]
+                parts.append(
+                    {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}})
                 with pytest.raises(openai.BadRequestError) as e:
-                    client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
-                        {"role": "user", "content": parts + [{"type": "text", "text": "Describe."}]}])
+                    client.chat.completions.create(
+                        model=MODEL, max_tokens=2, messages=[{
+                            "role": "user",
+                            "content": parts + [{"type": "text", "text": "Describe."}]
+                        }])
     finally:
         loop.close()
     assert REFUSAL in str(e.value) and e.value.code == "too_many_images"

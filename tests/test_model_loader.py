@@ -1,4 +1,5 @@
-"""Model resolution through the local Hugging Face cache, the way a downloaded repo id is found offline."""
+"""Model resolution through the local Hugging Face cache, the way a downloaded repo id is found
+offline."""
 import os
 import shutil
 
@@ -24,5 +25,6 @@ def test_repo_id_resolves_from_the_local_hf_cache(qwen3_checkpoint, tmp_path, mo
     source = resolve_model("vlinfer-test/tiny-qwen3")
     assert os.path.samefile(source.path, snapshot)
     llm = LLM("vlinfer-test/tiny-qwen3", dtype="float32", kv_cache_bytes=4 * 2 ** 20)
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

@@ -1,12 +1,17 @@
-"""msModelSlim checkpoints (vlinfer/layers/quantization/modelslim.py): tiny random Qwen3 and Qwen3-VL checkpoints
-written by tests/modelslim_checkpoints.py with the format's own rules (W8A8 static, W8A8_DYNAMIC, W8A16 and FLOAT
-layers; the Qwen3-VL vision tower partly quantized, as msModelSlim's Qwen3-VL recipe does).
+"""msModelSlim checkpoints (vlinfer/layers/quantization/modelslim.py): tiny random Qwen3 and
+Qwen3-VL checkpoints written by tests/modelslim_checkpoints.py with the format's own rules (W8A8
+static, W8A8_DYNAMIC, W8A16 and FLOAT layers; the Qwen3-VL vision tower partly quantized, as
+msModelSlim's Qwen3-VL recipe does).
 
-- CPU, float32, the reference ops: greedy tokens equal transformers running the same dequantized weights with the
+- CPU, float32, the reference ops: greedy tokens equal transformers running the same dequantized
+  weights with the
   same activation quantization (modelslim_checkpoints.apply_reference), token for token.
-- The emulated torch_npu (tests/fake_torch_npu.py), bfloat16: every quantized linear runs torch_npu's calls
-  (npu_quantize / npu_dynamic_quant + npu_quant_matmul, npu_weight_quant_batchmatmul), the vision tower's quantized
-  layers included; each generated token is within BF16_LOGIT_TOLERANCE of the reference's best logit."""
+- The emulated torch_npu (tests/fake_torch_npu.py), bfloat16: every quantized linear runs
+  torch_npu's calls
+  (npu_quantize / npu_dynamic_quant + npu_quant_matmul, npu_weight_quant_batchmatmul), the vision
+  tower's quantized
+  layers included; each generated token is within BF16_LOGIT_TOLERANCE of the reference's best
+  logit."""
 import copy
 import os
 
@@ -30,12 +35,13 @@ IMAGE_TOKEN = 151655
 VL_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n" \
             "<|im_start|>assistant\n"
 IMAGE = picture(256, 192, 3)
-QUANT_OPS = ("npu_quantize", "npu_dynamic_quant", "npu_quant_matmul", "npu_weight_quant_batchmatmul")
+QUANT_OPS = ("npu_quantize", "npu_dynamic_quant", "npu_quant_matmul",
+             "npu_weight_quant_batchmatmul")
 
 
 def text_types(prefix: str, layers: int) -> dict:
-    """Layer 0 static W8A8 (down_proj FLOAT, as msModelSlim's recipes exclude it), layer 1 W8A8_DYNAMIC attention
-    and W8A16 MLP: every linear type in one checkpoint."""
+    """Layer 0 static W8A8 (down_proj FLOAT, as msModelSlim's recipes exclude it), layer 1
+    W8A8_DYNAMIC attention and W8A16 MLP: every linear type in one checkpoint."""
     types = {}
     for i in range(layers):
         base = f"{prefix}.layers.{i}"
@@ -58,7 +64,8 @@ def hf_greedy(model, ids, **inputs):
 
 
 def max_logit_gap(model, ids, tokens, **inputs) -> float:
-    """How far below the reference's best logit each generated token's logit is (relative to the logit scale)."""
+    """How far below the reference's best logit each generated token's logit is (relative to the
+    logit scale)."""
     x = torch.tensor([ids + tokens])
     if "pixel_values" in inputs:
         inputs["mm_token_type_ids"] = (x == IMAGE_TOKEN).int()
@@ -69,8 +76,11 @@ def max_logit_gap(model, ids, tokens, **inputs) -> float:
 
 
 def quantized_layers(model) -> dict:
-    return {name: m.method.kind for name, m in model.named_modules() if isinstance(getattr(m, "method", None),
-                                                                                  ModelSlimLinear)}
+    return {
+        name: m.method.kind
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "method", None), ModelSlimLinear)
+    }
 
 
 # ---- Qwen3 text ----
@@ -119,16 +129,18 @@ def test_bad_descriptions_are_refused_naming_the_tensor(text_checkpoint, tmp_pat
     key = "model.layers.1.self_attn.o_proj.weight"
     with open(path, "w") as f:
         json.dump({**description, key: "W4A8_DYNAMIC"}, f)
-    with pytest.raises(ValueError, match="type 'W4A8_DYNAMIC' is not supported") as e:  # before any KV memory
+    # before any KV memory
+    with pytest.raises(ValueError, match="type 'W4A8_DYNAMIC' is not supported") as e:
         LLM(folder, dtype="float32", kv_cache_bytes=2 ** 20)
     assert key in str(e.value)
-    # The same rules without an engine: an int8 tensor marked FLOAT, a missing scale, a KV cache or attention
-    # quantization other than C8 (tests/test_kv_cache_schemes.py opens C8).
+    # The same rules without an engine: an int8 tensor marked FLOAT, a missing scale, a KV cache or
+    # attention quantization other than C8 (tests/test_kv_cache_schemes.py opens C8).
     quant = ModelSlimQuantization({**description, key: "FLOAT"})
     int8 = {key: TensorInfo((64, 64), "I8")}
     with pytest.raises(ValueError, match="integer tensor .* marks it FLOAT"):
         quant.method_for(None, key[:-len(".weight")], int8)
-    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.1.self_attn.o_proj.weight_scale'"):
+    with pytest.raises(ValueError,
+                       match=r"missing tensors \['model.layers.1.self_attn.o_proj.weight_scale'"):
         ModelSlimQuantization(description).method_for(None, key[:-len(".weight")], int8)
     with pytest.raises(ValueError, match="kv_cache_type='C4'"):
         ModelSlimQuantization({**description, "kv_cache_type": "C4"})
@@ -142,7 +154,8 @@ def test_bad_descriptions_are_refused_naming_the_tensor(text_checkpoint, tmp_pat
 # ---- Qwen3-VL, vision tower partly quantized ----
 
 def vl_types(depth: int) -> dict:
-    """msModelSlim's Qwen3-VL recipe: W8A8 everywhere except *linear_fc2, *merger* and the text down_proj."""
+    """msModelSlim's Qwen3-VL recipe: W8A8 everywhere except *linear_fc2, *merger* and the text
+    down_proj."""
     types = {}
     for i in range(depth):
         for name in ("attn.qkv", "attn.proj", "mlp.linear_fc1"):
@@ -153,19 +166,23 @@ def vl_types(depth: int) -> dict:
 
 def hf_vl_inputs(folder, text, images):
     out = hf_qwen3_vl_processor(folder)(text=[text], images=images, return_tensors="pt")
-    return out["input_ids"][0].tolist(), {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+    return out["input_ids"][0].tolist(), {
+        "pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]
+    }
 
 
 @pytest.fixture(scope="module")
 def vl_checkpoint(tmp_path_factory):
     from transformers import Qwen3VLForConditionalGeneration
-    dense = build_tiny_qwen3_vl(str(tmp_path_factory.mktemp("modelslim-vl-dense")), seed=0, num_heads=4,
-                                num_kv_heads=2, head_dim=32, mrope_section=(6, 5, 5), vision_depth=2,
-                                deepstack_visual_indexes=[0, 1], tie_word_embeddings=False)
+    dense = build_tiny_qwen3_vl(str(tmp_path_factory.mktemp("modelslim-vl-dense")), seed=0,
+                                num_heads=4, num_kv_heads=2, head_dim=32, mrope_section=(6, 5, 5),
+                                vision_depth=2, deepstack_visual_indexes=[0, 1],
+                                tie_word_embeddings=False)
     model = Qwen3VLForConditionalGeneration.from_pretrained(dense, dtype=torch.float32).eval()
     ids, inputs = hf_vl_inputs(dense, VL_PROMPT, [IMAGE])
     x = torch.tensor([ids])
-    ranges = calibrate(model, lambda m: m(input_ids=x, mm_token_type_ids=(x == IMAGE_TOKEN).int(), **inputs))
+    ranges = calibrate(
+        model, lambda m: m(input_ids=x, mm_token_type_ids=(x == IMAGE_TOKEN).int(), **inputs))
     folder = str(tmp_path_factory.mktemp("modelslim-vl"))
     reference = write_modelslim(dense, folder, vl_types(2), ranges)
     apply_reference(model, reference)
@@ -179,22 +196,27 @@ def test_qwen3_vl_greedy_equals_transformers(vl_checkpoint, monkeypatch):
     kinds = quantized_layers(llm.engine.model_runner.model)
     assert kinds["model.visual.blocks.1.attn.qkv"] == "W8A8"
     assert not any("linear_fc2" in name or "merger" in name for name in kinds)
-    out = llm.generate([{"prompt": VL_PROMPT, "multi_modal_data": {"image": IMAGE}}], GREEDY, use_tqdm=False)
+    out = llm.generate([{"prompt": VL_PROMPT, "multi_modal_data": {"image": IMAGE}}], GREEDY,
+                       use_tqdm=False)
     ids, inputs = hf_vl_inputs(folder, VL_PROMPT, [IMAGE])
     assert out[0].outputs[0].token_ids == hf_greedy(ref_model, ids, **inputs)
 
 
 def test_qwen3_vl_on_the_emulated_npu(vl_checkpoint, fake_npu):  # noqa: F811
     folder, ref_model = vl_checkpoint
-    llm = LLM(folder, dtype="bfloat16", kvcache_block_size=128, kv_cache_bytes=16 * 2 ** 20, max_model_len=512)
+    llm = LLM(folder, dtype="bfloat16", kvcache_block_size=128, kv_cache_bytes=16 * 2**20,
+              max_model_len=512)
     model = llm.engine.model_runner.model
     ids, inputs = hf_vl_inputs(folder, VL_PROMPT, [IMAGE])
-    # The vision tower alone: its three quantized linears per block run torch_npu's static W8A8 calls.
+    # The vision tower alone: its three quantized linears per block run torch_npu's static W8A8
+    # calls.
     before = dict(fake_npu.calls)
     model.encode_images(inputs["pixel_values"].to(torch.bfloat16), inputs["image_grid_thw"])
     assert fake_npu.calls["npu_quantize"] - before.get("npu_quantize", 0) == 3 * 2
     assert fake_npu.calls["npu_quant_matmul"] - before.get("npu_quant_matmul", 0) == 3 * 2
-    out = llm.generate([{"prompt": VL_PROMPT, "multi_modal_data": {"image": IMAGE}}], GREEDY, use_tqdm=False)
+    out = llm.generate([{"prompt": VL_PROMPT, "multi_modal_data": {"image": IMAGE}}], GREEDY,
+                       use_tqdm=False)
     for op in QUANT_OPS:
         assert fake_npu.calls[op] > 0, op
-    assert max_logit_gap(ref_model, ids, out[0].outputs[0].token_ids, **inputs) <= BF16_LOGIT_TOLERANCE
+    assert max_logit_gap(ref_model, ids, out[0].outputs[0].token_ids,
+                         **inputs) <= BF16_LOGIT_TOLERANCE

@@ -5,9 +5,9 @@ tests/fake_torch_npu_moe.py), over a sampled grid of tokens 1..512, experts 4..1
 experts that receive no tokens and the expert-parallel case (a rank holding experts [offset, offset
 + E_local) of E_total). H differs from I and from 2I, so a transposed weight cannot pass.
 
-Tolerances: max |ours - reference| / max |reference|, the reference in float32 on the same (rounded) inputs: float32
-1e-5, bfloat16 2e-2 (bf16 rounds the expert outputs and the routing weights; measured 4e-3..1e-2).
-The Triton interpreter runs each program in Python: its shapes are small."""
+Tolerances: max |ours - reference| / max |reference|, the reference in float32 on the same (rounded)
+inputs: float32 1e-5, bfloat16 2e-2 (bf16 rounds the expert outputs and the routing weights;
+measured 4e-3..1e-2). The Triton interpreter runs each program in Python: its shapes are small."""
 import sys
 
 import pytest
@@ -75,9 +75,11 @@ def rel_err(ours, expected):
 
 
 def check(ops, case, dtype, packed=False):
-    """ops.fused_moe against the reference; packed: on the weights in ops.pack_moe_weights' layout."""
+    """ops.fused_moe against the reference; packed: on the weights in ops.pack_moe_weights' layout.
+    """
     x, logits, w13, w2, k, renorm, offset = make_case(case, dtype)
-    expected = moe_reference.fused_moe(x.float(), logits.float(), w13.float(), w2.float(), k, renorm, offset)
+    expected = moe_reference.fused_moe(x.float(), logits.float(), w13.float(), w2.float(), k,
+                                       renorm, offset)
     if packed:
         w13, w2 = ops.pack_moe_weights(w13, w2) or (w13, w2)
     ours = ops.fused_moe(x, logits, w13, w2, k, renorm, offset)
@@ -94,13 +96,15 @@ def cpu_ops():
 
 @pytest.fixture(scope="module")
 def cuda_ops():
-    """CudaOps on CPU tensors with the Triton kernels interpreted (TRITON_INTERPRET=1 when they load)."""
+    """CudaOps on CPU tensors with the Triton kernels interpreted (TRITON_INTERPRET=1 when they
+    load)."""
     import triton  # noqa: F401  (a test dependency: a missing one fails here)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         mp.setitem(sys.modules, "flash_attn", None)
         ops = CudaOps("cpu")
-        assert ops._moe_kernel() is not None and ops.features["moe"] == "triton", "the kernels failed their check"
+        assert ops._moe_kernel(
+        ) is not None and ops.features["moe"] == "triton", "the kernels failed their check"
     return ops
 
 
@@ -118,7 +122,8 @@ def npu_env():
 
 @pytest.mark.parametrize("case", GRID, ids=case_id)
 def test_cpu_fused_moe_equals_reference(cpu_ops, case):
-    """On the weights as loaded and on what pack_moe_weights made of them (bf16 panels where this CPU takes them)."""
+    """On the weights as loaded and on what pack_moe_weights made of them (bf16 panels where this
+    CPU takes them)."""
     check(cpu_ops, case, torch.float32)
     check(cpu_ops, case, torch.float32, packed=True)
     if case[0] <= 130:
@@ -127,14 +132,16 @@ def test_cpu_fused_moe_equals_reference(cpu_ops, case):
 
 
 def test_cpu_panels_run_every_group_size(cpu_ops, monkeypatch):
-    """Panel-packed bf16 experts (AVX512-BF16 without AMX) run expert_panel_matmul for both projections at every
-    group size, decode to prefill; a float32 call on them is refused by name."""
+    """Panel-packed bf16 experts (AVX512-BF16 without AMX) run expert_panel_matmul for both
+    projections at every group size, decode to prefill; a float32 call on them is refused by name.
+    """
     if not cpu_ops.moe_panels:
         assert not cpu_ops.ext.expert_panels_available() or "amx_bf16" in cpu_features.cpu_flags()
         return
     calls = []
     kernel = cpu_ops.ext.expert_panel_matmul
-    monkeypatch.setattr(cpu_ops.ext, "expert_panel_matmul", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    monkeypatch.setattr(cpu_ops.ext, "expert_panel_matmul",
+                        lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
     for tokens in (1, 12, 200):
         case = (tokens, 8, 2, 64, 48, 8, 0, "random")
         calls.clear()
@@ -147,20 +154,25 @@ def test_cpu_panels_run_every_group_size(cpu_ops, monkeypatch):
         cpu_ops.fused_moe(x.float(), logits.float(), p13, p2, k, renorm, offset)
 
 
-@pytest.mark.parametrize("tokens, dtype, takes_kernel", [(2, torch.bfloat16, True), (12, torch.bfloat16, True),
-                                                       (200, torch.bfloat16, False), (2, torch.float32, False)],
+@pytest.mark.parametrize("tokens, dtype, takes_kernel", [(2, torch.bfloat16, True),
+                                                         (12, torch.bfloat16, True),
+                                                         (200, torch.bfloat16, False),
+                                                         (2, torch.float32, False)],
                          ids=["decode-bf16", "small-batch-bf16", "prefill-bf16", "decode-fp32"])
 def test_cpu_small_groups_run_the_expert_kernel(cpu_ops, tokens, dtype, takes_kernel):
-    """bf16 steps with at most cpu_moe.SMALL_GROUP_ROWS rows per active expert run expert_matmul (both
-    projections), the rest torch's grouped GEMM; the result equals the reference either way."""
+    """bf16 steps with at most cpu_moe.SMALL_GROUP_ROWS rows per active expert run expert_matmul
+    (both projections), the rest torch's grouped GEMM; the result equals the reference either way.
+    """
     calls = []
 
     def spy(rows, w, offs):
         calls.append(rows.shape[0])
         return cpu_ops.ext.expert_matmul(rows, w, offs)
 
-    x, logits, w13, w2, k, renorm, offset = make_case((tokens, 64, 8, 64, 48, 64, 0, "random"), dtype)
-    expected = moe_reference.fused_moe(x.float(), logits.float(), w13.float(), w2.float(), k, renorm, offset)
+    x, logits, w13, w2, k, renorm, offset = make_case((tokens, 64, 8, 64, 48, 64, 0, "random"),
+                                                      dtype)
+    expected = moe_reference.fused_moe(x.float(), logits.float(), w13.float(), w2.float(), k,
+                                       renorm, offset)
     ours = cpu_moe.fused_moe(x, logits, w13, w2, k, renorm, offset, cpu_ops.silu_and_mul, spy)
     assert calls == ([tokens * k] * 2 if takes_kernel else [])
     assert rel_err(ours, expected) < TOL[dtype]
@@ -187,7 +199,8 @@ def test_triton_fused_moe_equals_reference(cuda_ops, case, dtype):
 
 
 def test_grid_has_empty_experts_and_remote_pairs():
-    """The grid covers what it claims: local experts with no pair, and pairs routed to another rank."""
+    """The grid covers what it claims: local experts with no pair, and pairs routed to another rank.
+    """
     empty = remote = 0
     for case in GRID + TRITON_GRID:
         x, logits, w13, w2, k, _, offset = make_case(case, torch.float32)
@@ -203,7 +216,8 @@ def test_grid_has_empty_experts_and_remote_pairs():
 def test_align_block_size_pads_each_expert_to_its_blocks():
     from vlinfer.ops.cuda import moe as cuda_moe
     kernel = cuda_moe.load_kernel()
-    ids = torch.tensor([[2, 0], [2, 5], [1, 2]])  # local experts 0..2 at offset 0 of 6: expert 5 is remote
+    # local experts 0..2 at offset 0 of 6: expert 5 is remote
+    ids = torch.tensor([[2, 0], [2, 5], [1, 2]])
     sorted_ids, experts, padded = kernel.align_block_size(ids, 4, 3, 0)
     n = ids.numel()
     assert padded.tolist() == [4 * 4]  # experts 0, 1, 2 and the remote group, one block each
@@ -214,14 +228,18 @@ def test_align_block_size_pads_each_expert_to_its_blocks():
 
 
 class NoHostSync(TorchDispatchMode):
-    """Raises on an aten op a CUDA graph cannot capture: one that returns a host value (.item(), .tolist(), bool())
-    or whose output shape depends on tensor values."""
-    DATA_DEPENDENT = {"aten::nonzero", "aten::masked_select", "aten::_unique2", "aten::unique_dim", "aten::bincount",
-                      "aten::unique_consecutive", "aten::repeat_interleave", "aten::_local_scalar_dense"}
+    """Raises on an aten op a CUDA graph cannot capture: one that returns a host value (.item(),
+    .tolist(), bool()) or whose output shape depends on tensor values."""
+    DATA_DEPENDENT = {
+        "aten::nonzero", "aten::masked_select", "aten::_unique2", "aten::unique_dim",
+        "aten::bincount", "aten::unique_consecutive", "aten::repeat_interleave",
+        "aten::_local_scalar_dense"
+    }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
-        if name in self.DATA_DEPENDENT or any("Tensor" not in str(r.type) for r in func._schema.returns):
+        if name in self.DATA_DEPENDENT or any("Tensor" not in str(r.type)
+                                              for r in func._schema.returns):
             raise AssertionError(f"{name}: a device->host sync")
         if name in ("aten::index", "aten::index_put_") and any(
                 isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in args[1]):
@@ -230,15 +248,17 @@ class NoHostSync(TorchDispatchMode):
 
 
 def test_triton_alignment_takes_no_host_sync():
-    """Routing and alignment read nothing back and their sizes come from shapes, and the launches' grids come from
-    those sizes: a CUDA graph can capture the op. (Under the interpreter the kernels themselves run on the host.)"""
+    """Routing and alignment read nothing back and their sizes come from shapes, and the launches'
+    grids come from those sizes: a CUDA graph can capture the op. (Under the interpreter the kernels
+    themselves run on the host.)"""
     from vlinfer.ops.cuda import moe as cuda_moe
     kernel = cuda_moe.load_kernel()
     logits = torch.randn(5, 16)
     with NoHostSync():
         _, ids = moe_reference.route(logits, 4, True, torch.bfloat16)
         sorted_ids, experts, padded = kernel.align_block_size(ids, 16, 8, 4)
-    assert sorted_ids.shape == (20 + 9 * 15 + 5,) and experts.shape == (10,)  # 20 pairs, <= 9 groups, to 16s
+    # 20 pairs, <= 9 groups, to 16s
+    assert sorted_ids.shape == (20 + 9 * 15 + 5,) and experts.shape == (10,)
 
 
 def test_block_config_grows_with_pairs_per_expert():
@@ -262,10 +282,11 @@ def test_triton_missing_is_a_warning_and_the_reference(monkeypatch, caplog):
 # ---- the NPU wiring: graph capture, the emulation's teeth ----
 
 def test_npu_fused_moe_captures_in_a_graph(npu_env):
-    """Nothing reads a value back to the host: the op records into an (emulated) ACL graph, and replays on new
-    inputs written into the captured tensors give the reference's answer."""
+    """Nothing reads a value back to the host: the op records into an (emulated) ACL graph, and
+    replays on new inputs written into the captured tensors give the reference's answer."""
     fake, ops = npu_env
-    case = (6, 16, 4, 32, 48, 8, 8, "random")  # expert parallel: the masking and padding are captured too
+    # expert parallel: the masking and padding are captured too
+    case = (6, 16, 4, 32, 48, 8, 8, "random")
     x, logits, w13, w2, k, renorm, offset = make_case(case, torch.bfloat16)
     graph = torch.npu.NPUGraph()
     with torch.npu.graph(graph):
@@ -275,7 +296,8 @@ def test_npu_fused_moe_captures_in_a_graph(npu_env):
         x.copy_(new_x)
         logits.copy_(new_logits)
         graph.replay()
-        expected = moe_reference.fused_moe(x.float(), logits.float(), w13.float(), w2.float(), k, renorm, offset)
+        expected = moe_reference.fused_moe(x.float(), logits.float(), w13.float(), w2.float(), k,
+                                           renorm, offset)
         assert rel_err(out, expected) < TOL[torch.bfloat16]
 
 
@@ -290,17 +312,20 @@ def test_fake_npu_moe_ops_reject_what_the_pages_reject(npu_env):
     with pytest.raises(FakeNpuError, match="int32"):
         fake.npu_moe_init_routing_v2(x, ids.long(), quant_mode=-1, **common)
     rows, src_to_dst, counts, _ = fake.npu_moe_init_routing_v2(x, ids, quant_mode=-1, **common)
-    assert counts.tolist() == [2, 2, 3, 1] and torch.equal(rows[src_to_dst.long()], x.repeat_interleave(2, 0))
+    assert counts.tolist() == [2, 2, 3, 1] and torch.equal(rows[src_to_dst.long()],
+                                                           x.repeat_interleave(2, 0))
     w = torch.randn(4, 16, 8)
     with pytest.raises(FakeNpuError, match="add up to"):
-        fake.npu_grouped_matmul([rows], [w], group_list=counts - 1, split_item=2, group_type=0, group_list_type=1)
+        fake.npu_grouped_matmul([rows], [w], group_list=counts - 1, split_item=2, group_type=0,
+                                group_list_type=1)
     with pytest.raises(FakeNpuError, match="strides"):
-        fake.npu_grouped_matmul([rows], [w.permute(0, 2, 1).contiguous().permute(1, 2, 0)[:4]], group_list=counts,
-                                split_item=2, group_type=0, group_list_type=1)
+        fake.npu_grouped_matmul([rows], [w.permute(0, 2, 1).contiguous().permute(1, 2, 0)[:4]],
+                                group_list=counts, split_item=2, group_type=0, group_list_type=1)
     with pytest.raises(FakeNpuError, match="lie in"):
-        fake.npu_moe_finalize_routing(rows, None, None, None, torch.ones(4, 2), src_to_dst - 1, None,
-                                      drop_pad_mode=2)
-    # Expert parallel: rows past the local pairs are invalid (NaN here), remote pairs' row index is -1.
+        fake.npu_moe_finalize_routing(rows, None, None, None, torch.ones(4, 2), src_to_dst - 1,
+                                      None, drop_pad_mode=2)
+    # Expert parallel: rows past the local pairs are invalid (NaN here), remote pairs' row index is
+    # -1.
     rows, src_to_dst, counts, _ = fake.npu_moe_init_routing_v2(x, ids, quant_mode=-1, **{
         **common, "active_expert_range": [1, 3]})
     assert counts.tolist() == [2, 3] and rows[5:].isnan().all() and (src_to_dst < 0).sum() == 3
@@ -315,8 +340,8 @@ def test_bad_shapes_raise_clear_errors(cpu_ops, cuda_ops, npu_env):
             ops.fused_moe(x, logits, w13, w2, 9, renorm, offset)
         with pytest.raises(ValueError, match="outside"):
             ops.fused_moe(x, logits, w13, w2, k, renorm, 4)
-    # x narrower than the weights: the CPU op reads that as its padded weight layout (cpu_moe.pack_moe_weights), so
-    # only the device implementations are asked here.
+    # x narrower than the weights: the CPU op reads that as its padded weight layout
+    # (cpu_moe.pack_moe_weights), so only the device implementations are asked here.
     for ops in (cuda_ops, npu_env[1]):
         with pytest.raises(ValueError, match="do not fit"):
             ops.fused_moe(x[:, :-1], logits, w13, w2, k, renorm, offset)

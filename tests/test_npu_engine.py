@@ -1,11 +1,12 @@
-"""The whole engine through the NPU code path (VLINFER_OPS=npu) on CPU tensors, torch_npu emulated by
-tests/fake_torch_npu.py, block size 128, against transformers.
+"""The whole engine through the NPU code path (VLINFER_OPS=npu) on CPU tensors, torch_npu emulated
+by tests/fake_torch_npu.py, block size 128, against transformers.
 
-float32: FIA and the cache writes take fp16/bf16 only (docs/npu-ops.md §1), so the NPU implementation runs the
-reference for attention and the cache write (with a warning) while norms, rotary and SwiGLU run the torch_npu ops:
-greedy outputs must equal transformers' exactly. bfloat16: every op runs on torch_npu ops (FIA in TND layout over
-the paged cache, the scatter cache write, the vision tower on FIA). Compared with transformers in bfloat16 within
-the documented BF16_LOGIT_TOLERANCE: prompt logits (and arg-max agreement >= 95%), and each generated token must be
+float32: FIA and the cache writes take fp16/bf16 only (docs/npu-ops.md §1), so the NPU
+implementation runs the reference for attention and the cache write (with a warning) while norms,
+rotary and SwiGLU run the torch_npu ops: greedy outputs must equal transformers' exactly. bfloat16:
+every op runs on torch_npu ops (FIA in TND layout over the paged cache, the scatter cache write, the
+vision tower on FIA). Compared with transformers in bfloat16 within the documented
+BF16_LOGIT_TOLERANCE: prompt logits (and arg-max agreement >= 95%), and each generated token must be
 within that tolerance of transformers' best logit at its position, given the same prefix."""
 import copy
 import logging
@@ -47,7 +48,8 @@ def q_lens(call):
 
 
 def assert_tokens_within_tolerance(ref_model, prompt_ids, tokens, **inputs):
-    """Each generated token's transformers logit (same prefix, one forward) within the tolerance of the best one."""
+    """Each generated token's transformers logit (same prefix, one forward) within the tolerance of
+    the best one."""
     ids = torch.tensor([prompt_ids + tokens])
     if "pixel_values" in inputs:
         inputs["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
@@ -68,10 +70,12 @@ def assert_logits_within_tolerance(ours, ref):
 # ---- text ----
 
 def hf_greedy(model, ids, num_new=NUM_NEW, **inputs):
-    """transformers' greedy continuation. Not generate(min_new_tokens=...): that masks EOS, while ignore_eos only
-    keeps going past it, and these random models do pick EOS. A generation config without EOS does neither."""
+    """transformers' greedy continuation. Not generate(min_new_tokens=...): that masks EOS, while
+    ignore_eos only keeps going past it, and these random models do pick EOS. A generation config
+    without EOS does neither."""
     config = copy.deepcopy(model.generation_config)
-    config.update(eos_token_id=[], max_new_tokens=num_new, do_sample=False, pad_token_id=0)  # None: the default
+    # None: the default
+    config.update(eos_token_id=[], max_new_tokens=num_new, do_sample=False, pad_token_id=0)
     x = torch.tensor([ids])
     if "pixel_values" in inputs:
         inputs["mm_token_type_ids"] = (x == IMAGE_TOKEN).int()
@@ -87,9 +91,11 @@ def text_references(qwen3_checkpoint):
     return greedy, AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
 
 
-def test_text_float32_greedy_equals_transformers(fake_npu, qwen3_checkpoint, text_references, caplog):  # noqa: F811
+def test_text_float32_greedy_equals_transformers(fake_npu, qwen3_checkpoint, text_references,
+                                                 caplog):  # noqa: F811
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
-        llm = LLM(qwen3_checkpoint[0], dtype="float32", kvcache_block_size=BLOCK, kv_cache_bytes=8 * 2 ** 20)
+        llm = LLM(qwen3_checkpoint[0], dtype="float32", kvcache_block_size=BLOCK,
+                  kv_cache_bytes=8 * 2**20)
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.engine.ops_implementation == "npu"
     assert [o.outputs[0].token_ids for o in outs] == text_references[0]
@@ -102,8 +108,8 @@ def test_text_float32_greedy_equals_transformers(fake_npu, qwen3_checkpoint, tex
 
 def test_text_bfloat16_through_fia(fake_npu, qwen3_checkpoint, text_references):  # noqa: F811
     ref_model = text_references[1]
-    llm = LLM(qwen3_checkpoint[0], dtype="bfloat16", kvcache_block_size=BLOCK, kv_cache_bytes=8 * 2 ** 20,
-              max_num_batched_tokens=64)
+    llm = LLM(qwen3_checkpoint[0], dtype="bfloat16", kvcache_block_size=BLOCK,
+              kv_cache_bytes=8 * 2**20, max_num_batched_tokens=64)
     engine = llm.engine
     assert engine.ops_implementation == "npu"
 
@@ -122,19 +128,23 @@ def test_text_bfloat16_through_fia(fake_npu, qwen3_checkpoint, text_references):
     for seq in seqs:
         engine.block_manager.free(seq)
 
-    # Generation: the 64-token budget chunks the prompts, so steps mix decodes with chunks after a cached prefix.
-    # Then the prompts of 128+ tokens again: those past 128 start from a prefix-cache hit.
+    # Generation: the 64-token budget chunks the prompts, so steps mix decodes with chunks after a
+    # cached prefix. Then the prompts of 128+ tokens again: those past 128 start from a prefix-cache
+    # hit.
     for prompts in (PROMPTS, PROMPTS[3:]):
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         for p, out in zip(prompts, outs):
             assert_tokens_within_tolerance(ref_model, p, out.outputs[0].token_ids)
         assert_block_pool_empty(llm)
-    assert [o.num_cached_tokens for o in outs] == [0, BLOCK, BLOCK]  # a 128-token prompt recomputes its last token
+    # a 128-token prompt recomputes its last token
+    assert [o.num_cached_tokens for o in outs] == [0, BLOCK, BLOCK]
 
     calls = fia_calls(fake_npu)[1:]  # after the load-time probe
-    assert all(c["input_layout"] == "TND" and c["block_size"] == BLOCK and c["sparse_mode"] == 3 for c in calls)
+    assert all(c["input_layout"] == "TND" and c["block_size"] == BLOCK and c["sparse_mode"] == 3
+               for c in calls)
     assert any(set(q_lens(c)) == {1} for c in calls), "no decode-only step"
-    assert any(1 in q_lens(c) and max(q_lens(c)) > 1 for c in calls), "no step mixing decodes and prefill chunks"
+    assert any(1 in q_lens(c) and max(q_lens(c)) > 1
+               for c in calls), "no step mixing decodes and prefill chunks"
     assert any(kv > q for c in calls for q, kv in zip(q_lens(c), c["actual_seq_lengths_kv"]) if q > 1), \
         "no prefill chunk after a cached prefix"
     assert fake_npu.last["npu_scatter_pa_kv_cache"] == {"cache_mode": "Norm"}
@@ -147,15 +157,17 @@ def test_text_bfloat16_through_fia(fake_npu, qwen3_checkpoint, text_references):
 @pytest.fixture(scope="module")
 def vl_checkpoint(tmp_path_factory):
     from transformers import Qwen3VLForConditionalGeneration
-    path = build_tiny_qwen3_vl(str(tmp_path_factory.mktemp("npu-qwen3-vl")), seed=0, num_heads=4, num_kv_heads=2,
-                               head_dim=32, mrope_section=(6, 5, 5), vision_depth=2, deepstack_visual_indexes=[0, 1],
-                               tie_word_embeddings=False)
+    path = build_tiny_qwen3_vl(str(tmp_path_factory.mktemp("npu-qwen3-vl")), seed=0, num_heads=4,
+                               num_kv_heads=2, head_dim=32, mrope_section=(6, 5, 5), vision_depth=2,
+                               deepstack_visual_indexes=[0, 1], tie_word_embeddings=False)
     return path, Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def hf_inputs(llm, text, images):
-    """Token ids and pixels both from transformers' own Qwen3VLProcessor: its expansion, not fed ours."""
-    out = hf_qwen3_vl_processor(llm.engine.source.folder)(text=[text], images=images or None, return_tensors="pt")
+    """Token ids and pixels both from transformers' own Qwen3VLProcessor: its expansion, not fed
+    ours."""
+    out = hf_qwen3_vl_processor(llm.engine.source.folder)(text=[text], images=images or None,
+                                                          return_tensors="pt")
     ids = out["input_ids"][0].tolist()
     if not images:
         return ids, {}
@@ -171,7 +183,8 @@ def vl_requests():
 
 def test_qwen3_vl_float32_greedy_equals_transformers(fake_npu, vl_checkpoint):  # noqa: F811
     path, model = vl_checkpoint
-    llm = LLM(path, dtype="float32", kvcache_block_size=BLOCK, kv_cache_bytes=16 * 2 ** 20, max_model_len=512)
+    llm = LLM(path, dtype="float32", kvcache_block_size=BLOCK, kv_cache_bytes=16 * 2**20,
+              max_model_len=512)
     outs = llm.generate(vl_requests(), GREEDY, use_tqdm=False)
     for (text, images), out in zip(VL_REQUESTS, outs):
         ids, kwargs = hf_inputs(llm, text, images)
@@ -185,8 +198,8 @@ def test_qwen3_vl_bfloat16_through_fia(fake_npu, vl_checkpoint):  # noqa: F811
     from transformers import Qwen3VLForConditionalGeneration
     path = vl_checkpoint[0]
     ref_model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16).eval()
-    llm = LLM(path, dtype="bfloat16", kvcache_block_size=BLOCK, kv_cache_bytes=16 * 2 ** 20, max_model_len=512,
-              max_num_batched_tokens=64)
+    llm = LLM(path, dtype="bfloat16", kvcache_block_size=BLOCK, kv_cache_bytes=16 * 2**20,
+              max_model_len=512, max_num_batched_tokens=64)
     engine = llm.engine
 
     seq = engine.make_sequence(vl_requests()[0])
@@ -196,17 +209,20 @@ def test_qwen3_vl_bfloat16_through_fia(fake_npu, vl_checkpoint):  # noqa: F811
     ids, kwargs = hf_inputs(llm, VL_PROMPT, [IMAGE])
     assert ids == seq.token_ids
     with torch.no_grad():
-        ref = ref_model(input_ids=torch.tensor([ids]), mm_token_type_ids=(torch.tensor([ids]) == IMAGE_TOKEN).int(),
+        ref = ref_model(input_ids=torch.tensor([ids]),
+                        mm_token_type_ids=(torch.tensor([ids]) == IMAGE_TOKEN).int(),
                         **kwargs).logits[0]
-    # The logit tolerance is the documented one; for arg-max agreement the text rule (95%) is relaxed to 90%: on
-    # this random tiny VL checkpoint many logits are near-tied, and the engine on the reference ops agrees with
-    # transformers bf16 on 93-97% of positions too (94% through this path).
+    # The logit tolerance is the documented one; for arg-max agreement the text rule (95%) is
+    # relaxed to 90%: on this random tiny VL checkpoint many logits are near-tied, and the engine on
+    # the reference ops agrees with transformers bf16 on 93-97% of positions too (94% through this
+    # path).
     assert assert_logits_within_tolerance(ours, ref) / len(ids) >= 0.90
     engine.abort_request(seq.request_id)
 
     vision = [c for c in fia_calls(fake_npu) if c.get("block_table") is None]
-    assert vision and all(c["input_layout"] == "TND" and c["sparse_mode"] == 0 and "atten_mask" not in c
-                          for c in vision)
+    assert vision and all(
+        c["input_layout"] == "TND" and c["sparse_mode"] == 0 and "atten_mask" not in c
+        for c in vision)
 
     outs = llm.generate(vl_requests(), GREEDY, use_tqdm=False)
     for (text, images), out in zip(VL_REQUESTS, outs):

@@ -5,8 +5,9 @@ torch_npu task keeps its captured host arguments (FIA's lengths) unless it was r
 graph_task_update_begin/end. So graphs whose attention is not updated give wrong outputs here, as on
 the device.
 
-The engine runs on CPU tensors with the NPU ops (VLINFER_OPS=npu); the "cpu" device type gets the NPU graph
-backend, as tests/test_graph_runner.py does with its replaying backend. bfloat16 throughout: FIA takes fp16/bf16."""
+The engine runs on CPU tensors with the NPU ops (VLINFER_OPS=npu); the "cpu" device type gets the
+NPU graph backend, as tests/test_graph_runner.py does with its replaying backend. bfloat16
+throughout: FIA takes fp16/bf16."""
 import logging
 import types
 
@@ -15,8 +16,15 @@ import torch
 
 from conftest import assert_block_pool_empty
 from fake_torch_npu import FakeNpuError, loaded
-from test_graph_runner import (PROMPTS, TEXT_PROMPT, VL_PROMPT, EchoModel, generate, picture, step,  # noqa: F401
-                               vl_checkpoint)
+from test_graph_runner import (
+    PROMPTS,
+    TEXT_PROMPT,
+    VL_PROMPT,
+    EchoModel,
+    generate,
+    picture,
+    step,  # noqa: F401
+    vl_checkpoint)
 from vlinfer import LLM
 from vlinfer.config import EngineConfig
 from vlinfer.engine import graph_runner
@@ -27,12 +35,14 @@ from vlinfer.ops.npu import graph as npu_graph
 from vlinfer.ops.npu.graph import GraphCapture
 
 BLOCK = 128
-KW = dict(dtype="bfloat16", kvcache_block_size=BLOCK, max_num_seqs=6, kv_cache_bytes=8 * 2 ** 20, max_model_len=512)
+KW = dict(dtype="bfloat16", kvcache_block_size=BLOCK, max_num_seqs=6, kv_cache_bytes=8 * 2**20,
+          max_model_len=512)
 
 
 @pytest.fixture
 def npu_graphs(monkeypatch):
-    """The emulated torch_npu with its graph APIs, and the NPU graph backend for the engine's (CPU) device."""
+    """The emulated torch_npu with its graph APIs, and the NPU graph backend for the engine's (CPU)
+    device."""
     fake, _ = loaded(monkeypatch)
     monkeypatch.setattr(NpuOps, "graph_capture", lambda ops, device: npu_graph.backend(device, ops))
     return fake
@@ -71,13 +81,16 @@ def test_replay_keeps_captured_lengths_unless_updated(monkeypatch, tnd):
         out = ops.paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 0.125)
     assert ops._capture is None  # capturing ends with its block
     assert len(capture.tasks) == 1
-    assert fake.last["npu_fused_infer_attention_score.out"]["input_layout"] == ("TND" if tnd else "BSH")
+    assert fake.last["npu_fused_infer_attention_score.out"]["input_layout"] == ("TND"
+                                                                                if tnd else "BSH")
 
     # New queries in the static buffer, new lengths for the step.
     q.copy_(attention_inputs(captured, seed=1)[0])
-    with pytest.raises(FakeNpuError, match="never recorded"):  # no update issued: the replay would hang
+    # no update issued: the replay would hang
+    with pytest.raises(FakeNpuError, match="never recorded"):
         graph.replay()
-    # The events recorded but the task not re-issued: FIA replays with the lengths it was captured with.
+    # The events recorded but the task not re-issued: FIA replays with the lengths it was captured
+    # with.
     for task in capture.tasks:
         task.event.record()
     graph.replay()
@@ -91,7 +104,8 @@ def test_replay_keeps_captured_lengths_unless_updated(monkeypatch, tnd):
     assert fake.graph.updates == {"npu_fused_infer_attention_score.out": 1}
     assert fake.graph.replayed["npu_fused_infer_attention_score.out"] == 2
 
-    # What the update mechanism refuses: the default stream, and tensors other than the captured ones.
+    # What the update mechanism refuses: the default stream, and tensors other than the captured
+    # ones.
     with pytest.raises(FakeNpuError, match="update stream"):
         ops._update_graph_attention(capture, now, torch.npu.current_stream())
     task = capture.tasks[0]
@@ -111,7 +125,8 @@ def test_capture_refuses_host_syncs(monkeypatch):
         seq_lens.max().item()
     with pytest.raises(FakeNpuError, match="data-dependent"), torch.npu.graph(torch.npu.NPUGraph()):
         q[seq_lens > 6]
-    # The eager cache write drops -1 slots after checking for them on the host; captured, it takes them as given.
+    # The eager cache write drops -1 slots after checking for them on the host; captured, it takes
+    # them as given.
     with pytest.raises(FakeNpuError, match="host value"), torch.npu.graph(torch.npu.NPUGraph()):
         ops.store_kvcache(q[:, :2], q[:, :2], k_cache, v_cache, torch.tensor([3, -1]))
     assert torch.Tensor.tolist is torch._C.TensorBase.tolist  # restored after each capture
@@ -129,12 +144,14 @@ def test_backend_needs_the_graph_apis_and_the_npu_ops(monkeypatch, caplog):
     assert backend.name.startswith("ACL graphs") and backend.ops is ops
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
-        assert graph_runner.select_backend(EngineConfig(model="m"), npu_device, ReferenceOps("npu")) is None
+        assert graph_runner.select_backend(EngineConfig(model="m"), npu_device,
+                                           ReferenceOps("npu")) is None
     assert "graphs unavailable on npu (the reference ops read sequence lengths on the host)" in caplog.text
 
 
 class HostLengthsBackend:
-    """Like the ACL graph backend towards the graph runner: host lengths in, padding into a dummy block."""
+    """Like the ACL graph backend towards the graph runner: host lengths in, padding into a dummy
+    block."""
     name = "host lengths (test)"
     host_lengths = True
     pads_to_dummy_block = True
@@ -153,20 +170,25 @@ class HostLengthsBackend:
 
 def test_padding_into_the_dummy_block_with_host_lengths():
     backend = HostLengthsBackend()
-    assert graph_runner.dummy_blocks(backend, 8, 4) == 2 and graph_runner.dummy_blocks(backend, 300, 128) == 2
+    assert graph_runner.dummy_blocks(backend, 8, 4) == 2 and graph_runner.dummy_blocks(
+        backend, 300, 128) == 2
     assert graph_runner.dummy_blocks(None, 8, 4) == 0
     ctx = ModelContext(ReferenceOps())
-    runner = graph_runner.GraphRunner(EchoModel(ctx), ctx, torch.device("cpu"), backend, [1, 2, 4, 8], 4, False,
-                                      dummy_block=10, block_size=4)
+    runner = graph_runner.GraphRunner(EchoModel(ctx), ctx, torch.device("cpu"), backend,
+                                      [1, 2, 4, 8], 4, False, dummy_block=10, block_size=4)
     runner.capture()
-    # Captured on all-padding buffers: each row its own dummy slot, one token of the dummy block to attend to.
+    # Captured on all-padding buffers: each row its own dummy slot, one token of the dummy block to
+    # attend to.
     assert backend.lengths == [("capture", [1] * size) for size in (8, 4, 2, 1)]
-    assert runner.slot_mapping.tolist() == list(range(40, 48)) and runner.seq_lens.tolist() == [1] * 8
+    assert runner.slot_mapping.tolist() == list(range(40,
+                                                      48)) and runner.seq_lens.tolist() == [1] * 8
     out = runner.run(step(5, 2))
     assert backend.lengths[-1] == ("replay", [40, 41, 42, 43, 44, 1, 1, 1])
     assert out[:, 2].tolist() == [30, 31, 32, 33, 34] and out[:, 3].tolist() == [40, 41, 42, 43, 44]
-    assert runner.slot_mapping[5:].tolist() == [45, 46, 47] and runner.seq_lens[5:].tolist() == [1, 1, 1]
-    assert runner.block_tables[5:, 0].tolist() == [10] * 3 and (runner.block_tables[5:, 1:] == -1).all()
+    assert runner.slot_mapping[5:].tolist() == [45, 46, 47
+                                                ] and runner.seq_lens[5:].tolist() == [1, 1, 1]
+    assert runner.block_tables[5:, 0].tolist() == [10] * 3 and (runner.block_tables[5:, 1:]
+                                                                == -1).all()
     assert (runner.block_tables[:5, 2:] == -1).all()
 
 
@@ -190,7 +212,8 @@ def test_text_graph_mode_equals_eager(npu_graphs, qwen3_checkpoint, text_expecte
     graphs = runner.graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 6]
     assert type(runner.ctx.ops) is NpuOps and runner.graph_backend.ops is runner.ctx.ops
-    assert graph_runner.blocks_for(runner.graph_backend, 100_000, BLOCK, torch.bfloat16) == -(-100_000 // BLOCK)
+    assert graph_runner.blocks_for(runner.graph_backend, 100_000, BLOCK,
+                                   torch.bfloat16) == -(-100_000 // BLOCK)
     # One reserved block past the block manager's: the padded rows' slots.
     bm = llm.engine.block_manager
     pool = runner.cache_pool
@@ -208,9 +231,10 @@ def test_text_graph_mode_equals_eager(npu_graphs, qwen3_checkpoint, text_expecte
     assert_block_pool_empty(llm)
 
 
-def test_text_graph_mode_without_length_updates_goes_wrong(npu_graphs, qwen3_checkpoint, text_expected,
-                                                           monkeypatch):
-    """The checks above would miss a backend that does not update the attention tasks: they must fail with one."""
+def test_text_graph_mode_without_length_updates_goes_wrong(npu_graphs, qwen3_checkpoint,
+                                                           text_expected, monkeypatch):
+    """The checks above would miss a backend that does not update the attention tasks: they must
+    fail with one."""
     def events_only(self, capture, kv_lens, stream):  # orders the replay, never re-issues the tasks
         for task in capture.tasks:
             task.event.record(stream)
@@ -228,7 +252,8 @@ def test_text_graph_mode_without_length_updates_goes_wrong(npu_graphs, qwen3_che
 
 
 def test_float32_cannot_be_captured_and_runs_eager(npu_graphs, qwen3_checkpoint, caplog):
-    # FIA and the cache writes take fp16/bf16 only: float32 runs them on the reference, which reads host lengths.
+    # FIA and the cache writes take fp16/bf16 only: float32 runs them on the reference, which reads
+    # host lengths.
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
         llm = LLM(qwen3_checkpoint[0], **{**KW, "dtype": "float32"})
     assert llm.engine.model_runner.graphs is None

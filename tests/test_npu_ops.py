@@ -2,9 +2,10 @@
 the emulated torch_npu of tests/fake_torch_npu.py, plus the emulation catching calls the documented
 contracts reject.
 
-Tolerances: max |npu - reference| / max |reference|, the reference evaluated in float32 on the same (rounded) inputs.
-float16 2e-3 and bfloat16 1e-2 are docs/npu-ops.md §3's NPU-vs-reference tolerances; float32 (norms, rotary, SwiGLU
-only: FIA and the cache writes take fp16/bf16) 1e-5. Cache writes must be exact."""
+Tolerances: max |npu - reference| / max |reference|, the reference evaluated in float32 on the same
+(rounded) inputs. float16 2e-3 and bfloat16 1e-2 are docs/npu-ops.md §3's NPU-vs-reference
+tolerances; float32 (norms, rotary, SwiGLU only: FIA and the cache writes take fp16/bf16) 1e-5.
+Cache writes must be exact."""
 import itertools
 import logging
 import sys
@@ -25,9 +26,9 @@ HALF = [torch.float16, torch.bfloat16]
 DTYPE_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 NUM_KV_HEADS = 2
 
-# (q_lens, kv_lens) with block size 128: decodes at and across block edges; fresh prefills; and a mixed batch of
-# a fresh prefill, decodes, a prefill crossing a block edge, a chunk after a 260-token cached prefix and a
-# 3-token prefix hit on one full block.
+# (q_lens, kv_lens) with block size 128: decodes at and across block edges; fresh prefills; and a
+# mixed batch of a fresh prefill, decodes, a prefill crossing a block edge, a chunk after a
+# 260-token cached prefix and a 3-token prefix hit on one full block.
 BATCHES = [([1] * 6, [1, 127, 128, 129, 256, 300]),
            ([5, 128, 129], [5, 128, 129]),
            ([7, 1, 130, 1, 40, 3], [7, 200, 130, 129, 300, 131])]
@@ -40,18 +41,21 @@ BATCHES = [([1] * 6, [1, 127, 128, 129, 256, 300]),
 @pytest.mark.parametrize("gqa", [1, 2, 8])
 @pytest.mark.parametrize("path", ["tnd", "split"])
 def test_paged_attention_matches_reference(monkeypatch, path, gqa, head_dim, dtype):
-    fake, ops = loaded(monkeypatch, tnd_paged=path == "tnd")  # without TND + PA the load-time probe picks the split
+    # without TND + PA the load-time probe picks the split
+    fake, ops = loaded(monkeypatch, tnd_paged=path == "tnd")
     assert ops.features["tnd_paged"] == (path == "tnd")
     scale = head_dim ** -0.5
     for seed, (q_lens, kv_lens) in enumerate(BATCHES):
-        args = make_batch(q_lens, kv_lens, NUM_KV_HEADS * gqa, NUM_KV_HEADS, head_dim, 128, dtype, seed)
+        args = make_batch(q_lens, kv_lens, NUM_KV_HEADS * gqa, NUM_KV_HEADS, head_dim, 128, dtype,
+                          seed)
         before = fake.calls["npu_fused_infer_attention_score"]
         out = ops.paged_attention(*args, scale)
         ref = reference.paged_attention(*fp32(args), scale)
         assert out.dtype == dtype and out.shape == args[0].shape
         assert rel_err(out, ref) < TOL[dtype], (q_lens, kv_lens)
         kinds = {n == 1 for n in q_lens}
-        expected = 1 if path == "tnd" else len(kinds)  # split: one call for decodes, one for prefills
+        # split: one call for decodes, one for prefills
+        expected = 1 if path == "tnd" else len(kinds)
         assert fake.calls["npu_fused_infer_attention_score"] - before == expected
         layout = fake.last["npu_fused_infer_attention_score"]["input_layout"]
         assert layout == ("TND" if path == "tnd" else "BSH")
@@ -60,7 +64,8 @@ def test_paged_attention_matches_reference(monkeypatch, path, gqa, head_dim, dty
 @pytest.mark.parametrize("dtype", HALF, ids=DTYPE_IDS.get)
 def test_block_size_16_serves_decodes_and_is_refused_for_prefill(monkeypatch, dtype):
     _, ops = loaded(monkeypatch)
-    # FIA allows 16-aligned blocks when every query is one token (IFA), only multiples of 128 otherwise (§2.3).
+    # FIA allows 16-aligned blocks when every query is one token (IFA), only multiples of 128
+    # otherwise (§2.3).
     args = make_batch([1] * 5, [1, 15, 16, 17, 70], 4, NUM_KV_HEADS, 64, 16, dtype)
     out = ops.paged_attention(*args, 0.125)
     assert rel_err(out, reference.paged_attention(*fp32(args), 0.125)) < TOL[dtype]
@@ -77,33 +82,41 @@ def test_metadata_is_read_once_per_step(monkeypatch):
     ops.paged_attention(*args, 0.125)  # the next layer: same tensors, same host lists
     assert ops._attention_step._value is meta
     q, k, v, cu, seq_lens, tables = args
-    ops.paged_attention(q, k, v, cu.clone(), seq_lens.clone(), tables.clone(), 0.125)  # the next step
+    # the next step
+    ops.paged_attention(q, k, v, cu.clone(), seq_lens.clone(), tables.clone(), 0.125)
     assert ops._attention_step._value is not meta
 
 
 def test_two_instances_keep_their_own_state(monkeypatch, caplog):
-    """Two engines' op tables in one process: each keeps the torch_npu it loaded, what it detected, its per-step
-    metadata, its warnings and its graph capture."""
+    """Two engines' op tables in one process: each keeps the torch_npu it loaded, what it detected,
+    its per-step metadata, its warnings and its graph capture."""
     fake_a, a = loaded(monkeypatch)  # TND over the paged cache
-    fake_b, b = loaded(monkeypatch, tnd_paged=False)  # made later on another release: must not change `a`
+    # made later on another release: must not change `a`
+    fake_b, b = loaded(monkeypatch, tnd_paged=False)
     assert a.features["tnd_paged"] and not b.features["tnd_paged"]
     step_a = make_batch(*BATCHES[2], 4, NUM_KV_HEADS, 64, 128, torch.float16, 1)
     step_b = make_batch(*BATCHES[0], 4, NUM_KV_HEADS, 64, 128, torch.float16, 2)
     metas = {}
     for layer in range(3):  # the two engines' steps interleaved, layer after layer
-        for name, ops, fake, args, layout in (("a", a, fake_a, step_a, "TND"), ("b", b, fake_b, step_b, "BSH")):
-            before = fake_a.calls["npu_fused_infer_attention_score"], fake_b.calls["npu_fused_infer_attention_score"]
+        for name, ops, fake, args, layout in (("a", a, fake_a, step_a, "TND"), ("b", b, fake_b,
+                                                                                step_b, "BSH")):
+            before = fake_a.calls["npu_fused_infer_attention_score"], fake_b.calls[
+                "npu_fused_infer_attention_score"]
             out = ops.paged_attention(*args, 0.125)
             assert rel_err(out, reference.paged_attention(*fp32(args), 0.125)) < TOL[torch.float16]
             assert fake.last["npu_fused_infer_attention_score"]["input_layout"] == layout
-            after = fake_a.calls["npu_fused_infer_attention_score"], fake_b.calls["npu_fused_infer_attention_score"]
-            assert after[name == "a"] == before[name == "a"]  # the other engine's torch_npu was not called
-            # Each instance builds its step's host metadata once, whatever the other engine ran in between.
+            after = fake_a.calls["npu_fused_infer_attention_score"], fake_b.calls[
+                "npu_fused_infer_attention_score"]
+            # the other engine's torch_npu was not called
+            assert after[name == "a"] == before[name == "a"]
+            # Each instance builds its step's host metadata once, whatever the other engine ran in
+            # between.
             meta = ops._attention_step._value
             assert metas.setdefault(name, meta) is meta
     assert metas["a"] is not metas["b"] and metas["a"].kv_lens == BATCHES[2][1]
 
-    # Warnings once per engine; a capture on one leaves the other eager (it reads host lengths as usual).
+    # Warnings once per engine; a capture on one leaves the other eager (it reads host lengths as
+    # usual).
     args32 = make_batch(*BATCHES[0], 4, NUM_KV_HEADS, 64, 128, torch.float32)
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
         for ops in (a, b, a, b):
@@ -144,7 +157,8 @@ def test_store_kvcache_matches_reference(monkeypatch, op, dtype, head_dim, num_k
     assert ops.features["cache_write"] == op
     g = torch.Generator().manual_seed(1)
     num_blocks, bs, n = 6, 128, 300
-    # A strided value, as the attention layer passes it (a view of the fused qkv projection), and padding slots.
+    # A strided value, as the attention layer passes it (a view of the fused qkv projection), and
+    # padding slots.
     slots = torch.randperm(num_blocks * bs, generator=g)[:n]
     slots[[3, 77]] = -1
     qkv = torch.randn(n, 3, num_kv_heads, head_dim, generator=g).to(dtype)
@@ -176,7 +190,8 @@ def test_apply_rotary_matches_reference(monkeypatch, dtype, head_dim, gqa):
     t = 37
     q = torch.randn(t, NUM_KV_HEADS * gqa, head_dim, generator=g).to(dtype)
     k = torch.randn(t, NUM_KV_HEADS, head_dim, generator=g).to(dtype)
-    # Random positions; 1.25 is a yarn-like attention scaling that takes the tables outside npu_rotary_mul's [-1, 1].
+    # Random positions; 1.25 is a yarn-like attention scaling that takes the tables outside
+    # npu_rotary_mul's [-1, 1].
     for scaling in (1.0, 1.25):
         cos, sin = rope_tables(torch.randint(0, 4096, (t,), generator=g), head_dim, scaling)
         q_out, k_out = ops.apply_rotary(q, k, cos, sin)
@@ -193,17 +208,19 @@ def test_norms_and_swiglu_match_reference(monkeypatch, dtype):
     x = torch.randn(19, 256, generator=g).to(dtype)
     residual = torch.randn(19, 256, generator=g).to(dtype)
     weight = (1 + 0.1 * torch.randn(256, generator=g)).to(dtype)
-    # bf16/fp16: the reference rounds x / rms before multiplying by the weight (as transformers does); the fused op
-    # rounds once at the end, so they may differ by a unit in the last place.
+    # bf16/fp16: the reference rounds x / rms before multiplying by the weight (as transformers
+    # does); the fused op rounds once at the end, so they may differ by a unit in the last place.
     assert rel_err(ops.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6)) < TOL[dtype]
     heads = x.view(19, 4, 64)  # q_norm / k_norm: per head, gamma [head_dim]
-    assert rel_err(ops.rms_norm(heads, weight[:64], 1e-6), reference.rms_norm(heads, weight[:64], 1e-6)) < TOL[dtype]
+    assert rel_err(ops.rms_norm(heads, weight[:64], 1e-6),
+                   reference.rms_norm(heads, weight[:64], 1e-6)) < TOL[dtype]
     y, res = ops.add_rms_norm(x, residual, weight, 1e-6)
     y_ref, res_ref = reference.add_rms_norm(x, residual, weight, 1e-6)
     assert rel_err(y, y_ref) < TOL[dtype] and torch.equal(res, res_ref)
     gate_up = torch.randn(19, 2 * 96, generator=g).to(dtype)
     assert rel_err(ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up)) < TOL[dtype]
-    assert fake.calls["npu_rms_norm"] == 2 and fake.calls["npu_add_rms_norm"] == 1 and fake.calls["npu_swiglu"] == 1
+    assert fake.calls["npu_rms_norm"] == 2 and fake.calls["npu_add_rms_norm"] == 1 and fake.calls[
+        "npu_swiglu"] == 1
 
 
 # ---- vision tower varlen attention ----
@@ -227,7 +244,8 @@ def test_varlen_attention_float32_runs_the_reference(monkeypatch):
     _, ops = loaded(monkeypatch)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     q, k, v = (torch.randn(12, 2, 16) for _ in range(3))
-    assert torch.equal(ops.varlen_attention(q, k, v, cu, 0.25), reference.varlen_attention(q, k, v, cu, 0.25))
+    assert torch.equal(ops.varlen_attention(q, k, v, cu, 0.25),
+                       reference.varlen_attention(q, k, v, cu, 0.25))
 
 
 # ---- feature detection and dispatch ----
@@ -235,19 +253,24 @@ def test_varlen_attention_float32_runs_the_reference(monkeypatch):
 def test_load_detects_the_2_14_contracts(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         _, ops = loaded(monkeypatch)
-    assert ops.features == {"fia_scale_kwarg": "scale", "cache_write": "npu_scatter_pa_kv_cache", "tnd_paged": True}
+    assert ops.features == {
+        "fia_scale_kwarg": "scale", "cache_write": "npu_scatter_pa_kv_cache", "tnd_paged": True
+    }
     assert "ops: npu forced on device type cpu" in caplog.text
     assert "cache write npu_scatter_pa_kv_cache, FIA scale keyword 'scale', attention one TND call" in caplog.text
     assert ops.name == "npu" and ops.device_type == "cpu"
-    # Every op the NPU has a fused operator for; linear and the GELU stay torch's (one aclnn op each already), and
-    # so do the GGUF block ops (dequantize + matmul: GGUF files are a CPU format). A compressed KV cache
-    # (kv_cache_dtype) is int8 on torch_npu (tests/test_npu_kv_cache.py), checked on first use, not at load.
-    # The linears' packing, the fused decode stack, LoRA's own slot layout and the token bitmask
-    # stay the reference's too (plain weights, module by module, plain slots, torch ops).
+    # Every op the NPU has a fused operator for; linear and the GELU stay torch's (one aclnn op each
+    # already), and so do the GGUF block ops (dequantize + matmul: GGUF files are a CPU format). A
+    # compressed KV cache (kv_cache_dtype) is int8 on torch_npu (tests/test_npu_kv_cache.py),
+    # checked on first use, not at load. The linears' packing, the fused decode stack, LoRA's own
+    # slot layout and the token bitmask stay the reference's too (plain weights, module by module,
+    # plain slots, torch ops).
     on_torch = {"linear", "gelu_tanh", "gguf_linear", "gguf_embedding", "pack_gguf_weight",
                 "pack_linear_weight", "dense_decode_stack", "pack_lora", "repack_lora",
                 "apply_token_bitmask"}
-    assert {op for op in OPS if getattr(NpuOps, op) is not getattr(ReferenceOps, op)} == set(OPS) - on_torch
+    assert {op
+            for op in OPS
+            if getattr(NpuOps, op) is not getattr(ReferenceOps, op)} == set(OPS) - on_torch
     assert ops.rms_norm.__func__ is NpuOps.rms_norm
     assert ops.linear is reference.linear and ops.gelu_tanh is reference.gelu_tanh
 
@@ -275,13 +298,15 @@ def test_missing_tnd_paged_support_falls_back_to_split_calls(monkeypatch, caplog
 
 
 def test_without_any_cache_write_op_npu_cannot_load(monkeypatch, caplog):
-    install(monkeypatch, scatter_pa=False, atb=False)  # ATB listed but NNAL not sourced: OSError on first use
+    # ATB listed but NNAL not sourced: OSError on first use
+    install(monkeypatch, scatter_pa=False, atb=False)
     with pytest.raises(OSError, match="NNAL"):
         select("cpu")  # forced: an error, not a silent fallback
     monkeypatch.delenv("VLINFER_OPS")
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
         assert type(select("npu")) is ReferenceOps
-    assert "torch_npu kernels unavailable (" in caplog.text  # no "npu" device here: fails even earlier
+    # no "npu" device here: fails even earlier
+    assert "torch_npu kernels unavailable (" in caplog.text
 
 
 def test_npu_device_without_torch_npu_runs_the_reference(monkeypatch, caplog):
@@ -310,13 +335,15 @@ def test_override_values(monkeypatch, caplog):
 # ---- the emulation rejects calls the contracts forbid ----
 
 def fia_call(**changes):
-    """A valid TND + paged FIA call (mixed batch, block size 128, int8 2048^2 causal mask) with changes applied."""
-    q, k_cache, v_cache, cu, seq_lens, tables = make_batch(*BATCHES[2], 4, NUM_KV_HEADS, 64, 128, torch.float16)
+    """A valid TND + paged FIA call (mixed batch, block size 128, int8 2048^2 causal mask) with
+    changes applied."""
+    q, k_cache, v_cache, cu, seq_lens, tables = make_batch(*BATCHES[2], 4, NUM_KV_HEADS, 64, 128,
+                                                           torch.float16)
     nb = k_cache.shape[0]
     kwargs = dict(atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.int8), 1),
-                  actual_seq_lengths=cu[1:].tolist(), actual_seq_lengths_kv=seq_lens.tolist(), block_table=tables,
-                  num_heads=4, num_key_value_heads=NUM_KV_HEADS, input_layout="TND", sparse_mode=3, block_size=128,
-                  scale=0.125)
+                  actual_seq_lengths=cu[1:].tolist(), actual_seq_lengths_kv=seq_lens.tolist(),
+                  block_table=tables, num_heads=4, num_key_value_heads=NUM_KV_HEADS,
+                  input_layout="TND", sparse_mode=3, block_size=128, scale=0.125)
     args = [q, k_cache.view(nb, 128, -1), v_cache.view(nb, 128, -1)]
     kwargs.update(changes)
     for i, name in enumerate(("query", "key", "value")):
@@ -338,12 +365,15 @@ def _noncontiguous(q):
 
 WRONG_FIA_CALLS = {
     "layout-THD": (dict(input_layout="THD"), "input_layout"),
-    "layout-BSH-with-TND-query": (dict(input_layout="BSH", actual_seq_lengths=None), "block_table must be"),
+    "layout-BSH-with-TND-query": (dict(input_layout="BSH",
+                                       actual_seq_lengths=None), "block_table must be"),
     "sparse-mode-5": (dict(sparse_mode=5), "not implemented"),
     "sparse-mode-9": (dict(sparse_mode=9), "MLA-only"),
     "sparse-3-without-mask": (dict(atten_mask=None), "needs the compressed"),
-    "mask-tril-not-triu": (dict(atten_mask=torch.tril(torch.ones(2048, 2048, dtype=torch.int8))), "pattern"),
-    "mask-sized-to-sequence": (dict(atten_mask=torch.triu(torch.ones(300, 300, dtype=torch.bool), 1)), "2048"),
+    "mask-tril-not-triu": (dict(atten_mask=torch.tril(torch.ones(2048, 2048, dtype=torch.int8))),
+                           "pattern"),
+    "mask-sized-to-sequence": (dict(
+        atten_mask=torch.triu(torch.ones(300, 300, dtype=torch.bool), 1)), "2048"),
     "mask-float": (dict(atten_mask=torch.triu(torch.ones(2048, 2048), 1)), "bool/int8/uint8"),
     "block-size-kwarg-mismatch": (dict(block_size=256), "cache's block size is 128"),
     "block-size-missing": (dict(block_size=0), "cache's block size"),
@@ -351,13 +381,14 @@ WRONG_FIA_CALLS = {
     "q-lengths-per-batch": (dict(actual_seq_lengths=[7, 1, 130, 1, 40, 3]), "non-decreasing"),
     "q-offsets-short-of-T": (dict(actual_seq_lengths=[7, 8, 138, 139, 179, 180]), "561002"),
     "kv-lengths-missing": (dict(actual_seq_lengths_kv=None), "needs actual_seq_lengths_kv"),
-    "kv-lengths-cumulative": (dict(actual_seq_lengths_kv=list(itertools.accumulate([7, 200, 130, 129, 300, 131]))),
-                              "outside"),
+    "kv-lengths-cumulative": (dict(
+        actual_seq_lengths_kv=list(itertools.accumulate([7, 200, 130, 129, 300, 131]))), "outside"),
     "block-table-int64": ("int64-table", "int32"),
     "block-table-bad-id": ("bad-id", "outside"),
     "float32": ("fp32", "float16 or bfloat16"),
     "noncontiguous-query": ("noncontiguous", "not contiguous"),
-    "heads-not-multiple": (dict(num_heads=4, num_key_value_heads=3), "multiple of num_key_value_heads"),
+    "heads-not-multiple": (dict(num_heads=4,
+                                num_key_value_heads=3), "multiple of num_key_value_heads"),
     "scale-value-keyword-on-2.14": (dict(scale_value=0.125), "unexpected keyword"),
 }
 
@@ -384,13 +415,14 @@ def test_fia_emulation_rejects(case):
 def test_fia_emulation_rejects_block_size_16_for_prefill_only():
     fake = FakeTorchNpu()
     for q_lens, ok in (([1, 1], True), ([1, 5], False)):
-        q, k_cache, v_cache, cu, seq_lens, tables = make_batch(q_lens, [20, 40], 4, NUM_KV_HEADS, 64, 16,
-                                                               torch.float16)
+        q, k_cache, v_cache, cu, seq_lens, tables = make_batch(q_lens, [20, 40], 4, NUM_KV_HEADS,
+                                                               64, 16, torch.float16)
         nb = k_cache.shape[0]
         call = lambda: fake.npu_fused_infer_attention_score(  # noqa: E731
-            q, k_cache.view(nb, 16, -1), v_cache.view(nb, 16, -1), atten_mask=npu.causal_mask(q.device),
-            actual_seq_lengths=cu[1:].tolist(), actual_seq_lengths_kv=seq_lens.tolist(), block_table=tables,
-            num_heads=4, num_key_value_heads=NUM_KV_HEADS, input_layout="TND", sparse_mode=3, block_size=16)
+            q, k_cache.view(nb, 16, -1), v_cache.view(
+                nb, 16, -1), atten_mask=npu.causal_mask(q.device), actual_seq_lengths=cu[1:].tolist(
+                ), actual_seq_lengths_kv=seq_lens.tolist(), block_table=tables, num_heads=4,
+            num_key_value_heads=NUM_KV_HEADS, input_layout="TND", sparse_mode=3, block_size=16)
         if ok:
             call()
         else:
@@ -406,17 +438,20 @@ def test_cache_write_emulation_rejects():
     with pytest.raises(FakeNpuError, match="pass cache_mode='Norm'"):
         fake.npu_scatter_pa_kv_cache(key, key, cache(), cache(), slots)  # the default is PA_NZ
     with pytest.raises(FakeNpuError, match="duplicates"):
-        fake.npu_scatter_pa_kv_cache(key, key, cache(), cache(), torch.tensor([0, 5, 5, 7]), cache_mode="Norm")
-    with pytest.raises(FakeNpuError, match="out of"):
-        fake.npu_scatter_pa_kv_cache(key, key, cache(), cache(), torch.tensor([0, 5, 256, 7]), cache_mode="Norm")
-    with pytest.raises(FakeNpuError, match="float16|fp16"):
-        fake.npu_scatter_pa_kv_cache(key.float(), key.float(), cache(torch.float32), cache(torch.float32), slots,
+        fake.npu_scatter_pa_kv_cache(key, key, cache(), cache(), torch.tensor([0, 5, 5, 7]),
                                      cache_mode="Norm")
+    with pytest.raises(FakeNpuError, match="out of"):
+        fake.npu_scatter_pa_kv_cache(key, key, cache(), cache(), torch.tensor([0, 5, 256, 7]),
+                                     cache_mode="Norm")
+    with pytest.raises(FakeNpuError, match="float16|fp16"):
+        fake.npu_scatter_pa_kv_cache(key.float(), key.float(), cache(torch.float32),
+                                     cache(torch.float32), slots, cache_mode="Norm")
     with pytest.raises(FakeNpuError, match="contiguous"):
         strided = torch.randn(4, 3, 2, 64, dtype=torch.float16)[:, 1]
         fake.npu_scatter_pa_kv_cache(strided, key, cache(), cache(), slots, cache_mode="Norm")
     with pytest.raises(FakeNpuError, match="not documented as skipped"):
-        fake._npu_reshape_and_cache(key, key, cache(), cache(), torch.tensor([0, -1, 3, 4], dtype=torch.int32))
+        fake._npu_reshape_and_cache(key, key, cache(), cache(),
+                                    torch.tensor([0, -1, 3, 4], dtype=torch.int32))
     with pytest.raises(FakeNpuError, match="int32"):
         fake._npu_reshape_and_cache(key, key, cache(), cache(), slots)
 

@@ -1,6 +1,7 @@
-"""The Pipeline API (every call form, streaming, captioning, sampling options), model resolution and its errors,
-and chat templates against transformers' apply_chat_template. Two models, each loaded once: the embedded tiny
-Qwen3-VL (meaningless words, real mechanics; greedy, so answers can be compared) and the real SmolLM2."""
+"""The Pipeline API (every call form, streaming, captioning, sampling options), model resolution and
+its errors, and chat templates against transformers' apply_chat_template. Two models, each loaded
+once: the embedded tiny Qwen3-VL (meaningless words, real mechanics; greedy, so answers can be
+compared) and the real SmolLM2."""
 import base64
 import io
 import logging
@@ -14,13 +15,15 @@ from vlinfer import ModelNotFoundError, Pipeline, RequestError, SamplingParams
 from vlinfer.loading import known_aliases, resolve_model
 
 GREEDY = dict(temperature=0, max_tokens=6)
-PUBLISHED_ONE_IMAGE = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n"
-                       "<|im_start|>assistant\n")
+PUBLISHED_ONE_IMAGE = (
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n"
+    "<|im_start|>assistant\n")
 
 
 def picture(h: int, w: int, seed: int) -> Image.Image:
     rng = np.random.RandomState(seed)
-    base = rng.randint(0, 255, (1, 1, 3)) + np.linspace(0, 80, w)[None, :, None] + rng.randint(0, 50, (h, w, 3))
+    base = rng.randint(0, 255, (1, 1, 3)) + np.linspace(0, 80, w)[None, :, None] + rng.randint(
+        0, 50, (h, w, 3))
     return Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
 
 
@@ -50,37 +53,48 @@ def text():
 # ---- the vision pipeline ----
 def test_call_forms_agree(vl):
     one = vl(A, "Describe this image.", **GREEDY)
-    # The engine's greedy answer to the published one-image prompt (itself checked against transformers in
-    # test_qwen3_vl_engine.py), its six tokens decoded.
+    # The engine's greedy answer to the published one-image prompt (itself checked against
+    # transformers in test_qwen3_vl_engine.py), its six tokens decoded.
     ref = vl.llm.generate({"prompt": PUBLISHED_ONE_IMAGE, "multi_modal_data": {"image": [A]}},
                           SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0]
-    assert one == ref.text and one == vl.llm.tokenizer.decode(ref.token_ids, skip_special_tokens=True)
+    assert one == ref.text and one == vl.llm.tokenizer.decode(ref.token_ids,
+                                                              skip_special_tokens=True)
     assert len(ref.token_ids) == 6 or ref.finish_reason == "stop"
-    assert one == vl.chat(user({"type": "image", "image": A}, {"type": "text", "text": "Describe this image."}),
-                          **GREEDY)
+    assert one == vl.chat(
+        user({"type": "image", "image": A}, {"type": "text", "text": "Describe this image."}),
+        **GREEDY)
     two = vl(images=[A, B], prompt="Compare them.", **GREEDY)
     assert two == vl.chat(user({"type": "image", "image": A}, {"type": "image", "image": B},
                                {"type": "text", "text": "Compare them."}), **GREEDY)
-    assert vl(A, images=[B], prompt="Compare them.", **GREEDY) == two  # image= and images= together, in order
-    out = vl.llm.chat(vl.messages("Compare them.", [A, B]), SamplingParams(**GREEDY), use_tqdm=False)[0]
+    # image= and images= together, in order
+    assert vl(A, images=[B], prompt="Compare them.", **GREEDY) == two
+    out = vl.llm.chat(vl.messages("Compare them.", [A, B]), SamplingParams(**GREEDY),
+                      use_tqdm=False)[0]
     assert out.outputs[0].text == two and len(out.images) == 2  # the engine saw both images
 
 
 def test_image_and_image_url_parts(vl):
-    """The same pixels as a PIL image, a data URI (OpenAI image_url part) or a file path give the same answer."""
-    as_pil = vl.chat(user({"type": "image", "image": A}, {"type": "text", "text": "What is this?"}), **GREEDY)
+    """The same pixels as a PIL image, a data URI (OpenAI image_url part) or a file path give the
+    same answer."""
+    as_pil = vl.chat(user({"type": "image", "image": A}, {"type": "text", "text": "What is this?"}),
+                     **GREEDY)
     as_uri = vl.chat(user({"type": "image_url", "image_url": {"url": data_uri(A)}},
                           {"type": "text", "text": "What is this?"}), **GREEDY)
     assert as_pil == as_uri
-    mixed = [{"role": "system", "content": "Be brief."},
-             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(B)}},
-                                          {"type": "image", "image": C}, {"type": "text", "text": "And these?"}]}]
+    mixed = [{"role": "system", "content": "Be brief."}, {
+        "role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(B)}},
+                                    {"type": "image",
+                                     "image": C}, {"type": "text", "text": "And these?"}]
+    }]
     image = "<|vision_start|><|image_pad|><|vision_end|>"
-    prompt = (f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{image}{image}And these?<|im_end|>\n"
-              "<|im_start|>assistant\n")
-    assert vl.engine.chat_prompt(mixed)["prompt"] == prompt  # both images, in order, after the system turn
-    ref = vl.llm.generate({"prompt": prompt, "multi_modal_data": {"image": [B, C]}}, SamplingParams(**GREEDY),
-                          use_tqdm=False)[0]
+    prompt = (
+        f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{image}{image}And "
+        "these?<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    # both images, in order, after the system turn
+    assert vl.engine.chat_prompt(mixed)["prompt"] == prompt
+    ref = vl.llm.generate({"prompt": prompt, "multi_modal_data": {"image": [B, C]}},
+                          SamplingParams(**GREEDY), use_tqdm=False)[0]
     assert vl.chat(mixed, **GREEDY) == ref.outputs[0].text
 
 
@@ -95,13 +109,14 @@ def test_stream_joins_to_the_greedy_answer(vl):
 
 
 def test_stream_with_n_keeps_each_completion_apart(vl):
-    """n > 1: (index, delta) pairs; joined per index, each equals that completion of the same seeded request run
-    whole, and the stream ends only when all n are done."""
+    """n > 1: (index, delta) pairs; joined per index, each equals that completion of the same seeded
+    request run whole, and the stream ends only when all n are done."""
     params = dict(temperature=1.0, seed=3, max_tokens=10, n=3, ignore_eos=True)
     texts = {}
     for index, delta in vl.stream(A, "Describe this image.", **params):
         texts[index] = texts.get(index, "") + delta
-    whole = vl.llm.chat(vl.messages("Describe this image.", [A]), vl.sampling_params(**params), use_tqdm=False)[0]
+    whole = vl.llm.chat(vl.messages("Describe this image.", [A]), vl.sampling_params(**params),
+                        use_tqdm=False)[0]
     assert texts == {c.index: c.text for c in whole.outputs} and len(set(texts.values())) > 1
     assert not vl.engine.requests
 
@@ -113,7 +128,8 @@ def test_caption_in_order_equals_single_calls(vl):
     with pytest.raises(RequestError, match="request 1") as err:
         vl.caption([A, b"not an image", C], batch_size=3, **GREEDY)
     outs = err.value.outputs
-    assert outs[1].error and [outs[0].outputs[0].text, outs[2].outputs[0].text] == [captions[0], captions[2]]
+    assert outs[1].error and [outs[0].outputs[0].text, outs[2].outputs[0].text
+                              ] == [captions[0], captions[2]]
 
 
 def test_sampling_options_pass_through(vl, monkeypatch):
@@ -125,7 +141,8 @@ def test_sampling_options_pass_through(vl, monkeypatch):
 
     def spy(messages, params, **kwargs):
         seen.append(params)
-        if params.max_tokens > 100:  # only look at the defaults; running 512 tokens would just cost time
+        # only look at the defaults; running 512 tokens would just cost time
+        if params.max_tokens > 100:
             raise Captured
         return real_chat(messages, params, **kwargs)
 
@@ -137,7 +154,8 @@ def test_sampling_options_pass_through(vl, monkeypatch):
     assert (seen[-1].temperature, seen[-1].top_p, seen[-1].top_k, seen[-1].seed) == (0.8, 0.5, 7, 3)
     with pytest.raises(Captured):
         vl(A, "Describe.")
-    assert (seen[-1].max_tokens, seen[-1].temperature) == (512, 1.0)  # Pipeline's defaults when none are given
+    # Pipeline's defaults when none are given
+    assert (seen[-1].max_tokens, seen[-1].temperature) == (512, 1.0)
     monkeypatch.undo()
     sampled = [vl(A, "Describe.", temperature=1.0, seed=11, max_tokens=8) for _ in range(2)]
     assert sampled[0] == sampled[1]  # seeded sampling repeats
@@ -152,16 +170,23 @@ def test_sampling_options_pass_through(vl, monkeypatch):
 def test_qwen3_vl_template_is_the_published_layout(vl):
     shipped = resources.files("vlinfer.multimodal").joinpath("templates/qwen3_vl.jinja").read_text()
     messages = user({"type": "image", "image": A}, {"type": "text", "text": "Describe this image."})
-    assert vl.engine.input_processor.chat_template == shipped  # the tiny checkpoint's tokenizer template has no vision tokens
+    # the tiny checkpoint's tokenizer template has no vision tokens
+    assert vl.engine.input_processor.chat_template == shipped
     assert vl.engine.chat_prompt(messages)["prompt"] == PUBLISHED_ONE_IMAGE
     template_messages = user({"type": "image"}, {"type": "text", "text": "Describe this image."})
-    assert vl.llm.tokenizer.apply_chat_template(template_messages, chat_template=shipped, tokenize=False,
+    assert vl.llm.tokenizer.apply_chat_template(template_messages, chat_template=shipped,
+                                                tokenize=False,
                                                 add_generation_prompt=True) == PUBLISHED_ONE_IMAGE
-    two = vl.engine.chat_prompt([{"role": "system", "content": "Be brief."}] +
-                                user({"type": "text", "text": "Compare "}, {"type": "image", "image": A},
-                                     {"type": "text", "text": " and "}, {"type": "image", "image": B}))["prompt"]
-    assert two == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nCompare <|vision_start|><|image_pad|>"
-                   "<|vision_end|> and <|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n")
+    two = vl.engine.chat_prompt(
+        [{"role": "system", "content": "Be brief."}] +
+        user({"type": "text", "text": "Compare "}, {"type": "image", "image": A},
+             {"type": "text", "text": " and "}, {"type": "image", "image": B}))["prompt"]
+    assert two == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nCompare "
+        "<|vision_start|><|image_pad|>"
+        "<|vision_end|> and "
+        "<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 # ---- the text pipeline ----
@@ -169,7 +194,8 @@ def test_text_pipeline_forms(text):
     question = "What is the capital of France? Answer in one sentence."
     answer = text(question, max_tokens=10, temperature=0)
     assert "Paris" in answer
-    assert text.chat([{"role": "user", "content": question}], max_tokens=10, temperature=0) == answer
+    assert text.chat([{"role": "user", "content": question}], max_tokens=10,
+                     temperature=0) == answer
     assert text(prompt=question, max_tokens=10, temperature=0) == answer
     deltas = list(text.stream(question, max_tokens=10, temperature=0))
     assert len(deltas) > 1 and "".join(deltas) == answer
@@ -187,24 +213,31 @@ def test_text_pipeline_rejects_images(text):
 
 
 def test_smollm2_template_matches_transformers(text):
-    """Our chat prompt equals transformers' apply_chat_template on the model's tokenizer, for plain strings and
-    for OpenAI-style text parts (which we flatten to the string the template expects)."""
+    """Our chat prompt equals transformers' apply_chat_template on the model's tokenizer, for plain
+    strings and for OpenAI-style text parts (which we flatten to the string the template expects).
+    """
     tokenizer = text.llm.tokenizer
     conversations = [
         [{"role": "user", "content": "hello"}],
-        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."},
+        [{"role": "system",
+          "content": "You are terse."}, {"role": "user", "content": "Name a colour."},
          {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another one?"}],
     ]
     for messages in conversations:
-        expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        expected = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=True)
         prompt = text.engine.chat_prompt(messages)
         assert prompt["prompt"] == expected
         assert prompt["prompt_token_ids"] == tokenizer(expected, add_special_tokens=False).input_ids
-    parts = [{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]
-    assert text.engine.chat_prompt(parts)["prompt"] == text.engine.chat_prompt(conversations[0])["prompt"]
+    parts = [{
+        "role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]
+    }]
+    assert text.engine.chat_prompt(parts)["prompt"] == text.engine.chat_prompt(
+        conversations[0])["prompt"]
     # The published SmolLM2-Instruct layout, default system message included.
     assert text.engine.chat_prompt(conversations[0])["prompt"] == (
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n"
         "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -239,7 +272,8 @@ def test_repo_not_in_cache_offline_gives_the_download_command(monkeypatch):
 
 
 def test_default_vl_alias_falls_back_loudly(caplog, monkeypatch, tmp_path):
-    # An empty Hugging Face cache, whatever this machine holds: the fallback is tested everywhere, never skipped.
+    # An empty Hugging Face cache, whatever this machine holds: the fallback is tested everywhere,
+    # never skipped.
     from huggingface_hub import constants
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hf-cache"))
     with caplog.at_level(logging.WARNING, logger="vlinfer"):

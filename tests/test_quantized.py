@@ -1,8 +1,9 @@
-"""Quantized checkpoints (issue 14, layers/quantization): tiny random Qwen3 and Qwen3-VL checkpoints written in
-each compressed-tensors format (tests/quantized_checkpoints.py, with the compressed-tensors package), FP8 block
-checkpoints and quantize-on-load, each greedy-decoded by vlinfer and by transformers running the same dequantized
-weights (for W8A8 the reference linear also quantizes its activations, as the op does). float32 compute: tokens
-must match exactly. Bad checkpoints fail while loading, before the KV pool, naming the tensor or layer."""
+"""Quantized checkpoints (issue 14, layers/quantization): tiny random Qwen3 and Qwen3-VL checkpoints
+written in each compressed-tensors format (tests/quantized_checkpoints.py, with the
+compressed-tensors package), FP8 block checkpoints and quantize-on-load, each greedy-decoded by
+vlinfer and by transformers running the same dequantized weights (for W8A8 the reference linear also
+quantizes its activations, as the op does). float32 compute: tokens must match exactly. Bad
+checkpoints fail while loading, before the KV pool, naming the tensor or layer."""
 import json
 import os
 
@@ -23,9 +24,10 @@ NEW_TOKENS = 8
 def _text_config():
     from transformers import Qwen3Config
     return Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                       tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
-                       pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.1,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +37,11 @@ def dense_qwen3(tmp_path_factory):
     return path
 
 
-def _reference_tokens(dense_path: str, dequantized: dict, activations=None, vl: bool = False) -> list[int]:
-    """Greedy tokens of transformers on the dense model with `dequantized` weights substituted. activations:
-    {module name: fn(x) -> x as the quantized op sees it} (W8A8's activation quantization)."""
+def _reference_tokens(dense_path: str, dequantized: dict, activations=None,
+                      vl: bool = False) -> list[int]:
+    """Greedy tokens of transformers on the dense model with `dequantized` weights substituted.
+    activations: {module name: fn(x) -> x as the quantized op sees it} (W8A8's activation
+    quantization)."""
     from transformers import AutoModelForCausalLM, Qwen3VLForConditionalGeneration
     cls = Qwen3VLForConditionalGeneration if vl else AutoModelForCausalLM
     model = cls.from_pretrained(dense_path, dtype=torch.float32).eval()
@@ -56,7 +60,8 @@ def _reference_tokens(dense_path: str, dequantized: dict, activations=None, vl: 
 
 def _vlinfer_tokens(path: str, **options) -> tuple[list[int], LLM]:
     llm = LLM(path, dtype="float32", kv_cache_bytes=4 << 20, **options)
-    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+    out = llm.generate([PROMPT],
+                       SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
                        use_tqdm=False)
     return out[0].outputs[0].token_ids, llm
 
@@ -79,14 +84,16 @@ def _methods(llm) -> set[str]:
             for m in llm.engine.model_runner.model.modules() if isinstance(m, LinearBase)}
 
 
-@pytest.mark.parametrize("scheme,group", [("w4a16", 128), ("w4a16_asym", 64), ("w8a16", 128), ("w8a16_group", 64),
-                                          ("w8a8_dynamic", 128), ("w8a8_static", 128)])
+@pytest.mark.parametrize("scheme,group", [("w4a16", 128), ("w4a16_asym", 64), ("w8a16", 128),
+                                          ("w8a16_group", 64), ("w8a8_dynamic", 128),
+                                          ("w8a8_static", 128)])
 def test_compressed_tensors_greedy_matches_transformers(dense_qwen3, tmp_path, scheme, group):
     path = str(tmp_path / scheme)
     dequantized, tensors = write_compressed_tensors(dense_qwen3, path, scheme, group_size=group)
     activations = None
     if scheme.startswith("w8a8") and not cpu_quant.has_int8_dot_product():
-        pass  # without VNNI / AMX-INT8 the CPU runs W8A8 layers as W8A16 (logged): float activations
+        # without VNNI / AMX-INT8 the CPU runs W8A8 layers as W8A16 (logged): float activations
+        pass
     elif scheme == "w8a8_dynamic":
         activations = {name[: -len(".weight")]: _per_token for name in dequantized}
     elif scheme == "w8a8_static":
@@ -98,8 +105,10 @@ def test_compressed_tensors_greedy_matches_transformers(dense_qwen3, tmp_path, s
     llm.close()
     assert got == expected, (scheme, methods)
     assert "dense" not in methods and len(methods) == 1, methods
-    # Only per-channel int8 weight-only layers run on the GGUF block kernels; other schemes never build them.
-    runs_int8_weight_only = scheme == "w8a16" or (scheme.startswith("w8a8") and not cpu_quant.has_int8_dot_product())
+    # Only per-channel int8 weight-only layers run on the GGUF block kernels; other schemes never
+    # build them.
+    runs_int8_weight_only = scheme == "w8a16" or (scheme.startswith("w8a8") and
+                                                  not cpu_quant.has_int8_dot_product())
     assert block_kernels_built == runs_int8_weight_only, (scheme, methods)
 
 
@@ -111,9 +120,11 @@ def test_qwen3_vl_w4a16_keeps_the_vision_tower_dense(tmp_path):
     assert dequantized and all(".visual." not in name for name in dequantized)
     expected = _reference_tokens(dense, dequantized, vl=True)
     got, llm = _vlinfer_tokens(path)
-    visual = {type(m.method).__name__ if m.method else "dense"
-              for n, m in llm.engine.model_runner.model.named_modules() if n.startswith("model.visual.")
-              and hasattr(m, "method")}
+    visual = {
+        type(m.method).__name__ if m.method else "dense"
+        for n, m in llm.engine.model_runner.model.named_modules()
+        if n.startswith("model.visual.") and hasattr(m, "method")
+    }
     llm.close()
     assert got == expected
     assert visual == {"dense"}
@@ -138,7 +149,8 @@ def test_quantize_on_load_matches_transformers_on_the_same_weights(dense_qwen3, 
     dequantized = {}
     for name, w in state.items():
         if name.endswith("_proj.weight"):
-            q, scale = quantize_symmetric(w, 8 if kind == "int8" else 4, None if kind == "int8" else 128)
+            q, scale = quantize_symmetric(w, 8 if kind == "int8" else 4,
+                                          None if kind == "int8" else 128)
             dequantized[name] = quant_reference.dequantize_weight(q, scale, None)
     expected = _reference_tokens(dense_qwen3, dequantized)
     got, llm = _vlinfer_tokens(dense_qwen3, quantization=kind)
@@ -149,20 +161,26 @@ def test_quantize_on_load_matches_transformers_on_the_same_weights(dense_qwen3, 
 
 
 def test_int8_on_load_in_bf16_within_the_documented_tolerance(dense_qwen3):
-    """int8 on load with bfloat16 compute (the block kernel below 8 rows; from 8 rows, where the CPU has
-    AVX512-BF16, the bf16 panels): prompt logits of one packed forward (61 rows) against transformers in float32
-    on the same dequantized weights, within 1.5x of transformers' own bfloat16 error there (the README's bf16
-    tolerance for quantized weights), the same arg-max at >= 95% of positions (or within one position of
-    transformers' own bf16 forward where that agrees less)."""
+    """int8 on load with bfloat16 compute (the block kernel below 8 rows; from 8 rows, where the CPU
+    has AVX512-BF16, the bf16 panels): prompt logits of one packed forward (61 rows) against
+    transformers in float32 on the same dequantized weights, within 1.5x of transformers' own
+    bfloat16 error there (the README's bf16 tolerance for quantized weights), the same arg-max at >=
+    95% of positions (or within one position of transformers' own bf16 forward where that agrees
+    less)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     from vlinfer.engine import SchedulerOutput
     from vlinfer.layers.quantization.on_load import quantize_symmetric
     state = load_file(os.path.join(dense_qwen3, "model.safetensors"))
     model = AutoModelForCausalLM.from_pretrained(dense_qwen3, dtype=torch.float32).eval()
-    # The engine casts the checkpoint to its compute dtype before quantizing: the reference quantizes the bf16 weights
-    model.load_state_dict({name: quant_reference.dequantize_weight(*quantize_symmetric(w.bfloat16(), 8, None), None)
-                           for name, w in state.items() if name.endswith("_proj.weight")}, strict=False)
+    # The engine casts the checkpoint to its compute dtype before quantizing: the reference
+    # quantizes the bf16 weights
+    model.load_state_dict(
+        {
+            name: quant_reference.dequantize_weight(*quantize_symmetric(w.bfloat16(), 8, None),
+                                                    None)
+            for name, w in state.items() if name.endswith("_proj.weight")
+        }, strict=False)
     model_bf16 = AutoModelForCausalLM.from_pretrained(dense_qwen3, dtype=torch.float32).eval()
     model_bf16.load_state_dict(model.state_dict())
     model_bf16 = model_bf16.to(torch.bfloat16)
@@ -175,7 +193,8 @@ def test_int8_on_load_in_bf16_within_the_documented_tolerance(dense_qwen3):
     seqs = [engine.make_sequence(p) for p in prompts]
     for seq in seqs:
         assert engine.block_manager.allocate(seq, seq.num_tokens)
-    logits = engine.model_runner.prompt_logits(SchedulerOutput(seqs, [s.num_tokens for s in seqs])).float()
+    logits = engine.model_runner.prompt_logits(SchedulerOutput(seqs, [s.num_tokens
+                                                                      for s in seqs])).float()
     offset, agree, their_agree = 0, 0, 0
     for prompt in prompts:
         with torch.no_grad():
@@ -183,14 +202,16 @@ def test_int8_on_load_in_bf16_within_the_documented_tolerance(dense_qwen3):
             theirs = model_bf16(torch.tensor([prompt])).logits[0].float()
         ours = logits[offset:offset + len(prompt)]
         offset += len(prompt)
-        err, their_err = ((ours - ref).abs().max() / ref.abs().max()).item(), ((theirs - ref).abs().max() /
-                                                                                ref.abs().max()).item()
+        err, their_err = ((ours - ref).abs().max() /
+                          ref.abs().max()).item(), ((theirs - ref).abs().max() /
+                                                    ref.abs().max()).item()
         assert err <= 1.5 * their_err  # measured: ours 0.011-0.012, transformers' 0.015
         agree += (ours.argmax(-1) == ref.argmax(-1)).sum().item()
         their_agree += (theirs.argmax(-1) == ref.argmax(-1)).sum().item()
-    # The tiny random model's top logits sit close: on an AVX2-only CPU (no bf16 dot products, another rounding in
-    # oneDNN) the arg-max moved at 4 of 61 positions, transformers' own bf16 forward's at 3. Where transformers'
-    # bf16 agrees less than 95%, ours may trail it by one position.
+    # The tiny random model's top logits sit close: on an AVX2-only CPU (no bf16 dot products,
+    # another rounding in oneDNN) the arg-max moved at 4 of 61 positions, transformers' own bf16
+    # forward's at 3. Where transformers' bf16 agrees less than 95%, ours may trail it by one
+    # position.
     assert agree >= min(0.95 * offset, their_agree - 1), (agree, their_agree, offset)
     for seq in seqs:
         engine.block_manager.free(seq)
@@ -214,12 +235,14 @@ def _fails_before_kv_pool(monkeypatch, path: str, match: str, **options) -> None
     assert not allocated
 
 
-def test_bad_quantized_checkpoints_fail_before_the_kv_pool_naming_the_problem(dense_qwen3, tmp_path, monkeypatch):
+def test_bad_quantized_checkpoints_fail_before_the_kv_pool_naming_the_problem(
+        dense_qwen3, tmp_path, monkeypatch):
     path = str(tmp_path / "bad")
     write_compressed_tensors(dense_qwen3, path, "w8a8_dynamic")
     # an unsupported scheme: float (FP8) weights in a config group
     _edit_config(path, lambda q: q["config_groups"]["group_0"]["weights"].update(type="float"))
-    _fails_before_kv_pool(monkeypatch, path, r"config_groups\.group_0: float weights .* not supported")
+    _fails_before_kv_pool(monkeypatch, path,
+                          r"config_groups\.group_0: float weights .* not supported")
     # an unknown quant_method
     _edit_config(path, lambda q: q.update(quant_method="awq"))
     _fails_before_kv_pool(monkeypatch, path, r"quant_method='awq' is not supported")
@@ -237,14 +260,18 @@ def test_scales_of_the_wrong_shape_are_named(dense_qwen3, tmp_path, monkeypatch)
     file = os.path.join(path, "model.safetensors")
     state = load_file(file)
     name = "model.layers.1.mlp.down_proj.weight_scale"
-    state[name] = state[name][:, :1].contiguous()  # one scale per row where the config says groups of 64
+    # one scale per row where the config says groups of 64
+    state[name] = state[name][:, :1].contiguous()
     save_file(state, file, metadata={"format": "pt"})
-    _fails_before_kv_pool(monkeypatch, path, rf"checkpoint tensor '{name}': shape mismatch: checkpoint \(128, 1\)")
+    _fails_before_kv_pool(monkeypatch, path,
+                          rf"checkpoint tensor '{name}': shape mismatch: checkpoint \(128, 1\)")
 
 
 def test_a_fused_layer_with_mixed_schemes_is_refused_naming_it(dense_qwen3, tmp_path, monkeypatch):
     path = str(tmp_path / "mixed")
-    write_compressed_tensors(dense_qwen3, path, "w8a16", ignore=("model.layers.0.self_attn.k_proj",))
-    _fails_before_kv_pool(monkeypatch, path, r"layer model\.layers\.0\.self_attn\.qkv_proj: its fused shards are "
-                                             r"quantized differently \(model\.layers\.0\.self_attn\.q_proj: w8a16.*"
-                                             r"k_proj: dense")
+    write_compressed_tensors(dense_qwen3, path, "w8a16",
+                             ignore=("model.layers.0.self_attn.k_proj", ))
+    _fails_before_kv_pool(
+        monkeypatch, path, r"layer model\.layers\.0\.self_attn\.qkv_proj: its fused shards are "
+        r"quantized differently \(model\.layers\.0\.self_attn\.q_proj: w8a16.*"
+        r"k_proj: dense")

@@ -1,5 +1,6 @@
-"""Qwen3-VL end to end against transformers (float32, tiny random config): checkpoint loading through our
-load_weights, prefill with images (whole and chunked inside an image), text-only prefill, and a decode step."""
+"""Qwen3-VL end to end against transformers (float32, tiny random config): checkpoint loading
+through our load_weights, prefill with images (whole and chunked inside an image), text-only
+prefill, and a decode step."""
 import math
 
 import pytest
@@ -23,21 +24,28 @@ GRIDS = [[1, 4, 6], [1, 6, 6]]
 
 def _config(tie: bool = False) -> Qwen3VLConfig:
     return Qwen3VLConfig(
-        vision_config=dict(depth=3, hidden_size=64, num_heads=4, intermediate_size=128, patch_size=16,
-                           temporal_patch_size=2, in_channels=3, spatial_merge_size=MERGE, out_hidden_size=64,
-                           num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
+        vision_config=dict(depth=3, hidden_size=64, num_heads=4, intermediate_size=128,
+                           patch_size=16, temporal_patch_size=2, in_channels=3,
+                           spatial_merge_size=MERGE, out_hidden_size=64, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0, 1]),
         # head_dim/2 = 16 = 6 + 5 + 5; the interleave leaves slot 15 temporal-only.
-        text_config=dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                         num_hidden_layers=3, intermediate_size=128, vocab_size=VOCAB, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": 5e5, "mrope_section": [6, 5, 5],
-                                          "mrope_interleaved": True}),
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND,
+        text_config=dict(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            num_hidden_layers=3, intermediate_size=128, vocab_size=VOCAB, rms_norm_eps=1e-6,
+            rope_parameters={
+                "rope_type": "default", "rope_theta": 5e5, "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True
+            }),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VSTART,
+        vision_end_token_id=VEND,
         tie_word_embeddings=tie)
 
 
 def _rescale(hf: torch.nn.Module) -> None:
-    """HF's init (std 0.02, zero biases, unit norms) makes attention ~uniform and hides position/offset bugs;
-    use O(1) activations instead."""
+    """HF's init (std 0.02, zero biases, unit norms) makes attention ~uniform and hides
+    position/offset bugs; use O(1) activations instead."""
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("norm.weight") or name.endswith("norm1.weight") or name.endswith("norm2.weight") \
@@ -58,7 +66,8 @@ def _build(tmp_path_factory, tie: bool):
     _rescale(hf)
     path = tmp_path_factory.mktemp("qwen3vl_tied" if tie else "qwen3vl")
     hf.save_pretrained(path, safe_serialization=True)
-    # The model runs on CPU tensors without an engine: on a context of its own, with the compiled CPU ops.
+    # The model runs on CPU tensors without an engine: on a context of its own, with the compiled
+    # CPU ops.
     ours = Qwen3VLForConditionalGeneration(config, ModelContext(CpuOps())).eval()
     names = []
 
@@ -87,7 +96,8 @@ def _prompt() -> list[int]:
 
 def _pixels(grid: torch.Tensor, config) -> torch.Tensor:
     v = config.vision_config
-    return torch.randn(int(grid.prod(-1).sum()), v.in_channels * v.temporal_patch_size * v.patch_size ** 2)
+    return torch.randn(int(grid.prod(-1).sum()),
+                       v.in_channels * v.temporal_patch_size * v.patch_size**2)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -104,9 +114,11 @@ def _alloc_cache(model, num_tokens: int) -> int:
 
 
 def _step(model, num_blocks: int, start: int, end: int, ids, positions, **mm) -> torch.Tensor:
-    """Logits of tokens start..end-1 of one sequence whose first `start` tokens are already in the cache."""
-    step = ForwardContext(slot_mapping=torch.arange(start, end), cu_seqlens_q=torch.tensor([0, end - start]),
-                          seq_lens=torch.tensor([end]), block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+    """Logits of tokens start..end-1 of one sequence whose first `start` tokens are already in the
+    cache."""
+    step = ForwardContext(slot_mapping=torch.arange(start, end),
+                          cu_seqlens_q=torch.tensor([0, end - start]), seq_lens=torch.tensor([end]),
+                          block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
                           decode_only=end - start == 1)
     ctx = next(m.ctx for m in model.modules() if isinstance(m, Attention))
     with ctx.stepping(step):
@@ -118,7 +130,8 @@ def _hf_logits(hf, ids, grid=None, pixel_values=None) -> torch.Tensor:
     input_ids = torch.tensor([ids])
     kwargs = {}
     if grid is not None:
-        kwargs = dict(pixel_values=pixel_values, image_grid_thw=grid, mm_token_type_ids=(input_ids == IMAGE).int())
+        kwargs = dict(pixel_values=pixel_values, image_grid_thw=grid,
+                      mm_token_type_ids=(input_ids == IMAGE).int())
     return hf(input_ids=input_ids, use_cache=False, **kwargs).logits[0]
 
 
@@ -139,8 +152,8 @@ def test_checkpoint_names(models):
     assert isinstance(ours, SupportsMRoPE) and isinstance(ours, SupportsMultiModal)
     # Same values as HF after loading (spot checks across the three groups).
     torch.testing.assert_close(ours.lm_head.weight, hf.lm_head.weight, rtol=0, atol=0)
-    torch.testing.assert_close(ours.model.visual.merger.linear_fc2.weight, hf.model.visual.merger.linear_fc2.weight,
-                               rtol=0, atol=0)
+    torch.testing.assert_close(ours.model.visual.merger.linear_fc2.weight,
+                               hf.model.visual.merger.linear_fc2.weight, rtol=0, atol=0)
 
 
 @torch.no_grad()
@@ -165,7 +178,8 @@ def test_prefill_with_images_matches_hf(models):
     embeds, deepstack, mask, positions, _ = _mm_inputs(ours, ids, grid, pixel_values)
     T = len(ids)
     nb = _alloc_cache(ours, T)
-    logits = _step(ours, nb, 0, T, ids, positions, mm_embeds=embeds, mm_mask=mask, deepstack_embeds=deepstack)
+    logits = _step(ours, nb, 0, T, ids, positions, mm_embeds=embeds, mm_mask=mask,
+                   deepstack_embeds=deepstack)
     assert _rel(logits, ref) <= 1e-4
 
     # The checks above must be sensitive to DeepStack and to the h/w position rows.
@@ -173,7 +187,8 @@ def test_prefill_with_images_matches_hf(models):
     no_ds = _step(ours, nb, 0, T, ids, positions, mm_embeds=embeds, mm_mask=mask)
     assert _rel(no_ds, ref) > 1e-2
     _alloc_cache(ours, T)
-    text_pos = _step(ours, nb, 0, T, ids, torch.arange(T).expand(3, -1), mm_embeds=embeds, mm_mask=mask,
+    text_pos = _step(ours, nb, 0, T, ids,
+                     torch.arange(T).expand(3, -1), mm_embeds=embeds, mm_mask=mask,
                      deepstack_embeds=deepstack)
     assert _rel(text_pos, ref) > 1e-3
 
@@ -242,7 +257,8 @@ def test_decode_after_image_prefill(models):
     assert delta != 0
     L = len(ids)
     nb = _alloc_cache(ours, L + 1)
-    prefill = _step(ours, nb, 0, L, ids, positions, mm_embeds=embeds, mm_mask=mask, deepstack_embeds=deepstack)
+    prefill = _step(ours, nb, 0, L, ids, positions, mm_embeds=embeds, mm_mask=mask,
+                    deepstack_embeds=deepstack)
     token = int(prefill[-1].argmax())
     decode = _step(ours, nb, L, L + 1, [token], torch.full((3, 1), L + delta))
     ref = _hf_logits(hf, ids + [token], grid, pixel_values)

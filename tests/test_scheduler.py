@@ -1,5 +1,6 @@
-"""Scheduler: FIFO admission, running-first ordering, token budget and chunked prefill, max_num_seqs, preemption by
-recompute, finish/abort, plus SamplingParams validation. Driven by a fake engine loop, no model."""
+"""Scheduler: FIFO admission, running-first ordering, token budget and chunked prefill,
+max_num_seqs, preemption by recompute, finish/abort, plus SamplingParams validation. Driven by a
+fake engine loop, no model."""
 import random
 from collections import Counter
 
@@ -12,23 +13,26 @@ from vlinfer.sampling_params import SamplingParams
 
 
 def fake_token(seq: Sequence) -> int:
-    """What the fake model 'samples': a function of the position, so a recomputed sequence samples the same."""
+    """What the fake model 'samples': a function of the position, so a recomputed sequence samples
+    the same."""
     return 10_000 + seq.num_tokens
 
 
 class Harness:
-    """A scheduler plus the part of LLMEngine.step that matters to it: after each schedule(), every scheduled
-    sequence computes its tokens and registers full blocks (Scheduler.update), and samples a fake
-    token when its chunk reaches its end;
-    a sequence finishes at max_tokens. Checks the scheduler's invariants before and after every step."""
+    """A scheduler plus the part of LLMEngine.step that matters to it: after each schedule(), every
+    scheduled sequence computes its tokens and registers full blocks (Scheduler.update), and samples
+    a fake token when its chunk reaches its end; a sequence finishes at max_tokens. Checks the
+    scheduler's invariants before and after every step."""
 
     def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                  enable_prefix_caching=True):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens)
         self.seqs: list[Sequence] = []
-        self.chunks: dict[int, list[int]] = {}  # seq_id -> num_new_tokens of every step it was scheduled in
-        self.admitted: list[Sequence] = []  # in the order they first became RUNNING (re-admissions too)
+        # seq_id -> num_new_tokens of every step it was scheduled in
+        self.chunks: dict[int, list[int]] = {}
+        # in the order they first became RUNNING (re-admissions too)
+        self.admitted: list[Sequence] = []
         self.steps = 0
 
     def add(self, prompt, max_tokens=4) -> Sequence:
@@ -81,7 +85,8 @@ class Harness:
         for seq, n in zip(out.seqs, out.num_new_tokens):
             assert seq.status == SequenceStatus.RUNNING and seq in s.running
             assert seq.num_computed_tokens + n <= seq.num_tokens
-            assert seq.num_computed_tokens + n <= len(seq.block_table) * bm.block_size, "no room for the KV"
+            assert seq.num_computed_tokens + n <= len(
+                seq.block_table) * bm.block_size, "no room for the KV"
         # Running sequences come first, in their order; admissions follow in FIFO order.
         old = [seq for seq in out.seqs if seq in running_before]
         new = [seq for seq in out.seqs if seq not in running_before]
@@ -95,7 +100,8 @@ class Harness:
         preempted = [seq for seq in running_before if seq.status == SequenceStatus.WAITING]
         assert s.num_preemptions - preemptions_before == len(preempted)
         if preempted:
-            # Victims are the most recently admitted, and go back to the front of waiting in admission order.
+            # Victims are the most recently admitted, and go back to the front of waiting in
+            # admission order.
             assert preempted == running_before[len(running_before) - len(preempted):]
             assert list(s.waiting)[:len(preempted)] == preempted
             assert not new, "admitted new work in a step that preempted"
@@ -123,16 +129,19 @@ class Harness:
         refs = Counter(b for seq in live for b in seq.block_table)
         assert sum(blk.ref_count for blk in bm.blocks) == sum(len(seq.block_table) for seq in live)
         for blk in bm.blocks:
-            assert blk.ref_count == refs[blk.block_id], f"block {blk.block_id}: ref_count {blk.ref_count}"
+            assert blk.ref_count == refs[
+                blk.block_id], f"block {blk.block_id}: ref_count {blk.ref_count}"
         assert set(bm.free_blocks) == {blk.block_id for blk in bm.blocks if blk.ref_count == 0}
         assert bm.num_free_blocks == bm.num_blocks - len(refs)
-        # Each hash names one block, and a hashed block is the one its hash names: an identical copy stays unhashed.
+        # Each hash names one block, and a hashed block is the one its hash names: an identical copy
+        # stays unhashed.
         hashed = [blk for blk in bm.blocks if blk.hash is not None]
         assert len({blk.hash for blk in hashed}) == len(hashed), "two blocks carry the same hash"
         assert all(bm.hash_to_block.get(blk.hash) == blk.block_id for blk in hashed)
         assert all(bm.blocks[b].hash == h for h, b in bm.hash_to_block.items())
-        # A block in two sequences is a cached prefix block at the same position of both, whose hash both agree
-        # on, and it never holds a holder's last token (that one's KV is always written to a private block).
+        # A block in two sequences is a cached prefix block at the same position of both, whose hash
+        # both agree on, and it never holds a holder's last token (that one's KV is always written
+        # to a private block).
         holders: dict[int, list[tuple[Sequence, int]]] = {}
         for seq in live:
             for i, b in enumerate(seq.block_table):
@@ -143,7 +152,8 @@ class Harness:
                 assert bm.enable_prefix_caching and blk.hash is not None and blk.ref_count > 1
                 assert len({i for _, i in hs}) == 1, f"block {b} at different positions"
                 i = hs[0][1]
-                assert all((i + 1) * bs < seq.num_tokens and seq.block_hashes[i] == blk.hash for seq, _ in hs)
+                assert all((i + 1) * bs < seq.num_tokens and seq.block_hashes[i] == blk.hash
+                           for seq, _ in hs)
 
     def check_done(self):
         s, bm = self.sched, self.bm
@@ -167,7 +177,8 @@ def prompt(n, seed):
 both_caching = pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "noprefix"])
 
 
-# -------------------------------------------------------------------------------------------------- ordering
+# --------------------------------------------------------------------------------------------------
+# ordering
 
 @both_caching
 def test_fifo_admission_under_max_num_seqs(prefix):
@@ -216,11 +227,13 @@ def test_decodes_get_one_token_each():
     h.check_done()
 
 
-# --------------------------------------------------------------------------------------------------- budgets
+# ---------------------------------------------------------------------------------------------------
+# budgets
 
 @both_caching
 def test_long_prompt_is_chunked_by_max_num_batched_tokens(prefix):
-    h = Harness(num_blocks=20, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=prefix)
+    h = Harness(num_blocks=20, block_size=4, max_num_batched_tokens=16,
+                enable_prefix_caching=prefix)
     seq = h.add(prompt(50, 7), max_tokens=3)
     computed = []
     while not seq.is_finished:
@@ -326,11 +339,13 @@ def test_proposals_never_preempt():
     assert seq.spec_token_ids == [] and out.num_new_tokens == [1] and len(seq.block_table) == 2
 
 
-# ------------------------------------------------------------------------------------------------ preemption
+# ------------------------------------------------------------------------------------------------
+# preemption
 
 @both_caching
 def test_preemption_recomputes_the_most_recently_admitted(prefix):
-    # 4 blocks of 4: two sequences of prompt 4 grow to 2 blocks each; the first to need a 3rd evicts the other.
+    # 4 blocks of 4: two sequences of prompt 4 grow to 2 blocks each; the first to need a 3rd evicts
+    # the other.
     h = Harness(num_blocks=4, block_size=4, enable_prefix_caching=prefix)
     a, b = h.add(prompt(4, 1), max_tokens=8), h.add(prompt(4, 2), max_tokens=8)
     out = h.step()
@@ -352,7 +367,8 @@ def test_preemption_recomputes_the_most_recently_admitted(prefix):
 
 
 def test_no_admission_in_a_step_that_preempted():
-    # Budget 5: after a's decode 4 tokens are left, and the victim's freed blocks could take a 4-token chunk.
+    # Budget 5: after a's decode 4 tokens are left, and the victim's freed blocks could take a
+    # 4-token chunk.
     h = Harness(num_blocks=4, block_size=4, max_num_batched_tokens=5, enable_prefix_caching=False)
     a, b = h.add(prompt(4, 1), max_tokens=8), h.add(prompt(4, 2), max_tokens=8)
     while not b.num_preemptions:
@@ -376,13 +392,15 @@ def test_several_victims_in_one_step_go_back_in_admission_order(prefix):
     b = h.add(prompt(4, 2), max_tokens=3)
     c = h.add(prompt(4, 3), max_tokens=3)
     h.step()  # each holds 1 block, 5 free
-    # a's prompt grows (say, a tool result spliced in): 31 tokens need 8 blocks at once, 7 more than it has.
+    # a's prompt grows (say, a tool result spliced in): 31 tokens need 8 blocks at once, 7 more than
+    # it has.
     a.token_ids.extend(prompt(26, 4))
     a.num_prompt_tokens = a.num_tokens
     out = h.step()
     assert out.seqs == [a] and out.num_new_tokens == [27]
     assert h.sched.num_preemptions == 2 and b.num_preemptions == c.num_preemptions == 1
-    assert list(h.sched.waiting) == [b, c]  # c (admitted last) was preempted first, but b stays ahead of it
+    # c (admitted last) was preempted first, but b stays ahead of it
+    assert list(h.sched.waiting) == [b, c]
     h.run()
     assert h.admitted[-2:] == [b, c]
 
@@ -402,7 +420,8 @@ def test_a_sequence_too_big_for_the_pool_preempts_itself(prefix):
     assert h.bm.num_free_blocks == h.bm.num_blocks and not h.sched.has_unfinished()
 
 
-# ------------------------------------------------------------------------------------------ prefix caching
+# ------------------------------------------------------------------------------------------ prefix
+# caching
 
 def test_prefix_cache_hit_through_the_scheduler():
     h = Harness(block_size=16)
@@ -422,7 +441,8 @@ def test_identical_prompts_in_one_step_do_not_share_uncomputed_blocks():
     a, b = h.add(p, max_tokens=4), h.add(p, max_tokens=4)
     out = h.step()
     assert out.num_new_tokens == [12, 12] and not set(a.block_table) & set(b.block_table)
-    # The first holder registered the hashes; b's identical blocks stay unhashed rather than shadow copies.
+    # The first holder registered the hashes; b's identical blocks stay unhashed rather than shadow
+    # copies.
     assert [h.bm.blocks[x].hash for x in a.block_table] == a.block_hashes[:3]
     assert all(h.bm.blocks[x].hash is None for x in b.block_table)
     c = h.add(p, max_tokens=2)
@@ -433,13 +453,15 @@ def test_identical_prompts_in_one_step_do_not_share_uncomputed_blocks():
     assert c.block_table[2] not in a.block_table + b.block_table
     d = h.add(p + [7], max_tokens=2)
     out = h.step()
-    assert out.seqs[-1] is d and out.num_new_tokens[-1] == 1  # all 3 full blocks cached: only the last token
+    # all 3 full blocks cached: only the last token
+    assert out.seqs[-1] is d and out.num_new_tokens[-1] == 1
     assert d.num_cached_tokens == 12 and d.block_table[:3] == a.block_table[:3]
     assert not set(d.block_table) & set(b.block_table)
     h.run()
 
 
-# --------------------------------------------------------------------------------------------------- finish
+# ---------------------------------------------------------------------------------------------------
+# finish
 
 @both_caching
 def test_finish_frees_running_and_waiting_sequences(prefix):
@@ -476,7 +498,8 @@ def test_finish_of_a_sharer_leaves_the_shared_prefix_to_the_other():
     h.run()
 
 
-# ------------------------------------------------------------------------------------------ random workload
+# ------------------------------------------------------------------------------------------ random
+# workload
 
 @both_caching
 @pytest.mark.parametrize("seed", range(4))
@@ -484,7 +507,8 @@ def test_random_workload_runs_to_completion_with_invariants(prefix, seed):
     rng = random.Random(seed)
     h = Harness(num_blocks=24, block_size=4, max_num_seqs=rng.choice([2, 4, 8]),
                 max_num_batched_tokens=rng.choice([7, 16, 40]), enable_prefix_caching=prefix)
-    system = prompt(rng.choice([8, 10, 13]), seed + 100)  # a shared prefix: cache hits and shared blocks
+    # a shared prefix: cache hits and shared blocks
+    system = prompt(rng.choice([8, 10, 13]), seed + 100)
     pending = []
     for i in range(14):
         p = (system if rng.random() < 0.6 else []) + prompt(rng.randrange(1, 30), seed * 100 + i)
@@ -511,7 +535,8 @@ def test_random_workload_runs_to_completion_with_invariants(prefix, seed):
         assert any(seq.num_cached_tokens for seq in h.seqs)
 
 
-# ----------------------------------------------------------------------------------------- SamplingParams
+# -----------------------------------------------------------------------------------------
+# SamplingParams
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-1), "temperature"),
@@ -544,8 +569,8 @@ def test_sampling_params_rejects_invalid_values(kwargs, field):
 
 
 def test_sampling_params_valid_edges_and_normalization():
-    sp = SamplingParams(temperature=0, top_p=1, top_k=-1, min_p=1, max_tokens=1, min_tokens=1, logprobs=20,
-                        stop="x", repetition_penalty=0.5)
+    sp = SamplingParams(temperature=0, top_p=1, top_k=-1, min_p=1, max_tokens=1, min_tokens=1,
+                        logprobs=20, stop="x", repetition_penalty=0.5)
     assert sp.greedy and sp.top_k == 0 and sp.stop_strings == ["x"] and sp.stop_token_ids == []
     assert SamplingParams(stop=["a", "bc"]).stop_strings == ["a", "bc"]
     assert SamplingParams(stop=None).stop_strings == []

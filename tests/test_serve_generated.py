@@ -1,8 +1,9 @@
-"""Generated hostile requests against the server (hypothesis): chat and completion bodies whose messages, content
-parts, sampling fields (wrong types, out of range, huge, unicode), response formats and tools are drawn at random,
-some valid and most not. The property: every answer is a 200 with a well-formed completion or a 4xx with an
-OpenAI-shaped error naming a field; never a 5xx, never a hang past the client's timeout; after each batch, a plain
-request still gets its usual answer, and once idle no KV block is held.
+"""Generated hostile requests against the server (hypothesis): chat and completion bodies whose
+messages, content parts, sampling fields (wrong types, out of range, huge, unicode), response
+formats and tools are drawn at random, some valid and most not. The property: every answer is a 200
+with a well-formed completion or a 4xx with an OpenAI-shaped error naming a field; never a 5xx,
+never a hang past the client's timeout; after each batch, a plain request still gets its usual
+answer, and once idle no KV block is held.
 
 The counts of cases per surface are printed (pytest -s) and asserted to be at least CASES each."""
 import json
@@ -23,33 +24,36 @@ SLOW_CASES = 1500
 TIMEOUT_S = 60
 IMAGE = data_uri(png_bytes(seed=4, size=(32, 32)))
 
-junk = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=True),
-                 st.text(max_size=20), st.lists(st.integers(-5, 10), max_size=4), st.dictionaries(st.text(max_size=5),
-                                                                                                 st.integers(), max_size=2))
+junk = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                 st.text(max_size=20), st.lists(st.integers(-5, 10), max_size=4),
+                 st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
 # Each sampling field: a plausible value, an edge, or junk of any type.
 FIELDS = {
-    "max_tokens": st.integers(-3, 12) | st.just(10 ** 9) | junk,
+    "max_tokens": st.integers(-3, 12) | st.just(10**9) | junk,
     "temperature": st.floats(-1, 3) | junk,
     "top_p": st.floats(-0.5, 1.5) | junk,
     "top_k": st.integers(-2, 50) | junk,
     "min_p": st.floats(-0.5, 1.5) | junk,
     "n": st.integers(-1, 20) | junk,
-    "seed": st.integers(-2 ** 65, 2 ** 65) | junk,
+    "seed": st.integers(-2**65, 2**65) | junk,
     "stop": st.text(max_size=8) | st.lists(st.text(max_size=6), max_size=6) | junk,
     "presence_penalty": st.floats(-3, 3) | junk,
     "frequency_penalty": st.floats(-3, 3) | junk,
     "repetition_penalty": st.floats(-1, 3) | junk,
-    "logit_bias": st.dictionaries(st.text(max_size=6) | st.integers(-5, 10 ** 7).map(str), st.floats(-200, 200),
-                                  max_size=3) | junk,
+    "logit_bias": st.dictionaries(
+        st.text(max_size=6) | st.integers(-5, 10**7).map(str), st.floats(-200, 200), max_size=3) |
+    junk,
     "logprobs": st.booleans() | junk,
     "top_logprobs": st.integers(-2, 30) | junk,
     "stream": st.booleans() | junk,
-    "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"},
-                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
-                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
-                                        {"type": "regex"}]) | junk,
-    "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
-    | st.lists(junk, max_size=2) | junk,
+    "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}, {
+        "type": "json_schema"
+    }, {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}, {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}
+    }, {"type": "regex"}]) | junk,
+    "tools": st.just(
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]) |
+    st.lists(junk, max_size=2) | junk,
 }
 texts = st.text(st.characters(codec="utf-8"), max_size=60)
 parts = st.one_of(
@@ -59,25 +63,29 @@ parts = st.one_of(
                                "http://169.254.169.254/x.png", "not a url"]) | texts),
     st.builds(lambda k: {"type": k}, st.text(max_size=10)),
     junk)
-messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool"]) | junk},
-                                          optional={"content": texts | st.lists(parts, max_size=3) | junk}),
-                    max_size=3) | junk
+messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool"]) | junk},
+                          optional={"content": texts | st.lists(parts, max_size=3) | junk}),
+    max_size=3) | junk
 
-
-valid_messages = st.builds(lambda text, image: [{"role": "user", "content": ([
-    {"type": "image_url", "image_url": {"url": IMAGE}}] if image else []) + [{"type": "text", "text": text}]}],
-    texts, st.booleans())
+valid_messages = st.builds(
+    lambda text, image: [{
+        "role": "user", "content": ([{"type": "image_url", "image_url": {"url": IMAGE}}]
+                                    if image else []) + [{"type": "text", "text": text}]
+    }], texts, st.booleans())
 
 
 @st.composite
 def bodies(draw, chat: bool):
-    """A request body: half of them start from a valid one (so answers are checked too), the rest from anything."""
+    """A request body: half of them start from a valid one (so answers are checked too), the rest
+    from anything."""
     body = {"model": draw(st.sampled_from([MODEL, MODEL, "other-model"]))}
     valid = draw(st.booleans())
     if chat:
         body["messages"] = draw(valid_messages if valid else messages)
     else:
-        body["prompt"] = draw(texts if valid else texts | st.lists(st.integers(-5, 200000), max_size=6) | junk)
+        body["prompt"] = draw(texts if valid else texts |
+                              st.lists(st.integers(-5, 200000), max_size=6) | junk)
     for name in draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=5, unique=True)):
         body[name] = draw(FIELDS[name])
     if isinstance(body.get("max_tokens"), int) and 0 < body["max_tokens"] < 10 ** 9:
@@ -99,8 +107,10 @@ def server():
 
 
 def plain_answer(url: str) -> list[int]:
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "A red square.", "max_tokens": 6,
-                                                  "temperature": 0}, timeout=TIMEOUT_S)
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": MODEL, "prompt": "A red square.", "max_tokens": 6,
+              "temperature": 0}, timeout=TIMEOUT_S)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -128,12 +138,14 @@ def run_cases(server, route: str, cases: int):
     before = plain_answer(url)
     outcomes = {"ok": 0, "refused": 0}
 
-    @settings(max_examples=cases, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=cases, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
     @given(body=bodies(chat=route.endswith("chat/completions")))
     def one(body):
-        # json.dumps writes NaN and Infinity as the bare words Python's json reads (not strict JSON): hostile too.
-        r = httpx.post(url + route, content=json.dumps(body), headers={"content-type": "application/json"},
-                       timeout=TIMEOUT_S)
+        # json.dumps writes NaN and Infinity as the bare words Python's json reads (not strict
+        # JSON): hostile too.
+        r = httpx.post(url + route, content=json.dumps(body),
+                       headers={"content-type": "application/json"}, timeout=TIMEOUT_S)
         outcomes[check(r, body.get("stream") is True)] += 1
 
     one()

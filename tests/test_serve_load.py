@@ -1,7 +1,8 @@
-"""The server under load, run as `python -m vlinfer serve` in its own process (so its RSS is its own, not the test
-runner's) and inspected through /metrics: 64 concurrent streaming clients with images get the same greedy answers as
-offline LLM.generate, and afterwards the KV pool and encoder cache are empty and the server's RSS is back where it
-was; clients that hang up mid-stream, or stop waiting for a non-streamed answer, leave nothing running."""
+"""The server under load, run as `python -m vlinfer serve` in its own process (so its RSS is its
+own, not the test runner's) and inspected through /metrics: 64 concurrent streaming clients with
+images get the same greedy answers as offline LLM.generate, and afterwards the KV pool and encoder
+cache are empty and the server's RSS is back where it was; clients that hang up mid-stream, or stop
+waiting for a non-streamed answer, leave nothing running."""
 import asyncio
 import json
 import os
@@ -20,11 +21,13 @@ import pytest
 from vlinfer import LLM, SamplingParams
 from serve_helpers import data_uri, png_bytes
 
-pytestmark = pytest.mark.slow  # a load test: 64 concurrent streams: `make test-full` and CI run it, `make test` leaves it out
+# a load test: 64 concurrent streams: `make test-full` and CI run it, `make test` leaves it out
+pytestmark = pytest.mark.slow
 
 MODEL = "qwen3-vl-tiny"
 ENGINE = dict(dtype="float32", max_model_len=2048, kv_cache_bytes=64 << 20)
-SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--kv-cache-size", "64M"]  # the same engine
+# the same engine
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--kv-cache-size", "64M"]
 NUM_CLIENTS = 64
 MAX_TOKENS = 16
 LOAD_TIMEOUT_S = 120
@@ -34,8 +37,11 @@ IDLE_TRIM_WAIT_S = 2.0  # the server trims its heap 1 s after it goes idle
 
 def messages(i: int) -> list[dict]:
     # Distinct images and texts: 64 different prompts, 64 different encoder cache entries.
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(png_bytes(seed=i))}},
-                                         {"type": "text", "text": f"Describe picture number {i}."}]}]
+    return [{
+        "role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": data_uri(png_bytes(seed=i))}},
+                    {"type": "text", "text": f"Describe picture number {i}."}]
+    }]
 
 
 def _free_port() -> int:
@@ -60,22 +66,32 @@ def served(tmp_path_factory):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "vlinfer", "serve", "--model", MODEL, *SERVER_ARGS, "--port",
-                                 str(port), "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # its own process group: _stop ends all of it
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "vlinfer", "serve", "--model", MODEL, *SERVER_ARGS, "--port",
+                str(port), "--log-level", "warning"
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # its own process group: _stop ends all of it
+            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+                pytest.fail(
+                    f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"the server did not start within {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}")
+                pytest.fail(
+                    "the server did not start within "
+                    f"{STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}"
+                )
             time.sleep(0.5)
         yield SimpleNamespace(url=url, process=psutil.Process(proc.pid))
     finally:
@@ -84,11 +100,12 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline_answers():
-    """Greedy answers from the offline path: its own LLM (same checkpoint, dtype and max_model_len), prompts built
-    with the same chat template through engine.chat_prompt."""
+    """Greedy answers from the offline path: its own LLM (same checkpoint, dtype and max_model_len),
+    prompts built with the same chat template through engine.chat_prompt."""
     llm = LLM(MODEL, **ENGINE)
     prompts = [llm.engine.chat_prompt(messages(i)) for i in range(NUM_CLIENTS)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                        use_tqdm=False)
     return [o.outputs[0].text for o in outs]
 
 
@@ -100,9 +117,10 @@ def metrics(url: str) -> dict[str, float]:
 
 def engine_idle(url: str) -> bool:
     m = metrics(url)
-    return all(m[name] == 0 for name in ("vlinfer_kv_blocks_used", "vlinfer_encoder_cache_entries",
-                                         "vlinfer_num_requests_running", "vlinfer_num_requests_waiting",
-                                         "vlinfer_num_requests_in_flight"))
+    return all(m[name] == 0
+               for name in ("vlinfer_kv_blocks_used", "vlinfer_encoder_cache_entries",
+                            "vlinfer_num_requests_running", "vlinfer_num_requests_waiting",
+                            "vlinfer_num_requests_in_flight"))
 
 
 def wait_idle(url: str, timeout: float = 10.0) -> bool:
@@ -126,8 +144,8 @@ def settled_rss(s) -> int:
 
 
 async def stream_one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
-    stream = await client.chat.completions.create(model=MODEL, messages=messages(i), max_tokens=MAX_TOKENS,
-                                                  temperature=0, stream=True)
+    stream = await client.chat.completions.create(model=MODEL, messages=messages(i),
+                                                  max_tokens=MAX_TOKENS, temperature=0, stream=True)
     text, finish = [], None
     async for chunk in stream:
         if chunk.choices:
@@ -137,18 +155,21 @@ async def stream_one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | Non
 
 
 async def run_clients(url: str) -> list:
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=LOAD_TIMEOUT_S) as c:
-        return await asyncio.wait_for(asyncio.gather(*(stream_one(c, i) for i in range(NUM_CLIENTS))),
-                                      LOAD_TIMEOUT_S)
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                  timeout=LOAD_TIMEOUT_S) as c:
+        return await asyncio.wait_for(
+            asyncio.gather(*(stream_one(c, i) for i in range(NUM_CLIENTS))), LOAD_TIMEOUT_S)
 
 
 async def warm_up(url: str):
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                  timeout=60) as c:
         return await stream_one(c, 1000)
 
 
 def test_64_concurrent_streams_match_offline_and_free_everything(served, offline_answers):
-    # One request through the same client path first, so lazily imported client and server code is in RSS.
+    # One request through the same client path first, so lazily imported client and server code is
+    # in RSS.
     assert asyncio.run(warm_up(served.url))[1] in ("stop", "length")
     rss_before = settled_rss(served)
 
@@ -161,7 +182,8 @@ def test_64_concurrent_streams_match_offline_and_free_everything(served, offline
         async with httpx.AsyncClient(timeout=10) as probe:
             while not task.done():
                 text = (await probe.get(served.url + "/metrics")).text
-                running = next(line for line in text.splitlines() if line.startswith("vlinfer_num_requests_running"))
+                running = next(line for line in text.splitlines()
+                               if line.startswith("vlinfer_num_requests_running"))
                 most_running = max(most_running, int(float(running.split()[-1])))
                 await asyncio.sleep(0.05)
         return task.result()
@@ -169,8 +191,11 @@ def test_64_concurrent_streams_match_offline_and_free_everything(served, offline
     results = asyncio.run(load())
     elapsed = time.monotonic() - start
 
-    assert len(results) == NUM_CLIENTS and all(finish in ("stop", "length") for _, finish in results)
-    mismatches = [i for i, ((text, _), ref) in enumerate(zip(results, offline_answers)) if text != ref]
+    assert len(results) == NUM_CLIENTS and all(finish in ("stop", "length")
+                                               for _, finish in results)
+    mismatches = [
+        i for i, ((text, _), ref) in enumerate(zip(results, offline_answers)) if text != ref
+    ]
     assert not mismatches, f"{len(mismatches)} answers differ from offline LLM.generate, e.g. #{mismatches[0]}: " \
                            f"{results[mismatches[0]][0]!r} vs {offline_answers[mismatches[0]]!r}"
     assert most_running > 8, "the clients' requests should share engine steps"
@@ -183,9 +208,11 @@ def test_64_concurrent_streams_match_offline_and_free_everything(served, offline
 
 
 def test_clients_that_hang_up_mid_stream_leave_nothing_behind(served):
-    """20 streams, each long (ignore_eos, 1500 tokens); half hang up right after the opening chunk (the request
-    may still be waiting or prefilling), half after the first generated text."""
-    body = {"model": MODEL, "max_tokens": 1500, "temperature": 0, "stream": True, "ignore_eos": True}
+    """20 streams, each long (ignore_eos, 1500 tokens); half hang up right after the opening chunk
+    (the request may still be waiting or prefilling), half after the first generated text."""
+    body = {
+        "model": MODEL, "max_tokens": 1500, "temperature": 0, "stream": True, "ignore_eos": True
+    }
 
     async def hang_up(client: httpx.AsyncClient, i: int) -> bool:
         payload = {**body, "messages": messages(100 + i)}
@@ -201,7 +228,8 @@ def test_clients_that_hang_up_mid_stream_leave_nothing_behind(served):
 
     async def main():
         async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
-            return await asyncio.wait_for(asyncio.gather(*(hang_up(client, i) for i in range(20))), 60)
+            return await asyncio.wait_for(asyncio.gather(*(hang_up(client, i) for i in range(20))),
+                                          60)
 
     aborted_before = aborted(served.url)
     assert all(asyncio.run(main()))
@@ -214,7 +242,8 @@ def test_clients_that_hang_up_mid_stream_leave_nothing_behind(served):
 
 
 def test_non_streaming_clients_that_give_up_are_aborted(served):
-    """Without a stream the handler is waiting, not writing: it watches for the disconnect itself."""
+    """Without a stream the handler is waiting, not writing: it watches for the disconnect itself.
+    """
     body = {"model": MODEL, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
 
     async def give_up(client: httpx.AsyncClient, i: int) -> bool:
@@ -225,10 +254,12 @@ def test_non_streaming_clients_that_give_up_are_aborted(served):
         return False
 
     async def main():
-        async with httpx.AsyncClient(base_url=served.url, timeout=httpx.Timeout(60, read=1.5)) as client:
+        async with httpx.AsyncClient(base_url=served.url,
+                                     timeout=httpx.Timeout(60, read=1.5)) as client:
             return await asyncio.gather(*(give_up(client, i) for i in range(5)))
 
     aborted_before = aborted(served.url)
-    assert all(asyncio.run(main()))  # 1500 tokens each take far longer than the 1.5 s the clients wait
+    # 1500 tokens each take far longer than the 1.5 s the clients wait
+    assert all(asyncio.run(main()))
     assert wait_idle(served.url, timeout=10), f"after 5 give-ups: {metrics(served.url)}"
     assert aborted(served.url) - aborted_before == 5

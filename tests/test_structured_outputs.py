@@ -1,14 +1,16 @@
-"""Structured outputs (SamplingParams.structured_outputs, backed by llguidance): on the real SmolLM2 GGUF and on the
-tiny random Qwen3-VL (images and text), every constrained output parses and validates (jsonschema for schemas,
-re.fullmatch for regexes and grammars, membership for choices), greedy and sampled, n > 1, while unconstrained
-requests in the same batch produce exactly the tokens they produce without the constrained ones. The tiny engine
-runs with a KV pool for a few sequences and a 32-token step budget, so its batches preempt and chunk their
-prefills: constrained greedy outputs there equal those of the same requests run alone. Also: truncation says
-finish_reason="length", streaming deltas rebuild the text, stop strings cut it, the bad-input errors, and the
-caption CLI with --json-schema over examples/images.
+"""Structured outputs (SamplingParams.structured_outputs, backed by llguidance): on the real SmolLM2
+GGUF and on the tiny random Qwen3-VL (images and text), every constrained output parses and
+validates (jsonschema for schemas, re.fullmatch for regexes and grammars, membership for choices),
+greedy and sampled, n > 1, while unconstrained requests in the same batch produce exactly the tokens
+they produce without the constrained ones. The tiny engine runs with a KV pool for a few sequences
+and a 32-token step budget, so its batches preempt and chunk their prefills: constrained greedy
+outputs there equal those of the same requests run alone. Also: truncation says
+finish_reason="length", streaming deltas rebuild the text, stop strings cut it, the bad-input
+errors, and the caption CLI with --json-schema over examples/images.
 
-For the random-weight model every schema here describes a finite language (bounded strings, integers, arrays, no
-additional properties, no free whitespace), so a constrained output always ends within max_tokens."""
+For the random-weight model every schema here describes a finite language (bounded strings,
+integers, arrays, no additional properties, no free whitespace), so a constrained output always ends
+within max_tokens."""
 import json
 import os
 import re
@@ -26,27 +28,44 @@ TINY_PIXELS = {"max_pixels": 64 * 64, "min_pixels": 64 * 64}
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,9}$"},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
-ORDER = {"type": "object", "additionalProperties": False, "required": ["order", "status"],
-         "properties": {
-             "order": {"type": "object", "additionalProperties": False, "required": ["id", "items"],
-                       "properties": {
-                           "id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
-                           "items": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
-                               "type": "object", "additionalProperties": False, "required": ["sku", "qty"],
-                               "properties": {"sku": {"enum": ["apple", "pear", "plum"]},
-                                              "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}}}},
-             "status": {"enum": ["open", "paid", "shipped"]}}}
-LABEL = {"type": "object", "additionalProperties": False, "required": ["label", "score", "tags"],
-         "properties": {"label": {"enum": ["cat", "dog", "house", "sun"]},
-                        "score": {"type": "integer", "minimum": -5, "maximum": 5},
-                        "tags": {"type": "array", "maxItems": 2, "items": {"type": "string", "maxLength": 6,
-                                                                          "pattern": "^[a-z]*$"}}}}
+ORDER = {
+    "type": "object", "additionalProperties": False, "required": ["order", "status"],
+    "properties": {
+        "order": {
+            "type": "object", "additionalProperties": False, "required": ["id", "items"],
+            "properties": {
+                "id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}, "items": {
+                    "type": "array", "minItems": 1, "maxItems": 2, "items": {
+                        "type": "object", "additionalProperties": False, "required": ["sku", "qty"],
+                        "properties": {
+                            "sku": {"enum": ["apple", "pear", "plum"]},
+                            "qty": {"type": "integer", "minimum": 1, "maximum": 9}
+                        }
+                    }
+                }
+            }
+        }, "status": {"enum": ["open", "paid", "shipped"]}
+    }
+}
+LABEL = {
+    "type": "object", "additionalProperties": False, "required": ["label", "score", "tags"],
+    "properties": {
+        "label": {"enum": ["cat", "dog", "house", "sun"]},
+        "score": {"type": "integer", "minimum": -5, "maximum": 5}, "tags": {
+            "type": "array", "maxItems": 2,
+            "items": {"type": "string", "maxLength": 6, "pattern": "^[a-z]*$"}
+        }
+    }
+}
 SCHEMAS = [PERSON, ORDER, LABEL]
 # SmolLM2 is a trained model: it also gets unbounded numbers (bounded in value) and free whitespace.
-PRODUCT = {"type": "object", "additionalProperties": False, "required": ["name", "price", "in_stock"],
-           "properties": {"name": {"type": "string", "maxLength": 40},
-                          "price": {"type": "number", "minimum": 0, "maximum": 1000},
-                          "in_stock": {"type": "boolean"}}}
+PRODUCT = {
+    "type": "object", "additionalProperties": False, "required": ["name", "price", "in_stock"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "price": {"type": "number", "minimum": 0, "maximum": 1000}, "in_stock": {"type": "boolean"}
+    }
+}
 REGEXES = [r"[0-9]{3}-[0-9]{4}", r"(yes|no|maybe)!?", r"[A-Z][a-z]{2,6} [0-9]{1,2}"]
 CHOICES = ["red", "green", "blue"]
 GRAMMARS = [('root ::= "The answer is " [0-9] [0-9]? "."', r"The answer is [0-9][0-9]?\."),  # GBNF
@@ -70,7 +89,8 @@ def check(constraint: StructuredOutputsParams, text: str) -> None:
 def constraints(trained: bool) -> list[StructuredOutputsParams]:
     out = [StructuredOutputsParams(json=s, disable_any_whitespace=True) for s in SCHEMAS]
     out += [StructuredOutputsParams(regex=r) for r in REGEXES]
-    out += [StructuredOutputsParams(choice=CHOICES)] + [StructuredOutputsParams(grammar=g) for g, _ in GRAMMARS]
+    out += [StructuredOutputsParams(choice=CHOICES)
+            ] + [StructuredOutputsParams(grammar=g) for g, _ in GRAMMARS]
     if trained:
         out += [StructuredOutputsParams(json=json.dumps(PRODUCT))]
     return out
@@ -83,12 +103,13 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def tiny_vl():
-    """The embedded random Qwen3-VL with a tight KV pool (10 blocks of 16 tokens, ~3 of these sequences) and a
-    32-token step budget: the batches below preempt and chunk their prefills."""
+    """The embedded random Qwen3-VL with a tight KV pool (10 blocks of 16 tokens, ~3 of these
+    sequences) and a 32-token step budget: the batches below preempt and chunk their prefills."""
     probe = LLM("qwen3-vl-tiny", max_model_len=160, kv_cache_bytes=2 ** 20)
     per_block = probe.engine.model_runner.cache_pool.bytes_per_block
     probe.close()
-    return LLM("qwen3-vl-tiny", max_model_len=160, kv_cache_bytes=10 * per_block, max_num_batched_tokens=32)
+    return LLM("qwen3-vl-tiny", max_model_len=160, kv_cache_bytes=10 * per_block,
+               max_num_batched_tokens=32)
 
 
 def smollm2_prompts(constraint):
@@ -99,21 +120,30 @@ def smollm2_prompts(constraint):
 
 def tiny_prompts(i: int):
     if i % 3 == 0:  # every third with an image: constraints are blind to the prompt's modality
-        image = os.path.join(IMAGES, sorted(f for f in os.listdir(IMAGES) if f.endswith(".png"))[i % 5])
-        return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "JSON?"}]}]
+        image = os.path.join(IMAGES,
+                             sorted(f for f in os.listdir(IMAGES) if f.endswith(".png"))[i % 5])
+        return [{
+            "role": "user", "content": [{"type": "image", "image": image},
+                                        {"type": "text", "text": "JSON?"}]
+        }]
     return [{"role": "user", "content": f"Request {i}: answer as asked."}]
 
 
-UNCONSTRAINED = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=1.0, seed=7, max_tokens=10)]
+UNCONSTRAINED = [
+    SamplingParams(temperature=0, max_tokens=12),
+    SamplingParams(temperature=1.0, seed=7, max_tokens=10)
+]
 
 
-@pytest.mark.parametrize("model", [pytest.param("smollm2", marks=pytest.mark.slow), "tiny_vl"])  # slow: real model
+# slow: real model
+@pytest.mark.parametrize("model", [pytest.param("smollm2", marks=pytest.mark.slow), "tiny_vl"])
 def test_every_constrained_output_validates_and_neighbours_are_unchanged(model, request):
     llm = request.getfixturevalue(model)
     trained = model == "smollm2"
     mm_kwargs = None if trained else TINY_PIXELS
     max_tokens = 200 if trained else 110
-    plain_chats = [[{"role": "user", "content": "Tell me about the sea."}], [{"role": "user", "content": "Hello!"}]]
+    plain_chats = [[{"role": "user", "content": "Tell me about the sea."}],
+                   [{"role": "user", "content": "Hello!"}]]
     alone = llm.chat(plain_chats, UNCONSTRAINED, use_tqdm=False, mm_processor_kwargs=mm_kwargs)
     chats, params = [], []
     for c in constraints(trained):
@@ -138,20 +168,25 @@ def test_every_constrained_output_validates_and_neighbours_are_unchanged(model, 
             checked += 1
     assert checked == 2 * len(constraints(trained)) + 1
     if not trained:
-        assert llm.engine.scheduler.num_preemptions > 0  # the tight pool preempted constrained sequences
+        # the tight pool preempted constrained sequences
+        assert llm.engine.scheduler.num_preemptions > 0
     assert_block_pool_empty(llm)
 
 
 def test_preemption_and_chunked_prefill_keep_constrained_outputs_exact(tiny_vl):
-    """The same greedy constrained requests, all at once (preempted, chunked) and one at a time (neither)."""
+    """The same greedy constrained requests, all at once (preempted, chunked) and one at a time
+    (neither)."""
     schemas = constraints(False)[:len(SCHEMAS)]  # the longest outputs: enough to run the pool dry
     chats = [tiny_prompts(i) for i in range(8)]
-    params = [SamplingParams(temperature=0, max_tokens=110, structured_outputs=schemas[i % len(schemas)])
-              for i in range(8)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=110, structured_outputs=schemas[i % len(schemas)])
+        for i in range(8)
+    ]
     before = tiny_vl.engine.scheduler.num_preemptions
     together = tiny_vl.chat(chats, params, use_tqdm=False, mm_processor_kwargs=TINY_PIXELS)
-    assert tiny_vl.engine.scheduler.num_preemptions > before, [len(o.prompt_token_ids + o.outputs[0].token_ids)
-                                                               for o in together]
+    assert tiny_vl.engine.scheduler.num_preemptions > before, [
+        len(o.prompt_token_ids + o.outputs[0].token_ids) for o in together
+    ]
     for chat, p, out in zip(chats, params, together):
         alone = tiny_vl.chat([chat], p, use_tqdm=False, mm_processor_kwargs=TINY_PIXELS)[0]
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids
@@ -163,12 +198,14 @@ def test_preemption_and_chunked_prefill_keep_constrained_outputs_exact(tiny_vl):
 def test_truncation_streaming_and_stop_strings(tiny_vl):
     engine = tiny_vl.engine
     order = StructuredOutputsParams(json=ORDER, disable_any_whitespace=True)
-    cut = tiny_vl.generate("Order:", SamplingParams(temperature=0, max_tokens=6, structured_outputs=order),
+    cut = tiny_vl.generate("Order:",
+                           SamplingParams(temperature=0, max_tokens=6, structured_outputs=order),
                            use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "length" and len(cut.token_ids) == 6
     with pytest.raises(json.JSONDecodeError):
         json.loads(cut.text)
-    request_id = engine.add_request("Order:", SamplingParams(temperature=0, max_tokens=110, structured_outputs=order))
+    request_id = engine.add_request(
+        "Order:", SamplingParams(temperature=0, max_tokens=110, structured_outputs=order))
     pieces, final = [], None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -177,8 +214,10 @@ def test_truncation_streaming_and_stop_strings(tiny_vl):
             final = out
     assert final.outputs[0].finish_reason == "stop" and "".join(pieces) == final.outputs[0].text
     jsonschema.validate(json.loads(final.outputs[0].text), ORDER)
-    stopped = tiny_vl.generate("Order:", SamplingParams(temperature=0, max_tokens=110, structured_outputs=order,
-                                                        stop=['"items"']), use_tqdm=False)[0].outputs[0]
+    stopped = tiny_vl.generate(
+        "Order:",
+        SamplingParams(temperature=0, max_tokens=110, structured_outputs=order, stop=['"items"']),
+        use_tqdm=False)[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == '"items"'
     assert final.outputs[0].text.startswith(stopped.text) and '"items"' not in stopped.text
     assert_block_pool_empty(tiny_vl)
@@ -192,10 +231,12 @@ def test_truncation_streaming_and_stop_strings(tiny_vl):
     (dict(json={"type": "objekt"}), "not a valid JSON schema at type"),
     (dict(json={"type": "object", "required": "name"}), "not a valid JSON schema at required"),
     (dict(json={"type": "array", "uniqueItems": True}), 'Unimplemented keys: ["uniqueItems"]'),
-    (dict(json={"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}), "Unimplemented keys"),
+    (dict(json={"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}),
+     "Unimplemented keys"),
     (dict(regex="(ab"), "StructuredOutputsParams.regex is invalid or not supported"),
     (dict(regex="(?=a)b"), "look-around"),
-    (dict(grammar='root ::= "a" (('), "StructuredOutputsParams.grammar is invalid or not supported"),
+    (dict(grammar='root ::= "a" (('),
+     "StructuredOutputsParams.grammar is invalid or not supported"),
     (dict(choice=[]), "choice must be a non-empty list of strings"),
     (dict(choice=["a", 3]), "choice must hold non-empty strings only"),
     (dict(json=True), "must be a JSON schema object"),
@@ -221,16 +262,18 @@ def test_bad_constraint_fields_and_types():
 def test_compiled_once_per_distinct_constraint(tiny_vl):
     grammars = tiny_vl.engine.grammar_matchers
     c = StructuredOutputsParams(regex=r"[a-c]{2}")
-    tiny_vl.generate(["a", "b", "c"], SamplingParams(temperature=0, max_tokens=8, structured_outputs=c, n=2),
+    tiny_vl.generate(["a", "b", "c"],
+                     SamplingParams(temperature=0, max_tokens=8, structured_outputs=c, n=2),
                      use_tqdm=False)
     compiled = grammars.compile(c)
-    assert grammars.compile(StructuredOutputsParams(regex=r"[a-c]{2}")) is compiled  # an equal constraint: cached
+    # an equal constraint: cached
+    assert grammars.compile(StructuredOutputsParams(regex=r"[a-c]{2}")) is compiled
     assert c.key in grammars.compile_seconds
 
 
 def test_mask_thread_gives_the_masks_of_the_loop_thread(tiny_vl):
-    """start_bitmask (the mask thread an accelerator's step overlaps with its forward) fills what fill_bitmask
-    fills, for matchers at different points of their grammars."""
+    """start_bitmask (the mask thread an accelerator's step overlaps with its forward) fills what
+    fill_bitmask fills, for matchers at different points of their grammars."""
     grammars = tiny_vl.engine.grammar_matchers
     matchers = [grammars.new_matcher(StructuredOutputsParams(choice=["yes", "no"])),
                 grammars.new_matcher(StructuredOutputsParams(regex=r"[a-c]{2}"))]
@@ -247,8 +290,12 @@ def test_caption_cli_with_a_json_schema(tmp_path):
     # llguidance's own schema key: no free whitespace (the random-weight model would pad with it).
     schema_file.write_text(json.dumps({**LABEL, "x-guidance": {"whitespace_flexible": False}}))
     out = tmp_path / "captions.jsonl"
-    rc = main(["caption", IMAGES, "--json-schema", str(schema_file), "--out", str(out), "--model", "qwen3-vl-tiny",
-               "--max-pixels", str(64 * 64), "--max-tokens", "120", "--max-model-len", "512", "--no-progress"])
+    rc = main([
+        "caption", IMAGES, "--json-schema",
+        str(schema_file), "--out",
+        str(out), "--model", "qwen3-vl-tiny", "--max-pixels",
+        str(64 * 64), "--max-tokens", "120", "--max-model-len", "512", "--no-progress"
+    ])
     assert rc == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == len([f for f in os.listdir(IMAGES) if f.endswith(".png")])
@@ -257,26 +304,32 @@ def test_caption_cli_with_a_json_schema(tmp_path):
         jsonschema.validate(record["caption"], LABEL)
     bad = tmp_path / "bad.json"
     bad.write_text('{"type": "array", "uniqueItems": true}')
-    assert main(["caption", IMAGES, "--json-schema", str(bad), "--out", str(tmp_path / "x.jsonl")]) == 2
+    assert main(["caption", IMAGES, "--json-schema",
+                 str(bad), "--out",
+                 str(tmp_path / "x.jsonl")]) == 2
 
 
 def test_token_bitmask_unpacks_and_masks_only_its_rows():
-    """The bit layout (bit t % 32 of word t // 32, bit 31 the sign bit) against a per-token loop; logits wider than
-    the mask's vocabulary get -inf past it; unconstrained rows are untouched."""
+    """The bit layout (bit t % 32 of word t // 32, bit 31 the sign bit) against a per-token loop;
+    logits wider than the mask's vocabulary get -inf past it; unconstrained rows are untouched."""
     import torch
     from vlinfer.ops.reference.bitmask import apply_token_bitmask, unpack_bitmask
     vocab = 100
     allowed = torch.rand(3, vocab, generator=torch.Generator().manual_seed(0)) < 0.3
     allowed[:, 31] = allowed[:, 63] = True  # the sign bit of two words
-    words = [[sum(1 << b for b in range(32) if w * 32 + b < vocab and allowed[r, w * 32 + b]) for w in range(4)]
-             for r in range(3)]
-    bitmask = torch.tensor([[w - 2 ** 32 if w >= 2 ** 31 else w for w in row] for row in words], dtype=torch.int32)
+    words = [[
+        sum(1 << b for b in range(32) if w * 32 + b < vocab and allowed[r, w * 32 + b])
+        for w in range(4)
+    ] for r in range(3)]
+    bitmask = torch.tensor([[w - 2**32 if w >= 2**31 else w for w in row] for row in words],
+                           dtype=torch.int32)
     assert torch.equal(unpack_bitmask(bitmask, vocab), allowed)
     wider = unpack_bitmask(bitmask, 130)
     assert torch.equal(wider[:, :vocab], allowed) and not wider[:, vocab:].any()
     logits = torch.zeros(4, vocab)
     apply_token_bitmask(logits, [0, 2, 3], bitmask)
-    assert torch.equal(torch.isinf(logits[[0, 2, 3]]), ~allowed) and not torch.isinf(logits[1]).any()
+    assert torch.equal(torch.isinf(logits[[0, 2, 3]]),
+                       ~allowed) and not torch.isinf(logits[1]).any()
     every_row = torch.zeros(3, vocab)
     apply_token_bitmask(every_row, [0, 1, 2], bitmask)
     assert torch.equal(torch.isinf(every_row), ~allowed)
@@ -292,11 +345,13 @@ def test_cpu_bitmask_kernel_equals_the_reference(dtype):
     from vlinfer.ops.reference.bitmask import apply_token_bitmask
     ops = CpuOps()
     g = torch.Generator().manual_seed(0)
-    for vocab, words in ((100, 4), (49157, 1537), (130, 4)):  # the last: 130 logits, a 128-token mask
+    # the last: 130 logits, a 128-token mask
+    for vocab, words in ((100, 4), (49157, 1537), (130, 4)):
         bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, words), dtype=torch.int32, generator=g)
         bitmask[0, 1] = -1  # every token of a word allowed
         bitmask[1, 2] = 0  # none
-        bitmask[2, -1] = 0  # none, in the last word (short of 32 tokens when the vocabulary is not a multiple)
+        # none, in the last word (short of 32 tokens when the vocabulary is not a multiple)
+        bitmask[2, -1] = 0
         logits = torch.randn(5, vocab, generator=g).to(dtype)
         ours, ref = logits.clone(), logits.clone()
         ops.apply_token_bitmask(ours, [4, 0, 2], bitmask)
@@ -306,8 +361,8 @@ def test_cpu_bitmask_kernel_equals_the_reference(dtype):
 
 
 def test_strict_closes_every_open_object_schema():
-    """OpenAI's strict: additionalProperties false on each object schema that leaves it open, nested ones too;
-    one that sets it keeps its own; the caller's schema is not changed."""
+    """OpenAI's strict: additionalProperties false on each object schema that leaves it open, nested
+    ones too; one that sets it keeps its own; the caller's schema is not changed."""
     from vlinfer.structured.strict_schema import strict_schema
     schema = {"type": "object", "properties": {
         "person": {"type": "object", "properties": {"name": {"type": "string"}}},
@@ -319,7 +374,8 @@ def test_strict_closes_every_open_object_schema():
     assert "additionalProperties" not in schema  # a copy
     assert strict["additionalProperties"] is False
     props = strict["properties"]
-    assert props["person"]["additionalProperties"] is False and props["tags"]["items"]["additionalProperties"] is False
+    assert props["person"]["additionalProperties"] is False and props["tags"]["items"][
+        "additionalProperties"] is False
     assert props["extra"]["additionalProperties"] == {"type": "integer"}
     assert props["either"]["anyOf"][0]["additionalProperties"] is False and \
         "additionalProperties" not in props["either"]["anyOf"][1]

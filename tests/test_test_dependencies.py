@@ -1,8 +1,8 @@
-"""Test dependencies are imported, never skipped: a package of pyproject's `test` extra that is missing or broken
-fails the run (tests/conftest.py checks them all at the start, and each test module imports what it uses), so the
-count of tests that ran can never quietly drop. Shown here with pytest runs in a subprocess where a
-sitecustomize shim hides a package (sys.modules[name] = None: its import fails as if it were not installed); the
-shared venv is never touched."""
+"""Test dependencies are imported, never skipped: a package of pyproject's `test` extra that is
+missing or broken fails the run (tests/conftest.py checks them all at the start, and each test
+module imports what it uses), so the count of tests that ran can never quietly drop. Shown here with
+pytest runs in a subprocess where a sitecustomize shim hides a package (sys.modules[name] = None:
+its import fails as if it were not installed); the shared venv is never touched."""
 import importlib
 import os
 import re
@@ -29,7 +29,8 @@ def test_every_test_dependency_imports(name):
     if name in DATA_FILES:  # read, never imported: its file is what the tests need
         assert os.path.exists(os.path.join(package_dir(name), DATA_FILES[name]))
     else:
-        importlib.import_module(name)  # a broken install (one of its own dependencies missing) fails here
+        # a broken install (one of its own dependencies missing) fails here
+        importlib.import_module(name)
 
 
 def test_tests_never_skip_for_a_package():
@@ -42,7 +43,8 @@ def test_tests_never_skip_for_a_package():
             text = f.read()
         if "importorskip(" in text:
             found.append(f"{name}: importorskip")
-        for reason in re.findall(r"(?:pytest\.skip\(|skipif\([^)]*reason=)\s*(?:f?\"([^\"]*)\"|f?'([^']*)')", text):
+        for reason in re.findall(
+                r"(?:pytest\.skip\(|skipif\([^)]*reason=)\s*(?:f?\"([^\"]*)\"|f?'([^']*)')", text):
             reason = "".join(reason)
             if not any(word in reason for word in HARDWARE_WORDS):
                 found.append(f"{name}: skip {reason!r}")
@@ -50,17 +52,22 @@ def test_tests_never_skip_for_a_package():
 
 
 def pytest_hiding(tmp_path, hidden: tuple[str, ...], *args: str) -> subprocess.CompletedProcess:
-    """`python -m pytest ARGS` in the repository, in a Python where the packages `hidden` cannot be imported."""
+    """`python -m pytest ARGS` in the repository, in a Python where the packages `hidden` cannot be
+    imported."""
     shim = tmp_path / f"hide-{'-'.join(hidden) or 'nothing'}"
     shim.mkdir(exist_ok=True)
     (shim / "sitecustomize.py").write_text(
         "import sys\n"
         f"for name in {list(hidden)!r}:\n"
-        "    sys.modules[name] = None  # import raises ImportError, find_spec returns None: as if not installed\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim)] + [p for p in [os.environ.get("PYTHONPATH")]
-                                                                     if p])}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
+        "    sys.modules[name] = None  # import raises ImportError, find_spec returns None: as if "
+        "not installed\n"
+    )
+    env = {
+        **os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(shim)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    }
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_a_missing_test_dependency_fails_the_run_instead_of_shrinking_it(tmp_path):
@@ -75,11 +82,13 @@ def test_a_missing_test_dependency_fails_the_run_instead_of_shrinking_it(tmp_pat
         out = run.stdout + run.stderr
         assert run.returncode == pytest.ExitCode.USAGE_ERROR, out[-2000:]
         assert f"test dependencies missing: {hidden}." in out and "make install" in out
-        assert "collected" not in out and "skipped" not in out  # nothing ran, nothing was quietly left out
+        # nothing ran, nothing was quietly left out
+        assert "collected" not in out and "skipped" not in out
 
-    # Without the start-of-run check (--noconftest), the module's own import still fails the run: it imports its
-    # dependencies, it does not importorskip them.
+    # Without the start-of-run check (--noconftest), the module's own import still fails the run: it
+    # imports its dependencies, it does not importorskip them.
     run = pytest_hiding(tmp_path, ("openai",), "--noconftest", *target)
     out = run.stdout + run.stderr
-    assert run.returncode == pytest.ExitCode.INTERRUPTED, out[-2000:]  # a collection error stops the run
+    # a collection error stops the run
+    assert run.returncode == pytest.ExitCode.INTERRUPTED, out[-2000:]
     assert "1 error" in out and "import of openai halted" in out and "skipped" not in out

@@ -1,7 +1,8 @@
-"""The embedded toy embedder (`qwen3-vl-toy-embedding`, tools/train_toy_embedder.py): the package ships the tensors
-it changes beside the toy they belong to, the built checkpoint opens as an embedder without an LM head, its vectors
-equal transformers' Qwen embedder path, it finds the drawn world's objects in held-out scenes by cosine alone, the
-offline default embedder is it, and its training is reproducible."""
+"""The embedded toy embedder (`qwen3-vl-toy-embedding`, tools/train_toy_embedder.py): the package
+ships the tensors it changes beside the toy they belong to, the built checkpoint opens as an
+embedder without an LM head, its vectors equal transformers' Qwen embedder path, it finds the drawn
+world's objects in held-out scenes by cosine alone, the offline default embedder is it, and its
+training is reproducible."""
 import json
 import logging
 import os
@@ -27,9 +28,11 @@ def test_package_ships_the_embedder_small_and_for_this_toy():
     manifest = embedded.read_embedder_manifest()
     weights = os.path.join(embedded.PACKAGE_DIR, embedded.EMBEDDER_WEIGHTS)
     assert embedded.sha256(weights) == manifest["sha256"]
-    assert manifest["toy_sha256"] == embedded.read_manifest()["sha256"], "trained on another toy than the shipped one"
+    assert manifest["toy_sha256"] == embedded.read_manifest(
+    )["sha256"], "trained on another toy than the shipped one"
     assert os.path.getsize(weights) < 4 * 2 ** 20
-    assert {k: manifest["training"][k] for k in embedded.EMBEDDER_TRAINING} == embedded.EMBEDDER_TRAINING
+    assert {k: manifest["training"][k]
+            for k in embedded.EMBEDDER_TRAINING} == embedded.EMBEDDER_TRAINING
 
 
 def test_embedder_checkpoint_refuses_a_stale_or_damaged_embedder(tmp_path):
@@ -49,8 +52,9 @@ def test_embedder_checkpoint_refuses_a_stale_or_damaged_embedder(tmp_path):
 
 
 def test_embedder_opens_as_a_pooling_model_and_matches_transformers(embedder):
-    """The built checkpoint has no LM head (runner="auto" would pick pooling), and our vectors equal the Qwen
-    embedder's path in transformers (Qwen3VLModel, the last token, normalized) on texts and pictures."""
+    """The built checkpoint has no LM head (runner="auto" would pick pooling), and our vectors equal
+    the Qwen embedder's path in transformers (Qwen3VLModel, the last token, normalized) on texts and
+    pictures."""
     from safetensors import safe_open
     from transformers import Qwen3VLModel
     folder = embedder.engine.source.path
@@ -61,7 +65,8 @@ def test_embedder_opens_as_a_pooling_model_and_matches_transformers(embedder):
     tokenizer, template = tool_script("train_embedded").load_tokenizer_and_template()
     batcher = trainer.EmbedderBatcher(tokenizer, template, None)
     model = Qwen3VLModel.from_pretrained(folder, dtype=torch.float32).eval()
-    texts, images = ["a red house", "green star"], [image for _, image, _ in scenes.generate(embedded.EVAL_SEED, 3)]
+    texts, images = ["a red house", "green star"
+                     ], [image for _, image, _ in scenes.generate(embedded.EVAL_SEED, 3)]
     with torch.no_grad():
         reference = torch.cat([trainer.pooled(model, batcher(texts=texts)),
                                trainer.pooled(model, batcher(images=images))])
@@ -71,12 +76,13 @@ def test_embedder_opens_as_a_pooling_model_and_matches_transformers(embedder):
 
 
 def test_toy_embedder_finds_kinds_of_objects_in_held_out_scenes(embedder):
-    """Cosine alone (Pipeline.rerank on an embedder): six kinds of object, each query ranking 60 held-out scenes;
-    the README's figure is the slow test's, every kind over 200."""
-    kinds = [("red", "house"), ("blue", "circle"), ("green", "star"), ("yellow", "triangle"), ("purple", "square"),
-             ("red", "star")]
+    """Cosine alone (Pipeline.rerank on an embedder): six kinds of object, each query ranking 60
+    held-out scenes; the README's figure is the slow test's, every kind over 200."""
+    kinds = [("red", "house"), ("blue", "circle"), ("green", "star"), ("yellow", "triangle"),
+             ("purple", "square"), ("red", "star")]
     scores = tool_script("train_embedded").evaluate_retrieval(embedder, count=60, kinds=kinds)
-    assert scores["queries"] >= 5 and scores["recall_at_5"] >= BAR and scores["precision_at_5"] >= 0.8, scores
+    assert scores["queries"] >= 5 and scores["recall_at_5"] >= BAR and scores[
+        "precision_at_5"] >= 0.8, scores
 
 
 @pytest.mark.slow  # every kind of object (30) over the 200 held-out scenes
@@ -86,8 +92,9 @@ def test_toy_embedder_recall_on_all_held_out_scenes(embedder):
 
 
 def test_offline_default_embedder_is_the_trained_toy(caplog, monkeypatch, tmp_path):
-    """`qwen3-vl-embedding` without its weights on this machine (an empty Hugging Face cache, whatever this machine
-    holds) falls back to the toy embedder, loudly, naming the real embedder to fetch."""
+    """`qwen3-vl-embedding` without its weights on this machine (an empty Hugging Face cache,
+    whatever this machine holds) falls back to the toy embedder, loudly, naming the real embedder to
+    fetch."""
     from huggingface_hub import constants
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hf-cache"))
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
@@ -95,7 +102,8 @@ def test_offline_default_embedder_is_the_trained_toy(caplog, monkeypatch, tmp_pa
     assert source.embedded and source.runner == "pooling"
     assert source.path == resolve_model("qwen3-vl-toy-embedding").path
     assert "Qwen3-VL-Embedding" in source.about
-    assert any("TOY" in r.getMessage() and "huggingface-cli download Qwen/Qwen3-VL-Embedding-2B" in r.getMessage()
+    assert any("TOY" in r.getMessage() and
+               "huggingface-cli download Qwen/Qwen3-VL-Embedding-2B" in r.getMessage()
                for r in caplog.records if r.levelno >= logging.WARNING)
 
 

@@ -1,6 +1,7 @@
-"""vLLM's documented offline idioms, written as vLLM's docs and examples write them with only the import changed
-(`from vllm import ...` -> `from vlinfer import ...`), on the real SmolLM2 and the embedded tiny Qwen3-VL. What
-vLLM offers and vlinfer does not is listed in README.md ("vLLM's LLM surface")."""
+"""vLLM's documented offline idioms, written as vLLM's docs and examples write them with only the
+import changed (`from vllm import ...` -> `from vlinfer import ...`), on the real SmolLM2 and the
+embedded tiny Qwen3-VL. What vLLM offers and vlinfer does not is listed in README.md ("vLLM's LLM
+surface")."""
 import json
 import re
 from enum import Enum
@@ -41,9 +42,11 @@ def test_chat_with_a_system_turn(llm):
         {"role": "assistant", "content": "Hello! How can I assist you today?"},
         {"role": "user", "content": "What is the capital of France?"},
     ]
-    outputs = llm.chat(conversation, sampling_params=SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    outputs = llm.chat(conversation, sampling_params=SamplingParams(temperature=0, max_tokens=24),
+                       use_tqdm=False)
     assert "Paris" in outputs[0].outputs[0].text
-    # The chat template through get_tokenizer, as vLLM users build prompts themselves: the same prompt tokens.
+    # The chat template through get_tokenizer, as vLLM users build prompts themselves: the same
+    # prompt tokens.
     tokenizer = llm.get_tokenizer()
     prompt = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     again = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24))
@@ -53,8 +56,10 @@ def test_chat_with_a_system_turn(llm):
 
 def test_tokens_prompt_dicts(llm):
     token_ids = llm.get_tokenizer()("The capital of France is").input_ids
-    by_tokens = llm.generate([{"prompt_token_ids": token_ids}], SamplingParams(temperature=0, max_tokens=8))[0]
-    by_text = llm.generate({"prompt": "The capital of France is"}, SamplingParams(temperature=0, max_tokens=8))[0]
+    by_tokens = llm.generate([{"prompt_token_ids": token_ids}],
+                             SamplingParams(temperature=0, max_tokens=8))[0]
+    by_text = llm.generate({"prompt": "The capital of France is"},
+                           SamplingParams(temperature=0, max_tokens=8))[0]
     assert by_tokens.prompt_token_ids == token_ids == by_text.prompt_token_ids
     assert by_tokens.outputs[0].text == by_text.outputs[0].text
 
@@ -82,18 +87,21 @@ def test_n_with_seed(llm):
 
 
 def test_structured_outputs_example(llm):
-    """vLLM's structured-outputs example: choice, regex, JSON from a pydantic model, the SQL EBNF grammar."""
+    """vLLM's structured-outputs example: choice, regex, JSON from a pydantic model, the SQL EBNF
+    grammar."""
     choice = StructuredOutputsParams(choice=["Positive", "Negative"])
     out = llm.generate(prompts="Classify this sentiment: vLLM is wonderful!",
                        sampling_params=SamplingParams(structured_outputs=choice))
     assert out[0].outputs[0].text in ("Positive", "Negative")
 
-    regex = SamplingParams(structured_outputs=StructuredOutputsParams(regex=r"\w+@\w+\.com\n"), stop=["\n"],
-                           temperature=0, max_tokens=40)
-    out = llm.generate(prompts="Generate an email address for Alan Turing, who works in Enigma. End in .com and "
-                               "new line. Example result: alan.turing@enigma.com\n", sampling_params=regex)
+    regex = SamplingParams(structured_outputs=StructuredOutputsParams(regex=r"\w+@\w+\.com\n"),
+                           stop=["\n"], temperature=0, max_tokens=40)
+    out = llm.generate(
+        prompts="Generate an email address for Alan Turing, who works in Enigma. End in .com and "
+        "new line. Example result: alan.turing@enigma.com\n", sampling_params=regex)
     text = out[0].outputs[0].text
-    assert text.isascii() and re.fullmatch(r"[A-Za-z0-9_]+(@[A-Za-z0-9_]*(\.(c(om?)?)?)?)?", text), text
+    assert text.isascii() and re.fullmatch(r"[A-Za-z0-9_]+(@[A-Za-z0-9_]*(\.(c(om?)?)?)?)?",
+                                           text), text
 
     class CarType(str, Enum):
         sedan = "sedan"
@@ -106,10 +114,14 @@ def test_structured_outputs_example(llm):
         model: str
         car_type: CarType
 
-    json_params = SamplingParams(structured_outputs=StructuredOutputsParams(
-        json=CarDescription.model_json_schema(), disable_any_whitespace=True), temperature=0, max_tokens=60)
-    out = llm.generate(prompts="Generate a JSON with the brand, model and car_type of the most iconic car from the "
-                               "90's", sampling_params=json_params)
+    json_params = SamplingParams(
+        structured_outputs=StructuredOutputsParams(json=CarDescription.model_json_schema(),
+                                                   disable_any_whitespace=True), temperature=0,
+        max_tokens=60)
+    out = llm.generate(
+        prompts="Generate a JSON with the brand, model and car_type of the most iconic car from "
+                "the "
+        "90's", sampling_params=json_params)
     if out[0].outputs[0].finish_reason == "stop":
         CarDescription.model_validate(json.loads(out[0].outputs[0].text))
     else:  # cut by max_tokens: what is there is the start of such an object
@@ -123,9 +135,11 @@ table ::= "table_1 " | "table_2 "
 condition ::= column "= " number
 number ::= "1 " | "2 "
 """
-    out = llm.generate(prompts="Generate an SQL query to show the 'username' and 'email' from the 'users' table.",
-                       sampling_params=SamplingParams(structured_outputs=StructuredOutputsParams(
-                           grammar=simplified_sql_grammar), temperature=0, max_tokens=40))
+    out = llm.generate(
+        prompts="Generate an SQL query to show the 'username' and 'email' from the 'users' table.",
+        sampling_params=SamplingParams(
+            structured_outputs=StructuredOutputsParams(grammar=simplified_sql_grammar),
+            temperature=0, max_tokens=40))
     sql = r"SELECT col_[12]  from table_[12]  where col_[12] = [12] "
     assert re.fullmatch(sql, out[0].outputs[0].text), out[0].outputs[0].text
 
@@ -137,22 +151,30 @@ def test_multi_modal_data_image_and_video(vlm):
     prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is in the image?<|im_end|>\n" \
              "<|im_start|>assistant\n"
     params = SamplingParams(temperature=0, max_tokens=4)
-    out = vlm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, sampling_params=params)[0]
+    out = vlm.generate({"prompt": prompt, "multi_modal_data": {"image": image}},
+                       sampling_params=params)[0]
     assert len(out.outputs[0].token_ids) == 4 and out.images[0]["num_tokens"] > 0
     frames = np.random.default_rng(1).integers(0, 255, (4, 64, 64, 3), dtype=np.uint8)
     prompt = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>Describe the video.<|im_end|>\n" \
              "<|im_start|>assistant\n"
-    out = vlm.generate({"prompt": prompt, "multi_modal_data": {"video": frames}}, sampling_params=params)[0]
+    out = vlm.generate({"prompt": prompt, "multi_modal_data": {"video": frames}},
+                       sampling_params=params)[0]
     assert len(out.outputs[0].token_ids) == 4 and out.videos[0]["num_tokens"] > 0
 
 
 def test_chat_with_tools_renders_them_as_the_template_does(vlm):
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                               "parameters": {"type": "object",
-                                                              "properties": {"city": {"type": "string"}}}}}]
+    tools = [{
+        "type": "function", "function": {
+            "name": "get_weather", "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}
+        }
+    }]
     messages = [{"role": "user", "content": "Weather in Paris?"}]
-    out = vlm.chat(messages, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False, tools=tools)[0]
+    out = vlm.chat(messages, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False,
+                   tools=tools)[0]
     tokenizer = vlm.get_tokenizer()
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=True,
                                          chat_template=vlm.engine.input_processor.chat_template)
-    assert '"get_weather"' in text and out.prompt_token_ids == tokenizer(text, add_special_tokens=False).input_ids
+    assert '"get_weather"' in text and out.prompt_token_ids == tokenizer(
+        text, add_special_tokens=False).input_ids

@@ -1,6 +1,7 @@
-"""vLLM's output shapes and everyday LLM surface, read the way vLLM's documented code reads them: Logprob objects
-(logprob, rank, decoded_token), cumulative_logprob, RequestOutput.metrics, LLM.get_tokenizer, raw logprobs under a
-grammar (one rule for every request), and ECMA-262 regex classes (\\d is [0-9], \\w is [A-Za-z0-9_])."""
+"""vLLM's output shapes and everyday LLM surface, read the way vLLM's documented code reads them:
+Logprob objects (logprob, rank, decoded_token), cumulative_logprob, RequestOutput.metrics,
+LLM.get_tokenizer, raw logprobs under a grammar (one rule for every request), and ECMA-262 regex
+classes (\\d is [0-9], \\w is [A-Za-z0-9_])."""
 import math
 
 import pytest
@@ -17,23 +18,29 @@ def llm(qwen3_checkpoint):
 
 
 def test_logprobs_are_objects_with_rank_and_decoded_token(llm):
-    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True),
+    out = llm.generate([[5, 6, 7, 8]],
+                       SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     tokenizer = llm.get_tokenizer()
     assert tokenizer is llm.engine.tokenizer and tokenizer.decode(out.token_ids) == out.text
     for token, entry in zip(out.token_ids, out.logprobs):
         chosen = entry[token]
-        assert isinstance(chosen, Logprob) and chosen.rank == 1  # greedy takes the most likely token
+        # greedy takes the most likely token
+        assert isinstance(chosen, Logprob) and chosen.rank == 1
         assert chosen.decoded_token == tokenizer.decode([token]) and chosen.logprob <= 0
         assert sorted(e.rank for e in entry.values()) == [1, 2]
-    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
-    plain = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0]
-    assert plain.logprobs is None and plain.cumulative_logprob is None  # vLLM: only when logprobs is asked
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+    plain = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=2),
+                         use_tqdm=False)[0].outputs[0]
+    # vLLM: only when logprobs is asked
+    assert plain.logprobs is None and plain.cumulative_logprob is None
 
 
 def check_prompt_logprobs(out, prompt: list[int], k: int, model, tokenizer) -> None:
-    """vLLM's prompt_logprobs: None first, then per prompt token {token: Logprob} holding that token and the k most
-    likely, each value transformers' log_softmax of the raw logits at the position before (float32, 1e-4)."""
+    """vLLM's prompt_logprobs: None first, then per prompt token {token: Logprob} holding that token
+    and the k most likely, each value transformers' log_softmax of the raw logits at the position
+    before (float32, 1e-4)."""
     with torch.no_grad():
         ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
     entries = out.prompt_logprobs
@@ -44,15 +51,17 @@ def check_prompt_logprobs(out, prompt: list[int], k: int, model, tokenizer) -> N
         for t, value in entry.items():
             assert abs(value.logprob - row[t].item()) < 1e-4, (position, t)
             assert value.decoded_token == tokenizer.decode([t])
-        assert int((row > row[token] + 1e-4).sum()) <= entry[token].rank - 1 <= int((row > row[token] - 1e-4).sum())
+        assert int((row > row[token] + 1e-4).sum()) <= entry[token].rank - 1 <= int(
+            (row > row[token] - 1e-4).sum())
 
 
 def test_prompt_logprobs_match_transformers(qwen3_checkpoint):
-    """Through chunked prefill (8-token chunks over a 21-token prompt) and after the same prompt was cached: a
-    prefix-cache hit would skip the positions whose logprobs are asked, so such a request reads no cached KV."""
+    """Through chunked prefill (8-token chunks over a 21-token prompt) and after the same prompt was
+    cached: a prefix-cache hit would skip the positions whose logprobs are asked, so such a request
+    reads no cached KV."""
     path, model = qwen3_checkpoint
-    llm = LLM(path, dtype="float32", kv_cache_bytes=4 * 2 ** 20, max_model_len=128, max_num_batched_tokens=8,
-              enable_prefix_caching=True)
+    llm = LLM(path, dtype="float32", kv_cache_bytes=4 * 2**20, max_model_len=128,
+              max_num_batched_tokens=8, enable_prefix_caching=True)
     prompt = [(7 * i + 3) % 200 + 1 for i in range(21)]
     warm = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
     assert warm.prompt_logprobs is None  # not asked
@@ -66,20 +75,25 @@ def test_prompt_logprobs_match_transformers(qwen3_checkpoint):
 
 
 def test_metrics_say_when_the_request_arrived_started_and_finished(llm):
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0]
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time == m.finished_time
     assert m.time_in_queue >= 0
 
 
 def test_logprobs_under_a_grammar_are_raw(llm):
-    """The same request with and without a grammar: the logprobs of the first step are the same raw values (the
-    grammar mask is not in them), finite even for tokens the grammar forbids; only the chosen token differs."""
+    """The same request with and without a grammar: the logprobs of the first step are the same raw
+    values (the grammar mask is not in them), finite even for tokens the grammar forbids; only the
+    chosen token differs."""
     prompt = [[5, 6, 7, 8]]
-    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
-    constrained = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=5, structured_outputs=
-                                                      StructuredOutputsParams(choice=["yes", "no"])),
-                               use_tqdm=False)[0]
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+                        use_tqdm=False)[0]
+    constrained = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=1, logprobs=5,
+                       structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+        use_tqdm=False)[0]
     free_entry, entry = free.outputs[0].logprobs[0], constrained.outputs[0].logprobs[0]
     assert all(math.isfinite(e.logprob) for e in entry.values())
     for token in set(free_entry) & set(entry):
@@ -101,12 +115,15 @@ def test_regex_classes_are_ascii(regex, ascii):
 
 
 def test_schema_patterns_are_ascii():
-    schema = {"type": "object", "properties": {"date": {"type": "string", "pattern": r"^\d{4}$"}},
-              "patternProperties": {r"^\w+$": {"type": "string", "pattern": r"\d"}}, "enum": [r"\d"]}
+    schema = {
+        "type": "object", "properties": {"date": {"type": "string", "pattern": r"^\d{4}$"}},
+        "patternProperties": {r"^\w+$": {"type": "string", "pattern": r"\d"}}, "enum": [r"\d"]
+    }
     out = ascii_schema(schema)
     assert out["properties"]["date"]["pattern"] == "^[0-9]{4}$"
     assert out["patternProperties"] == {"^[A-Za-z0-9_]+$": {"type": "string", "pattern": "[0-9]"}}
-    assert out["enum"] == [r"\d"] and schema["properties"]["date"]["pattern"] == r"^\d{4}$"  # values, not patterns
+    # values, not patterns
+    assert out["enum"] == [r"\d"] and schema["properties"]["date"]["pattern"] == r"^\d{4}$"
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +133,20 @@ def full_vocab():
 
 
 def test_a_unicode_digit_is_not_a_digit(full_vocab):
-    """Fullwidth digit tokens (Unicode Nd) pushed to the top by logit_bias: \\d must still only take 0-9, as
-    ECMA-262 (and JSON Schema's pattern) mean it, in a regex and in a schema pattern alike."""
+    """Fullwidth digit tokens (Unicode Nd) pushed to the top by logit_bias: \\d must still only take
+    0-9, as ECMA-262 (and JSON Schema's pattern) mean it, in a regex and in a schema pattern alike.
+    """
     llm = full_vocab
     tokenizer = llm.get_tokenizer()
-    fullwidth = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(c)) for c in "１２３"]  # Nd, not ASCII
+    # Nd, not ASCII
+    fullwidth = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(c)) for c in "１２３"]
     fullwidth = [ids[0] for ids in fullwidth if len(ids) == 1]
     assert fullwidth, "the tokenizer has no single-token fullwidth digit to test with"
     bias = {token: 100.0 for token in fullwidth}
     for constraint in (StructuredOutputsParams(regex=r"\d{3}"),
                        StructuredOutputsParams(json={"type": "string", "pattern": r"^\d{3}$"})):
-        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, logit_bias=bias,
-                                                       structured_outputs=constraint), use_tqdm=False)[0]
+        out = llm.generate([[5, 6, 7]],
+                           SamplingParams(temperature=0, max_tokens=8, logit_bias=bias,
+                                          structured_outputs=constraint), use_tqdm=False)[0]
         text = out.outputs[0].text.strip('"')
         assert len(text) == 3 and all(c in "0123456789" for c in text), out.outputs[0].text

@@ -7,9 +7,10 @@ file lists are added to sys.path after the venv's own site-packages and their ow
 editable finder's) are never run. From there the engine must run the compiled CPU op table, not the
 reference, and examples/quickstart.py must run.
 
-The CPU kernels compile once in a private TORCH_EXTENSIONS_DIR (minutes on 2 cores): torch's cache is keyed by the
-extension's name, and building the same name from the wheel's source paths in the shared cache would rebuild it in
-place under other processes (ninja sees changed commands), and the checkout's next run would rebuild it back."""
+The CPU kernels compile once in a private TORCH_EXTENSIONS_DIR (minutes on 2 cores): torch's cache
+is keyed by the extension's name, and building the same name from the wheel's source paths in the
+shared cache would rebuild it in place under other processes (ninja sees changed commands), and the
+checkout's next run would rebuild it back."""
 import os
 import shutil
 import subprocess
@@ -50,24 +51,33 @@ def _run(args, **kwargs):
 @pytest.mark.slow
 def test_installed_wheel_runs_the_compiled_kernels_and_the_quickstart(tmp_path):
     assert not str(tmp_path).startswith(REPO)
-    # Build from a copy (tracked and new files, as a clean clone would have them): setuptools writes build/ and
-    # *.egg-info next to the sources, and the checkout is shared.
-    files = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO).stdout
+    # Build from a copy (tracked and new files, as a clean clone would have them): setuptools writes
+    # build/ and *.egg-info next to the sources, and the checkout is shared.
+    files = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                 cwd=REPO).stdout
     source = tmp_path / "source"
     for name in filter(None, files.split("\0")):
-        if os.path.isfile(os.path.join(REPO, name)):  # a file deleted in the working tree is still in the index
+        # a file deleted in the working tree is still in the index
+        if os.path.isfile(os.path.join(REPO, name)):
             os.makedirs(source / os.path.dirname(name), exist_ok=True)
             shutil.copy2(os.path.join(REPO, name), source / name)
-    _run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "-q", "-w", str(tmp_path / "dist")], cwd=source)
+    _run([
+        sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "-q", "-w",
+        str(tmp_path / "dist")
+    ], cwd=source)
     (wheel,) = (tmp_path / "dist").glob("vlinfer-*.whl")
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     python = str(venv / "bin" / "python")
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", str(wheel)])
-    site = _run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout.strip()
+    _run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps",
+         str(wheel)])
+    site = _run([python, "-c",
+                 "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout.strip()
     with open(os.path.join(site, "repo_dependencies.pth"), "w") as f:
-        f.write(sysconfig.get_path("purelib") + "\n")  # this .venv's site-packages: torch, transformers, ...
+        # this .venv's site-packages: torch, transformers, ...
+        f.write(sysconfig.get_path("purelib") + "\n")
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "torch_extensions")

@@ -6,8 +6,9 @@ import numpy as np
 
 
 def drawn_clip(num_frames: int, height: int, width: int, seed: int = 0) -> np.ndarray:
-    """uint8 [T, H, W, 3]: a smooth random background with a bright square moving one step per frame, so every
-    frame differs and a frame can be told from its neighbours after lossy coding (its square's position)."""
+    """uint8 [T, H, W, 3]: a smooth random background with a bright square moving one step per
+    frame, so every frame differs and a frame can be told from its neighbours after lossy coding
+    (its square's position)."""
     rng = np.random.default_rng(seed)
     base = rng.integers(0, 256, (height // 8 + 1, width // 8 + 1, 3)).astype(np.uint8)
     base = np.kron(base, np.ones((8, 8, 1), np.uint8))[:height, :width]
@@ -20,9 +21,10 @@ def drawn_clip(num_frames: int, height: int, width: int, seed: int = 0) -> np.nd
     return clip
 
 
-def encode(frames: np.ndarray, fps: int, codec: str = "libx264", container: str = "mp4", gop: int | None = None,
-           path=None) -> bytes:
-    """Encode uint8 [T, H, W, 3] frames; returns the file's bytes (and writes them to `path` if given)."""
+def encode(frames: np.ndarray, fps: int, codec: str = "libx264", container: str = "mp4",
+           gop: int | None = None, path=None) -> bytes:
+    """Encode uint8 [T, H, W, 3] frames; returns the file's bytes (and writes them to `path` if
+    given)."""
     buf = io.BytesIO()
     out = av.open(buf, "w", format=container)
     stream = out.add_stream(codec, rate=fps)
@@ -47,8 +49,8 @@ def encode(frames: np.ndarray, fps: int, codec: str = "libx264", container: str 
 
 def blank_video(width: int, height: int, num_frames: int, fps: int, codec: str = "libx264",
                 container: str = "mp4") -> bytes:
-    """A clip of black frames, made without an RGB array (cheap at any size): a few KiB that decode to
-    width x height pixels per frame."""
+    """A clip of black frames, made without an RGB array (cheap at any size): a few KiB that decode
+    to width x height pixels per frame."""
     buf = io.BytesIO()
     out = av.open(buf, "w", format=container)
     stream = out.add_stream(codec, rate=fps)

@@ -1,28 +1,35 @@
-"""Trains vlinfer's embedded Qwen3-VL on the drawn scenes of vlinfer/toy/scenes.py, with transformers' own
-Qwen3VLForConditionalGeneration (autograd lives here; vlinfer stays inference-only), the real Qwen3 tokenizer and
-the Qwen3-VL chat template vlinfer ships. Run once by the maintainers, not at install:
+"""Trains vlinfer's embedded Qwen3-VL on the drawn scenes of vlinfer/toy/scenes.py, with
+transformers' own Qwen3VLForConditionalGeneration (autograd lives here; vlinfer stays
+inference-only), the real Qwen3 tokenizer and the Qwen3-VL chat template vlinfer ships. Run once by
+the maintainers, not at install:
 
-    python tools/train_embedded.py                          # the shipped recipe: rewrites vlinfer/toy/data/
-    python tools/train_embedded.py --steps 20 --out /tmp/x  # one short run (what the reproducibility test does)
-    python tools/train_embedded.py --init /tmp/x --out /tmp/y   # one second-stage run from /tmp/x's weights
+    python tools/train_embedded.py                          # the shipped recipe: rewrites
+    vlinfer/toy/data/
+    python tools/train_embedded.py --steps 20 --out /tmp/x  # one short run (what the
+    reproducibility test does)
+    python tools/train_embedded.py --init /tmp/x --out /tmp/y   # one second-stage run from /tmp/x's
+    weights
     python tools/train_embedded.py --evaluate               # score the shipped model under vlinfer
 
-The shipped recipe has two stages (vlinfer/toy/embedded.py): TRAINING from a seeded draw, with a curriculum from
-lone objects up to full scenes, then FINE_TUNING from its weights on full scenes weighted towards three objects, at
-a lower learning rate: the captions it still got wrong after the first stage were almost all three-object scenes.
+The shipped recipe has two stages (vlinfer/toy/embedded.py): TRAINING from a seeded draw, with a
+curriculum from lone objects up to full scenes, then FINE_TUNING from its weights on full scenes
+weighted towards three objects, at a lower learning rate: the captions it still got wrong after the
+first stage were almost all three-object scenes.
 
-Small on disk: the model keeps Qwen3's 151,936-token vocabulary, but only the tokens the world's prompts and
-answers use (a few hundred) have learned rows. Training computes the loss over the full vocabulary exactly: every
-other row is zero, so its logit is exactly 0, and the softmax over 151,936 tokens equals a softmax over the world's
-tokens plus one logit of log(151936 - n) for the rest. The package stores those n rows and the rest of the
-weights (vlinfer/embedded/); vlinfer.embedded rebuilds the full Hugging Face checkpoint from them.
+Small on disk: the model keeps Qwen3's 151,936-token vocabulary, but only the tokens the world's
+prompts and answers use (a few hundred) have learned rows. Training computes the loss over the full
+vocabulary exactly: every other row is zero, so its logit is exactly 0, and the softmax over 151,936
+tokens equals a softmax over the world's tokens plus one logit of log(151936 - n) for the rest. The
+package stores those n rows and the rest of the weights (vlinfer/embedded/); vlinfer.embedded
+rebuilds the full Hugging Face checkpoint from them.
 
-The vision tower also learns from an auxiliary loss: a linear head on its merged features predicts what each
-region of the picture shows (background, or the shape and colour there; location_targets). The head is dropped, so
-the shipped model is a plain Qwen3-VL. Without it the tiny model never learned to look at the picture.
+The vision tower also learns from an auxiliary loss: a linear head on its merged features predicts
+what each region of the picture shows (background, or the shape and colour there; location_targets).
+The head is dropped, so the shipped model is a plain Qwen3-VL. Without it the tiny model never
+learned to look at the picture.
 
-Seeded: the same seed, thread count and library versions give the same weights (tests/test_embedded_model.py
-trains a short run twice and compares the hashes)."""
+Seeded: the same seed, thread count and library versions give the same weights
+(tests/test_embedded_model.py trains a short run twice and compares the hashes)."""
 import argparse
 import functools
 import json
@@ -41,8 +48,10 @@ from vlinfer.toy import embedded  # noqa: E402
 from vlinfer.toy import scenes  # noqa: E402
 from vlinfer.toy.tiny_checkpoints import QWEN3_VL_SPECIAL, qwen_tokenizer_files, tiny_qwen3_vl_config  # noqa: E402
 
-TRAIN_SEED = 1  # scenes seed of the shipped run; EVAL_SEED (never trained on) is in vlinfer.embedded
-VOCAB_SEED = 7  # scenes whose texts define the world's vocabulary (with every prompt and answer form)
+# scenes seed of the shipped run; EVAL_SEED (never trained on) is in vlinfer.embedded
+TRAIN_SEED = 1
+# scenes whose texts define the world's vocabulary (with every prompt and answer form)
+VOCAB_SEED = 7
 IM_START, IM_END, NEWLINE = 151644, 151645, 198
 ASSISTANT = 77091  # "assistant"
 
@@ -52,7 +61,8 @@ def load_tokenizer_and_template():
 
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_files())
-    template = resources.files("vlinfer.multimodal").joinpath("templates/qwen3_vl.jinja").read_text()
+    template = resources.files("vlinfer.multimodal").joinpath(
+        "templates/qwen3_vl.jinja").read_text()
     return tokenizer, template
 
 
@@ -70,20 +80,24 @@ def world_texts() -> tuple[str, ...]:
 
 
 def world_vocabulary(tokenizer, template) -> list[int]:
-    """Sorted token ids of the world: its texts inside the chat template, and the template's own tokens."""
+    """Sorted token ids of the world: its texts inside the chat template, and the template's own
+    tokens."""
     ids = {tokenizer.pad_token_id, *QWEN3_VL_SPECIAL.values()}
     for text in sorted(set(world_texts())):
         ids.update(tokenizer(text)["input_ids"])
     conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]},
                     {"role": "assistant", "content": "x"}]
-    ids.update(tokenizer(tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=template,
-                                                       add_generation_prompt=True))["input_ids"])
+    ids.update(
+        tokenizer(
+            tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=template,
+                                          add_generation_prompt=True))["input_ids"])
     return sorted(ids)
 
 
 def conversation(scene, qa, rng: random.Random, max_turns: int):
-    """1..max_turns question turns about one picture (the picture comes with the first), in random order: the
-    caption is one of them half the time. Every turn is sometimes first, as at inference."""
+    """1..max_turns question turns about one picture (the picture comes with the first), in random
+    order: the caption is one of them half the time. Every turn is sometimes first, as at inference.
+    """
     turns = [(rng.choice(scenes.CAPTION_PROMPTS), scenes.caption(scene))] + list(qa)
     rng.shuffle(turns)
     turns = turns[:rng.randint(1, max_turns)]
@@ -109,8 +123,8 @@ def answer_mask(ids: torch.Tensor) -> torch.Tensor:
 
 
 class Batcher:
-    """Turns scenes into model inputs with transformers' Qwen3VLProcessor (which expands <|image_pad|>) and maps
-    Qwen3's token ids to the compact ids of the world's vocabulary."""
+    """Turns scenes into model inputs with transformers' Qwen3VLProcessor (which expands
+    <|image_pad|>) and maps Qwen3's token ids to the compact ids of the world's vocabulary."""
 
     def __init__(self, tokenizer, template, vocab: list[int]):
         from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
@@ -118,14 +132,18 @@ class Batcher:
         tokenizer.padding_side = "right"
         image_processor = Qwen2VLImageProcessor(**embedded.PREPROCESSOR_KWARGS)
         self.processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                          video_processor=Qwen3VLVideoProcessor(), chat_template=template)
+                                          video_processor=Qwen3VLVideoProcessor(),
+                                          chat_template=template)
         self.template = template
         self.compact = torch.full((embedded.VOCAB_SIZE,), -1, dtype=torch.long)
         self.compact[torch.tensor(vocab)] = torch.arange(len(vocab))
 
     def __call__(self, conversations: list, images: list) -> dict:
-        texts = [self.processor.tokenizer.apply_chat_template(c, tokenize=False, chat_template=self.template)
-                 for c in conversations]
+        texts = [
+            self.processor.tokenizer.apply_chat_template(c, tokenize=False,
+                                                         chat_template=self.template)
+            for c in conversations
+        ]
         out = self.processor(text=texts, images=images, return_tensors="pt", padding=True)
         ids = out["input_ids"]
         compact = self.compact[ids]
@@ -133,13 +151,14 @@ class Batcher:
             unknown = sorted(set(ids[compact < 0].tolist()))[:5]
             raise ValueError(f"tokens {unknown} are outside the world's vocabulary")
         targets = answer_mask(ids) & out["attention_mask"].bool()
-        return dict(input_ids=compact, attention_mask=out["attention_mask"], pixel_values=out["pixel_values"],
-                    image_grid_thw=out["image_grid_thw"], mm_token_type_ids=out["mm_token_type_ids"],
-                    targets=targets)
+        return dict(input_ids=compact, attention_mask=out["attention_mask"],
+                    pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
+                    mm_token_type_ids=out["mm_token_type_ids"], targets=targets)
 
 
 def compact_model(shape: dict, vocab: list[int], seed: int):
-    """The Qwen3-VL shape with only the world's vocabulary rows, special token ids renumbered to match."""
+    """The Qwen3-VL shape with only the world's vocabulary rows, special token ids renumbered to
+    match."""
     from transformers import Qwen3VLForConditionalGeneration
     config = tiny_qwen3_vl_config(**shape)
     config.text_config.vocab_size = len(vocab)
@@ -151,29 +170,37 @@ def compact_model(shape: dict, vocab: list[int], seed: int):
 
 
 def losses(model, batch: dict, rest: int):
-    """Per target token: the cross entropy over the full vocabulary, and whether greedy decoding picks the target
-    (the zero rows count as one more candidate, logit 0). Target t is predicted at position t - 1."""
-    hidden = model.model(**{k: v for k, v in batch.items() if k not in ("targets", "scenes")}).last_hidden_state
+    """Per target token: the cross entropy over the full vocabulary, and whether greedy decoding
+    picks the target (the zero rows count as one more candidate, logit 0). Target t is predicted at
+    position t - 1."""
+    hidden = model.model(**{k: v
+                            for k, v in batch.items()
+                            if k not in ("targets", "scenes")}).last_hidden_state
     targets = batch["targets"][:, 1:]
     h = hidden[:, :-1][targets]
     labels = batch["input_ids"][:, 1:][targets]
     logits = model.lm_head(h)
-    full = torch.cat([logits, torch.zeros_like(logits[:, :1])], dim=1)  # the zero rows' shared logit
-    log_z = torch.logsumexp(torch.cat([logits, torch.full_like(logits[:, :1], math.log(rest))], dim=1), dim=1)
+    # the zero rows' shared logit
+    full = torch.cat([logits, torch.zeros_like(logits[:, :1])], dim=1)
+    log_z = torch.logsumexp(
+        torch.cat([logits, torch.full_like(logits[:, :1], math.log(rest))], dim=1), dim=1)
     nll = log_z - logits.gather(1, labels[:, None])[:, 0]
     return nll, full.argmax(1) == labels, targets
 
 
 def sample_batch(rng: random.Random, size: int, max_turns: int, batcher: Batcher, max_objects: int,
                  objects_power: float = 0.0) -> dict:
-    """Model inputs for `size` conversations, one picture each; batch["scenes"] holds their scenes. A scene has n
-    objects (1..max_objects) with weight n ** objects_power: 0 draws every count equally often (the world's own
-    mix, as the held-out scenes have it); 1 shows three-object scenes three times as often as lone objects."""
+    """Model inputs for `size` conversations, one picture each; batch["scenes"] holds their scenes.
+    A scene has n objects (1..max_objects) with weight n ** objects_power: 0 draws every count
+    equally often (the world's own mix, as the held-out scenes have it); 1 shows three-object scenes
+    three times as often as lone objects."""
     convs, images, drawn = [], [], []
     counts = range(1, max_objects + 1)
     for _ in range(size):
-        if objects_power:  # (0 keeps randint's draws: runs from before this option replay unchanged)
-            scene = scenes.random_scene(rng, max_objects, rng.choices(counts, [n ** objects_power for n in counts])[0])
+        # (0 keeps randint's draws: runs from before this option replay unchanged)
+        if objects_power:
+            scene = scenes.random_scene(rng, max_objects,
+                                        rng.choices(counts, [n**objects_power for n in counts])[0])
         else:
             scene = scenes.random_scene(rng, max_objects)
         drawn.append(scene)
@@ -182,20 +209,22 @@ def sample_batch(rng: random.Random, size: int, max_turns: int, batcher: Batcher
     return dict(batcher(convs, images), scenes=drawn)
 
 
-# Per-location targets for the vision tower (an auxiliary loss during training only; the shipped model has no extra
-# parameters): what each merged vision token covers, class 0 the background, then one class per (shape, colour).
-# Without them the tiny model never learns to look: the language model answers from its prior and the background
-# colour, and the vision features collapse to one vector (their differences between pictures fell to 1-5% of their
-# size in every run without this loss).
+# Per-location targets for the vision tower (an auxiliary loss during training only; the shipped
+# model has no extra parameters): what each merged vision token covers, class 0 the background, then
+# one class per (shape, colour). Without them the tiny model never learns to look: the language
+# model answers from its prior and the background colour, and the vision features collapse to one
+# vector (their differences between pictures fell to 1-5% of their size in every run without this
+# loss).
 LOCATION_CLASSES = 1 + len(scenes.SHAPES) * len(scenes.COLOURS)
 LOCATION_LOSS_WEIGHT = 1.0
-LOCATION_MIN_COVER = 0.15  # an object covering less of a token's area than this leaves it background
+# an object covering less of a token's area than this leaves it background
+LOCATION_MIN_COVER = 0.15
 
 
 def location_targets(drawn: list, grid_thw: torch.Tensor, patch: int, merge: int) -> torch.Tensor:
-    """The class of every merged vision token of the batch's pictures, in the vision tower's output order (picture
-    by picture, raster over its merged grid): the object covering most of the token's area, if it covers at least
-    LOCATION_MIN_COVER of it."""
+    """The class of every merged vision token of the batch's pictures, in the vision tower's output
+    order (picture by picture, raster over its merged grid): the object covering most of the token's
+    area, if it covers at least LOCATION_MIN_COVER of it."""
     import numpy as np
     colours = list(scenes.COLOURS)
     labels = []
@@ -213,13 +242,15 @@ def location_targets(drawn: list, grid_thw: torch.Tensor, patch: int, merge: int
                     counts = np.bincount(region.ravel(), minlength=len(classes))
                     counts[0] = 0
                     best = int(counts.argmax())
-                    labels.append(classes[best] if counts[best] >= LOCATION_MIN_COVER * region.size else 0)
+                    labels.append(classes[best] if counts[best] >= LOCATION_MIN_COVER *
+                                  region.size else 0)
     return torch.tensor(labels)
 
 
 def teacher_forced_accuracy(model, batcher: Batcher, rest: int, seed: int, count: int) -> dict:
-    """Single-turn exact-match rates on held-out scenes: a turn whose every token is the argmax is exactly what
-    greedy decoding answers. Caption exact match is stricter than the caption bar (colours and shapes named)."""
+    """Single-turn exact-match rates on held-out scenes: a turn whose every token is the argmax is
+    exactly what greedy decoding answers. Caption exact match is stricter than the caption bar
+    (colours and shapes named)."""
     rng = random.Random(seed)
     hits = {"caption": [], "question": []}
     model.eval()
@@ -230,10 +261,12 @@ def teacher_forced_accuracy(model, batcher: Batcher, rest: int, seed: int, count
                 scene = scenes.random_scene(rng)
                 image = scenes.draw(scene, rng.randrange(2 ** 31))
                 qa = scenes.questions(scene, rng)
-                for q, a in [(rng.choice(scenes.CAPTION_PROMPTS), scenes.caption(scene)), rng.choice(qa)]:
+                for q, a in [(rng.choice(scenes.CAPTION_PROMPTS), scenes.caption(scene)),
+                             rng.choice(qa)]:
                     images.append(image)
-                    convs.append([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]},
-                                  {"role": "assistant", "content": a}])
+                    convs.append([{
+                        "role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]
+                    }, {"role": "assistant", "content": a}])
             batch = batcher(convs, images)
             _, correct, targets = losses(model, batch, rest)
             per_row = torch.zeros(targets.shape[0], dtype=torch.long).index_add_(
@@ -245,59 +278,66 @@ def teacher_forced_accuracy(model, batcher: Batcher, rest: int, seed: int, count
 
 
 def train(out: str, steps: int, batch_size: int, seed: int, threads: int, lr: float, max_turns: int,
-          shape: dict, log_every: int = 50, eval_every: int = 0, eval_count: int = 64, stop_after: int | None = None,
-          snapshot_every: int = 0, weight_decay: float = embedded.TRAINING["weight_decay"],
-          objects_power: float = embedded.TRAINING["objects_power"], init: str | None = None) -> dict:
-    """Train and write the compact model to `out`; returns its manifest. `steps` sets the schedule; stop_after
-    ends the run early (the weights equal that step's snapshot of the full run); snapshot_every writes the model
-    so far to out/step-N as it goes; init starts from a compact model's weights (a second stage) instead of a
-    seeded draw. The caller's thread count and deterministic-algorithms setting are restored
-    afterwards."""
+          shape: dict, log_every: int = 50, eval_every: int = 0, eval_count: int = 64,
+          stop_after: int | None = None, snapshot_every: int = 0,
+          weight_decay: float = embedded.TRAINING["weight_decay"],
+          objects_power: float = embedded.TRAINING["objects_power"],
+          init: str | None = None) -> dict:
+    """Train and write the compact model to `out`; returns its manifest. `steps` sets the schedule;
+    stop_after ends the run early (the weights equal that step's snapshot of the full run);
+    snapshot_every writes the model so far to out/step-N as it goes; init starts from a compact
+    model's weights (a second stage) instead of a seeded draw. The caller's thread count and
+    deterministic-algorithms setting are restored afterwards."""
     if stop_after is not None and not 0 < stop_after <= steps:
         raise ValueError(f"stop_after={stop_after} must be in 1..steps={steps}")
     saved = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(threads)  # float sums depend on how work is split: part of the recipe
     torch.use_deterministic_algorithms(True)
     try:
-        return _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_every, eval_every, eval_count,
-                      stop_after or steps, snapshot_every, weight_decay, objects_power, init)
+        return _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_every,
+                      eval_every, eval_count, stop_after or steps, snapshot_every, weight_decay,
+                      objects_power, init)
     finally:
         torch.set_num_threads(saved[0])
         torch.use_deterministic_algorithms(saved[1])
 
 
-def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_every, eval_every, eval_count, stop_after,
-           snapshot_every, weight_decay, objects_power, init) -> dict:
+def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_every, eval_every,
+           eval_count, stop_after, snapshot_every, weight_decay, objects_power, init) -> dict:
     tokenizer, template = load_tokenizer_and_template()
     vocab = world_vocabulary(tokenizer, template)
     rest = embedded.VOCAB_SIZE - len(vocab)
     batcher = Batcher(tokenizer, template, vocab)
     model = compact_model(shape, vocab, seed).train()
     start_from = load_compact(model, init, vocab) if init else None
-    # Every matrix decays, embeddings and the vision tower's included. Most of them feed a norm (RMSNorm in the
-    # language model, LayerNorm in the vision merger), so the loss does not depend on their scale and Adam's steps,
-    # orthogonal to them, only grow it; without decay the vision features grew ~750x in 2000 steps (0.07 -> 52 per
-    # element, the images' differences a 5% ripple on a common vector), which shrank their effective learning rate
-    # until the model stopped learning from the pictures (it answered the prior and the background colour only).
-    location_head = torch.nn.Linear(model.config.text_config.hidden_size, LOCATION_CLASSES)  # see location_targets
+    # Every matrix decays, embeddings and the vision tower's included. Most of them feed a norm
+    # (RMSNorm in the language model, LayerNorm in the vision merger), so the loss does not depend
+    # on their scale and Adam's steps, orthogonal to them, only grow it; without decay the vision
+    # features grew ~750x in 2000 steps (0.07 -> 52 per element, the images' differences a 5% ripple
+    # on a common vector), which shrank their effective learning rate until the model stopped
+    # learning from the pictures (it answered the prior and the background colour only).
+    # see location_targets
+    location_head = torch.nn.Linear(model.config.text_config.hidden_size, LOCATION_CLASSES)
     trained = list(model.parameters()) + list(location_head.parameters())
     decay = [p for p in trained if p.dim() >= 2]
     no_decay = [p for p in trained if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                   {"params": no_decay, "weight_decay": 0}], lr=lr, betas=(0.9, 0.98))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0}],
+        lr=lr, betas=(0.9, 0.98))
     warmup = max(1, min(100, steps // 10))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1, s / steps)))))
     rng = random.Random(seed * 1_000_003 + TRAIN_SEED)
-    # The auxiliary location head reads the vision tower's merged features (captured by a hook, so the model's own
-    # forward computes them once); it trains with the model and is dropped.
+    # The auxiliary location head reads the vision tower's merged features (captured by a hook, so
+    # the model's own forward computes them once); it trains with the model and is dropped.
     vision_features = []
-    model.model.visual.register_forward_hook(lambda module, args, out: vision_features.append(out.pooler_output))
+    model.model.visual.register_forward_hook(
+        lambda module, args, out: vision_features.append(out.pooler_output))
     vision = model.config.vision_config
     start, history, location_history = time.time(), [], []
     for step in range(1, stop_after + 1):
-        batch = sample_batch(rng, batch_size, max_turns, batcher, objects_cap(step, steps, bool(init)),
-                             objects_power)
+        batch = sample_batch(rng, batch_size, max_turns, batcher,
+                             objects_cap(step, steps, bool(init)), objects_power)
         vision_features.clear()
         nll, correct, _ = losses(model, batch, rest)
         where = location_targets(batch["scenes"], batch["image_grid_thw"], vision.patch_size,
@@ -312,27 +352,38 @@ def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_ever
         history.append(nll.mean().item())
         location_history.append(location.item())
         if step % log_every == 0 or step == steps:
-            print(f"step {step}/{steps} loss {sum(history[-log_every:]) / len(history[-log_every:]):.4f} "
-                  f"location loss {sum(location_history[-log_every:]) / len(location_history[-log_every:]):.4f} "
-                  f"token acc {correct.float().mean().item():.3f} {time.time() - start:.0f}s", flush=True)
+            print(
+                f"step {step}/{steps} loss "
+                f"{sum(history[-log_every:]) / len(history[-log_every:]):.4f} "
+                "location loss "
+                f"{sum(location_history[-log_every:]) / len(location_history[-log_every:]):.4f} "
+                f"token acc {correct.float().mean().item():.3f} {time.time() - start:.0f}s",
+                flush=True)
         if eval_every and (step % eval_every == 0 or step == stop_after):
-            print(f"  held-out teacher-forced exact match: "
-                  f"{teacher_forced_accuracy(model, batcher, rest, embedded.EVAL_SEED + 1, eval_count)}", flush=True)
+            print(
+                f"  held-out teacher-forced exact match: "
+                f"{teacher_forced_accuracy(model, batcher, rest, embedded.EVAL_SEED + 1, eval_count)}",
+                flush=True)
         if snapshot_every and step % snapshot_every == 0 and step < stop_after:
-            info = dict(steps=steps, stop_after=step, batch_size=batch_size, seed=seed, threads=threads, lr=lr,
-                        max_turns=max_turns, weight_decay=weight_decay, objects_power=objects_power, shape=shape,
-                        train_seconds=round(time.time() - start), torch=torch.__version__, machine=cpu_name())
-            embedded.write_compact(os.path.join(out, f"step-{step}"), model.state_dict(), vocab, shape, info)
-    info = dict(steps=steps, stop_after=stop_after, batch_size=batch_size, seed=seed, threads=threads, lr=lr,
-                max_turns=max_turns, weight_decay=weight_decay, objects_power=objects_power, shape=shape,
-                init=start_from, train_seconds=round(time.time() - start),
-                final_loss=round(sum(history[-50:]) / len(history[-50:]), 5), torch=torch.__version__,
-                machine=cpu_name())
+            info = dict(steps=steps, stop_after=step, batch_size=batch_size, seed=seed,
+                        threads=threads, lr=lr, max_turns=max_turns, weight_decay=weight_decay,
+                        objects_power=objects_power, shape=shape,
+                        train_seconds=round(time.time() - start), torch=torch.__version__,
+                        machine=cpu_name())
+            embedded.write_compact(os.path.join(out, f"step-{step}"), model.state_dict(), vocab,
+                                   shape, info)
+    info = dict(steps=steps, stop_after=stop_after, batch_size=batch_size, seed=seed,
+                threads=threads, lr=lr, max_turns=max_turns, weight_decay=weight_decay,
+                objects_power=objects_power, shape=shape, init=start_from,
+                train_seconds=round(time.time() - start),
+                final_loss=round(sum(history[-50:]) / len(history[-50:]),
+                                 5), torch=torch.__version__, machine=cpu_name())
     return embedded.write_compact(out, model.state_dict(), vocab, shape, info)
 
 
 def load_compact(model, folder: str, vocab: list[int]) -> dict:
-    """Load a compact model's weights (a first stage's output) into `model`; returns that stage's manifest."""
+    """Load a compact model's weights (a first stage's output) into `model`; returns that stage's
+    manifest."""
     from safetensors.torch import load_file
     manifest = embedded.read_manifest(folder)
     tensors = load_file(embedded.checked_weights(folder, embedded.WEIGHTS, manifest))
@@ -343,9 +394,9 @@ def load_compact(model, folder: str, vocab: list[int]) -> dict:
 
 
 def objects_cap(step: int, steps: int, second_stage: bool = False) -> int:
-    """A curriculum: scenes of one object first, up to scenes.MAX_OBJECTS by a quarter of the run. A lone object
-    ties each colour and shape word to what it looks like before the model must tell objects apart. A second stage
-    starts from a model that has been through it."""
+    """A curriculum: scenes of one object first, up to scenes.MAX_OBJECTS by a quarter of the run. A
+    lone object ties each colour and shape word to what it looks like before the model must tell
+    objects apart. A second stage starts from a model that has been through it."""
     if second_stage:
         return scenes.MAX_OBJECTS
     return min(scenes.MAX_OBJECTS, 1 + step * scenes.MAX_OBJECTS // max(1, steps // 4))
@@ -354,15 +405,17 @@ def objects_cap(step: int, steps: int, second_stage: bool = False) -> int:
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         return "unknown"
 
 
 def evaluate(model, seed: int = embedded.EVAL_SEED, count: int = 200, **llm_kwargs) -> dict:
-    """Score a model (an LLM, or anything LLM() takes) on `count` scenes of `seed`, greedy, through vlinfer: the
-    caption must state exactly the scene (each kind of object, its colour and its number, and the background:
-    scenes.caption_is_right); each question's answer must equal the truth."""
+    """Score a model (an LLM, or anything LLM() takes) on `count` scenes of `seed`, greedy, through
+    vlinfer: the caption must state exactly the scene (each kind of object, its colour and its
+    number, and the background: scenes.caption_is_right); each question's answer must equal the
+    truth."""
     from vlinfer import LLM, SamplingParams
     llm = model if isinstance(model, LLM) else LLM(model, **llm_kwargs)
     params = SamplingParams(temperature=0, max_tokens=48)
@@ -371,8 +424,9 @@ def evaluate(model, seed: int = embedded.EVAL_SEED, count: int = 200, **llm_kwar
         prompt = scenes.CAPTION_PROMPTS[i % len(scenes.CAPTION_PROMPTS)]
         items.append((scene, image, prompt, None))
         items += [(scene, image, q, a) for q, a in qa]
-    conversations = [[{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": q}]}]
-                     for _, image, q, _ in items]
+    conversations = [[{
+        "role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": q}]
+    }] for _, image, q, _ in items]
     outs = llm.chat(conversations, params, use_tqdm=False)
     captions_right, answers_right, answers, failures = 0, 0, 0, []
     exact = 0
@@ -390,50 +444,63 @@ def evaluate(model, seed: int = embedded.EVAL_SEED, count: int = 200, **llm_kwar
         if not ok:
             failures.append(dict(question=q, answer=text, truth=truth))
     return dict(scenes=count, caption_accuracy=captions_right / count, caption_exact=exact / count,
-                questions=answers, answer_accuracy=answers_right / max(1, answers), failures=failures)
+                questions=answers, answer_accuracy=answers_right / max(1, answers),
+                failures=failures)
 
 
 def evaluate_retrieval(pipe, seed: int = embedded.EVAL_SEED, count: int = 200, kinds=None) -> dict:
     """Text-to-image retrieval on `count` scenes of `seed` with a reranker Pipeline (the embedded
-    "qwen3-vl-toy-reranker"): for each kind of object (a colour and a shape, every one by default) that some scene
-    holds, the query "a red house" ranks every scene; recall@5 is the share of queries whose top 5 hold a scene
-    with one; precision@5 the share of the top 5 that do, out of as many as can (fewer when fewer scenes hold
-    one)."""
+    "qwen3-vl-toy-reranker"): for each kind of object (a colour and a shape, every one by default)
+    that some scene holds, the query "a red house" ranks every scene; recall@5 is the share of
+    queries whose top 5 hold a scene with one; precision@5 the share of the top 5 that do, out of as
+    many as can (fewer when fewer scenes hold one)."""
     drawn = scenes.generate(seed, count)
     kinds = kinds or [(c, s) for c in sorted(scenes.COLOURS) for s in scenes.SHAPES]
     found, precise, queries, misses = 0, 0, 0, []
     for colour, shape in kinds:
-        holds = [any((o.colour, o.shape) == (colour, shape) for o in scene.objects) for scene, _, _ in drawn]
+        holds = [
+            any((o.colour, o.shape) == (colour, shape) for o in scene.objects)
+            for scene, _, _ in drawn
+        ]
         if not any(holds):
             continue
         query = f"{scenes._article(colour)} {colour} {shape}"
-        top = [r["index"] for r in pipe.rerank(query, [{"image": image} for _, image, _ in drawn], top_k=5)]
+        top = [
+            r["index"]
+            for r in pipe.rerank(query, [{"image": image} for _, image, _ in drawn], top_k=5)
+        ]
         queries += 1
         found += any(holds[i] for i in top)
         precise += sum(holds[i] for i in top) / min(len(top), sum(holds))
         if sum(holds[i] for i in top) < min(len(top), sum(holds)):
             misses.append(dict(query=query, top=top, holds=[holds[i] for i in top]))
-    return dict(scenes=count, queries=queries, recall_at_5=found / queries, precision_at_5=precise / queries,
-                misses=misses)
+    return dict(scenes=count, queries=queries, recall_at_5=found / queries,
+                precision_at_5=precise / queries, misses=misses)
 
 
-RUN_FLAGS = ("steps", "batch_size", "seed", "threads", "lr", "max_turns", "weight_decay", "objects_power")
+RUN_FLAGS = ("steps", "batch_size", "seed", "threads", "lr", "max_turns", "weight_decay",
+             "objects_power")
 
 
 def train_shipped(out: str, log_every: int = 50) -> dict:
-    """The shipped recipe: embedded.TRAINING from a seeded draw, then embedded.FINE_TUNING from its weights."""
+    """The shipped recipe: embedded.TRAINING from a seeded draw, then embedded.FINE_TUNING from its
+    weights."""
     first, second = embedded.TRAINING, embedded.FINE_TUNING
     with tempfile.TemporaryDirectory() as stage_one:
-        train(stage_one, shape=dict(embedded.SHAPE), log_every=log_every, **{k: first[k] for k in RUN_FLAGS})
+        train(stage_one, shape=dict(embedded.SHAPE), log_every=log_every,
+              **{k: first[k]
+                 for k in RUN_FLAGS})
         return train(out, shape=dict(embedded.SHAPE), log_every=log_every, init=stage_one,
                       **{k: second[k] for k in RUN_FLAGS})
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=embedded.PACKAGE_DIR, help="folder for the compact weights (default: the package's)")
-    run = p.add_argument_group("one run instead of the shipped two-stage recipe (defaults: embedded.TRAINING, or "
-                               "embedded.FINE_TUNING with --init)")
+    p.add_argument("--out", default=embedded.PACKAGE_DIR,
+                   help="folder for the compact weights (default: the package's)")
+    run = p.add_argument_group(
+        "one run instead of the shipped two-stage recipe (defaults: embedded.TRAINING, or "
+        "embedded.FINE_TUNING with --init)")
     run.add_argument("--steps", type=int)
     run.add_argument("--batch-size", type=int)
     run.add_argument("--seed", type=int)
@@ -441,19 +508,26 @@ def main(argv=None) -> int:
     run.add_argument("--lr", type=float)
     run.add_argument("--max-turns", type=int)
     run.add_argument("--weight-decay", type=float)
-    run.add_argument("--objects-power", type=float, help="a training scene has n objects with weight n ** this "
-                                                         "(0: uniform)")
+    run.add_argument("--objects-power", type=float,
+                     help="a training scene has n objects with weight n ** this "
+                     "(0: uniform)")
     run.add_argument("--init", default=None, help="start from this compact model (a second stage)")
-    run.add_argument("--stop-after", type=int, default=None, help="end after N steps of the --steps schedule")
-    run.add_argument("--snapshot-every", type=int, default=0, help="write the model so far to OUT/step-N every N steps")
-    run.add_argument("--eval-every", type=int, default=0, help="teacher-forced held-out check every N steps")
+    run.add_argument("--stop-after", type=int, default=None,
+                     help="end after N steps of the --steps schedule")
+    run.add_argument("--snapshot-every", type=int, default=0,
+                     help="write the model so far to OUT/step-N every N steps")
+    run.add_argument("--eval-every", type=int, default=0,
+                     help="teacher-forced held-out check every N steps")
     p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--evaluate", action="store_true", help="only score the model in --out under vlinfer")
+    p.add_argument("--evaluate", action="store_true",
+                   help="only score the model in --out under vlinfer")
     p.add_argument("--eval-scenes", type=int, default=200)
-    p.add_argument("--eval-seed", type=int, default=embedded.EVAL_SEED, help="scenes to score on (default: the "
-                                                                              "held-out seed)")
-    p.add_argument("--evaluate-retrieval", action="store_true",
-                   help="only score the embedded toy reranker (qwen3-vl-toy-reranker) at text-to-image retrieval")
+    p.add_argument("--eval-seed", type=int, default=embedded.EVAL_SEED,
+                   help="scenes to score on (default: the "
+                   "held-out seed)")
+    p.add_argument(
+        "--evaluate-retrieval", action="store_true", help=
+        "only score the embedded toy reranker (qwen3-vl-toy-reranker) at text-to-image retrieval")
     args = p.parse_args(argv)
     single = args.init is not None or any(getattr(args, k) is not None for k in RUN_FLAGS) or args.stop_after or \
         args.snapshot_every or args.eval_every
@@ -461,23 +535,24 @@ def main(argv=None) -> int:
     flags = {k: recipe[k] if getattr(args, k) is None else getattr(args, k) for k in RUN_FLAGS}
     if args.evaluate_retrieval:
         from vlinfer import Pipeline
-        scores = evaluate_retrieval(Pipeline("qwen3-vl-toy-reranker", dtype="float32"), args.eval_seed,
-                                    args.eval_scenes)
+        scores = evaluate_retrieval(Pipeline("qwen3-vl-toy-reranker", dtype="float32"),
+                                    args.eval_seed, args.eval_scenes)
         print(json.dumps(scores, indent=1))
         return 0
     if args.evaluate:
         pass
     elif single:
-        info = train(args.out, shape=dict(embedded.SHAPE), log_every=args.log_every, eval_every=args.eval_every,
-                     stop_after=args.stop_after, snapshot_every=args.snapshot_every, init=args.init, **flags)
+        info = train(args.out, shape=dict(embedded.SHAPE), log_every=args.log_every,
+                     eval_every=args.eval_every, stop_after=args.stop_after,
+                     snapshot_every=args.snapshot_every, init=args.init, **flags)
         print(json.dumps(info, indent=1))
     else:
         print(json.dumps(train_shipped(args.out, args.log_every), indent=1))
     torch.set_num_threads(flags["threads"])
     with tempfile.TemporaryDirectory() as tmp:
         folder = embedded.build_checkpoint(args.out, tmp)
-        scores = evaluate(folder, seed=args.eval_seed, count=args.eval_scenes, dtype="float32", max_model_len=512,
-                          kv_cache_bytes=256 << 20)
+        scores = evaluate(folder, seed=args.eval_seed, count=args.eval_scenes, dtype="float32",
+                          max_model_len=512, kv_cache_bytes=256 << 20)
     print(json.dumps({k: v for k, v in scores.items() if k != "failures"}, indent=1))
     for failure in scores["failures"][:10]:
         print("  wrong:", failure)

@@ -1,7 +1,8 @@
 """vlinfer: a small inference engine for vision-language and language models.
 
-The public face: LLM and Pipeline, SamplingParams, PoolingParams and StructuredOutputsParams, the outputs, the engine and its
-errors. Each is imported on first use, so `import vlinfer.multimodal` (or any other room) loads that room alone."""
+The public face: LLM and Pipeline, SamplingParams, PoolingParams and StructuredOutputsParams, the
+outputs, the engine and its errors. Each is imported on first use, so `import vlinfer.multimodal`
+(or any other room) loads that room alone."""
 import importlib
 
 __version__ = "0.1.0"

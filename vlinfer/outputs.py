@@ -3,9 +3,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """One token's entry in CompletionOutput.logprobs, vLLM's shape: its raw logprob (log_softmax of the model's
-    logits before any processing: grammar masks, penalties, temperature), its rank in the vocabulary by that
-    logprob (1 = the most likely) and its text decoded alone."""
+    """One token's entry in CompletionOutput.logprobs, vLLM's shape: its raw logprob (log_softmax of
+    the model's logits before any processing: grammar masks, penalties, temperature), its rank in
+    the vocabulary by that logprob (1 = the most likely) and its text decoded alone."""
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
@@ -13,14 +13,16 @@ class Logprob:
 
 @dataclass
 class RequestMetrics:
-    """vLLM's RequestOutput.metrics: wall-clock times (time.time()) of the request's life, seconds."""
+    """vLLM's RequestOutput.metrics: wall-clock times (time.time()) of the request's life, seconds.
+    """
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    # Speculative decoding (speculative_config): tokens proposed for this request and, of them, those the model
-    # accepted; verification steps that carried proposals. All 0 without speculation.
+    # Speculative decoding (speculative_config): tokens proposed for this request and, of them,
+    # those the model accepted; verification steps that carried proposals. All 0 without
+    # speculation.
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_drafts: int = 0
@@ -32,7 +34,8 @@ class RequestMetrics:
 
     @property
     def spec_mean_accepted_length(self) -> float | None:
-        """Tokens per verification step that carried proposals: the accepted ones plus the one the model adds."""
+        """Tokens per verification step that carried proposals: the accepted ones plus the one the
+        model adds."""
         return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
 
     @property
@@ -47,10 +50,12 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" or "length" once finished
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
-    logprobs: list[dict[int, Logprob]] | None = None  # per generated token: {token_id: Logprob}, the chosen included
+    # per generated token: {token_id: Logprob}, the chosen included
+    logprobs: list[dict[int, Logprob]] | None = None
     delta_text: str = ""  # from LLMEngine.step: what this step added to text
     delta_token_ids: list[int] = field(default_factory=list)
-    cumulative_logprob: float | None = None  # sum of the chosen tokens' raw logprobs; None unless logprobs asked
+    # sum of the chosen tokens' raw logprobs; None unless logprobs asked
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -61,24 +66,29 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    images: list[dict] = field(default_factory=list)  # per image: effective (resized) size [h, w] and num_tokens
-    # per video: num_frames, frames_indices, fps (source), timestamps, size, grid_thw, num_tokens (with the text)
+    # per image: effective (resized) size [h, w] and num_tokens
+    images: list[dict] = field(default_factory=list)
+    # per video: num_frames, frames_indices, fps (source), timestamps, size, grid_thw, num_tokens
+    # (with the text)
     videos: list[dict] = field(default_factory=list)
-    error: str | None = None  # why the request was rejected; it then has no tokens and finish_reason "error"
+    # why the request was rejected; it then has no tokens and finish_reason "error"
+    error: str | None = None
     metrics: RequestMetrics | None = None
-    # SamplingParams.prompt_logprobs: per prompt token {token_id: Logprob}, the prompt's own token included; the
-    # first entry is None (nothing precedes it), as vLLM
+    # SamplingParams.prompt_logprobs: per prompt token {token_id: Logprob}, the prompt's own token
+    # included; the first entry is None (nothing precedes it), as vLLM
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @classmethod
     def rejected(cls, request_id: str, prompt, error: str) -> "RequestOutput":
-        return cls(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=[],
-                   outputs=[CompletionOutput(0, "", [], finish_reason="error")], finished=True, error=error)
+        return cls(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+                   prompt_token_ids=[],
+                   outputs=[CompletionOutput(0, "", [],
+                                             finish_reason="error")], finished=True, error=error)
 
 
 class RequestError(ValueError):
-    """Raised by LLM.generate when some requests were rejected. The others still ran: `outputs` holds every
-    result in input order, the rejected ones with `.error` set."""
+    """Raised by LLM.generate when some requests were rejected. The others still ran: `outputs`
+    holds every result in input order, the rejected ones with `.error` set."""
 
     def __init__(self, outputs: list[RequestOutput]):
         self.outputs = outputs
@@ -88,13 +98,15 @@ class RequestError(ValueError):
 
 @dataclass
 class PoolingOutput:
-    """vLLM's PoolingOutput: the pooled data of one request (an embedding, or a classifier's probabilities)."""
+    """vLLM's PoolingOutput: the pooled data of one request (an embedding, or a classifier's
+    probabilities)."""
     data: list[float]
 
 
 @dataclass
 class EmbeddingOutput:
-    embedding: list[float]  # L2-normalized unless PoolingParams(normalize=False); `dimensions` long when asked
+    # L2-normalized unless PoolingParams(normalize=False); `dimensions` long when asked
+    embedding: list[float]
 
     @property
     def hidden_size(self) -> int:
@@ -103,7 +115,8 @@ class EmbeddingOutput:
 
 @dataclass
 class ClassificationOutput:
-    probs: list[float]  # a reranker's [P(relevant)]: sigmoid of its "yes" logit minus its "no" logit
+    # a reranker's [P(relevant)]: sigmoid of its "yes" logit minus its "no" logit
+    probs: list[float]
 
     @property
     def num_classes(self) -> int:
@@ -118,8 +131,8 @@ class ScoringOutput:
 @dataclass
 class PoolingRequestOutput:
     """One pooling request's result, vLLM's shape: `outputs` is an EmbeddingOutput (LLM.embed),
-    ClassificationOutput (LLM.classify), ScoringOutput (LLM.score) or PoolingOutput (LLM.encode). A rejected
-    request has `error` set and outputs None."""
+    ClassificationOutput (LLM.classify), ScoringOutput (LLM.score) or PoolingOutput (LLM.encode). A
+    rejected request has `error` set and outputs None."""
     request_id: str
     outputs: EmbeddingOutput | ClassificationOutput | ScoringOutput | PoolingOutput | None
     prompt_token_ids: list[int]

@@ -1,15 +1,18 @@
-"""Peer engines for the benchmarks: vLLM's CPU backend and llama.cpp (llama-cpp-python), each installed in its own
-venv by `make peers` (their torch/numpy pins are not ours) and run here as a subprocess with that venv's python.
+"""Peer engines for the benchmarks: vLLM's CPU backend and llama.cpp (llama-cpp-python), each
+installed in its own venv by `make peers` (their torch/numpy pins are not ours) and run here as a
+subprocess with that venv's python.
 
-The protocol is two JSON files. The benchmark writes a request (model path, dtype, threads, and a list of runs: the
-prompts as token ids, max_tokens per prompt, a repeat count; greedy, EOS ignored); the peer script
-(`vllm_peer.py`, `llamacpp_peer.py` beside this file) writes a result: its version, start-up seconds (not part of
-any timing), and per run the wall seconds of each repeat plus the generated token ids of the first one. The peer's
-own log goes to a file in the cache folder, whose tail is shown when it fails.
+The protocol is two JSON files. The benchmark writes a request (model path, dtype, threads, and a
+list of runs: the prompts as token ids, max_tokens per prompt, a repeat count; greedy, EOS ignored);
+the peer script (`vllm_peer.py`, `llamacpp_peer.py` beside this file) writes a result: its version,
+start-up seconds (not part of any timing), and per run the wall seconds of each repeat plus the
+generated token ids of the first one. The peer's own log goes to a file in the cache folder, whose
+tail is shown when it fails.
 
-This module also writes the peers' inputs from the weights vlinfer runs, once, into vlinfer's cache folder: the
-SmolLM2 GGUF dequantized to a float32 safetensors Hugging Face folder (for vLLM) and to an all-F32 GGUF (for
-llama.cpp). Both are dequantized by the same gguf-package code transformers (and so vlinfer's loader) uses.
+This module also writes the peers' inputs from the weights vlinfer runs, once, into vlinfer's cache
+folder: the SmolLM2 GGUF dequantized to a float32 safetensors Hugging Face folder (for vLLM) and to
+an all-F32 GGUF (for llama.cpp). Both are dequantized by the same gguf-package code transformers
+(and so vlinfer's loader) uses.
 """
 import json
 import os
@@ -38,7 +41,8 @@ def label(name: str) -> str:
 def python(name: str) -> str | None:
     """The peer venv's python, or None when `make peers` has not installed it."""
     venv = os.path.join(REPO, PEERS[name][1])
-    return os.path.join(venv, "bin", "python") if os.path.exists(os.path.join(venv, ".installed")) else None
+    return os.path.join(venv, "bin", "python") if os.path.exists(os.path.join(
+        venv, ".installed")) else None
 
 
 def not_installed(name: str) -> str:
@@ -46,27 +50,32 @@ def not_installed(name: str) -> str:
 
 
 def usable(name: str, model: str) -> bool:
-    """Whether this peer can run `model` here; says why not otherwise, so a benchmark runs the rest without it.
-    vLLM's peer runs text models; llama.cpp's reads a GGUF."""
+    """Whether this peer can run `model` here; says why not otherwise, so a benchmark runs the rest
+    without it. vLLM's peer runs text models; llama.cpp's reads a GGUF."""
     from vlinfer import loading
     if python(name) is None:
         print(not_installed(name), flush=True)
         return False
     if name == "vllm" and not is_text_model(model):
-        print(f"{label(name)}: skipped ({model} is not a text-only model; the peer runs text models)", flush=True)
+        print(
+            f"{label(name)}: skipped ({model} is not a text-only model; the peer runs text models)",
+            flush=True)
         return False
     if name == "llama.cpp" and not loading.resolve_model(model).gguf_file:
-        print(f"{label(name)}: skipped ({model} is not a GGUF; the peer reads GGUF files)", flush=True)
+        print(f"{label(name)}: skipped ({model} is not a GGUF; the peer reads GGUF files)",
+              flush=True)
         return False
     return True
 
 
 def try_run(name: str, request: dict) -> dict | None:
-    """run(name, request), or None after printing why it failed. vLLM's start is announced: it compiles for minutes
-    before its first line of output."""
+    """run(name, request), or None after printing why it failed. vLLM's start is announced: it
+    compiles for minutes before its first line of output."""
     if name == "vllm":
-        print(f"{label(name)}: starting (its start-up compiles for a few minutes; log {cache_dir()}/peer-{name}.log)",
-              flush=True)
+        print(
+            f"{label(name)}: starting (its start-up compiles for a few minutes; log "
+            f"{cache_dir()}/peer-{name}.log)",
+            flush=True)
     try:
         return run(name, request)
     except PeerError as e:
@@ -75,7 +84,8 @@ def try_run(name: str, request: dict) -> dict | None:
 
 
 def cpus(threads: int) -> str:
-    """The first `threads` CPUs this process may run on, as a list vLLM's VLLM_CPU_OMP_THREADS_BIND takes."""
+    """The first `threads` CPUs this process may run on, as a list vLLM's VLLM_CPU_OMP_THREADS_BIND
+    takes."""
     return ",".join(map(str, sorted(os.sched_getaffinity(0))[:threads]))
 
 
@@ -87,11 +97,14 @@ def cache_dir() -> str:
 
 
 def run(name: str, request: dict, timeout: float = 3600) -> dict:
-    """Run one peer on `request`; returns its result dict, plus `process_s` (the subprocess's whole wall time) and
-    `log` (its log file). Raises PeerError with the log's tail when it fails."""
+    """Run one peer on `request`; returns its result dict, plus `process_s` (the subprocess's whole
+    wall time) and `log` (its log file). Raises PeerError with the log's tail when it fails."""
     script = os.path.join(HERE, PEERS[name][2])
     log = os.path.join(cache_dir(), f"peer-{name}.log")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "PYTHONPATH", "VIRTUAL_ENV")}
+    env = {
+        k: v
+        for k, v in os.environ.items() if k not in ("PYTHONHOME", "PYTHONPATH", "VIRTUAL_ENV")
+    }
     with tempfile.TemporaryDirectory(prefix="vlinfer-peer-") as tmp:
         req, res = os.path.join(tmp, "request.json"), os.path.join(tmp, "result.json")
         with open(req, "w") as f:
@@ -99,8 +112,9 @@ def run(name: str, request: dict, timeout: float = 3600) -> dict:
         start = time.perf_counter()
         with open(log, "w") as out:
             try:
-                rc = subprocess.run([python(name), script, req, res], stdout=out, stderr=subprocess.STDOUT,
-                                    env=env, cwd=tmp, timeout=timeout).returncode
+                rc = subprocess.run([python(name), script, req, res], stdout=out,
+                                    stderr=subprocess.STDOUT, env=env, cwd=tmp,
+                                    timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = f"timed out after {timeout:.0f}s"
         elapsed = time.perf_counter() - start
@@ -124,14 +138,16 @@ def _gguf_source(model: str):
     from vlinfer import loading
     source = loading.resolve_model(model)
     if not source.gguf_file:
-        raise PeerError(f"model {model!r} is not a GGUF; the peers' inputs are written from the SmolLM2 GGUF")
+        raise PeerError(
+            f"model {model!r} is not a GGUF; the peers' inputs are written from the SmolLM2 GGUF")
     return source
 
 
 def dense_model(model: str, dtype: str):
-    """A plain transformers model (no GGUF quantizer attached) holding the dequantized weights vlinfer runs, in
-    `dtype`. transformers' own GGUF loading keeps the quantizer and computes through float32 dequant kernels (and
-    refuses save_pretrained), so the weights go through vlinfer's loader into a model built from the config."""
+    """A plain transformers model (no GGUF quantizer attached) holding the dequantized weights
+    vlinfer runs, in `dtype`. transformers' own GGUF loading keeps the quantizer and computes
+    through float32 dequant kernels (and refuses save_pretrained), so the weights go through
+    vlinfer's loader into a model built from the config."""
     import torch
     from transformers import AutoModelForCausalLM
     from vlinfer import loading
@@ -148,7 +164,8 @@ def dense_model(model: str, dtype: str):
 
 
 def _cached(name: str, build) -> str:
-    """cache_dir()/name, built once by build(tmp_path) into a temporary path and renamed when complete."""
+    """cache_dir()/name, built once by build(tmp_path) into a temporary path and renamed when
+    complete."""
     path = os.path.join(cache_dir(), name)
     if not os.path.exists(path):
         tmp = os.path.join(cache_dir(), f".{name}.partial-{os.getpid()}")
@@ -160,9 +177,10 @@ def _cached(name: str, build) -> str:
 
 
 def hf_folder(model: str = "smollm2") -> str:
-    """The model's GGUF dequantized to float32 and saved as a Hugging Face folder (safetensors, config, tokenizer),
-    for vLLM (a model that already is such a folder is used as it is). rope_theta is also written flat in
-    config.json for readers that predate transformers 5's rope_parameters."""
+    """The model's GGUF dequantized to float32 and saved as a Hugging Face folder (safetensors,
+    config, tokenizer), for vLLM (a model that already is such a folder is used as it is).
+    rope_theta is also written flat in config.json for readers that predate transformers 5's
+    rope_parameters."""
     from vlinfer import loading
     if not loading.resolve_model(model).gguf_file:
         return loading.resolve_model(model).folder
@@ -173,7 +191,8 @@ def hf_folder(model: str = "smollm2") -> str:
         from transformers import AutoTokenizer
         shutil.rmtree(tmp, ignore_errors=True)
         dense_model(model, "float32").save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(source.folder,
+                                      gguf_file=source.gguf_file).save_pretrained(tmp)
         config_path = os.path.join(tmp, "config.json")
         with open(config_path) as f:
             config = json.load(f)
@@ -187,7 +206,8 @@ def hf_folder(model: str = "smollm2") -> str:
 
 
 def f32_gguf(model: str = "smollm2") -> str:
-    """The model's GGUF with every tensor dequantized to F32 (same names, metadata and tokenizer), for llama.cpp."""
+    """The model's GGUF with every tensor dequantized to F32 (same names, metadata and tokenizer),
+    for llama.cpp."""
     source = _gguf_source(model)
     stem = os.path.splitext(source.gguf_file)[0]
 

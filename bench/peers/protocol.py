@@ -1,13 +1,14 @@
-"""The request/result side shared by the peer scripts (stdlib only: each peer venv imports it from this folder) and
-the timing loop they share with the benchmarks."""
+"""The request/result side shared by the peer scripts (stdlib only: each peer venv imports it from
+this folder) and the timing loop they share with the benchmarks."""
 import json
 import sys
 import time
 
 
 def time_runs(generate, runs: list[dict], tag: str = "") -> dict:
-    """Time generate(prompts, max_tokens) -> token id lists over each run's `repeat` repeats: per run name, the wall
-    seconds of every repeat and the outputs of the first. Every requested token must come back (EOS ignored)."""
+    """Time generate(prompts, max_tokens) -> token id lists over each run's `repeat` repeats: per
+    run name, the wall seconds of every repeat and the outputs of the first. Every requested token
+    must come back (EOS ignored)."""
     results = {}
     for run in runs:
         seconds, outputs = [], None
@@ -24,7 +25,8 @@ def time_runs(generate, runs: list[dict], tag: str = "") -> dict:
 
 
 def serve(handler) -> int:
-    """A peer script's main: `python PEER.py request.json result.json`; handler(request) -> result dict."""
+    """A peer script's main: `python PEER.py request.json result.json`; handler(request) -> result
+    dict."""
     request_path, result_path = sys.argv[1:3]
     with open(request_path) as f:
         request = json.load(f)

@@ -1,11 +1,11 @@
-"""Draws the example images with PIL, from shapes only, so the project owns them outright. They are scenes of the
-world the embedded toy Qwen3-VL was trained on (vlinfer/toy/scenes.py).
+"""Draws the example images with PIL, from shapes only, so the project owns them outright. They are
+scenes of the world the embedded toy Qwen3-VL was trained on (vlinfer/toy/scenes.py).
 
     python examples/images/draw.py      # rewrites the PNGs next to this file
 
-Licence of the drawings: CC0 1.0 (public domain dedication); they were drawn by this script for vlinfer.
-Every drawing is deterministic (scenes.draw's colour jitter has a fixed seed), so rerunning the script reproduces
-the committed files.
+Licence of the drawings: CC0 1.0 (public domain dedication); they were drawn by this script for
+vlinfer. Every drawing is deterministic (scenes.draw's colour jitter has a fixed seed), so rerunning
+the script reproduces the committed files.
 """
 import os
 
@@ -18,12 +18,14 @@ W, H = 320, 240
 
 
 def _scene(background: str, *objects) -> Image.Image:
-    """A scene of the embedded toy model's world (vlinfer/toy/scenes.py): (shape, colour, grid cell, size) per object,
-    cells 0..8 of the 3 x 3 layout read row by row, size as a fraction of the cell (0.28 .. 0.44 in training)."""
+    """A scene of the embedded toy model's world (vlinfer/toy/scenes.py): (shape, colour, grid cell,
+    size) per object, cells 0..8 of the 3 x 3 layout read row by row, size as a fraction of the cell
+    (0.28 .. 0.44 in training)."""
     cell_w, cell_h = W / scenes.GRID, H / scenes.GRID
-    placed = tuple(scenes.SceneObject(shape, colour, (cell % scenes.GRID + 0.5) * cell_w,
-                                      (cell // scenes.GRID + 0.5) * cell_h, size * min(cell_w, cell_h))
-                   for shape, colour, cell, size in objects)
+    placed = tuple(
+        scenes.SceneObject(shape, colour, (cell % scenes.GRID + 0.5) *
+                           cell_w, (cell // scenes.GRID + 0.5) * cell_h, size * min(cell_w, cell_h))
+        for shape, colour, cell, size in objects)
     return scenes.draw(scenes.Scene(W, H, background, placed))
 
 
@@ -39,17 +41,21 @@ def sunset() -> Image.Image:
 
 
 def bar_chart() -> Image.Image:
-    """Three squares in a row, like the bars of a chart: red, green and blue, on a white background."""
-    return _scene("white", ("square", "red", 6, 0.4), ("square", "green", 7, 0.4), ("square", "blue", 8, 0.4))
+    """Three squares in a row, like the bars of a chart: red, green and blue, on a white background.
+    """
+    return _scene("white", ("square", "red", 6, 0.4), ("square", "green", 7, 0.4),
+                  ("square", "blue", 8, 0.4))
 
 
 def traffic_light() -> Image.Image:
     """A traffic light's three lamps: red over yellow over green circles, on a black background."""
-    return _scene("black", ("circle", "red", 1, 0.42), ("circle", "yellow", 4, 0.42), ("circle", "green", 7, 0.42))
+    return _scene("black", ("circle", "red", 1, 0.42), ("circle", "yellow", 4, 0.42),
+                  ("circle", "green", 7, 0.42))
 
 
 def cat_face() -> Image.Image:
-    """A cat's face from shapes: an orange circle head between two orange triangle ears, on a grey background."""
+    """A cat's face from shapes: an orange circle head between two orange triangle ears, on a grey
+    background."""
     return _scene("grey", ("triangle", "orange", 0, 0.4), ("triangle", "orange", 2, 0.4),
                   ("circle", "orange", 4, 0.44))
 

@@ -1,11 +1,13 @@
-"""What a batch job (`vlinfer caption`, `vlinfer embed`, here or on Ray) reads: files named by folders, globs and
-.txt lists, or rows of a table (Parquet, JSONL, CSV); each row's key, the path its record is written under, which a
-resumed run skips; and a row's media, read from where it lives (a local path, a remote one, bytes in the row)."""
+"""What a batch job (`vlinfer caption`, `vlinfer embed`, here or on Ray) reads: files named by
+folders, globs and .txt lists, or rows of a table (Parquet, JSONL, CSV); each row's key, the path
+its record is written under, which a resumed run skips; and a row's media, read from where it lives
+(a local path, a remote one, bytes in the row)."""
 import glob
 import os
 from collections.abc import Iterable
 
-from vlinfer.multimodal.video_io import VIDEO_EXTENSIONS  # a folder's videos are read beside its images
+# a folder's videos are read beside its images
+from vlinfer.multimodal.video_io import VIDEO_EXTENSIONS
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 TABLE_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv")
@@ -13,8 +15,8 @@ GLOB_CHARS = "*?["
 
 
 class CaptionInputError(ValueError):
-    """The inputs or the output of a batch job cannot be used (nothing matched, a table without the column asked
-    for, a corrupt output file, ...)."""
+    """The inputs or the output of a batch job cannot be used (nothing matched, a table without the
+    column asked for, a corrupt output file, ...)."""
 
 
 def is_video(path: str) -> bool:
@@ -22,9 +24,9 @@ def is_video(path: str) -> bool:
 
 
 def _read_list_file(list_file: str) -> list[str]:
-    """One path per line; blank lines and '#' comments skipped. A relative path is taken from the current folder
-    when it exists there, else from the list file's folder (lists written by `find` and lists kept beside their
-    images both work)."""
+    """One path per line; blank lines and '#' comments skipped. A relative path is taken from the
+    current folder when it exists there, else from the list file's folder (lists written by `find`
+    and lists kept beside their images both work)."""
     base = os.path.dirname(os.path.abspath(list_file))
     paths = []
     with open(list_file, encoding="utf-8") as f:
@@ -32,26 +34,30 @@ def _read_list_file(list_file: str) -> list[str]:
             line = line.strip()
             if not line or line.startswith("#"):
                 continue
-            if not os.path.isabs(line) and not os.path.exists(line) and os.path.exists(os.path.join(base, line)):
+            if not os.path.isabs(line) and not os.path.exists(line) and os.path.exists(
+                    os.path.join(base, line)):
                 line = os.path.join(base, line)
             paths.append(line)
     return paths
 
 
 def collect_images(inputs: Iterable[str], videos: bool = False) -> list[str]:
-    """Expand CLI inputs into image paths, in order, each once. A folder gives its image files (by extension,
-    sorted, not recursive), and its video files too with videos=True; a pattern with * ? [ gives its sorted
-    matches (** recurses); a .txt file is a list of paths; anything else is taken as an image path as given (a
-    missing one is recorded as an error later, like any unreadable image)."""
+    """Expand CLI inputs into image paths, in order, each once. A folder gives its image files (by
+    extension, sorted, not recursive), and its video files too with videos=True; a pattern with * ?
+    [ gives its sorted matches (** recurses); a .txt file is a list of paths; anything else is taken
+    as an image path as given (a missing one is recorded as an error later, like any unreadable
+    image)."""
     paths: list[str] = []
     extensions = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if videos else ())
     for item in inputs:
         if os.path.isdir(item):
-            found = sorted(os.path.join(item, name) for name in os.listdir(item)
-                           if name.lower().endswith(extensions) and os.path.isfile(os.path.join(item, name)))
+            found = sorted(
+                os.path.join(item, name) for name in os.listdir(item)
+                if name.lower().endswith(extensions) and os.path.isfile(os.path.join(item, name)))
             if not found:
                 kind = "image or video" if videos else "image"
-                raise CaptionInputError(f"no {kind} files ({', '.join(extensions)}) in folder {item!r}")
+                raise CaptionInputError(
+                    f"no {kind} files ({', '.join(extensions)}) in folder {item!r}")
             paths.extend(found)
         elif any(c in item for c in GLOB_CHARS) and not os.path.exists(item):
             found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
@@ -81,21 +87,25 @@ def tables_in(inputs: list[str]) -> list[str]:
     """The inputs when they are all tables, [] when none is; a mix is an error."""
     tables = [i for i in inputs if is_table(i)]
     if tables and len(tables) != len(inputs):
-        raise CaptionInputError("give either tables (.parquet/.jsonl/.csv) or files/folders/globs, not both")
+        raise CaptionInputError(
+            "give either tables (.parquet/.jsonl/.csv) or files/folders/globs, not both")
     return tables
 
 
 def table_columns(names: list[str], id_column: str = "path", text_column: str | None = None,
                   optional: tuple[str, ...] = ("bytes",)) -> dict[str, str]:
-    """{table column: row key} for the rows a job reads: the id column as "path" (the files' paths, or any unique
-    name of a text), the text column as "text" (texts to embed), and the optional columns the table has
-    (a caption table's prompt and sampling, an image's bytes) as they are. A missing column is an error."""
+    """{table column: row key} for the rows a job reads: the id column as "path" (the files' paths,
+    or any unique name of a text), the text column as "text" (texts to embed), and the optional
+    columns the table has (a caption table's prompt and sampling, an image's bytes) as they are. A
+    missing column is an error."""
     if text_column is not None and text_column == id_column:
-        raise CaptionInputError(f"the text column and the id column are both {id_column!r}; name each row by "
-                                "another column (--id-column)")
+        raise CaptionInputError(
+            f"the text column and the id column are both {id_column!r}; name each row by "
+            "another column (--id-column)")
     for column, role in ((id_column, "naming each row"), (text_column, "holding the texts")):
         if column is not None and column not in names:
-            raise CaptionInputError(f"the table has no {column!r} column ({role}); its columns: {list(names)}")
+            raise CaptionInputError(
+                f"the table has no {column!r} column ({role}); its columns: {list(names)}")
     columns = {id_column: "path"}
     if text_column is not None:
         columns[text_column] = "text"
@@ -104,8 +114,10 @@ def table_columns(names: list[str], id_column: str = "path", text_column: str | 
     return columns
 
 
-def read_table_rows(tables: list[str], id_column: str = "path", text_column: str | None = None) -> list[dict]:
-    """The rows of local tables (pyarrow reads them) in table order, each as {row key: value} (table_columns)."""
+def read_table_rows(tables: list[str], id_column: str = "path",
+                    text_column: str | None = None) -> list[dict]:
+    """The rows of local tables (pyarrow reads them) in table order, each as {row key: value}
+    (table_columns)."""
     pa = require_pyarrow("reading tables")
     rows = []
     for path in tables:
@@ -126,10 +138,13 @@ def read_table_rows(tables: list[str], id_column: str = "path", text_column: str
 
 
 def csv_options(id_column: str = "path", text_column: str | None = None):
-    """A CSV's id and text columns read as text (CSV has no types: an id 17 is the name "17", not a number)."""
+    """A CSV's id and text columns read as text (CSV has no types: an id 17 is the name "17", not a
+    number)."""
     import pyarrow as pa
     import pyarrow.csv
-    return pyarrow.csv.ConvertOptions(column_types={c: pa.string() for c in (id_column, text_column) if c})
+    return pyarrow.csv.ConvertOptions(
+        column_types={c: pa.string()
+                      for c in (id_column, text_column) if c})
 
 
 def require_pyarrow(what: str):
@@ -146,26 +161,30 @@ def is_remote(path: str) -> bool:
 
 
 def key(path: str) -> str:
-    """What a record is known by when a run resumes: a local path made absolute, a remote one as given."""
+    """What a record is known by when a run resumes: a local path made absolute, a remote one as
+    given."""
     return path if is_remote(path) else os.path.abspath(path)
 
 
 def check_names(names: Iterable, key_of, column: str = "path") -> None:
-    """Every row named (a non-empty string in `column`), and each key (key_of(name)) once: a row listed twice
-    would be done, and recorded, twice."""
+    """Every row named (a non-empty string in `column`), and each key (key_of(name)) once: a row
+    listed twice would be done, and recorded, twice."""
     seen = set()
     for i, name in enumerate(names):
         if not isinstance(name, str) or not name:
-            raise CaptionInputError(f"row {i} of the table: its {column!r} value {name!r} is not a name (a "
-                                    "non-empty string)")
+            raise CaptionInputError(
+                f"row {i} of the table: its {column!r} value {name!r} is not a name (a "
+                "non-empty string)")
         if key_of(name) in seen:
-            raise CaptionInputError(f"{column} {name!r} names two rows of the input; each row needs its own")
+            raise CaptionInputError(
+                f"{column} {name!r} names two rows of the input; each row needs its own")
         seen.add(key_of(name))
 
 
 def media(row: dict):
-    """A row's image or video as the engine takes it: the bytes in the row, a remote file read through pyarrow's
-    filesystems (s3://, gs://, hdfs://, the ones Ray Data reads tables from), or the local path."""
+    """A row's image or video as the engine takes it: the bytes in the row, a remote file read
+    through pyarrow's filesystems (s3://, gs://, hdfs://, the ones Ray Data reads tables from), or
+    the local path."""
     if row.get("bytes"):
         return row["bytes"]
     path = row["path"]

@@ -3,8 +3,9 @@ import os
 import sys
 
 from vlinfer.cli.options import name_flags
-from vlinfer.cli.shared import (CLI_FLAGS, TEXT_MODEL, VISION_MODEL, add_lora_arg, add_max_pixels, add_model_args,
-                                add_sampling_args, build_llm, lora_request, mm_kwargs, sampling_params)
+from vlinfer.cli.shared import (CLI_FLAGS, TEXT_MODEL, VISION_MODEL, add_lora_arg, add_max_pixels,
+                                add_model_args, add_sampling_args, build_llm, lora_request,
+                                mm_kwargs, sampling_params)
 from vlinfer.config import ANSWER_MAX_TOKENS, CHAT_TEMPERATURE, CHAT_TOP_P
 from vlinfer.engine.drive import drive
 from vlinfer.inputs.limits import text_only
@@ -13,21 +14,24 @@ from vlinfer.inputs.limits import text_only
 def cmd_generate(args) -> int:
     model = args.model or (VISION_MODEL if args.image else TEXT_MODEL)
     llm = build_llm(args, model)
-    if args.raw:  # the prompt as written; images need their <|vision_start|><|image_pad|><|vision_end|> in it
+    # the prompt as written; images need their <|vision_start|><|image_pad|><|vision_end|> in it
+    if args.raw:
         prompt = {"prompt": args.prompt}
         if args.image:
             prompt["multi_modal_data"] = {"image": list(args.image)}
         image_kwargs = mm_kwargs(args, llm)
         if image_kwargs:
             prompt["mm_processor_kwargs"] = image_kwargs
-        out = llm.generate(prompt, sampling_params(args), use_tqdm=False, lora_request=lora_request(args))[0]
+        out = llm.generate(prompt, sampling_params(args), use_tqdm=False,
+                           lora_request=lora_request(args))[0]
     else:
         content = args.prompt
         if args.image:  # images first, then the text: the layout Qwen3-VL was trained on
             content = [{"type": "image", "image": path} for path in args.image]
             content.append({"type": "text", "text": args.prompt})
-        out = llm.chat([{"role": "user", "content": content}], sampling_params(args), use_tqdm=False,
-                       mm_processor_kwargs=mm_kwargs(args, llm), lora_request=lora_request(args))[0]
+        out = llm.chat([{"role": "user", "content": content}], sampling_params(args),
+                       use_tqdm=False, mm_processor_kwargs=mm_kwargs(args, llm),
+                       lora_request=lora_request(args))[0]
     print(out.outputs[0].text)
     return 0
 
@@ -36,7 +40,8 @@ CHAT_HELP = "/image PATH attaches an image to your next message, /reset clears t
 
 
 def _stream_answer(engine, request_id: str) -> str | None:
-    """Print the answer as it arrives; None when interrupted (the request is aborted, its blocks freed)."""
+    """Print the answer as it arrives; None when interrupted (the request is aborted, its blocks
+    freed)."""
     answer = ""
     try:
         for out in drive(engine, [request_id]):
@@ -79,15 +84,18 @@ def cmd_chat(args) -> int:
         if line == "/image" or line.startswith("/image "):
             path = line[len("/image"):].strip()
             if not engine.is_multimodal:
-                print(f"error: {text_only(model, 'images')}; start the chat with a vision model, e.g. "
-                      f"--model {VISION_MODEL}", file=sys.stderr)
+                print(
+                    f"error: {text_only(model, 'images')}; start the chat with a vision model, "
+                    "e.g. "
+                    f"--model {VISION_MODEL}", file=sys.stderr)
             elif not path:
                 print("usage: /image PATH", file=sys.stderr)
             elif not os.path.isfile(os.path.expanduser(path)):
                 print(f"error: no such file: {path}", file=sys.stderr)
             else:
                 pending.append(os.path.expanduser(path))
-                print(f"(image {len(pending)} attached to your next message: {path})", file=sys.stderr)
+                print(f"(image {len(pending)} attached to your next message: {path})",
+                      file=sys.stderr)
             continue
         if line.startswith("/"):
             print(f"unknown command {line.split()[0]!r}; {CHAT_HELP}", file=sys.stderr)
@@ -102,8 +110,10 @@ def cmd_chat(args) -> int:
             prompt = engine.chat_prompt(history + [turn], mm_processor_kwargs=image_kwargs)
             request_id = engine.add_request(prompt, params, lora_request=lora)
         except ValueError as e:  # unreadable image, history longer than --max-model-len, ...
-            print(f"error: {name_flags(str(e), CLI_FLAGS)} (message not sent; /reset clears the history)",
-                  file=sys.stderr)
+            print(
+                f"error: {name_flags(str(e), CLI_FLAGS)} (message not sent; /reset clears the "
+                "history)",
+                file=sys.stderr)
             continue
         answer = _stream_answer(engine, request_id)
         if answer is not None:
@@ -112,11 +122,13 @@ def cmd_chat(args) -> int:
 
 
 def add_parsers(sub) -> list:
-    g = sub.add_parser("generate", help="answer one prompt (optionally about images)",
-                       description=f"Answer one prompt. Default model: {TEXT_MODEL} without --image, {VISION_MODEL} "
-                                   f"with --image ({VISION_MODEL} is the embedded toy model, which knows only "
-                                   "drawn scenes of coloured shapes, unless the real weights are in the Hugging "
-                                   "Face cache).")
+    g = sub.add_parser(
+        "generate", help="answer one prompt (optionally about images)",
+        description=f"Answer one prompt. Default model: {TEXT_MODEL} without --image, "
+                    f"{VISION_MODEL} "
+        f"with --image ({VISION_MODEL} is the embedded toy model, which knows only "
+        "drawn scenes of coloured shapes, unless the real weights are in the Hugging "
+        "Face cache).")
     g.add_argument("prompt")
     g.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image for the prompt (repeatable; they come before the text)")
@@ -129,9 +141,10 @@ def add_parsers(sub) -> list:
     add_sampling_args(g, ANSWER_MAX_TOKENS)
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive chat with streamed answers (/image PATH for vision models)",
-                       description=f"Interactive chat, answers streamed. {CHAT_HELP}. Default model: {TEXT_MODEL} "
-                                   f"(text-only); pass --model {VISION_MODEL} to use /image.")
+    c = sub.add_parser(
+        "chat", help="interactive chat with streamed answers (/image PATH for vision models)",
+        description=f"Interactive chat, answers streamed. {CHAT_HELP}. Default model: {TEXT_MODEL} "
+        f"(text-only); pass --model {VISION_MODEL} to use /image.")
     add_max_pixels(c)
     add_lora_arg(c)
     add_model_args(c, TEXT_MODEL)

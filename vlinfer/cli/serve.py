@@ -1,5 +1,5 @@
-"""`vlinfer serve ...`: flags -> ServeConfig and engine options, then uvicorn around build_app, or replicas on Ray
-Serve (--ray)."""
+"""`vlinfer serve ...`: flags -> ServeConfig and engine options, then uvicorn around build_app, or
+replicas on Ray Serve (--ray)."""
 import argparse
 import json
 import logging
@@ -9,8 +9,8 @@ import sys
 
 import uvicorn
 
-from vlinfer.cli.options import (add_engine_args, engine_options, flags_in_logs, name_flags, parse_size,
-                                 set_threads)
+from vlinfer.cli.options import (add_engine_args, engine_options, flags_in_logs, name_flags,
+                                 parse_size, set_threads)
 from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.inputs.limits import MAX_IMAGE_PIXELS, MAX_IMAGES
 from vlinfer.multimodal.video_io import VideoLimits
@@ -24,10 +24,13 @@ logger = logging.getLogger("vlinfer.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vlinfer serve", description="OpenAI-compatible HTTP server "
-                                "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)")
-    p.add_argument("--model", default="qwen3-vl", help="alias, local folder, .gguf file or Hugging Face repo id "
-                   "(default: qwen3-vl; the embedded random-weight model when the real weights are not here)")
+    p = argparse.ArgumentParser(
+        prog="vlinfer serve", description="OpenAI-compatible HTTP server "
+        "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)")
+    p.add_argument(
+        "--model", default="qwen3-vl",
+        help="alias, local folder, .gguf file or Hugging Face repo id "
+        "(default: qwen3-vl; the embedded random-weight model when the real weights are not here)")
     p.add_argument("--served-model-name", action="append", default=None,
                    help="name(s) clients use in 'model' (default: --model); repeatable")
     p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
@@ -35,62 +38,79 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                    "(default: $VLINFER_API_KEY; none when unset)")
     add_engine_args(p)
-    p.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module, default=[],
-                   metavar="NAME=PATH",
-                   help="LoRA adapters (PEFT folders) served from the start, chosen by the request's 'model': "
-                        "name=path, or vLLM's JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' "
-                        "(turns --enable-lora on; docs/lora.md)")
-    p.add_argument(RUNTIME_FLAG, action="store_true",
-                   help="let clients load and unload LoRA adapters by path (POST /v1/load_lora_adapter, "
-                        "/v1/unload_lora_adapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING). Off by default: whoever "
-                        "can call the server could then read adapter folders on this machine")
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="serve --replicas engines with Ray Serve behind this one endpoint: ADDRESS of the Ray "
-                        "cluster's head ('auto': the one this machine is in), or none to start one here "
-                        "(needs pip install 'vlinfer[ray]')")
-    p.add_argument("--replicas", type=int, default=1, help="with --ray: engine replicas (default: 1)")
+    p.add_argument(
+        "--lora-modules", nargs="+", action="extend", type=lora_module, default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served from the start, chosen by the request's 'model': "
+        "name=path, or vLLM's JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' "
+        "(turns --enable-lora on; docs/lora.md)")
+    p.add_argument(
+        RUNTIME_FLAG, action="store_true",
+        help="let clients load and unload LoRA adapters by path (POST /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING). Off by default: "
+        "whoever "
+        "can call the server could then read adapter folders on this machine")
+    p.add_argument(
+        "--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+        help="serve --replicas engines with Ray Serve behind this one endpoint: ADDRESS of the Ray "
+        "cluster's head ('auto': the one this machine is in), or none to start one here "
+        "(needs pip install 'vlinfer[ray]')")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="with --ray: engine replicas (default: 1)")
     p.add_argument("--max-request-bytes", type=parse_size, default=32 * 2 ** 20, metavar="SIZE",
                    help="largest request body (413 past it); default 32M")
-    p.add_argument("--max-image-bytes", type=parse_size, default=security.ImagePolicy.max_image_bytes,
-                   metavar="SIZE", help="default 20M")
-    p.add_argument("--max-video-bytes", type=parse_size, default=security.ImagePolicy.max_video_bytes,
-                   metavar="SIZE", help="one video (data URI, file or http(s) URL); default 256M")
+    p.add_argument("--max-image-bytes", type=parse_size,
+                   default=security.ImagePolicy.max_image_bytes, metavar="SIZE", help="default 20M")
+    p.add_argument("--max-video-bytes", type=parse_size,
+                   default=security.ImagePolicy.max_video_bytes, metavar="SIZE",
+                   help="one video (data URI, file or http(s) URL); default 256M")
     p.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
                    help="per image, width x height; default 2^25 (vlinfer/inputs/limits.py)")
     p.add_argument("--max-images-per-request", type=int, default=MAX_IMAGES,
                    help="images and videos in one request; default 16 (vlinfer/inputs/limits.py)")
-    p.add_argument("--max-video-frames", type=int, default=768, metavar="N",
-                   help="most frames sampled from one video (sampling clamps to it; a request asking for more "
-                        "gets 400); default 768, the Qwen3-VL video processor's max_frames")
-    p.add_argument("--max-video-seconds", type=float, default=3600.0, metavar="S",
-                   help="longest video accepted, by its container's duration (400 past it); default 3600")
+    p.add_argument(
+        "--max-video-frames", type=int, default=768, metavar="N",
+        help="most frames sampled from one video (sampling clamps to it; a request asking for more "
+        "gets 400); default 768, the Qwen3-VL video processor's max_frames")
+    p.add_argument(
+        "--max-video-seconds", type=float, default=3600.0, metavar="S",
+        help="longest video accepted, by its container's duration (400 past it); default 3600")
     p.add_argument("--max-n", type=int, default=16, help="most sequences per request (n x prompts)")
     p.add_argument("--max-pending", type=int, default=1024, help="sequences in flight before 503")
     p.add_argument("--image-formats", default="png,jpeg,webp,gif,bmp", metavar="FORMATS",
                    help="image formats accepted (PIL names); default: png,jpeg,webp,gif,bmp")
-    p.add_argument("--allowed-url-hosts", default="", metavar="HOSTS",
-                   help="comma-separated hosts image URLs may point to ('*.example.com' for subdomains, '*' for "
-                        "any public host); default: none, image URLs refused")
-    p.add_argument("--allow-private-urls", action="store_true",
-                   help="let image URLs reach loopback / private / link-local addresses (only for trusted setups)")
-    p.add_argument("--url-timeout", type=float, default=10.0, help="seconds per image URL, redirects included")
-    p.add_argument("--allowed-local-root", default=None, metavar="DIR",
-                   help="serve file:// image URLs from below this folder only; default: file URLs refused")
-    p.add_argument("--structured-outputs-disable-any-whitespace", action=argparse.BooleanOptionalAction,
-                   default=ServeConfig.disable_any_whitespace,
-                   help="JSON constrained by response_format, a forced tool_choice or structured_outputs has no "
-                        "free whitespace (vLLM's disable_any_whitespace; a request's own structured_outputs wins). "
-                        "Default on: small models otherwise pad JSON with newlines until max_tokens")
-    p.add_argument("--malloc-arena-max", type=int, default=2,
-                   help="glibc malloc arenas, so RSS comes back after bursts (0: glibc's default); default 2")
+    p.add_argument(
+        "--allowed-url-hosts", default="", metavar="HOSTS",
+        help="comma-separated hosts image URLs may point to ('*.example.com' for subdomains, '*' "
+             "for "
+        "any public host); default: none, image URLs refused")
+    p.add_argument(
+        "--allow-private-urls", action="store_true", help=
+        "let image URLs reach loopback / private / link-local addresses (only for trusted setups)")
+    p.add_argument("--url-timeout", type=float, default=10.0,
+                   help="seconds per image URL, redirects included")
+    p.add_argument(
+        "--allowed-local-root", default=None, metavar="DIR",
+        help="serve file:// image URLs from below this folder only; default: file URLs refused")
+    p.add_argument(
+        "--structured-outputs-disable-any-whitespace", action=argparse.BooleanOptionalAction,
+        default=ServeConfig.disable_any_whitespace,
+        help="JSON constrained by response_format, a forced tool_choice or structured_outputs has "
+             "no "
+        "free whitespace (vLLM's disable_any_whitespace; a request's own structured_outputs wins). "
+        "Default on: small models otherwise pad JSON with newlines until max_tokens")
+    p.add_argument(
+        "--malloc-arena-max", type=int, default=2,
+        help="glibc malloc arenas, so RSS comes back after bursts (0: glibc's default); default 2")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("-v", "--verbose", action="store_true", help="log everything: the same as --log-level debug")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log everything: the same as --log-level debug")
     return p
 
 
 def lora_module(text: str) -> LoRAModule:
-    """One --lora-modules item, in either of vLLM's forms: name=path, or JSON with name, path and optionally
-    base_model_name (the served model name /v1/models gives as its parent)."""
+    """One --lora-modules item, in either of vLLM's forms: name=path, or JSON with name, path and
+    optionally base_model_name (the served model name /v1/models gives as its parent)."""
     if not text.lstrip().startswith("{"):
         name, equals, path = text.partition("=")
         if not (equals and name and path):
@@ -104,14 +124,16 @@ def lora_module(text: str) -> LoRAModule:
     keys = set(fields) if isinstance(fields, dict) else set()
     if not isinstance(fields, dict) or not {"name", "path"} <= keys <= {"name", "path", "base_model_name"} or \
             not all(isinstance(v, str) and v for v in fields.values()):
-        raise argparse.ArgumentTypeError(f"{text!r}: the JSON form is an object of strings: name, path and "
-                                         "optionally base_model_name")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the JSON form is an object of strings: name, path and "
+            "optionally base_model_name")
     return LoRAModule(**fields)
 
 
 def url_hosts(args) -> tuple[str, ...]:
-    """The server fetches image URLs itself: --allow-image-urls (the engine flag every app takes) means any public
-    host, as LLM(allow_image_urls=True) does; --allowed-url-hosts names them one by one."""
+    """The server fetches image URLs itself: --allow-image-urls (the engine flag every app takes)
+    means any public host, as LLM(allow_image_urls=True) does; --allowed-url-hosts names them one by
+    one."""
     hosts = tuple(h for h in args.allowed_url_hosts.split(",") if h)
     return hosts or (("*",) if args.allow_image_urls else ())
 
@@ -119,11 +141,12 @@ def url_hosts(args) -> tuple[str, ...]:
 def config_from_args(args) -> ServeConfig:
     images = security.ImagePolicy(
         max_image_bytes=args.max_image_bytes, max_video_bytes=args.max_video_bytes,
-        max_image_pixels=args.max_image_pixels,
-        max_images=args.max_images_per_request, allowed_url_hosts=url_hosts(args),
-        allow_private_urls=args.allow_private_urls, url_timeout=args.url_timeout,
-        allowed_local_root=args.allowed_local_root, image_formats=tuple(args.image_formats.split(",")))
-    for flag, value in (("--max-video-frames", args.max_video_frames), ("--max-video-seconds", args.max_video_seconds)):
+        max_image_pixels=args.max_image_pixels, max_images=args.max_images_per_request,
+        allowed_url_hosts=url_hosts(args), allow_private_urls=args.allow_private_urls,
+        url_timeout=args.url_timeout, allowed_local_root=args.allowed_local_root,
+        image_formats=tuple(args.image_formats.split(",")))
+    for flag, value in (("--max-video-frames", args.max_video_frames), ("--max-video-seconds",
+                                                                        args.max_video_seconds)):
         if not value > 0:
             raise ValueError(f"{flag} must be > 0, got {value}")
     video = VideoLimits(max_frames=args.max_video_frames, max_seconds=args.max_video_seconds)
@@ -131,8 +154,8 @@ def config_from_args(args) -> ServeConfig:
                        api_key=args.api_key or os.environ.get("VLINFER_API_KEY") or None,
                        max_body_bytes=args.max_request_bytes, images=images, max_n=args.max_n,
                        max_pending=args.max_pending,
-                       disable_any_whitespace=args.structured_outputs_disable_any_whitespace, video=video,
-                       lora_modules=tuple(args.lora_modules),
+                       disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
+                       video=video, lora_modules=tuple(args.lora_modules),
                        allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
@@ -152,23 +175,30 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if config.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        logger.warning("listening on %s without an API key: anyone who can reach this port can use the model",
-                       args.host)
+        logger.warning(
+            "listening on %s without an API key: anyone who can reach this port can use the model",
+            args.host)
     if config.allow_runtime_lora_updating:
-        logger.warning("%s: clients may load LoRA adapters from any folder this server can read", RUNTIME_FLAG)
+        logger.warning("%s: clients may load LoRA adapters from any folder this server can read",
+                       RUNTIME_FLAG)
     if args.ray is not None:
         if config.allow_runtime_lora_updating:  # a load would reach one replica, not all
-            print(f"error: {RUNTIME_FLAG} is not supported with --ray; give the adapters with --lora-modules",
-                  file=sys.stderr)
+            print(
+                f"error: {RUNTIME_FLAG} is not supported with --ray; give the adapters with "
+                "--lora-modules",
+                file=sys.stderr)
             return 2
         return _serve_on_ray(args, config)
-    with flags_in_logs():  # the engine's messages name the flags set here (--max-model-len, --kv-cache-size)
+    # the engine's messages name the flags set here (--max-model-len, --kv-cache-size)
+    with flags_in_logs():
         try:
             set_threads(args)
             engine = LLMEngine(args.model, **engine_options(args))
             return _serve(engine, args, config)
-        except (ValueError, FileNotFoundError) as e:  # a mistyped --device, a KV budget too small, no model, a
-            print(f"error: {name_flags(str(e))}", file=sys.stderr)  # --lora-modules adapter that cannot run
+        # a mistyped --device, a KV budget too small, no model, a
+        except (ValueError, FileNotFoundError) as e:
+            # --lora-modules adapter that cannot run
+            print(f"error: {name_flags(str(e))}", file=sys.stderr)
             return 2
 
 
@@ -179,8 +209,8 @@ def _serve_on_ray(args, config: ServeConfig) -> int:
         return 2
     try:
         from vlinfer.integrations import ray_serve
-        return ray_serve.run(args.model, engine_options(args), config, args.replicas, args.host, args.port,
-                             args.ray or None)
+        return ray_serve.run(args.model, engine_options(args), config, args.replicas, args.host,
+                             args.port, args.ray or None)
     except (MissingDependencyError, ValueError, FileNotFoundError) as e:
         print(f"error: {name_flags(str(e))}", file=sys.stderr)
         return 2
@@ -189,12 +219,14 @@ def _serve_on_ray(args, config: ServeConfig) -> int:
 def _serve(engine, args, config: ServeConfig) -> int:
     loop = EngineLoop(engine)
     try:
-        app = build_app(loop, config)  # reads and checks the --lora-modules adapters: ValueError naming one
-        # uvicorn shuts down gracefully on SIGTERM, then raises it again: exit through the finally below (engine
-        # loop stopped, tensor-parallel workers closed) instead of dying on the default handler.
+        # reads and checks the --lora-modules adapters: ValueError naming one
+        app = build_app(loop, config)
+        # uvicorn shuts down gracefully on SIGTERM, then raises it again: exit through the finally
+        # below (engine loop stopped, tensor-parallel workers closed) instead of dying on the
+        # default handler.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                    server_header=False)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5, server_header=False)
     except KeyboardInterrupt:  # likewise for Ctrl-C
         pass
     finally:

@@ -1,15 +1,23 @@
 """How the ranks of one tensor-parallel engine find each other and talk.
 
-- Rendezvous: a TCPStore. Spawned workers (the default) meet on a store rank 0 hosts on 127.0.0.1 at a port the
-  OS picks, so two engines on one host never collide; an explicit `distributed_init_method` ("tcp://host:port",
+- Rendezvous: a TCPStore. Spawned workers (the default) meet on a store rank 0 hosts on 127.0.0.1 at
+  a port the
+  OS picks, so two engines on one host never collide; an explicit `distributed_init_method`
+  ("tcp://host:port",
   "env://") or torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) names it instead.
 - Two process groups per engine, built from the store and registered nowhere global (see
-  vlinfer/layers/distributed.py): a gloo "control" group on CPU that carries rank 0's messages, and the "device"
-  group (gloo / nccl / hccl) the layers' all-reduce and all-gather run on. Two, because their timeouts differ:
-  a worker waits for the next control message as long as the engine sits idle, while a step's collectives
-  time out short (distributed_timeout_s), so a rank that hangs mid-step becomes an error, not a hang.
-- The control channel (ControlChannel): rank 0 broadcasts one message per step (the step's prepared CPU tensors
-  and metadata, image rows included) or per command. Nothing goes through shared memory, so nothing is left
+  vlinfer/layers/distributed.py): a gloo "control" group on CPU that carries rank 0's messages, and
+  the "device"
+  group (gloo / nccl / hccl) the layers' all-reduce and all-gather run on. Two, because their
+  timeouts differ:
+  a worker waits for the next control message as long as the engine sits idle, while a step's
+  collectives
+  time out short (distributed_timeout_s), so a rank that hangs mid-step becomes an error, not a
+  hang.
+- The control channel (ControlChannel): rank 0 broadcasts one message per step (the step's prepared
+  CPU tensors
+  and metadata, image rows included) or per command. Nothing goes through shared memory, so nothing
+  is left
   in /dev/shm.
 """
 import io
@@ -27,7 +35,8 @@ from vlinfer import platform
 from vlinfer.layers.distributed import TPGroup, new_backend
 
 STORE_PREFIX = "vlinfer"
-IDLE_TIMEOUT = timedelta(days=3650)  # a worker waits for rank 0's next message as long as the engine lives
+# a worker waits for rank 0's next message as long as the engine lives
+IDLE_TIMEOUT = timedelta(days=3650)
 
 
 class TensorParallelError(RuntimeError):
@@ -36,8 +45,9 @@ class TensorParallelError(RuntimeError):
 
 @dataclass
 class ParallelConfig:
-    """The tensor-parallel options of an engine (EngineConfig's tensor_parallel_size and distributed_* fields,
-    validated there), plus what the launch environment says about this process's rank."""
+    """The tensor-parallel options of an engine (EngineConfig's tensor_parallel_size and
+    distributed_* fields, validated there), plus what the launch environment says about this
+    process's rank."""
     tensor_parallel_size: int
     distributed_init_method: str | None
     distributed_timeout_s: float
@@ -45,13 +55,14 @@ class ParallelConfig:
 
     @classmethod
     def of(cls, config) -> "ParallelConfig":
-        return cls(config.tensor_parallel_size, config.distributed_init_method, config.distributed_timeout_s,
-                   config.distributed_startup_timeout_s)
+        return cls(config.tensor_parallel_size, config.distributed_init_method,
+                   config.distributed_timeout_s, config.distributed_startup_timeout_s)
 
     @property
     def launched_externally(self) -> bool:
-        """True when every rank was started by a launcher (torchrun, or by hand with RANK / WORLD_SIZE set):
-        rank 0 runs the engine and the others run the worker loop; nothing is spawned."""
+        """True when every rank was started by a launcher (torchrun, or by hand with RANK /
+        WORLD_SIZE set): rank 0 runs the engine and the others run the worker loop; nothing is
+        spawned."""
         return self.tensor_parallel_size > 1 and "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
     @property
@@ -63,27 +74,31 @@ class ParallelConfig:
         return int(os.environ.get("LOCAL_RANK", self.rank)) if self.launched_externally else 0
 
     def init_method(self) -> str:
-        return self.distributed_init_method or ("env://" if self.launched_externally else "tcp://127.0.0.1:0")
+        return self.distributed_init_method or ("env://" if self.launched_externally else
+                                                "tcp://127.0.0.1:0")
 
     def check_world(self) -> None:
         if self.launched_externally and int(os.environ["WORLD_SIZE"]) != self.tensor_parallel_size:
-            raise ValueError(f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but tensor_parallel_size="
-                             f"{self.tensor_parallel_size}; vlinfer runs one engine over all launched ranks")
+            raise ValueError(
+                f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but tensor_parallel_size="
+                f"{self.tensor_parallel_size}; vlinfer runs one engine over all launched ranks")
 
 
 def host_store(url: str, timeout: timedelta) -> tuple[dist.Store, str]:
-    """Rank 0 of spawned workers: host the store without waiting for anyone (the workers start after it).
-    Returns it and the URL the workers connect to (port 0 resolved to the port the OS picked)."""
+    """Rank 0 of spawned workers: host the store without waiting for anyone (the workers start after
+    it). Returns it and the URL the workers connect to (port 0 resolved to the port the OS picked).
+    """
     parsed = urlparse(url)
     if parsed.scheme != "tcp" or parsed.port is None:
-        raise ValueError(f"distributed_init_method for spawned workers must be tcp://host:port, got {url!r}")
+        raise ValueError(
+            f"distributed_init_method for spawned workers must be tcp://host:port, got {url!r}")
     store = dist.TCPStore(parsed.hostname, parsed.port, None, True, timeout, wait_for_workers=False)
     return store, f"tcp://{parsed.hostname}:{store.port}"
 
 
 def connect_store(url: str, rank: int, world: int, timeout: timedelta) -> dist.Store:
-    """Any rank of externally launched ranks (rank 0 hosts the store unless torchrun's agent does), and the
-    spawned workers (clients of rank 0's store)."""
+    """Any rank of externally launched ranks (rank 0 hosts the store unless torchrun's agent does),
+    and the spawned workers (clients of rank 0's store)."""
     if url.startswith("env://"):
         store, _, _ = next(dist.rendezvous(url, timeout=timeout))
     else:
@@ -94,12 +109,13 @@ def connect_store(url: str, rank: int, world: int, timeout: timedelta) -> dist.S
 class ControlChannel:
     """Rank 0 -> every rank: one message per broadcast; and every rank -> rank 0 for reports.
 
-    A message is pickled with its tensors taken out: pickling a tensor is slow (measured here: ~100 ms to pickle
-    and ~190 ms to unpickle 18 MiB of image rows, against ~18 ms to broadcast the raw bytes). The pickle and the
-    small tensors travel in one fixed-size head broadcast, which is all a step needs up to large batches: each
-    collective is a round trip that costs more than its bytes (~0.05 ms on an idle loopback, ~0.8 ms measured on
-    a busy 2-core VM). Larger tensors (image rows, big block tables) follow as one raw broadcast each, straight
-    from and into their own memory."""
+    A message is pickled with its tensors taken out: pickling a tensor is slow (measured here: ~100
+    ms to pickle and ~190 ms to unpickle 18 MiB of image rows, against ~18 ms to broadcast the raw
+    bytes). The pickle and the small tensors travel in one fixed-size head broadcast, which is all a
+    step needs up to large batches: each collective is a round trip that costs more than its bytes
+    (~0.05 ms on an idle loopback, ~0.8 ms measured on a busy 2-core VM). Larger tensors (image
+    rows, big block tables) follow as one raw broadcast each, straight from and into their own
+    memory."""
 
     HEAD = 64 * 1024
     INLINE = 4096  # tensors up to this many bytes ride in the head when there is room
@@ -198,16 +214,16 @@ class ControlChannel:
 
 def control_channel(store: dist.Store, rank: int, world: int, timeout: timedelta,
                     join_timeout: timedelta | None = None) -> ControlChannel:
-    backend = new_backend("gloo", dist.PrefixStore(f"{STORE_PREFIX}/control", store), rank, world, timeout,
-                          join_timeout)
+    backend = new_backend("gloo", dist.PrefixStore(f"{STORE_PREFIX}/control", store), rank, world,
+                          timeout, join_timeout)
     return ControlChannel(backend, rank, world)
 
 
 def device_group(store: dist.Store, rank: int, world: int, device: torch.device, timeout: timedelta,
                  join_timeout: timedelta | None = None) -> TPGroup:
     name = platform.distributed_backend(device)
-    backend = new_backend(name, dist.PrefixStore(f"{STORE_PREFIX}/device", store), rank, world, timeout,
-                          join_timeout)
+    backend = new_backend(name, dist.PrefixStore(f"{STORE_PREFIX}/device", store), rank, world,
+                          timeout, join_timeout)
     return TPGroup(rank, world, backend)
 
 

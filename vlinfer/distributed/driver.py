@@ -1,18 +1,23 @@
-"""Rank 0's side of a tensor-parallel engine: starts (or meets) the workers, sends them each step, notices when
-one fails, and shuts them all down.
+"""Rank 0's side of a tensor-parallel engine: starts (or meets) the workers, sends them each step,
+notices when one fails, and shuts them all down.
 
 Failures surface as TensorParallelError within seconds rather than as a hang:
-- a worker that dies closes its sockets, so rank 0's next collective fails at once ("connection closed");
-- a worker that raises writes its traceback to the store, then exits (same as dying, with the reason attached);
+- a worker that dies closes its sockets, so rank 0's next collective fails at once ("connection
+  closed");
+- a worker that raises writes its traceback to the store, then exits (same as dying, with the reason
+  attached);
 - a worker that hangs mid-step trips the device group's timeout (distributed_timeout_s);
-- a watchdog thread polls spawned workers' liveness, so a worker lost while the engine is idle is reported
+- a watchdog thread polls spawned workers' liveness, so a worker lost while the engine is idle is
+  reported
   by the next step before rank 0 sends it anything.
-After a failure the engine is closed: its ranks may be mid-collective and can never be brought back in step.
+After a failure the engine is closed: its ranks may be mid-collective and can never be brought back
+in step.
 
-Workers never outlive the engine: the LLM closes them on close()/`with`, when garbage collected, and at
-interpreter exit (weakref.finalize, which runs from atexit); SIGTERM to rank 0 closes them before the process
-dies; Ctrl-C during a step is held until the step ends so the ranks stay in step; and each spawned worker exits
-by itself when rank 0's process is gone (its sockets close, and a thread watches its parent pid)."""
+Workers never outlive the engine: the LLM closes them on close()/`with`, when garbage collected, and
+at interpreter exit (weakref.finalize, which runs from atexit); SIGTERM to rank 0 closes them before
+the process dies; Ctrl-C during a step is held until the step ends so the ranks stay in step; and
+each spawned worker exits by itself when rank 0's process is gone (its sockets close, and a thread
+watches its parent pid)."""
 import logging
 import os
 import signal
@@ -26,8 +31,8 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
-from vlinfer.distributed.comm import (ParallelConfig, TensorParallelError, connect_store, control_channel,
-                                      device_group, host_store, rank_device)
+from vlinfer.distributed.comm import (ParallelConfig, TensorParallelError, connect_store,
+                                      control_channel, device_group, host_store, rank_device)
 from vlinfer.platform import cores_per_rank
 
 logger = logging.getLogger("vlinfer")
@@ -37,11 +42,12 @@ SHUTDOWN_GRACE_S = 5.0
 
 
 class _State:
-    """Everything shutdown needs, held apart from the driver so weakref.finalize and the watchdog thread do not
-    keep the driver alive."""
+    """Everything shutdown needs, held apart from the driver so weakref.finalize and the watchdog
+    thread do not keep the driver alive."""
 
     def __init__(self):
-        self.procs: dict[int, mp.Process] = {}  # rank -> spawned worker (empty when launched externally)
+        # rank -> spawned worker (empty when launched externally)
+        self.procs: dict[int, mp.Process] = {}
         self.store = None
         self.channel = None
         self.group = None
@@ -74,7 +80,8 @@ def _describe_exit(rank: int, proc: mp.Process) -> str:
 
 
 def _shutdown(state: _State, polite: bool = True) -> None:
-    """Stop every worker and drop the groups. Idempotent; safe from atexit, a finalizer or a signal handler."""
+    """Stop every worker and drop the groups. Idempotent; safe from atexit, a finalizer or a signal
+    handler."""
     with state.lock:
         if state.closed:
             return
@@ -119,8 +126,8 @@ def _on_sigterm(signum, frame):
 
 
 def _install_sigterm_handler() -> None:
-    """Close workers on SIGTERM too (atexit does not run then). Only where the process has no handler of its
-    own, and only from the main thread (Python's rule for signal handlers)."""
+    """Close workers on SIGTERM too (atexit does not run then). Only where the process has no
+    handler of its own, and only from the main thread (Python's rule for signal handlers)."""
     global _previous_sigterm
     if threading.current_thread() is not threading.main_thread():
         return
@@ -132,8 +139,9 @@ def _install_sigterm_handler() -> None:
 
 
 def _restore_sigterm_handler() -> None:
-    """The last driver closed: the process's SIGTERM goes back to what it was before the first one (a handler
-    left behind would outlive every engine). Signal handlers can only be set from the main thread."""
+    """The last driver closed: the process's SIGTERM goes back to what it was before the first one
+    (a handler left behind would outlive every engine). Signal handlers can only be set from the
+    main thread."""
     if threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGTERM) is _on_sigterm:
@@ -150,7 +158,8 @@ def _watchdog(state_ref) -> None:
             for rank, proc in state.procs.items():
                 if not proc.is_alive():
                     error = _worker_error(state.store, rank)
-                    state.failure = _describe_exit(rank, proc) + (f"; it raised:\n{error}" if error else "")
+                    state.failure = _describe_exit(
+                        rank, proc) + (f"; it raised:\n{error}" if error else "")
                     logger.error("%s", state.failure)
                     break
         del state
@@ -158,8 +167,9 @@ def _watchdog(state_ref) -> None:
 
 class TPDriver:
     def __init__(self, parallel: ParallelConfig, device_type: str, worker_main):
-        """worker_main(url, rank, world, parallel, parent_pid): what each spawned worker process runs (the engine's
-        worker loop, vlinfer/engine/worker.py; passed in, since the engine sits above this package)."""
+        """worker_main(url, rank, world, parallel, parent_pid): what each spawned worker process
+        runs (the engine's worker loop, vlinfer/engine/worker.py; passed in, since the engine sits
+        above this package)."""
         parallel.check_world()
         self.worker_main = worker_main
         self.parallel = parallel
@@ -171,20 +181,27 @@ class TPDriver:
         _LIVE.add(self.state)
         _install_sigterm_handler()
         self.device = rank_device(device_type, parallel.local_rank)
-        # All ranks share one host's memory when spawned; externally, LOCAL_WORLD_SIZE ranks share a node.
+        # All ranks share one host's memory when spawned; externally, LOCAL_WORLD_SIZE ranks share a
+        # node.
         self.local_world_size = self.world if not parallel.launched_externally else \
             int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if self.device.type == "cpu" and torch.get_num_threads() > cores_per_rank(self.local_world_size):
-            # The ranks on this host share its cores, and more intra-op threads than cores is far slower than
-            # fewer; the thread count is the process owner's to set (docs/tensor-parallel.md), never a side effect.
-            logger.warning("tensor parallel on cpu: rank 0 runs %d intra-op threads while %d ranks share %d cores; "
-                           "give it %d (torch.set_num_threads, before LLM(...); the CLI's --num-threads does it)",
-                           torch.get_num_threads(), self.local_world_size, os.cpu_count() or 1,
-                           cores_per_rank(self.local_world_size))
+        if self.device.type == "cpu" and torch.get_num_threads() > cores_per_rank(
+                self.local_world_size):
+            # The ranks on this host share its cores, and more intra-op threads than cores is far
+            # slower than fewer; the thread count is the process owner's to set
+            # (docs/tensor-parallel.md), never a side effect.
+            logger.warning(
+                "tensor parallel on cpu: rank 0 runs %d intra-op threads while %d ranks share %d "
+                "cores; "
+                "give it %d (torch.set_num_threads, before LLM(...); the CLI's --num-threads does "
+                "it)",
+                torch.get_num_threads(), self.local_world_size,
+                os.cpu_count() or 1, cores_per_rank(self.local_world_size))
         self.url = parallel.init_method()
         try:
             if not parallel.launched_externally:
-                self._spawn()  # returns at once: the workers start while rank 0 reads the config and tokenizer
+                # returns at once: the workers start while rank 0 reads the config and tokenizer
+                self._spawn()
         except BaseException:
             self.close(polite=False)
             raise
@@ -198,7 +215,8 @@ class TPDriver:
         state.store, self.url = host_store(self.url, self.startup_timeout)
         context = mp.get_context("spawn")
         for rank in range(1, self.world):
-            proc = context.Process(target=self.worker_main, name=f"vlinfer-tp-worker-{rank}", daemon=True,
+            proc = context.Process(target=self.worker_main, name=f"vlinfer-tp-worker-{rank}",
+                                   daemon=True,
                                    args=(self.url, rank, self.world, self.parallel, os.getpid()))
             proc.start()
             state.procs[rank] = proc
@@ -206,14 +224,16 @@ class TPDriver:
                          daemon=True).start()
 
     def start_workers(self, init: dict) -> None:
-        """Meet the workers, send them what they need to build their shard of the model, join the device group.
-        They then load their shards while rank 0 loads its own; wait_ready() waits for them."""
+        """Meet the workers, send them what they need to build their shard of the model, join the
+        device group. They then load their shards while rank 0 loads its own; wait_ready() waits for
+        them."""
         state = self.state
         try:
             if state.store is None:  # launched externally: meet at the launcher's address
                 state.store = connect_store(self.url, 0, self.world, self.startup_timeout)
             self._wait_for("hello", "connect")
-            state.channel = control_channel(state.store, 0, self.world, self.step_timeout, self.startup_timeout)
+            state.channel = control_channel(state.store, 0, self.world, self.step_timeout,
+                                            self.startup_timeout)
             logger.info("tensor parallel: %d ranks connected via %s", self.world, self.url)
             state.channel.broadcast(("init", init))
             state.group = device_group(state.store, 0, self.world, self.device, self.step_timeout,
@@ -226,15 +246,17 @@ class TPDriver:
         self._wait_for("ready", "load the model")
 
     def _wait_for(self, what: str, doing: str) -> None:
-        """Wait until every worker set vlinfer/<what>/<rank>, failing fast when one dies or reports an error."""
+        """Wait until every worker set vlinfer/<what>/<rank>, failing fast when one dies or reports
+        an error."""
         store, deadline = self.state.store, time.monotonic() + self.startup_timeout.total_seconds()
         for rank in range(1, self.world):
             key = f"vlinfer/{what}/{rank}"
             while not store.check([key]):
                 self._raise_if_worker_failed(doing)
                 if time.monotonic() > deadline:
-                    raise TensorParallelError(f"tensor-parallel worker rank {rank} did not {doing} within "
-                                              f"{self.startup_timeout.total_seconds():.0f} s")
+                    raise TensorParallelError(
+                        f"tensor-parallel worker rank {rank} did not {doing} within "
+                        f"{self.startup_timeout.total_seconds():.0f} s")
                 time.sleep(0.05)
 
     def _raise_if_worker_failed(self, doing: str) -> None:
@@ -249,8 +271,10 @@ class TPDriver:
             if error:
                 message += f"; it raised:\n{error}"
             elif proc is not None and doing == "connect":
-                message += (" (a spawned worker imports the main module again: a script that creates the LLM "
-                            "at top level needs `if __name__ == '__main__':`)")
+                message += (
+                    " (a spawned worker imports the main module again: a script that creates the "
+                    "LLM "
+                    "at top level needs `if __name__ == '__main__':`)")
             raise TensorParallelError(message)
 
     # ---- steps ----
@@ -277,8 +301,9 @@ class TPDriver:
 
     @contextmanager
     def step(self, inputs):
-        """Send one step's inputs to the workers; the body runs rank 0's share. An error inside (here or on any
-        rank) ends the engine with a TensorParallelError naming the rank that failed."""
+        """Send one step's inputs to the workers; the body runs rank 0's share. An error inside
+        (here or on any rank) ends the engine with a TensorParallelError naming the rank that
+        failed."""
         self.check()
         state = self.state
         with _defer_sigint() as interrupted:
@@ -308,8 +333,9 @@ class TPDriver:
         raise TensorParallelError(f"{message}; the engine is closed, create a new LLM") from exc
 
     def _diagnose(self, exc: BaseException | None) -> str:
-        # A worker that raised writes its error before it exits, and a dead one is reaped within moments: give
-        # both a short while to show, so the message names the cause rather than the symptom.
+        # A worker that raised writes its error before it exits, and a dead one is reaped within
+        # moments: give both a short while to show, so the message names the cause rather than the
+        # symptom.
         deadline = time.monotonic() + 3.0
         while True:
             for rank in range(1, self.world):
@@ -324,7 +350,8 @@ class TPDriver:
             if time.monotonic() > deadline or not self.state.procs:
                 break
             time.sleep(0.05)
-        text = "".join(traceback.format_exception_only(exc)).strip() if exc is not None else "unknown error"
+        text = "".join(
+            traceback.format_exception_only(exc)).strip() if exc is not None else "unknown error"
         if "Timed out" in text or "timed out" in text:
             return (f"a tensor-parallel rank did not answer within distributed_timeout_s="
                     f"{self.parallel.distributed_timeout_s:g} ({text})")
@@ -344,15 +371,17 @@ class TPDriver:
 
 @contextmanager
 def _defer_sigint():
-    """Hold a Ctrl-C that arrives during a step until the step has finished on every rank (a step cut short
-    leaves the workers inside a collective rank 0 never joins). A second Ctrl-C interrupts at once."""
+    """Hold a Ctrl-C that arrives during a step until the step has finished on every rank (a step
+    cut short leaves the workers inside a collective rank 0 never joins). A second Ctrl-C interrupts
+    at once."""
     caught = []
 
     def handler(signum, frame):
         if caught:
             raise KeyboardInterrupt
         caught.append(signum)
-        logger.warning("Ctrl-C: stopping after the current tensor-parallel step (again to interrupt now)")
+        logger.warning(
+            "Ctrl-C: stopping after the current tensor-parallel step (again to interrupt now)")
 
     install = threading.current_thread() is threading.main_thread() and \
         signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -363,4 +392,3 @@ def _defer_sigint():
     finally:
         if install:
             signal.signal(signal.SIGINT, signal.default_int_handler)
-

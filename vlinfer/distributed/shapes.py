@@ -1,9 +1,11 @@
-"""Whether a model's shapes split over a tensor-parallel group: checked before any worker loads a weight."""
+"""Whether a model's shapes split over a tensor-parallel group: checked before any worker loads a
+weight."""
 
 
 def check_tensor_parallel_shapes(text_config, tp: int, expert_parallel: bool = False) -> None:
-    """Query heads and the MLP split evenly; KV heads split evenly or, when fewer than ranks, replicate. MoE
-    experts split along their intermediate dimension, or (expert_parallel) whole experts over the ranks."""
+    """Query heads and the MLP split evenly; KV heads split evenly or, when fewer than ranks,
+    replicate. MoE experts split along their intermediate dimension, or (expert_parallel) whole
+    experts over the ranks."""
     if tp == 1:
         return
     heads, kv = text_config.num_attention_heads, text_config.num_key_value_heads
@@ -16,8 +18,11 @@ def check_tensor_parallel_shapes(text_config, tp: int, expert_parallel: bool = F
         problems.append(f"intermediate_size={text_config.intermediate_size} is not divisible by it")
     num_experts = getattr(text_config, "num_experts", 0) or 0
     if num_experts and expert_parallel and num_experts % tp:
-        problems.append(f"num_experts={num_experts} is not divisible by it (enable_expert_parallel)")
+        problems.append(
+            f"num_experts={num_experts} is not divisible by it (enable_expert_parallel)")
     if num_experts and not expert_parallel and text_config.moe_intermediate_size % tp:
-        problems.append(f"moe_intermediate_size={text_config.moe_intermediate_size} is not divisible by it")
+        problems.append(
+            f"moe_intermediate_size={text_config.moe_intermediate_size} is not divisible by it")
     if problems:
-        raise ValueError(f"tensor_parallel_size={tp} does not fit this model: " + "; ".join(problems))
+        raise ValueError(f"tensor_parallel_size={tp} does not fit this model: " +
+                         "; ".join(problems))

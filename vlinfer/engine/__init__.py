@@ -6,5 +6,7 @@ from vlinfer.engine.model_runner import ModelRunner
 from vlinfer.engine.scheduler import Scheduler, SchedulerOutput
 from vlinfer.engine.sequence import Sequence, SequenceStatus
 
-__all__ = ["BlockManager", "EngineLoop", "RequestStream", "LLMEngine", "ModelRunner", "Scheduler", "SchedulerOutput",
-           "Sequence", "SequenceStatus", "hash_block"]
+__all__ = [
+    "BlockManager", "EngineLoop", "RequestStream", "LLMEngine", "ModelRunner", "Scheduler",
+    "SchedulerOutput", "Sequence", "SequenceStatus", "hash_block"
+]

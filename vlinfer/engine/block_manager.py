@@ -1,4 +1,5 @@
-"""Paged KV memory: fixed-size blocks, reference counts, and prefix caching by chained block hashes."""
+"""Paged KV memory: fixed-size blocks, reference counts, and prefix caching by chained block hashes.
+"""
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -32,8 +33,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Blocks with ref_count 0, in eviction order: the front is reused first. Freed blocks that still hold
-        # cached KV go to the back, so the least recently used cached block is evicted first.
+        # Blocks with ref_count 0, in eviction order: the front is reused first. Freed blocks that
+        # still hold cached KV go to the back, so the least recently used cached block is evicted
+        # first.
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
 
@@ -52,8 +54,10 @@ class BlockManager:
         """Extend seq.block_hashes to cover every full block of its current tokens."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_tokens // bs):
-            # The first block's parent is the request's adapter: KV computed under one adapter is never another's.
-            parent = seq.block_hashes[i - 1] if i else (seq.lora_request.lora_int_id if seq.lora_request else None)
+            # The first block's parent is the request's adapter: KV computed under one adapter is
+            # never another's.
+            parent = seq.block_hashes[i - 1] if i else (
+                seq.lora_request.lora_int_id if seq.lora_request else None)
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs],
                                                seq.mm_hashes_in(i * bs, (i + 1) * bs)))
         return seq.block_hashes
@@ -75,13 +79,18 @@ class BlockManager:
         return block_id
 
     def allocate_prefix(self, seq: Sequence) -> int:
-        """Give a sequence with no blocks its cached prefix blocks. Returns the number of tokens whose KV is
-        reused. The block holding the last token is never reused: that token must be recomputed for its logits,
-        and writing its KV into a block other sequences read would be a hidden write to shared state."""
-        if seq.block_table:  # its blocks would leak: the scheduler frees a sequence before it allocates again
-            raise RuntimeError(f"sequence {seq.request_id} already holds {len(seq.block_table)} KV blocks")
+        """Give a sequence with no blocks its cached prefix blocks. Returns the number of tokens
+        whose KV is reused. The block holding the last token is never reused: that token must be
+        recomputed for its logits, and writing its KV into a block other sequences read would be a
+        hidden write to shared state."""
+        # its blocks would leak: the scheduler frees a sequence before it allocates again
+        if seq.block_table:
+            raise RuntimeError(
+                f"sequence {seq.request_id} already holds {len(seq.block_table)} KV blocks")
         if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
-            return 0  # prompt logprobs need the prompt's logits: its KV is computed, not read (vLLM's rule too)
+            # prompt logprobs need the prompt's logits: its KV is computed, not read (vLLM's rule
+            # too)
+            return 0
         hits = []
         for h in self.update_block_hashes(seq)[:(seq.num_tokens - 1) // self.block_size]:
             block_id = self.hash_to_block.get(h)
@@ -98,8 +107,8 @@ class BlockManager:
         return need <= len(self.free_blocks)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make room for num_new_tokens more tokens of KV after seq.num_computed_tokens. False if the pool is
-        out of blocks (nothing is allocated then)."""
+        """Make room for num_new_tokens more tokens of KV after seq.num_computed_tokens. False if
+        the pool is out of blocks (nothing is allocated then)."""
         if not self.can_allocate(seq, num_new_tokens):
             return False
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
@@ -115,14 +124,15 @@ class BlockManager:
         hashes = self.update_block_hashes(seq)
         for i in range(num_full):
             block = self.blocks[seq.block_table[i]]
-            # A block computed alongside an identical one that is already cached stays unhashed, so it is
-            # reused as plain free space rather than kept as an unreachable copy.
-            if block.hash is None and self.hash_to_block.setdefault(hashes[i], block.block_id) == block.block_id:
+            # A block computed alongside an identical one that is already cached stays unhashed, so
+            # it is reused as plain free space rather than kept as an unreachable copy.
+            if block.hash is None and self.hash_to_block.setdefault(
+                    hashes[i], block.block_id) == block.block_id:
                 block.hash = hashes[i]
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (vLLM's reset_prefix_cache). Only while no sequence holds a block: False, and
-        nothing changed, otherwise."""
+        """Forget every cached block (vLLM's reset_prefix_cache). Only while no sequence holds a
+        block: False, and nothing changed, otherwise."""
         if len(self.free_blocks) != len(self.blocks):
             return False
         for block in self.blocks:
@@ -131,8 +141,9 @@ class BlockManager:
         return True
 
     def trim(self, seq: Sequence) -> None:
-        """Free the tail blocks past those seq.num_tokens needs: blocks taken for proposed tokens that were rejected
-        (speculative decoding). They hold no full block of accepted tokens, so no hash."""
+        """Free the tail blocks past those seq.num_tokens needs: blocks taken for proposed tokens
+        that were rejected (speculative decoding). They hold no full block of accepted tokens, so no
+        hash."""
         while len(seq.block_table) > self.blocks_needed(seq.num_tokens):
             self._release(seq.block_table.pop(), seq)
 

@@ -1,5 +1,5 @@
-"""Builds an engine's model on its op table and dtype (ModelContext), loads its checkpoint shard, and gives its
-weights the layout its ops prefer."""
+"""Builds an engine's model on its op table and dtype (ModelContext), loads its checkpoint shard,
+and gives its weights the layout its ops prefer."""
 import logging
 from typing import NamedTuple
 
@@ -23,12 +23,14 @@ class LoadedModel(NamedTuple):
     checkpoint_bytes_read: int  # this load's own count: two engines loading at once count apart
 
 
-def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quantization: str | None = None,
-               pooling=None, tensors: dict | None = None) -> LoadedModel:
-    """Build the model on ctx's op table for ctx.tp's rank (its shard of every split layer) and load that shard:
-    split weights are read lazily, only the rank's rows or columns of each (loading.CheckpointSlice).
-    Each linear layer's quantization method is chosen from the checkpoint (or `quantization`, "int8" / "int4" on
-    load) before any weight is read, so a checkpoint vlinfer cannot run fails here, before the KV pool.
+def load_model(source, hf_config, device: torch.device, ctx: ModelContext,
+               quantization: str | None = None, pooling=None,
+               tensors: dict | None = None) -> LoadedModel:
+    """Build the model on ctx's op table for ctx.tp's rank (its shard of every split layer) and load
+    that shard: split weights are read lazily, only the rank's rows or columns of each
+    (loading.CheckpointSlice). Each linear layer's quantization method is chosen from the checkpoint
+    (or `quantization`, "int8" / "int4" on load) before any weight is read, so a checkpoint vlinfer
+    cannot run fails here, before the KV pool.
 
     A pooling model (engine/pooling.py PoolingSpec: task "embed" / "classify") is built with its
     LM head only where the checkpoint has one (generation requests may then share its engine);
@@ -38,13 +40,15 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quant
     pooling_task = pooling.task if pooling is not None else None
     model_cls = get_model_class(hf_config)
     tensors = tensors if tensors is not None else loading.checkpoint_tensor_index(source, hf_config)
-    # A config that lies about its sizes is refused before anything is allocated: its layer counts against the
-    # checkpoint's tensors, then the bytes of a model built on the meta device (shapes only) against its files.
+    # A config that lies about its sizes is refused before anything is allocated: its layer counts
+    # against the checkpoint's tensors, then the bytes of a model built on the meta device (shapes
+    # only) against its files.
     loading.check_layer_counts(hf_config, tensors, source)
     with torch.device("meta"):
         skeleton = model_cls(hf_config, ctx)
-    loading.check_model_size(sum(t.numel() * t.element_size() for t in (*skeleton.parameters(), *skeleton.buffers())),
-                             source)
+    loading.check_model_size(
+        sum(t.numel() * t.element_size() for t in (*skeleton.parameters(), *skeleton.buffers())),
+        source)
     del skeleton
     head_table = loading.lm_head_table(tensors, hf_config)
     heads = _heads(model_cls, pooling, head_table)
@@ -57,12 +61,14 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quant
             assign_methods(net, quant, tensors)
         elif not source.gguf_file:
             loading.check_float_tensors(tensors, source)
-    keep_gguf_blocks = isinstance(quant, GgufQuantization)  # else GGUF files are dequantized on load, as before
+    # else GGUF files are dequantized on load, as before
+    keep_gguf_blocks = isinstance(quant, GgufQuantization)
     if keep_gguf_blocks:
         with loading.fitting(source.path):
             assign_gguf_embeddings(net, tensors)
     counter = loading.ReadCounter()  # this load's own: two engines loading at once count apart
-    weights = loading.iterate_weights(source, hf_config, lazy=True, keep_gguf_blocks=keep_gguf_blocks, counter=counter)
+    weights = loading.iterate_weights(source, hf_config, lazy=True,
+                                      keep_gguf_blocks=keep_gguf_blocks, counter=counter)
     if pooling_task is not None:
         weights = _pooling_weights(net, weights, head_table, keep_gguf_blocks)
     kv_scheme = kv_cache.detect_kv_cache_scheme(hf_config, source.folder)
@@ -75,7 +81,8 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext, quant
         else:
             loading.load_weights(net, weights)
     if kv_scheme is not None:
-        kv_cache.attach(kv_scheme, kv_scales, decoder_attention(net), use=ctx.kv_cache_dtype == kv_scheme.cache_dtype)
+        kv_cache.attach(kv_scheme, kv_scales, decoder_attention(net),
+                        use=ctx.kv_cache_dtype == kv_scheme.cache_dtype)
     return LoadedModel(net, counter.bytes)
 
 
@@ -97,13 +104,16 @@ def _heads(model_cls, pooling, head_table: str | None) -> Heads:
 
 
 def _pooling_weights(net, weights, head_table: str | None, keep_gguf_blocks: bool):
-    """A pooling model's checkpoint stream: the classifier's rows taken from the LM head's table on the way past
-    (that tensor still goes on to its parameter); lm_head.weight dropped where the model keeps no LM head."""
+    """A pooling model's checkpoint stream: the classifier's rows taken from the LM head's table on
+    the way past (that tensor still goes on to its parameter); lm_head.weight dropped where the
+    model keeps no LM head."""
     for name, tensor in weights:
         if net.classifier is not None and name == head_table:
             if keep_gguf_blocks:
-                raise ValueError("a classification model from a GGUF file with its LM head kept in blocks is not "
-                                 "supported")
+                raise ValueError(
+                    "a classification model from a GGUF file with its LM head kept in blocks is "
+                    "not "
+                    "supported")
             net.classifier.load_rows(tensor)
         if name == "lm_head.weight" and net.lm_head is None:
             continue
@@ -111,17 +121,19 @@ def _pooling_weights(net, weights, head_table: str | None, keep_gguf_blocks: boo
 
 
 def decoder_attention(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers' self-attention modules (their qkv_proj and paged Attention), in layer order."""
+    """The decoder layers' self-attention modules (their qkv_proj and paged Attention), in layer
+    order."""
     return [m for m in model.modules() if isinstance(m, PagedAttentionBlock)]
 
 
 def pack_weights(model: torch.nn.Module) -> None:
-    """Give every linear layer and LM head the weight layout its op table prefers, once after loading; logged either
-    way, so a model left on plain weights says so."""
+    """Give every linear layer and LM head the weight layout its op table prefers, once after
+    loading; logged either way, so a model left on plain weights says so."""
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     embeddings = [m.weight for m in model.modules()
                   if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
-    # Parts that never run a decode step (vision towers: whole images' patches) see only prefill-sized row counts.
+    # Parts that never run a decode step (vision towers: whole images' patches) see only
+    # prefill-sized row counts.
     prefill_only = {id(m) for part in model.modules() if isinstance(part, PrefillOnly)
                     for m in part.modules()}
     large_rows = [id(layer) in prefill_only for layer in linears]
@@ -130,26 +142,33 @@ def pack_weights(model: torch.nn.Module) -> None:
     for head in (m for m in model.modules() if isinstance(m, ParallelLMHead)):
         tied = any(head.weight is w for w in embeddings)
         if head.pack_weight(tied) and tied:
-            logger.info("LM head tied to the embedding: a packed copy for the logits matmul (+%.0f MiB)",
-                        head.weight.numel() * head.weight.element_size() / 2 ** 20)
+            logger.info(
+                "LM head tied to the embedding: a packed copy for the logits matmul (+%.0f MiB)",
+                head.weight.numel() * head.weight.element_size() / 2**20)
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     if experts:
         packed_experts = sum(layer.pack_weight() for layer in experts)
-        logger.info("%d of %d MoE expert layers packed for %s", packed_experts, len(experts), experts[0].ops.name)
+        logger.info("%d of %d MoE expert layers packed for %s", packed_experts, len(experts),
+                    experts[0].ops.name)
     for decoder in (m for m in model.modules() if isinstance(m, SupportsFusedDecode)):
         if decoder.fuse_decode():
-            logger.info("decode steps run all %d decoder layers in one op call (%s)", len(decoder.layers),
-                        decoder.ctx.ops.name)
+            logger.info("decode steps run all %d decoder layers in one op call (%s)",
+                        len(decoder.layers), decoder.ctx.ops.name)
         else:
-            reason = (f"the KV cache is stored in {decoder.ctx.kv_cache_dtype}" if decoder.ctx.kv_cache_quantized
-                      else f"{decoder.ctx.ops.name} has no fused form for them")
-            logger.info("decode steps run the %d decoder layers module by module (%s)", len(decoder.layers), reason)
+            reason = (f"the KV cache is stored in {decoder.ctx.kv_cache_dtype}"
+                      if decoder.ctx.kv_cache_quantized else
+                      f"{decoder.ctx.ops.name} has no fused form for them")
+            logger.info("decode steps run the %d decoder layers module by module (%s)",
+                        len(decoder.layers), reason)
     if linears:
         dtype = linears[0].params_dtype
         if packed:
-            logger.info("%d of %d linear weights packed for %s (%s); %d of the %d in parts that run prefill only "
-                        "kept plain", packed, len(linears), linears[0].ops.name, dtype,
-                        sum(large and not p for large, p in zip(large_rows, was_packed)), sum(large_rows))
+            logger.info(
+                "%d of %d linear weights packed for %s (%s); %d of the %d in parts that run "
+                "prefill only "
+                "kept plain", packed, len(linears), linears[0].ops.name, dtype,
+                sum(large and not p for large, p in zip(large_rows, was_packed)), sum(large_rows))
         else:
-            logger.info("linear layers keep plain %s weights (%s has no packed layout for them here)", dtype,
-                        linears[0].ops.name)
+            logger.info(
+                "linear layers keep plain %s weights (%s has no packed layout for them here)",
+                dtype, linears[0].ops.name)

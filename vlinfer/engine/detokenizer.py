@@ -1,8 +1,8 @@
 """Incremental detokenization: text grows as tokens arrive, never splitting a multi-byte character.
 
-Decoding a few tokens before the new ones and taking the difference keeps tokenizers that strip or merge
-leading spaces (SentencePiece) correct; a trailing U+FFFD means an unfinished UTF-8 sequence, so the text
-waits for the next token."""
+Decoding a few tokens before the new ones and taking the difference keeps tokenizers that strip or
+merge leading spaces (SentencePiece) correct; a trailing U+FFFD means an unfinished UTF-8 sequence,
+so the text waits for the next token."""
 
 
 class IncrementalDetokenizer:
@@ -12,9 +12,10 @@ class IncrementalDetokenizer:
                  spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        # vLLM's rule: only when special tokens are kept does False change anything, and then it removes the space
-        # a tokenizer's decoder (WordPiece, some SentencePiece ones) puts between two adjacent added tokens.
-        # Byte-level BPE decoders (Qwen, SmolLM2) put none, so for them both settings give the same text.
+        # vLLM's rule: only when special tokens are kept does False change anything, and then it
+        # removes the space a tokenizer's decoder (WordPiece, some SentencePiece ones) puts between
+        # two adjacent added tokens. Byte-level BPE decoders (Qwen, SmolLM2) put none, so for them
+        # both settings give the same text.
         self.added_ids = None
         if not skip_special_tokens and not spaces_between_special_tokens:
             self.added_ids = set(tokenizer.added_tokens_decoder)
@@ -24,8 +25,8 @@ class IncrementalDetokenizer:
     def decode(self, ids: list[int]) -> str:
         if not self.added_ids:
             return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        # Decode in pieces split between adjacent added tokens: the decoder cannot put a space where it never
-        # sees both tokens.
+        # Decode in pieces split between adjacent added tokens: the decoder cannot put a space where
+        # it never sees both tokens.
         pieces, start = [], 0
         for i in range(1, len(ids)):
             if ids[i] in self.added_ids and ids[i - 1] in self.added_ids:

@@ -1,15 +1,17 @@
-"""Vision encoder outputs, keyed by Sequence.encoder_key (the image's content hash and the vision adapter it was
-encoded under), held while any unfinished request holds that key; and a step's rows of them.
+"""Vision encoder outputs, keyed by Sequence.encoder_key (the image's content hash and the vision
+adapter it was encoded under), held while any unfinished request holds that key; and a step's rows
+of them.
 
-Held for the request's whole life rather than dropped once its image chunks ran: a preempted request recomputes
-its prompt and needs them again, and identical images in concurrent requests (under the same vision adapter, or
-none) are encoded once."""
+Held for the request's whole life rather than dropped once its image chunks ran: a preempted request
+recomputes its prompt and needs them again, and identical images in concurrent requests (under the
+same vision adapter, or none) are encoded once."""
 import torch
 
 
 class EncoderCache:
     def __init__(self):
-        self.outputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (embeds, deepstack)
+        # key -> (embeds, deepstack)
+        self.outputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.holders: dict[tuple, set[int]] = {}  # key -> ids of the sequences that hold it
 
     def __len__(self) -> int:
@@ -40,7 +42,8 @@ class EncoderCache:
         self.outputs[key] = output
 
     def missing(self, batch) -> dict:
-        """{key: (item, vision adapter or None)} for every item a step's tokens reach and the cache lacks, once."""
+        """{key: (item, vision adapter or None)} for every item a step's tokens reach and the cache
+        lacks, once."""
         missing = {}
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -51,9 +54,9 @@ class EncoderCache:
         return missing
 
     def step_rows(self, batch, num_tokens: int) -> dict:
-        """mm_mask [T], mm_embeds and deepstack_embeds rows for the image tokens of a step whose items are all
-        cached, in token order: a chunk that starts or ends inside an image takes just its slice of that image's
-        rows. {} when the step has no image token."""
+        """mm_mask [T], mm_embeds and deepstack_embeds rows for the image tokens of a step whose
+        items are all cached, in token order: a chunk that starts or ends inside an image takes just
+        its slice of that image's rows. {} when the step has no image token."""
         mask = torch.zeros(num_tokens, dtype=torch.bool)
         embeds, deepstack = [], []
         base = 0
@@ -70,4 +73,7 @@ class EncoderCache:
             base += n
         if not embeds:
             return {}
-        return {"mm_mask": mask, "mm_embeds": torch.cat(embeds), "deepstack_embeds": torch.cat(deepstack, 1)}
+        return {
+            "mm_mask": mask, "mm_embeds": torch.cat(embeds),
+            "deepstack_embeds": torch.cat(deepstack, 1)
+        }

@@ -1,10 +1,11 @@
-"""An LLMEngine driven by one background thread, so many callers (demo tabs, server requests) share one batch.
+"""An LLMEngine driven by one background thread, so many callers (demo tabs, server requests) share
+one batch.
 
-Callers submit from any thread and read their request's outputs from a queue; the loop thread is the only one
-that touches the engine's requests and steps it. Validation and image preprocessing run in the caller's thread,
-so a slow image never stalls the batch. A submit or an abort only puts the request (or its id) in an inbox under
-a lock that is never held during a step, so neither waits for the step in progress; the loop thread takes the
-inbox into the engine between steps."""
+Callers submit from any thread and read their request's outputs from a queue; the loop thread is the
+only one that touches the engine's requests and steps it. Validation and image preprocessing run in
+the caller's thread, so a slow image never stalls the batch. A submit or an abort only puts the
+request (or its id) in an inbox under a lock that is never held during a step, so neither waits for
+the step in progress; the loop thread takes the inbox into the engine between steps."""
 import asyncio
 import itertools
 import logging
@@ -23,8 +24,8 @@ _DONE = object()
 
 
 class RequestStream:
-    """Iterates over one request's outputs (cumulative text plus this step's delta) until it finishes; a pooling
-    request's one output is its PoolingRequestOutput."""
+    """Iterates over one request's outputs (cumulative text plus this step's delta) until it
+    finishes; a pooling request's one output is its PoolingRequestOutput."""
 
     def __init__(self, loop: "EngineLoop", request_id: str):
         self.loop = loop
@@ -61,7 +62,8 @@ class RequestStream:
 class EngineLoop:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        # Guards the streams, the two inboxes and _closed; held for a few list / dict operations, never for a step.
+        # Guards the streams, the two inboxes and _closed; held for a few list / dict operations,
+        # never for a step.
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._streams: dict[str, RequestStream] = {}
@@ -77,31 +79,37 @@ class EngineLoop:
         return self.submit_sequences([self.make_sequence(prompt, sampling_params)])[0]
 
     def make_sequence(self, prompt, sampling_params: SamplingParams | None = None) -> Sequence:
-        """Validate a request and build its Sequence without queueing it (ValueError when bad), so a caller with
-        several requests (n > 1) can check them all before any runs. Runs in the caller's thread."""
-        return self.engine.make_sequence(prompt, sampling_params, request_id=f"loop-{next(self._ids)}")
+        """Validate a request and build its Sequence without queueing it (ValueError when bad), so a
+        caller with several requests (n > 1) can check them all before any runs. Runs in the
+        caller's thread."""
+        return self.engine.make_sequence(prompt, sampling_params,
+                                         request_id=f"loop-{next(self._ids)}")
 
     def make_sequences(self, prompt, sampling_params: SamplingParams | PoolingParams,
                        lora_request=None) -> list[Sequence]:
-        """make_sequence for n completions of one prompt: the prompt and its media are processed once (the engine's
-        make_sequences), and each completion is its own stream (its outputs carry its own id). PoolingParams make
-        one pooling sequence, whose stream gets one PoolingRequestOutput. lora_request: the adapter they run."""
-        seqs = self.engine.make_sequences(prompt, sampling_params, request_id=f"loop-{next(self._ids)}",
+        """make_sequence for n completions of one prompt: the prompt and its media are processed
+        once (the engine's make_sequences), and each completion is its own stream (its outputs carry
+        its own id). PoolingParams make one pooling sequence, whose stream gets one
+        PoolingRequestOutput. lora_request: the adapter they run."""
+        seqs = self.engine.make_sequences(prompt, sampling_params,
+                                          request_id=f"loop-{next(self._ids)}",
                                           lora_request=lora_request)
         for seq in seqs:
             seq.parent_id = seq.request_id
         return seqs
 
     def submit_sequences(self, seqs: list[Sequence], event_loop=None) -> list[RequestStream]:
-        """Queue Sequences from make_sequence, all in one engine step's admission. With an asyncio event_loop, the
-        streams are AsyncRequestStreams read with `async for` on that loop: outputs reach them through
-        call_soon_threadsafe, so no thread blocks per request. Never waits for a step: safe on an event loop."""
+        """Queue Sequences from make_sequence, all in one engine step's admission. With an asyncio
+        event_loop, the streams are AsyncRequestStreams read with `async for` on that loop: outputs
+        reach them through call_soon_threadsafe, so no thread blocks per request. Never waits for a
+        step: safe on an event loop."""
         if event_loop is not None:
             streams = [AsyncRequestStream(self, seq.request_id, event_loop) for seq in seqs]
         else:
             streams = [RequestStream(self, seq.request_id) for seq in seqs]
         with self._wakeup:
-            # Checked under the lock: a request queued after the loop thread returned would never finish.
+            # Checked under the lock: a request queued after the loop thread returned would never
+            # finish.
             if not self.is_alive():
                 raise RuntimeError("the engine loop is closed or stopped")
             for seq, stream in zip(seqs, streams):
@@ -111,7 +119,8 @@ class EngineLoop:
         return streams
 
     def abort(self, request_id: str) -> None:
-        """End a request's stream now; the engine frees its blocks before its next step. Never waits for a step."""
+        """End a request's stream now; the engine frees its blocks before its next step. Never waits
+        for a step."""
         with self._wakeup:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
@@ -125,7 +134,8 @@ class EngineLoop:
             return len(self._streams)
 
     def is_alive(self) -> bool:
-        """False once closed or once the loop thread died: a health check reports it, readers stop waiting."""
+        """False once closed or once the loop thread died: a health check reports it, readers stop
+        waiting."""
         return not self._closed and self._thread.is_alive()
 
     def close(self) -> None:
@@ -136,7 +146,8 @@ class EngineLoop:
         with self._lock:
             streams, self._streams = self._streams, {}
             self._new_seqs, self._aborted = [], []
-        if not self._thread.is_alive():  # else a step outlived the join: the engine is still the thread's
+        # else a step outlived the join: the engine is still the thread's
+        if not self._thread.is_alive():
             for request_id in streams:
                 self.engine.abort_request(request_id)
         for stream in streams.values():
@@ -145,7 +156,8 @@ class EngineLoop:
     def _take_inbox(self) -> bool:
         """Wait for work; move submitted and aborted requests into the engine. False once closed."""
         with self._wakeup:
-            while not (self._closed or self._new_seqs or self._aborted or self.engine.has_unfinished_requests()):
+            while not (self._closed or self._new_seqs or self._aborted or
+                       self.engine.has_unfinished_requests()):
                 self._wakeup.wait()
             if self._closed:
                 return False
@@ -153,7 +165,8 @@ class EngineLoop:
             aborted, self._aborted = self._aborted, []
         for seq in new_seqs:
             self.engine.add_sequence(seq)
-        for request_id in aborted:  # after the adds: a request aborted before it reached the engine is in it now
+        # after the adds: a request aborted before it reached the engine is in it now
+        for request_id in aborted:
             self.engine.abort_request(request_id)
         return True
 
@@ -164,7 +177,8 @@ class EngineLoop:
             try:  # a failed step aborts every request in the engine: each is some stream's
                 outputs = step(self.engine, self.engine.requests)
             except Exception as e:  # an engine fault fails the running requests, not the process
-                with self._lock:  # requests submitted during the failed step fail with it, never reaching the engine
+                # requests submitted during the failed step fail with it, never reaching the engine
+                with self._lock:
                     streams, self._streams = self._streams, {}
                     self._new_seqs = []
                 logger.exception("engine step failed; failing %d requests", len(streams))
@@ -186,7 +200,8 @@ class EngineLoop:
 
 
 class _EventLoopQueue:
-    """The queue of an AsyncRequestStream. put() runs in the loop thread and never blocks; get() is awaited."""
+    """The queue of an AsyncRequestStream. put() runs in the loop thread and never blocks; get() is
+    awaited."""
 
     def __init__(self, event_loop):
         self.event_loop = event_loop
@@ -195,7 +210,8 @@ class _EventLoopQueue:
     def put(self, item) -> None:
         try:
             self.event_loop.call_soon_threadsafe(self.items.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody will read this, and the loop thread must go on
+        # the event loop is closed: nobody will read this, and the loop thread must go on
+        except RuntimeError:
             pass
 
     async def get(self):
@@ -203,8 +219,8 @@ class _EventLoopQueue:
 
 
 class AsyncRequestStream(RequestStream):
-    """A RequestStream for asyncio code: `async for out in stream`. abort() never waits for a step, so an event
-    loop may call it directly."""
+    """A RequestStream for asyncio code: `async for out in stream`. abort() never waits for a step,
+    so an event loop may call it directly."""
 
     LIVENESS_CHECK_S = 1.0  # how often a waiting reader checks that the loop thread is still there
 
@@ -219,8 +235,8 @@ class AsyncRequestStream(RequestStream):
         getter = None
         try:
             while True:
-                # One get() stays pending across liveness checks: cancelling it on each timeout could drop an
-                # item that arrives just then (Python < 3.12's wait_for can).
+                # One get() stays pending across liveness checks: cancelling it on each timeout
+                # could drop an item that arrives just then (Python < 3.12's wait_for can).
                 getter = getter or asyncio.ensure_future(self.queue.get())
                 done, _ = await asyncio.wait({getter}, timeout=self.LIVENESS_CHECK_S)
                 if not done:

@@ -1,14 +1,15 @@
-"""Decode steps replayed from captured graphs (CUDA graphs on CUDA, ACL graphs on the Ascend NPU), behind
-EngineConfig.enforce_eager=False.
+"""Decode steps replayed from captured graphs (CUDA graphs on CUDA, ACL graphs on the Ascend NPU),
+behind EngineConfig.enforce_eager=False.
 
-A decode-only step's shapes depend only on its batch size, so the model's forward is captured once per bucket of
-batch sizes (1, 2, 4, 8, 16, ..., up to max_num_seqs, at most MAX_BUCKET) over static input buffers. A step copies
-its inputs into the buffers, pads up to the smallest bucket that holds it and replays; padded rows write nothing
-(slot -1) and attend to nothing (length 0), or use a reserved dummy block where the backend asks for one, and their
-hidden states are cut off. Logits and sampling run eager on the real rows. Prefill and mixed steps, steps carrying
-image embeddings, batches above the largest bucket and contexts longer than the captured block-table width run
-eager. With LoRA on, the graphs run the adapters' updates over static buffers (every row in a slot, the base
-model's and padding rows in one kept zero), so decode steps with adapters replay as well.
+A decode-only step's shapes depend only on its batch size, so the model's forward is captured once
+per bucket of batch sizes (1, 2, 4, 8, 16, ..., up to max_num_seqs, at most MAX_BUCKET) over static
+input buffers. A step copies its inputs into the buffers, pads up to the smallest bucket that holds
+it and replays; padded rows write nothing (slot -1) and attend to nothing (length 0), or use a
+reserved dummy block where the backend asks for one, and their hidden states are cut off. Logits and
+sampling run eager on the real rows. Prefill and mixed steps, steps carrying image embeddings,
+batches above the largest bucket and contexts longer than the captured block-table width run eager.
+With LoRA on, the graphs run the adapters' updates over static buffers (every row in a slot, the
+base model's and padding rows in one kept zero), so decode steps with adapters replay as well.
 
 How a graph is captured and replayed is the op table's answer (Backend.graph_capture,
 ops/interface.py): CUDA's records the forward with torch.cuda.CUDAGraph (ops/cuda/graph.py); the
@@ -18,8 +19,8 @@ Buckets, buffers and padding do not depend on it otherwise, so tests run them on
 whose "graph" re-runs the recorded callable on the static buffers (tests/test_graph_runner.py), or
 under an emulated torch_npu whose graphs replay what was captured (tests/test_npu_graph.py).
 
-Graph mode stays off under tensor parallelism: every rank would have to capture and replay in lock step with the
-collectives inside the graph, which is not done yet.
+Graph mode stays off under tensor parallelism: every rank would have to capture and replay in lock
+step with the collectives inside the graph, which is not done yet.
 """
 import functools
 import logging
@@ -36,15 +37,16 @@ from vlinfer.ops import Backend, GraphModeUnavailable
 logger = logging.getLogger("vlinfer")
 
 MAX_BUCKET = 256
-# Longest context a captured graph serves when its decode attention gathers the block table's whole width (the
-# reference's matmul decode, where Triton cannot load): the static width then bounds the memory a replay needs.
-# Longer steps run eager. flash_attn and our Triton kernel read only each sequence's own blocks, so with them the
-# graphs serve up to max_model_len.
+# Longest context a captured graph serves when its decode attention gathers the block table's whole
+# width (the reference's matmul decode, where Triton cannot load): the static width then bounds the
+# memory a replay needs. Longer steps run eager. flash_attn and our Triton kernel read only each
+# sequence's own blocks, so with them the graphs serve up to max_model_len.
 MAX_CAPTURE_LEN = 8192
 
 
 def batch_sizes(max_num_seqs: int) -> list[int]:
-    """Powers of two below the largest batch, then the largest batch itself: min(max_num_seqs, MAX_BUCKET)."""
+    """Powers of two below the largest batch, then the largest batch itself: min(max_num_seqs,
+    MAX_BUCKET)."""
     top = min(max_num_seqs, MAX_BUCKET)
     sizes = [1 << i for i in range(top.bit_length()) if 1 << i < top]
     return sizes + [top]
@@ -64,13 +66,17 @@ def select_backend(config, device: torch.device, ops: Backend,
         backend, unavailable = None, e
     has_graphs = backend is not None or unavailable is not None
     if kv_cache_dtype is not None and kv_cache_dtype not in ops.kv_cache_kernels and has_graphs:
-        logger.info("graph mode: off, the KV cache in %s is read by the pure-torch reference (it syncs with the "
-                    "host), running eager", kv_cache_dtype)
+        logger.info(
+            "graph mode: off, the KV cache in %s is read by the pure-torch reference (it syncs "
+            "with the "
+            "host), running eager", kv_cache_dtype)
         return None
     if not has_graphs:
         if device.type == "cpu":
-            logger.info("graph mode: none on cpu, running eager (torch.compile of the decode step measured slower "
-                        "here: bench/cpu_decode_compile.py)")
+            logger.info(
+                "graph mode: none on cpu, running eager (torch.compile of the decode step measured "
+                "slower "
+                "here: bench/cpu_decode_compile.py)")
         else:
             logger.info("graph mode: not implemented for %s yet, running eager", device.type)
         return None
@@ -85,20 +91,23 @@ def select_backend(config, device: torch.device, ops: Backend,
 
 
 class GraphRunner:
-    """Captured decode forwards, one per bucket, over one set of static buffers sized for the largest bucket. The
-    model's layers read each forward's metadata from `ctx`, the engine's ModelContext."""
+    """Captured decode forwards, one per bucket, over one set of static buffers sized for the
+    largest bucket. The model's layers read each forward's metadata from `ctx`, the engine's
+    ModelContext."""
 
-    def __init__(self, model: torch.nn.Module, ctx: ModelContext, device: torch.device, backend, sizes: list[int],
-                 max_blocks: int, uses_mrope: bool, dummy_block: int | None = None, block_size: int = 0,
-                 lora_slots: int = 0):
-        """lora_slots: the LoRA layers' slot count, the last one kept zero (LoRAManager zero_slot), when adapters are
-        on: every graph then runs the LoRA updates over static groups, and steps with adapters replay too; 0: none."""
+    def __init__(self, model: torch.nn.Module, ctx: ModelContext, device: torch.device, backend,
+                 sizes: list[int], max_blocks: int, uses_mrope: bool,
+                 dummy_block: int | None = None, block_size: int = 0, lora_slots: int = 0):
+        """lora_slots: the LoRA layers' slot count, the last one kept zero (LoRAManager zero_slot),
+        when adapters are on: every graph then runs the LoRA updates over static groups, and steps
+        with adapters replay too; 0: none."""
         self.model, self.ctx, self.backend, self.sizes, self.max_blocks = model, ctx, backend, sizes, max_blocks
         self.host_lengths = getattr(backend, "host_lengths", False)
         n = sizes[-1]
-        # Padded rows write nothing (slot -1) and attend to nothing (length 0). With a dummy block (reserved by the
-        # model runner, dummy_blocks()): row i writes its own slot there and attends to the first one, which the
-        # capture warm-up fills (row 0), for kernels that take no -1 slots or empty rows (NPU, npu-ops.md §7.1).
+        # Padded rows write nothing (slot -1) and attend to nothing (length 0). With a dummy block
+        # (reserved by the model runner, dummy_blocks()): row i writes its own slot there and
+        # attends to the first one, which the capture warm-up fills (row 0), for kernels that take
+        # no -1 slots or empty rows (NPU, npu-ops.md §7.1).
         self.pad_slots = torch.full((n,), -1, dtype=torch.long, device=device)
         self.pad_table = torch.full((n, max_blocks), -1, dtype=torch.int32, device=device)
         self.pad_len = 0
@@ -107,10 +116,12 @@ class GraphRunner:
             self.pad_table[:, 0] = dummy_block
             self.pad_len = 1
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros((3, n) if uses_mrope else (n,), dtype=torch.long, device=device)
+        self.positions = torch.zeros((3, n) if uses_mrope else (n, ), dtype=torch.long,
+                                     device=device)
         self.slot_mapping = self.pad_slots.clone()
         self.seq_lens = torch.full((n,), self.pad_len, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per row, always
+        # one token per row, always
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = self.pad_table.clone()
         # The step's LoRA grouping (layers/lora.py captured_lora_groups), all rows in the zero slot
         # until a step fills it.
@@ -122,35 +133,45 @@ class GraphRunner:
         self.replays = Counter()  # bucket -> replays (tests, logs)
 
     def _forward(self, size: int) -> torch.Tensor:
-        lora = None if self.lora is None else LoRAStep(LoRAGroups(
-            self.lora["rows"][:size], self.lora["offsets"], None, self.lora["token_slots"][:size], max_rows=size))
-        step = ForwardContext(slot_mapping=self.slot_mapping[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
-                              seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], decode_only=True,
-                              lora=lora)
+        lora = None if self.lora is None else LoRAStep(
+            LoRAGroups(self.lora["rows"][:size], self.lora["offsets"], None,
+                       self.lora["token_slots"][:size], max_rows=size))
+        step = ForwardContext(slot_mapping=self.slot_mapping[:size],
+                              cu_seqlens_q=self.cu_seqlens_q[:size + 1],
+                              seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
+                              decode_only=True, lora=lora)
         with self.ctx.stepping(step):
             return self.model(self.input_ids[:size], self.positions[..., :size])
 
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        for size in reversed(self.sizes):  # largest first: the smaller graphs fit in the memory it pooled
+        # largest first: the smaller graphs fit in the memory it pooled
+        for size in reversed(self.sizes):
             fn = functools.partial(self._forward, size)
             self._fill_lora(None, size)
-            # Warm-up outside capture, on all-padding buffers (nothing is written but the dummy block): Triton
-            # compiles, lazy allocations (cuBLAS workspaces) and one-time host work happen here, not in the graph.
+            # Warm-up outside capture, on all-padding buffers (nothing is written but the dummy
+            # block): Triton compiles, lazy allocations (cuBLAS workspaces) and one-time host work
+            # happen here, not in the graph.
             fn()
-            lens = ([self.pad_len] * size,) if self.host_lengths else ()  # the buffers hold padding rows
+            # the buffers hold padding rows
+            lens = ([self.pad_len] * size,) if self.host_lengths else ()
             self.graphs[size] = self.backend.capture(fn, *lens)
-        logger.info("graph mode: %s for decode at batch sizes %s, contexts up to %d blocks (captured in %.1fs)",
-                    self.backend.name, self.sizes, self.max_blocks, time.perf_counter() - start)
+        logger.info(
+            "graph mode: %s for decode at batch sizes %s, contexts up to %d blocks (captured in "
+            "%.1fs)",
+            self.backend.name, self.sizes, self.max_blocks,
+            time.perf_counter() - start)
 
     def can_run(self, inputs) -> bool:
-        return (inputs.decode_only and not inputs.mm_inputs and inputs.input_ids.shape[0] <= self.sizes[-1]
-                and inputs.block_tables.shape[1] <= self.max_blocks
-                and inputs.positions.dim() == self.positions.dim())
+        return (inputs.decode_only and not inputs.mm_inputs and
+                inputs.input_ids.shape[0] <= self.sizes[-1] and
+                inputs.block_tables.shape[1] <= self.max_blocks and
+                inputs.positions.dim() == self.positions.dim())
 
     def run(self, inputs) -> torch.Tensor:
-        """Hidden states [B, hidden] of a decode-only step (can_run), from the smallest bucket that holds it."""
+        """Hidden states [B, hidden] of a decode-only step (can_run), from the smallest bucket that
+        holds it."""
         b = inputs.input_ids.shape[0]
         size = next(s for s in self.sizes if s >= b)
         self.input_ids[:b].copy_(inputs.input_ids)
@@ -158,23 +179,26 @@ class GraphRunner:
         self.positions[..., :b].copy_(inputs.positions)
         self.positions[..., b:size].zero_()
         self.slot_mapping[:b].copy_(inputs.slot_mapping)
-        self.slot_mapping[b:size].copy_(self.pad_slots[b:size])  # padded rows write no KV, or to the dummy block
+        # padded rows write no KV, or to the dummy block
+        self.slot_mapping[b:size].copy_(self.pad_slots[b:size])
         self.seq_lens[:b].copy_(inputs.seq_lens)
-        self.seq_lens[b:size].fill_(self.pad_len)  # ... and attend to nothing, or to the dummy block
+        # ... and attend to nothing, or to the dummy block
+        self.seq_lens[b:size].fill_(self.pad_len)
         width = inputs.block_tables.shape[1]
         self.block_tables[:b].fill_(-1)
         self.block_tables[:b, :width].copy_(inputs.block_tables)
         self.block_tables[b:size].copy_(self.pad_table[b:size])
         self._fill_lora(inputs.lora_slots, size)
         # inputs are host tensors: their lengths cost no device sync
-        lens = (inputs.seq_lens.tolist() + [self.pad_len] * (size - b),) if self.host_lengths else ()
+        lens = (inputs.seq_lens.tolist() + [self.pad_len] *
+                (size - b), ) if self.host_lengths else ()
         hidden_states = self.graphs[size].replay(*lens)
         self.replays[size] += 1
         return hidden_states[:b]
 
     def _fill_lora(self, slots: torch.Tensor | None, size: int) -> None:
-        """The LoRA buffers for a step of `size` rows: each real row's slot (slots, a host tensor; None: the base
-        model for all), padding in the zero slot."""
+        """The LoRA buffers for a step of `size` rows: each real row's slot (slots, a host tensor;
+        None: the base model for all), padding in the zero slot."""
         if self.lora is None:
             return
         padded = torch.full((size,), -1, dtype=torch.long)
@@ -185,8 +209,9 @@ class GraphRunner:
 
 
 def dummy_blocks(backend, max_num_seqs: int, block_size: int) -> int:
-    """KV blocks to reserve past the block manager's for the padded rows' slots: one slot per row of the largest
-    bucket (all of its rows are padding at capture; the NPU cache writes want distinct slots, §2.1)."""
+    """KV blocks to reserve past the block manager's for the padded rows' slots: one slot per row of
+    the largest bucket (all of its rows are padding at capture; the NPU cache writes want distinct
+    slots, §2.1)."""
     if backend is None or not getattr(backend, "pads_to_dummy_block", False):
         return 0
     return math.ceil(batch_sizes(max_num_seqs)[-1] / block_size)

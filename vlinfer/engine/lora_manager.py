@@ -1,6 +1,7 @@
-"""The engine's LoRA adapters: LoRA slots on the model's linear layers, the decoder's and the vision tower's
-(layers/lora.py), up to max_loras adapters installed in them for a step, more kept read on the host in an LRU of up
-to max_cpu_loras, and each request's adapter checked against the model before it is queued."""
+"""The engine's LoRA adapters: LoRA slots on the model's linear layers, the decoder's and the vision
+tower's (layers/lora.py), up to max_loras adapters installed in them for a step, more kept read on
+the host in an LRU of up to max_cpu_loras, and each request's adapter checked against the model
+before it is queued."""
 import logging
 import threading
 from collections import OrderedDict
@@ -14,13 +15,14 @@ from vlinfer.lora_request import LoRARequest
 from vlinfer.models.interfaces import SupportsMultiModal
 
 logger = logging.getLogger("vlinfer")
-# Qwen3-VL's vision tower and its mergers, in PEFT's module names and ours alike (model.visual.blocks.0.attn.qkv, ...)
+# Qwen3-VL's vision tower and its mergers, in PEFT's module names and ours alike
+# (model.visual.blocks.0.attn.qkv, ...)
 VISION_TOWER = "model.visual."
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, LinearBase]:
-    """The linear layers adapters may target on this rank: the language model's and the vision tower's (which
-    tensor-parallel rank 0 alone holds)."""
+    """The linear layers adapters may target on this rank: the language model's and the vision
+    tower's (which tensor-parallel rank 0 alone holds)."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LinearBase)}
 
 
@@ -32,7 +34,8 @@ def _held_by_another_rank(model: torch.nn.Module, module: str) -> bool:
 
 
 def _sub_outputs(layer: LinearBase) -> list[tuple[int, int]]:
-    """(first row, rows) of each sub-projection in this rank's output, in the order targets() numbers them."""
+    """(first row, rows) of each sub-projection in this rank's output, in the order targets()
+    numbers them."""
     if isinstance(layer, QKVParallelLinear):
         shards = list("qkv")
     elif isinstance(layer, MergedColumnParallelLinear):
@@ -42,9 +45,11 @@ def _sub_outputs(layer: LinearBase) -> list[tuple[int, int]]:
     return [layer.output_shard(shard)[1:3] for shard in shards]
 
 
-def targets(model, adapter: LoRAAdapter, layers: dict) -> list[tuple[LinearBase, int, object, torch.Tensor, torch.Tensor]]:
-    """(layer, sub-projection index, shard id, lora_A, lora_B) per adapter module, through the model's fused-module
-    mapping; ValueError naming a module the model does not have or whose shapes do not fit."""
+def targets(model, adapter: LoRAAdapter,
+            layers: dict) -> list[tuple[LinearBase, int, object, torch.Tensor, torch.Tensor]]:
+    """(layer, sub-projection index, shard id, lora_A, lora_B) per adapter module, through the
+    model's fused-module mapping; ValueError naming a module the model does not have or whose shapes
+    do not fit."""
     packed = model.packed_modules_mapping
     out = []
     for module, (a, b) in adapter.modules.items():
@@ -58,26 +63,31 @@ def targets(model, adapter: LoRAAdapter, layers: dict) -> list[tuple[LinearBase,
         if layer is None and _held_by_another_rank(model, name):
             continue
         if layer is None:
-            raise ValueError(f"LoRA adapter {adapter.path!r}: target module {module!r} is not a linear layer of this "
-                             "model")
+            raise ValueError(
+                f"LoRA adapter {adapter.path!r}: target module {module!r} is not a linear layer of "
+                "this "
+                "model")
         full_rows = layer.output_shard(shard_id)[4]
         full_cols = layer.input_shard()[2]
         if tuple(a.shape[1:]) != (full_cols,) or b.shape[0] != full_rows:
-            raise ValueError(f"LoRA adapter {adapter.path!r}: module {module!r} has lora_A {tuple(a.shape)} and "
-                             f"lora_B {tuple(b.shape)}, this model's layer is {full_rows} x {full_cols} (an adapter "
-                             "of another model?)")
+            raise ValueError(
+                f"LoRA adapter {adapter.path!r}: module {module!r} has lora_A {tuple(a.shape)} and "
+                f"lora_B {tuple(b.shape)}, this model's layer is {full_rows} x {full_cols} (an "
+                "adapter "
+                "of another model?)")
         out.append((layer, index, shard_id, a, b))
     return out
 
 
 class LoRAManager:
-    """Rank 0's manager decides which adapter sits in which slot and installs it; under tensor parallelism the
-    workers install their shard of the same adapter into the same slot (ModelRunner.install_lora)."""
+    """Rank 0's manager decides which adapter sits in which slot and installs it; under tensor
+    parallelism the workers install their shard of the same adapter into the same slot
+    (ModelRunner.install_lora)."""
 
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int,
                  zero_slot: bool = False):
-        """zero_slot: one slot more, never given an adapter, for the base model's rows of a captured graph step
-        (graph_runner: every row there runs some slot)."""
+        """zero_slot: one slot more, never given an adapter, for the base model's rows of a captured
+        graph step (graph_runner: every row there runs some slot)."""
         self.model = model
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         self.num_slots = max_loras + zero_slot
@@ -85,21 +95,26 @@ class LoRAManager:
         for layer in self.layers.values():
             layer.lora = LoRASlots(layer, self.num_slots, max_rank, _sub_outputs(layer))
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id in each slot
-        self.slot_used: list[int] = [0] * max_loras  # the step that last used each slot (LRU eviction)
+        # the step that last used each slot (LRU eviction)
+        self.slot_used: list[int] = [0] * max_loras
         self.host: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()
         self.steps = 0
         self.lock = threading.Lock()
-        logger.info("LoRA on %d linear layers: %d adapters per step, rank <= %d, %d kept on the host",
-                    len(self.layers), max_loras, max_rank, max_cpu_loras)
+        logger.info(
+            "LoRA on %d linear layers: %d adapters per step, rank <= %d, %d kept on the host",
+            len(self.layers), max_loras, max_rank, max_cpu_loras)
         packed = sum(layer.lora.packed is not None for layer in self.layers.values())
         if self.layers:
             ops = next(iter(self.layers.values())).ops
-            logger.info("LoRA slots of %d of %d layers also kept in %s's packed layout (its kernel for small steps); "
-                        "the others' updates read the plain slots", packed, len(self.layers), ops.name)
+            logger.info(
+                "LoRA slots of %d of %d layers also kept in %s's packed layout (its kernel for "
+                "small steps); "
+                "the others' updates read the plain slots", packed, len(self.layers), ops.name)
 
     def check(self, request: LoRARequest) -> LoRAAdapter:
-        """Read and validate a request's adapter (in the caller's thread): a clear ValueError naming it and why.
-        Callers' threads (the server's) and the engine's step share the host cache: one at a time."""
+        """Read and validate a request's adapter (in the caller's thread): a clear ValueError naming
+        it and why. Callers' threads (the server's) and the engine's step share the host cache: one
+        at a time."""
         with self.lock:
             return self._check(request)
 
@@ -109,18 +124,23 @@ class LoRAManager:
         known = self.host.get(request.lora_int_id)
         if known is not None:
             if known[0] != request:
-                raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter {known[0].lora_name!r} at "
-                                 f"{known[0].lora_path!r}: one id per adapter")
+                raise ValueError(
+                    f"lora_int_id {request.lora_int_id} is already adapter {known[0].lora_name!r} "
+                    "at "
+                    f"{known[0].lora_path!r}: one id per adapter")
             self.host.move_to_end(request.lora_int_id)
             return known[1]
         adapter = read_peft_adapter(request.lora_path)
         if adapter.rank > self.max_rank:
-            raise ValueError(f"LoRA adapter {request.lora_name!r}: rank {adapter.rank} is above max_lora_rank="
-                             f"{self.max_rank}")
+            raise ValueError(
+                f"LoRA adapter {request.lora_name!r}: rank {adapter.rank} is above max_lora_rank="
+                f"{self.max_rank}")
         targets(self.model, adapter, self.layers)
         self.host[request.lora_int_id] = (request, adapter)
-        while len(self.host) > self.max_cpu_loras:  # the least recently used other one not installed goes
-            victim = next((i for i in self.host if i not in self.slots and i != request.lora_int_id), None)
+        # the least recently used other one not installed goes
+        while len(self.host) > self.max_cpu_loras:
+            victim = next(
+                (i for i in self.host if i not in self.slots and i != request.lora_int_id), None)
             if victim is None:
                 break
             del self.host[victim]
@@ -139,13 +159,17 @@ class LoRAManager:
         adapter = adapter if adapter is not None else self.check(request)
         install(self.model, self.layers, slot, adapter)
 
-    def activate(self, requests: dict[int, tuple[LoRARequest, LoRAAdapter]], install) -> dict[int, int]:
-        """Slots for this step's adapters, {lora_int_id: slot} (at most max_loras: the scheduler's bound): those
-        installed stay, the least recently used others make room. install(slot, request, adapter) puts an adapter
-        in a slot on every rank."""
+    def activate(self, requests: dict[int, tuple[LoRARequest, LoRAAdapter]],
+                 install) -> dict[int, int]:
+        """Slots for this step's adapters, {lora_int_id: slot} (at most max_loras: the scheduler's
+        bound): those installed stay, the least recently used others make room. install(slot,
+        request, adapter) puts an adapter in a slot on every rank."""
         self.steps += 1
         ids = set(requests)
-        assignment = {lora_id: self.slots.index(lora_id) for lora_id in ids if lora_id in self.slots}
+        assignment = {
+            lora_id: self.slots.index(lora_id)
+            for lora_id in ids if lora_id in self.slots
+        }
         for lora_id in ids - set(assignment):
             free = [s for s in range(self.max_loras) if self.slots[s] not in ids]
             slot = min(free, key=lambda s: (self.slots[s] is not None, self.slot_used[s]))
@@ -158,14 +182,16 @@ class LoRAManager:
 
     @staticmethod
     def vision_lora(request: LoRARequest, adapter: LoRAAdapter) -> LoRARequest | None:
-        """The adapter a request's images are encoded under (`adapter`: its checked copy): its own when it has
-        vision-tower modules, else None (its images are then the base model's, shared with every request:
-        Sequence.encoder_key)."""
-        return request if any(module.startswith(VISION_TOWER) for module in adapter.modules) else None
+        """The adapter a request's images are encoded under (`adapter`: its checked copy): its own
+        when it has vision-tower modules, else None (its images are then the base model's, shared
+        with every request: Sequence.encoder_key)."""
+        return request if any(module.startswith(VISION_TOWER)
+                              for module in adapter.modules) else None
 
 
 def install(model, layers: dict, slot: int, adapter: LoRAAdapter) -> None:
-    """Put this rank's shard of `adapter` in `slot` of every layer (the layers it does not target: zero)."""
+    """Put this rank's shard of `adapter` in `slot` of every layer (the layers it does not target:
+    zero)."""
     for layer in layers.values():
         layer.lora.clear(slot)
     for layer, index, shard_id, a, b in targets(model, adapter, layers):
@@ -175,6 +201,7 @@ def install(model, layers: dict, slot: int, adapter: LoRAAdapter) -> None:
 
 
 def step_groups(slots: torch.Tensor, device) -> LoRAStep | None:
-    """The step's LoRAStep from each token's slot (-1: the base model); None when no token runs an adapter."""
+    """The step's LoRAStep from each token's slot (-1: the base model); None when no token runs an
+    adapter."""
     groups = lora_groups(slots, device)
     return None if groups is None else LoRAStep(groups)

@@ -1,5 +1,6 @@
-"""Outputs out: each sampled token is appended to its sequence, detokenized incrementally, checked against the
-request's stops, length and grammar, and turned into a RequestOutput with this step's delta."""
+"""Outputs out: each sampled token is appended to its sequence, detokenized incrementally, checked
+against the request's stops, length and grammar, and turned into a RequestOutput with this step's
+delta."""
 import dataclasses
 import logging
 import time
@@ -23,8 +24,10 @@ class OutputProcessor:
         if seq.pooling_params is not None:  # pooling requests produce no text
             return
         p = seq.sampling_params
-        self.detokenizers[seq.request_id] = IncrementalDetokenizer(
-            self.tokenizer, seq.num_prompt_tokens, p.skip_special_tokens, p.spaces_between_special_tokens)
+        self.detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer,
+                                                                   seq.num_prompt_tokens,
+                                                                   p.skip_special_tokens,
+                                                                   p.spaces_between_special_tokens)
 
     def remove(self, seq: Sequence) -> None:
         self.detokenizers.pop(seq.request_id, None)
@@ -37,9 +40,9 @@ class OutputProcessor:
         return {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in entry.items()}
 
     def append_tokens(self, seq: Sequence, token_ids: list[int], logprobs: list) -> RequestOutput:
-        """Append a step's tokens (one, or accepted proposals and one more under speculative decoding) in order, up to
-        the first that ends the request (seq.finish_reason is then set; the rest are dropped): one output whose delta
-        is all of them."""
+        """Append a step's tokens (one, or accepted proposals and one more under speculative
+        decoding) in order, up to the first that ends the request (seq.finish_reason is then set;
+        the rest are dropped): one output whose delta is all of them."""
         appended = []
         for token_id, entry in zip(token_ids, logprobs):
             self._append_token(seq, token_id, entry)
@@ -48,8 +51,8 @@ class OutputProcessor:
                 break
         finished = seq.finish_reason is not None
         p = seq.sampling_params
-        # While streaming, hold back text that could still turn out to be the start of a stop string (unless the
-        # stop string is output too: then everything before its end is final).
+        # While streaming, hold back text that could still turn out to be the start of a stop string
+        # (unless the stop string is output too: then everything before its end is final).
         hold = 0 if finished or not p.stop_strings or p.include_stop_str_in_output else \
             max(map(len, p.stop_strings)) - 1
         visible = max(len(seq.output_text) - hold, seq.num_streamed_chars)
@@ -74,10 +77,13 @@ class OutputProcessor:
         if seq.grammar_matcher is not None:
             grammar_error = GrammarMatchers.accept(seq.grammar_matcher, token_id)
         sent = len(seq.output_text)
-        # The sampler masks EOS and stop tokens until min_tokens, so one seen here past that point ends the request.
-        is_stop_token = token_id in p.stop_token_ids or (token_id in self.eos_token_ids and not p.ignore_eos)
+        # The sampler masks EOS and stop tokens until min_tokens, so one seen here past that point
+        # ends the request.
+        is_stop_token = token_id in p.stop_token_ids or (token_id in self.eos_token_ids and
+                                                         not p.ignore_eos)
         stops = is_stop_token and seq.num_output_tokens > p.min_tokens
-        if not stops or p.include_stop_str_in_output:  # vLLM leaves a stop token's text out unless asked for it
+        # vLLM leaves a stop token's text out unless asked for it
+        if not stops or p.include_stop_str_in_output:
             seq.output_text += self.detokenizers[seq.request_id].step(seq.token_ids)
         if stops:
             seq.finish_reason = "stop"
@@ -89,10 +95,12 @@ class OutputProcessor:
                                           seq.num_tokens >= self.max_model_len):
             seq.finish_reason = "length"
         if seq.finish_reason is None and grammar_error is not None:
-            # Only when other options (allowed_token_ids, bad_words, min_tokens) left the grammar no token: the
-            # output can no longer follow the constraint, so it ends here rather than run on unconstrained.
-            logger.warning("request %s: its structured output constraint refused token %d (%s); aborted",
-                           seq.request_id, token_id, grammar_error)
+            # Only when other options (allowed_token_ids, bad_words, min_tokens) left the grammar no
+            # token: the output can no longer follow the constraint, so it ends here rather than run
+            # on unconstrained.
+            logger.warning(
+                "request %s: its structured output constraint refused token %d (%s); aborted",
+                seq.request_id, token_id, grammar_error)
             seq.finish_reason = "abort"
         if seq.finish_reason is not None:
             metrics.finished_time = metrics.last_token_time
@@ -113,13 +121,15 @@ class OutputProcessor:
 
 def make_output(seq: Sequence, finished: bool) -> RequestOutput:
     asked = seq.sampling_params.logprobs is not None
-    completion = CompletionOutput(index=seq.index, text=seq.output_text, token_ids=seq.output_token_ids,
-                                  finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+    completion = CompletionOutput(index=seq.index, text=seq.output_text,
+                                  token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
+                                  stop_reason=seq.stop_reason,
                                   logprobs=list(seq.output_logprobs) if asked else None,
                                   cumulative_logprob=seq.cumulative_logprob if asked else None)
     # A copy, as the logprobs list: a streamed output keeps the times it was made with.
     metrics = dataclasses.replace(seq.metrics)
-    return RequestOutput(request_id=seq.parent_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-                         outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens,
-                         images=seq.images_info, videos=seq.videos_info, metrics=metrics,
-                         prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
+    return RequestOutput(
+        request_id=seq.parent_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+        outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens,
+        images=seq.images_info, videos=seq.videos_info, metrics=metrics,
+        prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)

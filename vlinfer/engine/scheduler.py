@@ -1,6 +1,6 @@
-"""Continuous batching: each step gives every running sequence its next tokens (one for a decode, a chunk for
-a prefill) within a token budget, admits waiting sequences while blocks and budget last, and preempts by
-recompute when the KV pool runs dry.
+"""Continuous batching: each step gives every running sequence its next tokens (one for a decode, a
+chunk for a prefill) within a token budget, admits waiting sequences while blocks and budget last,
+and preempts by recompute when the KV pool runs dry.
 
 The scheduler is the one owner of a sequence's progress (num_computed_tokens), its proposals
 (spec_token_ids) and its KV blocks (the block manager): the engine hands it each step's result
@@ -16,7 +16,8 @@ from vlinfer.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class SchedulerOutput:
     seqs: list[Sequence]
-    num_new_tokens: list[int]  # tokens each sequence computes this step, from its num_computed_tokens on
+    # tokens each sequence computes this step, from its num_computed_tokens on
+    num_new_tokens: list[int]
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -30,11 +31,13 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_loras: int = 0):
         self.block_manager = block_manager
-        self.max_loras = max_loras  # distinct LoRA adapters per step (engine/lora_manager.py's slots)
+        # distinct LoRA adapters per step (engine/lora_manager.py's slots)
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the last admitted is preempted first
+        # in admission order: the last admitted is preempted first
+        self.running: list[Sequence] = []
         self.num_preemptions = 0  # over the scheduler's life, for logs and tests
 
     def add(self, seq: Sequence) -> None:
@@ -77,7 +80,8 @@ class Scheduler:
                 i += 1
         # Admit new work only when the running set did not have to give up blocks this step.
         adapters = {s.lora_request.lora_int_id for s in self.running if s.lora_request is not None}
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while self.waiting and budget > 0 and len(
+                self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             lora_id = seq.lora_request.lora_int_id if seq.lora_request is not None else None
             if lora_id is not None and lora_id not in adapters and len(adapters) >= self.max_loras:
@@ -144,7 +148,8 @@ class Scheduler:
         self.block_manager.trim(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Take a sequence out of the schedule, whether it finished or was aborted, and free its blocks."""
+        """Take a sequence out of the schedule, whether it finished or was aborted, and free its
+        blocks."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:

@@ -1,9 +1,10 @@
-"""The one place an engine's context length and KV cache are sized: the user's EngineConfig, the model's length
-and the machine's memory in, a frozen ResolvedConfig out.
+"""The one place an engine's context length and KV cache are sized: the user's EngineConfig, the
+model's length and the machine's memory in, a frozen ResolvedConfig out.
 
-Three calls, in the order the engine can answer them: `context_limit` before any weight is read (a max_model_len
-the model cannot run fails at once), `block_size` before the model runner is built, and `resolve` once the model is
-loaded and its cache pool (engine/cache_pool.py) says what a KV block and a state slot cost."""
+Three calls, in the order the engine can answer them: `context_limit` before any weight is read (a
+max_model_len the model cannot run fails at once), `block_size` before the model runner is built,
+and `resolve` once the model is loaded and its cache pool (engine/cache_pool.py) says what a KV
+block and a state slot cost."""
 import logging
 import math
 import numbers
@@ -11,8 +12,9 @@ import numbers
 import torch
 
 from vlinfer import ops, platform
-from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, CPU_DEFAULT_MEMORY_UTILIZATION, KV_CACHE_DTYPES,
-                            MIN_FITTED_MODEL_LEN, EngineConfig, ResolvedConfig, default_batched_tokens)
+from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, CPU_DEFAULT_MEMORY_UTILIZATION,
+                            KV_CACHE_DTYPES, MIN_FITTED_MODEL_LEN, EngineConfig, ResolvedConfig,
+                            default_batched_tokens)
 from vlinfer.layers.quantization import kv_cache
 
 logger = logging.getLogger("vlinfer")
@@ -20,12 +22,15 @@ DEFAULT_MODEL_LEN = 4096  # for a config without max_position_embeddings
 
 
 def context_limit(config: EngineConfig, text_config) -> tuple[int, int]:
-    """(the model's own length, the longest max_model_len this engine may run). With max_model_len unset the
-    longest is the model's length (at most max_model_len_cap); `resolve` may fit it down to the KV pool."""
+    """(the model's own length, the longest max_model_len this engine may run). With max_model_len
+    unset the longest is the model's length (at most max_model_len_cap); `resolve` may fit it down
+    to the KV pool."""
     declared = getattr(text_config, "max_position_embeddings", None)
     if declared is not None and not (isinstance(declared, numbers.Integral) and declared >= 1):
-        raise ValueError(f"{config.model}: the checkpoint's max_position_embeddings={declared!r} is not a positive "
-                         "length (a damaged config or GGUF context_length)")
+        raise ValueError(
+            f"{config.model}: the checkpoint's max_position_embeddings={declared!r} is not a "
+            "positive "
+            "length (a damaged config or GGUF context_length)")
     model_len = declared or DEFAULT_MODEL_LEN
     if config.max_model_len is not None and config.max_model_len > model_len:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
@@ -33,9 +38,11 @@ def context_limit(config: EngineConfig, text_config) -> tuple[int, int]:
     return model_len, config.max_model_len or min(model_len, config.max_model_len_cap or model_len)
 
 
-def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, hf_config, folder: str | None) -> torch.dtype:
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, hf_config,
+                   folder: str | None) -> torch.dtype:
     """The dtype K and V are stored in: kv_cache_dtype's; for "auto", the checkpoint's KV scheme's
-    (layers/quantization/kv_cache.py), else the compute dtype. A checkpoint's scales serve only its own dtype."""
+    (layers/quantization/kv_cache.py), else the compute dtype. A checkpoint's scales serve only its
+    own dtype."""
     requested = KV_CACHE_DTYPES[config.kv_cache_dtype]
     scheme = kv_cache.detect_kv_cache_scheme(hf_config, folder)
     if scheme is None:
@@ -43,8 +50,10 @@ def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, hf_config, folder: 
     if requested is None or requested == scheme.cache_dtype:
         logger.info("KV cache: %s (kv_cache_dtype=%s)", scheme.describe(), config.kv_cache_dtype)
         return scheme.cache_dtype
-    logger.warning("KV cache: kv_cache_dtype=%s overrides the checkpoint's KV scheme (%s); its scales are not used",
-                   config.kv_cache_dtype, scheme.describe())
+    logger.warning(
+        "KV cache: kv_cache_dtype=%s overrides the checkpoint's KV scheme (%s); its scales are not "
+        "used",
+        config.kv_cache_dtype, scheme.describe())
     return requested
 
 
@@ -62,13 +71,15 @@ def resolve(config: EngineConfig, dtype, model_len: int, longest: int, block_siz
     pool = runner.cache_pool
     batched = config.max_num_batched_tokens or default_batched_tokens(longest)
     draft_bytes = draft.bytes_per_block if draft is not None else 0
-    num_blocks = _num_blocks(config, longest, block_size, batched, runner, ranks_per_host, draft_bytes)
+    num_blocks = _num_blocks(config, longest, block_size, batched, runner, ranks_per_host,
+                             draft_bytes)
     max_model_len = longest
     per_rank = " per rank" if config.tensor_parallel_size > 1 else ""
     if config.max_model_len is None:
         max_model_len = _fitted_len(config, model_len, longest, num_blocks, block_size,
                                     pool.bytes_per_block, per_rank)
-        if config.max_num_batched_tokens is None:  # the fitted length may be shorter than the step budget
+        # the fitted length may be shorter than the step budget
+        if config.max_num_batched_tokens is None:
             batched = default_batched_tokens(max_model_len)
     resolved = ResolvedConfig(dtype=dtype, max_model_len=max_model_len, block_size=block_size,
                               max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs,
@@ -86,7 +97,8 @@ def _num_blocks(config: EngineConfig, longest: int, block_size: int, batched: in
     State slots (one per sequence the scheduler may run) come out of the budget first."""
     pool = runner.cache_pool
     per_seq = math.ceil(longest / block_size)
-    useful = config.max_num_seqs * per_seq  # more blocks than every sequence at full length is waste
+    # more blocks than every sequence at full length is waste
+    useful = config.max_num_seqs * per_seq
     if config.kv_cache_bytes is not None:
         budget = config.kv_cache_bytes
     elif runner.device.type == "cpu":
@@ -101,20 +113,23 @@ def _num_blocks(config: EngineConfig, longest: int, block_size: int, batched: in
     num_blocks = max(0, min(int(budget // per_block) - pool.num_dummy_blocks, useful))
     holds = f"KV cache budget of {int(budget)} bytes holds {num_blocks} blocks of {block_size} tokens"
     if config.max_model_len is not None and num_blocks < per_seq:
-        raise ValueError(f"{holds}, fewer than one sequence of max_model_len={longest} needs ({per_seq}); "
-                         "raise kv_cache_bytes / memory_utilization, lower max_model_len, or leave it unset to "
-                         "fit it to the KV cache")
+        raise ValueError(
+            f"{holds}, fewer than one sequence of max_model_len={longest} needs ({per_seq}); "
+            "raise kv_cache_bytes / memory_utilization, lower max_model_len, or leave it unset to "
+            "fit it to the KV cache")
     shortest = min(longest, MIN_FITTED_MODEL_LEN)
     if config.max_model_len is None and num_blocks * block_size < shortest:
-        raise ValueError(f"{holds}, fewer than {shortest} tokens, the shortest max_model_len vlinfer fits to the "
-                         f"KV cache; raise kv_cache_bytes / memory_utilization")
+        raise ValueError(
+            f"{holds}, fewer than {shortest} tokens, the shortest max_model_len vlinfer fits to "
+            "the "
+            f"KV cache; raise kv_cache_bytes / memory_utilization")
     return num_blocks
 
 
-def _fitted_len(config: EngineConfig, model_len: int, longest: int, num_blocks: int, block_size: int,
-                bytes_per_block: int, per_rank: str) -> int:
-    """No max_model_len was given: the longest length allowed, or, if the KV pool holds fewer tokens, the longest
-    sequence the pool holds, in whole blocks (a warning says so)."""
+def _fitted_len(config: EngineConfig, model_len: int, longest: int, num_blocks: int,
+                block_size: int, bytes_per_block: int, per_rank: str) -> int:
+    """No max_model_len was given: the longest length allowed, or, if the KV pool holds fewer
+    tokens, the longest sequence the pool holds, in whole blocks (a warning says so)."""
     allowed = f"the model's max_position_embeddings={model_len}"
     if longest < model_len:
         allowed = f"max_model_len_cap={config.max_model_len_cap}; the model allows {model_len}"
@@ -122,8 +137,10 @@ def _fitted_len(config: EngineConfig, model_len: int, longest: int, num_blocks: 
     if pool_tokens >= longest:
         logger.info("max_model_len=%d (%s)", longest, allowed)
         return longest
-    logger.warning("max_model_len=%d: the KV cache (%d blocks of %d tokens, %.1f MiB%s) holds fewer tokens than "
-                   "%s, so the context length is fitted to it. To raise it, raise kv_cache_bytes or "
-                   "memory_utilization; a max_model_len you pass is used as is, and must fit", pool_tokens,
-                   num_blocks, block_size, num_blocks * bytes_per_block / 2 ** 20, per_rank, allowed)
+    logger.warning(
+        "max_model_len=%d: the KV cache (%d blocks of %d tokens, %.1f MiB%s) holds fewer tokens "
+        "than "
+        "%s, so the context length is fitted to it. To raise it, raise kv_cache_bytes or "
+        "memory_utilization; a max_model_len you pass is used as is, and must fit", pool_tokens,
+        num_blocks, block_size, num_blocks * bytes_per_block / 2**20, per_rank, allowed)
     return pool_tokens

@@ -1,18 +1,20 @@
-"""The one table of media limits and accepted mm_processor_kwargs keys, and the one refusal of media by a text-only
-model. LLM.generate / Pipeline (the engine's multimodal processor), image decoding, the server and the CLI all
-read it, so the same over-limit request is refused with the same words on every surface. The server's flags may
-set stricter values; their defaults are these. README.md's "## Defaults" shows this table (tests/test_defaults.py
-checks it)."""
+"""The one table of media limits and accepted mm_processor_kwargs keys, and the one refusal of media
+by a text-only model. LLM.generate / Pipeline (the engine's multimodal processor), image decoding,
+the server and the CLI all read it, so the same over-limit request is refused with the same words on
+every surface. The server's flags may set stricter values; their defaults are these. README.md's "##
+Defaults" shows this table (tests/test_defaults.py checks it)."""
 
-# Images and videos in one request (one prompt): each is decoded and preprocessed before any token is counted.
+# Images and videos in one request (one prompt): each is decoded and preprocessed before any token
+# is counted.
 MAX_IMAGES = 16
-# Width x height of one image, checked from its header before decoding: 32 Mi pixels (e.g. 8192 x 4096) is ~100 MB
-# of RGB, above any real photo and far below what a crafted header can claim (a decompression bomb).
+# Width x height of one image, checked from its header before decoding: 32 Mi pixels (e.g. 8192 x
+# 4096) is ~100 MB of RGB, above any real photo and far below what a crafted header can claim (a
+# decompression bomb).
 MAX_IMAGE_PIXELS = 1 << 25
 
 IMAGE_OPTIONS = ("min_pixels", "max_pixels", "detail")
-VIDEO_OPTIONS = ("fps", "num_frames", "min_frames", "max_frames", "video_min_pixels", "video_max_pixels",
-                 "cap_pixels_per_frame", "do_sample_frames")
+VIDEO_OPTIONS = ("fps", "num_frames", "min_frames", "max_frames", "video_min_pixels",
+                 "video_max_pixels", "cap_pixels_per_frame", "do_sample_frames")
 MM_PROCESSOR_KWARGS = IMAGE_OPTIONS + VIDEO_OPTIONS
 
 # (setting, value as README.md writes it, what it bounds): the README's rows.
@@ -28,8 +30,9 @@ def too_many_images(count: int, limit: int = MAX_IMAGES) -> str:
 
 
 def too_many_pixels(width: int, height: int, limit: int = MAX_IMAGE_PIXELS) -> str:
-    return (f"image is {width}x{height} = {width * height} pixels, over the limit of {limit} pixels "
-            "(max_image_pixels); possible decompression bomb")
+    return (
+        f"image is {width}x{height} = {width * height} pixels, over the limit of {limit} pixels "
+        "(max_image_pixels); possible decompression bomb")
 
 
 def unknown_mm_kwargs(keys) -> str:

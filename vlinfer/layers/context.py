@@ -1,6 +1,7 @@
-"""What the layers of one engine share: its op table, its tensor-parallel group and the current step's attention
-metadata, and the dtype its parameters are built in. The model runner owns one ModelContext and passes it to every layer it builds; nothing here is global,
-so two engines in one process (or in two threads) never see each other's ops or steps."""
+"""What the layers of one engine share: its op table, its tensor-parallel group and the current
+step's attention metadata, and the dtype its parameters are built in. The model runner owns one
+ModelContext and passes it to every layer it builds; nothing here is global, so two engines in one
+process (or in two threads) never see each other's ops or steps."""
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -17,13 +18,16 @@ class ForwardContext:
     seq_lens: torch.Tensor  # [B] KV length of each sequence after this step (cached + new)
     block_tables: torch.Tensor  # [B, max_blocks] padded with -1
     decode_only: bool = False
-    lora: "LoRAStep | None" = None  # layers/lora.py: the step's adapters and their rows; None: no adapter runs
+    # layers/lora.py: the step's adapters and their rows; None: no adapter runs
+    lora: "LoRAStep | None" = None
 
     @classmethod
     def encoder_pass(cls, lora: "LoRAStep") -> "ForwardContext":
-        """The vision tower's pass under adapters: its attention takes its own cu_seqlens and reads no KV cache, so
-        it carries the adapters' rows (over the packed patches) and no attention metadata."""
-        return cls(slot_mapping=None, cu_seqlens_q=None, seq_lens=None, block_tables=None, lora=lora)
+        """The vision tower's pass under adapters: its attention takes its own cu_seqlens and reads
+        no KV cache, so it carries the adapters' rows (over the packed patches) and no attention
+        metadata."""
+        return cls(slot_mapping=None, cu_seqlens_q=None, seq_lens=None, block_tables=None,
+                   lora=lora)
 
 
 @dataclass(eq=False)
@@ -31,13 +35,15 @@ class ModelContext:
     ops: Backend
     tp: TPGroup = SINGLE
     step: ForwardContext | None = None  # set by the model runner for the duration of one forward
-    # MoE layers: each rank holds whole experts (EngineConfig.enable_expert_parallel) rather than a slice of every
-    # expert's intermediate dimension.
+    # MoE layers: each rank holds whole experts (EngineConfig.enable_expert_parallel) rather than a
+    # slice of every expert's intermediate dimension.
     expert_parallel: bool = False
-    # The dtype every layer builds its parameters in: the engine's compute dtype. Passed here rather than through
-    # torch's default dtype, which is one per process: two engines building at once would see each other's.
+    # The dtype every layer builds its parameters in: the engine's compute dtype. Passed here rather
+    # than through torch's default dtype, which is one per process: two engines building at once
+    # would see each other's.
     dtype: torch.dtype = torch.float32
-    # The dtype K and V are stored in (EngineConfig.kv_cache_dtype resolved); equal to dtype unless compressed.
+    # The dtype K and V are stored in (EngineConfig.kv_cache_dtype resolved); equal to dtype unless
+    # compressed.
     kv_cache_dtype: torch.dtype | None = None
 
     @property
@@ -51,9 +57,11 @@ class ModelContext:
 
     @contextmanager
     def stepping(self, step: ForwardContext):
-        """Make `step` the metadata attention reads while one forward runs; cleared after, even on error."""
+        """Make `step` the metadata attention reads while one forward runs; cleared after, even on
+        error."""
         if self.step is not None:
-            raise RuntimeError("a step is already running on this model (one forward at a time per engine)")
+            raise RuntimeError(
+                "a step is already running on this model (one forward at a time per engine)")
         self.step = step
         try:
             yield step
@@ -62,8 +70,9 @@ class ModelContext:
 
     @contextmanager
     def merging_rows(self, factor: int):
-        """Inside, linears run on rows that merge `factor` rows of the step each (the vision tower's patch mergers):
-        the step's adapter rows (layers/lora.py) are merged alike. Nothing changes when no adapter runs."""
+        """Inside, linears run on rows that merge `factor` rows of the step each (the vision tower's
+        patch mergers): the step's adapter rows (layers/lora.py) are merged alike. Nothing changes
+        when no adapter runs."""
         step = self.step
         if step is None or step.lora is None:
             yield

@@ -1,10 +1,10 @@
 """Tensor-parallel rank, size and collectives, as one small TPGroup object per engine.
 
-A layer gets its engine's group with the rest of its ModelContext when it is built and runs its collectives on
-that group, so two engines in one process never share one: each has its own process group. That rules out
-torch.distributed's global default group (one per process), so an engine's groups are built directly from a
-backend class and a store ("stateless" groups, as vLLM builds its extra groups). SINGLE: the model runs whole on
-one device."""
+A layer gets its engine's group with the rest of its ModelContext when it is built and runs its
+collectives on that group, so two engines in one process never share one: each has its own process
+group. That rules out torch.distributed's global default group (one per process), so an engine's
+groups are built directly from a backend class and a store ("stateless" groups, as vLLM builds its
+extra groups). SINGLE: the model runs whole on one device."""
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,7 +16,8 @@ import torch.distributed as dist
 class TPGroup:
     rank: int
     size: int
-    backend: object | None = None  # a c10d Backend / ProcessGroup on the model's device; None when size == 1
+    # a c10d Backend / ProcessGroup on the model's device; None when size == 1
+    backend: object | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""
@@ -43,11 +44,13 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def new_backend(name: str, store, rank: int, size: int, timeout: timedelta, join_timeout: timedelta | None = None):
-    """A process group backend of this engine only, not registered with torch.distributed's global state.
-    timeout bounds each collective; join_timeout (default: the same) the meeting of the ranks when the group is
-    made: gloo meets at construction, where a peer may still be starting (unpickling its init, importing), so a
-    short step timeout there failed start-up on a busy machine."""
+def new_backend(name: str, store, rank: int, size: int, timeout: timedelta,
+                join_timeout: timedelta | None = None):
+    """A process group backend of this engine only, not registered with torch.distributed's global
+    state. timeout bounds each collective; join_timeout (default: the same) the meeting of the ranks
+    when the group is made: gloo meets at construction, where a peer may still be starting
+    (unpickling its init, importing), so a short step timeout there failed start-up on a busy
+    machine."""
     if name == "gloo":
         backend = dist.ProcessGroupGloo(store, rank, size, join_timeout or timeout)
         backend.set_timeout(timeout)
@@ -64,6 +67,7 @@ def new_backend(name: str, store, rank: int, size: int, timeout: timedelta, join
         backend = ProcessGroupHCCL(store, rank, size, options)
     else:
         raise ValueError(f"unknown distributed backend {name!r}")
-    if hasattr(backend, "_set_sequence_number_for_group"):  # NCCL / HCCL agree on a communicator id through it
+    # NCCL / HCCL agree on a communicator id through it
+    if hasattr(backend, "_set_sequence_number_for_group"):
         backend._set_sequence_number_for_group()
     return backend

@@ -8,8 +8,8 @@ from vlinfer.layers.linear import check_full_size, default_weight_loader
 
 
 class VocabParallelEmbedding(nn.Module):
-    # A GGUF table kept in its blocks (layers/quantization/gguf.py): `weight` is uint8 block rows of this ggml type,
-    # looked up through the op table's gguf_embedding into embedding_dtype.
+    # A GGUF table kept in its blocks (layers/quantization/gguf.py): `weight` is uint8 block rows of
+    # this ggml type, looked up through the op table's gguf_embedding into embedding_dtype.
     gguf_type: int | None = None
     embedding_dtype: torch.dtype | None = None
 
@@ -50,15 +50,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    # The weight in the op table's layout (pack_weight), when it cannot replace `weight` itself: a tied head shares
-    # `weight` with the embedding, whose lookups need the plain rows.
+    # The weight in the op table's layout (pack_weight), when it cannot replace `weight` itself: a
+    # tied head shares `weight` with the embedding, whose lookups need the plain rows.
     packed_weight: torch.Tensor | None = None
 
     def pack_weight(self, tied: bool) -> bool:
-        """The logits matmul on the op table's weight layout (Qwen3-VL-2B's 151936-token head, 32-row decode
-        steps: 59 -> 43 ms per step on oneDNN; GGUF blocks regrouped for the CPU's integer kernel). Tied to the
-        embedding: a packed copy (its size is logged by the caller); untied: the weight is replaced. False when the
-        op table has no such layout."""
+        """The logits matmul on the op table's weight layout (Qwen3-VL-2B's 151936-token head,
+        32-row decode steps: 59 -> 43 ms per step on oneDNN; GGUF blocks regrouped for the CPU's
+        integer kernel). Tied to the embedding: a packed copy (its size is logged by the caller);
+        untied: the weight is replaced. False when the op table has no such layout."""
         if self.packed_weight is not None or self.weight.is_mkldnn or self.weight.dim() != 2:
             return False
         if self.gguf_type is not None:

@@ -12,7 +12,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=ctx.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual), the fused pre-norm."""
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual), the fused
+        pre-norm."""
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,6 +1,6 @@
-"""Rotary position embedding with inverse frequencies computed the way transformers computes them for the
-checkpoint's rope type (default, llama3, linear, dynamic ntk, yarn, ...), and Qwen3-VL's interleaved multimodal
-rotary (MRoPE) cos/sin for 3-row (t, h, w) positions."""
+"""Rotary position embedding with inverse frequencies computed the way transformers computes them
+for the checkpoint's rope type (default, llama3, linear, dynamic ntk, yarn, ...), and Qwen3-VL's
+interleaved multimodal rotary (MRoPE) cos/sin for 3-row (t, h, w) positions."""
 from functools import lru_cache
 
 import torch
@@ -32,33 +32,40 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, head_dim] each, float32: ops.apply_rotary rotates in float32 whatever the activation dtype."""
+    def cos_sin(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, head_dim] each, float32: ops.apply_rotary rotates in float32 whatever the activation
+        dtype."""
         return self.cos_cache[positions], self.sin_cache[positions]
 
 
 @lru_cache(maxsize=16)
-def _interleave_rows(mrope_section: tuple[int, ...], half: int, device: torch.device) -> torch.Tensor:
+def _interleave_rows(mrope_section: tuple[int, ...], half: int,
+                     device: torch.device) -> torch.Tensor:
     """Which position row (0=t, 1=h, 2=w) drives each of the head_dim/2 frequencies.
 
-    Interleaved MRoPE: frequency j uses row j % 3 while that row still has budget (h: first 3*section[1] slots,
-    w: first 3*section[2]); everything else, including the tail, stays temporal."""
+    Interleaved MRoPE: frequency j uses row j % 3 while that row still has budget (h: first
+    3*section[1] slots, w: first 3*section[2]); everything else, including the tail, stays temporal.
+    """
     rows = torch.zeros(half, dtype=torch.long)
     for dim in (1, 2):
         rows[dim:mrope_section[dim] * 3:3] = dim
-    # Cached on the device: a host->device copy per forward would be a sync, and is not allowed while a CUDA
-    # graph captures the decode step.
+    # Cached on the device: a host->device copy per forward would be a sync, and is not allowed
+    # while a CUDA graph captures the decode step.
     return rows.to(device)
 
 
-def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section, attention_scaling: float,
+def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section,
+                  attention_scaling: float,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, head_dim] for positions [3, T], usable by the standard neox rotary (rotate_half).
+    """cos, sin [T, head_dim] for positions [3, T], usable by the standard neox rotary
+    (rotate_half).
 
-    Same values as HF `Qwen3VLTextRotaryEmbedding`: each frequency's angle is pos_row * inv_freq in float32 for the
-    row the interleave assigns it; computing only that row (instead of all three, then selecting) is bit-identical
-    and 3x cheaper. A 1-row [T] (or [1, T]) input means text-only, all rows equal. Pass inv_freq in float32: HF
-    keeps it float32 even for bf16 checkpoints, and a bf16-rounded inv_freq visibly shifts large-position angles."""
+    Same values as HF `Qwen3VLTextRotaryEmbedding`: each frequency's angle is pos_row * inv_freq in
+    float32 for the row the interleave assigns it; computing only that row (instead of all three,
+    then selecting) is bit-identical and 3x cheaper. A 1-row [T] (or [1, T]) input means text-only,
+    all rows equal. Pass inv_freq in float32: HF keeps it float32 even for bf16 checkpoints, and a
+    bf16-rounded inv_freq visibly shifts large-position angles."""
     if positions.dim() == 1:
         positions = positions[None]
     half = inv_freq.shape[0]

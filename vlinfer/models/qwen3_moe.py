@@ -1,11 +1,13 @@
-"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): the Qwen3 decoder (qk-norm) with a sparse mixture-of-experts block
-in place of the MLP in every layer the config makes sparse (vlinfer/layers/fused_moe.py), a dense MLP in the others.
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): the Qwen3 decoder (qk-norm) with a sparse
+mixture-of-experts block in place of the MLP in every layer the config makes sparse
+(vlinfer/layers/fused_moe.py), a dense MLP in the others.
 
-Expert tensors come in three checkpoint layouts, told apart by name and then by shape: one tensor per expert
-(`...mlp.experts.E.{gate,up,down}_proj.weight`, the Qwen3-MoE hub and what transformers' save_pretrained writes for
-it), or one fused 3-D tensor per layer (`...mlp.experts.{gate_up,down}_proj`) in transformers' in-memory layout or
-the Qwen3-VL-MoE hub's transposed one. They load straight into the fused layout of the MoE op, this rank's part
-only; every other tensor goes through loading.load_weights as in the dense models."""
+Expert tensors come in three checkpoint layouts, told apart by name and then by shape: one tensor
+per expert (`...mlp.experts.E.{gate,up,down}_proj.weight`, the Qwen3-MoE hub and what transformers'
+save_pretrained writes for it), or one fused 3-D tensor per layer
+(`...mlp.experts.{gate_up,down}_proj`) in transformers' in-memory layout or the Qwen3-VL-MoE hub's
+transposed one. They load straight into the fused layout of the MoE op, this rank's part only; every
+other tensor goes through loading.load_weights as in the dense models."""
 import re
 from collections.abc import Iterable
 
@@ -18,24 +20,28 @@ from vlinfer.layers.fused_moe import FusedMoE
 from vlinfer.models.interfaces import Heads, OwnsWeightLoading, SupportsPooling
 from vlinfer.models.llama import LlamaForCausalLM, LlamaModel, build_classifier, build_lm_head
 
-# One expert's projection tensor (`weight`, or a quantized projection's `weight_packed`, `weight_scale`, ...), or a
-# layer's fused 3-D tensor.
-EXPERT_TENSOR = re.compile(r"^(?P<layer>.+\.mlp)\.experts\.(?:(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\."
-                           r"(?P<suffix>weight\w*|input_scale|input_zero_point)|(?P<fused>gate_up|down)_proj)$")
+# One expert's projection tensor (`weight`, or a quantized projection's `weight_packed`,
+# `weight_scale`, ...), or a layer's fused 3-D tensor.
+EXPERT_TENSOR = re.compile(
+    r"^(?P<layer>.+\.mlp)\.experts\.(?:(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\."
+    r"(?P<suffix>weight\w*|input_scale|input_zero_point)|(?P<fused>gate_up|down)_proj)$")
 
 
 def is_sparse_layer(config, layer_index: int) -> bool:
-    """transformers' rule: sparse unless listed in mlp_only_layers, when there are experts and the layer falls on
-    the decoder_sparse_step."""
-    return (layer_index not in (getattr(config, "mlp_only_layers", None) or []) and config.num_experts > 0
-            and (layer_index + 1) % config.decoder_sparse_step == 0)
+    """transformers' rule: sparse unless listed in mlp_only_layers, when there are experts and the
+    layer falls on the decoder_sparse_step."""
+    return (layer_index not in (getattr(config, "mlp_only_layers", None) or []) and
+            config.num_experts > 0 and (layer_index + 1) % config.decoder_sparse_step == 0)
 
 
 def moe_mlp_factory(ctx: ModelContext, config, renormalize: bool):
-    """make_mlp(layer_index) for LlamaModel: a FusedMoE on sparse layers, None (the dense MLP) on the others."""
+    """make_mlp(layer_index) for LlamaModel: a FusedMoE on sparse layers, None (the dense MLP) on
+    the others."""
     if config.hidden_act != "silu":
-        raise ValueError(f"unsupported activation hidden_act={config.hidden_act!r} in the checkpoint's config; the "
-                         "MoE experts run 'silu' (SwiGLU) only")
+        raise ValueError(
+            f"unsupported activation hidden_act={config.hidden_act!r} in the checkpoint's config; "
+            "the "
+            "MoE experts run 'silu' (SwiGLU) only")
 
     def make_mlp(layer_index: int):
         if not is_sparse_layer(config, layer_index):
@@ -46,8 +52,9 @@ def moe_mlp_factory(ctx: ModelContext, config, renormalize: bool):
 
 
 def route_expert_tensors(model: nn.Module, weights: Iterable):
-    """Loads the expert tensors of the stream into model's FusedMoE layers (found by their module names, which
-    mirror the checkpoint's) and yields every other tensor, for loading.load_weights."""
+    """Loads the expert tensors of the stream into model's FusedMoE layers (found by their module
+    names, which mirror the checkpoint's) and yields every other tensor, for loading.load_weights.
+    """
     layers = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
     for name, tensor in weights:
         match = EXPERT_TENSOR.match(name)
@@ -56,13 +63,16 @@ def route_expert_tensors(model: nn.Module, weights: Iterable):
             continue
         layer = layers.get(match["layer"])
         if layer is None:
-            raise ValueError(f"checkpoint tensor {name!r}: expert weights for a layer that is not a sparse MoE layer "
-                             "in this config (see mlp_only_layers / decoder_sparse_step / num_hidden_layers)")
+            raise ValueError(
+                f"checkpoint tensor {name!r}: expert weights for a layer that is not a sparse MoE "
+                "layer "
+                "in this config (see mlp_only_layers / decoder_sparse_step / num_hidden_layers)")
         try:
             if match["fused"]:
                 layer.load_fused(match["fused"], tensor)
             else:
-                layer.load_expert_tensor(int(match["expert"]), match["proj"], match["suffix"], tensor)
+                layer.load_expert_tensor(int(match["expert"]), match["proj"], match["suffix"],
+                                         tensor)
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
 
@@ -72,17 +82,20 @@ def check_experts_loaded(model: nn.Module) -> None:
         if isinstance(layer, FusedMoE):
             missing = layer.missing_experts()
             if missing:
-                raise ValueError(f"checkpoint is missing expert weights of {name}: {', '.join(missing[:8])}"
-                                 f"{' ...' if len(missing) > 8 else ''}")
+                raise ValueError(
+                    f"checkpoint is missing expert weights of {name}: {', '.join(missing[:8])}"
+                    f"{' ...' if len(missing) > 8 else ''}")
 
 
 class Qwen3MoeForCausalLM(nn.Module, SupportsPooling, OwnsWeightLoading):
-    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping  # attention and the dense layers' MLPs
+    # attention and the dense layers' MLPs
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
     def __init__(self, config, ctx: ModelContext, heads: Heads = Heads()):
         super().__init__()
         self.config = config
-        # transformers' Qwen3MoeTopKRouter renormalizes the top-k weights only when norm_topk_prob is set.
+        # transformers' Qwen3MoeTopKRouter renormalizes the top-k weights only when norm_topk_prob
+        # is set.
         make_mlp = moe_mlp_factory(ctx, config, renormalize=bool(config.norm_topk_prob))
         self.model = LlamaModel(ctx, config, qk_norm=True, make_mlp=make_mlp)
         self.lm_head = build_lm_head(ctx, config, self.model.embed_tokens,

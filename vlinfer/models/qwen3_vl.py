@@ -1,11 +1,14 @@
-"""Qwen3-VL (dense): our vision tower + the Qwen3 decoder (qk-norm) with interleaved multimodal rotary and DeepStack.
+"""Qwen3-VL (dense): our vision tower + the Qwen3 decoder (qk-norm) with interleaved multimodal
+rotary and DeepStack.
 
-Module names mirror transformers' checkpoint layout (`model.visual.*`, `model.language_model.*`, `lm_head.*`), so
-checkpoint tensors map onto parameters by name, with q/k/v and gate/up fused as in Llama.
+Module names mirror transformers' checkpoint layout (`model.visual.*`, `model.language_model.*`,
+`lm_head.*`), so checkpoint tensors map onto parameters by name, with q/k/v and gate/up fused as in
+Llama.
 
-The prefill contract: the caller encodes images once with `encode_images`, then for each chunk passes the rows of
-image embeddings (and of each DeepStack level) that fall inside that chunk, in token order, plus a bool mask of
-which chunk tokens are image placeholders. Positions are MRoPE positions [3, T].
+The prefill contract: the caller encodes images once with `encode_images`, then for each chunk
+passes the rows of image embeddings (and of each DeepStack level) that fall inside that chunk, in
+token order, plus a bool mask of which chunk tokens are image placeholders. Positions are MRoPE
+positions [3, T].
 """
 from collections.abc import Iterable
 
@@ -23,49 +26,60 @@ from vlinfer.models.qwen3_vl_vision import Qwen3VLVisionModel, split_image_embed
 
 
 class MRotaryEmbedding(nn.Module):
-    """Interleaved MRoPE cos/sin for positions [3, T] (or [T] for text-only steps), computed once per forward and
-    shared by every decoder layer."""
+    """Interleaved MRoPE cos/sin for positions [3, T] (or [T] for text-only steps), computed once
+    per forward and shared by every decoder layer."""
 
     def __init__(self, config):
         super().__init__()
         inv_freq, self.attention_scaling = rope_inv_freq(config)
-        # A plain attribute, not a buffer: Module.to(bfloat16) would round the frequencies, while HF keeps inv_freq
-        # float32 for bf16 checkpoints (a rounded inv_freq visibly shifts large-position angles). Moved lazily.
+        # A plain attribute, not a buffer: Module.to(bfloat16) would round the frequencies, while HF
+        # keeps inv_freq float32 for bf16 checkpoints (a rounded inv_freq visibly shifts
+        # large-position angles). Moved lazily.
         self.inv_freq = inv_freq.float()
         # Same default as HF's Qwen3VLTextRotaryEmbedding.
-        self.mrope_section = tuple(int(s) for s in config.rope_parameters.get("mrope_section", [24, 20, 20]))
+        self.mrope_section = tuple(
+            int(s) for s in config.rope_parameters.get("mrope_section", [24, 20, 20]))
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        # Rounded to the activation dtype, as HF casts them (cos.to(x.dtype)) before rotating, then held in
-        # float32: every rotary implementation rotates in float32, and converting once here saves a copy per layer.
-        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_section, self.attention_scaling, dtype)
+        # Rounded to the activation dtype, as HF casts them (cos.to(x.dtype)) before rotating, then
+        # held in float32: every rotary implementation rotates in float32, and converting once here
+        # saves a copy per layer.
+        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_section,
+                                 self.attention_scaling, dtype)
         return cos.float(), sin.float()
 
 
 class Qwen3VLTextModel(LlamaModel):
-    """The Qwen3 decoder (qk_norm) with interleaved multimodal rotary and DeepStack injection after early layers."""
+    """The Qwen3 decoder (qk_norm) with interleaved multimodal rotary and DeepStack injection after
+    early layers."""
 
     def __init__(self, ctx: ModelContext, config, make_mlp=None):
-        super().__init__(ctx, config, qk_norm=True, rotary_emb=MRotaryEmbedding(config), make_mlp=make_mlp)
+        super().__init__(ctx, config, qk_norm=True, rotary_emb=MRotaryEmbedding(config),
+                         make_mlp=make_mlp)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
-                visual_mask: torch.Tensor | None = None, deepstack_embeds=None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None, visual_mask: torch.Tensor | None = None,
+                deepstack_embeds=None) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        num_deepstack = 0 if deepstack_embeds is None or visual_mask is None else len(deepstack_embeds)
+        num_deepstack = 0 if deepstack_embeds is None or visual_mask is None else len(
+            deepstack_embeds)
         rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
-        if not num_deepstack:  # text-only steps (every decode step): the shared decoder loop, fused where it can be
+        # text-only steps (every decode step): the shared decoder loop, fused where it can be
+        if not num_deepstack:
             hidden_states, residual = self.run_layers(rope, hidden_states)
         else:
             residual = None
             for i, layer in enumerate(self.layers):
                 hidden_states, residual = layer(rope, hidden_states, residual)
                 if i < num_deepstack:
-                    # HF adds DeepStack features to the layer's output, i.e. the full residual stream. Ours is split
-                    # as (mlp_out, residual); materialize the sum so rounding matches HF's (res + mlp) + ds, and let
-                    # the next layer start un-fused (residual None). The add would happen in the next layer's fused
-                    # add-norm anyway, so this costs only the masked update.
+                    # HF adds DeepStack features to the layer's output, i.e. the full residual
+                    # stream. Ours is split as (mlp_out, residual); materialize the sum so rounding
+                    # matches HF's (res + mlp) + ds, and let the next layer start un-fused (residual
+                    # None). The add would happen in the next layer's fused add-norm anyway, so this
+                    # costs only the masked update.
                     hidden_states = hidden_states + residual
                     deepstack = deepstack_embeds[i].to(hidden_states.dtype)
                     hidden_states[visual_mask] = hidden_states[visual_mask] + deepstack
@@ -79,9 +93,10 @@ class Qwen3VLTextModel(LlamaModel):
 class Qwen3VLModel(nn.Module):
     """Holds the two towers under HF's `model.` prefix: `model.visual`, `model.language_model`.
 
-    Under tensor parallelism the language model is sharded and the vision tower lives on rank 0 only: rank 0
-    encodes each image once (encoder cache) and sends the rows of image embeddings and DeepStack features a step
-    needs with that step's inputs (vlinfer/engine/model_runner.py), so the other ranks neither build nor read it."""
+    Under tensor parallelism the language model is sharded and the vision tower lives on rank 0
+    only: rank 0 encodes each image once (encoder cache) and sends the rows of image embeddings and
+    DeepStack features a step needs with that step's inputs (vlinfer/engine/model_runner.py), so the
+    other ranks neither build nor read it."""
 
     def __init__(self, ctx: ModelContext, config, make_mlp=None):
         super().__init__()
@@ -90,8 +105,8 @@ class Qwen3VLModel(nn.Module):
 
 
 class _TextWeights(nn.Module):
-    """A view over the text half (language model + LM head) for vlinfer.loading.load_weights: it checks that
-    every parameter it sees is loaded, and the vision tower is loaded separately."""
+    """A view over the text half (language model + LM head) for vlinfer.loading.load_weights: it
+    checks that every parameter it sees is loaded, and the vision tower is loaded separately."""
 
     def __init__(self, owner: "Qwen3VLForConditionalGeneration"):
         super().__init__()
@@ -121,12 +136,14 @@ class Qwen3VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRo
         return self.model.visual is not None
 
     def text_mlp_factory(self, ctx: ModelContext, text_config):
-        """make_mlp(layer_index) for the decoder's layers (the MoE variant's sparse blocks); None: dense MLPs."""
+        """make_mlp(layer_index) for the decoder's layers (the MoE variant's sparse blocks); None:
+        dense MLPs."""
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load an HF Qwen3-VL checkpoint stream: `model.visual.*` goes to the vision tower, the rest (names
-        `model.language_model.*`, `lm_head.weight`) through loading.load_weights with the fused mappings."""
+        """Load an HF Qwen3-VL checkpoint stream: `model.visual.*` goes to the vision tower, the
+        rest (names `model.language_model.*`, `lm_head.weight`) through loading.load_weights with
+        the fused mappings."""
         visual = self.model.visual
         visual_loaded: set[str] = set()
 
@@ -134,22 +151,28 @@ class Qwen3VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRo
             for name, tensor in weights:
                 if name.startswith("model.visual."):  # streamed straight in, nothing buffered
                     if visual is not None:  # tensor-parallel ranks other than 0 skip it unread
-                        visual_loaded.update(visual.load_weights([(name[len("model.visual."):], as_tensor(tensor))]))
+                        visual_loaded.update(
+                            visual.load_weights([(name[len("model.visual."):], as_tensor(tensor))]))
                 else:
                     yield name, tensor
 
         load_weights(_TextWeights(self), text_weights(),
                                   prefix_map={"model.language_model.": "language_model."})
-        missing = [n for n, _ in (visual.named_parameters() if visual is not None else []) if n not in visual_loaded]
+        missing = [
+            n for n, _ in (visual.named_parameters() if visual is not None else [])
+            if n not in visual_loaded
+        ]
         if missing:
             raise ValueError(f"checkpoint is missing vision weights for {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''}")
 
     @torch.no_grad()
-    def encode_images(self, pixel_values: torch.Tensor, grid_thw) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One packed vision pass over all images. pixel_values [N_patches, C*T*P*P] in processor order, grid_thw
-        [num_images, 3]. Returns per image (embeds [n_tokens, hidden], deepstack [num_deepstack, n_tokens, hidden]),
-        n_tokens = t*h*w / merge^2 = the image's placeholder count."""
+    def encode_images(self, pixel_values: torch.Tensor,
+                      grid_thw) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One packed vision pass over all images. pixel_values [N_patches, C*T*P*P] in processor
+        order, grid_thw [num_images, 3]. Returns per image (embeds [n_tokens, hidden], deepstack
+        [num_deepstack, n_tokens, hidden]), n_tokens = t*h*w / merge^2 = the image's placeholder
+        count."""
         visual = self.model.visual
         if visual is None:
             raise RuntimeError("images are encoded on tensor-parallel rank 0 only")
@@ -162,12 +185,13 @@ class Qwen3VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRo
         sizes = [e.shape[0] for e in per_image]
         return list(zip(per_image, torch.split(stacked, sizes, dim=1)))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mm_embeds: torch.Tensor | None = None,
-                mm_mask: torch.Tensor | None = None, deepstack_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [T], positions [3, T] (a text-only [T] also works). mm_mask bool [T] marks image placeholder
-        rows; mm_embeds [mm_mask.sum(), hidden] replaces them in order; deepstack_embeds
-        [num_deepstack, mm_mask.sum(), hidden] is added to those rows after decoder layers 0..num_deepstack-1.
-        Returns hidden states [T, hidden] (final norm applied)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                mm_embeds: torch.Tensor | None = None, mm_mask: torch.Tensor | None = None,
+                deepstack_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T], positions [3, T] (a text-only [T] also works). mm_mask bool [T] marks
+        image placeholder rows; mm_embeds [mm_mask.sum(), hidden] replaces them in order;
+        deepstack_embeds [num_deepstack, mm_mask.sum(), hidden] is added to those rows after decoder
+        layers 0..num_deepstack-1. Returns hidden states [T, hidden] (final norm applied)."""
         lm = self.model.language_model
         hidden_states = lm.embed_tokens(input_ids)
         if mm_mask is None:

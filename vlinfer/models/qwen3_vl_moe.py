@@ -1,8 +1,8 @@
-"""Qwen3-VL-MoE (Qwen3-VL-30B-A3B, Qwen3-VL-235B-A22B): the dense Qwen3-VL (same vision tower, MRoPE, DeepStack)
-with Qwen3-MoE's sparse blocks in the decoder. Its router renormalizes the top-k weights always: transformers'
-Qwen3VLMoeTextTopKRouter has no norm_topk_prob switch. The hub checkpoints store each layer's experts as fused 3-D
-tensors in a transposed layout, transformers' save_pretrained in its in-memory one; qwen3_moe.route_expert_tensors
-tells them apart by shape."""
+"""Qwen3-VL-MoE (Qwen3-VL-30B-A3B, Qwen3-VL-235B-A22B): the dense Qwen3-VL (same vision tower,
+MRoPE, DeepStack) with Qwen3-MoE's sparse blocks in the decoder. Its router renormalizes the top-k
+weights always: transformers' Qwen3VLMoeTextTopKRouter has no norm_topk_prob switch. The hub
+checkpoints store each layer's experts as fused 3-D tensors in a transposed layout, transformers'
+save_pretrained in its in-memory one; qwen3_moe.route_expert_tensors tells them apart by shape."""
 from collections.abc import Iterable
 
 import torch

@@ -1,5 +1,5 @@
-"""OpenAI-style chat messages with image and video content parts -> template messages + the images and videos, in
-order."""
+"""OpenAI-style chat messages with image and video content parts -> template messages + the images
+and videos, in order."""
 import os
 from importlib import resources
 
@@ -10,7 +10,8 @@ VIDEO_PART_TYPES = ("video", "video_url")
 
 
 def split_chat_images(messages: list[dict]) -> tuple[list[dict], list]:
-    """Returns (messages whose image parts are reduced to {"type": "image"}, the image sources in order)."""
+    """Returns (messages whose image parts are reduced to {"type": "image"}, the image sources in
+    order)."""
     out, images, videos = split_chat_media(messages)
     if videos:
         raise ValueError("this conversation has video parts; use split_chat_media")
@@ -18,8 +19,8 @@ def split_chat_images(messages: list[dict]) -> tuple[list[dict], list]:
 
 
 def split_chat_media(messages: list[dict]) -> tuple[list[dict], list, list]:
-    """Returns (messages whose image and video parts are reduced to {"type": "image"} / {"type": "video"}, the
-    image sources in order, the video sources in order)."""
+    """Returns (messages whose image and video parts are reduced to {"type": "image"} / {"type":
+    "video"}, the image sources in order, the video sources in order)."""
     out, images, videos = [], [], []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
@@ -41,8 +42,10 @@ def split_chat_media(messages: list[dict]) -> tuple[list[dict], list, list]:
                 if isinstance(source, dict):
                     source = source.get("url")
                 if source is None:
-                    raise ValueError(f"message {i} part {j}: {'an' if media == 'image' else 'a'} {media} part needs "
-                                     f"'{media}' or '{media}_url': {{'url'}}")
+                    raise ValueError(
+                        f"message {i} part {j}: {'an' if media == 'image' else 'a'} {media} part "
+                        "needs "
+                        f"'{media}' or '{media}_url': {{'url'}}")
                 (images if media == "image" else videos).append(source)
                 parts.append({"type": media})
             else:
@@ -57,9 +60,9 @@ def split_chat_media(messages: list[dict]) -> tuple[list[dict], list, list]:
 
 
 def with_video_options(mm_processor_kwargs: dict | None, messages: list[dict]) -> dict | None:
-    """mm_processor_kwargs plus what each video part sets beside its source (fps, num_frames, max_frames, ...), as
-    per-video lists the video processor reads; a video part without a key keeps the kwargs' own value. Run
-    split_chat_media first: it checks the shape this trusts."""
+    """mm_processor_kwargs plus what each video part sets beside its source (fps, num_frames,
+    max_frames, ...), as per-video lists the video processor reads; a video part without a key keeps
+    the kwargs' own value. Run split_chat_media first: it checks the shape this trusts."""
     from vlinfer.multimodal.video_processor import VIDEO_OPTIONS
     parts = [part for message in messages if isinstance(message.get("content"), list)
              for part in message["content"] if part.get("type") in VIDEO_PART_TYPES]
@@ -75,9 +78,9 @@ def with_video_options(mm_processor_kwargs: dict | None, messages: list[dict]) -
 
 
 def image_details(messages: list[dict]) -> list[str | None]:
-    """Each image part's OpenAI `detail` ("low", "high", "auto"; None when unset), in image order: from
-    image_url.detail, or a "detail" key beside "image" in vlinfer's own image parts. Run split_chat_images first:
-    it checks the shape this trusts."""
+    """Each image part's OpenAI `detail` ("low", "high", "auto"; None when unset), in image order:
+    from image_url.detail, or a "detail" key beside "image" in vlinfer's own image parts. Run
+    split_chat_images first: it checks the shape this trusts."""
     details = []
     for message in messages:
         content = message.get("content")
@@ -89,8 +92,8 @@ def image_details(messages: list[dict]) -> list[str | None]:
 
 
 def with_image_details(mm_processor_kwargs: dict | None, details: list[str | None]) -> dict | None:
-    """mm_processor_kwargs plus the per-image details, where a part set one (the image processor turns them into
-    pixel budgets); an image without one keeps the kwargs' own "detail", if any."""
+    """mm_processor_kwargs plus the per-image details, where a part set one (the image processor
+    turns them into pixel budgets); an image without one keeps the kwargs' own "detail", if any."""
     if all(d is None for d in details):
         return mm_processor_kwargs
     kwargs = dict(mm_processor_kwargs or {})
@@ -101,8 +104,8 @@ def with_image_details(mm_processor_kwargs: dict | None, details: list[str | Non
 
 
 def message_texts(messages: list[dict], tools: list | None = None):
-    """Every text the template puts in the prompt from the caller: content, the names and arguments of earlier
-    tool calls, and the tool definitions (as the template writes them, JSON)."""
+    """Every text the template puts in the prompt from the caller: content, the names and arguments
+    of earlier tool calls, and the tool definitions (as the template writes them, JSON)."""
     import json
     for message in messages:
         content = message.get("content", "")
@@ -120,15 +123,16 @@ def message_texts(messages: list[dict], tools: list | None = None):
 
 
 def template_renders_tools(template: str) -> bool:
-    """Whether a chat template reads the `tools` variable (a template that does not would drop them silently)."""
+    """Whether a chat template reads the `tools` variable (a template that does not would drop them
+    silently)."""
     import jinja2
     import jinja2.meta
     return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
 
 
 def load_chat_template(folder: str, tokenizer, multimodal: bool) -> str | None:
-    """The checkpoint's template (chat_template.jinja / .json, else the tokenizer's); for Qwen3-VL checkpoints
-    without one that handles images, the template shipped with vlinfer."""
+    """The checkpoint's template (chat_template.jinja / .json, else the tokenizer's); for Qwen3-VL
+    checkpoints without one that handles images, the template shipped with vlinfer."""
     for name in ("chat_template.jinja", "chat_template.json"):
         path = os.path.join(folder, name)
         if os.path.exists(path):
@@ -140,5 +144,6 @@ def load_chat_template(folder: str, tokenizer, multimodal: bool) -> str | None:
             return text
     template = getattr(tokenizer, "chat_template", None)
     if multimodal and (not template or "vision_start" not in template):
-        return resources.files("vlinfer.multimodal").joinpath("templates/qwen3_vl.jinja").read_text()
+        return resources.files("vlinfer.multimodal").joinpath(
+            "templates/qwen3_vl.jinja").read_text()
     return template

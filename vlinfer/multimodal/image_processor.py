@@ -1,9 +1,13 @@
-"""Qwen3-VL image preprocessing: PIL image -> flat patch rows + (t, h, w) grid for the vision encoder.
+"""Qwen3-VL image preprocessing: PIL image -> flat patch rows + (t, h, w) grid for the vision
+encoder.
 
-Reference: transformers' torchvision ("fast") `Qwen2VLImageProcessor`, which AutoImageProcessor picks for model
+Reference: transformers' torchvision ("fast") `Qwen2VLImageProcessor`, which AutoImageProcessor
+picks for model
 type qwen3_vl. We repeat its numerics step for step so pixel_values match it to float32 rounding:
-  uint8 CHW tensor -> tvF.resize(bicubic, antialias) on uint8 -> fused (x - mean/s) / (std/s) in float32 -> patchify.
-Decoding/RGB conversion stays in PIL (image_io); everything after it is tensor ops on the requested device.
+  uint8 CHW tensor -> tvF.resize(bicubic, antialias) on uint8 -> fused (x - mean/s) / (std/s) in
+  float32 -> patchify.
+Decoding/RGB conversion stays in PIL (image_io); everything after it is tensor ops on the requested
+device.
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ from vlinfer.multimodal.image_io import convert_to_rgb
 # transformers rejects aspect ratios above this in smart_resize; so do we.
 MAX_ASPECT_RATIO = 200
 
-# PIL resample codes (as stored in preprocessor_config.json) -> torchvision modes, the mapping transformers uses.
+# PIL resample codes (as stored in preprocessor_config.json) -> torchvision modes, the mapping
+# transformers uses.
 _PIL_TO_TV = {
     0: tvF.InterpolationMode.NEAREST_EXACT,
     1: tvF.InterpolationMode.LANCZOS,
@@ -32,24 +37,27 @@ _PIL_TO_TV = {
 }
 
 
-# OpenAI's image `detail`. "low" caps an image at 512 x 512 pixels, the size OpenAI's low detail uses: at most 256
-# image tokens with Qwen3-VL's 32-pixel merge windows, against up to 16384 under the model's own max_pixels.
-# "high" and "auto" keep max_pixels as configured (the checkpoint's, or the request's mm_processor_kwargs).
+# OpenAI's image `detail`. "low" caps an image at 512 x 512 pixels, the size OpenAI's low detail
+# uses: at most 256 image tokens with Qwen3-VL's 32-pixel merge windows, against up to 16384 under
+# the model's own max_pixels. "high" and "auto" keep max_pixels as configured (the checkpoint's, or
+# the request's mm_processor_kwargs).
 LOW_DETAIL_MAX_PIXELS = 512 * 512
 DETAILS = ("auto", "low", "high")
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Target (h, w): both multiples of `factor`, h*w <= max_pixels, and >= min_pixels where max_pixels allows,
-    aspect ratio kept as closely as possible. max_pixels is a hard bound and wins whenever both cannot hold (a
-    min_pixels above it, or an upscale that rounding pushes past it).
+def smart_resize(height: int, width: int, factor: int, min_pixels: int,
+                 max_pixels: int) -> tuple[int, int]:
+    """Target (h, w): both multiples of `factor`, h*w <= max_pixels, and >= min_pixels where
+    max_pixels allows, aspect ratio kept as closely as possible. max_pixels is a hard bound and wins
+    whenever both cannot hold (a min_pixels above it, or an upscale that rounding pushes past it).
 
-    The arithmetic is transformers' qwen2_vl smart_resize (round, then floor/ceil after a uniform rescale), so the
-    grids are the same wherever transformers' own result is within max_pixels. Where it is not, we differ:
-    transformers' upscale to min_pixels rounds both sides up past a max_pixels just above min_pixels (a small
-    image then comes out larger than max_pixels), and its downscale keeps a side at `factor` for extreme aspect
-    ratios even when the other side then overshoots. Here an upscale that overshoots is redone as the downscale to
-    max_pixels, and a side at `factor` shortens the other to fit."""
+    The arithmetic is transformers' qwen2_vl smart_resize (round, then floor/ceil after a uniform
+    rescale), so the grids are the same wherever transformers' own result is within max_pixels.
+    Where it is not, we differ: transformers' upscale to min_pixels rounds both sides up past a
+    max_pixels just above min_pixels (a small image then comes out larger than max_pixels), and its
+    downscale keeps a side at `factor` for extreme aspect ratios even when the other side then
+    overshoots. Here an upscale that overshoots is redone as the downscale to max_pixels, and a side
+    at `factor` shortens the other to fit."""
     if height <= 0 or width <= 0:
         raise ValueError(f"image size must be positive, got {height}x{width}")
     ratio = max(height, width) / min(height, width)
@@ -77,15 +85,18 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
                 h_bar = max_pixels // (factor * factor) * factor
     if h_bar < factor or w_bar < factor:
         # Only reachable with min_pixels <= 0 (a side rounds to 0 and nothing scales it back up).
-        raise ValueError(f"image {height}x{width} resizes to {h_bar}x{w_bar}, smaller than the patch factor "
-                         f"{factor}; raise min_pixels")
+        raise ValueError(
+            f"image {height}x{width} resizes to {h_bar}x{w_bar}, smaller than the patch factor "
+            f"{factor}; raise min_pixels")
     return h_bar, w_bar
 
 
 @dataclass
 class ProcessedImages:
-    pixel_values: torch.Tensor   # float32 [sum(t*h*w), 3 * temporal_patch * patch * patch], on the requested device
-    grid_thw: torch.Tensor       # long [N, 3], on CPU: shape metadata the scheduler/rope code reads as Python ints
+    # float32 [sum(t*h*w), 3 * temporal_patch * patch * patch], on the requested device
+    pixel_values: torch.Tensor
+    # long [N, 3], on CPU: shape metadata the scheduler/rope code reads as Python ints
+    grid_thw: torch.Tensor
     sizes: list[tuple[int, int]]  # resized (h, w) per image
     num_tokens: list[int]        # LLM placeholder tokens per image: t*h*w // merge**2
 
@@ -96,10 +107,12 @@ class ProcessedImages:
 class Qwen3VLImageProcessor:
     def __init__(self, *, patch_size: int = 16, temporal_patch_size: int = 2, merge_size: int = 2,
                  image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), min_pixels: int = 65536,
-                 max_pixels: int = 16777216, resample: int = 3, do_resize: bool = True, do_rescale: bool = True,
-                 rescale_factor: float = 1 / 255, do_normalize: bool = True):
+                 max_pixels: int = 16777216, resample: int = 3, do_resize: bool = True,
+                 do_rescale: bool = True, rescale_factor: float = 1 / 255,
+                 do_normalize: bool = True):
         if resample not in _PIL_TO_TV:
-            raise ValueError(f"unsupported resample code {resample}; expected one of {sorted(_PIL_TO_TV)}")
+            raise ValueError(
+                f"unsupported resample code {resample}; expected one of {sorted(_PIL_TO_TV)}")
         self.patch_size = int(patch_size)
         self.temporal_patch_size = int(temporal_patch_size)
         self.merge_size = int(merge_size)
@@ -116,15 +129,20 @@ class Qwen3VLImageProcessor:
         self.factor = self.patch_size * self.merge_size
         self.patch_dim = 3 * self.temporal_patch_size * self.patch_size * self.patch_size
 
-    # ---------------------------------------------------------------------------------------------- construction
+    # ----------------------------------------------------------------------------------------------
+    # construction
 
     @classmethod
     def from_config_dict(cls, d: dict) -> "Qwen3VLImageProcessor":
-        """From a preprocessor_config.json dict. Unknown keys (processor_class, image_processor_type, ...) are
-        ignored. Legacy top-level min_pixels/max_pixels override size, as transformers' __init__ does."""
-        kw = {k: d[k] for k in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std",
-                                "resample", "do_resize", "do_rescale", "rescale_factor", "do_normalize")
-              if d.get(k) is not None}
+        """From a preprocessor_config.json dict. Unknown keys (processor_class,
+        image_processor_type, ...) are ignored. Legacy top-level min_pixels/max_pixels override
+        size, as transformers' __init__ does."""
+        kw = {
+            k: d[k]
+            for k in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std",
+                      "resample", "do_resize", "do_rescale", "rescale_factor", "do_normalize")
+            if d.get(k) is not None
+        }
         size = d.get("size") or {}
         if size.get("shortest_edge") is not None:
             kw["min_pixels"] = size["shortest_edge"]
@@ -141,14 +159,18 @@ class Qwen3VLImageProcessor:
         d = read_processor_config(folder, "image_processor")
         return cls() if d is None else cls.from_config_dict(d)
 
-    # ------------------------------------------------------------------------------------------------ sizing
+    # ------------------------------------------------------------------------------------------------
+    # sizing
 
     def resized_size(self, height: int, width: int, min_pixels: int | None = None,
                      max_pixels: int | None = None) -> tuple[int, int]:
         """(h, w) an image of this size is resized to, without touching pixels."""
         if not self.do_resize:
             if height % self.factor or width % self.factor:
-                raise ValueError(f"do_resize is off but image {height}x{width} is not a multiple of {self.factor}")
+                raise ValueError(
+                    f"do_resize is off but image {height}x{width} is not a multiple of "
+                    f"{self.factor}"
+                )
             return height, width
         return smart_resize(height, width, self.factor,
                             self.min_pixels if min_pixels is None else int(min_pixels),
@@ -156,17 +178,20 @@ class Qwen3VLImageProcessor:
 
     def grid_thw(self, height: int, width: int, min_pixels: int | None = None,
                  max_pixels: int | None = None) -> tuple[int, int, int]:
-        """Patch grid (t, h, w) of one image. t is 1: a still image is one temporal patch (its frame repeated)."""
+        """Patch grid (t, h, w) of one image. t is 1: a still image is one temporal patch (its frame
+        repeated)."""
         h, w = self.resized_size(height, width, min_pixels, max_pixels)
         return 1, h // self.patch_size, w // self.patch_size
 
     def num_image_tokens(self, height: int, width: int, min_pixels: int | None = None,
                          max_pixels: int | None = None) -> int:
-        """LLM placeholder tokens for an image of this original size (each merge x merge patch window is one)."""
+        """LLM placeholder tokens for an image of this original size (each merge x merge patch
+        window is one)."""
         t, h, w = self.grid_thw(height, width, min_pixels, max_pixels)
         return t * h * w // (self.merge_size ** 2)
 
-    # ------------------------------------------------------------------------------------------------ processing
+    # ------------------------------------------------------------------------------------------------
+    # processing
 
     def max_pixels_for(self, detail: str | None, max_pixels: int | None = None) -> int:
         """An image's pixel budget under OpenAI's `detail` (see LOW_DETAIL_MAX_PIXELS)."""
@@ -175,15 +200,19 @@ class Qwen3VLImageProcessor:
         budget = self.max_pixels if max_pixels is None else int(max_pixels)
         return min(budget, LOW_DETAIL_MAX_PIXELS) if detail == "low" else budget
 
-    def __call__(self, images, device="cpu", min_pixels=None, max_pixels=None, detail=None) -> ProcessedImages:
-        """Preprocess a list of PIL images. min_pixels / max_pixels / detail: None (config values; detail "auto"),
-        one value for all images, or a list with one entry (or None) per image."""
+    def __call__(self, images, device="cpu", min_pixels=None, max_pixels=None,
+                 detail=None) -> ProcessedImages:
+        """Preprocess a list of PIL images. min_pixels / max_pixels / detail: None (config values;
+        detail "auto"), one value for all images, or a list with one entry (or None) per image."""
         if isinstance(images, PIL.Image.Image):
             images = [images]
         n = len(images)
         mins = self._per_image(min_pixels, n, "min_pixels")
         details = self._per_image(detail, n, "detail")
-        maxs = [self.max_pixels_for(d, m) for d, m in zip(details, self._per_image(max_pixels, n, "max_pixels"))]
+        maxs = [
+            self.max_pixels_for(d, m)
+            for d, m in zip(details, self._per_image(max_pixels, n, "max_pixels"))
+        ]
         device = torch.device(device)
 
         # Size every image first so a bad one fails the call before any pixel work or device upload.
@@ -191,7 +220,9 @@ class Qwen3VLImageProcessor:
             if not isinstance(image, PIL.Image.Image):
                 raise TypeError(f"image {i} is a {type(image).__name__}, expected PIL.Image.Image "
                                 "(decode it with vlinfer.multimodal.image_io.load_image)")
-        sizes = [self.resized_size(im.height, im.width, mins[i], maxs[i]) for i, im in enumerate(images)]
+        sizes = [
+            self.resized_size(im.height, im.width, mins[i], maxs[i]) for i, im in enumerate(images)
+        ]
 
         rows, grids, tokens = [], [], []
         for image, (h, w) in zip(images, sizes):
@@ -204,8 +235,8 @@ class Qwen3VLImageProcessor:
             grids.append((t, gh, gw))
             tokens.append(t * gh * gw // (self.merge_size ** 2))
 
-        pixel_values = torch.cat(rows) if rows else torch.empty(0, self.patch_dim, dtype=torch.float32,
-                                                                device=device)
+        pixel_values = torch.cat(rows) if rows else torch.empty(0, self.patch_dim,
+                                                                dtype=torch.float32, device=device)
         grid_thw = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
         return ProcessedImages(pixel_values, grid_thw, sizes, tokens)
 
@@ -218,14 +249,16 @@ class Qwen3VLImageProcessor:
         return [value] * n
 
     def _interpolation(self, device: torch.device):
-        # torchvision's LANCZOS only runs on CPU; transformers falls back to BICUBIC elsewhere, and so do we.
+        # torchvision's LANCZOS only runs on CPU; transformers falls back to BICUBIC elsewhere, and
+        # so do we.
         if self.interpolation == tvF.InterpolationMode.LANCZOS and device.type != "cpu":
             return tvF.InterpolationMode.BICUBIC
         return self.interpolation
 
     @staticmethod
     def _to_tensor(image: PIL.Image.Image, device: torch.device) -> torch.Tensor:
-        """uint8 CHW on `device`. The upload is uint8 (4x smaller than float); all math happens on the device."""
+        """uint8 CHW on `device`. The upload is uint8 (4x smaller than float); all math happens on
+        the device."""
         arr = np.array(convert_to_rgb(image))  # writable copy; torch warns on read-only buffers
         x = torch.from_numpy(arr).permute(2, 0, 1)
         if device.type == "cpu":
@@ -233,8 +266,9 @@ class Qwen3VLImageProcessor:
         return x.to(device, non_blocking=False).contiguous()
 
     def _rescale_normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """Float32 CHW. Rescale and normalize fused the way transformers fuses them: (x - mean/s) / (std/s), so
-        the rounding (and thus the result bit for bit, up to op order on the device) is the same."""
+        """Float32 CHW. Rescale and normalize fused the way transformers fuses them: (x - mean/s) /
+        (std/s), so the rounding (and thus the result bit for bit, up to op order on the device) is
+        the same."""
         x = x.to(torch.float32)
         if self.do_normalize:
             mean = torch.tensor(self.image_mean, device=x.device)
@@ -247,10 +281,11 @@ class Qwen3VLImageProcessor:
         return x
 
     def _patchify(self, x: torch.Tensor) -> torch.Tensor:
-        """[C, H, W] -> [gh*gw, C*T*P*P]. Rows go merge window by merge window (row-major over windows, then
-        row-major inside each m x m window) because the encoder's patch merger fuses m*m consecutive rows into one
-        LLM token. Each row is channel-major, then the temporal copy, then the P x P pixels: the Conv3d patch
-        embedding's weight layout. A still image fills its temporal patch by repeating itself T times."""
+        """[C, H, W] -> [gh*gw, C*T*P*P]. Rows go merge window by merge window (row-major over
+        windows, then row-major inside each m x m window) because the encoder's patch merger fuses
+        m*m consecutive rows into one LLM token. Each row is channel-major, then the temporal copy,
+        then the P x P pixels: the Conv3d patch embedding's weight layout. A still image fills its
+        temporal patch by repeating itself T times."""
         c, h, w = x.shape
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         gh, gw = h // p, w // p

@@ -1,14 +1,17 @@
-"""Video input layer: whatever a request carries (a file path, bytes, a data URI, a URL, a list of frames, a uint8
-array) -> the sampled frames as one uint8 tensor [T, 3, h, w], already resized, plus where they came from.
+"""Video input layer: whatever a request carries (a file path, bytes, a data URI, a URL, a list of
+frames, a uint8 array) -> the sampled frames as one uint8 tensor [T, 3, h, w], already resized, plus
+where they came from.
 
-Sampling needs to know the clip (frame count, source fps) before any frame is decoded, and the target size needs
-only the sampled count and the source size, so `load_video` asks its caller for both through `plan` (the video
-processor's sampler and sizer) and then decodes just the sampled frames, resizing each as it arrives: a long clip
-at 4K never sits in memory at full size. Files are decoded with PyAV (FFmpeg); the demuxer gives every packet's
-timestamp and keyframe flag without decoding, so the decoder seeks to the keyframe before a sampled frame when a
-keyframe lies between it and the last frame decoded, and decodes on otherwise.
+Sampling needs to know the clip (frame count, source fps) before any frame is decoded, and the
+target size needs only the sampled count and the source size, so `load_video` asks its caller for
+both through `plan` (the video processor's sampler and sizer) and then decodes just the sampled
+frames, resizing each as it arrives: a long clip at 4K never sits in memory at full size. Files are
+decoded with PyAV (FFmpeg); the demuxer gives every packet's timestamp and keyframe flag without
+decoding, so the decoder seeks to the keyframe before a sampled frame when a keyframe lies between
+it and the last frame decoded, and decodes on otherwise.
 
-Failures are `VideoLoadError` (a ValueError) with a message a client can act on, never a bare FFmpeg error.
+Failures are `VideoLoadError` (a ValueError) with a message a client can act on, never a bare FFmpeg
+error.
 """
 from __future__ import annotations
 
@@ -27,30 +30,36 @@ from vlinfer.multimodal.url_fetch import UrlPolicy
 
 logger = logging.getLogger("vlinfer")
 
-# transformers assumes this source frame rate when a clip of frames comes without one (Qwen3VLVideoProcessor
-# .sample_frames and Qwen3VLProcessor.replace_video_token both do); so do we, and say so in the log and the echo.
+# transformers assumes this source frame rate when a clip of frames comes without one
+# (Qwen3VLVideoProcessor .sample_frames and Qwen3VLProcessor.replace_video_token both do); so do we,
+# and say so in the log and the echo.
 ASSUMED_FPS = 24.0
-# File name endings taken for video files where a path's kind must be told by its name (the caption CLI's
-# folders, the demo's uploads): containers FFmpeg reads.
-VIDEO_EXTENSIONS = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".wmv", ".flv", ".3gp", ".ts")
+# File name endings taken for video files where a path's kind must be told by its name (the caption
+# CLI's folders, the demo's uploads): containers FFmpeg reads.
+VIDEO_EXTENSIONS = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".wmv",
+                    ".flv", ".3gp", ".ts")
 
 
 class VideoLoadError(ValueError):
-    """The input could not be turned into video frames (unreadable, corrupt, too large or long, refused source)."""
+    """The input could not be turned into video frames (unreadable, corrupt, too large or long,
+    refused source)."""
 
 
 @dataclass
 class VideoLimits:
-    """What one video may cost before anything is decoded. The defaults bound memory and time, not content:
-    a frame above max_frame_pixels or a clip above max_source_frames / max_seconds is refused from its header
-    and packet index alone (an archive bomb of a few KiB that declares 10^6 frames or 30000x30000 pixels)."""
+    """What one video may cost before anything is decoded. The defaults bound memory and time, not
+    content: a frame above max_frame_pixels or a clip above max_source_frames / max_seconds is
+    refused from its header and packet index alone (an archive bomb of a few KiB that declares 10^6
+    frames or 30000x30000 pixels)."""
     max_frame_pixels: int = 1 << 25     # 32 Mi pixels per frame (8192 x 4096), ~100 MB decoded
     max_source_frames: int = 1 << 18    # frames in the file (an hour at 72 fps)
     max_seconds: float | None = 4 * 3600.0
-    max_bytes: int | None = None        # bytes / data URIs; None: no limit here (the server sets one)
-    # Frames sampled from one clip (what is decoded and encoded); None: the video processor's max_frames alone.
-    # Sampling clamps to it, as to max_frames; a request asking for more (num_frames, max_frames, a longer list of
-    # frames not to resample) is refused (video_prompt.VideoPrompts.load).
+    # bytes / data URIs; None: no limit here (the server sets one)
+    max_bytes: int | None = None
+    # Frames sampled from one clip (what is decoded and encoded); None: the video processor's
+    # max_frames alone. Sampling clamps to it, as to max_frames; a request asking for more
+    # (num_frames, max_frames, a longer list of frames not to resample) is refused
+    # (video_prompt.VideoPrompts.load).
     max_frames: int | None = None
 
 
@@ -84,16 +93,18 @@ Resize = Callable[[torch.Tensor, tuple[int, int]], torch.Tensor]
 
 
 def load_video(source, plan: Plan, resize: Resize, *, metadata: dict | None = None,
-               url_policy: UrlPolicy | None = None, limits: VideoLimits | None = None) -> LoadedVideo:
-    """source: a path (str / Path), bytes, a base64 `data:video/...` URI, an http(s) URL (with a url_policy), a
-    list of frames (PIL images or HWC uint8 arrays), or a uint8 array / tensor [T, H, W, 3].
-    metadata (frames only): {"fps": source fps, "frames_indices": source index of each given frame,
-    "total_num_frames": ...}, the fields of transformers' VideoMetadata."""
+               url_policy: UrlPolicy | None = None,
+               limits: VideoLimits | None = None) -> LoadedVideo:
+    """source: a path (str / Path), bytes, a base64 `data:video/...` URI, an http(s) URL (with a
+    url_policy), a list of frames (PIL images or HWC uint8 arrays), or a uint8 array / tensor [T, H,
+    W, 3]. metadata (frames only): {"fps": source fps, "frames_indices": source index of each given
+    frame, "total_num_frames": ...}, the fields of transformers' VideoMetadata."""
     limits = limits or VideoLimits()
     if isinstance(source, (list, tuple, np.ndarray, torch.Tensor)):
         return _load_frames(source, plan, resize, metadata or {}, limits)
     if metadata:
-        raise VideoLoadError("video metadata goes with a list or array of frames; a video file carries its own")
+        raise VideoLoadError(
+            "video metadata goes with a list or array of frames; a video file carries its own")
     if isinstance(source, (bytes, bytearray, memoryview)):
         return _decode(bytes(source), "bytes", plan, resize, limits)
     if isinstance(source, Path):
@@ -104,28 +115,36 @@ def load_video(source, plan: Plan, resize: Resize, *, metadata: dict | None = No
         if isinstance(opened, Path):
             return _decode_path(opened, plan, resize, limits)
         return _decode(opened, what, plan, resize, limits)
-    raise VideoLoadError(f"unsupported video source type {type(source).__name__}; expected a path, bytes, data "
-                         "URI, URL, a list of frames or a uint8 array [T, H, W, 3]")
+    raise VideoLoadError(
+        f"unsupported video source type {type(source).__name__}; expected a path, bytes, data "
+        "URI, URL, a list of frames or a uint8 array [T, H, W, 3]")
 
 
 def import_av():
     try:
         import av
     except ImportError:
-        raise VideoLoadError("video files are decoded with PyAV, which is not installed: pip install av (or "
-                             "pip install 'vlinfer[video]'); a list of frames or a uint8 array needs no decoder"
-                             ) from None
+        raise VideoLoadError(
+            "video files are decoded with PyAV, which is not installed: pip install av (or "
+            "pip install 'vlinfer[video]'); a list of frames or a uint8 array needs no decoder"
+        ) from None
     return av
 
 
-# ------------------------------------------------------------------------------------------------ frames given
+# ------------------------------------------------------------------------------------------------
+# frames given
 
-def _load_frames(frames, plan: Plan, resize: Resize, metadata: dict, limits: VideoLimits) -> LoadedVideo:
-    unknown = set(metadata) - {"fps", "frames_indices", "total_num_frames", "duration", "video_backend",
-                               "do_sample_frames", "height", "width"}
+
+def _load_frames(frames, plan: Plan, resize: Resize, metadata: dict,
+                 limits: VideoLimits) -> LoadedVideo:
+    unknown = set(metadata) - {
+        "fps", "frames_indices", "total_num_frames", "duration", "video_backend",
+        "do_sample_frames", "height", "width"
+    }
     if unknown:
-        raise VideoLoadError(f"unknown video metadata keys {sorted(unknown)}; accepted: fps, frames_indices, "
-                             "total_num_frames, duration, do_sample_frames")
+        raise VideoLoadError(
+            f"unknown video metadata keys {sorted(unknown)}; accepted: fps, frames_indices, "
+            "total_num_frames, duration, do_sample_frames")
     clip = _frames_tensor(frames, limits)  # uint8 [N, 3, H, W]
     n, _, height, width = clip.shape
     fps = metadata.get("fps")
@@ -134,15 +153,17 @@ def _load_frames(frames, plan: Plan, resize: Resize, metadata: dict, limits: Vid
     given = metadata.get("frames_indices")
     if given is not None:
         given = [int(i) for i in given]
-        if len(given) != n or any(i < 0 for i in given) or any(b <= a for a, b in zip(given, given[1:])):
-            raise VideoLoadError(f"video metadata frames_indices must be {n} increasing source indices, one per "
-                                 "frame")
-    # Given indices mean the frames are already sampled (vLLM's and transformers' convention for (frames, metadata)
-    # pairs); sample them again only when asked.
+        if len(given) != n or any(i < 0 for i in given) or any(b <= a
+                                                               for a, b in zip(given, given[1:])):
+            raise VideoLoadError(
+                f"video metadata frames_indices must be {n} increasing source indices, one per "
+                "frame")
+    # Given indices mean the frames are already sampled (vLLM's and transformers' convention for
+    # (frames, metadata) pairs); sample them again only when asked.
     resample = metadata.get("do_sample_frames", given is None)
     total = int(metadata.get("total_num_frames") or (given[-1] + 1 if given else n))
-    info = VideoSource(total_num_frames=n if resample else total, fps=float(fps) if fps else None, height=height,
-                       width=width, frames_indices=given, backend="frames")
+    info = VideoSource(total_num_frames=n if resample else total, fps=float(fps) if fps else None,
+                       height=height, width=width, frames_indices=given, backend="frames")
     if resample:
         indices, size = plan(info)
         source_indices = [given[i] for i in indices] if given else list(indices)
@@ -152,8 +173,9 @@ def _load_frames(frames, plan: Plan, resize: Resize, metadata: dict, limits: Vid
         indices = list(range(n))
         source_indices = given if given else indices
     if info.fps is None:
-        logger.warning("a video given as frames has no fps in its metadata: timestamps assume %s fps, as "
-                       "transformers does; pass (frames, {'fps': ...}) for true times", ASSUMED_FPS)
+        logger.warning(
+            "a video given as frames has no fps in its metadata: timestamps assume %s fps, as "
+            "transformers does; pass (frames, {'fps': ...}) for true times", ASSUMED_FPS)
     picked = clip[torch.as_tensor(indices, dtype=torch.long)]
     return LoadedVideo(resize(picked, size), source_indices, info.fps or ASSUMED_FPS, info)
 
@@ -169,14 +191,18 @@ def _frames_tensor(frames, limits: VideoLimits) -> torch.Tensor:
                 frame = np.asarray(frame.convert("RGB"))
             elif isinstance(frame, torch.Tensor):
                 frame = frame.detach().cpu().numpy()
-            if not isinstance(frame, np.ndarray) or frame.ndim != 3 or frame.shape[-1] != 3 or frame.dtype != np.uint8:
-                raise VideoLoadError(f"video frame {i} must be a PIL image or a uint8 array [H, W, 3]")
+            if not isinstance(frame, np.ndarray) or frame.ndim != 3 or frame.shape[
+                    -1] != 3 or frame.dtype != np.uint8:
+                raise VideoLoadError(
+                    f"video frame {i} must be a PIL image or a uint8 array [H, W, 3]")
             arrays.append(frame)
         if len({a.shape for a in arrays}) != 1:
-            raise VideoLoadError(f"video frames differ in size: {sorted({a.shape[:2] for a in arrays})[:4]}")
+            raise VideoLoadError(
+                f"video frames differ in size: {sorted({a.shape[:2] for a in arrays})[:4]}")
         clip = torch.from_numpy(np.stack(arrays))
     else:
-        clip = torch.from_numpy(np.ascontiguousarray(frames)) if isinstance(frames, np.ndarray) else frames.detach()
+        clip = torch.from_numpy(np.ascontiguousarray(frames)) if isinstance(
+            frames, np.ndarray) else frames.detach()
         if clip.ndim != 4 or clip.shape[-1] != 3 or clip.dtype != torch.uint8:
             raise VideoLoadError(f"a video array must be uint8 [T, H, W, 3], got {clip.dtype} "
                                  f"{list(clip.shape)}")
@@ -187,42 +213,51 @@ def _frames_tensor(frames, limits: VideoLimits) -> torch.Tensor:
     return clip.permute(0, 3, 1, 2)
 
 
-# ------------------------------------------------------------------------------------------------ files
+# ------------------------------------------------------------------------------------------------
+# files
 
 def _decode_path(path: Path, plan: Plan, resize: Resize, limits: VideoLimits) -> LoadedVideo:
     if not path.is_file():
         raise VideoLoadError(f"video file not found: {path}")
     if limits.max_bytes is not None and path.stat().st_size > limits.max_bytes:
-        raise VideoLoadError(f"video file is {path.stat().st_size} bytes, over the limit of {limits.max_bytes}")
+        raise VideoLoadError(
+            f"video file is {path.stat().st_size} bytes, over the limit of {limits.max_bytes}")
     return _decode(str(path), str(path), plan, resize, limits)
 
 
-def _decode(data: bytes | str, what: str, plan: Plan, resize: Resize, limits: VideoLimits) -> LoadedVideo:
+def _decode(data: bytes | str, what: str, plan: Plan, resize: Resize,
+            limits: VideoLimits) -> LoadedVideo:
     av = import_av()
     if isinstance(data, bytes):
         if not data:
             raise VideoLoadError(f"cannot read video from {what}: no data")
         if limits.max_bytes is not None and len(data) > limits.max_bytes:
-            raise VideoLoadError(f"video is {len(data)} bytes, over the limit of {limits.max_bytes}")
+            raise VideoLoadError(
+                f"video is {len(data)} bytes, over the limit of {limits.max_bytes}")
     try:
         container = av.open(io.BytesIO(data) if isinstance(data, bytes) else data, mode="r",
                             metadata_errors="ignore")
     except av.FFmpegError as e:
-        raise VideoLoadError(f"cannot read video from {what} (not a video, or an unsupported container): "
-                             f"{_ffmpeg_message(e)}") from None
+        raise VideoLoadError(
+            f"cannot read video from {what} (not a video, or an unsupported container): "
+            f"{_ffmpeg_message(e)}") from None
     try:
         with container:
             return _decode_container(av, container, what, plan, resize, limits)
     except av.FFmpegError as e:
-        raise VideoLoadError(f"corrupt or truncated video data in {what}: {_ffmpeg_message(e)}") from None
+        raise VideoLoadError(
+            f"corrupt or truncated video data in {what}: {_ffmpeg_message(e)}") from None
 
 
-def _decode_container(av, container, what: str, plan: Plan, resize: Resize, limits: VideoLimits) -> LoadedVideo:
+def _decode_container(av, container, what: str, plan: Plan, resize: Resize,
+                      limits: VideoLimits) -> LoadedVideo:
     if not container.streams.video:
         raise VideoLoadError(f"{what} has no video stream (not a video)")
     stream = container.streams.video[0]
-    if stream.codec_context is None:  # a codec id FFmpeg has no decoder for: an unknown or damaged stream header
-        raise VideoLoadError(f"video in {what} has a video stream FFmpeg cannot decode (unknown or damaged codec)")
+    # a codec id FFmpeg has no decoder for: an unknown or damaged stream header
+    if stream.codec_context is None:
+        raise VideoLoadError(
+            f"video in {what} has a video stream FFmpeg cannot decode (unknown or damaged codec)")
     stream.thread_type = "AUTO"
     width, height = stream.codec_context.width, stream.codec_context.height
     if width <= 0 or height <= 0:
@@ -231,8 +266,9 @@ def _decode_container(av, container, what: str, plan: Plan, resize: Resize, limi
     fps = float(stream.average_rate) if stream.average_rate else None
     if fps is not None and not fps > 0:
         fps = None
-    # The packet index: one packet per frame. Container headers' frame counts are missing (webm, mkv) or can lie
-    # (qv#1770); counting packets reads the file once without decoding, and stops at the limit.
+    # The packet index: one packet per frame. Container headers' frame counts are missing (webm,
+    # mkv) or can lie (qv#1770); counting packets reads the file once without decoding, and stops at
+    # the limit.
     packets = []  # (pts, is_keyframe)
     for packet in container.demux(stream):
         if packet.size == 0:  # the demuxer's end-of-stream flush packet
@@ -245,23 +281,28 @@ def _decode_container(av, container, what: str, plan: Plan, resize: Resize, limi
         raise VideoLoadError(f"video in {what} has no frames")
     total = len(packets)
     if fps is None:
-        logger.warning("video in %s declares no frame rate: timestamps assume %s fps, as transformers does",
-                       what, ASSUMED_FPS)
+        logger.warning(
+            "video in %s declares no frame rate: timestamps assume %s fps, as transformers does",
+            what, ASSUMED_FPS)
     seconds = total / (fps or ASSUMED_FPS)
     if limits.max_seconds is not None and seconds > limits.max_seconds:
-        raise VideoLoadError(f"video in {what} is {seconds:.0f} s long, over the limit of {limits.max_seconds:.0f} s")
+        raise VideoLoadError(
+            f"video in {what} is {seconds:.0f} s long, over the limit of {limits.max_seconds:.0f} s"
+        )
     source = VideoSource(total, fps, height, width)
     indices, size = plan(source)
     frames = _decode_frames(container, stream, packets, sorted(set(indices)), what)
     by_index = {}
     for index, frame in frames.items():
         by_index[index] = resize(frame[None], size)[0]
-    return LoadedVideo(torch.stack([by_index[i] for i in indices]), list(indices), fps or ASSUMED_FPS, source)
+    return LoadedVideo(torch.stack([by_index[i] for i in indices]), list(indices), fps or
+                       ASSUMED_FPS, source)
 
 
-def _decode_frames(container, stream, packets, wanted: list[int], what: str) -> dict[int, torch.Tensor]:
-    """uint8 [3, H, W] of each wanted frame (presentation order index). Seeks to a keyframe when one lies between
-    the last frame decoded and the next wanted one; decodes straight on otherwise."""
+def _decode_frames(container, stream, packets, wanted: list[int],
+                   what: str) -> dict[int, torch.Tensor]:
+    """uint8 [3, H, W] of each wanted frame (presentation order index). Seeks to a keyframe when one
+    lies between the last frame decoded and the next wanted one; decodes straight on otherwise."""
     pts_sorted = sorted(p for p, _ in packets)
     if any(p is None for p in pts_sorted) or len(set(pts_sorted)) != len(pts_sorted):
         return _decode_sequential(container, stream, wanted, what)
@@ -280,12 +321,15 @@ def _decode_frames(container, stream, packets, wanted: list[int], what: str) -> 
         while True:
             frame = next(decoder, None)
             if frame is None:
-                raise VideoLoadError(f"video in {what} ended before frame {target} of {len(pts_sorted)} "
-                                     "(truncated?)")
+                raise VideoLoadError(
+                    f"video in {what} ended before frame {target} of {len(pts_sorted)} "
+                    "(truncated?)")
             index = index_of.get(frame.pts)
-            if index is None:  # a timestamp the demuxer did not list: trust only a plain decode then
+            # a timestamp the demuxer did not list: trust only a plain decode then
+            if index is None:
                 return _decode_sequential(container, stream, wanted, what)
-            if index > target:  # the seek landed past it (a broken index): decode from the start instead
+            # the seek landed past it (a broken index): decode from the start instead
+            if index > target:
                 return _decode_sequential(container, stream, wanted, what)
             position = index
             if index == target:
@@ -303,23 +347,27 @@ def _decode_sequential(container, stream, wanted: list[int], what: str) -> dict[
             out[index] = _frame_to_tensor(frame)
             if len(out) == len(want):
                 return out
-    raise VideoLoadError(f"video in {what} ended after {decoded} frames, before frame {max(want - set(out))} "
-                         "(truncated?)")
+    raise VideoLoadError(
+        f"video in {what} ended after {decoded} frames, before frame {max(want - set(out))} "
+        "(truncated?)")
 
 
 def _frame_to_tensor(frame) -> torch.Tensor:
-    # rgb24 through FFmpeg's swscale, as transformers' PyAV loader converts (video_utils.read_video_pyav).
+    # rgb24 through FFmpeg's swscale, as transformers' PyAV loader converts
+    # (video_utils.read_video_pyav).
     return torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
 
 
-# ------------------------------------------------------------------------------------------------ helpers
+# ------------------------------------------------------------------------------------------------
+# helpers
 
 def _check_frame_pixels(width: int, height: int, limits: VideoLimits) -> None:
     if width <= 0 or height <= 0:
         raise VideoLoadError(f"video frames have an empty size {width}x{height}")
     if width * height > limits.max_frame_pixels:
-        raise VideoLoadError(f"video frames are {width}x{height} = {width * height} pixels, over the limit of "
-                             f"{limits.max_frame_pixels} pixels per frame; possible decompression bomb")
+        raise VideoLoadError(
+            f"video frames are {width}x{height} = {width * height} pixels, over the limit of "
+            f"{limits.max_frame_pixels} pixels per frame; possible decompression bomb")
 
 
 def _ffmpeg_message(e) -> str:

@@ -8,13 +8,16 @@ from vlinfer.ops.reference import ReferenceOps
 
 logger = logging.getLogger("vlinfer")
 
-# VLINFER_OPS=<name> forces one implementation whatever the device, e.g. the NPU code on CPU tensors under an
-# emulated torch_npu (tests/fake_torch_npu.py). A forced implementation that cannot load is an error, not a fallback.
+# VLINFER_OPS=<name> forces one implementation whatever the device, e.g. the NPU code on CPU tensors
+# under an emulated torch_npu (tests/fake_torch_npu.py). A forced implementation that cannot load is
+# an error, not a fallback.
 OVERRIDE_ENV = "VLINFER_OPS"
 IMPLEMENTATIONS = ("cuda", "npu", "cpu-compiled", "reference")
 # The implementation each device type gets by default; other device types run the reference.
 DEVICE_KERNELS = {"cpu": "cpu-compiled", "npu": "npu", "cuda": "cuda"}
-_KERNEL_NAMES = {"cpu-compiled": "compiled CPU kernels", "npu": "torch_npu kernels", "cuda": "CUDA kernels"}
+_KERNEL_NAMES = {
+    "cpu-compiled": "compiled CPU kernels", "npu": "torch_npu kernels", "cuda": "CUDA kernels"
+}
 
 
 def backend_class(name: str) -> type[Backend]:
@@ -46,9 +49,9 @@ def default_block_size(device_type: str) -> int:
 
 
 def select(device_type: str, use_kernels: bool = True, forced: str | None = None) -> Backend:
-    """The op table for device_type. `forced` (else $VLINFER_OPS) names an implementation to use whatever the
-    device; a forced one that cannot load raises. Falling back to the reference is never silent: it is logged as a
-    warning with the reason."""
+    """The op table for device_type. `forced` (else $VLINFER_OPS) names an implementation to use
+    whatever the device; a forced one that cannot load raises. Falling back to the reference is
+    never silent: it is logged as a warning with the reason."""
     forced = _forced(forced)
     if forced:
         logger.warning("ops: %s forced on device type %s", forced, device_type)
@@ -58,8 +61,10 @@ def select(device_type: str, use_kernels: bool = True, forced: str | None = None
         try:
             ops = backend_class(kernels)(device_type)
         except Exception as e:  # no compiler, no headers, no torch_npu / CANN, ...
-            logger.warning("ops: %s unavailable (%s: %s); running the pure-torch reference", _KERNEL_NAMES[kernels],
-                           type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            logger.warning("ops: %s unavailable (%s: %s); running the pure-torch reference",
+                           _KERNEL_NAMES[kernels],
+                           type(e).__name__,
+                           str(e).splitlines()[0][:200] if str(e) else "")
             ops = ReferenceOps(device_type)
     else:
         ops = ReferenceOps(device_type)

@@ -1,5 +1,5 @@
-"""What the device is and what it holds: which device, which dtype it computes in, its memory, its KV block size and
-its collective backend."""
+"""What the device is and what it holds: which device, which dtype it computes in, its memory, its
+KV block size and its collective backend."""
 import logging
 
 import torch
@@ -21,14 +21,20 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) != "auto":
         try:
             dev = torch.device(device)
-        except (RuntimeError, TypeError):  # torch's message lists every backend it was built to know
-            raise ValueError(f"device={str(device)!r} is not a device; use 'auto', 'cpu', 'cuda', 'cuda:N' or "
-                             "'npu'") from None
+        # torch's message lists every backend it was built to know
+        except (RuntimeError, TypeError):
+            raise ValueError(
+                f"device={str(device)!r} is not a device; use 'auto', 'cpu', 'cuda', 'cuda:N' or "
+                "'npu'") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={str(device)!r}: CUDA is not available on this machine; use 'auto' or 'cpu'")
+            raise ValueError(
+                f"device={str(device)!r}: CUDA is not available on this machine; use 'auto' or "
+                "'cpu'"
+            )
         if dev.type == "npu" and not npu_available():
-            raise ValueError(f"device={str(device)!r}: torch_npu / the CANN runtime is not available on this "
-                             "machine; use 'auto' or 'cpu'")
+            raise ValueError(
+                f"device={str(device)!r}: torch_npu / the CANN runtime is not available on this "
+                "machine; use 'auto' or 'cpu'")
         return dev
     if torch.cuda.is_available():
         return torch.device("cuda")
@@ -40,24 +46,30 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
-def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device | None = None) -> torch.dtype:
-    """An explicit dtype is always obeyed. "auto" takes the checkpoint's dtype, except on a CPU without native
-    arithmetic for it (bf16 / fp16 checkpoints on an AVX2-only CPU): float32 there. The choice is logged."""
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config,
+                  device: torch.device | None = None) -> torch.dtype:
+    """An explicit dtype is always obeyed. "auto" takes the checkpoint's dtype, except on a CPU
+    without native arithmetic for it (bf16 / fp16 checkpoints on an AVX2-only CPU): float32 there.
+    The choice is logged."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
         return _DTYPES[dtype]
-    config_dtype = getattr(hf_config.get_text_config(), "dtype", None) or getattr(hf_config, "dtype", None)
+    config_dtype = getattr(hf_config.get_text_config(), "dtype", None) or getattr(
+        hf_config, "dtype", None)
     if isinstance(config_dtype, str):
         config_dtype = _DTYPES.get(config_dtype)
     chosen = config_dtype if isinstance(config_dtype, torch.dtype) else torch.float32
     if device is not None and device.type == "cpu" and chosen in (torch.bfloat16, torch.float16):
         flags = cpu_features.cpu_flags()
         if not cpu_features.cpu_has_native(chosen, flags):
-            logger.info("dtype: float32, this CPU has no native %s (%s); the checkpoint is %s, pass dtype= to "
-                        "override", _dtype_name(chosen), cpu_features.cpu_isa(flags), _dtype_name(chosen))
+            logger.info(
+                "dtype: float32, this CPU has no native %s (%s); the checkpoint is %s, pass dtype= "
+                "to "
+                "override", _dtype_name(chosen), cpu_features.cpu_isa(flags), _dtype_name(chosen))
             return torch.float32
     logger.info("dtype: %s, the checkpoint's", _dtype_name(chosen))
     return chosen
@@ -97,5 +109,6 @@ def total_memory(device: torch.device) -> int:
 
 
 def distributed_backend(device: torch.device) -> str:
-    """The torch.distributed backend a tensor-parallel engine's collectives run on, for its device."""
+    """The torch.distributed backend a tensor-parallel engine's collectives run on, for its device.
+    """
     return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")

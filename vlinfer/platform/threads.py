@@ -1,6 +1,7 @@
-"""The process's CPU thread count. torch keeps one intra-op thread pool per process, so the count belongs to whoever
-owns the process: its entry point (the CLI, a tensor-parallel worker, a Ray actor) sets it here, and a library call
-(building an LLM inside a user's program) never changes it."""
+"""The process's CPU thread count. torch keeps one intra-op thread pool per process, so the count
+belongs to whoever owns the process: its entry point (the CLI, a tensor-parallel worker, a Ray
+actor) sets it here, and a library call (building an LLM inside a user's program) never changes it.
+"""
 import logging
 import os
 
@@ -19,5 +20,6 @@ def set_process_threads(num_threads: int) -> None:
     if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
         raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
     if torch.get_num_threads() != num_threads:
-        logger.info("this process runs %d CPU threads (was %d)", num_threads, torch.get_num_threads())
+        logger.info("this process runs %d CPU threads (was %d)", num_threads,
+                    torch.get_num_threads())
         torch.set_num_threads(num_threads)

@@ -5,7 +5,10 @@ completions, pooling, admin); protocol.py every request model.
 FastAPI and uvicorn are imported only when the server is used, so `vlinfer` itself never needs
 them."""
 __all__ = ["ImagePolicy", "ServeConfig", "build_app"]
-_LAZY = {"ServeConfig": "vlinfer.serve.config", "build_app": "vlinfer.serve.app", "ImagePolicy": "vlinfer.serve.security"}
+_LAZY = {
+    "ServeConfig": "vlinfer.serve.config", "build_app": "vlinfer.serve.app",
+    "ImagePolicy": "vlinfer.serve.security"
+}
 
 
 def __getattr__(name: str):

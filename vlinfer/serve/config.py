@@ -1,5 +1,5 @@
-"""The server's settings (vlinfer/cli/serve.py builds them from its flags): who may call it, what one request
-may cost, what one image or video may be, and the LoRA adapters it serves by name."""
+"""The server's settings (vlinfer/cli/serve.py builds them from its flags): who may call it, what
+one request may cost, what one image or video may be, and the LoRA adapters it serves by name."""
 from dataclasses import dataclass, field
 
 from vlinfer.multimodal.video_io import VideoLimits
@@ -8,8 +8,8 @@ from vlinfer.serve.security import ImagePolicy
 
 @dataclass(frozen=True)
 class LoRAModule:
-    """One adapter served from the start (vLLM's --lora-modules): clients name it in `model`; /v1/models lists it
-    with `parent` = base_model_name (default: the first served model name)."""
+    """One adapter served from the start (vLLM's --lora-modules): clients name it in `model`;
+    /v1/models lists it with `parent` = base_model_name (default: the first served model name)."""
     name: str
     path: str
     base_model_name: str | None = None
@@ -23,15 +23,20 @@ class ServeConfig:
     images: ImagePolicy = field(default_factory=ImagePolicy)
     max_n: int = 16  # choices per request (n) times prompts per /v1/completions request
     max_pending: int = 1024  # sequences queued or running before new requests get 503
-    max_pooling_inputs: int = 512  # inputs of one /v1/embeddings request; items or pairs of one /score, /rerank
-    trim_memory_when_idle: bool = True  # hand freed heap pages back to the OS once a burst is over (glibc)
-    # vLLM's structured-outputs option: JSON the server constrains has no free whitespace (a request's own
-    # structured_outputs.disable_any_whitespace wins). Small models otherwise pad JSON with newlines.
+    # inputs of one /v1/embeddings request; items or pairs of one /score, /rerank
+    max_pooling_inputs: int = 512
+    # hand freed heap pages back to the OS once a burst is over (glibc)
+    trim_memory_when_idle: bool = True
+    # vLLM's structured-outputs option: JSON the server constrains has no free whitespace (a
+    # request's own structured_outputs.disable_any_whitespace wins). Small models otherwise pad JSON
+    # with newlines.
     disable_any_whitespace: bool = True
-    # What one video may cost (frames sampled, seconds, frame size): the engine's video limits while it serves
-    # this app (--max-video-frames, --max-video-seconds).
-    video: VideoLimits = field(default_factory=lambda: VideoLimits(max_frames=768, max_seconds=3600.0))
-    # LoRA adapters (the engine needs enable_lora): those served from the start, and whether clients may load and
-    # unload more (/v1/load_lora_adapter, /v1/unload_lora_adapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    # What one video may cost (frames sampled, seconds, frame size): the engine's video limits while
+    # it serves this app (--max-video-frames, --max-video-seconds).
+    video: VideoLimits = field(
+        default_factory=lambda: VideoLimits(max_frames=768, max_seconds=3600.0))
+    # LoRA adapters (the engine needs enable_lora): those served from the start, and whether clients
+    # may load and unload more (/v1/load_lora_adapter, /v1/unload_lora_adapter; vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     lora_modules: tuple[LoRAModule, ...] = ()
     allow_runtime_lora_updating: bool = False

@@ -1,7 +1,8 @@
-"""A request's output constraint, from whichever field asks for one: OpenAI's `response_format` (json_object,
-json_schema), vLLM's `structured_outputs` extra field, or a tool_choice that forces a call ("required", a named
-function: the call object's JSON schema, see tool_calls.call_schema). At most one may constrain a request; each
-problem is a 400 naming the field it came from, before anything is queued."""
+"""A request's output constraint, from whichever field asks for one: OpenAI's `response_format`
+(json_object, json_schema), vLLM's `structured_outputs` extra field, or a tool_choice that forces a
+call ("required", a named function: the call object's JSON schema, see tool_calls.call_schema). At
+most one may constrain a request; each problem is a 400 naming the field it came from, before
+anything is queued."""
 from vlinfer.sampling_params import StructuredOutputsParams
 from vlinfer.serve.errors import ApiError
 from vlinfer.serve.protocol import NamedToolChoice
@@ -31,24 +32,28 @@ def forced_tool(req) -> str | None:
     return "*" if choice == "required" else None
 
 
-def output_constraint(req, disable_any_whitespace: bool = False,
-                      tag_ids: tuple[int | None, int | None] = (None, None)) -> StructuredOutputsParams | None:
-    """disable_any_whitespace: the server's default (vLLM's --structured-outputs-config option); a request's own
-    structured_outputs.disable_any_whitespace wins. tag_ids: the tool-call tags' token ids (tag_token_ids)."""
+def output_constraint(
+    req, disable_any_whitespace: bool = False, tag_ids: tuple[int | None, int | None] = (None, None)
+) -> StructuredOutputsParams | None:
+    """disable_any_whitespace: the server's default (vLLM's --structured-outputs-config option); a
+    request's own structured_outputs.disable_any_whitespace wins. tag_ids: the tool-call tags' token
+    ids (tag_token_ids)."""
     fmt = req.response_format
     asked = [name for name, on in (("response_format", fmt is not None and fmt.type != "text"),
                                    ("structured_outputs", req.structured_outputs is not None),
                                    ("tool_choice", forced_tool(req) is not None)) if on]
     if len(asked) > 1:
-        raise ApiError(400, f"{' and '.join(asked)} both constrain the output; send one of them", param=asked[1],
-                       code="invalid_value")
+        raise ApiError(400, f"{' and '.join(asked)} both constrain the output; send one of them",
+                       param=asked[1], code="invalid_value")
     if not asked:
         return None
     if asked[0] == "response_format":
         if fmt.type == "json_object":
-            return _build("response_format", json_object=True, disable_any_whitespace=disable_any_whitespace)
+            return _build("response_format", json_object=True,
+                          disable_any_whitespace=disable_any_whitespace)
         schema = fmt.json_schema.schema_
-        return _build("response_format.json_schema.schema", disable_any_whitespace=disable_any_whitespace,
+        return _build("response_format.json_schema.schema",
+                      disable_any_whitespace=disable_any_whitespace,
                       json=strict_schema(schema) if fmt.json_schema.strict else schema)
     if asked[0] == "structured_outputs":
         return _build("structured_outputs", **{"disable_any_whitespace": disable_any_whitespace,
@@ -65,5 +70,8 @@ def output_constraint(req, disable_any_whitespace: bool = False,
         except ValueError as e:
             raise ApiError(400, f"tools: {e}", param="tools", code="invalid_value") from None
         parallel = req.parallel_tool_calls is not False
-        return _build("tools", grammar=required_calls_grammar(tools, parallel, disable_any_whitespace, tag_ids))
-    return _build("tools", json=call_schema(tools, name), disable_any_whitespace=disable_any_whitespace)
+        return _build(
+            "tools", grammar=required_calls_grammar(tools, parallel, disable_any_whitespace,
+                                                    tag_ids))
+    return _build("tools", json=call_schema(tools, name),
+                  disable_any_whitespace=disable_any_whitespace)

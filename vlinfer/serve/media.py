@@ -1,6 +1,7 @@
-"""The media of a chat request: image parts found, checked, fetched and decoded under the image policy, video
-parts read as bytes (serve/video.py), and mm_processor_kwargs checked, each a 400 naming the field before any
-decoding. The engine then preprocesses what comes out of here like LLM.generate's own inputs."""
+"""The media of a chat request: image parts found, checked, fetched and decoded under the image
+policy, video parts read as bytes (serve/video.py), and mm_processor_kwargs checked, each a 400
+naming the field before any decoding. The engine then preprocesses what comes out of here like
+LLM.generate's own inputs."""
 import asyncio
 
 from vlinfer.inputs.limits import (MM_PROCESSOR_KWARGS, VIDEO_OPTIONS, text_only, too_many_images,
@@ -11,9 +12,9 @@ from vlinfer.serve.video import check_video_options, video_bytes
 
 
 def check_mm_kwargs(kwargs: dict | None, engine, config) -> None:
-    """The table's keys (vlinfer/inputs/limits.py): image sizes (min_pixels, max_pixels), detail and the video
-    keys (fps, num_frames, ...; serve/video.py), each checked here so a bad value is a 400 naming it before
-    anything is decoded."""
+    """The table's keys (vlinfer/inputs/limits.py): image sizes (min_pixels, max_pixels), detail and
+    the video keys (fps, num_frames, ...; serve/video.py), each checked here so a bad value is a 400
+    naming it before anything is decoded."""
     video = {}
     for key, value in (kwargs or {}).items():
         if key in VIDEO_OPTIONS:
@@ -28,8 +29,9 @@ def check_mm_kwargs(kwargs: dict | None, engine, config) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or \
                 not 1 <= value <= config.images.max_image_pixels:
-            raise ApiError(400, f"mm_processor_kwargs.{key} must be an integer in "
-                                f"[1, {config.images.max_image_pixels}]", param="mm_processor_kwargs")
+            raise ApiError(
+                400, f"mm_processor_kwargs.{key} must be an integer in "
+                f"[1, {config.images.max_image_pixels}]", param="mm_processor_kwargs")
     if video:
         check_video_options(video, engine, config.video)
 
@@ -46,9 +48,9 @@ def image_sources(messages, engine, config) -> list[tuple[str, str]]:
 
 
 def part_sources(contents, engine, config, field: str = "messages") -> list[tuple[str, str]]:
-    """(url, param) of every image part of contents ((param prefix, parts) pairs: content_lists, or the score items
-    of /score and /rerank), in order; refuses a text-only model and too many media (in the request's `field`)
-    early."""
+    """(url, param) of every image part of contents ((param prefix, parts) pairs: content_lists, or
+    the score items of /score and /rerank), in order; refuses a text-only model and too many media
+    (in the request's `field`) early."""
     sources, videos = [], 0
     for prefix, parts in contents:
         for j, part in enumerate(parts):
@@ -58,8 +60,10 @@ def part_sources(contents, engine, config, field: str = "messages") -> list[tupl
     if sources and not engine.is_multimodal:
         raise ApiError(400, text_only(config.served_model_names[0], "images"), param=sources[0][1])
     limit = config.images.max_images
-    if len(sources) + videos > limit:  # counted as the engine counts them (vlinfer/inputs/limits.py)
-        raise ApiError(400, too_many_images(len(sources) + videos, limit), param=field, code="too_many_images")
+    # counted as the engine counts them (vlinfer/inputs/limits.py)
+    if len(sources) + videos > limit:
+        raise ApiError(400, too_many_images(len(sources) + videos, limit), param=field,
+                       code="too_many_images")
     for url, param in sources:
         if security.image_kind(url) == "other":
             raise security.unsupported_source(url, param)
@@ -68,13 +72,13 @@ def part_sources(contents, engine, config, field: str = "messages") -> list[tupl
 
 def video_sources(contents) -> list[tuple[str, str]]:
     """(url, param) of every video part of contents ((param prefix, parts) pairs), in order."""
-    return [(part.video_url.url, f"{prefix}.{j}.video_url.url")
-            for prefix, parts in contents for j, part in enumerate(parts) if part.type == "video_url"]
+    return [(part.video_url.url, f"{prefix}.{j}.video_url.url") for prefix, parts in contents
+            for j, part in enumerate(parts) if part.type == "video_url"]
 
 
 async def fetch_urls(sources, policy: security.ImagePolicy, videos=()) -> dict[str, bytes]:
-    """http(s) images and videos by their part's param, fetched concurrently on the event loop (no thread waits on
-    a slow server); a video under the video byte limit."""
+    """http(s) images and videos by their part's param, fetched concurrently on the event loop (no
+    thread waits on a slow server); a video under the video byte limit."""
     jobs = {param: security.fetch_url(url, policy, param)
             for url, param in sources if security.image_kind(url) == "http"}
     jobs.update({param: security.fetch_url(url, policy.for_videos(), param)
@@ -98,19 +102,22 @@ def load_images(sources, fetched: dict[str, bytes], policy: security.ImagePolicy
     return images
 
 
-def chat_messages(messages, images: list, policy: security.ImagePolicy, fetched: dict[str, bytes]) -> list[dict]:
-    """The request's messages as the chat template takes them: images (decoded, in order) and video bytes in
-    their parts, "developer" as "system", and earlier tool calls and results kept."""
+def chat_messages(messages, images: list, policy: security.ImagePolicy,
+                  fetched: dict[str, bytes]) -> list[dict]:
+    """The request's messages as the chat template takes them: images (decoded, in order) and video
+    bytes in their parts, "developer" as "system", and earlier tool calls and results kept."""
     images = iter(images)
     out = []
     for i, message in enumerate(messages):
         role = "system" if message.role == "developer" else message.role
         if isinstance(message.content, list):
-            content = template_parts(message.content, f"messages.{i}.content", images, policy, fetched)
+            content = template_parts(message.content, f"messages.{i}.content", images, policy,
+                                     fetched)
         else:
             content = message.content or ""
         entry = {"role": role, "content": content}
-        if message.tool_calls:  # an earlier answer's calls, written back by the template in its own format
+        # an earlier answer's calls, written back by the template in its own format
+        if message.tool_calls:
             entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
@@ -118,12 +125,14 @@ def chat_messages(messages, images: list, policy: security.ImagePolicy, fetched:
     return out
 
 
-def template_parts(parts, prefix: str, images, policy: security.ImagePolicy, fetched: dict[str, bytes]) -> list[dict]:
-    """One content list's parts as the chat template takes them: texts, the next decoded images of the iterator
-    `images` (in order), and video bytes."""
-    return [{"type": "text", "text": part.text} if part.type == "text"
-            else {"type": "video", "video": video_bytes(part.video_url.url, policy, f"{prefix}.{j}.video_url.url",
-                                                        fetched.get(f"{prefix}.{j}.video_url.url"))}
-            if part.type == "video_url"
-            else {"type": "image", "image": next(images), "detail": part.image_url.detail}
+def template_parts(parts, prefix: str, images, policy: security.ImagePolicy,
+                   fetched: dict[str, bytes]) -> list[dict]:
+    """One content list's parts as the chat template takes them: texts, the next decoded images of
+    the iterator `images` (in order), and video bytes."""
+    return [{"type": "text", "text": part.text} if part.type == "text" else {
+        "type": "video", "video": video_bytes(part.video_url.url, policy,
+                                              f"{prefix}.{j}.video_url.url",
+                                              fetched.get(f"{prefix}.{j}.video_url.url"))
+    } if part.type == "video_url" else
+            {"type": "image", "image": next(images), "detail": part.image_url.detail}
             for j, part in enumerate(parts)]

@@ -7,19 +7,21 @@ from vlinfer.outputs import PoolingRequestOutput
 
 
 def generated(out) -> list[int]:
-    """The tokens a request generated so far: none for a pooling request (embed, score), whose one output is its
-    PoolingRequestOutput."""
+    """The tokens a request generated so far: none for a pooling request (embed, score), whose one
+    output is its PoolingRequestOutput."""
     return [] if isinstance(out, PoolingRequestOutput) else out.outputs[0].token_ids
 
 
 def finish_reason(out) -> str | None:
-    """Why a request finished: a pooling request ends when its prefill does ("stop", as the engine marks it)."""
+    """Why a request finished: a pooling request ends when its prefill does ("stop", as the engine
+    marks it)."""
     return "stop" if isinstance(out, PoolingRequestOutput) else out.outputs[0].finish_reason
 
 
 class Run:
-    """The sequences of one HTTP request (n choices, maybe several prompts): their outputs merged in arrival
-    order, the server's metrics, and abort of whatever is unfinished when the request ends early."""
+    """The sequences of one HTTP request (n choices, maybe several prompts): their outputs merged in
+    arrival order, the server's metrics, and abort of whatever is unfinished when the request ends
+    early."""
 
     def __init__(self, server, streams: list, arrival: float):
         self.server, self.streams, self.arrival = server, streams, arrival
@@ -29,8 +31,8 @@ class Run:
         self.closed = False
 
     async def outputs(self):
-        """Yields (index, RequestOutput or PoolingRequestOutput, number of new tokens) until every sequence
-        finished."""
+        """Yields (index, RequestOutput or PoolingRequestOutput, number of new tokens) until every
+        sequence finished."""
         if len(self.streams) == 1:
             async for out in self.streams[0]:
                 yield 0, out, self._account(0, out)
@@ -93,8 +95,8 @@ class Run:
             m.tpot.observe((t - self.first_token_at[i]) / (n - 1))
 
     def close(self) -> None:
-        """Abort what has not finished (client gone, error). An abort never waits for a step: it runs here, on
-        the event loop."""
+        """Abort what has not finished (client gone, error). An abort never waits for a step: it
+        runs here, on the event loop."""
         if self.closed:
             return
         self.closed = True

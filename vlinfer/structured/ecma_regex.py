@@ -1,8 +1,9 @@
-"""Regex classes as ECMA-262 means them (JSON Schema's `pattern` dialect, xgrammar's and most vLLM users'
-assumption): `\\d` is [0-9] and `\\w` is [A-Za-z0-9_], with `\\D` and `\\W` their complements. llguidance reads
-them the Unicode way (`\\d` is any Unicode digit), which lets a model write U+1FBF8 SEGMENTED DIGIT EIGHT where a
-date was asked for, so every regex and schema pattern is rewritten to the ASCII classes before it is compiled.
-`\\s` keeps its meaning (ECMA-262's `\\s` is Unicode whitespace too)."""
+"""Regex classes as ECMA-262 means them (JSON Schema's `pattern` dialect, xgrammar's and most vLLM
+users' assumption): `\\d` is [0-9] and `\\w` is [A-Za-z0-9_], with `\\D` and `\\W` their
+complements. llguidance reads them the Unicode way (`\\d` is any Unicode digit), which lets a model
+write U+1FBF8 SEGMENTED DIGIT EIGHT where a date was asked for, so every regex and schema pattern is
+rewritten to the ASCII classes before it is compiled. `\\s` keeps its meaning (ECMA-262's `\\s` is
+Unicode whitespace too)."""
 import copy
 
 ASCII_CLASSES = {"d": "0-9", "w": "A-Za-z0-9_"}
@@ -36,7 +37,8 @@ def ascii_classes(regex: str) -> str:
 
 
 def ascii_schema(schema):
-    """A copy of a JSON schema with every `pattern` and `patternProperties` key rewritten by ascii_classes."""
+    """A copy of a JSON schema with every `pattern` and `patternProperties` key rewritten by
+    ascii_classes."""
     schema = copy.deepcopy(schema)
     _rewrite(schema)
     return schema

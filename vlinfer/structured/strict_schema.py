@@ -1,7 +1,8 @@
-"""OpenAI's `strict: true` on a JSON schema (response_format.json_schema, a tool's function): the output has exactly
-the properties the schema names. JSON Schema itself allows any others unless `additionalProperties` says no, and a
-small model given that room invents keys; strict sets `additionalProperties: false` on every object schema that
-does not set it, throughout (properties, items, combinators, definitions)."""
+"""OpenAI's `strict: true` on a JSON schema (response_format.json_schema, a tool's function): the
+output has exactly the properties the schema names. JSON Schema itself allows any others unless
+`additionalProperties` says no, and a small model given that room invents keys; strict sets
+`additionalProperties: false` on every object schema that does not set it, throughout (properties,
+items, combinators, definitions)."""
 import copy
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -10,7 +11,8 @@ _SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", 
 
 
 def strict_schema(schema: dict) -> dict:
-    """A copy of `schema` with additionalProperties false on each object schema that leaves it open."""
+    """A copy of `schema` with additionalProperties false on each object schema that leaves it open.
+    """
     schema = copy.deepcopy(schema)
     _close(schema)
     return schema
@@ -18,7 +20,8 @@ def strict_schema(schema: dict) -> dict:
 
 def _is_object(schema: dict) -> bool:
     kind = schema.get("type")
-    return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema
+    return kind == "object" or (isinstance(kind, list) and
+                                "object" in kind) or "properties" in schema
 
 
 def _close(schema) -> None:

@@ -1,7 +1,8 @@
-"""The toy world the embedded Qwen3-VL knows: seeded drawings of a few coloured shapes on a plain background, each
-with its true caption and simple question / answer pairs. tools/train_embedded.py trains on them; the tests score
-the trained model on scenes from a seed training never used; examples/images/draw.py draws the example pictures
-in it. PIL only: a scene is a small spec (background, objects) and the drawing follows from it."""
+"""The toy world the embedded Qwen3-VL knows: seeded drawings of a few coloured shapes on a plain
+background, each with its true caption and simple question / answer pairs. tools/train_embedded.py
+trains on them; the tests score the trained model on scenes from a seed training never used;
+examples/images/draw.py draws the example pictures in it. PIL only: a scene is a small spec
+(background, objects) and the drawing follows from it."""
 import math
 import random
 from dataclasses import dataclass
@@ -9,17 +10,23 @@ from dataclasses import dataclass
 from PIL import Image, ImageDraw
 
 SHAPES = ("circle", "square", "triangle", "star", "house")
-PLURAL = {"circle": "circles", "square": "squares", "triangle": "triangles", "star": "stars", "house": "houses"}
-COLOURS = {"red": (215, 40, 40), "green": (40, 165, 60), "blue": (45, 95, 225), "yellow": (240, 205, 35),
-           "purple": (140, 60, 185), "orange": (245, 135, 25)}
+PLURAL = {
+    "circle": "circles", "square": "squares", "triangle": "triangles", "star": "stars",
+    "house": "houses"
+}
+COLOURS = {
+    "red": (215, 40, 40), "green": (40, 165, 60), "blue": (45, 95, 225), "yellow": (240, 205, 35),
+    "purple": (140, 60, 185), "orange": (245, 135, 25)
+}
 BACKGROUNDS = {"white": (248, 248, 248), "grey": (150, 150, 150), "black": (22, 22, 22)}
 NUMBERS = ("zero", "one", "two", "three", "four")
 MAX_OBJECTS = 3
 GRID = 3  # objects sit in distinct cells of a GRID x GRID layout, so they never overlap
 # Canvas sizes (width, height) the world is drawn at: the examples' 320 x 240 and a few near it.
 SIZES = ((320, 240), (256, 256), (240, 320), (288, 288))
-CAPTION_PROMPTS = ("Describe this image.", "Describe the image.", "Describe this picture.", "What is in this image?",
-                   "What is in this picture?", "What do you see?", "Caption this image.")
+CAPTION_PROMPTS = ("Describe this image.", "Describe the image.", "Describe this picture.",
+                   "What is in this image?", "What is in this picture?", "What do you see?",
+                   "Caption this image.")
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,8 @@ class Scene:
     objects: tuple
 
     def groups(self) -> list[tuple[str, str, int]]:
-        """(colour, shape, count) per kind of object, in the caption's fixed order: by shape, then by colour."""
+        """(colour, shape, count) per kind of object, in the caption's fixed order: by shape, then
+        by colour."""
         counts = {}
         for o in self.objects:
             counts[(o.shape, o.colour)] = counts.get((o.shape, o.colour), 0) + 1
@@ -66,9 +74,10 @@ def caption(scene: Scene) -> str:
 
 
 def parse_caption(text: str) -> dict:
-    """What a caption states: {"objects": {(colour, shape): count}, "background": colour or None, "unplaced": words
-    of the world (colours, shapes, numbers) that are not part of a '<count> <colour> <shape>' phrase or the
-    background}. The evaluation compares all of it with the scene's own caption, counts included."""
+    """What a caption states: {"objects": {(colour, shape): count}, "background": colour or None,
+    "unplaced": words of the world (colours, shapes, numbers) that are not part of a '<count>
+    <colour> <shape>' phrase or the background}. The evaluation compares all of it with the scene's
+    own caption, counts included."""
     words = text.lower().replace(",", " ").replace(".", " ").split()
     singular = {**{s: (s, False) for s in SHAPES}, **{p: (s, True) for s, p in PLURAL.items()}}
     counts = {"a": 1, "an": 1, **{w: n for n, w in enumerate(NUMBERS)}}
@@ -92,7 +101,8 @@ def parse_caption(text: str) -> dict:
 
 
 def caption_is_right(text: str, scene: Scene) -> bool:
-    """The caption states exactly the scene: each kind of object with its colour and number, and the background."""
+    """The caption states exactly the scene: each kind of object with its colour and number, and the
+    background."""
     return parse_caption(text) == parse_caption(caption(scene))
 
 
@@ -101,7 +111,8 @@ def _answer(word: str) -> str:
 
 
 def questions(scene: Scene, rng: random.Random) -> list[tuple[str, str]]:
-    """One question of each kind the scene can answer truthfully, with its answer (one word and a full stop)."""
+    """One question of each kind the scene can answer truthfully, with its answer (one word and a
+    full stop)."""
     by_shape, by_colour = {}, {}
     for o in scene.objects:
         by_shape.setdefault(o.shape, set()).add(o.colour)
@@ -109,7 +120,8 @@ def questions(scene: Scene, rng: random.Random) -> list[tuple[str, str]]:
     present = {(o.colour, o.shape) for o in scene.objects}
     qa = []
     shape = rng.choice(sorted(by_shape))
-    if len(by_shape[shape]) == 1:  # every object of this shape has one colour: the question has one answer
+    # every object of this shape has one colour: the question has one answer
+    if len(by_shape[shape]) == 1:
         n = sum(o.shape == shape for o in scene.objects)
         q = f"What colour is the {shape}?" if n == 1 else f"What colour are the {PLURAL[shape]}?"
         qa.append((q, _answer(next(iter(by_shape[shape])))))
@@ -118,14 +130,16 @@ def questions(scene: Scene, rng: random.Random) -> list[tuple[str, str]]:
                _answer(NUMBERS[sum(o.shape == shape for o in scene.objects)])))
     if rng.random() < 0.5:
         colour, shape = rng.choice(sorted(present))
-    else:  # a near miss: a kind of object that is not there, sharing its colour or shape with one that is
+    # a near miss: a kind of object that is not there, sharing its colour or shape with one that is
+    else:
         colour, shape = rng.choice(sorted(present))
         while (colour, shape) in present:
             if rng.random() < 0.5:
                 colour = rng.choice(list(COLOURS))
             else:
                 shape = rng.choice(SHAPES)
-    qa.append((f"Is there {_article(colour)} {colour} {shape}?", "Yes." if (colour, shape) in present else "No."))
+    qa.append((f"Is there {_article(colour)} {colour} {shape}?", "Yes." if
+               (colour, shape) in present else "No."))
     unique = [c for c, shapes in by_colour.items() if len(shapes) == 1]
     if unique:
         colour = rng.choice(sorted(unique))
@@ -135,15 +149,18 @@ def questions(scene: Scene, rng: random.Random) -> list[tuple[str, str]]:
     return qa
 
 
-def random_scene(rng: random.Random, max_objects: int = MAX_OBJECTS, count: int | None = None) -> Scene:
-    """1..max_objects objects, uniformly (training starts with few: one object teaches what each word looks like),
-    or exactly `count` of them (the training chooses how often each count comes; the world's scenes are these)."""
+def random_scene(rng: random.Random, max_objects: int = MAX_OBJECTS,
+                 count: int | None = None) -> Scene:
+    """1..max_objects objects, uniformly (training starts with few: one object teaches what each
+    word looks like), or exactly `count` of them (the training chooses how often each count comes;
+    the world's scenes are these)."""
     width, height = rng.choice(SIZES)
     background = rng.choice(list(BACKGROUNDS))
     cells = rng.sample(range(GRID * GRID), rng.randint(1, max_objects) if count is None else count)
     cell_w, cell_h = width / GRID, height / GRID
     objects = []
-    # Repeats of one kind are common enough to teach counting: a later object copies an earlier one's kind often.
+    # Repeats of one kind are common enough to teach counting: a later object copies an earlier
+    # one's kind often.
     for i, cell in enumerate(cells):
         if i and rng.random() < 0.3:
             earlier = objects[rng.randrange(i)]
@@ -188,15 +205,18 @@ def _draw_object(d: ImageDraw.ImageDraw, o: SceneObject, fill, flat: bool = Fals
         d.rectangle([x0 + 0.15 * o.half, wall_top, x1 - 0.15 * o.half, y1], fill=fill)
         d.polygon([(x0, wall_top + 1), (o.cx, y0), (x1, wall_top + 1)], fill=roof)
         if not flat:
-            d.rectangle([o.cx - 0.18 * o.half, o.cy + 0.4 * o.half, o.cx + 0.18 * o.half, y1], fill=(60, 40, 25))
+            d.rectangle([o.cx - 0.18 * o.half, o.cy + 0.4 * o.half, o.cx + 0.18 * o.half, y1],
+                        fill=(60, 40, 25))
     else:
         raise ValueError(f"unknown shape {o.shape!r}; the world has {SHAPES}")
 
 
 def draw(scene: Scene, seed: int = 0) -> Image.Image:
-    """The scene as an RGB picture; `seed` only varies the small colour jitter, never what is drawn."""
+    """The scene as an RGB picture; `seed` only varies the small colour jitter, never what is drawn.
+    """
     rng = random.Random(seed)
-    img = Image.new("RGB", (scene.width, scene.height), _jitter(BACKGROUNDS[scene.background], rng, 8))
+    img = Image.new("RGB", (scene.width, scene.height),
+                    _jitter(BACKGROUNDS[scene.background], rng, 8))
     d = ImageDraw.Draw(img)
     for o in scene.objects:
         _draw_object(d, o, _jitter(COLOURS[o.colour], rng))
@@ -204,8 +224,8 @@ def draw(scene: Scene, seed: int = 0) -> Image.Image:
 
 
 def object_index_map(scene: Scene) -> Image.Image:
-    """A greyscale picture of the scene's size: at each pixel 1 + the index of the object drawn there, 0 on the
-    background (the training's per-location targets, tools/train_embedded.py)."""
+    """A greyscale picture of the scene's size: at each pixel 1 + the index of the object drawn
+    there, 0 on the background (the training's per-location targets, tools/train_embedded.py)."""
     img = Image.new("L", (scene.width, scene.height), 0)
     d = ImageDraw.Draw(img)
     for i, o in enumerate(scene.objects):
@@ -214,7 +234,8 @@ def object_index_map(scene: Scene) -> Image.Image:
 
 
 def generate(seed: int, count: int) -> list[tuple[Scene, Image.Image, list[tuple[str, str]]]]:
-    """`count` scenes of one seed: (scene, picture, questions with answers). Same seed, same scenes."""
+    """`count` scenes of one seed: (scene, picture, questions with answers). Same seed, same scenes.
+    """
     rng = random.Random(seed)
     out = []
     for _ in range(count):

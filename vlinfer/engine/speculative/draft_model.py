@@ -1,12 +1,13 @@
-"""A draft model: a smaller checkpoint with the target's vocabulary, run by the same engine on rank 0 (whole, not
-tensor-parallel: draft_tensor_parallel_size=1), greedily, with its own KV pool.
+"""A draft model: a smaller checkpoint with the target's vocabulary, run by the same engine on rank
+0 (whole, not tensor-parallel: draft_tensor_parallel_size=1), greedily, with its own KV pool.
 
-Each target sequence has a shadow sequence in the draft's pool: the target's tokens, the draft's KV over them, and its
-own blocks (freed with the request). A proposal catches the shadow up on the tokens it has not seen (one prefill chunk
-for all sequences at once), then runs k - 1 one-token steps; the proposal is the k arg-max tokens, a proposal of
-probability 1, which the target verifies exactly (engine/sampler.py). At its next proposal the shadow keeps its KV
-over the tokens the target kept (its proposals, if accepted), whether or not they were verified.
-Images reach the draft as their placeholder tokens only (text-only drafting).
+Each target sequence has a shadow sequence in the draft's pool: the target's tokens, the draft's KV
+over them, and its own blocks (freed with the request). A proposal catches the shadow up on the
+tokens it has not seen (one prefill chunk for all sequences at once), then runs k - 1 one-token
+steps; the proposal is the k arg-max tokens, a proposal of probability 1, which the target verifies
+exactly (engine/sampler.py). At its next proposal the shadow keeps its KV over the tokens the target
+kept (its proposals, if accepted), whether or not they were verified. Images reach the draft as
+their placeholder tokens only (text-only drafting).
 
 The shadows' progress and blocks have their target's owner: a Scheduler of the draft's own over its
 pool (reserve, update, rollback, free); the draft batches its shadows itself, so that Scheduler
@@ -35,7 +36,8 @@ class DraftModel:
         self.name = name
         self.scheduler: Scheduler | None = None  # made by allocate_kv_cache(), after sizing
         self.shadows: dict[int, Sequence] = {}  # target seq_id -> its shadow in the draft's pool
-        self.synced: dict[int, int] = {}  # target seq_id -> how many target tokens its shadow had at its last proposal
+        # target seq_id -> how many target tokens its shadow had at its last proposal
+        self.synced: dict[int, int] = {}
         self.num_pool_misses = 0  # proposals skipped because the draft's pool was full
 
     @classmethod
@@ -50,7 +52,8 @@ class DraftModel:
             return None
         source = loading.resolve_model(config.model)
         hf_config = loading.load_config(source)
-        get_model_class(hf_config)  # an unsupported architecture fails here, before any weight is read
+        # an unsupported architecture fails here, before any weight is read
+        get_model_class(hf_config)
         vocab = hf_config.get_text_config().vocab_size
         if vocab != target_vocab_size:
             raise ValueError(f"speculative_config: the draft model {config.model} has a vocabulary "
@@ -73,19 +76,21 @@ class DraftModel:
         return self.scheduler.block_manager if self.scheduler is not None else None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """As many blocks as the target's pool: a shadow never holds more tokens than its target sequence. No prefix
-        caching: a shadow's tokens include proposals not yet verified."""
+        """As many blocks as the target's pool: a shadow never holds more tokens than its target
+        sequence. No prefix caching: a shadow's tokens include proposals not yet verified."""
         self.runner.allocate_kv_cache(num_blocks)
         pool = BlockManager(num_blocks, self.runner.block_size, enable_prefix_caching=False)
         self.scheduler = Scheduler(pool, 0, 0)  # no admission limits: propose() batches the shadows
 
     def _shadow(self, seq: Sequence) -> Sequence:
-        """The sequence's shadow, brought to its tokens: its KV stays valid over the tokens it shares with them (the
-        target's tokens up to the last proposal, then the proposed tokens the target kept, whether or not it
-        verified them), and never covers the last token, whose logits propose."""
+        """The sequence's shadow, brought to its tokens: its KV stays valid over the tokens it
+        shares with them (the target's tokens up to the last proposal, then the proposed tokens the
+        target kept, whether or not it verified them), and never covers the last token, whose logits
+        propose."""
         shadow = self.shadows.get(seq.seq_id)
         if shadow is None:
-            shadow = self.shadows[seq.seq_id] = Sequence([], GREEDY, request_id=f"draft:{seq.request_id}")
+            shadow = self.shadows[seq.seq_id] = Sequence([], GREEDY,
+                                                         request_id=f"draft:{seq.request_id}")
         old, new = shadow.token_ids, seq.token_ids
         same, limit = self.synced.get(seq.seq_id, 0), min(len(old), len(new))
         while same < limit and old[same] == new[same]:
@@ -95,9 +100,11 @@ class DraftModel:
         self.scheduler.rollback(shadow, min(same, len(new) - 1))
         return shadow
 
-    def propose(self, seqs: list[Sequence], ks: list[int], never: frozenset[int]) -> list[list[int]]:
-        """Up to ks[i] greedy draft tokens for each sequence, cut before a placeholder token; [] for a sequence whose
-        shadow found no room in the draft's pool (that shadow starts over later)."""
+    def propose(self, seqs: list[Sequence], ks: list[int],
+                never: frozenset[int]) -> list[list[int]]:
+        """Up to ks[i] greedy draft tokens for each sequence, cut before a placeholder token; [] for
+        a sequence whose shadow found no room in the draft's pool (that shadow starts over later).
+        """
         wanted, proposals = {}, {}  # by shadow
         for seq, k in zip(seqs, ks):
             shadow = self._shadow(seq)

@@ -1,18 +1,28 @@
 """Which sequences propose tokens in a step, how many, and what their verification leaves behind.
 
-- A sequence proposes only while decoding (its last token is its only one without KV), never as a pooling request
-  or under structured outputs (their grammar would have to advance over tokens that may be rejected; such a request
-  decodes one token a step), and only in a step whose batch holds at most disable_by_batch_size sequences: past that,
+- A sequence proposes only while decoding (its last token is its only one without KV), never as a
+  pooling request
+  or under structured outputs (their grammar would have to advance over tokens that may be rejected;
+  such a request
+  decodes one token a step), and only in a step whose batch holds at most disable_by_batch_size
+  sequences: past that,
   verifying k + 1 tokens per sequence costs more compute than the weight reads it saves.
-- k is num_speculative_tokens, lowered to what max_tokens, max_model_len and the step's token budget leave.
+- k is num_speculative_tokens, lowered to what max_tokens, max_model_len and the step's token budget
+  leave.
 - Adaptive (speculative_config "adaptive", on by default):
-  - a verification that accepts none of a sequence's proposals makes it sit out 2^m - 1 steps (m: such
+  - a verification that accepts none of a sequence's proposals makes it sit out 2^m - 1 steps (m:
+    such
     verifications in a row, the pause at most MAX_PAUSE_STEPS); one accepted token resets m;
-  - whether proposals pay depends on the batch: a small one is bound by reading the weights, and k + 1 rows per
-    sequence cost little more than one; a large one is bound by compute, and every proposed row costs as much as a
-    token. So each batch-size class (1, 2-3, 4-7, ...) measures its decode steps: tokens emitted per second with
-    proposals and without (a moving average of each), keeps the faster way, and runs the other one step in
-    PROBE_EVERY to follow a workload that changes (one in up to MAX_PROBE_EVERY while the probes confirm the choice). Decisions only change speed: the output is exact either way.
+  - whether proposals pay depends on the batch: a small one is bound by reading the weights, and k +
+    1 rows per
+    sequence cost little more than one; a large one is bound by compute, and every proposed row
+    costs as much as a
+    token. So each batch-size class (1, 2-3, 4-7, ...) measures its decode steps: tokens emitted per
+    second with
+    proposals and without (a moving average of each), keeps the faster way, and runs the other one
+    step in
+    PROBE_EVERY to follow a workload that changes (one in up to MAX_PROBE_EVERY while the probes
+    confirm the choice). Decisions only change speed: the output is exact either way.
 - KV: the scheduler places the proposals (engine/scheduler.py add_proposals: free blocks only, a
   proposal never preempts anyone) and, after verification, rolls the rejected ones' slots back and
   returns the blocks past the accepted tokens (update). The speculator proposes and counts
@@ -29,30 +39,35 @@ from vlinfer.engine.speculative.ngram import propose_ngram
 
 logger = logging.getLogger("vlinfer")
 MAX_PAUSE_STEPS = 31
-PROBE_EVERY = 32  # decode steps of a batch-size class between two runs of the way it is not using, at first
+# decode steps of a batch-size class between two runs of the way it is not using, at first
+PROBE_EVERY = 32
 MAX_PROBE_EVERY = 512
 RATE_MEMORY = 0.8  # the moving average keeps this much of its last value at each measured step
 
 
 def _decoding(seq: Sequence) -> bool:
-    """Its last token is the only one without KV: this step computes one token of it, and could verify proposals."""
+    """Its last token is the only one without KV: this step computes one token of it, and could
+    verify proposals."""
     return seq.num_computed_tokens == seq.num_tokens - 1
 
 
 class BatchClassRates:
-    """Per batch-size class, tokens emitted per second of decode steps with proposals (True) and without (False)."""
+    """Per batch-size class, tokens emitted per second of decode steps with proposals (True) and
+    without (False)."""
 
     def __init__(self):
         self.rates: dict[int, dict[bool, float]] = {}
         self.steps: dict[int, int] = {}
-        # The class's next probe of the way it is not using: the interval doubles (up to MAX_PROBE_EVERY) while
-        # probes leave the choice as it was, so a settled class spends ever fewer steps on the slower way.
+        # The class's next probe of the way it is not using: the interval doubles (up to
+        # MAX_PROBE_EVERY) while probes leave the choice as it was, so a settled class spends ever
+        # fewer steps on the slower way.
         self.next_probe: dict[int, int] = {}
         self.probe_every: dict[int, int] = {}
         self.choice_at_probe: dict[int, bool] = {}
 
     def choose(self, size: int) -> bool:
-        """Whether this decode step proposes: untried ways first, then the faster, and now and then the other."""
+        """Whether this decode step proposes: untried ways first, then the faster, and now and then
+        the other."""
         c = size.bit_length()
         rates = self.rates.setdefault(c, {})
         self.steps[c] = step = self.steps.get(c, 0) + 1
@@ -63,14 +78,16 @@ class BatchClassRates:
         if step < self.next_probe.setdefault(c, PROBE_EVERY):
             return best
         settled = self.choice_at_probe.get(c) == best
-        every = min(2 * self.probe_every.get(c, PROBE_EVERY), MAX_PROBE_EVERY) if settled else PROBE_EVERY
+        every = min(2 * self.probe_every.get(c, PROBE_EVERY),
+                    MAX_PROBE_EVERY) if settled else PROBE_EVERY
         self.probe_every[c], self.choice_at_probe[c], self.next_probe[c] = every, best, step + every
         return not best
 
     def record(self, size: int, proposed: bool, tokens: int, seconds: float) -> None:
         rates = self.rates[size.bit_length()]
         rate = tokens / max(seconds, 1e-9)
-        rates[proposed] = rate if proposed not in rates else RATE_MEMORY * rates[proposed] + (1 - RATE_MEMORY) * rate
+        rates[proposed] = rate if proposed not in rates else RATE_MEMORY * rates[proposed] + (
+            1 - RATE_MEMORY) * rate
 
 
 def placeholder_token_ids(hf_config) -> frozenset[int]:
@@ -90,17 +107,19 @@ class Speculator:
         self.max_model_len = max_model_len
         self.placeholder_ids = placeholder_ids  # image / video placeholder tokens: never proposed
         self.draft = draft
-        # Totals over the engine's life (the server's /metrics): verifications with proposals, tokens proposed,
-        # tokens accepted, and accepted tokens by their position in the proposal.
+        # Totals over the engine's life (the server's /metrics): verifications with proposals,
+        # tokens proposed, tokens accepted, and accepted tokens by their position in the proposal.
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.accepted_per_position = [0] * (config.num_speculative_tokens if config is not None else 0)
+        self.accepted_per_position = [0] * (config.num_speculative_tokens
+                                            if config is not None else 0)
         # The adaptive rule's state by seq_id, the speculator's own (dropped at release):
         # verifications in a row that accepted nothing, and the steps a sequence still sits out.
         self.misses: dict[int, int] = {}
         self.pause_steps: dict[int, int] = {}
         self.batch_rates = BatchClassRates()
         self.said_structured = False
-        self._measuring: tuple[int, bool, float] | None = None  # this decode step's (batch size, proposing, start)
+        # this decode step's (batch size, proposing, start)
+        self._measuring: tuple[int, bool, float] | None = None
         if config is not None:
             ngrams = (f", n-grams of {config.prompt_lookup_max} down to {config.prompt_lookup_min} "
                       "tokens" if draft is None else "")
@@ -115,14 +134,17 @@ class Speculator:
             return 0
         if seq.grammar_matcher is not None:
             if not self.said_structured:  # once per engine: a rule, not a failure
-                logger.info("speculative decoding: requests with structured outputs decode one token a step (their "
-                            "grammar would have to advance over proposals that may be rejected)")
+                logger.info(
+                    "speculative decoding: requests with structured outputs decode one token a "
+                    "step (their "
+                    "grammar would have to advance over proposals that may be rejected)")
                 self.said_structured = True
             return 0
         if self.pause_steps.get(seq.seq_id):
             self.pause_steps[seq.seq_id] -= 1
             return 0
-        return min(self.config.num_speculative_tokens, seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+        return min(self.config.num_speculative_tokens,
+                   seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1)
 
     def propose(self, batch: SchedulerOutput) -> list[tuple[int, list[int]]]:

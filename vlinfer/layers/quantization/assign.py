@@ -1,6 +1,7 @@
-"""Gives every linear layer of a built model its quantization method, before any weight is read: the checkpoint
-format (a CheckpointQuantization) is asked once per checkpoint shard of each layer (q_proj, k_proj and v_proj for
-the fused qkv_proj), the shards must agree, and the layer then declares the parameters its method loads."""
+"""Gives every linear layer of a built model its quantization method, before any weight is read: the
+checkpoint format (a CheckpointQuantization) is asked once per checkpoint shard of each layer
+(q_proj, k_proj and v_proj for the fused qkv_proj), the shards must agree, and the layer then
+declares the parameters its method loads."""
 import logging
 from collections import Counter
 
@@ -14,19 +15,24 @@ logger = logging.getLogger("vlinfer")
 
 
 def shard_prefixes(module_name: str, packed_modules_mapping: dict) -> list[str]:
-    """Checkpoint module names of a layer: its own name, or for a fused layer each shard's, in shard order."""
+    """Checkpoint module names of a layer: its own name, or for a fused layer each shard's, in shard
+    order."""
     parent, _, leaf = module_name.rpartition(".")
-    shards = [(shard_id, fragment) for fragment, (fused, shard_id) in packed_modules_mapping.items() if fused == leaf]
+    shards = [(shard_id, fragment)
+              for fragment, (fused, shard_id) in packed_modules_mapping.items() if fused == leaf]
     if not shards:
         return [module_name]
     order = {"q": 0, "k": 1, "v": 2}
-    shards.sort(key=lambda item: order.get(item[0], item[0]) if isinstance(item[0], str) else item[0])
+    shards.sort(
+        key=lambda item: order.get(item[0], item[0]) if isinstance(item[0], str) else item[0])
     return [f"{parent}.{fragment}" if parent else fragment for _, fragment in shards]
 
 
-def assign_methods(model: nn.Module, quantization: CheckpointQuantization, tensors: TensorIndex) -> Counter:
-    """Set each LinearBase's method from `quantization`; returns how many layers got each (for the load log).
-    Raises ValueError naming the layer when its fused shards would need different methods."""
+def assign_methods(model: nn.Module, quantization: CheckpointQuantization,
+                   tensors: TensorIndex) -> Counter:
+    """Set each LinearBase's method from `quantization`; returns how many layers got each (for the
+    load log). Raises ValueError naming the layer when its fused shards would need different
+    methods."""
     packed = getattr(model, "packed_modules_mapping", {})
     counts = Counter()
     for name, layer in model.named_modules():
@@ -36,23 +42,31 @@ def assign_methods(model: nn.Module, quantization: CheckpointQuantization, tenso
         methods = [quantization.method_for(layer, prefix, tensors) for prefix in prefixes]
         signatures = [None if m is None else m.signature() for m in methods]
         if len(set(signatures)) > 1:
-            found = ", ".join(f"{p}: {'dense' if m is None else m.describe()}" for p, m in zip(prefixes, methods))
-            raise ValueError(f"layer {name}: its fused shards are quantized differently ({found}); they run as one "
-                             "matmul and must share one scheme")
+            found = ", ".join(f"{p}: {'dense' if m is None else m.describe()}"
+                              for p, m in zip(prefixes, methods))
+            raise ValueError(
+                f"layer {name}: its fused shards are quantized differently ({found}); they run as "
+                "one "
+                "matmul and must share one scheme")
         method = methods[0]
         if method is not None:
             layer.set_method(method)
         counts["dense" if method is None else method.describe()] += 1
     summary = ", ".join(f"{n} {what}" for what, n in counts.most_common())
     logger.info("quantization (%s): linear layers %s", quantization.describe(), summary)
-    moe_layers = [(name, layer) for name, layer in model.named_modules() if isinstance(layer, FusedMoE)]
+    moe_layers = [(name, layer) for name, layer in model.named_modules()
+                  if isinstance(layer, FusedMoE)]
     for name, layer in moe_layers:
         layer.set_checkpoint_quantization(quantization, tensors, name)
-    quantized_experts = sum(1 for name in tensors if ".experts." in name and name.endswith(QUANTIZED_SUFFIXES))
+    quantized_experts = sum(1 for name in tensors
+                            if ".experts." in name and name.endswith(QUANTIZED_SUFFIXES))
     if moe_layers and quantized_experts:
-        logger.warning("quantization (%s): the MoE experts' %d quantized projections are dequantized on load to the "
-                       "compute dtype and run dense (no kept-quantized expert kernels yet): they open and match, but "
-                       "take dense memory", quantization.describe(), quantized_experts)
+        logger.warning(
+            "quantization (%s): the MoE experts' %d quantized projections are dequantized on load "
+            "to the "
+            "compute dtype and run dense (no kept-quantized expert kernels yet): they open and "
+            "match, but "
+            "take dense memory", quantization.describe(), quantized_experts)
     return counts
 
 

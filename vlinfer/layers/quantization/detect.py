@@ -1,6 +1,7 @@
-"""Which quantization a checkpoint carries, decided from its files before the model is built: config.json's
-`quantization_config.quant_method` (compressed-tensors, fp8), or what the user asked for on load
-(`quantization="int8"|"int4"`). Unknown methods are refused here, naming what the checkpoint says."""
+"""Which quantization a checkpoint carries, decided from its files before the model is built:
+config.json's `quantization_config.quant_method` (compressed-tensors, fp8), or what the user asked
+for on load (`quantization="int8"|"int4"`). Unknown methods are refused here, naming what the
+checkpoint says."""
 import logging
 
 from vlinfer.layers.quantization.base import CheckpointQuantization, TensorIndex
@@ -8,11 +9,13 @@ from vlinfer.layers.quantization.gguf import detect_gguf
 from vlinfer.layers.quantization.modelslim import detect_modelslim
 
 logger = logging.getLogger("vlinfer")
-QUANTIZE_ON_LOAD = ("int8", "int4")  # LLM(model, quantization=...): a dense checkpoint quantized while loading
+# LLM(model, quantization=...): a dense checkpoint quantized while loading
+QUANTIZE_ON_LOAD = ("int8", "int4")
 
 
 def quantization_config(hf_config) -> dict | None:
-    """config.json's quantization_config (the text config's for a multimodal model) as a dict, or None."""
+    """config.json's quantization_config (the text config's for a multimodal model) as a dict, or
+    None."""
     config = getattr(hf_config, "quantization_config", None)
     if config is None:
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else None
@@ -33,15 +36,15 @@ def _from_quantization_config(hf_config, folder: str | None, tensors: TensorInde
     if method == "fp8":
         from vlinfer.layers.quantization.fp8 import Fp8Quantization
         return Fp8Quantization(config)
-    raise ValueError(f"quantization_config.quant_method={method!r} is not supported; vlinfer loads "
-                     "'compressed-tensors' (int8 W8A8, W8A16, W4A16) and 'fp8' (block-quantized, dequantized on "
-                     "load)")
+    raise ValueError(
+        f"quantization_config.quant_method={method!r} is not supported; vlinfer loads "
+        "'compressed-tensors' (int8 W8A8, W8A16, W4A16) and 'fp8' (block-quantized, dequantized on "
+        "load)")
 
 
-# Checked in order; the first that recognizes the checkpoint decides. Each: (hf_config, folder, tensors) ->
-# CheckpointQuantization | None.
-# msModelSlim first: its description file decides, whatever config.json says.
-# GGUF: its tensor index names ggml block types (only GGUF indexes do).
+# Checked in order; the first that recognizes the checkpoint decides. Each: (hf_config, folder,
+# tensors) -> CheckpointQuantization | None. msModelSlim first: its description file decides,
+# whatever config.json says. GGUF: its tensor index names ggml block types (only GGUF indexes do).
 DETECTORS = (detect_modelslim, _from_quantization_config, detect_gguf)
 
 
@@ -49,18 +52,22 @@ def detect_quantization(hf_config, folder: str | None, tensors: TensorIndex,
                         requested: str | None = None) -> CheckpointQuantization | None:
     """The checkpoint's quantization, or the on-load one asked for; None: dense."""
     if requested is not None and requested not in QUANTIZE_ON_LOAD:
-        raise ValueError(f"quantization={requested!r}: expected None (keep what the checkpoint has) or one of "
-                         f"{', '.join(map(repr, QUANTIZE_ON_LOAD))}")
+        raise ValueError(
+            f"quantization={requested!r}: expected None (keep what the checkpoint has) or one of "
+            f"{', '.join(map(repr, QUANTIZE_ON_LOAD))}")
     found = None
     for detector in DETECTORS:
         found = detector(hf_config, folder, tensors)
         if found is not None:
             break
     if requested is not None:
-        # A GGUF file's blocks can be dequantized on load like its other tensors, then quantized as asked.
+        # A GGUF file's blocks can be dequantized on load like its other tensors, then quantized as
+        # asked.
         if found is not None and found.name != "gguf":
-            raise ValueError(f"quantization={requested!r} quantizes a dense checkpoint on load, but this checkpoint "
-                             f"is already quantized ({found.describe()}); pass quantization=None")
+            raise ValueError(
+                f"quantization={requested!r} quantizes a dense checkpoint on load, but this "
+                "checkpoint "
+                f"is already quantized ({found.describe()}); pass quantization=None")
         from vlinfer.layers.quantization.on_load import OnLoadQuantization
         return OnLoadQuantization(requested)
     if found is not None:

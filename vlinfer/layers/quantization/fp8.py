@@ -1,20 +1,22 @@
-"""FP8 checkpoints (`quant_method: "fp8"`, e4m3 weights with one `weight_scale_inv` per 128 x 128 block, as Qwen's
-official FP8 repos): dequantized to the compute dtype while loading, W = W8 * scale_inv per block, and run dense.
-They open and match their dequantized weights; they are not faster (logged). Layers in `modules_to_not_convert` /
-`ignored_layers`, and any whose weight is not FP8 in the file, are dense as stored."""
+"""FP8 checkpoints (`quant_method: "fp8"`, e4m3 weights with one `weight_scale_inv` per 128 x 128
+block, as Qwen's official FP8 repos): dequantized to the compute dtype while loading, W = W8 *
+scale_inv per block, and run dense. They open and match their dequantized weights; they are not
+faster (logged). Layers in `modules_to_not_convert` / `ignored_layers`, and any whose weight is not
+FP8 in the file, are dense as stored."""
 import logging
 
 import torch
 from torch import nn
 
-from vlinfer.layers.quantization.base import (CheckpointQuantization, LinearMethod, ParamLayout, ParamSpec,
-                                              TensorIndex, dense_weight_layout)
+from vlinfer.layers.quantization.base import (CheckpointQuantization, LinearMethod, ParamLayout,
+                                              ParamSpec, TensorIndex, dense_weight_layout)
 
 logger = logging.getLogger("vlinfer")
 
 
 def _expand_rows(block_rows: int):
-    """[ceil(N / b), Kb] block scales -> [N, Kb]: one row per output feature, so shards and ranks cut it by rows."""
+    """[ceil(N / b), Kb] block scales -> [N, Kb]: one row per output feature, so shards and ranks
+    cut it by rows."""
     def convert(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         return scale.float().repeat_interleave(block_rows, 0)[:rows]
     return convert
@@ -36,10 +38,12 @@ class Fp8BlockMethod(LinearMethod):
         bn, bk = self.block
         n, k = layer.output_size, layer.input_size
         specs = {"weight": ParamSpec((n, k), torch.float8_e4m3fn, dense_weight_layout())}
-        # A shard's scale rows are expanded whole before cutting (a fused shard may not start on a block).
-        layout = ParamLayout(lambda rows, cols: (-(-rows // bn), -(-cols // bk)), convert=_expand_rows(bn),
-                             convert_first=True)
-        blocks = -(-k // bk) if layer.full_input_size == k else k // bk  # row-parallel ranks hold whole blocks
+        # A shard's scale rows are expanded whole before cutting (a fused shard may not start on a
+        # block).
+        layout = ParamLayout(lambda rows, cols: (-(-rows // bn), -(-cols // bk)),
+                             convert=_expand_rows(bn), convert_first=True)
+        # row-parallel ranks hold whole blocks
+        blocks = -(-k // bk) if layer.full_input_size == k else k // bk
         specs["weight_scale_inv"] = ParamSpec((n, blocks), torch.float32, layout)
         return specs
 
@@ -70,14 +74,19 @@ class Fp8Quantization(CheckpointQuantization):
         if fmt != "e4m3":
             raise ValueError(f"quantization_config (fp8): fmt={fmt!r} is not supported (e4m3)")
         block = config.get("weight_block_size")
-        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
-                                                                             for b in block)):
-            raise ValueError(f"quantization_config (fp8): weight_block_size={block!r} is not supported; expected "
-                             "[rows, cols] blocks such as [128, 128]")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and
+                all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(
+                f"quantization_config (fp8): weight_block_size={block!r} is not supported; "
+                "expected "
+                "[rows, cols] blocks such as [128, 128]")
         self.block = tuple(block)
-        self.skip = list(config.get("modules_to_not_convert") or []) + list(config.get("ignored_layers") or [])
-        logger.warning("fp8 checkpoint: weights are dequantized to the compute dtype on load (they open, but run "
-                       "at dense speed and memory)")
+        self.skip = list(config.get("modules_to_not_convert") or []) + list(
+            config.get("ignored_layers") or [])
+        logger.warning(
+            "fp8 checkpoint: weights are dequantized to the compute dtype on load (they open, but "
+            "run "
+            "at dense speed and memory)")
 
     def describe(self) -> str:
         return f"fp8 block {self.block[0]}x{self.block[1]}, dequantized on load"
@@ -87,10 +96,13 @@ class Fp8Quantization(CheckpointQuantization):
         has_scale = f"{prefix}.weight_scale_inv" in tensors
         if weight is None or not weight.dtype.startswith("F8"):
             if has_scale:
-                raise ValueError(f"{prefix}.weight_scale_inv: present but {prefix}.weight is not FP8")
+                raise ValueError(
+                    f"{prefix}.weight_scale_inv: present but {prefix}.weight is not FP8")
             return None
-        if any(prefix == s or prefix.startswith(s + ".") or prefix.endswith("." + s) for s in self.skip):
-            raise ValueError(f"{prefix}.weight is FP8 but the layer is listed in modules_to_not_convert")
+        if any(prefix == s or prefix.startswith(s + ".") or prefix.endswith("." + s)
+               for s in self.skip):
+            raise ValueError(
+                f"{prefix}.weight is FP8 but the layer is listed in modules_to_not_convert")
         if weight.dtype != "F8_E4M3":
             raise ValueError(f"{prefix}.weight: {weight.dtype} is not supported (F8_E4M3)")
         if not has_scale:

@@ -1,23 +1,26 @@
-"""Quantize a dense checkpoint while loading (`LLM(model, quantization="int8" | "int4")`): for CPU users who want
-the speed of int8 / int4 weights from a bf16 checkpoint. Weight-only and symmetric: int8 per output channel
-(scale = max|w| / 127), int4 per group of 128 input features (scale = max|w| / 7, values in [-8, 7]). The language
-model's linear layers are quantized; the vision tower and the LM head stay dense (the issue's rule: the vision
-tower is dense unless the checkpoint quantized it)."""
+"""Quantize a dense checkpoint while loading (`LLM(model, quantization="int8" | "int4")`): for CPU
+users who want the speed of int8 / int4 weights from a bf16 checkpoint. Weight-only and symmetric:
+int8 per output channel (scale = max|w| / 127), int4 per group of 128 input features (scale = max|w|
+/ 7, values in [-8, 7]). The language model's linear layers are quantized; the vision tower and the
+LM head stay dense (the issue's rule: the vision tower is dense unless the checkpoint quantized it).
+"""
 import logging
 
 import torch
 
-from vlinfer.layers.quantization.base import (CheckpointQuantization, LinearMethod, ParamSpec, TensorIndex,
-                                              dense_weight_layout)
+from vlinfer.layers.quantization.base import (CheckpointQuantization, LinearMethod, ParamSpec,
+                                              TensorIndex, dense_weight_layout)
 
 logger = logging.getLogger("vlinfer")
-INT4_GROUP_SIZES = (128, 64, 32)  # the first that divides the layer's input features (the CPU int4 kernel's sizes)
+# the first that divides the layer's input features (the CPU int4 kernel's sizes)
+INT4_GROUP_SIZES = (128, 64, 32)
 VISION_PREFIXES = ("model.visual.", "visual.")
 
 
-def quantize_symmetric(weight: torch.Tensor, bits: int, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 values [N, K], float32 scales [N, G]) with w ~= q * scale, per group of group_size columns (None: per
-    row). An all-zero group gets scale 0 and zeros."""
+def quantize_symmetric(weight: torch.Tensor, bits: int,
+                       group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values [N, K], float32 scales [N, G]) with w ~= q * scale, per group of group_size
+    columns (None: per row). An all-zero group gets scale 0 and zeros."""
     n, k = weight.shape
     groups = 1 if group_size is None else k // group_size
     w = weight.float().reshape(n, groups, k // groups)
@@ -41,13 +44,16 @@ class QuantizeOnLoadMethod(LinearMethod):
         return f"{self.name} ({'per channel' if self.group_size is None else f'group {self.group_size}'})"
 
     def create_weights(self, layer) -> dict[str, ParamSpec]:
-        return {"weight": ParamSpec((layer.output_size, layer.input_size), layer.params_dtype, dense_weight_layout())}
+        return {
+            "weight": ParamSpec((layer.output_size, layer.input_size), layer.params_dtype,
+                                dense_weight_layout())
+        }
 
     def process_weights_after_loading(self, layer) -> bool:
         q, scale = quantize_symmetric(layer.weight.data, self.bits, self.group_size)
         del layer.weight
-        layer.quantized = layer.ops.pack_quantized_linear(self.scheme, {"weight": q, "weight_scale": scale,
-                                                                        "weight_zero": None})
+        layer.quantized = layer.ops.pack_quantized_linear(
+            self.scheme, {"weight": q, "weight_scale": scale, "weight_zero": None})
         return True
 
     def apply(self, layer, x, bias):
@@ -60,7 +66,9 @@ class OnLoadQuantization(CheckpointQuantization):
         self.name = f"{kind} quantized on load"
 
     def expert_method_for(self, layer, prefix: str, tensors: TensorIndex) -> LinearMethod | None:
-        return None  # MoE experts stay dense: they are dequantized for the fused op, so quantizing them saves nothing
+        # MoE experts stay dense: they are dequantized for the fused op, so quantizing them saves
+        # nothing
+        return None
 
     def method_for(self, layer, prefix: str, tensors: TensorIndex) -> LinearMethod | None:
         if prefix.startswith(VISION_PREFIXES):
@@ -70,6 +78,8 @@ class OnLoadQuantization(CheckpointQuantization):
         k = layer.input_size
         group = next((g for g in INT4_GROUP_SIZES if k % g == 0), None)
         if group is None:
-            logger.warning("quantization=int4: %s stays dense (%d input features are not a multiple of 32)", prefix, k)
+            logger.warning(
+                "quantization=int4: %s stays dense (%d input features are not a multiple of 32)",
+                prefix, k)
             return None
         return QuantizeOnLoadMethod(4, group)

@@ -5,17 +5,18 @@ are memory-bound passes the reference spreads over several tensor ops each. The 
 in this package's files: attention.py, kv_cache.py, linear.py (panels.py: the panel layout), moe.py,
 quant.py, gguf.py, lora.py.
 
-Which code the kernels run is chosen from the CPU the engine runs on, at load time (cpu_features.cpu_isa): the
-sources are compiled once per instruction-set level (generic x86-64, AVX2, AVX-512, AVX-512 with BF16), each into
-its own extension name, so a kernel cache built for one CPU is never loaded on a CPU that lacks its instructions
-(torch's cache is keyed by name). `CpuOps(isa=...)` builds a lower level on purpose: tests run the generic path
-and every level the test machine supports.
+Which code the kernels run is chosen from the CPU the engine runs on, at load time
+(cpu_features.cpu_isa): the sources are compiled once per instruction-set level (generic x86-64,
+AVX2, AVX-512, AVX-512 with BF16), each into its own extension name, so a kernel cache built for one
+CPU is never loaded on a CPU that lacks its instructions (torch's cache is keyed by name).
+`CpuOps(isa=...)` builds a lower level on purpose: tests run the generic path and every level the
+test machine supports.
 
-Attention in bfloat16 on CPUs with AVX512-BF16 (prefill chunks, decode, the vision tower) runs our vdpbf16ps
-kernels, which outrun torch's SDPA CPU kernel there without AMX. In float32, prefill and vision
-attention stay on torch's flash kernel (SDPA), which is exact against transformers; a prefill chunk
-over a cached context runs it twice, merged by log-sum-exp (attention.py). Matmuls are oneDNN's: it
-uses AMX where the CPU has it, so we write no AMX code of our own.
+Attention in bfloat16 on CPUs with AVX512-BF16 (prefill chunks, decode, the vision tower) runs our
+vdpbf16ps kernels, which outrun torch's SDPA CPU kernel there without AMX. In float32, prefill and
+vision attention stay on torch's flash kernel (SDPA), which is exact against transformers; a prefill
+chunk over a cached context runs it twice, merged by log-sum-exp (attention.py). Matmuls are
+oneDNN's: it uses AMX where the CPU has it, so we write no AMX code of our own.
 
 Linear layers (linear.py): `pack_linear_weight` converts a projection's weight once into our
 32-output panels (csrc/panel_linear.cpp) or oneDNN's blocked layout, which the layer keeps instead
@@ -41,17 +42,21 @@ logger = logging.getLogger("vlinfer")
 class CpuOps(ReferenceOps):
     name = "cpu-compiled"
 
-    def __init__(self, device_type: str = "cpu", isa: str | None = None, bf16_prefill_kernels: bool | None = None):
-        """isa: the instruction-set level to build and run; None takes the best this CPU has. Asking for a level
-        the CPU lacks raises (its code would die on an illegal instruction). bf16_prefill_kernels: run our bf16
-        prefill and vision attention kernels (True), SDPA (False), or decide from the CPU (None; see below)."""
+    def __init__(self, device_type: str = "cpu", isa: str | None = None,
+                 bf16_prefill_kernels: bool | None = None):
+        """isa: the instruction-set level to build and run; None takes the best this CPU has. Asking
+        for a level the CPU lacks raises (its code would die on an illegal instruction).
+        bf16_prefill_kernels: run our bf16 prefill and vision attention kernels (True), SDPA
+        (False), or decide from the CPU (None; see below)."""
         super().__init__(device_type)
         best = cpu_features.cpu_isa()
         self.isa = isa or best
         if self.isa not in ISA_FLAGS:
-            raise ValueError(f"unknown CPU kernel level {self.isa!r}; expected one of {', '.join(ISA_FLAGS)}")
+            raise ValueError(
+                f"unknown CPU kernel level {self.isa!r}; expected one of {', '.join(ISA_FLAGS)}")
         if cpu_features.CPU_ISAS.index(self.isa) > cpu_features.CPU_ISAS.index(best):
-            raise RuntimeError(f"CPU kernels for {self.isa} cannot run on this CPU (it supports up to {best})")
+            raise RuntimeError(
+                f"CPU kernels for {self.isa} cannot run on this CPU (it supports up to {best})")
         self.ext = build_extension(self.isa)
         self._decode_rows = PerStep()  # this step's decode rows, shared by every layer
         # GGUF Q8_0 / Q4_0 / Q4_1 block kernels (gguf.py), built when the first such layer packs.
@@ -60,9 +65,10 @@ class CpuOps(ReferenceOps):
         # (slots, rank) -> PerStep of the step's LoRA shrink mask (lora.py)
         self._lora_masks: dict = {}
         self.bf16_attention = bool(self.ext.bf16_attention_available())
-        # Prefill-chunk and vision attention are matmul-shaped: where the CPU has AMX, torch's SDPA (oneDNN, AMX
-        # tiles) outruns our vdpbf16ps kernels (bench/ops.py re-derives it), so they take SDPA
-        # there. Decode attention reads the cache once per token and stays ours everywhere.
+        # Prefill-chunk and vision attention are matmul-shaped: where the CPU has AMX, torch's SDPA
+        # (oneDNN, AMX tiles) outruns our vdpbf16ps kernels (bench/ops.py re-derives it), so they
+        # take SDPA there. Decode attention reads the cache once per token and stays ours
+        # everywhere.
         has_amx = "amx_bf16" in cpu_features.cpu_flags()
         if bf16_prefill_kernels is None:
             bf16_prefill_kernels = not has_amx
@@ -76,22 +82,32 @@ class CpuOps(ReferenceOps):
         self.panel_dtypes = tuple(dtype for dtype in (torch.float32, torch.bfloat16)
                                   if self.ext.panel_linear_available(dtype) and
                                   (dtype == torch.float32 or not has_amx))
-        logger.info("ops[cpu]: dense linears in 32-output panels for %s; oneDNN's prepacked layout otherwise",
-                    ", ".join(str(d).split(".")[-1] for d in self.panel_dtypes) or "no dtype at this level")
-        logger.info("ops[cpu]: bf16 MoE experts run %s", "in 32-output panels (expert_panel_matmul)" if self.moe_panels
-                    else "on the grouped GEMM, small groups on expert_matmul" + (" (this CPU has AMX)" if has_amx
-                                                                                 else " (no AVX512-BF16 build)"))
-        self.bf16_linear = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        logger.info(
+            "ops[cpu]: dense linears in 32-output panels for %s; oneDNN's prepacked layout "
+            "otherwise",
+            ", ".join(str(d).split(".")[-1] for d in self.panel_dtypes) or "no dtype at this level")
+        logger.info(
+            "ops[cpu]: bf16 MoE experts run %s", "in 32-output panels (expert_panel_matmul)"
+            if self.moe_panels else "on the grouped GEMM, small groups on expert_matmul" +
+            (" (this CPU has AMX)" if has_amx else " (no AVX512-BF16 build)"))
+        self.bf16_linear = torch.backends.mkldnn.is_available(
+        ) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         if self.bf16_prefill_kernels:
-            logger.info("ops[cpu]: kernels built for %s; bf16 attention kernels (AVX512-BF16): decode, prefill, "
-                        "vision", self.isa)
+            logger.info(
+                "ops[cpu]: kernels built for %s; bf16 attention kernels (AVX512-BF16): decode, "
+                "prefill, "
+                "vision", self.isa)
         elif self.bf16_attention:
-            logger.info("ops[cpu]: kernels built for %s; bf16 decode attention kernel (AVX512-BF16); bf16 prefill "
-                        "and vision attention run SDPA (%s)", self.isa,
-                        "this CPU has AMX, which SDPA uses" if has_amx else "bf16_prefill_kernels=False")
+            logger.info(
+                "ops[cpu]: kernels built for %s; bf16 decode attention kernel (AVX512-BF16); bf16 "
+                "prefill "
+                "and vision attention run SDPA (%s)", self.isa,
+                "this CPU has AMX, which SDPA uses" if has_amx else "bf16_prefill_kernels=False")
         else:
-            logger.info("ops[cpu]: kernels built for %s; no AVX512-BF16 kernels at this level, so bf16 prefill and "
-                        "vision attention run SDPA", self.isa)
+            logger.info(
+                "ops[cpu]: kernels built for %s; no AVX512-BF16 kernels at this level, so bf16 "
+                "prefill and "
+                "vision attention run SDPA", self.isa)
         logger.info("ops[cpu]: decode attention kernels: %s", self.ext.decode_attention_kernels())
 
     def describe(self) -> str:
@@ -103,38 +119,43 @@ class CpuOps(ReferenceOps):
         self.ext.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
 
     def _bf16_flash(self, q) -> bool:
-        """Whether attention_bf16.cpp's flash kernel takes these queries: bf16 only (in float32 SDPA is exact
-        against transformers), an even head_dim up to 128 (keys are packed as bf16 pairs), an AVX512-BF16 build on
-        a CPU without AMX (see __init__)."""
+        """Whether attention_bf16.cpp's flash kernel takes these queries: bf16 only (in float32 SDPA
+        is exact against transformers), an even head_dim up to 128 (keys are packed as bf16 pairs),
+        an AVX512-BF16 build on a CPU without AMX (see __init__)."""
         return q.dtype == torch.bfloat16 and q.shape[-1] <= 128 and q.shape[-1] % 2 == 0 and \
             self.bf16_prefill_kernels
 
     def paged_attention(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
-        # The kernel reads int32 metadata; the model runner already builds it so, other callers may not.
+        # The kernel reads int32 metadata; the model runner already builds it so, other callers may
+        # not.
         seq_lens, block_tables = seq_lens.to(torch.int32), block_tables.to(torch.int32)
-        # Which rows decode, worked out once per step rather than in every layer (four small tensor ops and a host
-        # sync each time).
+        # Which rows decode, worked out once per step rather than in every layer (four small tensor
+        # ops and a host sync each time).
         decode_rows = self._decode_rows.get(attention.decode_rows, cu_seqlens_q)
         if decode_rows is None:
-            return self.ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+            return self.ext.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                                   scale)
         out = torch.empty_like(q)
         if decode_rows.numel():
             rows = decode_rows
             token_index = cu_seqlens_q[rows]
-            out[token_index] = self.ext.paged_decode_attention(q[token_index], k_cache, v_cache, block_tables[rows],
-                                                               seq_lens[rows], scale)
+            out[token_index] = self.ext.paged_decode_attention(q[token_index], k_cache, v_cache,
+                                                               block_tables[rows], seq_lens[rows],
+                                                               scale)
         if self._bf16_flash(q):
-            self.ext.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out)
+            self.ext.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                                       scale, out)
         else:  # float32 (torch's flash kernel is exact there), or no AVX512-BF16 (logged at load)
-            reference.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out,
-                                        attention.chunk_over_context)
+            reference.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                                        scale, out, attention.chunk_over_context)
         return out
 
     # KV caches in another dtype (kv_cache.py, csrc/kv_quant.cpp).
     kv_cache_kernels = kv_cache.KV_CACHE_KERNELS
 
     def store_quantized_kvcache(self, key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
-        self.ext.store_kvcache_quantized(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+        self.ext.store_kvcache_quantized(key, value, k_cache, v_cache, k_scale, v_scale,
+                                         slot_mapping)
 
     def quantized_paged_attention(self, q, k_cache, v_cache, k_scale, v_scale, cu_seqlens_q,
                                   seq_lens, block_tables, scale):
@@ -160,7 +181,8 @@ class CpuOps(ReferenceOps):
         return self.ext.vision_attention(q, k, v, cu_seqlens.cpu(), scale)
 
     def rms_norm(self, x, weight, eps):
-        if weight.dtype != x.dtype:  # the reference then promotes the output; the kernel writes x's dtype only
+        # the reference then promotes the output; the kernel writes x's dtype only
+        if weight.dtype != x.dtype:
             return reference.rms_norm(x, weight, eps)
         return self.ext.rms_norm(x, weight, eps)
 
@@ -177,7 +199,8 @@ class CpuOps(ReferenceOps):
     def apply_token_bitmask(self, logits, rows, bitmask):
         if logits.device.type != "cpu" or logits.dim() != 2 or not logits.is_contiguous():
             return bitmask.apply_token_bitmask(logits, rows, bitmask)
-        self.ext.apply_token_bitmask(logits, torch.tensor(rows, dtype=torch.long), bitmask.contiguous())
+        self.ext.apply_token_bitmask(logits, torch.tensor(rows, dtype=torch.long),
+                                     bitmask.contiguous())
 
     def fused_moe(self, x, router_logits, w13, w2, top_k, renormalize, expert_offset=0):
         """Grouped GEMMs over the pairs sorted by expert (moe.py), our SiLU-and-multiply between; in
@@ -200,13 +223,13 @@ class CpuOps(ReferenceOps):
         """Small steps on the slots' panels, else dense GEMMs over the used slots (lora.py)."""
         return lora.add_lora(self.ext, x, y, lora_a, lora_b, groups, self._lora_masks, packed)
 
-    # Quantized linears: our GGUF block kernel for per-channel int8, torch's int4 CPU kernel and oneDNN's int8 GEMM
-    # (quant.py).
+    # Quantized linears: our GGUF block kernel for per-channel int8, torch's int4 CPU kernel and
+    # oneDNN's int8 GEMM (quant.py).
     def pack_quantized_linear(self, scheme: str, tensors: dict) -> dict:
         packed = quant.pack(scheme, tensors, quant.has_int8_dot_product(), self._block_kernels)
         if "cpu" in packed:
-            op = {"w8a8_dynamic": self.w8a8_dynamic_linear, "w8a8_static": self.w8a8_static_linear}.get(
-                scheme, self.weight_only_linear)
+            op = {"w8a8_dynamic": self.w8a8_dynamic_linear,
+                  "w8a8_static": self.w8a8_static_linear}.get(scheme, self.weight_only_linear)
             quant.check_kernel(scheme, packed, op)
         return packed
 
@@ -217,14 +240,16 @@ class CpuOps(ReferenceOps):
     # GGUF Q8_0 / Q4_0 / Q4_1 block weights (and per-channel int8, as Q8_0 blocks): our kernels
     # (gguf.py), built when the first such layer packs.
     def _block_kernels(self) -> gguf.GgufCpuKernels | None:
-        """The GGUF block kernels for this CPU, built on first use; None (logged once) where they do not build."""
+        """The GGUF block kernels for this CPU, built on first use; None (logged once) where they do
+        not build."""
         if self.gguf_kernels is None and self.gguf_build_error is None:
             try:
                 self.gguf_kernels = gguf.GgufCpuKernels(self.isa)
             except Exception as e:  # no compiler: the layers run the reference, loudly
                 self.gguf_build_error = f"{type(e).__name__}: {str(e)[:200]}"
-                logger.warning("ops[cpu]: GGUF block kernels unavailable (%s); GGUF and int8 layers run the "
-                               "pure-torch reference (dequantize + matmul per call)", self.gguf_build_error)
+                logger.warning(
+                    "ops[cpu]: GGUF block kernels unavailable (%s); GGUF and int8 layers run the "
+                    "pure-torch reference (dequantize + matmul per call)", self.gguf_build_error)
                 return None
             logger.info("ops[cpu]: GGUF Q8_0/Q4_0/Q4_1 kernels built for %s", self.gguf_kernels.isa)
         return self.gguf_kernels
@@ -234,8 +259,8 @@ class CpuOps(ReferenceOps):
         return None if kernels is None else kernels.pack(weight, ggml_type)
 
     def gguf_linear(self, x, weight, ggml_type, bias=None):
-        # A packed weight (3-D) runs the kernel; the file's blocks (2-D: the kernels failed to build, which
-        # pack_gguf_weight logged) run the reference.
+        # A packed weight (3-D) runs the kernel; the file's blocks (2-D: the kernels failed to
+        # build, which pack_gguf_weight logged) run the reference.
         if weight.dim() == 2:
             return gguf_reference.gguf_linear(x, weight, ggml_type, bias)
         return self.gguf_kernels.linear(x, weight, ggml_type, bias)
@@ -257,8 +282,11 @@ class CpuOps(ReferenceOps):
         dtype = layers[0]["qkv"].dtype
         for layer in layers:
             projections = [layer[name] for name in ("qkv", "o", "gate_up", "down")]
-            norms = [w for w in (layer["input_norm"], layer["post_norm"], layer["q_norm"], layer["k_norm"])
-                     if w is not None]
+            norms = [
+                w
+                for w in (layer["input_norm"], layer["post_norm"], layer["q_norm"], layer["k_norm"])
+                if w is not None
+            ]
             if not all(w.dim() > 2 and not w.is_mkldnn and w.dtype == dtype for w in projections) or \
                     not all(w.dtype == dtype for w in norms):
                 return None
@@ -267,5 +295,6 @@ class CpuOps(ReferenceOps):
             stack.add_layer(**layer)
         return stack
 
-    def pack_linear_weight(self, weight: torch.Tensor, large_rows: bool = False) -> torch.Tensor | None:
+    def pack_linear_weight(self, weight: torch.Tensor,
+                           large_rows: bool = False) -> torch.Tensor | None:
         return linear.pack_linear_weight(weight, large_rows, self.panel_dtypes, self.bf16_linear)

@@ -35,7 +35,8 @@ def linear_row_blocks(rows: int) -> list[int]:
     own smaller bucket where that pads fewer rows: the same kernels, at most 63 padding rows instead
     of up to 511 (3152 vision rows ran as 3584)."""
     head = rows // LARGE_ROWS_STEP * LARGE_ROWS_STEP
-    if rows > LARGE_ROWS_STEP and linear_rows_bucket(rows - head) - (rows - head) < linear_rows_bucket(rows) - rows:
+    if rows > LARGE_ROWS_STEP and linear_rows_bucket(rows - head) - (
+            rows - head) < linear_rows_bucket(rows) - rows:
         return [head, rows - head]
     return [rows]
 

@@ -13,10 +13,10 @@ AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 AVX512_FLAGS = AVX2_FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 ISA_FLAGS = {"generic": (), "avx2": AVX2_FLAGS, "avx512": AVX512_FLAGS,
              "avx512bf16": AVX512_FLAGS + ("-mavx512bf16", "-mavx512vnni")}
-SOURCES = tuple(os.path.join(CPU_KERNEL_DIR, name) for name in ("paged_ops.cpp", "attention_bf16.cpp",
-                                                                 "moe_experts.cpp", "panel_linear.cpp",
-                                                                 "decode_layer.cpp", "kv_quant.cpp",
-                                                                 "lora_panels.cpp"))
+SOURCES = tuple(
+    os.path.join(CPU_KERNEL_DIR, name)
+    for name in ("paged_ops.cpp", "attention_bf16.cpp", "moe_experts.cpp", "panel_linear.cpp",
+                 "decode_layer.cpp", "kv_quant.cpp", "lora_panels.cpp"))
 
 
 def build_extension(isa: str):
@@ -26,11 +26,14 @@ def build_extension(isa: str):
     sources = list(SOURCES)
     for source in sources:
         if not os.path.exists(source):
-            raise FileNotFoundError(f"kernel source {source} is missing (the package was built without its data)")
+            raise FileNotFoundError(
+                f"kernel source {source} is missing (the package was built without its data)")
     # torch keys its build cache by the sources' contents and the flags, not by the headers they
     # include: a digest of the headers in the flags makes a changed header rebuild too.
     headers = sorted(glob.glob(os.path.join(CPU_KERNEL_DIR, "*.h")))
     digest = hashlib.sha256(b"".join(open(h, "rb").read() for h in headers)).hexdigest()[:16]
-    flags = ["-O3", "-fopenmp", "-ffast-math", *ISA_FLAGS[isa], f"-DVLINFER_HEADERS_DIGEST={digest}"]
-    return load_extension(f"vlinfer_cpu_kernels_{isa}", sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                          verbose=False)
+    flags = [
+        "-O3", "-fopenmp", "-ffast-math", *ISA_FLAGS[isa], f"-DVLINFER_HEADERS_DIGEST={digest}"
+    ]
+    return load_extension(f"vlinfer_cpu_kernels_{isa}", sources, extra_cflags=flags,
+                          extra_ldflags=["-fopenmp"], verbose=False)

@@ -8,8 +8,8 @@ PANEL = 32  # outputs per panel
 
 
 def to_panels(w: torch.Tensor, width: int = PANEL) -> torch.Tensor:
-    """[..., N, K] -> [..., N / 32, K, 32] (float32) or [..., N / 32, K / 2, 32, 2] (bf16); N a multiple of 32, K
-    even for bf16. width: outputs per panel other than 32 (the LoRA shrink's 16,
+    """[..., N, K] -> [..., N / 32, K, 32] (float32) or [..., N / 32, K / 2, 32, 2] (bf16); N a
+    multiple of 32, K even for bf16. width: outputs per panel other than 32 (the LoRA shrink's 16,
     csrc/lora_panels.cpp)."""
     *lead, n, k = w.shape
     if w.dtype == torch.bfloat16:

@@ -74,7 +74,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale):
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     length = width * k_cache.shape[1]
-    flat = block_tables.clamp_min(0).flatten().to(torch.long)  # -1 padding reads block 0, masked below
+    # -1 padding reads block 0, masked below
+    flat = block_tables.clamp_min(0).flatten().to(torch.long)
     k = k_cache.index_select(0, flat).view(b, length, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.index_select(0, flat).view(b, length, num_kv_heads, head_dim).transpose(1, 2)
     beyond = torch.arange(length, device=q.device)[None, :] >= seq_lens[:, None]

@@ -15,7 +15,8 @@ class CudaGraphBackend:
 
     def __init__(self, device: torch.device, ops):
         self.device, self.ops = device, ops
-        self.pool = None  # one memory pool shared by every bucket's graph (they never replay at once)
+        # one memory pool shared by every bucket's graph (they never replay at once)
+        self.pool = None
 
     def reads_only_used_blocks(self, block_size: int, dtype: torch.dtype) -> bool:
         return self.ops.decode_reads_only_used_blocks(block_size, dtype)
@@ -44,6 +45,7 @@ def backend(device: torch.device, ops) -> CudaGraphBackend:
     """The CUDA graph backend over the engine's CudaOps, or GraphModeUnavailable (logged by the
     graph runner, which runs eager)."""
     if ops.features.get("cache_write") != "triton":
-        raise GraphModeUnavailable("the KV cache write is the pure-torch reference (Triton unavailable), which "
-                                   "syncs with the host")
+        raise GraphModeUnavailable(
+            "the KV cache write is the pure-torch reference (Triton unavailable), which "
+            "syncs with the host")
     return CudaGraphBackend(device, ops)

@@ -21,7 +21,8 @@ def checked_quantized_cache(device: torch.device):
     attention = load_triton_module("paged_attention").paged_attention
     g = torch.Generator().manual_seed(0)
     key, value = (torch.randn(20, 2, 64, generator=g).to(device) for _ in range(2))
-    slots = torch.cat([torch.arange(16, 32), torch.arange(0, 4)]).to(device)  # sequence 0: blocks 1, 0
+    # sequence 0: blocks 1, 0
+    slots = torch.cat([torch.arange(16, 32), torch.arange(0, 4)]).to(device)
     q = torch.randn(4, 4, 64, generator=g).to(device)
     cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
     lens = torch.tensor([20, 2], dtype=torch.int32, device=device)
@@ -32,12 +33,17 @@ def checked_quantized_cache(device: torch.device):
         store(key, value, caches[0], caches[1], scales[0], scales[1], slots)
         kv_cache.store_quantized_kvcache(key, value, caches[2], caches[3], scales[2], scales[3],
                                          slots)
-        if not all(torch.equal(a, b) for a, b in zip(caches[:2] + scales[:2], caches[2:] + scales[2:])):
+        if not all(
+                torch.equal(a, b)
+                for a, b in zip(caches[:2] + scales[:2], caches[2:] + scales[2:])):
             raise RuntimeError(f"the Triton {dtype} cache write did not match the reference")
         ours = attention(q, caches[0], caches[1], cu, lens, tables, 0.125, scales[0], scales[1])
-        expected = reference.quantized_paged_attention(q, caches[0], caches[1], scales[0], scales[1], cu, lens,
-                                                       tables, 0.125)
+        expected = reference.quantized_paged_attention(q, caches[0], caches[1], scales[0],
+                                                       scales[1], cu, lens, tables, 0.125)
         err = ((ours.float() - expected).abs().max() / expected.abs().max()).item()
         if not err < 1e-3:
-            raise RuntimeError(f"the Triton paged attention over a {dtype} cache is off from the reference by {err:.3g}")
+            raise RuntimeError(
+                f"the Triton paged attention over a {dtype} cache is off from the reference by "
+                f"{err:.3g}"
+            )
     return store, attention

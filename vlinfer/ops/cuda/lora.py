@@ -16,9 +16,11 @@ from vlinfer.ops.cuda.loader import load_triton_module
 
 
 def checked_kernel(device: torch.device):
-    """The kernels' add_lora, after one tiny step against the reference: a fused layer (3 sub-projections of rank
-    4) with rows spread over two of three slots, a row of no adapter, the K split on and off; and one adapter over
-    every row. Surfaces a Triton that cannot compile or computes wrong here (CudaOps loads it on first use)."""
+    """The kernels' add_lora, after one tiny step against the reference: a fused layer (3
+    sub-projections of rank
+    4) with rows spread over two of three slots, a row of no adapter, the K split on and off; and
+       one adapter over every row. Surfaces a Triton that cannot compile or computes wrong here
+       (CudaOps loads it on first use)."""
     module = load_triton_module("lora")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 96, generator=g).to(device)
@@ -32,7 +34,8 @@ def checked_kernel(device: torch.device):
         ours = add_lora(module.add_lora, x, y, lora_a, lora_b, groups, config)
         err = ((ours - expected).abs().max() / expected.abs().max()).item()
         if not err < 1e-4:
-            raise RuntimeError(f"the Triton LoRA shrink / expand is off from the reference by {err:.3g}")
+            raise RuntimeError(
+                f"the Triton LoRA shrink / expand is off from the reference by {err:.3g}")
     return module.add_lora
 
 

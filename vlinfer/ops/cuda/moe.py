@@ -3,10 +3,11 @@ fused_moe's contract. Routing (float32 softmax, top-k, renormalize, cast back) r
 the device, as the reference computes it; the kernels do the grouped GEMMs, the SwiGLU and the
 weighted sum.
 
-CudaOps loads and checks the kernels the first time an MoE layer asks (pack_moe_weights at load, or the first
-fused_moe call; loader.TritonKernels), not at engine start: a dense model pays nothing for them. A
-Triton that is missing or fails the check is a warning, and the op runs the reference (a Python loop
-over the experts that received tokens, with a host sync: no CUDA graphs for such a model)."""
+CudaOps loads and checks the kernels the first time an MoE layer asks (pack_moe_weights at load, or
+the first fused_moe call; loader.TritonKernels), not at engine start: a dense model pays nothing for
+them. A Triton that is missing or fails the check is a warning, and the op runs the reference (a
+Python loop over the experts that received tokens, with a host sync: no CUDA graphs for such a
+model)."""
 import torch
 
 from vlinfer.ops.cuda.loader import load_triton_module
@@ -19,9 +20,9 @@ def load_kernel():
 
 
 def checked_kernel(device: torch.device):
-    """The kernels' fused_experts, after one tiny problem against the reference, all experts local and
-    expert-parallel (a non-local expert among the routed ones): surfaces a Triton that cannot compile or computes
-    wrong here, at load (CudaOps loads it through loader.TritonKernels)."""
+    """The kernels' fused_experts, after one tiny problem against the reference, all experts local
+    and expert-parallel (a non-local expert among the routed ones): surfaces a Triton that cannot
+    compile or computes wrong here, at load (CudaOps loads it through loader.TritonKernels)."""
     fused_experts = load_kernel().fused_experts
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 32, generator=g).to(device)
@@ -37,7 +38,8 @@ def checked_kernel(device: torch.device):
     return fused_experts
 
 
-def fused_moe(fused_experts, x, router_logits, w13, w2, top_k: int, renormalize: bool, expert_offset: int = 0):
+def fused_moe(fused_experts, x, router_logits, w13, w2, top_k: int, renormalize: bool,
+              expert_offset: int = 0):
     """moe_reference.fused_moe's contract on the Triton kernels."""
     moe_reference.check_moe_shapes(x, router_logits, w13, w2, expert_offset)
     weights, ids = moe_reference.route(router_logits, top_k, renormalize, x.dtype)

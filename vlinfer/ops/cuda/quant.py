@@ -2,15 +2,20 @@
 for W8A16 / W4A16) behind the definitions in ops/reference/quant.py. CudaOps' quantized-op methods
 are thin wrappers.
 
-- W8A8 dynamic: per-token quantize kernel, then the int8 GEMM (int32 accumulator) with weight_scale per column and
-  the token scales per row. W8A8 static: per-tensor quantize kernel, the GEMM adds quant_bias, scales by deq_scale.
-- W8A16 / W4A16: the weight stays int8 [K, N] (8-bit) or nibble-packed int32 [K/8, N] (4-bit) and is dequantized
+- W8A8 dynamic: per-token quantize kernel, then the int8 GEMM (int32 accumulator) with weight_scale
+  per column and
+  the token scales per row. W8A8 static: per-tensor quantize kernel, the GEMM adds quant_bias,
+  scales by deq_scale.
+- W8A16 / W4A16: the weight stays int8 [K, N] (8-bit) or nibble-packed int32 [K/8, N] (4-bit) and is
+  dequantized
   tile by tile inside the GEMM.
 - Weights are laid out once at load (`pack`); nothing is cached to disk.
-- Kernels that do not load or fail their load-time check on this machine (QuantKernels raises; CudaOps loads it
+- Kernels that do not load or fail their load-time check on this machine (QuantKernels raises;
+  CudaOps loads it
   through loader.TritonKernels): a warning, and every quantized linear runs the reference
   (dequantize + matmul) on the device.
-Not run on a GPU yet: tests/test_quantized_cuda_ops.py runs the kernels under the Triton interpreter on CPU tensors.
+Not run on a GPU yet: tests/test_quantized_cuda_ops.py runs the kernels under the Triton interpreter
+on CPU tensors.
 """
 import torch
 
@@ -32,25 +37,32 @@ class QuantKernels:
         weight = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
         x = torch.randn(3, k, generator=g)
         dynamic = {"weight": weight, "weight_scale": torch.rand(n, 1, generator=g) * 0.01}
-        static = {"weight": weight, "input_scale": torch.tensor([0.02]), "input_offset": torch.tensor([2.0]),
-                  "quant_bias": torch.randint(-99, 99, (n,), generator=g, dtype=torch.int32),
-                  "deq_scale": torch.rand(n, generator=g) * 1e-3}
-        four_bit = {"weight": torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8),
-                    "weight_scale": torch.rand(n, 5, generator=g), "weight_zero": torch.full((n, 5), 8.0)}
-        cases = (("w8a8_dynamic", dynamic, w8a8_dynamic_linear), ("w8a8_static", static, w8a8_static_linear),
-                 ("w4a16", four_bit, weight_only_linear))
+        static = {
+            "weight": weight, "input_scale": torch.tensor([0.02]),
+            "input_offset": torch.tensor([2.0]),
+            "quant_bias": torch.randint(-99, 99, (n, ), generator=g, dtype=torch.int32),
+            "deq_scale": torch.rand(n, generator=g) * 1e-3
+        }
+        four_bit = {
+            "weight": torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8),
+            "weight_scale": torch.rand(n, 5, generator=g), "weight_zero": torch.full((n, 5), 8.0)
+        }
+        cases = (("w8a8_dynamic", dynamic, w8a8_dynamic_linear),
+                 ("w8a8_static", static, w8a8_static_linear), ("w4a16", four_bit,
+                                                               weight_only_linear))
         for scheme, tensors, op in cases:
             tensors = {key: value.to(device) for key, value in tensors.items()}
             ours = op(self, x.to(device), pack(self, scheme, tensors), None)
             ref = getattr(quant_reference, op.__name__)(x.to(device), tensors)
             err = ((ours - ref).abs().max() / ref.abs().max()).item()
             if not err < 1e-5:
-                raise RuntimeError(f"the Triton {scheme} kernel is off from the reference by {err:.3g}")
+                raise RuntimeError(
+                    f"the Triton {scheme} kernel is off from the reference by {err:.3g}")
 
 
 def pack(kernels: QuantKernels | None, scheme: str, tensors: dict) -> dict:
-    """The canonical tensors laid out for the kernels (weights [K, N], scales float32 [G, N]); with no kernels, the
-    reference's layout."""
+    """The canonical tensors laid out for the kernels (weights [K, N], scales float32 [G, N]); with
+    no kernels, the reference's layout."""
     if kernels is None:
         return quant_reference.pack_quantized_linear(scheme, tensors)
     quant_reference.check_quantized_tensors(scheme, tensors)
@@ -58,9 +70,11 @@ def pack(kernels: QuantKernels | None, scheme: str, tensors: dict) -> dict:
     n, k = weight.shape
     packed = {"scheme": scheme, "triton": True}
     if scheme == "w8a8_dynamic":
-        packed.update(weight=weight.t().contiguous(), weight_scale=tensors["weight_scale"].float().reshape(n))
+        packed.update(weight=weight.t().contiguous(),
+                      weight_scale=tensors["weight_scale"].float().reshape(n))
     elif scheme == "w8a8_static":
-        packed.update(weight=weight.t().contiguous(), input_scale=tensors["input_scale"].float().reshape(1),
+        packed.update(weight=weight.t().contiguous(),
+                      input_scale=tensors["input_scale"].float().reshape(1),
                       input_offset=tensors["input_offset"].float().reshape(1),
                       quant_bias=tensors["quant_bias"].to(torch.int32).reshape(n).contiguous(),
                       deq_scale=tensors["deq_scale"].float().reshape(n).contiguous())
@@ -81,11 +95,13 @@ def pack(kernels: QuantKernels | None, scheme: str, tensors: dict) -> dict:
                 raise ValueError(f"w4a16: weight values [{low}, {high}] do not fit unsigned int4")
             nibbles = weight.t().to(torch.int64).reshape(k // 8, 8, n)
             shifts = (torch.arange(8, device=weight.device, dtype=torch.int64) * 4).reshape(1, 8, 1)
-            packed_weight = (nibbles << shifts).sum(1).to(torch.int32)  # bit 31 wraps into the sign: intended
+            # bit 31 wraps into the sign: intended
+            packed_weight = (nibbles << shifts).sum(1).to(torch.int32)
         else:
             packed_weight = weight.t().contiguous()
         packed.update(weight=packed_weight, bits=bits, scale=scale.t().contiguous(),
-                      zero=None if zero is None else zero.t().contiguous(), group_size=k // groups, out_features=n)
+                      zero=None if zero is None else zero.t().contiguous(), group_size=k // groups,
+                      out_features=n)
     return packed
 
 
@@ -98,8 +114,8 @@ def w8a8_dynamic_linear(kernels, x, packed, bias):
         return quant_reference.w8a8_dynamic_linear(x, packed, bias)
     rows = _rows(x)
     x_q, x_scale = kernels.int8.quantize_per_token(rows)
-    y = kernels.int8.int8_matmul(x_q, packed["weight"], packed["weight_scale"], x.dtype, row_scale=x_scale,
-                                 bias=bias)
+    y = kernels.int8.int8_matmul(x_q, packed["weight"], packed["weight_scale"], x.dtype,
+                                 row_scale=x_scale, bias=bias)
     return y.reshape(*x.shape[:-1], -1)
 
 
@@ -116,6 +132,7 @@ def w8a8_static_linear(kernels, x, packed, bias):
 def weight_only_linear(kernels, x, packed, bias):
     if not packed.get("triton"):
         return quant_reference.weight_only_linear(x, packed, bias)
-    y = kernels.weight_only.weight_only_matmul(_rows(x), packed["weight"], packed["bits"], packed["scale"],
-                                               packed["zero"], packed["group_size"], bias)
+    y = kernels.weight_only.weight_only_matmul(_rows(x), packed["weight"], packed["bits"],
+                                               packed["scale"], packed["zero"],
+                                               packed["group_size"], bias)
     return y.reshape(*x.shape[:-1], -1)

@@ -39,9 +39,11 @@ logger = logging.getLogger("vlinfer")
 
 @dataclass
 class AttentionTask:
-    """One layer's captured attention: re-issued at every replay with the same tensors and that step's lengths."""
+    """One layer's captured attention: re-issued at every replay with the same tensors and that
+    step's lengths."""
     handle: object  # graph_task_group_end's handle of the task group holding the FIA call
-    event: object  # torch.npu.ExternalEvent the captured task waits on, recorded once the update is issued
+    # torch.npu.ExternalEvent the captured task waits on, recorded once the update is issued
+    event: object
     args: tuple  # query, key, value as the call takes them: the graph's static memory
     kwargs: dict  # keyword arguments; actual_seq_lengths_kv is the capture's kv_lens list
     workspace: torch.Tensor
@@ -55,12 +57,13 @@ class GraphCapture:
     reading them from device tensors: a .tolist() inside a capture is a device->host sync the graph
     cannot hold.
 
-    kv_lens is the host list the tasks were captured with; update_graph_attention rewrites it in place and re-issues
-    every task with it, so an object still referring to the list also sees the current lengths."""
+    kv_lens is the host list the tasks were captured with; update_graph_attention rewrites it in
+    place and re-issues every task with it, so an object still referring to the list also sees the
+    current lengths."""
 
     def __init__(self, kv_lens: list[int]):
-        # Decode only: one query token per row, padded rows included, so the cumulative TND offsets end at the padded
-        # T, as FIA requires (§2.3 "Sequence lengths", §5.4).
+        # Decode only: one query token per row, padded rows included, so the cumulative TND offsets
+        # end at the padded T, as FIA requires (§2.3 "Sequence lengths", §5.4).
         self.q_ends = list(range(1, len(kv_lens) + 1))
         self.kv_lens = list(kv_lens)
         self.tasks: list[AttentionTask] = []
@@ -81,40 +84,45 @@ def missing_graph_features(torch_npu) -> list[str]:
 # ---- capture: one layer's decode attention as an updatable task group ----
 
 def _decode_call(ops, q, k_cache, v_cache, block_table, q_ends, kv_lens, antiquant=None):
-    """FIA's (query, key, value), keywords and output buffer for a decode-only batch: the eager call's layout,
-    TND (one call per layer) or BSH (the split path's decode call, every row a decode; an int8 cache's)."""
+    """FIA's (query, key, value), keywords and output buffer for a decode-only batch: the eager
+    call's layout, TND (one call per layer) or BSH (the split path's decode call, every row a
+    decode; an int8 cache's)."""
     if ops.features["tnd_paged"] and antiquant is None:
         k, v = paged_kv(k_cache, v_cache)
         return (q, k, v), dict(atten_mask=ops._causal_mask(q.device), actual_seq_lengths=q_ends,
-                               actual_seq_lengths_kv=kv_lens, block_table=block_table, num_heads=q.shape[1],
-                               num_key_value_heads=k_cache.shape[2], input_layout="TND", sparse_mode=3,
+                               actual_seq_lengths_kv=kv_lens, block_table=block_table,
+                               num_heads=q.shape[1], num_key_value_heads=k_cache.shape[2],
+                               input_layout="TND", sparse_mode=3,
                                block_size=k_cache.shape[1]), torch.empty_like(q)
     args, kwargs = bsh_decode_args(q, k_cache, v_cache, block_table, kv_lens, antiquant)
     return args, kwargs, torch.empty_like(args[0])
 
 
 def captured_decode_attention(ops, q, k_cache, v_cache, block_tables, scale, antiquant=None):
-    """Capture one layer's decode attention as its own task group (§5.1, §5.4): FIA's tiling comes from the host
-    lengths, which the graph would otherwise replay as captured. The .out form writes a preallocated output with
-    a workspace sized for any lengths (_get_max_workspace), so a re-issue at replay reuses the same memory.
-    Before the group, the task waits on an ExternalEvent that the replay's update records, then resets it for
-    the next replay."""
+    """Capture one layer's decode attention as its own task group (§5.1, §5.4): FIA's tiling comes
+    from the host lengths, which the graph would otherwise replay as captured. The .out form writes
+    a preallocated output with a workspace sized for any lengths (_get_max_workspace), so a re-issue
+    at replay reuses the same memory. Before the group, the task waits on an ExternalEvent that the
+    replay's update records, then resets it for the next replay."""
     cap, torch_npu = ops._capture, ops._torch_npu
     if q.shape[0] != len(cap.kv_lens):
         raise RuntimeError(f"a captured decode graph has one token per row: {q.shape[0]} tokens, "
                            f"{len(cap.kv_lens)} rows")
-    block_table = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
-    args, kwargs, out = _decode_call(ops, q, k_cache, v_cache, block_table.contiguous(), cap.q_ends, cap.kv_lens,
-                                     antiquant)
+    block_table = block_tables if block_tables.dtype == torch.int32 else block_tables.to(
+        torch.int32)
+    args, kwargs, out = _decode_call(ops, q, k_cache, v_cache, block_table.contiguous(), cap.q_ends,
+                                     cap.kv_lens, antiquant)
     kwargs[ops.features.get("fia_scale_kwarg") or "scale"] = scale
     workspace = torch_npu._npu_fused_infer_attention_score_get_max_workspace(*args, **kwargs)
-    lse = torch.empty(1, dtype=torch.float32, device=q.device)  # softmax_lse without the flag: a [1] zero (§2.3)
+    # softmax_lse without the flag: a [1] zero (§2.3)
+    lse = torch.empty(1, dtype=torch.float32, device=q.device)
     stream = torch.npu.current_stream()
     event = torch.npu.ExternalEvent()
     event.wait(stream)
     event.reset(stream)
     torch.npu.graph_task_group_begin(stream)
-    torch_npu.npu_fused_infer_attention_score.out(*args, workspace=workspace, out=[out, lse], **kwargs)
+    torch_npu.npu_fused_infer_attention_score.out(*args, workspace=workspace, out=[out, lse],
+                                                  **kwargs)
     handle = torch.npu.graph_task_group_end(stream)
     cap.tasks.append(AttentionTask(handle, event, args, kwargs, workspace, out, lse))
     return out.view(q.shape)
@@ -123,9 +131,10 @@ def captured_decode_attention(ops, q, k_cache, v_cache, block_tables, scale, ant
 # ---- replay: the update ----
 
 def update_graph_attention(torch_npu, capture: GraphCapture, kv_lens: list[int], stream) -> None:
-    """Before a replay: re-issue every captured attention task with this step's kv lengths, on `stream` (the update
-    stream) between graph_task_update_begin/end, and record each task's event so the replay's task runs after its
-    update (§5.4). The query offsets stay: a graph's batch size is fixed."""
+    """Before a replay: re-issue every captured attention task with this step's kv lengths, on
+    `stream` (the update stream) between graph_task_update_begin/end, and record each task's event
+    so the replay's task runs after its update (§5.4). The query offsets stay: a graph's batch size
+    is fixed."""
     if len(kv_lens) != len(capture.kv_lens):
         raise ValueError(f"{len(kv_lens)} lengths for a graph of {len(capture.kv_lens)} rows")
     capture.kv_lens[:] = kv_lens
@@ -142,12 +151,14 @@ def update_graph_attention(torch_npu, capture: GraphCapture, kv_lens: list[int],
 
 class AclGraphBackend:
     name = "ACL graphs (torch.npu.NPUGraph, attention re-issued with each step's lengths)"
-    host_lengths = True  # capture(fn, seq_lens) and replay(seq_lens) take the rows' KV lengths as a host list
+    # capture(fn, seq_lens) and replay(seq_lens) take the rows' KV lengths as a host list
+    host_lengths = True
     pads_to_dummy_block = True
 
     def __init__(self, device: torch.device, ops):
         self.device, self.ops = device, ops
-        self.pool = None  # one memory pool shared by every bucket's graph (they never replay at once)
+        # one memory pool shared by every bucket's graph (they never replay at once)
+        self.pool = None
         self.update_stream = torch.npu.Stream(device=device)
 
     def reads_only_used_blocks(self, block_size: int, dtype: torch.dtype) -> bool:
@@ -194,6 +205,8 @@ def backend(device: torch.device, ops) -> AclGraphBackend:
     except (ImportError, ValueError, AttributeError):
         handlers = False
     if handlers:
-        logger.info("graph mode: torch_npu ships _npugraph_handlers; attention tasks are still updated explicitly "
-                    "each replay (npu-ops.md §5.4 does not document how the handlers are driven)")
+        logger.info(
+            "graph mode: torch_npu ships _npugraph_handlers; attention tasks are still updated "
+            "explicitly "
+            "each replay (npu-ops.md §5.4 does not document how the handlers are driven)")
     return AclGraphBackend(device, ops)

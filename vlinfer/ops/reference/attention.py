@@ -13,8 +13,9 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
     return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    scale: float) -> torch.Tensor:
     """Causal attention of packed queries q [T, heads, head_dim] over each sequence's paged KV.
 
     Sequence i owns queries cu_seqlens_q[i]:cu_seqlens_q[i+1], which are its last tokens: query j of
@@ -40,8 +41,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         length = max_blocks * block_size
         flat = block_tables[rows, :max_blocks].clamp_min(0).flatten()
         b = len(decode_rows)
-        k = k_cache.index_select(0, flat).view(b, length, num_kv_heads, head_dim).transpose(1, 2).contiguous()
-        v = v_cache.index_select(0, flat).view(b, length, num_kv_heads, head_dim).transpose(1, 2).contiguous()
+        k = k_cache.index_select(0, flat).view(b, length, num_kv_heads,
+                                               head_dim).transpose(1, 2).contiguous()
+        v = v_cache.index_select(0, flat).view(b, length, num_kv_heads,
+                                               head_dim).transpose(1, 2).contiguous()
         token_index = cu_seqlens_q[rows]
         qd = q[token_index].view(b, num_kv_heads, group, head_dim)
         scores = torch.matmul(qd, k.transpose(-1, -2)).float().mul_(scale)
@@ -56,8 +59,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def quantized_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
-                              v_scale: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+def quantized_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              k_scale: torch.Tensor, v_scale: torch.Tensor,
+                              cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                               block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """paged_attention over a cache stored in another dtype than q's (kv_cache.py says how it
     reads): the blocks the tables name are read back in q's dtype and attended as a cache of the
@@ -84,8 +88,10 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
         k = _gather_kv(k_cache, block_tables[i], kv_len).transpose(0, 1)
         v = _gather_kv(v_cache, block_tables[i], kv_len).transpose(0, 1)
         qs = q[starts[i]:starts[i] + n].transpose(0, 1)
-        if n == kv_len:  # no cached context: plain causal, which lets SDPA skip the masked half of the blocks
-            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+        # no cached context: plain causal, which lets SDPA skip the masked half of the blocks
+        if n == kv_len:
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=group > 1)
         elif chunk_over_context is not None:
             o = chunk_over_context(qs, k, v, scale)
         else:
@@ -93,7 +99,8 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
             # context.
             q_pos = torch.arange(kv_len - n, kv_len, device=q.device)
             mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=group > 1)
         out[starts[i]:starts[i] + n] = o.transpose(0, 1)
 
 
@@ -104,7 +111,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0,
+                                                                  1), k[start:end].transpose(0, 1),
                                            v[start:end].transpose(0, 1), scale=scale)
         out[start:end] = o.transpose(0, 1)
     return out

@@ -33,7 +33,8 @@ def group_by_slot(slots: torch.Tensor, device) -> dict | None:
         return None
     counts = torch.bincount(slots[used])
     offsets = F.pad(counts.cumsum(0), (1, 0))
-    segments = tuple((s, int(offsets[s]), int(counts[s])) for s in counts.nonzero().flatten().tolist())
+    segments = tuple(
+        (s, int(offsets[s]), int(counts[s])) for s in counts.nonzero().flatten().tolist())
     whole = len(segments) == 1 and used.numel() == slots.numel()
     rows = None if whole else used[torch.argsort(slots[used], stable=True)].to(device)
     return dict(rows=rows, offsets=offsets.to(device), segments=segments,
