@@ -1,14 +1,16 @@
-// The decoder layers of a dense model (Llama, SmolLM2, Qwen3, the Qwen3-VL text layers) over a step of decoding
-// sequences, in one call: per layer, the kernels its modules run one by one (models/llama.py LlamaDecoderLayer:
-// norm, qkv, q/k norm, rotary, cache write, decode attention, o, norm, gate_up, SiLU-and-multiply, down), in the
-// same order, on the same tensors, so the result is bit for bit the unfused layers'.
+// The decoder layers of a dense model (Llama, SmolLM2, Qwen3, the Qwen3-VL text layers) over a step
+// of decoding sequences, in one call: per layer, the kernels its modules run one by one
+// (models/llama.py LlamaDecoderLayer: norm, qkv, q/k norm, rotary, cache write, decode attention,
+// o, norm, gate_up, SiLU-and-multiply, down), in the same order, on the same tensors, so the result
+// is bit for bit the unfused layers'.
 //
-// Why: a single stream reads every weight once per token, ~14 ms of streaming for SmolLM2-135M in float32, and the
-// modules' Python between the kernels (module calls, views, dispatch: ~12 calls a layer) added ~4-5 ms to that
-// (profiled on the 2-vCPU EPYC: linears 11.2 of an 18.4 ms step, attention 0.9, LM head 2.6). A DenseDecodeStack
-// holds every layer's weights once (ops/cpu/backend.py dense_decode_stack, when all four
-// projections of every layer are on 32-output panels) and runs a decode step's layers in one call:
-// one layer per call from Python still cost ~20 us a layer in arguments and module calls.
+// Why: a single stream reads every weight once per token, ~14 ms of streaming for SmolLM2-135M in
+// float32, and the modules' Python between the kernels (module calls, views, dispatch: ~12 calls a
+// layer) added ~4-5 ms to that (profiled on the 2-vCPU EPYC: linears 11.2 of an 18.4 ms step,
+// attention 0.9, LM head 2.6). A DenseDecodeStack holds every layer's weights once
+// (ops/cpu/backend.py dense_decode_stack, when all four projections of every layer are on 32-output
+// panels) and runs a decode step's layers in one call: one layer per call from Python still cost
+// ~20 us a layer in arguments and module calls.
 #include <torch/extension.h>
 
 #include <vector>
@@ -16,25 +18,29 @@
 #include "decode_layer.h"
 
 // cpu/csrc/paged_ops.cpp
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
-void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
-                   const at::Tensor& slot_mapping);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale);
+void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                   at::Tensor& v_cache, const at::Tensor& slot_mapping);
 void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                                     double eps);
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                     const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
 // cpu/csrc/panel_linear.cpp
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias);
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
+                        const c10::optional<at::Tensor>& bias);
 
 namespace {
 
-// One layer: x [R, H], the previous layer's MLP output (or the embeddings, residual undefined: the first layer);
-// cos / sin [R, head_dim] float32; the layer's caches [blocks, block_size, kv_heads, head_dim]; one query token per
-// sequence (R sequences). Returns the MLP's output and the residual stream, as LlamaDecoderLayer.forward does.
-std::vector<at::Tensor> decode_layer(const DenseDecodeStack::LayerWeights& w, const DenseDecodeStack::Attention& a,
-                                     const at::Tensor& x, const at::Tensor& residual, const at::Tensor& cos,
+// One layer: x [R, H], the previous layer's MLP output (or the embeddings, residual undefined: the
+// first layer); cos / sin [R, head_dim] float32; the layer's caches [blocks, block_size, kv_heads,
+// head_dim]; one query token per sequence (R sequences). Returns the MLP's output and the residual
+// stream, as LlamaDecoderLayer.forward does.
+std::vector<at::Tensor> decode_layer(const DenseDecodeStack::LayerWeights& w,
+                                     const DenseDecodeStack::Attention& a, const at::Tensor& x,
+                                     const at::Tensor& residual, const at::Tensor& cos,
                                      const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens) {
@@ -47,11 +53,13 @@ std::vector<at::Tensor> decode_layer(const DenseDecodeStack::LayerWeights& w, co
     h = rms_norm(x, w.input_norm, a.eps);
     res = x;
   }
-  const int64_t rows = x.size(0), q_size = a.num_heads * a.head_dim, kv_size = a.num_kv_heads * a.head_dim;
+  const int64_t rows = x.size(0), q_size = a.num_heads * a.head_dim,
+                kv_size = a.num_kv_heads * a.head_dim;
   const auto qkv = panel_linear(h, w.qkv, w.qkv_bias);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, a.num_heads, a.head_dim});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, a.num_kv_heads, a.head_dim});
-  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, a.num_kv_heads, a.head_dim});
+  const at::Tensor v =
+    qkv.narrow(1, q_size + kv_size, kv_size).view({rows, a.num_kv_heads, a.head_dim});
   if (w.q_norm.has_value()) {
     q = rms_norm(q, *w.q_norm, a.qk_eps);
     k = rms_norm(k, *w.k_norm, a.qk_eps);
@@ -59,7 +67,8 @@ std::vector<at::Tensor> decode_layer(const DenseDecodeStack::LayerWeights& w, co
   rotary_inplace(q, cos, sin);
   rotary_inplace(k, cos, sin);
   store_kvcache(k, v, k_cache, v_cache, slot_mapping);
-  const auto attn = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, a.scale).flatten(1);
+  const auto attn =
+    paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, a.scale).flatten(1);
   auto normed = add_rms_norm(panel_linear(attn, w.o, w.o_bias), res, w.post_norm, a.eps);
   const auto act = silu_and_mul(panel_linear(normed[0], w.gate_up, w.gate_up_bias));
   return {panel_linear(act, w.down, w.down_bias), normed[1]};
@@ -67,36 +76,44 @@ std::vector<at::Tensor> decode_layer(const DenseDecodeStack::LayerWeights& w, co
 
 }  // namespace
 
-DenseDecodeStack::DenseDecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
-                                   double eps, double qk_eps)
+DenseDecodeStack::DenseDecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                   double scale, double eps, double qk_eps)
     : attention_{num_heads, num_kv_heads, head_dim, scale, eps, qk_eps} {}
 
-void DenseDecodeStack::add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, const at::Tensor& qkv,
-                                 const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
+void DenseDecodeStack::add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm,
+                                 const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias,
+                                 const c10::optional<at::Tensor>& q_norm,
                                  const c10::optional<at::Tensor>& k_norm, const at::Tensor& o,
                                  const c10::optional<at::Tensor>& o_bias, const at::Tensor& gate_up,
-                                 const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
+                                 const c10::optional<at::Tensor>& gate_up_bias,
+                                 const at::Tensor& down,
                                  const c10::optional<at::Tensor>& down_bias) {
-  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DenseDecodeStack: q_norm and k_norm come together");
-  layers_.push_back(LayerWeights{input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, q_norm, k_norm, o_bias,
-                                 gate_up_bias, down_bias});
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(),
+              "DenseDecodeStack: q_norm and k_norm come together");
+  layers_.push_back(LayerWeights{input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, q_norm,
+                                 k_norm, o_bias, gate_up_bias, down_bias});
 }
 
-std::vector<at::Tensor> DenseDecodeStack::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+std::vector<at::Tensor> DenseDecodeStack::forward(const at::Tensor& x, const at::Tensor& cos,
+                                                  const at::Tensor& sin,
                                                   const std::vector<at::Tensor>& k_caches,
                                                   const std::vector<at::Tensor>& v_caches,
-                                                  const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                                  const at::Tensor& slot_mapping,
+                                                  const at::Tensor& block_tables,
                                                   const at::Tensor& seq_lens) const {
   TORCH_CHECK(x.dim() == 2, "DenseDecodeStack: x must be [sequences, hidden], got ", x.sizes());
-  TORCH_CHECK(seq_lens.numel() == x.size(0), "DenseDecodeStack: one query token per sequence: ", x.size(0),
-              " rows for ", seq_lens.numel(), " sequences");
-  TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "DenseDecodeStack: ",
-              layers_.size(), " layers, ", k_caches.size(), " key and ", v_caches.size(), " value caches");
+  TORCH_CHECK(seq_lens.numel() == x.size(0),
+              "DenseDecodeStack: one query token per sequence: ", x.size(0), " rows for ",
+              seq_lens.numel(), " sequences");
+  TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+              "DenseDecodeStack: ", layers_.size(), " layers, ", k_caches.size(), " key and ",
+              v_caches.size(), " value caches");
   const auto cos_f = cos.to(at::kFloat).contiguous(), sin_f = sin.to(at::kFloat).contiguous();
   const auto tables = block_tables.to(at::kInt), lens = seq_lens.to(at::kInt);
-  std::vector<at::Tensor> out{x, at::Tensor()};  // (mlp output, residual); the first layer has no residual
+  std::vector<at::Tensor> out{
+    x, at::Tensor()};  // (mlp output, residual); the first layer has no residual
   for (size_t i = 0; i < layers_.size(); ++i)
-    out = decode_layer(layers_[i], attention_, out[0], out[1], cos_f, sin_f, k_caches[i], v_caches[i],
-                       slot_mapping, tables, lens);
+    out = decode_layer(layers_[i], attention_, out[0], out[1], cos_f, sin_f, k_caches[i],
+                       v_caches[i], slot_mapping, tables, lens);
   return out;
 }

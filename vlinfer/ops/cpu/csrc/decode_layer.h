@@ -17,20 +17,24 @@ class DenseDecodeStack {
     double scale, eps, qk_eps;
   };
 
-  // Every layer's attention shape: query / kv heads, head_dim, softmax scale; RMSNorm eps of the layer norms and of
-  // the per-head q / k norms.
-  DenseDecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
-                   double qk_eps);
-  // The next layer's weights: norms, the four projections in panels and their biases (or none), q / k norms (or none).
+  // Every layer's attention shape: query / kv heads, head_dim, softmax scale; RMSNorm eps of the
+  // layer norms and of the per-head q / k norms.
+  DenseDecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                   double eps, double qk_eps);
+  // The next layer's weights: norms, the four projections in panels and their biases (or none), q /
+  // k norms (or none).
   void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, const at::Tensor& qkv,
                  const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
-                 const c10::optional<at::Tensor>& k_norm, const at::Tensor& o, const c10::optional<at::Tensor>& o_bias,
-                 const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
+                 const c10::optional<at::Tensor>& k_norm, const at::Tensor& o,
+                 const c10::optional<at::Tensor>& o_bias, const at::Tensor& gate_up,
+                 const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
                  const c10::optional<at::Tensor>& down_bias);
-  // A decode step (one token per sequence) through every layer: x [R, H] embeddings, cos / sin [R, head_dim], each
-  // layer's caches, the step's slots / block tables / lengths. Returns the last layer's (mlp output, residual).
+  // A decode step (one token per sequence) through every layer: x [R, H] embeddings, cos / sin [R,
+  // head_dim], each layer's caches, the step's slots / block tables / lengths. Returns the last
+  // layer's (mlp output, residual).
   std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                  const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                                  const std::vector<at::Tensor>& k_caches,
+                                  const std::vector<at::Tensor>& v_caches,
                                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens) const;
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }

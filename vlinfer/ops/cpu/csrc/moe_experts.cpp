@@ -1,13 +1,14 @@
-// The experts' matmuls of a MoE layer on few rows per expert (decode steps, small batches): out[p] = x[p] @ w[e]^T
-// for the rows p that ops/cpu/moe.py sorted into expert e's group, weights in the checkpoint's [E,
-// N, K] layout.
+// The experts' matmuls of a MoE layer on few rows per expert (decode steps, small batches): out[p]
+// = x[p] @ w[e]^T for the rows p that ops/cpu/moe.py sorted into expert e's group, weights in the
+// checkpoint's [E, N, K] layout.
 //
-// Why ours: a decode step of a 128-expert layer gives each active expert one to a few rows, so the layer is a
-// read of every active expert's weights, bound by memory bandwidth. torch._grouped_mm ran those reads at ~12 GB/s
-// here (half of this machine's bandwidth); this kernel streams each active expert's weight rows once, both cores
-// on disjoint row blocks, and reuses every loaded weight vector for all the rows of its group (up to kRows at a
-// time; more rows re-read the block from cache). Past a few dozen rows per expert the work is matmul-shaped and
-// ops/cpu/moe.py hands it to oneDNN instead.
+// Why ours: a decode step of a 128-expert layer gives each active expert one to a few rows, so the
+// layer is a read of every active expert's weights, bound by memory bandwidth. torch._grouped_mm
+// ran those reads at ~12 GB/s here (half of this machine's bandwidth); this kernel streams each
+// active expert's weight rows once, both cores on disjoint row blocks, and reuses every loaded
+// weight vector for all the rows of its group (up to kRows at a time; more rows re-read the block
+// from cache). Past a few dozen rows per expert the work is matmul-shaped and ops/cpu/moe.py hands
+// it to oneDNN instead.
 //
 // expert_panel_matmul is the same product on weights repacked once at load into 32-output panels
 // (ops/cpu/moe.py pack_moe_weights, bf16 on AVX512-BF16 builds of CPUs without AMX; the tiles in
@@ -19,9 +20,10 @@
 // expert_matmul; 512 tokens: 65-71 -> 44-48 ms and 35-43 -> 22-25 ms against torch._grouped_mm
 // (~580 against ~380 GFLOP/s).
 //
-// float32 accumulation. AVX512-BF16 builds run bf16 through vdpbf16ps (bf16 pair products into float32 lanes);
-// every other build and dtype runs a plain loop the compiler vectorizes for its level (-ffast-math allows the
-// reassociated sums), bf16 widened to float32 exactly. Semantics: ops/moe_reference.fused_moe's two projections.
+// float32 accumulation. AVX512-BF16 builds run bf16 through vdpbf16ps (bf16 pair products into
+// float32 lanes); every other build and dtype runs a plain loop the compiler vectorizes for its
+// level (-ffast-math allows the reassociated sums), bf16 widened to float32 exactly. Semantics:
+// ops/moe_reference.fused_moe's two projections.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -40,20 +42,23 @@
 namespace {
 
 constexpr int64_t kRows = 4;      // rows of one group sharing each weight load
-constexpr int64_t kCols = 4;      // weight rows per microkernel (kRows x kCols float32 accumulators)
-constexpr int64_t kBlockN = 64;   // weight rows per work item (64 x K bf16: 256 KB at K = 2048, kept in L2)
-// Elements ahead each weight row is prefetched. The hardware prefetcher ramps up late on the down projection's
-// short rows (768 bf16, 24 lines each, four rows read side by side): 10 -> 12.5-16 GB/s with it, the gate/up
-// rows (2048) unchanged (2-vCPU Xeon, three alternating runs).
+constexpr int64_t kCols = 4;  // weight rows per microkernel (kRows x kCols float32 accumulators)
+constexpr int64_t kBlockN =
+  64;  // weight rows per work item (64 x K bf16: 256 KB at K = 2048, kept in L2)
+// Elements ahead each weight row is prefetched. The hardware prefetcher ramps up late on the down
+// projection's short rows (768 bf16, 24 lines each, four rows read side by side): 10 -> 12.5-16
+// GB/s with it, the gate/up rows (2048) unchanged (2-vCPU Xeon, three alternating runs).
 constexpr int64_t kPrefetch = 384;
 
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float widen(c10::Half v) { return static_cast<float>(v); }
 
-// rows x cols outputs: out[r * ldo + c] = dot(x[r], w[c]) over k, any dtype, vectorized by the compiler.
+// rows x cols outputs: out[r * ldo + c] = dot(x[r], w[c]) over k, any dtype, vectorized by the
+// compiler.
 template <typename T>
-void tile_generic(const T* x, int64_t rows, const T* w, int64_t cols, int64_t k, T* out, int64_t ldo) {
+void tile_generic(const T* x, int64_t rows, const T* w, int64_t cols, int64_t k, T* out,
+                  int64_t ldo) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * k;
     for (int64_t c = 0; c < cols; ++c) {
@@ -67,10 +72,11 @@ void tile_generic(const T* x, int64_t rows, const T* w, int64_t cols, int64_t k,
 }
 
 #ifdef VLINFER_BF16_EXPERTS
-// kRows x kCols dot products of length k on vdpbf16ps: each 32-element weight vector is loaded once for all rows.
-// The tail (k % 32) is a masked load; zeros add nothing.
+// kRows x kCols dot products of length k on vdpbf16ps: each 32-element weight vector is loaded once
+// for all rows. The tail (k % 32) is a masked load; zeros add nothing.
 template <int R, int C>
-inline void tile_bf16(const uint16_t* x, const uint16_t* w, int64_t k, c10::BFloat16* out, int64_t ldo) {
+inline void tile_bf16(const uint16_t* x, const uint16_t* w, int64_t k, c10::BFloat16* out,
+                      int64_t ldo) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -78,7 +84,8 @@ inline void tile_bf16(const uint16_t* x, const uint16_t* w, int64_t k, c10::BFlo
   for (; i + 32 <= k; i += 32) {
     __m512bh wv[C];
     for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * k + i);
-    for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + c * k + i + kPrefetch), _MM_HINT_T0);
+    for (int c = 0; c < C; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(w + c * k + i + kPrefetch), _MM_HINT_T0);
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + i);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
@@ -94,12 +101,13 @@ inline void tile_bf16(const uint16_t* x, const uint16_t* w, int64_t k, c10::BFlo
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * ldo + c] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r][c]));
+    for (int c = 0; c < C; ++c)
+      out[r * ldo + c] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r][c]));
 }
 
 // Rows x cols of any size up to kRows x kCols, on the fixed-size tile.
-void tile(const c10::BFloat16* x, int64_t rows, const c10::BFloat16* w, int64_t cols, int64_t k, c10::BFloat16* out,
-          int64_t ldo) {
+void tile(const c10::BFloat16* x, int64_t rows, const c10::BFloat16* w, int64_t cols, int64_t k,
+          c10::BFloat16* out, int64_t ldo) {
   const auto* xs = reinterpret_cast<const uint16_t*>(x);
   const auto* ws = reinterpret_cast<const uint16_t*>(w);
   with_tile_size(rows, cols, [&](auto r, auto c) {
@@ -114,12 +122,14 @@ void tile(const T* x, int64_t rows, const T* w, int64_t cols, int64_t k, T* out,
 }
 
 template <typename T>
-void expert_matmul_impl(const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& bounds, at::Tensor& out) {
+void expert_matmul_impl(const at::Tensor& x, const at::Tensor& w,
+                        const std::vector<int64_t>& bounds, at::Tensor& out) {
   const int64_t experts = w.size(0), n = w.size(1), k = w.size(2);
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  // Work items: (expert with rows, block of kBlockN weight rows). Each reads its weight block once from memory.
+  // Work items: (expert with rows, block of kBlockN weight rows). Each reads its weight block once
+  // from memory.
   std::vector<std::pair<int64_t, int64_t>> items;
   for (int64_t e = 0; e < experts; ++e) {
     if (bounds[e + 1] > bounds[e]) {
@@ -141,9 +151,11 @@ void expert_matmul_impl(const at::Tensor& x, const at::Tensor& w, const std::vec
   });
 }
 
-// The groups' row bounds from ends [E] int32 (the cumulative row count at each expert's end), checked against the
-// row count, and the [rows, n] output with the rows past the last group (no expert's) zeroed.
-std::vector<int64_t> group_bounds(const at::Tensor& ends, int64_t experts, int64_t rows, const char* name) {
+// The groups' row bounds from ends [E] int32 (the cumulative row count at each expert's end),
+// checked against the row count, and the [rows, n] output with the rows past the last group (no
+// expert's) zeroed.
+std::vector<int64_t> group_bounds(const at::Tensor& ends, int64_t experts, int64_t rows,
+                                  const char* name) {
   TORCH_CHECK(ends.dim() == 1 && ends.size(0) == experts && ends.scalar_type() == at::kInt, name,
               ": ends must be int32 [E]");
   auto ends_c = ends.contiguous();
@@ -151,7 +163,8 @@ std::vector<int64_t> group_bounds(const at::Tensor& ends, int64_t experts, int64
   std::vector<int64_t> bounds(experts + 1, 0);
   for (int64_t e = 0; e < experts; ++e) {
     bounds[e + 1] = ep[e];
-    TORCH_CHECK(bounds[e + 1] >= bounds[e] && bounds[e + 1] <= rows, name, ": ends must be non-decreasing and at "
+    TORCH_CHECK(bounds[e + 1] >= bounds[e] && bounds[e + 1] <= rows, name,
+                ": ends must be non-decreasing and at "
                 "most the row count");
   }
   return bounds;
@@ -165,8 +178,8 @@ at::Tensor group_output(const at::Tensor& x, int64_t n, const std::vector<int64_
 
 }  // namespace
 
-// x [P, K] rows sorted by expert; w [E, N, K]; ends [E] int32, the cumulative row count at each expert's end (what
-// torch._grouped_mm calls offs). Returns [P, N]: row p times its expert's w^T.
+// x [P, K] rows sorted by expert; w [E, N, K]; ends [E] int32, the cumulative row count at each
+// expert's end (what torch._grouped_mm calls offs). Returns [P, N]: row p times its expert's w^T.
 at::Tensor expert_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ends) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2),
               "expert_matmul: x must be [P, K] and w [E, N, K]");
@@ -183,15 +196,18 @@ at::Tensor expert_matmul(const at::Tensor& x, const at::Tensor& w, const at::Ten
 
 // x [P, K] bf16 rows sorted by expert; panels [E, N / 32, K / 2, 32, 2] bf16 (ops/cpu/moe.py
 // pack_moe_weights); ends as for expert_matmul. Returns [P, N]. AVX512-BF16 builds only.
-at::Tensor expert_panel_matmul(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& ends) {
+at::Tensor expert_panel_matmul(const at::Tensor& x, const at::Tensor& panels,
+                               const at::Tensor& ends) {
 #ifdef VLINFER_BF16_EXPERTS
-  TORCH_CHECK(panels.dim() == 5 && panels.size(3) == kPanel && panels.size(4) == 2 && panels.is_contiguous() &&
-              panels.scalar_type() == at::kBFloat16,
+  TORCH_CHECK(panels.dim() == 5 && panels.size(3) == kPanel && panels.size(4) == 2 &&
+                panels.is_contiguous() && panels.scalar_type() == at::kBFloat16,
               "expert_panel_matmul: panels must be contiguous bf16 [E, N / 32, K / 2, 32, 2], got ",
               panels.scalar_type(), " ", panels.sizes());
-  const int64_t experts = panels.size(0), n_panels = panels.size(1), k = panels.size(2) * 2, n = n_panels * kPanel;
+  const int64_t experts = panels.size(0), n_panels = panels.size(1), k = panels.size(2) * 2,
+                n = n_panels * kPanel;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kBFloat16,
-              "expert_panel_matmul: x must be bf16 [P, ", k, "], got ", x.scalar_type(), " ", x.sizes());
+              "expert_panel_matmul: x must be bf16 [P, ", k, "], got ", x.scalar_type(), " ",
+              x.sizes());
   const auto bounds = group_bounds(ends, experts, x.size(0), "expert_panel_matmul");
   auto xc = x.contiguous();
   auto out = group_output(x, n, bounds);
