@@ -11,7 +11,8 @@ from pathlib import Path
 
 import gradio as gr
 
-from vlinfer.cli.options import FLAGS, add_engine_args, engine_options, flags_in_logs, name_flags, set_threads
+from vlinfer.cli.options import (FLAGS, add_engine_args, engine_options, flags_in_logs, name_flags,
+                                 set_threads)
 from vlinfer.config import ANSWER_MAX_TOKENS, CHAT_TEMPERATURE, CHAT_TOP_P
 from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.multimodal.video_io import VIDEO_EXTENSIONS

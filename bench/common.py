@@ -69,7 +69,8 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-CPU_PEAK_PROBE = "2048 rows x 2048 <-> 8192 features, the faster of oneDNN prepacked and F.linear, best of 5"
+CPU_PEAK_PROBE = ("2048 rows x 2048 <-> 8192 features, the faster of oneDNN prepacked and "
+                  "F.linear, best of 5")
 
 
 def matmul_peak_gflops(dtype, device: str = "cpu") -> float:

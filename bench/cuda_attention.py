@@ -109,7 +109,8 @@ def main(argv=None):
                    help="a smaller grid (the CPU dry run under the interpreter)")
     args = p.parse_args(argv)
     print(
-        f"device: {args.device}{', ' + torch.cuda.get_device_name() if args.device.startswith('cuda') else ''}; "
+        f"device: {args.device}"
+        f"{', ' + torch.cuda.get_device_name() if args.device.startswith('cuda') else ''}; "
         f"torch {torch.__version__}")
     rows = check(args.device, args.small)
     failed = sum(r.endswith("FAIL |") for r in rows)

@@ -49,7 +49,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import peers  # noqa: E402
-from common import CPU_PEAK_PROBE, machine, matmul_peak_gflops, model_dims, progress, table  # noqa: E402
+from common import (CPU_PEAK_PROBE, machine, matmul_peak_gflops, model_dims, progress,  # noqa: E402
+                    table)
 from throughput import agreement, model_flops  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

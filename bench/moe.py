@@ -49,7 +49,8 @@ import torch
 # `vlinfer bench` loads this file by its path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from common import CPU_PEAK_PROBE, bandwidth_gbs, machine, matmul_peak_gflops, progress, table  # noqa: E402
+from common import (CPU_PEAK_PROBE, bandwidth_gbs, machine, matmul_peak_gflops,  # noqa: E402
+                    progress, table)
 
 
 def qwen3_moe_config(shape: str, layers: int):
@@ -224,7 +225,8 @@ def main(argv=None):
     gc.collect()
     if not args.skip_transformers:
         engine = Transformers(path, dtype, args.hf_batch_size)
-        name = f"transformers generate (batch {args.hf_batch_size}, experts: {engine.implementation()})"
+        name = (f"transformers generate (batch {args.hf_batch_size}, "
+                f"experts: {engine.implementation()})")
         rows.append((name, measure(engine, prompts, out_lens, stream_prompt, args.decode_tokens)))
         progress("transformers done")
         del engine

@@ -139,7 +139,8 @@ def main(argv=None):
                                                       (64, 256, 9, 3, 64), (8, 4096, 16, 2, 128),
                                                       (1, 4096, 9, 3, 64), (1, 4096, 16, 8, 128)]:
             case = paged_case([1] * batch, [ctx] * batch, heads, kv_heads, head_dim, 16, dtype)
-            label = f"paged decode attention b={batch} ctx={ctx} h={heads}/{kv_heads} d={head_dim} {dt}"
+            label = (f"paged decode attention b={batch} ctx={ctx} h={heads}/{kv_heads} "
+                     f"d={head_dim} {dt}")
             row(label, lambda: reference.paged_attention(*case), "paged_attention", *case)
         case = paged_case([1] * 24 + [256, 128], [512] * 24 + [256, 640], 9, 3, 64, 16, dtype)
         row(f"paged attention mix 24 decodes + 2 prefill chunks {dt}",

@@ -53,8 +53,8 @@ LLAMACPP = ("llama.cpp Q4_1", 20 / 32, 34 / 32)
 
 
 def step_bytes(dims: dict, per_linear: float, per_head: float, row_scales: bool = False) -> float:
-    scales = 4 * dims["layers"] * (dims["q_dim"] + 2 * dims["kv_dim"] + dims["hidden"] + 3 * dims["intermediate"]) \
-        if row_scales else 0
+    scales = 4 * dims["layers"] * (dims["q_dim"] + 2 * dims["kv_dim"] + dims["hidden"]
+                                   + 3 * dims["intermediate"]) if row_scales else 0
     return dims["layer_params"] * per_linear + dims["head_params"] * per_head + scales
 
 
@@ -148,7 +148,8 @@ def main(argv=None):
     for name, r, nbytes in rows:
         _, whole, decode = common.decode_rate(r, n)
         limit = read * 1e9 / nbytes
-        batch_tps = "skipped" if "batch" not in r else f"{sum(batch[0]['max_tokens']) / min(r['batch']['seconds']):.1f}"
+        batch_tps = ("skipped" if "batch" not in r else
+                     f"{sum(batch[0]['max_tokens']) / min(r['batch']['seconds']):.1f}")
         cells.append((name, f"{nbytes / 1e6:.1f}", f"{decode:.1f}",
                       f"{decode / limit:.0%} of {limit:.0f}", f"{whole:.2f}", batch_tps))
     table([

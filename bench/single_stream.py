@@ -77,7 +77,8 @@ def run_peer(name, args, prompt):
     for run, result in r["runs"].items():
         print(f"{peers.label(name)}: {run}: " + ", ".join(f"{s:.2f}s" for s in result["seconds"]),
               flush=True)
-    note = f"{peers.label(name)} {r['version']}: start-up {r['startup_s']:.1f}s (not timed), warm-up {r['warmup_s']:.1f}s"
+    note = (f"{peers.label(name)} {r['version']}: start-up {r['startup_s']:.1f}s (not timed), "
+            f"warm-up {r['warmup_s']:.1f}s")
     if "system_info" in r:
         note += f"; {r['system_info']}"
     if "env" in r:
@@ -103,7 +104,8 @@ def main(argv=None):
     print(
         f"workload: one request, {args.prompt_len} prompt tokens (seeded ids), {args.output_len} "
         "output tokens, "
-        f"greedy, EOS ignored, {args.model} float32, best of {args.repeat} x {args.rounds} round(s)",
+        f"greedy, EOS ignored, {args.model} float32, "
+        f"best of {args.repeat} x {args.rounds} round(s)",
         flush=True)
     bw_before = bandwidth_gbs()
 
@@ -147,7 +149,8 @@ def main(argv=None):
         f"\nbandwidth limit: {limit:.1f} decode steps/s = {read:.1f} GB/s read (sum of a 1 GiB "
         "float32 tensor, "
         f"{torch.get_num_threads()} threads, best of 5; {bw_before[0]:.1f} before the engines, "
-        f"{', '.join(f'{b[0]:.1f}' for b in bandwidths[1:-1])}{' between rounds, ' if len(bandwidths) > 2 else ''}"
+        f"{', '.join(f'{b[0]:.1f}' for b in bandwidths[1:-1])}"
+        f"{' between rounds, ' if len(bandwidths) > 2 else ''}"
         f"{bw_after[0]:.1f} after; copy {copy:.1f} GB/s read+write) / {step_bytes / 1e6:.0f} MB of "
         "weights per step (float32: "
         f"{dims['layer_params'] / 1e6:.1f}M linear parameters + {dims['head_params'] / 1e6:.1f}M "

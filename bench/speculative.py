@@ -175,7 +175,9 @@ def main():
                     before = (spec.num_draft_tokens, spec.num_accepted_tokens)
                     got = time_runs(common.greedy(llm), plan, tag=f"{name} {workload} {shape}: ")
                     timed[name] = got if timed[name] is None else \
-                        {run: {**got[run], "seconds": timed[name][run]["seconds"] + got[run]["seconds"]} for run in got}
+                        {run: {**got[run],
+                               "seconds": timed[name][run]["seconds"] + got[run]["seconds"]}
+                         for run in got}
                     counts[name][0] += spec.num_draft_tokens - before[0]
                     counts[name][1] += spec.num_accepted_tokens - before[1]
             for name in engines:

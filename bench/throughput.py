@@ -49,7 +49,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import peers  # noqa: E402
-from common import CPU_PEAK_PROBE, machine, matmul_peak_gflops, model_dims, progress, table  # noqa: E402
+from common import (CPU_PEAK_PROBE, machine, matmul_peak_gflops, model_dims, progress,  # noqa: E402
+                    table)
 
 
 
@@ -315,7 +316,8 @@ def main(argv=None):
     for kv_cache_dtype in ([] if args.skip_vllm else args.vllm_kv_cache_dtypes.split(",")):
         got = run_vllm(args, prompts, out_lens, kv_cache_dtype)
         if got is not None:
-            name = "vLLM-CPU" if kv_cache_dtype == "auto" else f"vLLM-CPU, KV cache {kv_cache_dtype}"
+            name = ("vLLM-CPU" if kv_cache_dtype == "auto" else
+                    f"vLLM-CPU, KV cache {kv_cache_dtype}")
             rows.append((name, got[0], got[1]))
             notes.append(got[2])
             progress(f"{name} done: {sum(out_lens) / got[0]:.1f} tok/s")

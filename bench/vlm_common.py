@@ -68,7 +68,8 @@ def kv_cache_bytes(path: str, dtype: str, prompt_tokens: list[int], max_tokens: 
     tokens_per_block = 16
     cfg = json.load(open(os.path.join(path, "config.json")))["text_config"]
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * element
+    per_token = (2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]
+                 * element)
     blocks = sum(-(-(n + 64 + max_tokens) // tokens_per_block) for n in prompt_tokens)
     blocks = max(blocks, -(-max_model_len // tokens_per_block)) + 8
     return blocks * tokens_per_block * per_token

@@ -35,7 +35,8 @@ import vlm_video  # noqa: E402  the --video workload
 from common import CPU_PEAK_PROBE, machine, matmul_peak_gflops, progress, table  # noqa: E402
 from vlm_common import IMAGE, PAD, PREPROCESSOR, parse_size  # noqa: E402
 
-PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
+PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n"
+          "<|im_start|>assistant\n")
 QUESTIONS = [
     "Describe this image.",
     "What is in the picture?",

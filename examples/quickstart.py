@@ -24,7 +24,8 @@ start = time.perf_counter()
 vision = Pipeline("qwen3-vl")
 # temperature=0: greedy, so every run prints the same words.
 caption = vision(IMAGE, "Describe this image.", max_tokens=24, temperature=0)
-which = "the embedded toy Qwen3-VL (it knows only drawn scenes)" if vision.embedded else "Qwen3-VL-2B-Instruct"
+which = ("the embedded toy Qwen3-VL (it knows only drawn scenes)" if vision.embedded else
+         "Qwen3-VL-2B-Instruct")
 print(f"\n[image] {os.path.relpath(IMAGE)} -> answered by {which}:")
 print(f"  {caption!r}")
 if vision.embedded:
@@ -37,7 +38,8 @@ search = Pipeline("qwen3-vl-embedding")
 pictures = sorted(glob.glob(os.path.join(os.path.dirname(IMAGE), "*.png")))
 query = "a red house"
 best = search.rerank(query, [{"image": path} for path in pictures], top_k=1)[0]
-which = "the embedded toy embedder (it knows only drawn scenes)" if search.embedded else "Qwen3-VL-Embedding-2B"
+which = ("the embedded toy embedder (it knows only drawn scenes)" if search.embedded else
+         "Qwen3-VL-Embedding-2B")
 print(f"\n[search] {query!r} among {len(pictures)} pictures -> found by {which}:")
 print(f"  {os.path.relpath(best['document']['image'])} (cosine {best['score']:.2f})")
 

@@ -184,8 +184,8 @@ def _scatter_pa_kv_cache(module, key, value, key_cache, value_cache, slot_mappin
     if compress_lens is not None or compress_seq_offsets is not None or seq_lens is not None:
         raise NotImplementedError("compressed cache arguments are not emulated")
     if cache_mode == "PA_NZ":
-        nz = key_cache.dim() == 4 and key.dim() == 3 and key_cache.shape[1] * 16 == key.shape[1] * key.shape[2] \
-            and key_cache.shape[3] == 16
+        nz = key_cache.dim() == 4 and key.dim() == 3 \
+            and key_cache.shape[1] * 16 == key.shape[1] * key.shape[2] and key_cache.shape[3] == 16
         _require(
             not (key_cache.dim() == 4 and not nz),
             "cache_mode 'PA_NZ' (the default) expects NZ caches [nb, N*D/16, bs, 16]; pass "

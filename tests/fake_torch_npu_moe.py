@@ -88,8 +88,8 @@ def _init_routing_v2(module, x, expert_idx, *, scale=None, offset=None, active_n
     active = (ids[order] >= start) & (ids[order] < end)
     in_range = order[active]  # sorted by expert, so the active ones are one contiguous run
     available = in_range.numel()
-    expanded_x = torch.full((rows * k, x.shape[1]), float("nan"), dtype=x.dtype) if x.dtype in FLOATS else \
-        torch.zeros(rows * k, x.shape[1], dtype=x.dtype)
+    expanded_x = (torch.full((rows * k, x.shape[1]), float("nan"), dtype=x.dtype)
+                  if x.dtype in FLOATS else torch.zeros(rows * k, x.shape[1], dtype=x.dtype))
     expanded_x[:available] = x[in_range // k]
     expanded_row_idx = torch.full((rows * k,), -1, dtype=torch.int32)
     if row_idx_type == 0:  # gather: the destination row of each source row

@@ -13,7 +13,8 @@ from vlinfer.cli.options import FLAGS, flags_in_logs, name_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE = os.path.join(REPO, "examples", "images", "cat_face.png")
-DEVICE_ERROR = "error: --device='cdua' is not a device; use 'auto', 'cpu', 'cuda', 'cuda:N' or 'npu'"
+DEVICE_ERROR = ("error: --device='cdua' is not a device; use 'auto', 'cpu', 'cuda', 'cuda:N' "
+                "or 'npu'")
 KV_BYTES_PER_TOKEN = 2 * 2 * 32 * 2 * 4  # the tiny Qwen3-VL's float32 KV
 
 
@@ -29,7 +30,8 @@ def test_name_flags_rewrites_keyword_names_only():
         "--max-model-len=8192 needs; "
         "raise --kv-cache-size / --memory-utilization; --device='cdua' is not a device; --top-p "
         "must be in (0, 1]; the device's default; the default --max-model-len cap=8192")
-    assert name_flags("max_num_seqs must be a positive int", {**FLAGS, "max_num_seqs": "--concurrency"}) == \
+    assert name_flags("max_num_seqs must be a positive int",
+                      {**FLAGS, "max_num_seqs": "--concurrency"}) == \
         "--concurrency must be a positive int"
     assert name_flags("max_model_len=5", {}) == "max_model_len=5"
 
@@ -123,5 +125,5 @@ def test_cli_errors_and_warnings_name_flags(tiny_vl_with_context):
     assert res.returncode == 0, res.stderr[-2000:]
     warning = next(line for line in res.stderr.splitlines() if "the KV cache" in line)
     assert warning.startswith("WARNING --max-model-len=3072: the KV cache"), warning
-    assert "the default --max-model-len cap=8192" in warning and "raise --kv-cache-size or --memory-utilization" \
-        in warning, warning
+    assert "the default --max-model-len cap=8192" in warning \
+        and "raise --kv-cache-size or --memory-utilization" in warning, warning

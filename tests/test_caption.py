@@ -13,7 +13,8 @@ from PIL import Image, ImageDraw
 
 from conftest import sigkill_after_lines
 from vlinfer import LLM, RequestError, SamplingParams
-from vlinfer.captioning import DEFAULT_PROMPT, CaptionInputError, caption_files, collect_images, read_records
+from vlinfer.captioning import (DEFAULT_PROMPT, CaptionInputError, caption_files, collect_images,
+                                read_records)
 
 MODEL = "qwen3-vl-tiny"
 # a few image tokens per picture: the test is about the bookkeeping, not the model
@@ -228,5 +229,5 @@ def test_records_and_the_parquet_schema_share_one_field_list():
     assert tuple(error_record("c.mp4", "x", video=True)) == (*IMAGE_RECORD_FIELDS, *VIDEO_FIELDS)
     schema = arrow_schema(IMAGE_RECORD_FIELDS)
     assert tuple(schema.names) == tuple(IMAGE_RECORD_FIELDS)
-    assert [str(schema.field(name).type).replace("list<item: int64>", "list<int64>") for name in schema.names] == \
-        list(IMAGE_RECORD_FIELDS.values())
+    assert [str(schema.field(name).type).replace("list<item: int64>", "list<int64>")
+            for name in schema.names] == list(IMAGE_RECORD_FIELDS.values())

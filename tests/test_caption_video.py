@@ -9,7 +9,8 @@ from PIL import Image
 
 from videos import drawn_clip, encode
 from vlinfer import LLM
-from vlinfer.captioning import DEFAULT_VIDEO_PROMPT, CaptionInputError, caption_files, collect_images
+from vlinfer.captioning import (DEFAULT_VIDEO_PROMPT, CaptionInputError, caption_files,
+                                collect_images)
 
 VIDEO_KEYS = {
     "path", "caption", "tokens", "size", "num_image_tokens", "error", "num_frames", "grid_thw",

@@ -115,7 +115,8 @@ def test_missing_model_exit_code_and_tried_list():
                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert res.returncode == 2
     assert "error: model 'no-such-model' not found. Tried: local path" in res.stderr
-    assert "known aliases" in res.stderr and "smollm2" in res.stderr and "Traceback" not in res.stderr
+    assert "known aliases" in res.stderr and "smollm2" in res.stderr \
+        and "Traceback" not in res.stderr
 
 
 def offline_answer(model: str, content, max_tokens: int, **mm_kwargs) -> str:
@@ -168,7 +169,8 @@ def test_chat_through_stdin(smollm2_runs):
     assert code == 0, stderr
     assert "chatting with smollm2 (text-only)" in stderr
     # /image on a text model: refused with a clear message, the chat goes on.
-    assert "model 'smollm2' is a text-only model and does not accept images" in stderr and "--model qwen3-vl" in stderr
+    assert "model 'smollm2' is a text-only model and does not accept images" in stderr \
+        and "--model qwen3-vl" in stderr
     # prompts: before /image, before hello, before /exit
     answer = stdout.split("> ", 2)[2].rsplit("> ", 1)[0]
     # the rejected /image left no trace
@@ -208,7 +210,7 @@ def test_default_context_length_follows_the_model(tiny_vl_with_context, tmp_path
     for name in ("generate 262144", "caption 262144"):
         err = results[name][1]
         # The CLI's flags, not the engine's keyword names (tests/test_app_errors.py)
-        assert "--max-model-len=3072: the KV cache" in err and "the default --max-model-len cap=8192" in err, \
-            (name, err[-2000:])
+        assert "--max-model-len=3072: the KV cache" in err \
+            and "the default --max-model-len cap=8192" in err, (name, err[-2000:])
     assert results["generate 262144"][0].strip()
     assert '"caption"' in (tmp_path / "captions.jsonl").read_text()

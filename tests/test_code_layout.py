@@ -4,7 +4,7 @@ import maps count), neither vlinfer/ nor bench/ has an import circle, no library
 process-wide state, no file outgrows one idea, vlinfer/ops and vlinfer/layers keep no mutable state
 at module level (each engine owns its op table and step metadata), vlinfer/ops is one package per
 device behind one interface; and every document the code cites is in the repository, with the
-sections and sources it is cited for."""
+sections and sources it is cited for; and no line of Python is longer than 100 characters."""
 import ast
 import importlib
 import os
@@ -254,6 +254,29 @@ def test_one_concept_per_file():
     unexplained = [p for p, n in sizes.items() if n > LONG_FILE_LINES and not says_why(p)]
     assert not unexplained, f"over {LONG_FILE_LINES} lines, no '{LONG_FILE_REASON}' in docstring"
     assert sizes["vlinfer/engine/llm_engine.py"] <= MAX_ENGINE_LINES
+
+
+MAX_LINE_LENGTH = 100
+LINE_CHECKED_DIRS = ("vlinfer", "tests", "bench", "tools", "apps", "examples")
+
+
+def test_lines_fit_in_100_columns():
+    """No line of a Python file in the code's folders is longer than MAX_LINE_LENGTH characters
+    (the newline not counted)."""
+    too_long = []
+    for folder in LINE_CHECKED_DIRS:
+        for dirpath, dirnames, filenames in os.walk(os.path.join(REPO, folder)):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for name in sorted(filenames):
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, name)
+                with open(path, encoding="utf-8") as f:
+                    for number, line in enumerate(f, 1):
+                        if len(line.rstrip("\r\n")) > MAX_LINE_LENGTH:
+                            too_long.append(f"{os.path.relpath(path, REPO)}:{number}")
+    assert not too_long, \
+        f"{len(too_long)} line(s) over {MAX_LINE_LENGTH} characters: {', '.join(too_long)}"
 
 
 # ---- the device layer: vlinfer/ops, one package per device behind ops/interface.py ----

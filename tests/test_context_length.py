@@ -34,7 +34,8 @@ def test_unset_max_model_len_is_fitted_to_the_kv_cache(long_context, caplog):
     assert engine.scheduler.max_num_batched_tokens == FITTED
     warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert f"max_model_len={FITTED}" in warning and "max_position_embeddings=262144" in warning
-    assert "kv_cache_bytes" in warning and "memory_utilization" in warning and "max_model_len" in warning
+    assert "kv_cache_bytes" in warning and "memory_utilization" in warning \
+        and "max_model_len" in warning
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
@@ -109,8 +110,8 @@ def test_resolved_sizing_is_frozen_and_read_by_every_part(long_context):
                                                                                   "max_model_len")):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(frozen, field, 1)
-    assert engine.max_model_len == engine.input_processor.max_model_len == engine.output_processor.max_model_len \
-        == resolved.max_model_len
+    assert engine.max_model_len == engine.input_processor.max_model_len \
+        == engine.output_processor.max_model_len == resolved.max_model_len
     assert engine.block_manager.num_blocks == resolved.num_blocks
     pool = engine.model_runner.cache_pool
     assert pool.kv_cache.shape[2] == resolved.num_blocks + pool.num_dummy_blocks

@@ -18,8 +18,10 @@ AVX512 = BASE | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
 CPUS = {  # flags as /proc/cpuinfo names them -> (kernel level, bf16 native, fp16 native)
     "avx2-only (AMD EPYC Zen 2/3)": (BASE, "avx2", False, False),
     "avx512 without bf16 (Skylake-SP)": (AVX512, "avx512", False, False),
-    "avx512-bf16 (AMD EPYC Zen 4)": (AVX512 | {"avx512_vnni", "avx512_bf16"}, "avx512bf16", True, False),
-    "amx (Sapphire / Emerald Rapids)": (AVX512 | {"avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"},
+    "avx512-bf16 (AMD EPYC Zen 4)": (AVX512 | {"avx512_vnni", "avx512_bf16"}, "avx512bf16", True,
+                                     False),
+    "amx (Sapphire / Emerald Rapids)": (AVX512 | {"avx512_vnni", "avx512_bf16", "avx512_fp16",
+                                                  "amx_tile", "amx_bf16", "amx_int8"},
                                         "avx512bf16", True, True),
     "no x86 flags (another architecture)": (set(), "generic", False, False),
 }

@@ -51,13 +51,13 @@ def test_bf16_prefill_kernels_follow_amx(cpu_ops, monkeypatch, caplog, flags):
     if not ops.bf16_attention:
         assert not ops.bf16_prefill_kernels and not ops._bf16_flash(q) and not ops.moe_panels
         return
-    assert ops.bf16_prefill_kernels == ("amx_bf16" not in flags) == ops._bf16_flash(q) == ops.moe_panels == \
-        (torch.bfloat16 in ops.panel_dtypes)
+    assert ops.bf16_prefill_kernels == ("amx_bf16" not in flags) == ops._bf16_flash(q) \
+        == ops.moe_panels == (torch.bfloat16 in ops.panel_dtypes)
     assert torch.float32 in ops.panel_dtypes  # float32 panels on every AVX-512 level, AMX or not
     if "amx_bf16" in flags:
         assert "bf16 prefill and vision attention run SDPA (this CPU has AMX" in caplog.text
-        assert "bf16 MoE experts run on the grouped GEMM, small groups on expert_matmul (this CPU has AMX)" in \
-            caplog.text
+        assert ("bf16 MoE experts run on the grouped GEMM, small groups on expert_matmul "
+                "(this CPU has AMX)") in caplog.text
     else:
         assert "bf16 attention kernels (AVX512-BF16): decode, prefill, vision" in caplog.text
         assert "bf16 MoE experts run in 32-output panels" in caplog.text
@@ -598,8 +598,8 @@ def test_panel_linear_equals_f_linear(cpu, shape, dtype):
     row blocks over the cores); a level without them refuses by name."""
     n, k, rows = shape
     g = torch.Generator().manual_seed(n + k)
-    w, x, b = (torch.randn(n, k, generator=g) * 0.1).to(dtype), torch.randn(rows, k, generator=g).to(dtype), \
-        torch.randn(n, generator=g).to(dtype)
+    w, x, b = (torch.randn(n, k, generator=g) * 0.1).to(dtype), \
+        torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
     panels = cpu_panels.to_panels(w)
     if not cpu.ext.panel_linear_available(dtype):
         assert cpu_features.CPU_ISAS.index(cpu.isa) < cpu_features.CPU_ISAS.index(
@@ -729,7 +729,8 @@ def test_prepacked_lm_head(tied, caplog, cpu_context):
     elif tied:
         assert head.weight is model[
             "embed"].weight and not head.weight.is_mkldnn and head.packed_weight.is_mkldnn
-        assert "LM head tied to the embedding: a packed copy for the logits matmul (+0 MiB)" in caplog.text
+        assert ("LM head tied to the embedding: a packed copy for the logits matmul (+0 MiB)"
+                in caplog.text)
     else:
         assert head.weight.is_mkldnn and head.packed_weight is None
         assert "LM head tied" not in caplog.text

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from conftest import assert_block_pool_empty
-from test_graph_runner import TEXT_PROMPT, TWO_IMAGES, VL_PROMPT, greedy, picture, vl_checkpoint  # noqa: F401
+from test_graph_runner import (TEXT_PROMPT, TWO_IMAGES, VL_PROMPT, greedy, picture,  # noqa: F401
+                               vl_checkpoint)
 from vlinfer import LLM
 
-VIDEO_PROMPT = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What happens?<|im_end|>\n" \
-               "<|im_start|>assistant\n"
+VIDEO_PROMPT = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What happens?" \
+               "<|im_end|>\n<|im_start|>assistant\n"
 REQUESTS = [{"prompt": VL_PROMPT, "multi_modal_data": {"image": [picture(96, 128, 1)]}},
             TEXT_PROMPT, {
                 "prompt": TWO_IMAGES,

@@ -92,7 +92,8 @@ def test_cuda_device_selects_the_cuda_implementation(monkeypatch, caplog):
         "w8a8_dynamic_linear", "w8a8_static_linear", "weight_only_linear", "pack_quantized_linear",
         "store_quantized_kvcache", "quantized_paged_attention", "add_lora"
     }
-    assert ops.paged_attention.__func__ is CudaOps.paged_attention and ops.rms_norm is reference.rms_norm
+    assert ops.paged_attention.__func__ is CudaOps.paged_attention \
+        and ops.rms_norm is reference.rms_norm
     assert select("cuda") is not ops  # a new op table per call: one per engine
     assert loaded == ["cuda", "cuda"]
 
@@ -105,7 +106,8 @@ def test_a_failing_cuda_load_falls_back_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(CudaOps, "__init__", broken)
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
         assert type(select("cuda")) is ReferenceOps
-    assert "CUDA kernels unavailable (RuntimeError: no driver); running the pure-torch reference" in caplog.text
+    assert ("CUDA kernels unavailable (RuntimeError: no driver); running the pure-torch reference"
+            in caplog.text)
 
 
 def test_vlinfer_ops_cuda_forces_it_on_cpu_tensors_and_only_there(monkeypatch):
@@ -157,7 +159,8 @@ def test_flash_attn_absent_is_logged(monkeypatch, caplog):
         ops = CudaOps("cpu")
     assert ops.features["attention"] == "reference"
     assert "Triton paged attention unavailable (ModuleNotFoundError" in caplog.text
-    assert "attention the pure-torch reference (prefill, decode and the vision tower)" in caplog.text
+    assert ("attention the pure-torch reference (prefill, decode and the vision tower)"
+            in caplog.text)
 
 
 # ---- Triton cache write, under the Triton interpreter ----

@@ -78,12 +78,13 @@ def test_fused_decode_layers_equal_the_modules(tiny_checkpoint, biased_llama, dt
         assert no_calls == 0 and unfused.decode_stack is None
         if this_cpu_fuses(getattr(torch, dtype)):
             assert decoder.decode_stack.stack.num_layers == 2
-            assert "decode steps run all 2 decoder layers in one op call (cpu-compiled)" in caplog.text
+            assert ("decode steps run all 2 decoder layers in one op call (cpu-compiled)"
+                    in caplog.text)
             assert calls >= 15  # the decode-only steps: at least the last request's last 15 tokens
         else:
             assert decoder.decode_stack is None and calls == 0
-            assert "decode steps run the 2 decoder layers module by module (cpu-compiled has no fused form" in \
-                caplog.text
+            assert ("decode steps run the 2 decoder layers module by module (cpu-compiled has no "
+                    "fused form") in caplog.text
 
 
 # The level a CPU without AVX-512 runs: AVX2 where this CPU has it (this CPU's own build on an AVX2
@@ -108,7 +109,8 @@ def test_without_avx512_the_modules_run(qwen3_checkpoint, monkeypatch, caplog, l
         assert cpu_features.cpu_isa() == level
         outs, calls, decoder = run(folder, "float32", True, monkeypatch)
     assert calls == 0 and decoder.decode_stack is None
-    assert "decode steps run the 2 decoder layers module by module (cpu-compiled has no fused form" in caplog.text
+    assert ("decode steps run the 2 decoder layers module by module (cpu-compiled has no fused form"
+            in caplog.text)
     assert [tokens for tokens, _ in outs] == [tokens for tokens, _ in reference]
 
 

@@ -336,8 +336,8 @@ def test_screenshot(server, tmp_path):
     """One headless Chromium screenshot of the page. DEMO_SCREENSHOT=docs/demo.png refreshes the
     committed one."""
     # A test dependency like the pip ones: missing, it fails the run rather than shrinking it.
-    assert shutil.which("chromium"), "the browser is missing: install Debian's chromium (apt-get install -y " \
-                                     "chromium) to take the demo screenshot"
+    assert shutil.which("chromium"), ("the browser is missing: install Debian's chromium "
+                                      "(apt-get install -y chromium) to take the demo screenshot")
     _, port, _ = server
     out = Path(os.environ.get("DEMO_SCREENSHOT") or tmp_path / "demo.png")
     if not out.is_absolute():

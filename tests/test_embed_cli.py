@@ -168,8 +168,8 @@ def test_texts_of_a_table_instruction_and_dimensions(checkpoint, pipe, tmp_path,
         "--dimensions",
         "8",
         "--resume") == 2
-    assert f"embedded with the instruction {instruction + '.'!r}, not \"Represent the user's input.\"" in \
-        capsys.readouterr().err
+    assert (f"embedded with the instruction {instruction + '.'!r}, "
+            "not \"Represent the user's input.\"") in capsys.readouterr().err
     assert main([
         "embed",
         str(table), "--text-column", "body", "--id-column", "id", "--out",

@@ -35,8 +35,10 @@ MODEL = "qwen3-vl-tiny"
 CASES = {"llm-image": 300, "llm-video": 100, "pipeline": 60, "captioner": 4, "server": 100}
 SLOW_FACTOR = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-IMAGE_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\n"
-VIDEO_PROMPT = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What happens?<|im_end|>\n<|im_start|>assistant\n"
+IMAGE_PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?"
+                "<|im_end|>\n<|im_start|>assistant\n")
+VIDEO_PROMPT = ("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What happens?"
+                "<|im_end|>\n<|im_start|>assistant\n")
 MEDIA_WORDS = ("image", "video", "pixels", "frame")  # an error about a medium names it
 
 # format -> the modes PIL writes in it
@@ -138,8 +140,8 @@ def llm():
 
 
 def plain(llm) -> list[int]:
-    return llm.generate(["A red square."], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0] \
-        .outputs[0].token_ids
+    return llm.generate(["A red square."], SamplingParams(temperature=0, max_tokens=4),
+                        use_tqdm=False)[0].outputs[0].token_ids
 
 
 def generate_one(llm, prompt, outcomes: dict) -> None:

@@ -200,8 +200,8 @@ def test_tiny_gguf_kept_in_blocks_matches_transformers(tiny_gguf_files, type_nam
     weights = dict(model.named_parameters())
     assert weights["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.uint8
     assert weights["model.layers.1.mlp.down_proj.weight"].dtype == torch.uint8
-    assert model.model.embed_tokens.weight.dtype == torch.uint8 and model.lm_head.gguf_type == TYPES[
-        type_name]
+    assert model.model.embed_tokens.weight.dtype == torch.uint8 \
+        and model.lm_head.gguf_type == TYPES[type_name]
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == (type_name != "Q4_0")
     # linears and the LM head run the kernel on their packed groups; embedding lookups read the
     # file's rows

@@ -96,7 +96,8 @@ def test_cuda_backend_needs_the_cuda_ops(caplog):
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
         assert graph_runner.select_backend(EngineConfig(model="m"), torch.device("cuda"),
                                            ReferenceOps("cuda")) is None
-    assert "graphs unavailable on cuda (the reference ops read sequence lengths on the host)" in caplog.text
+    assert ("graphs unavailable on cuda (the reference ops read sequence lengths on the host)"
+            in caplog.text)
 
 
 class EchoModel(torch.nn.Module):
@@ -234,10 +235,11 @@ def test_text_graph_mode_equals_eager(ops_mode, cpu_graphs, qwen3_checkpoint, mo
         assert_block_pool_empty(llm)
 
 
-VL_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n" \
-            "<|im_start|>assistant\n"
-TWO_IMAGES = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>and<|vision_start|><|image_pad|>" \
-             "<|vision_end|>What differs?<|im_end|>\n<|im_start|>assistant\n"
+VL_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image." \
+            "<|im_end|>\n<|im_start|>assistant\n"
+TWO_IMAGES = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>and" \
+             "<|vision_start|><|image_pad|><|vision_end|>What differs?<|im_end|>\n" \
+             "<|im_start|>assistant\n"
 TEXT_PROMPT = "<|im_start|>user\nWrite one word about the sea.<|im_end|>\n<|im_start|>assistant\n"
 
 

@@ -189,7 +189,8 @@ def test_the_log_names_the_cache_dtype_its_reader_and_the_unfused_decode(qwen3_c
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         LLM(path, dtype="float32", kv_cache_bytes=4 << 20, kv_cache_dtype="fp8", ops="reference")
     text = caplog.text
-    assert "KV cache in torch.float8_e4m3fn: the checkpoint has no k_scale / v_scale, so both are 1.0" in text
+    assert ("KV cache in torch.float8_e4m3fn: the checkpoint has no k_scale / v_scale, so both "
+            "are 1.0") in text
     assert (
         "KV cache in torch.float8_e4m3fn: reference has no kernel that reads it; its writes and "
         "attention run "
@@ -332,4 +333,5 @@ def test_no_decode_graphs_over_a_cache_the_reference_reads(caplog):
         assert graph_runner.select_backend(EngineConfig(model="m"),
                                            types.SimpleNamespace(type="cuda"), ReferenceOps("cuda"),
                                            torch.int8) is None
-    assert "graph mode: off, the KV cache in torch.int8 is read by the pure-torch reference" in caplog.text
+    assert ("graph mode: off, the KV cache in torch.int8 is read by the pure-torch reference"
+            in caplog.text)

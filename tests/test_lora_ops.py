@@ -221,7 +221,8 @@ def test_cpu_panels_equal_reference(cpu_level, case, dtype, monkeypatch):
     # Each 32-output panel reads its sub-projection's rank columns only (MAX_RANK each) when parts
     # are whole panels.
     part = out // n_sub
-    expected_ranges = [[i * MAX_RANK, (i + 1) * MAX_RANK] for i in range(n_sub) for _ in range(part // 32)] \
+    expected_ranges = [[i * MAX_RANK, (i + 1) * MAX_RANK] for i in range(n_sub)
+                       for _ in range(part // 32)] \
         if part % 32 == 0 else [[0, n_sub * MAX_RANK]] * (out // 32)
     assert packed.k_ranges.tolist() == expected_ranges
     def no_torch_gemm():
@@ -483,7 +484,8 @@ def test_an_engine_with_adapters_on_the_accelerator_paths(adapters, monkeypatch,
                        lambda self, *a, real=cls.add_lora: calls.append(ops) or real(self, *a))
             with caplog.at_level(logging.WARNING, logger="vlinfer"):
                 assert engine_tokens(path, loras, ops) == expected, ops
-        assert "add_lora" not in caplog.text and "LoRA shrink / expand unavailable" not in caplog.text
+        assert "add_lora" not in caplog.text \
+            and "LoRA shrink / expand unavailable" not in caplog.text
         if ops == "npu":
             assert fake.calls["npu_grouped_matmul"] > 0
     assert set(calls) == {"npu", "cuda"}

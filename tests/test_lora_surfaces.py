@@ -76,7 +76,8 @@ def test_pipeline_runs_its_adapter_on_every_request(pipe, llm, adapter):
                                     {"type": "text", "text": "Describe."}]
     }]
     kwargs = {"max_pixels": MAX_PIXELS, "min_pixels": MAX_PIXELS}
-    assert pipe.caption([IMAGE], "Describe.", max_tokens=6, temperature=0, mm_processor_kwargs=kwargs) == \
+    assert pipe.caption([IMAGE], "Describe.", max_tokens=6, temperature=0,
+                        mm_processor_kwargs=kwargs) == \
         [chat_text(llm, image, lora, mm_processor_kwargs=kwargs)]
 
 
@@ -118,8 +119,8 @@ def test_caption_cli_with_lora_equals_the_pipeline(checkpoint, adapter, pipe, ll
         str(tmp_path / "y.jsonl"), "--model", checkpoint, "--lora", adapter, "--max-lora-rank", "4",
         "--no-progress", *ENGINE_FLAGS
     ]) == 2
-    assert "error: LoRA adapter 'shapes-style': rank 8 is above --max-lora-rank=4" in capsys.readouterr(
-    ).err
+    assert "error: LoRA adapter 'shapes-style': rank 8 is above --max-lora-rank=4" \
+        in capsys.readouterr().err
     assert not (tmp_path / "y.jsonl").exists()
 
 
@@ -143,14 +144,16 @@ def test_generate_and_chat_cli_with_lora_equal_the_pipeline(checkpoint, adapter,
 def test_lora_flags_reach_the_engine_options():
     parser = build_parser()
     options = engine_options(parser.parse_args(["generate", "hi"]))
-    assert (options["enable_lora"], options["max_loras"], options["max_lora_rank"], options["max_cpu_loras"]) == \
+    assert (options["enable_lora"], options["max_loras"], options["max_lora_rank"],
+            options["max_cpu_loras"]) == \
         (False, 1, 16, None)  # EngineConfig's (vLLM's) defaults
     options = engine_options(
         parser.parse_args([
             "caption", "x.png", "--out", "o.jsonl", "--lora", "/a/b", "--max-loras", "2",
             "--max-lora-rank", "64", "--max-cpu-loras", "3"
         ]))
-    assert (options["enable_lora"], options["max_loras"], options["max_lora_rank"], options["max_cpu_loras"]) == \
+    assert (options["enable_lora"], options["max_loras"], options["max_lora_rank"],
+            options["max_cpu_loras"]) == \
         (True, 2, 64, 3)  # --lora turns LoRA on by itself
     assert engine_options(parser.parse_args(["chat", "--enable-lora"]))["enable_lora"] is True
     assert LoRARequest.from_path("/adapters/sql-lora/") == LoRARequest(

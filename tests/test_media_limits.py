@@ -20,7 +20,8 @@ ENGINE = dict(dtype="float32", max_model_len=2048, kv_cache_bytes=64 << 20)
 
 
 def test_the_refusal_names_the_limit():
-    assert f"{COUNT} images" in REFUSAL and f"the limit is {MAX_IMAGES} per request (max_images)" in REFUSAL
+    assert f"{COUNT} images" in REFUSAL \
+        and f"the limit is {MAX_IMAGES} per request (max_images)" in REFUSAL
 
 
 def test_llm_generate_refuses():

@@ -32,8 +32,8 @@ NUM_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
 PROMPTS = [[5, 17, 300, 2, 9], list(range(40, 140)), [7] * 3]
 IMAGE_TOKEN = 151655
-VL_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n" \
-            "<|im_start|>assistant\n"
+VL_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image." \
+            "<|im_end|>\n<|im_start|>assistant\n"
 IMAGE = picture(256, 192, 3)
 QUANT_OPS = ("npu_quantize", "npu_dynamic_quant", "npu_quant_matmul",
              "npu_weight_quant_batchmatmul")

@@ -32,10 +32,11 @@ HIDDEN, EXPERT_WIDTH, NUM_EXPERTS, TOP_K = 64, 48, 6, 2
 MOE_TEXT = dict(hidden_size=HIDDEN, moe_intermediate_size=EXPERT_WIDTH, intermediate_size=96,
                 num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, hidden_act="silu")
-PROMPT_IMG = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n" \
-             "<|im_start|>assistant\n"
+PROMPT_IMG = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image." \
+             "<|im_end|>\n<|im_start|>assistant\n"
 PROMPT_TWO = "<|im_start|>user\nCompare <|vision_start|><|image_pad|><|vision_end|> with " \
-             "<|vision_start|><|image_pad|><|vision_end|> please.<|im_end|>\n<|im_start|>assistant\n"
+             "<|vision_start|><|image_pad|><|vision_end|> please.<|im_end|>\n" \
+             "<|im_start|>assistant\n"
 PROMPT_TEXT = "<|im_start|>user\nWrite one word about the sea.<|im_end|>\n<|im_start|>assistant\n"
 IMG_A, IMG_B, IMG_C = picture(120, 160, 1), picture(64, 96, 2), picture(64, 64, 3)
 VL_CASES = [(PROMPT_IMG, [IMG_A]), (PROMPT_TEXT, []), (PROMPT_TWO, [IMG_B, IMG_C])]
@@ -370,7 +371,8 @@ def test_quantized_experts_are_dequantized_on_load_and_match(moe_models, tmp_pat
         expected.append(ids[0, len(prompt):].tolist())
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
         llm = make_llm(path)
-    assert f"the MoE experts' {len(expert_projections)} quantized projections are dequantized on load" in caplog.text
+    assert (f"the MoE experts' {len(expert_projections)} quantized projections are dequantized "
+            "on load") in caplog.text
     got = [o.outputs[0].token_ids for o in llm.generate(TEXT_PROMPTS, GREEDY, use_tqdm=False)]
     llm.close()
     assert got == expected

@@ -30,8 +30,8 @@ _rng = random.Random(5)
 # Lengths at and across the 128-token block edge; 200 spans two blocks.
 PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in (1, 5, 127, 128, 129, 200)]
 IMAGE_TOKEN = 151655
-VL_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n" \
-            "<|im_start|>assistant\n"
+VL_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image." \
+            "<|im_end|>\n<|im_start|>assistant\n"
 TEXT_PROMPT = "<|im_start|>user\nWrite one word about the sea.<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -145,8 +145,8 @@ def test_text_bfloat16_through_fia(fake_npu, qwen3_checkpoint, text_references):
     assert any(set(q_lens(c)) == {1} for c in calls), "no decode-only step"
     assert any(1 in q_lens(c) and max(q_lens(c)) > 1
                for c in calls), "no step mixing decodes and prefill chunks"
-    assert any(kv > q for c in calls for q, kv in zip(q_lens(c), c["actual_seq_lengths_kv"]) if q > 1), \
-        "no prefill chunk after a cached prefix"
+    assert any(kv > q for c in calls for q, kv in zip(q_lens(c), c["actual_seq_lengths_kv"])
+               if q > 1), "no prefill chunk after a cached prefix"
     assert fake_npu.last["npu_scatter_pa_kv_cache"] == {"cache_mode": "Norm"}
     for op in ("npu_rms_norm", "npu_add_rms_norm", "npu_rotary_mul", "npu_swiglu"):
         assert fake_npu.calls[op] > 0, op

@@ -137,8 +137,9 @@ def test_backend_needs_the_graph_apis_and_the_npu_ops(monkeypatch, caplog):
     _, ops = loaded(monkeypatch, graphs=False)
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
         assert graph_runner.select_backend(EngineConfig(model="m"), npu_device, ops) is None
-    assert "graphs unavailable on npu (this torch_npu lacks torch_npu._npu_fused_infer_attention_score_get_max_" \
-           "workspace, torch_npu.npu_fused_infer_attention_score.out, torch.npu.NPUGraph" in caplog.text
+    assert "graphs unavailable on npu (this torch_npu lacks " \
+           "torch_npu._npu_fused_infer_attention_score_get_max_workspace, " \
+           "torch_npu.npu_fused_infer_attention_score.out, torch.npu.NPUGraph" in caplog.text
     _, ops = loaded(monkeypatch)
     backend = graph_runner.select_backend(EngineConfig(model="m"), npu_device, ops)
     assert backend.name.startswith("ACL graphs") and backend.ops is ops
@@ -146,7 +147,8 @@ def test_backend_needs_the_graph_apis_and_the_npu_ops(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
         assert graph_runner.select_backend(EngineConfig(model="m"), npu_device,
                                            ReferenceOps("npu")) is None
-    assert "graphs unavailable on npu (the reference ops read sequence lengths on the host)" in caplog.text
+    assert ("graphs unavailable on npu (the reference ops read sequence lengths on the host)"
+            in caplog.text)
 
 
 class HostLengthsBackend:
@@ -206,8 +208,8 @@ def text_expected(qwen3_checkpoint):
 def test_text_graph_mode_equals_eager(npu_graphs, qwen3_checkpoint, text_expected, caplog):
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         llm = LLM(qwen3_checkpoint[0], **KW)
-    assert "graph mode: ACL graphs (torch.npu.NPUGraph, attention re-issued with each step's lengths) for decode " \
-           "at batch sizes [1, 2, 4, 6]" in caplog.text
+    assert "graph mode: ACL graphs (torch.npu.NPUGraph, attention re-issued with each step's " \
+           "lengths) for decode at batch sizes [1, 2, 4, 6]" in caplog.text
     runner = llm.engine.model_runner
     graphs = runner.graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 6]
@@ -257,8 +259,8 @@ def test_float32_cannot_be_captured_and_runs_eager(npu_graphs, qwen3_checkpoint,
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
         llm = LLM(qwen3_checkpoint[0], **{**KW, "dtype": "float32"})
     assert llm.engine.model_runner.graphs is None
-    assert "graph mode: capture failed (RuntimeError: store_kvcache on torch.float32 runs the pure-torch " \
-           "reference" in caplog.text
+    assert "graph mode: capture failed (RuntimeError: store_kvcache on torch.float32 runs the " \
+           "pure-torch reference" in caplog.text
 
 
 def test_qwen3_vl_graph_mode_equals_eager(npu_graphs, vl_checkpoint, monkeypatch):  # noqa: F811

@@ -272,24 +272,25 @@ def test_other_compressed_caches_run_the_reference_with_a_warning(monkeypatch, c
             ops.quantized_paged_attention(q[:1], caches[0], caches[1], *scales[:2],
                                           cu[:2].clamp(max=1), seq_lens[:1], tables[:1], 0.125)
     for op in ("store_quantized_kvcache", "quantized_paged_attention"):
-        assert f"{op} on torch.float8_e4m3fn runs the pure-torch reference: FIA reads int8 KV pages" in caplog.text
+        assert (f"{op} on torch.float8_e4m3fn runs the pure-torch reference: "
+                "FIA reads int8 KV pages") in caplog.text
     # float32 compute: FIA takes fp16/bf16 queries whatever the cache holds.
     batch = make_batch([1, 3], [9, 3], 4, NUM_KV_HEADS, 64, BLOCK, torch.float32)
     args = filled(ops, batch, torch.float32)
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
         out = ops.quantized_paged_attention(*args, 0.125)
     assert torch.equal(out, reference.quantized_paged_attention(*args, 0.125))
-    assert "quantized_paged_attention on torch.int8 runs the pure-torch reference: the torch_npu kernel takes " \
-           "float16 or bfloat16 only" in caplog.text
+    assert "quantized_paged_attention on torch.int8 runs the pure-torch reference: the torch_npu " \
+           "kernel takes float16 or bfloat16 only" in caplog.text
 
 
 def test_a_release_failing_the_int8_check_runs_the_reference_with_a_warning(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
         fake, ops = loaded(monkeypatch, paged_antiquant=False)
         assert ops.kv_cache_kernels == () and ops.features["int8_kv"] is False
-    assert "int8 KV cache check failed (FakeNpuError: key_antiquant_mode 5 (per token and head, scales in pages) " \
-           "is not supported by this release): int8 caches are written and read by the pure-torch reference" \
-           in caplog.text
+    assert "int8 KV cache check failed (FakeNpuError: key_antiquant_mode 5 (per token and head, " \
+           "scales in pages) is not supported by this release): int8 caches are written and read " \
+           "by the pure-torch reference" in caplog.text
     batch = make_batch(*BATCHES[2], 4, NUM_KV_HEADS, 64, BLOCK, torch.float16)
     with caplog.at_level(logging.WARNING, logger="vlinfer"):
         args = filled(ops, batch, torch.float16)
@@ -298,8 +299,8 @@ def test_a_release_failing_the_int8_check_runs_the_reference_with_a_warning(monk
         rows = args[1][0, :2].clone()
         ops.store_kvcache(rows, rows, args[1], args[2], torch.tensor([0, 1]))
     for op in ("store_quantized_kvcache", "quantized_paged_attention", "store_kvcache"):
-        assert f"{op} on torch.int8 runs the pure-torch reference: this torch_npu failed the int8 KV cache check" \
-               in caplog.text
+        assert f"{op} on torch.int8 runs the pure-torch reference: this torch_npu failed the " \
+               "int8 KV cache check" in caplog.text
 
 
 # ---- the emulation refuses what the contracts forbid ----
@@ -467,9 +468,10 @@ def test_engine_fp8_cache_runs_the_reference_and_says_so(npu_graphs, qwen3_check
     path, model = qwen3_checkpoint
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         llm = LLM(path, dtype="float16", kv_cache_dtype="fp8", **KW)
-    assert "KV cache in torch.float8_e4m3fn: npu has no kernel that reads it; its writes and attention run the " \
-           "pure-torch reference" in caplog.text
-    assert "graph mode: off, the KV cache in torch.float8_e4m3fn is read by the pure-torch reference" in caplog.text
+    assert "KV cache in torch.float8_e4m3fn: npu has no kernel that reads it; its writes and " \
+           "attention run the pure-torch reference" in caplog.text
+    assert ("graph mode: off, the KV cache in torch.float8_e4m3fn is read by the pure-torch "
+            "reference") in caplog.text
     assert llm.engine.model_runner.graphs is None
     for prompt, ours in zip(PROMPTS[:3], path_logits(llm, PROMPTS[:3])):
         assert relative_gap(ours.float(), reference_logits(model, prompt)) < TOLERANCE["fp8"]

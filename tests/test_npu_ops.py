@@ -257,7 +257,8 @@ def test_load_detects_the_2_14_contracts(monkeypatch, caplog):
         "fia_scale_kwarg": "scale", "cache_write": "npu_scatter_pa_kv_cache", "tnd_paged": True
     }
     assert "ops: npu forced on device type cpu" in caplog.text
-    assert "cache write npu_scatter_pa_kv_cache, FIA scale keyword 'scale', attention one TND call" in caplog.text
+    assert ("cache write npu_scatter_pa_kv_cache, FIA scale keyword 'scale', attention one TND call"
+            in caplog.text)
     assert ops.name == "npu" and ops.device_type == "cpu"
     # Every op the NPU has a fused operator for; linear and the GELU stay torch's (one aclnn op each
     # already), and so do the GGUF block ops (dequantize + matmul: GGUF files are a CPU format). A
@@ -293,7 +294,8 @@ def test_missing_tnd_paged_support_falls_back_to_split_calls(monkeypatch, caplog
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         _, ops = loaded(monkeypatch, tnd_paged=False)
     assert ops.features["tnd_paged"] is False
-    assert "FIA in TND layout over the paged cache failed (FakeNpuError: TND does not support PA" in caplog.text
+    assert ("FIA in TND layout over the paged cache failed (FakeNpuError: TND does not support PA"
+            in caplog.text)
     assert "attention split: BSH decode call + BSH prefill call" in caplog.text
 
 

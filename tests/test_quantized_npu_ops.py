@@ -138,8 +138,10 @@ def test_what_the_ops_cannot_take_runs_the_reference_and_says_so(monkeypatch, ca
         out = ops.weight_only_linear(x.bfloat16(), ops.pack_quantized_linear("w8a16", grouped))
         assert rel_err(out, quant_reference.weight_only_linear(x.bfloat16(), grouped)) < 1e-6
     assert sum(fake.calls[op] for op in ("npu_quant_matmul", "npu_weight_quant_batchmatmul")) == 0
-    assert "w8a8_dynamic_linear runs the pure-torch reference: activations are torch.float32" in caplog.text
-    assert "w8a8_static_linear runs the pure-torch reference: activations are torch.float16" in caplog.text
+    assert ("w8a8_dynamic_linear runs the pure-torch reference: activations are torch.float32"
+            in caplog.text)
+    assert ("w8a8_static_linear runs the pure-torch reference: activations are torch.float16"
+            in caplog.text)
     assert "multiple of 32 in [32, K-1]" in caplog.text
 
 

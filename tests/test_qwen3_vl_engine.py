@@ -16,8 +16,8 @@ from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
 
 NUM_NEW = 32
 IMAGE = 151655
-PROMPT_1 = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n" \
-           "<|im_start|>assistant\n"
+PROMPT_1 = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image." \
+           "<|im_end|>\n<|im_start|>assistant\n"
 PROMPT_2 = "<|im_start|>user\nCompare <|vision_start|><|image_pad|><|vision_end|> with " \
            "<|vision_start|><|image_pad|><|vision_end|> please.<|im_end|>\n<|im_start|>assistant\n"
 PROMPT_0 = "<|im_start|>user\nWrite one word about the sea.<|im_end|>\n<|im_start|>assistant\n"
@@ -188,8 +188,8 @@ def test_chat_with_image_parts_and_per_request_pixels(checkpoint):
         {"type": "text", "text": "What differs?"}]}]
     out = llm.chat(messages, GREEDY, use_tqdm=False,
                    mm_processor_kwargs={"max_pixels": 128 * 128})[0]
-    assert "<|vision_start|><|image_pad|><|vision_end|><|vision_start|><|image_pad|><|vision_end|>What differs?" \
-        in out.prompt
+    assert ("<|vision_start|><|image_pad|><|vision_end|><|vision_start|><|image_pad|><|vision_end|>"
+            "What differs?") in out.prompt
     proc = Qwen3VLImageProcessor()
     assert [i["num_tokens"] for i in out.images] == [
         proc.num_image_tokens(120, 160, max_pixels=128 * 128),

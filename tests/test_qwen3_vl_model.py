@@ -48,8 +48,8 @@ def _rescale(hf: torch.nn.Module) -> None:
     position/offset bugs; use O(1) activations instead."""
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("norm1.weight") or name.endswith("norm2.weight") \
-                    or name.endswith("layernorm.weight"):
+            if name.endswith("norm.weight") or name.endswith("norm1.weight") \
+                    or name.endswith("norm2.weight") or name.endswith("layernorm.weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif p.dim() == 1:
                 p.copy_(0.1 * torch.randn_like(p))

@@ -77,7 +77,8 @@ def qwen_parts(item: dict) -> list[dict]:
     images = item.get("image", [])
     texts = item.get("text", [])
     videos, images, texts = ([x] if not isinstance(x, list) else x for x in (videos, images, texts))
-    return [{"type": "video", "video": v} for v in videos] + [{"type": "image", "image": i} for i in images] + \
+    return [{"type": "video", "video": v} for v in videos] + \
+        [{"type": "image", "image": i} for i in images] + \
         [{"type": "text", "text": t} for t in texts]
 
 

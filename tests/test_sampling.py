@@ -215,7 +215,7 @@ def test_bad_words_look_at_the_output_not_the_prompt():
     assert hf([NoBadWordsLogitsProcessor(BAD_WORDS)], [1, 3, 4, 8], logits[0]).isneginf().sum() == 2
 
 
-# ---------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # the chain
 
 def test_warpers_run_in_transformers_order():
@@ -287,7 +287,7 @@ def test_one_mixed_batch_is_each_rows_transformers_chain():
                          ] and tokens[1][0] in seqs[1].sampling_params.allowed_token_ids
 
 
-# -------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # draws
 
 def total_variation(p: torch.Tensor, q: torch.Tensor) -> float:

@@ -69,7 +69,8 @@ class Harness:
         while self.sched.has_unfinished():
             assert self.steps < max_steps, "scheduler made no progress"
             out = self.step()
-            assert out.seqs, "nothing scheduled while work is left (pool too small for a single request?)"
+            assert out.seqs, ("nothing scheduled while work is left (pool too small for a single "
+                              "request?)")
             outs.append(out)
             if on_step is not None:
                 on_step(self, out)
@@ -106,7 +107,8 @@ class Harness:
             assert list(s.waiting)[:len(preempted)] == preempted
             assert not new, "admitted new work in a step that preempted"
             for seq in preempted:
-                assert seq.num_computed_tokens == 0 and seq.block_table == [] and seq.num_preemptions >= 1
+                assert seq.num_computed_tokens == 0 and seq.block_table == [] \
+                    and seq.num_preemptions >= 1
 
     def check_state(self):
         s, bm = self.sched, self.bm
@@ -227,7 +229,7 @@ def test_decodes_get_one_token_each():
     h.check_done()
 
 
-# ---------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # budgets
 
 @both_caching
@@ -460,7 +462,7 @@ def test_identical_prompts_in_one_step_do_not_share_uncomputed_blocks():
     h.run()
 
 
-# ---------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # finish
 
 @both_caching

@@ -239,8 +239,8 @@ def test_skip_special_tokens_reaches_the_text(client, served, monkeypatch):
 
     def scripted(batch):
         sampled, prompt_logprobs, pooled = execute(batch)
-        return [(seq, [box] if seq.num_output_tokens == 1 else tokens, lp) for seq, tokens, lp in sampled], \
-            prompt_logprobs, pooled
+        return [(seq, [box] if seq.num_output_tokens == 1 else tokens, lp)
+                for seq, tokens, lp in sampled], prompt_logprobs, pooled
 
     monkeypatch.setattr(runner, "execute", scripted)
 

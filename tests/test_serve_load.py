@@ -196,7 +196,8 @@ def test_64_concurrent_streams_match_offline_and_free_everything(served, offline
     mismatches = [
         i for i, ((text, _), ref) in enumerate(zip(results, offline_answers)) if text != ref
     ]
-    assert not mismatches, f"{len(mismatches)} answers differ from offline LLM.generate, e.g. #{mismatches[0]}: " \
+    assert not mismatches, f"{len(mismatches)} answers differ from offline LLM.generate, " \
+                           f"e.g. #{mismatches[0]}: " \
                            f"{results[mismatches[0]][0]!r} vs {offline_answers[mismatches[0]]!r}"
     assert most_running > 8, "the clients' requests should share engine steps"
     assert wait_idle(served.url), "KV blocks, encoder cache entries or requests left after the load"

@@ -169,7 +169,8 @@ def test_load_and_unload_at_runtime(served, adapters, offline):
     """A second app on the same engine loop, with runtime updates on and no adapter at the start."""
     config = ServeConfig(served_model_names=(BASE,), allow_runtime_lora_updating=True)
     with ServerThread(build_app(served.loop, config)) as url, \
-            openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=60, max_retries=0) as client:
+            openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=60,
+                          max_retries=0) as client:
         def post(route: str, **body) -> httpx.Response:
             return httpx.post(f"{url}/v1/{route}_lora_adapter", json=body, timeout=60)
 
@@ -199,7 +200,8 @@ def test_load_and_unload_at_runtime(served, adapters, offline):
         assert [m.id for m in client.models.list().data] == [BASE, "sql"]
 
         r = post("unload", lora_name="sql")
-        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' removed successfully."
+        assert r.status_code == 200 \
+            and r.text == "Success: LoRA adapter 'sql' removed successfully."
         assert [m.id for m in client.models.list().data] == [BASE]
         with pytest.raises(openai.NotFoundError, match="'sql' does not exist"):
             complete(client, "sql")

@@ -227,15 +227,16 @@ def test_auto_parses_tool_calls_the_model_writes(client, served, monkeypatch):
 
     def scripted(batch):
         sampled, prompt_logprobs, pooled = execute(batch)
-        return [(seq, [script[min(seq.num_output_tokens, len(script) - 1)]], lp) for seq, _, lp in sampled], \
-            prompt_logprobs, pooled
+        return [(seq, [script[min(seq.num_output_tokens, len(script) - 1)]], lp)
+                for seq, _, lp in sampled], prompt_logprobs, pooled
 
     monkeypatch.setattr(runner, "execute", scripted)
     kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=len(script) + 5, temperature=0)
     # tool_choice unset: "auto", OpenAI's default with tools
     whole = client.chat.completions.create(**kwargs)
     message = whole.choices[0].message
-    assert whole.choices[0].finish_reason == "tool_calls" and message.content == "I will check both."
+    assert whole.choices[0].finish_reason == "tool_calls" \
+        and message.content == "I will check both."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
         [("get_weather", {"city": "Paris", "unit": "celsius"}), ("add", {"a": 3, "b": 4})]
     assert len({c.id for c in message.tool_calls}) == 2
@@ -254,7 +255,8 @@ def test_auto_parses_tool_calls_the_model_writes(client, served, monkeypatch):
     assert [c["name"] for c in single_streamed[0]["calls"]] == ["get_weather"]
     # tool_choice "none": the same text is content, nothing is parsed.
     plain = client.chat.completions.create(**kwargs, tool_choice="none").choices[0]
-    assert plain.message.content == WRITTEN and not plain.message.tool_calls and plain.finish_reason == "stop"
+    assert plain.message.content == WRITTEN and not plain.message.tool_calls \
+        and plain.finish_reason == "stop"
 
 
 def test_tool_result_round_trip_renders_through_the_template(client, prompts, served):

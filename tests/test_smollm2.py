@@ -136,7 +136,8 @@ def test_smollm2_strict_json_schema_through_the_server():
         LLMEngine("smollm2", dtype="float32", kv_cache_bytes=64 * 2**20, max_model_len=1024))
     try:
         with ServerThread(build_app(loop, ServeConfig(served_model_names=("smollm2",)))) as url, \
-                openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=300, max_retries=0) as client:
+                openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=300,
+                              max_retries=0) as client:
             reply = client.chat.completions.create(
                 model="smollm2", temperature=0, max_tokens=60,
                 messages=[{"role": "user", "content": "Give me a person's name and age as JSON."}],

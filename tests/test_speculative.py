@@ -52,7 +52,8 @@ def assert_pools_empty(llm):
     assert_block_pool_empty(llm)
     draft = llm.engine.speculator.draft
     if draft is not None:
-        assert not draft.shadows and draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
+        assert not draft.shadows \
+            and draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def references(checkpoints):
     return refs
 
 
-# -----------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # config
 
 def test_config_follows_vllms_shape_and_refuses_what_it_cannot_run():
@@ -98,7 +99,7 @@ def test_a_missing_draft_or_another_vocabulary_is_named(checkpoints, tmp_path):
         LLM(checkpoints["qwen3"], speculative_config={"model": wide}, **OPTIONS)
 
 
-# ------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # ngram
 
 def test_ngram_takes_the_longest_recurring_suffix_and_a_whole_continuation():
@@ -119,8 +120,8 @@ def test_ngram_takes_the_longest_recurring_suffix_and_a_whole_continuation():
 @pytest.mark.parametrize("proposer", ["ngram", "draft-self", "draft-other"])
 def test_greedy_outputs_equal_those_without_speculation(checkpoints, references, family, proposer):
     spec = NGRAM if proposer == "ngram" else \
-        {"model": checkpoints[family if proposer == "draft-self" else "other-qwen3"], "num_speculative_tokens": 3,
-         "adaptive": False}
+        {"model": checkpoints[family if proposer == "draft-self" else "other-qwen3"],
+         "num_speculative_tokens": 3, "adaptive": False}
     if proposer == "draft-other" and family == "llama":
         spec["model"] = checkpoints["qwen3"]  # another architecture of the same vocabulary
     llm = LLM(checkpoints[family], speculative_config=spec, **OPTIONS)
@@ -470,7 +471,8 @@ def test_metrics_per_request_and_on_the_server(checkpoints):
         loop.close()
     spec = llm.engine.speculator
     assert f"vlinfer_spec_decode_num_draft_tokens_total {float(spec.num_draft_tokens)}" in text
-    assert f"vlinfer_spec_decode_num_accepted_tokens_total {float(spec.num_accepted_tokens)}" in text
+    assert (f"vlinfer_spec_decode_num_accepted_tokens_total {float(spec.num_accepted_tokens)}"
+            in text)
     assert 'vlinfer_spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in text
     assert "vlinfer_spec_decode_acceptance_rate" in text
 
@@ -499,5 +501,6 @@ def test_a_draft_whose_proposals_the_target_dropped_keeps_a_valid_cache(checkpoi
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = [outputs(LLM(checkpoints["qwen3"], **OPTIONS), [p], params)[0] for p in prompts[:2]]
     assert outputs(llm, prompts, params) == alone * 2
-    assert llm.engine.speculator.draft.num_pool_misses > 0 or llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.speculator.draft.num_pool_misses > 0 \
+        or llm.engine.scheduler.num_preemptions > 0
     assert_pools_empty(llm)

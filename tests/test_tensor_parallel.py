@@ -351,12 +351,14 @@ SCRIPT = """
 import json, os, sys, time
 from vlinfer import LLM, SamplingParams
 
-# A user's program, where Ctrl-C raises KeyboardInterrupt (tests/conftest.py makes sure the run does not hand it an
-# ignored SIGINT).
+# A user's program, where Ctrl-C raises KeyboardInterrupt (tests/conftest.py makes sure the run
+# does not hand it an ignored SIGINT).
 if __name__ == "__main__":
     path, mode = sys.argv[1], sys.argv[2]
-    llm = LLM(path, tensor_parallel_size=2, dtype="float32", kv_cache_bytes=4 * 2 ** 20, max_model_len=256)
-    if mode == "torchrun":  # only rank 0 gets here; the other rank served it inside LLM(...) and exited
+    llm = LLM(path, tensor_parallel_size=2, dtype="float32", kv_cache_bytes=4 * 2 ** 20,
+              max_model_len=256)
+    # only rank 0 gets here; the other rank served it inside LLM(...) and exited
+    if mode == "torchrun":
         prompts = json.loads(sys.argv[3])
         params = SamplingParams(temperature=0, max_tokens=%d, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -365,8 +367,10 @@ if __name__ == "__main__":
         print("WORKERS " + json.dumps(list(llm.engine.driver.worker_pids.values())), flush=True)
         params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         llm.generate([[5, 6, 7]] * 4, params, use_tqdm=False)
-        print("GENERATING []", flush=True)  # the next generate starts now: a signal from here on lands mid-generation
-        while True:  # until interrupted: one generate can end (max_model_len) before the signal comes
+        # the next generate starts now: a signal from here on lands mid-generation
+        print("GENERATING []", flush=True)
+        # until interrupted: one generate can end (max_model_len) before the signal comes
+        while True:
             llm.generate([[5, 6, 7]] * 4, params, use_tqdm=False)
 """ % NUM_NEW
 

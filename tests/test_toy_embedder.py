@@ -60,7 +60,8 @@ def test_embedder_opens_as_a_pooling_model_and_matches_transformers(embedder):
     folder = embedder.engine.source.path
     with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in f.keys()
-    assert embedder.engine.pooling.task == "embed" and embedder.engine.model_runner.model.lm_head is None
+    assert embedder.engine.pooling.task == "embed" \
+        and embedder.engine.model_runner.model.lm_head is None
     trainer = tool_script("train_toy_embedder")
     tokenizer, template = tool_script("train_embedded").load_tokenizer_and_template()
     batcher = trainer.EmbedderBatcher(tokenizer, template, None)

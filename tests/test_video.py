@@ -15,7 +15,8 @@ from videos import blank_video, drawn_clip, encode
 from vlinfer import LLM, RequestError, SamplingParams
 from vlinfer.engine import SchedulerOutput
 from vlinfer.multimodal.video_io import VideoLimits, VideoLoadError, load_video
-from vlinfer.multimodal.video_processor import Qwen3VLVideoProcessor, VideoOptions, video_smart_resize
+from vlinfer.multimodal.video_processor import (Qwen3VLVideoProcessor, VideoOptions,
+                                                video_smart_resize)
 from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
 
 NUM_NEW = 32
@@ -346,7 +347,8 @@ def hostile_cases():
         "truncated": (good[:len(good) // 2], "video 0"),
         "not a video": (b"this is a text file, not a video" * 20, "not a video"),
         "an image file": (base64.b64decode(
-            "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJRU5ErkJggg=="
+            "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJ"
+            "RU5ErkJggg=="
         ), "video 0"),
         "zero-size frames": ((np.zeros((4, 0, 0, 3), np.uint8), {"fps": 2.0}), "empty size"),
         "no frames": ((np.zeros((0, 32, 32, 3), np.uint8), {"fps": 2.0}), "no frames"),

@@ -103,7 +103,8 @@ def test_vllm_fields_at_their_off_value_are_accepted():
             p.include_stop_str_in_output, p.truncate_prompt_tokens,
             p.temperature) == (2, False, False, True, -1, 0.5)
     assert SamplingParams().n == 1 and SamplingParams().skip_special_tokens and \
-        SamplingParams().spaces_between_special_tokens and not SamplingParams().include_stop_str_in_output
+        SamplingParams().spaces_between_special_tokens and \
+        not SamplingParams().include_stop_str_in_output
     with pytest.raises(ValueError, match="use_beam_search=0"):  # not False, only equal to it
         SamplingParams(use_beam_search=0)
 
@@ -132,7 +133,7 @@ def test_for_completion_seeds():
     assert SamplingParams(seed=2 ** 63 - 1).for_completion(1).seed == -2 ** 63
 
 
-# ------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # n
 
 def test_n_completions_each_with_its_own_seed_stream(text_llm):
@@ -293,8 +294,8 @@ def test_include_stop_str_in_output(text_llm):
                                  use_tqdm=False)[0]
 
     without, with_stop = run().outputs[0], run(include_stop_str_in_output=True).outputs[0]
-    assert without.text == full.text[:
-                                     start] and without.finish_reason == "stop" and without.stop_reason == stop
+    assert without.text == full.text[:start] and without.finish_reason == "stop" \
+        and without.stop_reason == stop
     assert with_stop.text == full.text[:start + len(stop)] and with_stop.stop_reason == stop
     engine = text_llm.engine  # streamed: nothing held back that the final text then contradicts
     request_id = engine.add_request(
@@ -342,8 +343,9 @@ def test_truncate_prompt_tokens_keeps_the_last_k(text_llm):
     assert cut.outputs[0].token_ids == direct.outputs[0].token_ids
     whole = text_llm.generate(prompt, SamplingParams(**greedy), use_tqdm=False)[0]
     assert whole.outputs[0].token_ids != cut.outputs[0].token_ids  # the cut tokens mattered
-    assert text_llm.generate(prompt, SamplingParams(**greedy, truncate_prompt_tokens=100), use_tqdm=False)[0] \
-        .prompt_token_ids == prompt  # longer than the prompt: nothing to cut
+    # longer than the prompt: nothing to cut
+    assert text_llm.generate(prompt, SamplingParams(**greedy, truncate_prompt_tokens=100),
+                             use_tqdm=False)[0].prompt_token_ids == prompt
     limit = text_llm.engine.max_model_len
     long = [(7 * i) % 500 + 3 for i in range(limit + 10)]
     with pytest.raises(RequestError, match="more than max_model_len"):

@@ -148,15 +148,15 @@ def test_multi_modal_data_image_and_video(vlm):
     """vLLM's multimodal prompt dicts: the Qwen3-VL placeholders in the prompt text, the media in
     multi_modal_data (a PIL image; a video as a frames array)."""
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
-    prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is in the image?<|im_end|>\n" \
-             "<|im_start|>assistant\n"
+    prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is in the image?" \
+             "<|im_end|>\n<|im_start|>assistant\n"
     params = SamplingParams(temperature=0, max_tokens=4)
     out = vlm.generate({"prompt": prompt, "multi_modal_data": {"image": image}},
                        sampling_params=params)[0]
     assert len(out.outputs[0].token_ids) == 4 and out.images[0]["num_tokens"] > 0
     frames = np.random.default_rng(1).integers(0, 255, (4, 64, 64, 3), dtype=np.uint8)
-    prompt = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>Describe the video.<|im_end|>\n" \
-             "<|im_start|>assistant\n"
+    prompt = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>Describe the video." \
+             "<|im_end|>\n<|im_start|>assistant\n"
     out = vlm.generate({"prompt": prompt, "multi_modal_data": {"video": frames}},
                        sampling_params=params)[0]
     assert len(out.outputs[0].token_ids) == 4 and out.videos[0]["num_tokens"] > 0

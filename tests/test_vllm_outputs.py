@@ -78,7 +78,8 @@ def test_metrics_say_when_the_request_arrived_started_and_finished(llm):
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)[0]
     m = out.metrics
-    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time == m.finished_time
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time \
+        == m.finished_time
     assert m.time_in_queue >= 0
 
 
@@ -99,7 +100,8 @@ def test_logprobs_under_a_grammar_are_raw(llm):
     for token in set(free_entry) & set(entry):
         assert entry[token].logprob == pytest.approx(free_entry[token].logprob, abs=1e-5)
         assert entry[token].rank == free_entry[token].rank
-    assert constrained.outputs[0].text in ("yes", "no", "y", "n") or "yes".startswith(constrained.outputs[0].text) \
+    assert constrained.outputs[0].text in ("yes", "no", "y", "n") \
+        or "yes".startswith(constrained.outputs[0].text) \
         or "no".startswith(constrained.outputs[0].text)
 
 

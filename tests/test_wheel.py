@@ -31,11 +31,13 @@ CHECK = textwrap.dedent("""
     from vlinfer.toy import embedded
     venv = sys.argv[1]
     toy_files = [os.path.join(embedded.PACKAGE_DIR, name) for name in
-                 (embedded.WEIGHTS, embedded.MANIFEST, embedded.EMBEDDER_WEIGHTS, embedded.EMBEDDER_MANIFEST)]
+                 (embedded.WEIGHTS, embedded.MANIFEST, embedded.EMBEDDER_WEIGHTS,
+                  embedded.EMBEDDER_MANIFEST)]
     for path in (vlinfer.__file__, *cpu.SOURCES, triton_source.KERNEL_DIR, *toy_files):
         assert os.path.realpath(path).startswith(venv), f"{path} is not the wheel's (venv {venv})"
         assert os.path.exists(path), f"{path} is missing from the wheel"
-    assert not [m for m in sys.modules if "__editable__" in m], "the checkout's editable finder is loaded"
+    assert not [m for m in sys.modules if "__editable__" in m], \
+        "the checkout's editable finder is loaded"
     llm = LLM("qwen3-vl-tiny")
     assert llm.engine.ops_implementation == "cpu-compiled", llm.engine.ops_implementation
     print("ops", llm.engine.ops_implementation)
@@ -44,7 +46,8 @@ CHECK = textwrap.dedent("""
 
 def _run(args, **kwargs):
     result = subprocess.run(args, capture_output=True, text=True, **kwargs)
-    assert result.returncode == 0, f"{args} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, \
+        f"{args} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     return result
 
 
@@ -89,5 +92,7 @@ def test_installed_wheel_runs_the_compiled_kernels_and_the_quickstart(tmp_path):
     shutil.copy2(os.path.join(REPO, "examples", "quickstart.py"), examples)
     shutil.copy2(os.path.join(REPO, "examples", "images", "red_house.png"), examples / "images")
     out = _run([python, str(examples / "quickstart.py")], cwd=tmp_path, env=env, timeout=1200)
-    assert "[image]" in out.stdout and "[text]" in out.stdout and "done in" in out.stdout, out.stdout
-    assert "[search] 'a red house' among 1 pictures" in out.stdout and "red_house.png (cosine" in out.stdout
+    assert "[image]" in out.stdout and "[text]" in out.stdout and "done in" in out.stdout, \
+        out.stdout
+    assert "[search] 'a red house' among 1 pictures" in out.stdout \
+        and "red_house.png (cosine" in out.stdout

@@ -46,7 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vlinfer.toy import embedded  # noqa: E402
 from vlinfer.toy import scenes  # noqa: E402
-from vlinfer.toy.tiny_checkpoints import QWEN3_VL_SPECIAL, qwen_tokenizer_files, tiny_qwen3_vl_config  # noqa: E402
+from vlinfer.toy.tiny_checkpoints import (QWEN3_VL_SPECIAL, qwen_tokenizer_files,  # noqa: E402
+                                          tiny_qwen3_vl_config)
 
 # scenes seed of the shipped run; EVAL_SEED (never trained on) is in vlinfer.embedded
 TRAIN_SEED = 1
@@ -360,10 +361,9 @@ def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_ever
                 f"token acc {correct.float().mean().item():.3f} {time.time() - start:.0f}s",
                 flush=True)
         if eval_every and (step % eval_every == 0 or step == stop_after):
-            print(
-                f"  held-out teacher-forced exact match: "
-                f"{teacher_forced_accuracy(model, batcher, rest, embedded.EVAL_SEED + 1, eval_count)}",
-                flush=True)
+            accuracy = teacher_forced_accuracy(model, batcher, rest, embedded.EVAL_SEED + 1,
+                                               eval_count)
+            print(f"  held-out teacher-forced exact match: {accuracy}", flush=True)
         if snapshot_every and step % snapshot_every == 0 and step < stop_after:
             info = dict(steps=steps, stop_after=step, batch_size=batch_size, seed=seed,
                         threads=threads, lr=lr, max_turns=max_turns, weight_decay=weight_decay,
@@ -529,8 +529,8 @@ def main(argv=None) -> int:
         "--evaluate-retrieval", action="store_true", help=
         "only score the embedded toy reranker (qwen3-vl-toy-reranker) at text-to-image retrieval")
     args = p.parse_args(argv)
-    single = args.init is not None or any(getattr(args, k) is not None for k in RUN_FLAGS) or args.stop_after or \
-        args.snapshot_every or args.eval_every
+    single = args.init is not None or any(getattr(args, k) is not None for k in RUN_FLAGS) or \
+        args.stop_after or args.snapshot_every or args.eval_every
     recipe = embedded.FINE_TUNING if args.init is not None else embedded.TRAINING
     flags = {k: recipe[k] if getattr(args, k) is None else getattr(args, k) for k in RUN_FLAGS}
     if args.evaluate_retrieval:

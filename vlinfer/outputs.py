@@ -30,17 +30,20 @@ class RequestMetrics:
     @property
     def spec_acceptance_rate(self) -> float | None:
         """Accepted / proposed tokens; None when nothing was proposed."""
-        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens \
+            if self.spec_num_draft_tokens else None
 
     @property
     def spec_mean_accepted_length(self) -> float | None:
         """Tokens per verification step that carried proposals: the accepted ones plus the one the
         model adds."""
-        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts \
+            if self.spec_num_drafts else None
 
     @property
     def time_in_queue(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+        return None if self.first_scheduled_time is None else \
+            self.first_scheduled_time - self.arrival_time
 
 
 @dataclass

@@ -152,8 +152,8 @@ class Pipeline:
         system turn): `items` first (each a string or a dict mixing "text", "image", "video"), then
         each image, video and text as an item of its own. dimensions=k keeps the leading k entries
         (Matryoshka), renormalized."""
-        items = list(items or []) + [{"image": x} for x in images or []] + [{"video": x} for x in videos or []] + \
-            [{"text": x} for x in texts or []]
+        items = list(items or []) + [{"image": x} for x in images or []] + \
+            [{"video": x} for x in videos or []] + [{"text": x} for x in texts or []]
         if not items:
             raise ValueError("nothing to embed: give images, texts, videos or items")
         prompts = [embedding_prompt(self.engine, item, instruction) for item in items]

@@ -17,7 +17,8 @@ def time_runs(generate, runs: list[dict], tag: str = "") -> dict:
             got = generate(run["prompts"], run["max_tokens"])
             seconds.append(time.perf_counter() - start)
             produced, wanted = sum(map(len, got)), sum(run["max_tokens"])
-            assert produced == wanted, f"{run['name']}: {produced} tokens came back, {wanted} requested"
+            assert produced == wanted, (f"{run['name']}: {produced} tokens came back, "
+                                        f"{wanted} requested")
             outputs = outputs or [list(map(int, o)) for o in got]
         results[run["name"]] = {"seconds": seconds, "outputs": outputs}
         print(f"{tag}{run['name']}: " + ", ".join(f"{s:.2f}s" for s in seconds), flush=True)

@@ -53,8 +53,8 @@ class CaptionSummary:
     previous_errors: int = 0  # error records among the skipped paths
 
     def line(self) -> str:
-        rate = f"{self.captioned / self.seconds:.2f} img/s, {self.tokens / self.seconds:.1f} tok/s" \
-            if self.seconds > 0 else "-"
+        rate = f"{self.captioned / self.seconds:.2f} img/s, " \
+            f"{self.tokens / self.seconds:.1f} tok/s" if self.seconds > 0 else "-"
         text = (
             f"captioned {self.captioned} image(s), {self.errors} error(s) in {self.seconds:.1f}s "
             f"({rate}) "
@@ -122,7 +122,8 @@ def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT,
     captioned = errors = tokens = 0
     start = time.perf_counter()
     with OutputWriter(out, RECORD_FIELDS) as writer, \
-            tqdm(total=len(todo), unit="img", desc="caption", disable=not progress, dynamic_ncols=True) as bar:
+            tqdm(total=len(todo), unit="img", desc="caption", disable=not progress,
+                 dynamic_ncols=True) as bar:
         for begin in range(0, len(todo), batch_size):
             batch = todo[begin:begin + batch_size]
             # A clip's options ride on its own part (chat reads fps, num_frames ... there), so one

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from vlinfer.captioning.inputs import (CaptionInputError, check_names, collect_images, is_video,
                                        key, media, read_table_rows, tables_in)
-from vlinfer.captioning.output import OutputWriter, check_output, recorded, recorded_errors, skipped_note
+from vlinfer.captioning.output import (OutputWriter, check_output, recorded, recorded_errors,
+                                       skipped_note)
 from vlinfer.captioning.records import request_error
 from vlinfer.inputs.retrieval import embedding_instruction
 from vlinfer.outputs import RequestError
@@ -105,8 +106,10 @@ def embed_rows(pipe, rows: list[dict], instruction: str | None = None,
         outputs = e.outputs
     for i, output in zip(indices, outputs):
         path = rows[i]["path"]
-        records[i] = embed_record(path, pipe.model, applied, error=request_error(output.error, is_video(path))) \
-            if output.error else embed_record(path, pipe.model, applied, vector=output.outputs.embedding)
+        records[i] = embed_record(path, pipe.model, applied,
+                                  error=request_error(output.error, is_video(path))) \
+            if output.error else \
+            embed_record(path, pipe.model, applied, vector=output.outputs.embedding)
     return records
 
 
@@ -216,7 +219,8 @@ def embed_files(pipe, rows: list[dict], out: str, instruction: str | None = None
     from tqdm.auto import tqdm
     start = time.perf_counter()
     with OutputWriter(out, EMBED_RECORD_FIELDS) as writer, \
-            tqdm(total=len(todo), unit="item", desc="embed", disable=not progress, dynamic_ncols=True) as bar:
+            tqdm(total=len(todo), unit="item", desc="embed", disable=not progress,
+                 dynamic_ncols=True) as bar:
         tally = EmbedTally(writer, bar, length, out)
         for begin in range(0, len(todo), batch_size):
             tally.add(embed_rows(pipe, todo[begin:begin + batch_size], instruction, dimensions))

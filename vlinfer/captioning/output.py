@@ -227,4 +227,5 @@ def recorded_errors(keys, done: dict[str, dict]) -> int:
 
 def skipped_note(skipped: int, previous_errors: int) -> str:
     """The end of a resumed run's summary line."""
-    return f"; {skipped} already recorded, skipped ({previous_errors} of them errors)" if skipped else ""
+    return (f"; {skipped} already recorded, skipped ({previous_errors} of them errors)"
+            if skipped else "")

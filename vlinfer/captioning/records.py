@@ -40,7 +40,8 @@ def make_record(path: str, output, structured: bool = False, video: bool = False
             why = f"finish_reason={completion.finish_reason}"
             if completion.finish_reason == "length":
                 why += ": cut short by max_tokens, raise --max-tokens"
-            caption, error = None, f"the output is not a complete JSON record ({e}; {why}): {completion.text[:200]!r}"
+            caption, error = None, (f"the output is not a complete JSON record ({e}; {why}): "
+                                    f"{completion.text[:200]!r}")
     return _record(path=path, caption=caption, tokens=len(completion.token_ids),
                    size=image.get("size"),
                    num_image_tokens=None if video else image.get("num_tokens"), error=error,

@@ -36,7 +36,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-CHAT_HELP = "/image PATH attaches an image to your next message, /reset clears the history, /exit quits"
+CHAT_HELP = ("/image PATH attaches an image to your next message, /reset clears the history, "
+             "/exit quits")
 
 
 def _stream_answer(engine, request_id: str) -> str | None:
@@ -102,8 +103,8 @@ def cmd_chat(args) -> int:
             continue
         if not line:
             continue
-        content = [{"type": "image", "image": p} for p in pending] + [{"type": "text", "text": line}] \
-            if pending else line
+        content = [{"type": "image", "image": p} for p in pending] + \
+            [{"type": "text", "text": line}] if pending else line
         turn = {"role": "user", "content": content}
         pending = []
         try:

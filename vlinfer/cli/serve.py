@@ -122,7 +122,8 @@ def lora_module(text: str) -> LoRAModule:
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON: {e}") from None
     keys = set(fields) if isinstance(fields, dict) else set()
-    if not isinstance(fields, dict) or not {"name", "path"} <= keys <= {"name", "path", "base_model_name"} or \
+    if not isinstance(fields, dict) or \
+            not {"name", "path"} <= keys <= {"name", "path", "base_model_name"} or \
             not all(isinstance(v, str) and v for v in fields.values()):
         raise argparse.ArgumentTypeError(
             f"{text!r}: the JSON form is an object of strings: name, path and "

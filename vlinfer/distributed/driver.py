@@ -342,7 +342,8 @@ class TPDriver:
                 error = _worker_error(self.state.store, rank)
                 proc = self.state.procs.get(rank)
                 if error is not None:
-                    who = _describe_exit(rank, proc) if proc is not None and not proc.is_alive() else \
+                    who = _describe_exit(rank, proc) \
+                        if proc is not None and not proc.is_alive() else \
                         f"tensor-parallel worker rank {rank}"
                     return f"{who}; it raised:\n{error}"
                 if proc is not None and not proc.is_alive():

@@ -101,7 +101,8 @@ class GraphRunner:
         """lora_slots: the LoRA layers' slot count, the last one kept zero (LoRAManager zero_slot),
         when adapters are on: every graph then runs the LoRA updates over static groups, and steps
         with adapters replay too; 0: none."""
-        self.model, self.ctx, self.backend, self.sizes, self.max_blocks = model, ctx, backend, sizes, max_blocks
+        self.model, self.ctx, self.backend, self.sizes, self.max_blocks = \
+            model, ctx, backend, sizes, max_blocks
         self.host_lengths = getattr(backend, "host_lengths", False)
         n = sizes[-1]
         # Padded rows write nothing (slot -1) and attend to nothing (length 0). With a dummy block

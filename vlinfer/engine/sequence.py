@@ -123,7 +123,8 @@ class Sequence(PromptAndOutput):
         """The encoder cache's key of one of its items: the pixels, and the vision adapter they are
         encoded under (0: none). Prefix-cache blocks need no such key: their hash chain starts from
         the request's adapter."""
-        return item.content_hash, self.vision_lora.lora_int_id if self.vision_lora is not None else 0
+        return item.content_hash, \
+            self.vision_lora.lora_int_id if self.vision_lora is not None else 0
 
     def mm_hashes_in(self, start: int, end: int) -> tuple[int, ...]:
         """Content hashes of the multimodal items overlapping token range [start, end)."""

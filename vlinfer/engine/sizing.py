@@ -111,7 +111,8 @@ def _num_blocks(config: EngineConfig, longest: int, block_size: int, batched: in
     budget -= config.max_num_seqs * pool.bytes_per_slot  # 0 for a pure-attention model
     per_block = pool.bytes_per_block + draft_bytes_per_block
     num_blocks = max(0, min(int(budget // per_block) - pool.num_dummy_blocks, useful))
-    holds = f"KV cache budget of {int(budget)} bytes holds {num_blocks} blocks of {block_size} tokens"
+    holds = (f"KV cache budget of {int(budget)} bytes holds {num_blocks} blocks of {block_size} "
+             "tokens")
     if config.max_model_len is not None and num_blocks < per_seq:
         raise ValueError(
             f"{holds}, fewer than one sequence of max_model_len={longest} needs ({per_seq}); "

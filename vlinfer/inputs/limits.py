@@ -26,7 +26,8 @@ TABLE = (
 
 
 def too_many_images(count: int, limit: int = MAX_IMAGES) -> str:
-    return f"the request has {count} images and videos; the limit is {limit} per request (max_images)"
+    return (f"the request has {count} images and videos; the limit is {limit} per request "
+            "(max_images)")
 
 
 def too_many_pixels(width: int, height: int, limit: int = MAX_IMAGE_PIXELS) -> str:

@@ -22,7 +22,8 @@ from vlinfer.captioning.inputs import key, media
 from vlinfer.captioning.output import recorded_errors
 from vlinfer.inputs.limits import text_only
 from vlinfer.integrations import require_ray
-from vlinfer.integrations.ray_data import EngineStage, check_sizes, connect, input_dataset, run_stage
+from vlinfer.integrations.ray_data import (EngineStage, check_sizes, connect, input_dataset,
+                                           run_stage)
 
 
 class CaptionStage(EngineStage):

@@ -38,8 +38,8 @@ def input_dataset(ray, inputs: list[str], done: set[str], batch_size: int, file_
         rows = file_rows(inputs)
         todo = [row for row in rows if key_of(row["path"]) not in done]
         blocks = max(1, math.ceil(len(todo) / batch_size))
-        return (ray.data.from_items(todo, override_num_blocks=blocks) if todo else None), len(rows), \
-            len(rows) - len(todo)
+        return (ray.data.from_items(todo, override_num_blocks=blocks) if todo else None), \
+            len(rows), len(rows) - len(todo)
     readers = [_reader(ray, table, id_column, text_column) for table in tables]
     ds = readers[0].union(*readers[1:]) if len(readers) > 1 else readers[0]
     columns = table_columns(ds.schema().names if ds.schema() else [], id_column, text_column,

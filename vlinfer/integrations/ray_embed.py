@@ -9,10 +9,12 @@ recorded ones."""
 import time
 
 from vlinfer.captioning import EMBED_RECORD_FIELDS, EmbedSummary, OutputWriter, embed_rows, recorded
-from vlinfer.captioning.embedder import EmbedTally, check_embedder, file_rows, recorded_length, row_key
+from vlinfer.captioning.embedder import (EmbedTally, check_embedder, file_rows, recorded_length,
+                                         row_key)
 from vlinfer.captioning.output import recorded_errors
 from vlinfer.integrations import require_ray
-from vlinfer.integrations.ray_data import EngineStage, check_sizes, connect, input_dataset, run_stage
+from vlinfer.integrations.ray_data import (EngineStage, check_sizes, connect, input_dataset,
+                                           run_stage)
 
 
 class EmbedStage(EngineStage):

@@ -32,7 +32,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, heads, head_dim], k and v [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
         step = self.ctx.forward_context()
-        if self.k_scale is not None and self.static_kv_scales is not None and self.k_cache.dtype == torch.int8:
+        if self.k_scale is not None and self.static_kv_scales is not None \
+                and self.k_cache.dtype == torch.int8:
             return self._static_int8(q, k, v, step)
         if self.k_scale is not None:
             self.ops.store_quantized_kvcache(k, v, self.k_cache, self.v_cache, self.k_scale,

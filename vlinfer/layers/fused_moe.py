@@ -120,7 +120,8 @@ class FusedMoE(nn.Module):
         """Before loading (quantization/assign.py): the checkpoint's format, its tensor index and
         this layer's checkpoint module name, so each expert projection can be given the method its
         tensors call for."""
-        self.checkpoint_quantization, self.tensor_index, self.checkpoint_prefix = quantization, tensors, prefix
+        self.checkpoint_quantization, self.tensor_index, self.checkpoint_prefix = \
+            quantization, tensors, prefix
 
     def load_expert_tensor(self, expert: int, part: str, suffix: str, loaded) -> None:
         """One tensor of one expert projection, `...experts.E.{part}_proj.{suffix}`: a dense

@@ -61,7 +61,8 @@ def _reader_and_mapping(path: str, config):
     """(reader, processor, {gguf name: hf name}) for a GGUF file, built as transformers builds them.
     """
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map)
     reader = _array_reader(path)
     field = reader.fields["general.architecture"]
     architecture = bytes(field.parts[field.data[0]]).decode()

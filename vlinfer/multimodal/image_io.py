@@ -90,7 +90,7 @@ def image_content_hash(image: PIL.Image.Image) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-# ---------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # internals
 
 def _finalize(image: PIL.Image.Image) -> PIL.Image.Image:

@@ -159,7 +159,7 @@ class Qwen3VLImageProcessor:
         d = read_processor_config(folder, "image_processor")
         return cls() if d is None else cls.from_config_dict(d)
 
-    # ------------------------------------------------------------------------------------------------
+    # ---------------------------------------------------------------------------------------------
     # sizing
 
     def resized_size(self, height: int, width: int, min_pixels: int | None = None,
@@ -190,7 +190,7 @@ class Qwen3VLImageProcessor:
         t, h, w = self.grid_thw(height, width, min_pixels, max_pixels)
         return t * h * w // (self.merge_size ** 2)
 
-    # ------------------------------------------------------------------------------------------------
+    # ---------------------------------------------------------------------------------------------
     # processing
 
     def max_pixels_for(self, detail: str | None, max_pixels: int | None = None) -> int:

@@ -10,7 +10,8 @@ from vlinfer.multimodal.image_io import ImageLoadError, image_content_hash, load
 from vlinfer.multimodal.image_processor import Qwen3VLImageProcessor
 from vlinfer.multimodal.mrope import mrope_positions
 from vlinfer.multimodal.url_fetch import UrlPolicy
-from vlinfer.inputs.limits import MAX_IMAGES, MM_PROCESSOR_KWARGS, VIDEO_OPTIONS, too_many_images, unknown_mm_kwargs
+from vlinfer.inputs.limits import (MAX_IMAGES, MM_PROCESSOR_KWARGS, VIDEO_OPTIONS, too_many_images,
+                                   unknown_mm_kwargs)
 from vlinfer.multimodal.video_prompt import VideoPrompts
 
 
@@ -172,7 +173,8 @@ class Qwen3VLInputProcessor:
         positions, delta = mrope_positions(markers, grids, self.image_token_id,
                                            self.vision_start_token_id, self.spatial_merge_size)
         info = [] if processed is None else \
-            [{"size": list(size), "num_tokens": n} for size, n in zip(processed.sizes, processed.num_tokens)]
+            [{"size": list(size), "num_tokens": n}
+             for size, n in zip(processed.sizes, processed.num_tokens)]
         return ProcessedPrompt(expanded, items, positions, delta, info,
                                [clip.info for clip in clips], first_mm_token)
 

@@ -133,8 +133,8 @@ class Qwen3VLVideoProcessor:
         if resample not in _PIL_TO_TV:
             raise ValueError(
                 f"unsupported resample code {resample}; expected one of {sorted(_PIL_TO_TV)}")
-        self.patch_size, self.temporal_patch_size, self.merge_size = int(patch_size), int(temporal_patch_size), \
-            int(merge_size)
+        self.patch_size, self.temporal_patch_size, self.merge_size = \
+            int(patch_size), int(temporal_patch_size), int(merge_size)
         self.image_mean = [float(v) for v in image_mean]
         self.image_std = [float(v) for v in image_std]
         self.min_pixels, self.max_pixels = int(min_pixels), int(max_pixels)
@@ -194,7 +194,8 @@ class Qwen3VLVideoProcessor:
             opts.video_min_pixels)
         max_pixels = self.max_pixels if opts.video_max_pixels is None else int(
             opts.video_max_pixels)
-        cap = self.cap_pixels_per_frame if opts.cap_pixels_per_frame is None else opts.cap_pixels_per_frame
+        cap = self.cap_pixels_per_frame if opts.cap_pixels_per_frame is None else \
+            opts.cap_pixels_per_frame
         if cap:
             frame_cap = self.max_video_tokens * self.factor * self.factor
             per_frame = max(min(frame_cap, max_pixels // num_frames), int(min_pixels * 1.05))
@@ -206,7 +207,8 @@ class Qwen3VLVideoProcessor:
         """The `plan` video_io.load_video calls once it knows the clip: the frames to take and their
         size."""
         def plan(source: VideoSource) -> tuple[list[int], tuple[int, int]]:
-            sample = self.do_sample_frames if opts.do_sample_frames is None else opts.do_sample_frames
+            sample = self.do_sample_frames if opts.do_sample_frames is None else \
+                opts.do_sample_frames
             if source.backend == "frames-presampled" or not sample:
                 indices = list(range(source.total_num_frames))
             else:

@@ -23,7 +23,8 @@ import torch
 
 from vlinfer.inputs import MultiModalItem
 from vlinfer.multimodal.video_io import VideoLimits, VideoLoadError, load_video
-from vlinfer.multimodal.video_processor import VIDEO_OPTIONS, ProcessedVideo, Qwen3VLVideoProcessor, VideoOptions
+from vlinfer.multimodal.video_processor import (VIDEO_OPTIONS, ProcessedVideo,
+                                                Qwen3VLVideoProcessor, VideoOptions)
 
 
 @dataclass

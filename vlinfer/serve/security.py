@@ -258,7 +258,8 @@ def decode_image(data: bytes, policy: ImagePolicy, param: str) -> PIL.Image.Imag
                        param) from None
         except PIL.Image.DecompressionBombError as e:
             raise _bad(f"invalid image: {e}", param) from None
-        except Exception as e:  # noqa: BLE001 - whatever a parser raises on hostile bytes is a bad image
+        # whatever a parser raises on hostile bytes is a bad image
+        except Exception as e:  # noqa: BLE001
             raise _bad(f"invalid image: cannot read its header ({type(e).__name__}: {e})",
                        param) from None
     width, height = image.size

@@ -88,7 +88,8 @@ class CompressedTensorsQuantization(CheckpointQuantization):
                     f"{weights.num_bits}-bit "
                     "weights are not supported (only int8 x int8, W8A8)")
             act_strategy = _name(acts.strategy, "tensor")
-            if acts.dynamic is True and act_strategy != "token" or acts.dynamic is False and act_strategy != "tensor":
+            if acts.dynamic is True and act_strategy != "token" \
+                    or acts.dynamic is False and act_strategy != "tensor":
                 raise ValueError(
                     f"{where}: activation strategy {act_strategy!r} with dynamic={acts.dynamic} is "
                     "not "

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from vlinfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from vlinfer.layers.quantization.base import CheckpointQuantization, LinearMethod, ParamLayout, ParamSpec, TensorIndex
+from vlinfer.layers.quantization.base import (CheckpointQuantization, LinearMethod, ParamLayout,
+                                              ParamSpec, TensorIndex)
 from vlinfer.ops.reference.gguf import BLOCK, GGUF_BLOCK_TYPES, block_bytes
 
 logger = logging.getLogger("vlinfer")

@@ -43,7 +43,8 @@ class IntWeightMethod(LinearMethod):
 
     def __init__(self, bits: int, group_size: int | None, symmetric: bool, packed: bool,
                  per_tensor: bool = False):
-        self.bits, self.group_size, self.symmetric, self.packed = bits, group_size, symmetric, packed
+        self.bits, self.group_size, self.symmetric, self.packed = \
+            bits, group_size, symmetric, packed
         # one weight scale per shard (compressed-tensors strategy "tensor")
         self.per_tensor = per_tensor
         self.scheme = "w8a16" if bits == 8 else "w4a16"
@@ -53,8 +54,8 @@ class IntWeightMethod(LinearMethod):
         return (self.name, self.bits, self.group_size, self.symmetric, self.packed, self.per_tensor)
 
     def describe(self) -> str:
-        grouping = "per tensor" if self.per_tensor else "per channel" if self.group_size is None else \
-            f"group {self.group_size}"
+        grouping = "per tensor" if self.per_tensor else \
+            "per channel" if self.group_size is None else f"group {self.group_size}"
         return f"{self.name} ({'sym' if self.symmetric else 'asym'}, {grouping})"
 
     def _check_groups(self, layer) -> None:
@@ -172,7 +173,8 @@ class W8A8Method(IntWeightMethod):
     def describe(self) -> str:
         acts = "dynamic per-token" if self.dynamic else \
             f"static per-tensor {'sym' if self.input_symmetric else 'asym'}"
-        return f"w8a8 (int8 weights per {'tensor' if self.per_tensor else 'channel'}, {acts} int8 activations)"
+        return (f"w8a8 (int8 weights per {'tensor' if self.per_tensor else 'channel'}, "
+                f"{acts} int8 activations)")
 
     def create_weights(self, layer) -> dict[str, ParamSpec]:
         specs = self.weight_specs(layer)

@@ -35,7 +35,8 @@ import os
 
 import torch
 
-from vlinfer.layers.quantization.base import CheckpointQuantization, LinearMethod, ParamLayout, ParamSpec, TensorIndex
+from vlinfer.layers.quantization.base import (CheckpointQuantization, LinearMethod, ParamLayout,
+                                              ParamSpec, TensorIndex)
 
 logger = logging.getLogger("vlinfer")
 DESCRIPTION_FILE = "quant_model_description.json"
@@ -154,7 +155,8 @@ class ModelSlimLinear(LinearMethod):
 
     def __init__(self, kind: str, prefix: str, file_shapes: dict, full_in_features: int,
                  has_bias: bool):
-        self.kind, self.prefix, self.file_shapes, self.has_bias = kind, prefix, file_shapes, has_bias
+        self.kind, self.prefix, self.file_shapes, self.has_bias = \
+            kind, prefix, file_shapes, has_bias
         self.full_in_features = full_in_features
         scale = file_shapes.get("weight_scale")
         self.groups = 1 if scale is None or len(scale) == 1 else scale[1]

@@ -41,7 +41,8 @@ class QuantizeOnLoadMethod(LinearMethod):
         return (self.name, self.group_size)
 
     def describe(self) -> str:
-        return f"{self.name} ({'per channel' if self.group_size is None else f'group {self.group_size}'})"
+        return (f"{self.name} "
+                f"({'per channel' if self.group_size is None else f'group {self.group_size}'})")
 
     def create_weights(self, layer) -> dict[str, ParamSpec]:
         return {

@@ -287,7 +287,8 @@ class CpuOps(ReferenceOps):
                 for w in (layer["input_norm"], layer["post_norm"], layer["q_norm"], layer["k_norm"])
                 if w is not None
             ]
-            if not all(w.dim() > 2 and not w.is_mkldnn and w.dtype == dtype for w in projections) or \
+            if not all(w.dim() > 2 and not w.is_mkldnn and w.dtype == dtype
+                       for w in projections) or \
                     not all(w.dtype == dtype for w in norms):
                 return None
         stack = self.ext.DenseDecodeStack(num_heads, num_kv_heads, head_dim, scale, eps, qk_eps)

@@ -109,7 +109,8 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
         if w13.dim() == 5:
             matmul = expert_panel_matmul
         elif expert_matmul is not None and x.dtype == torch.bfloat16 and w13.is_contiguous() and \
-                w2.is_contiguous() and local_ids.numel() <= SMALL_GROUP_ROWS * int((counts > 0).sum()):
+                w2.is_contiguous() and \
+                local_ids.numel() <= SMALL_GROUP_ROWS * int((counts > 0).sum()):
             matmul = expert_matmul
         else:
             matmul = _grouped_matmul

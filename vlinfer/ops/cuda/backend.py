@@ -230,7 +230,8 @@ class CudaOps(ReferenceOps):
         """Whether decode attention reads only each sequence's own blocks (flash_attn where it
         applies, our Triton kernel) rather than the reference's matmul over the block table's whole
         width."""
-        flash = self._flash is not None and block_size % FLASH_BLOCK_MULTIPLE == 0 and dtype in HALF_DTYPES
+        flash = self._flash is not None and block_size % FLASH_BLOCK_MULTIPLE == 0 \
+            and dtype in HALF_DTYPES
         return flash or self._attention is not None
 
     def _flash_usable(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -66,8 +66,9 @@ def pack(scheme: str, tensors: dict) -> dict:
         # above).
         packed["antiquant_scale"] = scale.t().contiguous() if groups > 1 else scale.reshape(
             n).contiguous()
-        packed["antiquant_offset"] = None if zero is None else (-zero.reshape(n, -1).float()).to(scale.dtype).t() \
-            .contiguous().reshape(packed["antiquant_scale"].shape)
+        packed["antiquant_offset"] = None if zero is None else \
+            (-zero.reshape(n, -1).float()).to(scale.dtype).t().contiguous().reshape(
+                packed["antiquant_scale"].shape)
         group = k // groups if groups > 1 else 0
         packed["group_size"] = group
         if group and not (group % 32 == 0 and 32 <= group <= k - 1):
@@ -155,7 +156,8 @@ def _float_bias(bias, dtype):
 def _fallback(ops, op: str, x, packed: dict, dtypes) -> bool:
     """Whether this call runs the reference; the reason is logged once per engine and op."""
     if x.dtype not in dtypes:
-        why = f"activations are {x.dtype}; the torch_npu op takes {', '.join(str(d) for d in dtypes)} here"
+        why = (f"activations are {x.dtype}; "
+               f"the torch_npu op takes {', '.join(str(d) for d in dtypes)} here")
     elif not packed["npu"]:
         why = (
             "the layer's shape or group size is outside the torch_npu op's limits (K, N <= "
