@@ -46,7 +46,8 @@ STATEFUL_PACKAGES = ("vlinfer.ops", "vlinfer.layers")
 # sentence that starts with LONG_FILE_REASON.
 LONG_FILE_LINES = 500
 LONG_FILE_REASON = "Long because"
-MAX_ENGINE_LINES = 210  # vlinfer/engine/llm_engine.py: the loop, read like nano-vllm's
+# vlinfer/engine/llm_engine.py: the loop, read like nano-vllm's (210 lines at 120 columns, now 100)
+MAX_ENGINE_LINES = 230
 
 
 def _modules(top: str, package: str) -> dict[str, str]:

@@ -34,20 +34,16 @@ class LLMEngine:
         config = EngineConfig(model=model, **kwargs)
         parallel = ParallelConfig.of(config)
         if parallel.launched_externally and parallel.rank != 0:
-            # torchrun (or similar) started this script on every rank: rank 0 runs the engine, this
-            # rank serves it, then the process ends with the engine. Code after LLM(...) runs on
-            # rank 0 only.
+            # torchrun started this script on every rank: rank 0 runs the engine, this rank serves
+            # it and ends with it. Code after LLM(...) runs on rank 0 only.
             from vlinfer.engine.worker import serve_from_env
             serve_from_env(parallel)  # does not return
         self.config = config
         self.driver: TPDriver | None = None
-        # built in _build; close() may run before
-        self.grammar_matchers: GrammarMatchers | None = None
-        # a mistyped device fails before any model work
-        self.device = platform.resolve_device(config.device)
+        self.grammar_matchers: GrammarMatchers | None = None  # close() may run before _build
+        self.device = platform.resolve_device(config.device)  # fails before any model work
         self.source = loading.resolve_model(model)
-        # start the workers now: they import torch while we read the config
-        if config.tensor_parallel_size > 1:
+        if config.tensor_parallel_size > 1:  # the workers import torch while we read the config
             self.driver = TPDriver(parallel, self.device.type, spawned_worker_main)
             self.device = self.driver.device
         try:
@@ -61,14 +57,10 @@ class LLMEngine:
         self.hf_config = loading.load_config(self.source, config.hf_overrides)
         self.tokenizer = loading.load_tokenizer(self.source)
         self.dtype = platform.resolve_dtype(config.dtype, self.hf_config, self.device)
-        # the decoder's config, nested in multimodal ones
-        self.text_config = self.hf_config.get_text_config()
-        # fails before any weight is read
-        model_len, longest = sizing.context_limit(config, self.text_config)
-        # an unsupported architecture fails here, before the workers load
-        get_model_class(self.hf_config)
-        # A pooling engine generates too where its checkpoint has an LM head (requests of both kinds
-        # batch).
+        self.text_config = self.hf_config.get_text_config()  # nested in multimodal configs
+        model_len, longest = sizing.context_limit(config, self.text_config)  # before any weight
+        get_model_class(self.hf_config)  # an unsupported architecture fails before workers load
+        # A pooling engine generates too where its checkpoint has an LM head (both kinds batch).
         tensors = loading.checkpoint_tensor_index(self.source, self.hf_config)
         self.pooling, self.can_generate = resolve_pooling(config, self.source, self.hf_config,
                                                           self.tokenizer, tensors)
@@ -79,15 +71,13 @@ class LLMEngine:
                                                self.source.folder)
         group = SINGLE
         if self.driver is not None:  # the workers load their shards while rank 0 loads its own
-            self.driver.start_workers({
-                "source": self.source, "hf_config": self.hf_config, "config": config,
-                "dtype": self.dtype, "kv_cache_dtype": kv_cache_dtype, "pooling": self.pooling,
-                "device_type": self.device.type, "block_size": block_size
-            })
+            self.driver.start_workers(
+                {"source": self.source, "hf_config": self.hf_config, "config": config,
+                 "dtype": self.dtype, "kv_cache_dtype": kv_cache_dtype, "pooling": self.pooling,
+                 "device_type": self.device.type, "block_size": block_size})
             group = self.driver.group
         self.eos_token_ids = loading.eos_token_ids(self.source, self.tokenizer)
-        # Structured outputs over the logits' width; nothing is built until a request is
-        # constrained.
+        # Structured outputs over the logits' width; built when a request is constrained.
         self.grammar_matchers = GrammarMatchers(self.tokenizer, self.text_config.vocab_size,
                                                 self.eos_token_ids)
         self.model_runner = runner = build_runner(
@@ -105,9 +95,8 @@ class LLMEngine:
         # Before sizing: the draft's KV pool takes its share of the same budget.
         draft = DraftModel.load(config.speculative_config, self.text_config.vocab_size, self.device,
                                 config.ops, self.dtype, block_size, config.max_num_seqs)
-        self.resolved: ResolvedConfig = sizing.resolve(config, self.dtype, model_len, longest,
-                                                       block_size, self.model_runner,
-                                                       ranks_per_host, draft)
+        self.resolved: ResolvedConfig = sizing.resolve(
+            config, self.dtype, model_len, longest, block_size, runner, ranks_per_host, draft)
         self.model_runner.init_cache(self.resolved)  # the pool, then graphs over its addresses
         if draft is not None:  # as many blocks as the target's pool
             draft.allocate_kv_cache(self.resolved.num_blocks)
@@ -118,16 +107,13 @@ class LLMEngine:
                                    config.max_loras if config.enable_lora else 0)
         self.speculator = Speculator(config.speculative_config, self.resolved.max_model_len,
                                      placeholder_token_ids(self.hf_config), draft)
-        self.input_processor = InputProcessor.of_model(self.source, self.hf_config, self.tokenizer,
-                                                       self.device, self.resolved.max_model_len,
-                                                       isinstance(runner.model, SupportsMultiModal),
-                                                       config.allow_image_urls,
-                                                       self.grammar_matchers, config.seed,
-                                                       self.pooling, self.can_generate, runner.lora)
+        self.input_processor = InputProcessor.of_model(
+            self.source, self.hf_config, self.tokenizer, self.device, self.resolved.max_model_len,
+            isinstance(runner.model, SupportsMultiModal), config.allow_image_urls,
+            self.grammar_matchers, config.seed, self.pooling, self.can_generate, runner.lora)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 self.resolved.max_model_len)
-        # by sequence id: every sequence added and not yet finished
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}  # by sequence id: added and not yet finished
         self._request_ids = count()
 
     @property
@@ -139,8 +125,7 @@ class LLMEngine:
         return self.input_processor.is_multimodal
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (a no-op on one rank); also at garbage collection and
-        interpreter exit."""
+        """Stop the tensor-parallel workers (a no-op on one rank); also at interpreter exit."""
         if self.grammar_matchers is not None:
             self.grammar_matchers.close()
         if self.driver is not None:
@@ -150,8 +135,7 @@ class LLMEngine:
     def make_sequences(self, prompt: PromptType,
                        sampling_params: SamplingParams | PoolingParams | None = None,
                        request_id: str | None = None, lora_request=None) -> list[Sequence]:
-        """Validate a request and build its n Sequences (one with PoolingParams) without touching
-        engine state."""
+        """Validate a request; build its n Sequences (one with PoolingParams), no state touched."""
         if request_id is None:
             request_id = str(next(self._request_ids))
         n = sampling_params.n if isinstance(sampling_params, SamplingParams) else 1
@@ -163,15 +147,13 @@ class LLMEngine:
 
     def make_sequence(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                       request_id: str | None = None) -> Sequence:
-        """make_sequences for callers that queue one sequence per request (the engine loop, the
-        server)."""
+        """make_sequences for callers that queue one sequence per request (the engine loop)."""
         if isinstance(sampling_params, SamplingParams) and sampling_params.n > 1:
             raise ValueError(
                 f"SamplingParams.n={sampling_params.n}: this call makes one completion; "
                 "LLM.generate, LLM.chat and LLMEngine.add_request run n")
         return self.make_sequences(prompt, sampling_params, request_id)[0]
 
-    # InputProcessor.chat_prompt
     def chat_prompt(self, messages: list[dict], *args, **kwargs) -> dict:
         return self.input_processor.chat_prompt(messages, *args, **kwargs)
 
@@ -193,9 +175,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         seq = self.requests.get(request_id)
-        seqs = [seq] if seq is not None else [
-            s for s in list(self.requests.values()) if s.parent_id == request_id
-        ]
+        seqs = [seq] if seq is not None else [s for s in list(self.requests.values())
+                                              if s.parent_id == request_id]
         for seq in seqs:
             self._finish(seq)
             seq.finish_reason = "abort"
@@ -222,10 +203,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.waiting:
-                raise RuntimeError(
-                    "scheduler could not place any waiting request; the KV pool is too small: "
-                    "raise "
-                    "kv_cache_bytes / memory_utilization or lower max_model_len")
+                raise RuntimeError("scheduler could not place any waiting request; the KV pool is "
+                                   "too small: raise kv_cache_bytes / memory_utilization or lower "
+                                   "max_model_len")
             return []
         now = time.time()
         for seq in batch.seqs:
@@ -235,13 +215,11 @@ class LLMEngine:
         for seq, position, entry in prompt_logprobs:
             self.output_processor.add_prompt_logprob(seq, position, entry)
         outputs = [self.pooling.request_output(seq, row) for seq, row in pooled]
-        outputs += [
-            self.output_processor.append_tokens(seq, tokens, logprobs)
-            for seq, tokens, logprobs in sampled
-        ]
+        outputs += [self.output_processor.append_tokens(seq, tokens, logprobs)
+                    for seq, tokens, logprobs in sampled]
         self.speculator.record(sampled)  # acceptance, before update rolls back the rejected
         self.scheduler.update(batch, sampled)
-        for seq in [seq for seq, _ in pooled
-                    ] + [seq for seq, *_ in sampled if seq.finish_reason is not None]:
+        finished = [seq for seq, *_ in sampled if seq.finish_reason is not None]
+        for seq in [seq for seq, _ in pooled] + finished:
             self._finish(seq)
         return outputs
