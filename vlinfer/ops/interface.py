@@ -109,6 +109,27 @@ class Backend:
         """tanh-approximated GELU; may overwrite x (callers pass a temporary)."""
         raise NotImplementedError
 
+    # ---- linear attention of hybrid models (ops/reference/linear_attention.py) ----
+
+    @op
+    def causal_conv1d(self, x, weight, bias, conv_state, cu_seqlens, slots,
+                      has_state) -> torch.Tensor:
+        """Depthwise causal conv [T, C] + SiLU per packed sequence, its left context and its last
+        inputs in conv_state[slots[i]] (zeros where not has_state[i])."""
+        raise NotImplementedError
+
+    @op
+    def gated_delta_rule(self, q, k, v, g, beta, state, cu_seqlens, slots, has_state,
+                         scale: float) -> torch.Tensor:
+        """The gated delta rule over packed sequences, each from and into its state slot
+        [Hv, Dk, Dv]; q and k L2-normalised inside. Returns o [T, Hv, Dv]."""
+        raise NotImplementedError
+
+    @op
+    def gated_rms_norm(self, x, gate, weight, eps: float) -> torch.Tensor:
+        """RMSNorm of x [..., D] times SiLU(gate): a Gated DeltaNet layer's output norm."""
+        raise NotImplementedError
+
     # ---- dense linears ----
 
     @op

@@ -1,7 +1,8 @@
 """The semantic spec: every op's pure-torch definition, one file per op family (attention, kv_cache,
-linear, norm, activation, rotary, quant, gguf, moe, lora, bitmask). Device kernels are tested
-against these. `ReferenceOps` (backend.py) is the op table built from them; the definitions are
-re-exported here, so `reference.paged_attention` names the definition wherever it lives."""
+linear, norm, activation, rotary, quant, gguf, moe, lora, bitmask, linear_attention). Device kernels
+are tested against these. `ReferenceOps` (backend.py) is the op table built from them; the
+definitions are re-exported here, so `reference.paged_attention` names the definition wherever it
+lives."""
 from vlinfer.ops.reference.activation import gelu_tanh, silu_and_mul
 from vlinfer.ops.reference.attention import (paged_attention, prefill_attention,
                                              quantized_paged_attention, varlen_attention)

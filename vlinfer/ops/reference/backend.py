@@ -5,8 +5,8 @@ stay on these definitions."""
 import torch
 
 from vlinfer.ops.interface import Backend
-from vlinfer.ops.reference import (activation, attention, bitmask, gguf, kv_cache, lora, moe, norm,
-                                   quant, rotary)
+from vlinfer.ops.reference import (activation, attention, bitmask, gguf, kv_cache,
+                                   linear_attention, lora, moe, norm, quant, rotary)
 # By name: the package re-exports the function `linear` under its module's name.
 from vlinfer.ops.reference.linear import linear as dense_linear
 
@@ -35,6 +35,10 @@ class ReferenceOps(Backend):
     gelu_tanh = staticmethod(activation.gelu_tanh)
     varlen_attention = staticmethod(attention.varlen_attention)
     linear = staticmethod(dense_linear)
+    # Hybrid models' linear-attention layers, over per-sequence state slots.
+    causal_conv1d = staticmethod(linear_attention.causal_conv1d)
+    gated_delta_rule = staticmethod(linear_attention.gated_delta_rule)
+    gated_rms_norm = staticmethod(linear_attention.gated_rms_norm)
     fused_moe = staticmethod(moe.fused_moe)
     apply_token_bitmask = staticmethod(bitmask.apply_token_bitmask)
     # LoRA: each token's adapter update after the base layer, grouped by adapter slot
