@@ -68,14 +68,34 @@ def test_capacity_line():
                                              f"({mib:.1f} MiB per rank, {4096 * BLOCK} tokens)")
 
 
-def test_state_slots_are_sized_not_allocated():
-    """The hybrid seam: a state spec costs bytes per sequence slot, counted beside the blocks."""
+def test_state_slots_are_sized_allocated_and_bound():
+    """A state spec costs bytes per sequence slot, counted beside the blocks; allocated, each
+    layer gets its views [slots, *shape] of one zeroed tensor per shape."""
     state = StateSlotSpec(num_layers=2, shapes=((6, 3), (2, 4, 5)), dtype=torch.float32)
     assert state.bytes_per_slot == 2 * (6 * 3 + 2 * 4 * 5) * 4
     p = pool(torch.float32, False, states=[state])
     assert p.bytes_per_slot == state.bytes_per_slot
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match="state slot"):
         p.allocate(1)
+
+    class StateLayer:
+        state_shapes = ((6, 3), (2, 4, 5))
+        states = ()
+
+    layers = [StateLayer(), StateLayer()]
+    p = pool(torch.float32, False, states=[StateSlotSpec.of_layers(layers)])
+    p.allocate(2, num_slots=3)
+    assert p.num_slots == 3 and p.bytes_per_slot == state.bytes_per_slot
+    conv, recurrent = p.state_tensors[0]
+    assert conv.shape == (2, 3, 6, 3) and recurrent.shape == (2, 3, 2, 4, 5)
+    assert conv.dtype == torch.float32 and not conv.any()
+    for i, layer in enumerate(layers):
+        assert layer.states[0].data_ptr() == conv[i].data_ptr()
+        assert layer.states[1].data_ptr() == recurrent[i].data_ptr()
+    assert p.nbytes == 2 * p.bytes_per_block + 3 * p.bytes_per_slot
+    assert "3 state slots in float32" in p.slot_capacity(3)
+    p.release()
+    assert all(layer.states == () for layer in layers) and p.nbytes == 0
 
 
 def test_one_paged_group():

@@ -112,3 +112,14 @@ def test_only_the_scheduler_drives_the_block_manager():
     callers = {(path, method) for path, _, method in ON_BLOCK_MANAGER}
     assert {path for path, _ in callers} == {SCHEDULER}
     assert {method for _, method in callers} == BLOCK_MANAGER_CALLS
+
+
+def test_only_the_block_manager_hands_out_state_slots():
+    """A hybrid model's state slot is taken with a sequence's first blocks and given back with
+    them (BlockManager.allocate / free, driven by the scheduler alone); the model runner's
+    throwaway profiling sequence is the one other writer."""
+    manager = "vlinfer/engine/block_manager.py"
+    assert WRITES["state_slot"] == {SEQUENCE_INIT, (manager, "BlockManager.allocate"),
+                                    (manager, "BlockManager.free"),
+                                    ("vlinfer/engine/model_runner.py",
+                                     "ModelRunner.profile_peak_memory")}

@@ -275,6 +275,10 @@ class ResolvedConfig:
     # one block's K and V over every layer, on one rank, as stored (scales included)
     bytes_per_block: int
     kv_cache_dtype: torch.dtype  # the dtype K and V are stored in
+    # a hybrid model's per-sequence state slots (max_num_seqs is capped to them); 0 for none
+    num_state_slots: int = 0
+    # off for a hybrid model: a prefix hit would need the state at the prefix's end (sizing.py)
+    enable_prefix_caching: bool = True
 
     @property
     def kv_cache_tokens(self) -> int:

@@ -1,5 +1,7 @@
-"""Paged KV memory: fixed-size blocks, reference counts, and prefix caching by chained block hashes.
-"""
+"""Paged KV memory: fixed-size blocks, reference counts, and prefix caching by chained block hashes;
+and a hybrid model's per-sequence state slots (engine/cache_pool.py), held and freed with a
+sequence's blocks: a sequence takes its slot with its first blocks, and gives both back at once
+(finish, abort, preemption)."""
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -29,8 +31,12 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0):
         self.block_size = block_size
+        # free state slots, lowest first; empty and unused for a pure-attention model
+        self.num_state_slots = num_state_slots
+        self.free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Blocks with ref_count 0, in eviction order: the front is reused first. Freed blocks that
@@ -46,6 +52,10 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self.free_slots)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -103,6 +113,8 @@ class BlockManager:
         return len(hits) * self.block_size
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        if self.num_state_slots and seq.state_slot is None and not self.free_slots:
+            return False
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         return need <= len(self.free_blocks)
 
@@ -114,6 +126,8 @@ class BlockManager:
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         for _ in range(need):
             seq.block_table.append(self._allocate_block())
+        if self.num_state_slots and seq.state_slot is None:
+            seq.state_slot = self.free_slots.pop()
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -152,6 +166,12 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self._release(block_id, seq)
         seq.block_table = []
+        if seq.state_slot is not None:  # its state goes with it: a readmission starts afresh
+            if seq.state_slot in self.free_slots:
+                raise RuntimeError(f"state slot {seq.state_slot} freed twice (by sequence "
+                                   f"{seq.request_id})")
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = None
 
     def _release(self, block_id: int, seq: Sequence) -> None:
         """Drop seq's reference to a block; unreferenced, it becomes free."""

@@ -8,9 +8,9 @@ Two kinds of cache memory (docs/design.md "Two kinds of cache memory"):
   block, grown with the context and shared by prefix; a sequence holds a list of blocks
   (BlockManager).
 - per-sequence state slots (`StateSlotSpec`): the fixed-size recurrent state of linear-attention
-  layers (hybrid models, docs hybrid-models.md), one slot per running sequence whatever its
-  length. Declared so sizing can count them; not allocated yet (no model asks for them).
-A pure-attention model asks for one PagedKVSpec; a hybrid model would ask for both."""
+  layers (hybrid models, docs/hybrid.md), one slot per running sequence whatever its length; the
+  block manager hands a sequence its slot (BlockManager.slots).
+A pure-attention model asks for one PagedKVSpec; a hybrid model asks for both."""
 import logging
 import math
 from dataclasses import dataclass
@@ -71,11 +71,21 @@ class StateSlotSpec:
     """A group of linear-attention layers whose state is fixed-size per sequence (a conv state and
     a recurrent state per layer), held in slots, one per running sequence, not in blocks: it does
     not grow with the context. `shapes`: one layer's state tensors, e.g. ((conv_dim, kernel - 1),
-    (v_heads, key_head_dim, value_head_dim)), sized from the config. The seam for hybrid models:
-    sized by the pool and counted by sizing, not allocated yet."""
+    (v_heads, key_head_dim, value_head_dim)), sized from the config. `layers`: the modules the
+    pool binds their slots to (their `states`), when built from a model."""
     num_layers: int
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype = torch.float32
+    layers: tuple = ()
+
+    @classmethod
+    def of_layers(cls, layers, dtype: torch.dtype = torch.float32) -> "StateSlotSpec":
+        """The spec of a hybrid model's state layers (models/interfaces.py HasStateSlots), all of
+        one set of shapes."""
+        shapes = {tuple(layer.state_shapes) for layer in layers}
+        if len(shapes) != 1:
+            raise ValueError(f"state layers of differing shapes {sorted(shapes)}")
+        return cls(len(layers), shapes.pop(), dtype, tuple(layers))
 
     @property
     def bytes_per_slot(self) -> int:
@@ -101,6 +111,9 @@ class CachePool:
         self.kv_cache: torch.Tensor | None = None  # [2, layers, blocks, block_size, heads, dim]
         self.kv_scales: torch.Tensor | None = None  # with a quantized cache: kv_cache_scales
         self.dummy_block: int | None = None  # the first block past the block manager's
+        # per state spec, one tensor per shape: [layers, slots, *shape]
+        self.state_tensors: list[list[torch.Tensor]] = []
+        self.num_slots = 0
         if self.kv.quantized:
             self._log_readers()
 
@@ -141,13 +154,14 @@ class CachePool:
     @property
     def nbytes(self) -> int:
         """Bytes allocated now, scales included."""
-        return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.kv_scales)
-                   if t is not None)
+        tensors = [self.kv_cache, self.kv_scales, *(t for ts in self.state_tensors for t in ts)]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    def allocate(self, num_blocks: int) -> None:
-        """num_blocks for the block manager (plus the dummy blocks), bound to the layers."""
-        if self.states:
-            raise NotImplementedError("state slots (linear-attention layers) are not allocated yet")
+    def allocate(self, num_blocks: int, num_slots: int = 0) -> None:
+        """num_blocks for the block manager (plus the dummy blocks) and, for a hybrid model,
+        num_slots state slots (one per sequence it may run), bound to the layers."""
+        if self.states and num_slots < 1:
+            raise ValueError("a hybrid model's cache pool needs at least one state slot")
         self.release()  # an old pool (the profiling one), views included, goes before the new one
         # Empty, not zeroed: untouched pages cost no RAM, so a generous pool only occupies what
         # requests use. Every attention path reads only slots below each sequence's length (the
@@ -165,11 +179,24 @@ class CachePool:
                 if layer.static_kv_scales is not None and kv.dtype != torch.int8:  # fp8's pair
                     layer.k_scale.fill_(layer.static_kv_scales.k_scale)
                     layer.v_scale.fill_(layer.static_kv_scales.v_scale)
+        # Zeroed: a slot's state is only read where has_state says it was written, but a stray
+        # read of garbage could be NaN where zeros are harmless.
+        self.num_slots = num_slots if self.states else 0
+        for spec in self.states:
+            tensors = [torch.zeros(spec.num_layers, num_slots, *shape, dtype=spec.dtype,
+                                   device=self.device) for shape in spec.shapes]
+            self.state_tensors.append(tensors)
+            for i, layer in enumerate(spec.layers):
+                layer.states = tuple(t[i] for t in tensors)
 
     def release(self) -> None:
         """Drop the pool and the layers' views of it."""
         self.kv_cache = self.kv_scales = None
         self.dummy_block = None
+        self.state_tensors, self.num_slots = [], 0
+        for spec in self.states:
+            for layer in spec.layers:
+                layer.states = ()
         for layer in self.kv.layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
             layer.k_scale = layer.v_scale = None
@@ -180,3 +207,10 @@ class CachePool:
         return (f"{num_blocks} blocks of {self.block_size} tokens in {dtype} "
                 f"({num_blocks * self.bytes_per_block / 2 ** 20:.1f} MiB{per_rank}, "
                 f"{num_blocks * self.block_size} tokens)")
+
+    def slot_capacity(self, num_slots: int, per_rank: str = "") -> str:
+        """The capacity of num_slots state slots, for the sizing log."""
+        dtypes = sorted({str(spec.dtype).removeprefix("torch.") for spec in self.states})
+        return (f"{num_slots} state slots in {'/'.join(dtypes)} "
+                f"({num_slots * self.bytes_per_slot / 2 ** 20:.1f} MiB{per_rank}, "
+                f"{self.bytes_per_slot / 2 ** 20:.2f} MiB a sequence)")

@@ -16,7 +16,8 @@ from vlinfer.engine.output_processor import OutputProcessor
 from vlinfer.engine.pooling import resolve_pooling
 from vlinfer.engine.scheduler import Scheduler
 from vlinfer.engine.sequence import Sequence
-from vlinfer.engine.speculative import DraftModel, Speculator, placeholder_token_ids
+from vlinfer.engine.speculative import (DraftModel, Speculator, check_target,
+                                        placeholder_token_ids)
 from vlinfer.engine.worker import spawned_worker_main
 from vlinfer.inputs import PromptType
 from vlinfer.layers.distributed import SINGLE
@@ -59,7 +60,8 @@ class LLMEngine:
         self.dtype = platform.resolve_dtype(config.dtype, self.hf_config, self.device)
         self.text_config = self.hf_config.get_text_config()  # nested in multimodal configs
         model_len, longest = sizing.context_limit(config, self.text_config)  # before any weight
-        get_model_class(self.hf_config)  # an unsupported architecture fails before workers load
+        # an unsupported architecture, or speculation on a hybrid, fails before workers load
+        check_target(get_model_class(self.hf_config), config.speculative_config)
         # A pooling engine generates too where its checkpoint has an LM head (both kinds batch).
         tensors = loading.checkpoint_tensor_index(self.source, self.hf_config)
         self.pooling, self.can_generate = resolve_pooling(config, self.source, self.hf_config,
@@ -101,7 +103,8 @@ class LLMEngine:
         if draft is not None:  # as many blocks as the target's pool
             draft.allocate_kv_cache(self.resolved.num_blocks)
         self.block_manager = BlockManager(self.resolved.num_blocks, block_size,
-                                          config.enable_prefix_caching)
+                                          self.resolved.enable_prefix_caching,
+                                          self.resolved.num_state_slots)
         self.scheduler = Scheduler(self.block_manager, self.resolved.max_num_seqs,
                                    self.resolved.max_num_batched_tokens,
                                    config.max_loras if config.enable_lora else 0)

@@ -18,7 +18,7 @@ from vlinfer import platform
 from vlinfer.config import EngineConfig
 from vlinfer.engine import graph_runner
 from vlinfer.engine.build_model import pack_weights
-from vlinfer.engine.cache_pool import CachePool, PagedKVSpec
+from vlinfer.engine.cache_pool import CachePool, PagedKVSpec, StateSlotSpec
 from vlinfer.engine.encoder_cache import EncoderCache
 from vlinfer.engine.lora_manager import LoRAManager, step_groups
 from vlinfer.engine.sampler import prompt_logprob_entries, sample
@@ -28,7 +28,7 @@ from vlinfer.engine.step_inputs import StepInputs, StepPlan, build_step_inputs
 from vlinfer.engine.vision_encoder import VisionEncoder
 from vlinfer.layers import Attention, ForwardContext, ModelContext
 from vlinfer.layers.linear import LinearBase
-from vlinfer.models.interfaces import SupportsMRoPE, SupportsMultiModal
+from vlinfer.models.interfaces import HasStateSlots, SupportsMRoPE, SupportsMultiModal
 
 logger = logging.getLogger("vlinfer")
 
@@ -57,6 +57,11 @@ class ModelRunner:
         kv_dtype = ctx.kv_cache_dtype or ctx.dtype
         stored = kv_dtype if ctx.kv_cache_quantized else None
         self.graph_backend = graph_runner.select_backend(config, device, ctx.ops, stored)
+        self.hybrid = isinstance(model, HasStateSlots)
+        if self.hybrid and self.graph_backend is not None:
+            # the replayed step has no state slots yet: a hybrid decode step runs eager
+            logger.info("graph mode: off for this hybrid model (state slots), running eager")
+            self.graph_backend = None
         self.graphs: graph_runner.GraphRunner | None = None
         # LoRA slots on the model's linears (every rank: workers install their shard of each
         # adapter; the vision tower's, on rank 0 alone).
@@ -67,30 +72,34 @@ class ModelRunner:
                                     zero_slot=self.graph_backend is not None)
         attention = tuple(m for m in model.modules() if isinstance(m, Attention))
         dummy = graph_runner.dummy_blocks(self.graph_backend, config.max_num_seqs, block_size)
-        self.cache_pool = CachePool([PagedKVSpec(attention, kv_dtype, ctx.kv_cache_quantized)],
-                                    block_size, device, ctx.ops, num_dummy_blocks=dummy)
+        specs = [PagedKVSpec(attention, kv_dtype, ctx.kv_cache_quantized)]
+        if self.hybrid:  # the linear layers' conv and recurrent states, float32
+            specs.append(StateSlotSpec.of_layers(model.state_layers()))
+        self.cache_pool = CachePool(specs, block_size, device, ctx.ops, num_dummy_blocks=dummy)
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int) -> int:
         """Peak device memory of one prefill step of num_tokens, with a throwaway cache."""
         seq = Sequence([0] * num_tokens, None)
         seq.block_table = list(range(math.ceil(num_tokens / self.block_size)))
-        self.allocate_kv_cache(len(seq.block_table))
+        seq.state_slot = 0 if self.hybrid else None  # a throwaway sequence in a throwaway pool
+        self.allocate_kv_cache(len(seq.block_table), 1)
         self.execute(SchedulerOutput([seq], [num_tokens]), sample_tokens=False)
         peak = platform.peak_memory(self.device)
         self.cache_pool.release()
         return peak
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Every rank allocates the same number of blocks (the block tables come from rank 0)."""
+    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
+        """Every rank allocates the same number of blocks (the block tables come from rank 0), and
+        a hybrid model's state slots."""
         if self.driver is not None:
-            self.driver.call("allocate_kv_cache", num_blocks)
+            self.driver.call("allocate_kv_cache", num_blocks, num_state_slots)
         self.graphs = None  # captured over the old pool's addresses
-        self.cache_pool.allocate(num_blocks)
+        self.cache_pool.allocate(num_blocks, num_state_slots if self.hybrid else 0)
 
     def init_cache(self, resolved) -> None:
         """The pool `resolved` sized (sizing.py), then the decode graphs over its addresses."""
-        self.allocate_kv_cache(resolved.num_blocks)
+        self.allocate_kv_cache(resolved.num_blocks, resolved.num_state_slots)
         self.capture_graphs(resolved)  # for the block tables of the resolved length
 
     def capture_graphs(self, resolved) -> None:
@@ -136,6 +145,8 @@ class ModelRunner:
                 block_tables=inputs.block_tables.to(dev),
                 decode_only=inputs.decode_only,
                 lora=step_groups(inputs.lora_slots, dev) if inputs.lora_slots is not None else None,
+                state_slots=_to(inputs.state_slots, dev),
+                has_state=_to(inputs.has_state, dev),
             )
             mm_inputs = {k: v.to(dev) for k, v in inputs.mm_inputs.items()}
             with self.ctx.stepping(step):
@@ -226,3 +237,7 @@ class ModelRunner:
             return [self.describe()]
         self.driver.call("describe")
         return self.driver.gather(self.describe())
+
+
+def _to(tensor: torch.Tensor | None, device) -> torch.Tensor | None:
+    return tensor.to(device) if tensor is not None else None

@@ -62,6 +62,8 @@ class Sequence(PromptAndOutput):
         self.vision_lora = None
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        # a hybrid model's state slot (engine/cache_pool.py), held with its blocks; None: none
+        self.state_slot: int | None = None
         # chained hashes of this sequence's full blocks, filled lazily
         self.block_hashes: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache; only the scheduler moves it

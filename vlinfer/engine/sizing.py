@@ -71,8 +71,10 @@ def resolve(config: EngineConfig, dtype, model_len: int, longest: int, block_siz
     pool = runner.cache_pool
     batched = config.max_num_batched_tokens or default_batched_tokens(longest)
     draft_bytes = draft.bytes_per_block if draft is not None else 0
-    num_blocks = _num_blocks(config, longest, block_size, batched, runner, ranks_per_host,
-                             draft_bytes)
+    budget = _budget(config, min(batched, longest), runner, ranks_per_host)
+    num_slots = _num_state_slots(config, longest, block_size, pool, budget)
+    num_blocks = _num_blocks(config, longest, block_size, pool, budget - num_slots *
+                             pool.bytes_per_slot, draft_bytes)
     max_model_len = longest
     per_rank = " per rank" if config.tensor_parallel_size > 1 else ""
     if config.max_model_len is None:
@@ -82,33 +84,62 @@ def resolve(config: EngineConfig, dtype, model_len: int, longest: int, block_siz
         if config.max_num_batched_tokens is None:
             batched = default_batched_tokens(max_model_len)
     resolved = ResolvedConfig(dtype=dtype, max_model_len=max_model_len, block_size=block_size,
-                              max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs,
+                              max_num_batched_tokens=batched,
+                              max_num_seqs=num_slots or config.max_num_seqs,
                               num_blocks=num_blocks, bytes_per_block=pool.bytes_per_block,
-                              kv_cache_dtype=pool.dtype)
+                              kv_cache_dtype=pool.dtype, num_state_slots=num_slots,
+                              enable_prefix_caching=config.enable_prefix_caching and not num_slots)
     logger.info("KV cache: %s; max_model_len=%d, %d tokens per step",
                 pool.capacity(num_blocks, per_rank), max_model_len, batched)
+    if num_slots:
+        logger.info("state cache: %s; max_num_seqs=%d", pool.slot_capacity(num_slots, per_rank),
+                    num_slots)
+        if config.enable_prefix_caching:
+            logger.info("prefix caching: off for this hybrid model (a prefix hit would need the "
+                        "linear layers' state at the prefix's end: state checkpoints, pending)")
     return resolved
 
 
-def _num_blocks(config: EngineConfig, longest: int, block_size: int, batched: int, runner,
-                ranks_per_host: int, draft_bytes_per_block: int) -> int:
+def _num_state_slots(config: EngineConfig, longest: int, block_size: int, pool,
+                     budget: float) -> int:
+    """A hybrid model's state slots: one per sequence the scheduler may run (max_num_seqs), capped
+    so the budget keeps room for one sequence's KV blocks at the shortest length fitted; 0 for a
+    pure-attention model."""
+    if not pool.bytes_per_slot:
+        return 0
+    one_seq = math.ceil(min(longest, MIN_FITTED_MODEL_LEN) / block_size) * pool.bytes_per_block
+    slots = min(config.max_num_seqs, int((budget - one_seq) // pool.bytes_per_slot))
+    if slots < 1:
+        raise ValueError(
+            f"KV cache budget of {int(budget)} bytes cannot hold one sequence's state "
+            f"({pool.bytes_per_slot} bytes a state slot) and its KV blocks; raise kv_cache_bytes / "
+            "memory_utilization")
+    if slots < config.max_num_seqs:
+        logger.warning("max_num_seqs=%d capped to %d: the state slots the budget holds",
+                       config.max_num_seqs, slots)
+    return slots
+
+
+def _budget(config: EngineConfig, batched: int, runner, ranks_per_host: int) -> float:
+    """Bytes for the cache pool on this rank."""
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    if runner.device.type == "cpu":
+        fraction = config.memory_utilization or CPU_DEFAULT_MEMORY_UTILIZATION
+        return fraction * platform.available_memory(runner.device) / ranks_per_host
+    peak = runner.profile_peak_memory(batched)
+    fraction = config.memory_utilization or ACCELERATOR_DEFAULT_MEMORY_UTILIZATION
+    return fraction * platform.total_memory(runner.device) - peak
+
+
+def _num_blocks(config: EngineConfig, longest: int, block_size: int, pool, budget: float,
+                draft_bytes_per_block: int) -> int:
     """KV blocks in the pool. With max_model_len given, the pool must hold one sequence of that
     length. Without, the pool may hold less than `longest`, down to MIN_FITTED_MODEL_LEN tokens.
     State slots (one per sequence the scheduler may run) come out of the budget first."""
-    pool = runner.cache_pool
     per_seq = math.ceil(longest / block_size)
     # more blocks than every sequence at full length is waste
     useful = config.max_num_seqs * per_seq
-    if config.kv_cache_bytes is not None:
-        budget = config.kv_cache_bytes
-    elif runner.device.type == "cpu":
-        fraction = config.memory_utilization or CPU_DEFAULT_MEMORY_UTILIZATION
-        budget = fraction * platform.available_memory(runner.device) / ranks_per_host
-    else:
-        peak = runner.profile_peak_memory(min(batched, longest))
-        fraction = config.memory_utilization or ACCELERATOR_DEFAULT_MEMORY_UTILIZATION
-        budget = fraction * platform.total_memory(runner.device) - peak
-    budget -= config.max_num_seqs * pool.bytes_per_slot  # 0 for a pure-attention model
     per_block = pool.bytes_per_block + draft_bytes_per_block
     num_blocks = max(0, min(int(budget // per_block) - pool.num_dummy_blocks, useful))
     holds = (f"KV cache budget of {int(budget)} bytes holds {num_blocks} blocks of {block_size} "

@@ -26,6 +26,10 @@ class StepInputs:
     pool_indices: torch.Tensor | None = None
     # Each token's LoRA slot (-1: the base model); None when no request in the step runs one.
     lora_slots: torch.Tensor | None = None
+    # A hybrid model's state slot per sequence [B] and whether it holds the sequence's state so
+    # far [B] (tokens computed before this step); None where no sequence holds a slot.
+    state_slots: torch.Tensor | None = None
+    has_state: torch.Tensor | None = None
 
 
 @dataclass
@@ -105,6 +109,11 @@ def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_siz
         logits_indices=torch.tensor(prompt_indices + sample_indices, dtype=torch.long),
         pool_indices=torch.tensor(pool_indices, dtype=torch.long),
     )
+    if any(seq.state_slot is not None for seq in seqs):
+        if any(seq.spec_token_ids for seq in seqs):  # load refuses speculation on hybrid models
+            raise ValueError("a step with state slots cannot verify proposals")
+        inputs.state_slots = torch.tensor([seq.state_slot for seq in seqs], dtype=torch.long)
+        inputs.has_state = torch.tensor([seq.num_computed_tokens > 0 for seq in seqs])
     if lora_slot_of:  # each token's LoRA slot
         inputs.lora_slots = torch.cat([
             torch.full((n,), lora_slot_of[seq.lora_request.lora_int_id] if seq.lora_request else -1,

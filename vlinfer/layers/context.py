@@ -20,6 +20,11 @@ class ForwardContext:
     decode_only: bool = False
     # layers/lora.py: the step's adapters and their rows; None: no adapter runs
     lora: "LoRAStep | None" = None
+    # Hybrid models (layers/linear_attention.py): each sequence's state slot [B] and whether its
+    # slot holds its state so far [B] (False on its first chunk, and after a preemption); None for
+    # a model without state slots.
+    state_slots: torch.Tensor | None = None
+    has_state: torch.Tensor | None = None
 
     @classmethod
     def encoder_pass(cls, lora: "LoRAStep") -> "ForwardContext":

@@ -54,6 +54,7 @@ def load_config(source: ModelSource, hf_overrides: dict | None = None):
 
 
 def _read_config(source: ModelSource):
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
     try:
         if source.gguf_file:
@@ -67,6 +68,9 @@ def _read_config(source: ModelSource):
     except (OSError, ValueError) as e:
         raise ModelNotFoundError(
             f"could not read the model config of {source.name!r} at {source.path}: {e}") from e
+    except StrictDataclassError as e:  # transformers' own checks of a config's fields
+        raise CheckpointError(f"{source.path}: its config does not hold together: "
+                              f"{e.__cause__ or e}") from e
 
 
 def _gguf_architecture(config) -> str:

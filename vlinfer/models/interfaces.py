@@ -15,8 +15,9 @@ classifier's rows for a reranker. Everything else a class declares by inheriting
 - `PagedAttentionBlock` (an attention module): its `qkv_proj` and `attn` (layers.Attention) keep
   K and V in the paged KV cache; a checkpoint's KV scales attach to these, in layer order.
 
-A hybrid model (linear-attention layers beside full attention: docs hybrid-models.md) will
-declare its recurrent state here too, for the cache pool's state slots (engine/cache_pool.py)."""
+- `HasStateSlots` (a hybrid model: linear-attention layers beside full attention, docs
+  hybrid.md): `state_layers` names the layers that keep a fixed-size state per sequence and the
+  shapes of one slot, for the cache pool's state slots (engine/cache_pool.py)."""
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -70,3 +71,12 @@ class PrefillOnly:
 
 class PagedAttentionBlock:
     pass
+
+
+class HasStateSlots:
+    def state_layers(self) -> list:
+        """The layers whose state lives in per-sequence slots, in layer order, all alike: each has
+        `state_shapes` (one slot's tensors, e.g. the conv state and the recurrent state) and gets
+        `states`, views [num_slots, *shape] of the cache pool, bound when the pool is allocated
+        (layers/linear_attention.py GatedDeltaNet)."""
+        raise NotImplementedError

@@ -1,0 +1,193 @@
+"""Qwen3.5 text (Qwen3_5ForCausalLM: Gated DeltaNet layers beside gated full attention) against
+transformers, float32, on a tiny random checkpoint: linear key/value head dims 32 / 48 with more
+value heads than key heads, full-attention head_dim 64 with partial rotary. Every scheduling path
+the state slots meet: a batch of prompts of different lengths, chunked prefill (the state carries
+across chunks), a tight KV pool that preempts (the state is dropped and rebuilt), n > 1 and an
+abort mid-decode; nothing held after."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import assert_block_pool_empty, qwen_tokenizer_dir
+from vlinfer import LLM, SamplingParams
+from vlinfer.engine import SchedulerOutput
+from vlinfer.toy.tiny_checkpoints import _rescale
+
+NUM_NEW = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention",
+                                                                 "full_attention"]
+PROMPTS = [[(7 * i + 3 * n) % 500 + 3 for i in range(n)] for n in (5, 37, 70, 1)]
+
+
+def text_config(**overrides):
+    from transformers import Qwen3_5TextConfig
+    kw = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+              layer_types=LAYER_TYPES, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+              linear_value_head_dim=48, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+              max_position_embeddings=1024, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                               "partial_rotary_factor": 0.25, "mrope_section": [4, 2, 2],
+                               "mrope_interleaved": True},
+              bos_token_id=1, eos_token_id=2, pad_token_id=0,
+              architectures=["Qwen3_5ForCausalLM"])
+    kw.update(overrides)
+    return Qwen3_5TextConfig(**kw)
+
+
+def save(model, folder: str) -> str:
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in os.listdir(qwen_tokenizer_dir()):
+        shutil.copy(os.path.join(qwen_tokenizer_dir(), name), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(transformers model, folder, [(prompt logits, greedy tokens)] per prompt)."""
+    from transformers import Qwen3_5ForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        model = Qwen3_5ForCausalLM(text_config()).eval()
+    _rescale(model, torch.Generator().manual_seed(0))
+    folder = save(model, str(tmp_path_factory.mktemp("qwen3_5_text")))
+    refs = []
+    for ids in PROMPTS:
+        ids = torch.tensor([ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0]
+            out = model.generate(ids, max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
+                                 do_sample=False)
+        refs.append((logits, out[0, ids.shape[1]:].tolist()))
+    return model, folder, refs
+
+
+def make_llm(path, **kw):
+    kw.setdefault("kv_cache_bytes", 16 * 2 ** 20)
+    kw.setdefault("max_model_len", 256)
+    kw.setdefault("max_num_seqs", 8)
+    return LLM(path, dtype="float32", **kw)
+
+
+def assert_nothing_held(llm):
+    assert_block_pool_empty(llm)
+    bm = llm.engine.block_manager
+    assert bm.num_free_slots == bm.num_state_slots > 0
+
+
+def test_prompt_logits_and_batch_match_transformers(checkpoint):
+    _, folder, refs = checkpoint
+    llm = make_llm(folder)
+    engine = llm.engine
+    assert engine.resolved.num_state_slots == 8 and not engine.resolved.enable_prefix_caching
+    for ids, (ref, _) in zip(PROMPTS, refs):
+        seq = engine.make_sequence(ids)
+        engine.add_sequence(seq)
+        assert engine.block_manager.allocate(seq, seq.num_tokens)
+        assert seq.state_slot is not None
+        ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens]))
+        assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+        engine.abort_request(seq.request_id)
+    assert_nothing_held(llm)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
+    assert_nothing_held(llm)
+
+
+def test_chunked_prefill_carries_the_state(checkpoint):
+    _, folder, refs = checkpoint
+    llm = make_llm(folder, max_num_batched_tokens=16)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
+    assert_nothing_held(llm)
+
+
+def test_tight_pool_preempts_and_rebuilds_the_state(checkpoint):
+    _, folder, refs = checkpoint
+    # 7 blocks of 16 tokens: the four requests cannot all grow at once
+    llm = make_llm(folder, kvcache_block_size=16, max_model_len=112, max_num_batched_tokens=128)
+    llm_kv = llm.engine.resolved
+    assert llm_kv.num_blocks >= 7
+    llm = make_llm(folder, kvcache_block_size=16, max_model_len=112, max_num_batched_tokens=128,
+                   kv_cache_bytes=7 * llm_kv.bytes_per_block + 8 * llm.engine.model_runner
+                   .cache_pool.bytes_per_slot + 1)
+    assert llm.engine.resolved.num_blocks == 7
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
+    assert_nothing_held(llm)
+
+
+def test_n_greater_than_one(checkpoint):
+    _, folder, refs = checkpoint
+    llm = make_llm(folder)
+    outs = llm.generate(PROMPTS[1:3], SamplingParams(n=3, temperature=0, max_tokens=NUM_NEW,
+                                                     ignore_eos=True), use_tqdm=False)
+    for out, (_, tokens) in zip(outs, refs[1:3]):
+        assert [c.token_ids for c in out.outputs] == [tokens] * 3
+    assert_nothing_held(llm)
+
+
+def test_abort_mid_decode_frees_slot_and_blocks(checkpoint):
+    """An aborted sequence's slot goes back mid-decode; the next request takes it, stale state and
+    all, and starts from zeros (has_state False): its tokens are transformers' still."""
+    _, folder, refs = checkpoint
+    llm = make_llm(folder)
+    engine, bm = llm.engine, llm.engine.block_manager
+    engine.add_request(PROMPTS[1], GREEDY, "a")
+    engine.add_request(PROMPTS[2], GREEDY, "b")
+    for _ in range(4):
+        engine.step()
+    slot = engine.requests["a"].state_slot
+    assert bm.num_free_slots == bm.num_state_slots - 2
+    engine.abort_request("a")
+    assert bm.num_free_slots == bm.num_state_slots - 1
+    engine.add_request(PROMPTS[0], GREEDY, "c")
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "c" and engine.requests.get("c") is not None:
+                assert engine.requests["c"].state_slot == slot
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    assert finished == {"b": refs[2][1], "c": refs[0][1]}
+    assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(layer_types=LAYER_TYPES[:5]), "layer_types"),
+    (dict(layer_types=LAYER_TYPES[:5] + ["sliding_attention"]), "layer_types"),
+])
+def test_bad_layer_types_name_the_field(tmp_path, overrides, field):
+    from transformers import Qwen3_5ForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        model = Qwen3_5ForCausalLM(text_config()).eval()
+    folder = save(model, str(tmp_path))
+    path = os.path.join(folder, "config.json")
+    config = json.load(open(path))
+    config.update(overrides)
+    json.dump(config, open(path, "w"))
+    with pytest.raises(ValueError, match=field):
+        make_llm(folder)
+
+
+def test_layer_types_checked_by_the_model_too():
+    """A config transformers did not validate (hf_overrides, an older config class): the model's
+    own check names the field."""
+    from types import SimpleNamespace
+    from vlinfer.models.qwen3_5 import check_layer_types
+    with pytest.raises(ValueError, match="layer_types has 5 entries, num_hidden_layers=6"):
+        check_layer_types(SimpleNamespace(layer_types=LAYER_TYPES[:5], num_hidden_layers=6))
+    with pytest.raises(ValueError, match="layer_types has None entries"):
+        check_layer_types(SimpleNamespace(num_hidden_layers=6))
+    assert check_layer_types(SimpleNamespace(layer_types=LAYER_TYPES,
+                                             num_hidden_layers=6)) == LAYER_TYPES
+
+
+def test_speculative_decoding_is_refused_by_name(checkpoint):
+    _, folder, _ = checkpoint
+    with pytest.raises(ValueError, match="speculative decoding.*Qwen3_5ForCausalLM"):
+        make_llm(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -1,0 +1,105 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3.5 and Qwen3-Next (docs/hybrid.md): the
+input projected to q, k, v (through a short depthwise causal conv with SiLU), the output gate z,
+beta and the log-decay g; the gated delta rule over each sequence's recurrent state; a gated
+RMSNorm per value head; the output projection. Its state (conv and recurrent) lives in the cache
+pool's per-sequence slots (engine/cache_pool.py), read and written at the step's slots."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlinfer.layers.context import ModelContext
+from vlinfer.layers.linear import MergedColumnParallelLinear, RowParallelLinear, as_tensor
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, ctx: ModelContext, config):
+        super().__init__()
+        if ctx.tp.size != 1:  # in_proj's q/k/v columns and the heads would need splitting apart
+            raise NotImplementedError(
+                "Gated DeltaNet layers (linear_attention in layer_types) run on one rank only; "
+                f"tensor_parallel_size={ctx.tp.size} is not supported for them yet")
+        self.ctx, self.ops = ctx, ctx.ops
+        self.num_k_heads, self.num_v_heads = (config.linear_num_key_heads,
+                                              config.linear_num_value_heads)
+        self.head_k_dim, self.head_v_dim = (config.linear_key_head_dim,
+                                            config.linear_value_head_dim)
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel_size = config.linear_conv_kernel_dim
+        self.eps = config.rms_norm_eps
+        # the checkpoint's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a as one matmul
+        self.in_proj = MergedColumnParallelLinear(
+            ctx, config.hidden_size,
+            [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads])
+        self.conv1d = DepthwiseConvWeight(ctx, self.conv_dim, self.kernel_size)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=ctx.dtype),
+                                    requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads, dtype=ctx.dtype),
+                                  requires_grad=False)
+        self.norm = GatedNormWeight(ctx, self.head_v_dim)
+        self.out_proj = RowParallelLinear(ctx, self.value_dim, config.hidden_size)
+        # one slot's conv state and recurrent state (HasStateSlots)
+        self.state_shapes = ((self.conv_dim, self.kernel_size - 1),
+                             (self.num_v_heads, self.head_k_dim, self.head_v_dim))
+        # [num_slots, *shape] views of the cache pool, bound by it
+        self.states: tuple[torch.Tensor, ...] = ()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        step = self.ctx.forward_context()
+        if not self.states:
+            raise RuntimeError("a Gated DeltaNet layer ran with no state slots bound")
+        conv_state, recurrent_state = self.states
+        n = len(hidden_states)
+        qkv, z, b, a = self.in_proj(hidden_states).split(
+            [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
+        cu, slots, has_state = step.cu_seqlens_q, step.state_slots, step.has_state
+        qkv = self.ops.causal_conv1d(qkv.contiguous(), self.conv1d.weight, None, conv_state, cu,
+                                     slots, has_state)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], -1)
+        q = q.reshape(n, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(n, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(n, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        # float32 as transformers computes it: a 16-bit A_log's exp may overflow
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        o = self.ops.gated_delta_rule(q, k, v, g, beta, recurrent_state, cu, slots, has_state,
+                                      self.head_k_dim**-0.5)
+        o = self.ops.gated_rms_norm(o, z.reshape(n, self.num_v_heads, self.head_v_dim),
+                                    self.norm.weight, self.eps)
+        return self.out_proj(o.reshape(n, self.value_dim))
+
+
+class DepthwiseConvWeight(nn.Module):
+    """The conv1d's weight as the op reads it, [channels, kernel]; the checkpoint's is
+    [channels, 1, kernel] (torch's Conv1d with groups=channels)."""
+
+    def __init__(self, ctx: ModelContext, channels: int, kernel_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size, dtype=ctx.dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = load_depthwise
+
+    def forward(self):
+        raise RuntimeError("a weight holder, read by GatedDeltaNet")
+
+
+def load_depthwise(param: nn.Parameter, loaded) -> None:
+    tensor = as_tensor(loaded)
+    if tensor.dim() == 3 and tensor.shape[1] == 1:
+        tensor = tensor[:, 0]
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"shape mismatch: conv1d weight {tuple(param.shape)} (channels, "
+                         f"linear_conv_kernel_dim), checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(tensor)
+
+
+class GatedNormWeight(nn.Module):
+    """The gated RMSNorm's weight (one per value-head channel), applied by ops.gated_rms_norm."""
+
+    def __init__(self, ctx: ModelContext, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=ctx.dtype), requires_grad=False)
+
+    def forward(self):
+        raise RuntimeError("a weight holder, read by GatedDeltaNet")

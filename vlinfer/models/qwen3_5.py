@@ -1,0 +1,152 @@
+"""Qwen3.5 text (`Qwen3_5ForCausalLM`, model_type qwen3_5_text): a hybrid decoder whose layers are
+Gated DeltaNet (linear attention, layers/linear_attention.py) or gated full attention, one per
+`layer_types` entry, each followed by the dense SwiGLU MLP. The full-attention layers' q_proj is
+twice the query width (per head: the query, then its output gate), q and k get RMSNorm, rotary
+turns the first partial_rotary_factor of each head, and the output is multiplied by
+sigmoid(gate) before o_proj; their K and V live in the paged KV cache. The linear layers' state
+lives in the cache pool's per-sequence slots (HasStateSlots). Norms scale by 1 + weight
+(layers/layernorm.py OffsetRMSNorm).
+
+Text-only positions: Qwen3.5's interleaved M-RoPE with all three rows equal to the token index
+(what transformers uses for text) gives the plain rotary of that index, so positions are [T]."""
+import torch
+from torch import nn
+
+from vlinfer.layers import (Attention, ModelContext, QKVParallelLinear, RotaryEmbedding,
+                            RowParallelLinear, VocabParallelEmbedding)
+from vlinfer.layers.layernorm import OffsetRMSNorm
+from vlinfer.layers.linear_attention import GatedDeltaNet
+from vlinfer.models.interfaces import Heads, HasStateSlots
+from vlinfer.models.llama import LlamaForCausalLM, LlamaMLP, build_lm_head
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def check_layer_types(config) -> list[str]:
+    """The config's layer_types, one known entry per decoder layer, or a clear error naming the
+    field."""
+    layer_types = getattr(config, "layer_types", None)
+    if not isinstance(layer_types, (list, tuple)) or len(layer_types) != config.num_hidden_layers:
+        got = len(layer_types) if isinstance(layer_types, (list, tuple)) else repr(layer_types)
+        raise ValueError(f"the checkpoint's layer_types has {got} entries, num_hidden_layers="
+                         f"{config.num_hidden_layers}: one entry per decoder layer is needed")
+    unknown = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    if unknown:
+        raise ValueError(f"the checkpoint's layer_types has unknown entries {unknown}; "
+                         f"vlinfer runs {list(LAYER_TYPES)}")
+    return list(layer_types)
+
+
+class Qwen3_5Attention(nn.Module):
+    def __init__(self, ctx: ModelContext, config):
+        super().__init__()
+        self.ops = ctx.ops
+        self.head_dim = getattr(config, "head_dim",
+                                None) or config.hidden_size // config.num_attention_heads
+        bias = getattr(config, "attention_bias", False)
+        # q_proj's 2 * heads "heads" of head_dim: each query head followed by its gate
+        self.qkv_proj = QKVParallelLinear(ctx, config.hidden_size, self.head_dim,
+                                          2 * config.num_attention_heads,
+                                          config.num_key_value_heads, bias=bias)
+        self.num_heads = self.qkv_proj.num_heads // 2
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(ctx, config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, bias=bias)
+        self.attn = Attention(ctx, self.num_heads, self.head_dim, self.head_dim**-0.5,
+                              self.num_kv_heads)
+        self.q_norm = OffsetRMSNorm(ctx, self.head_dim, config.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(ctx, self.head_dim, config.rms_norm_eps)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor],
+                hidden_states: torch.Tensor) -> torch.Tensor:
+        n, d = len(hidden_states), self.head_dim
+        q_size, kv_size = 2 * self.num_heads * d, self.num_kv_heads * d
+        qg, k, v = self.qkv_proj(hidden_states).split([q_size, kv_size, kv_size], -1)
+        q, gate = qg.view(n, self.num_heads, 2 * d).split([d, d], -1)
+        q = self.q_norm(q.contiguous())
+        k = self.k_norm(k.reshape(n, self.num_kv_heads, d))
+        v = v.reshape(n, self.num_kv_heads, d)
+        cos, sin = rope  # [T, rotary_dim]: partial rotary turns the head's first rotary_dim
+        rd = cos.shape[-1]
+        q_rot, k_rot = self.ops.apply_rotary(q[..., :rd].contiguous(), k[..., :rd].contiguous(),
+                                             cos, sin)
+        q = torch.cat([q_rot, q[..., rd:]], -1)
+        k = torch.cat([k_rot, k[..., rd:]], -1)
+        o = self.attn(q, k, v) * torch.sigmoid(gate.reshape(n, -1))
+        return self.o_proj(o)
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, ctx: ModelContext, config, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(ctx, config)
+        else:
+            self.self_attn = Qwen3_5Attention(ctx, config)
+        self.mlp = LlamaMLP(ctx, config)
+        self.input_layernorm = OffsetRMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(ctx, config.hidden_size,
+                                                      config.rms_norm_eps)
+
+    def forward(self, rope, hidden_states, residual):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if self.layer_type == "linear_attention":
+            hidden_states = self.linear_attn(hidden_states)
+        else:
+            hidden_states = self.self_attn(rope, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class Qwen3_5Model(nn.Module):
+    def __init__(self, ctx: ModelContext, config):
+        super().__init__()
+        layer_types = check_layer_types(config)
+        self.embed_tokens = VocabParallelEmbedding(ctx, config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [Qwen3_5DecoderLayer(ctx, config, layer_type) for layer_type in layer_types])
+        self.norm = OffsetRMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
+        # rope_inv_freq reads partial_rotary_factor: the table spans the rotary part only
+        self.rotary_emb = RotaryEmbedding(config, config.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(rope, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class Qwen3_5ForCausalLM(nn.Module, HasStateSlots):
+    packed_modules_mapping = {
+        **LlamaForCausalLM.packed_modules_mapping,
+        "in_proj_qkv": ("in_proj", 0),
+        "in_proj_z": ("in_proj", 1),
+        "in_proj_b": ("in_proj", 2),
+        "in_proj_a": ("in_proj", 3),
+    }
+
+    def __init__(self, config, ctx: ModelContext, heads: Heads = Heads()):
+        super().__init__()
+        if heads.classifier_token_ids is not None:
+            raise ValueError("Qwen3.5 has no classifier heads in vlinfer yet")
+        self.config = config
+        self.model = Qwen3_5Model(ctx, config)
+        self.lm_head = build_lm_head(ctx, config, self.model.embed_tokens,
+                                     config.tie_word_embeddings, heads)
+
+    def state_layers(self) -> list[GatedDeltaNet]:
+        return [m for m in self.modules() if isinstance(m, GatedDeltaNet)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
