@@ -60,9 +60,27 @@ def checkpoint(tmp_path_factory):
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0]
             out = model.generate(ids, max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
-                                 do_sample=False)
-        refs.append((logits, out[0, ids.shape[1]:].tolist()))
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True)
+        tokens = out.sequences[0, ids.shape[1]:].tolist()
+        # each generated token's logprob, from the decode steps' logits (the recurrent path)
+        steps = torch.cat(out.logits).float().log_softmax(-1)
+        refs.append((logits, tokens, steps[range(NUM_NEW), tokens],
+                     logits.log_softmax(-1)[range(ids.shape[1] - 1), ids[0, 1:]]))
     return model, folder, refs
+
+
+def assert_logprobs_match(outs, refs, prompts=True):
+    """Every generated token's logprob (decode steps) and, where asked, every prompt token's
+    (the prefill chunks) as transformers' within float32 rounding."""
+    for out, ref in zip(outs, refs):
+        ours = torch.tensor([next(iter(d.values())).logprob if len(d) == 1 else
+                             d[t].logprob for d, t in zip(out.outputs[0].logprobs,
+                                                          out.outputs[0].token_ids)])
+        assert (ours - ref[2]).abs().max().item() < 1e-3
+        if prompts and len(ref[3]):
+            entries = out.prompt_logprobs[1:]
+            prompt = torch.tensor([d[t].logprob for d, t in zip(entries, out.prompt_token_ids[1:])])
+            assert (prompt - ref[3]).abs().max().item() < 1e-3
 
 
 def make_llm(path, **kw):
@@ -83,7 +101,7 @@ def test_prompt_logits_and_batch_match_transformers(checkpoint):
     llm = make_llm(folder)
     engine = llm.engine
     assert engine.resolved.num_state_slots == 8 and not engine.resolved.enable_prefix_caching
-    for ids, (ref, _) in zip(PROMPTS, refs):
+    for ids, (ref, *_) in zip(PROMPTS, refs):
         seq = engine.make_sequence(ids)
         engine.add_sequence(seq)
         assert engine.block_manager.allocate(seq, seq.num_tokens)
@@ -100,8 +118,11 @@ def test_prompt_logits_and_batch_match_transformers(checkpoint):
 def test_chunked_prefill_carries_the_state(checkpoint):
     _, folder, refs = checkpoint
     llm = make_llm(folder, max_num_batched_tokens=16)
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0,
+                            prompt_logprobs=0)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
+    assert_logprobs_match(outs, refs)
     assert_nothing_held(llm)
 
 
@@ -115,9 +136,11 @@ def test_tight_pool_preempts_and_rebuilds_the_state(checkpoint):
                    kv_cache_bytes=7 * llm_kv.bytes_per_block + 8 * llm.engine.model_runner
                    .cache_pool.bytes_per_slot + 1)
     assert llm.engine.resolved.num_blocks == 7
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
+    assert_logprobs_match(outs, refs, prompts=False)
     assert_nothing_held(llm)
 
 
@@ -126,7 +149,7 @@ def test_n_greater_than_one(checkpoint):
     llm = make_llm(folder)
     outs = llm.generate(PROMPTS[1:3], SamplingParams(n=3, temperature=0, max_tokens=NUM_NEW,
                                                      ignore_eos=True), use_tqdm=False)
-    for out, (_, tokens) in zip(outs, refs[1:3]):
+    for out, (_, tokens, *_) in zip(outs, refs[1:3]):
         assert [c.token_ids for c in out.outputs] == [tokens] * 3
     assert_nothing_held(llm)
 
