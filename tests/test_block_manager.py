@@ -512,3 +512,25 @@ def test_prefix_caching_disabled_never_hits():
     bm.free(b)
     assert bm.num_free_blocks == 8
     check_pool(bm)
+
+
+def test_state_slots_go_with_the_blocks():
+    """A hybrid model's state slot: taken with a sequence's first blocks, kept while it grows,
+    given back with its blocks; with none free, allocate takes nothing."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False, num_state_slots=2)
+    a, b, c = seq_of(tokens(6, 1)), seq_of(tokens(6, 2)), seq_of(tokens(6, 3))
+    compute(bm, a, 6)
+    compute(bm, b, 6)
+    assert (a.state_slot, b.state_slot) == (0, 1) and bm.num_free_slots == 0
+    assert bm.allocate(a, 3) and a.state_slot == 0  # growing keeps its slot
+    assert not bm.allocate(c, 6)
+    assert c.block_table == [] and c.state_slot is None
+    bm.free(b)
+    assert b.state_slot is None and bm.num_free_slots == 1
+    assert bm.allocate(c, 6) and c.state_slot == 1
+    bm.free(a)
+    bm.free(c)
+    assert bm.num_free_slots == 2 and bm.num_free_blocks == 8
+    plain = BlockManager(num_blocks=2, block_size=4)  # a pure-attention model holds no slots
+    d = seq_of(tokens(3, 4))
+    assert plain.allocate(d, 3) and d.state_slot is None

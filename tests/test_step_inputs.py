@@ -104,3 +104,16 @@ def test_lora_slots_per_token():
     seqs[1].lora_request = LoRARequest("x", 5, "/nowhere")
     inputs, _ = build_step_inputs(seqs, n, BS, mrope=False, lora_slot_of={5: 2})
     assert inputs.lora_slots.tolist() == [-1] * 6 + [2] + [-1] * 7
+
+
+def test_state_slots_and_has_state():
+    """A hybrid model's step: each sequence's state slot, and whether its slot holds its state so
+    far (tokens computed before this step); none where no sequence holds a slot."""
+    seqs, n = mixed_batch()
+    inputs, _ = build_step_inputs(seqs, n, BS, mrope=False)
+    assert inputs.state_slots is None and inputs.has_state is None
+    for seq, slot in zip(seqs, (3, 0, 5, 1)):
+        seq.state_slot = slot
+    inputs, _ = build_step_inputs(seqs, n, BS, mrope=False)
+    assert inputs.state_slots.tolist() == [3, 0, 5, 1]
+    assert inputs.has_state.tolist() == [True, True, False, False]
