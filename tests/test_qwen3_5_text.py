@@ -214,3 +214,29 @@ def test_speculative_decoding_is_refused_by_name(checkpoint):
     _, folder, _ = checkpoint
     with pytest.raises(ValueError, match="speculative decoding.*Qwen3_5ForCausalLM"):
         make_llm(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_bfloat16_as_close_to_float32_as_transformers_bf16(checkpoint):
+    """bf16 weights and activations, states kept float32: prompt logits as far from transformers'
+    float32 ones as transformers' own bf16 run is, within a factor (bf16 rounding through six
+    layers of O(1) activations is large either way); a batch generates."""
+    import copy
+    model, folder, refs = checkpoint
+    hf_bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    llm = LLM(folder, dtype="bfloat16", kv_cache_bytes=16 * 2 ** 20, max_model_len=256,
+              max_num_seqs=8)
+    engine = llm.engine
+    for ids, (ref, *_) in zip(PROMPTS, refs):
+        with torch.no_grad():
+            theirs = hf_bf16(input_ids=torch.tensor([ids])).logits[0].float()
+        seq = engine.make_sequence(ids)
+        engine.add_sequence(seq)
+        assert engine.block_manager.allocate(seq, seq.num_tokens)
+        ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens])).float()
+        engine.abort_request(seq.request_id)
+        error = ((ours - ref).abs().max() / ref.abs().max()).item()
+        their_error = ((theirs - ref).abs().max() / ref.abs().max()).item()
+        assert error < 2 * their_error + 1e-2, (len(ids), error, their_error)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == NUM_NEW for o in outs)
+    assert_nothing_held(llm)
