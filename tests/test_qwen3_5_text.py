@@ -54,13 +54,15 @@ def checkpoint(tmp_path_factory):
         model = Qwen3_5ForCausalLM(text_config()).eval()
     _rescale(model, torch.Generator().manual_seed(0))
     folder = save(model, str(tmp_path_factory.mktemp("qwen3_5_text")))
+    # as ignore_eos: EOS may be chosen and generation goes on (min_new_tokens would mask it)
+    model.generation_config.eos_token_id = None
     refs = []
     for ids in PROMPTS:
         ids = torch.tensor([ids])
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0]
-            out = model.generate(ids, max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
-                                 do_sample=False, output_logits=True, return_dict_in_generate=True)
+            out = model.generate(ids, max_new_tokens=NUM_NEW, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
         tokens = out.sequences[0, ids.shape[1]:].tolist()
         # each generated token's logprob, from the decode steps' logits (the recurrent path)
         steps = torch.cat(out.logits).float().log_softmax(-1)
@@ -240,3 +242,52 @@ def test_bfloat16_as_close_to_float32_as_transformers_bf16(checkpoint):
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == NUM_NEW for o in outs)
     assert_nothing_held(llm)
+
+
+def qwen3_next_config():
+    from transformers import Qwen3NextConfig
+    return Qwen3NextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        layer_types=LAYER_TYPES, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+        linear_value_head_dim=48, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=40, mlp_only_layers=[1], decoder_sparse_step=1,
+        norm_topk_prob=True, max_position_embeddings=1024, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, architectures=["Qwen3NextForCausalLM"])
+
+
+def test_qwen3_next_matches_transformers(tmp_path):
+    """Qwen3-Next: the same layers, its grouped in_proj_qkvz / in_proj_ba reordered on load, a
+    dense layer beside sparse ones with a gated shared expert; prompt logits, a batch and a
+    chunked run against transformers."""
+    from transformers import Qwen3NextForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        model = Qwen3NextForCausalLM(qwen3_next_config()).eval()
+    _rescale(model, torch.Generator().manual_seed(1))
+    model.set_experts_implementation("eager")
+    folder = save(model, str(tmp_path))
+    model.generation_config.eos_token_id = None  # as ignore_eos
+    expected = []
+    llm = make_llm(folder)
+    engine = llm.engine
+    for ids in PROMPTS:
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([ids])).logits[0]
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, do_sample=False)
+        expected.append(out[0, len(ids):].tolist())
+        seq = engine.make_sequence(ids)
+        engine.add_sequence(seq)
+        assert engine.block_manager.allocate(seq, seq.num_tokens)
+        ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens]))
+        engine.abort_request(seq.request_id)
+        assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_nothing_held(llm)
+    chunked = make_llm(folder, max_num_batched_tokens=16)
+    outs = chunked.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_nothing_held(chunked)

@@ -77,14 +77,14 @@ class Qwen3_5Attention(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, ctx: ModelContext, config, layer_type: str):
+    def __init__(self, ctx: ModelContext, config, layer_type: str, mlp: nn.Module | None = None):
         super().__init__()
         self.layer_type = layer_type
         if layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(ctx, config)
         else:
             self.self_attn = Qwen3_5Attention(ctx, config)
-        self.mlp = LlamaMLP(ctx, config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(ctx, config)  # MoE models pass theirs
         self.input_layernorm = OffsetRMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(ctx, config.hidden_size,
                                                       config.rms_norm_eps)
@@ -104,12 +104,14 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5Model(nn.Module):
-    def __init__(self, ctx: ModelContext, config):
+    def __init__(self, ctx: ModelContext, config, make_mlp=None):
+        """make_mlp(layer_index) -> the layer's MLP (MoE models), or None: the dense one."""
         super().__init__()
         layer_types = check_layer_types(config)
         self.embed_tokens = VocabParallelEmbedding(ctx, config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            [Qwen3_5DecoderLayer(ctx, config, layer_type) for layer_type in layer_types])
+        self.layers = nn.ModuleList([
+            Qwen3_5DecoderLayer(ctx, config, layer_type, make_mlp(i) if make_mlp else None)
+            for i, layer_type in enumerate(layer_types)])
         self.norm = OffsetRMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
         # rope_inv_freq reads partial_rotary_factor: the table spans the rotary part only
         self.rotary_emb = RotaryEmbedding(config, config.max_position_embeddings)
