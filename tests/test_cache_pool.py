@@ -101,3 +101,35 @@ def test_state_slots_are_sized_allocated_and_bound():
 def test_one_paged_group():
     with pytest.raises(ValueError, match="one paged KV spec"):
         CachePool([], BLOCK, torch.device("cpu"), ReferenceOps())
+
+
+def test_sizing_takes_the_slots_first_and_caps_max_num_seqs(caplog):
+    """engine/sizing.py with a hybrid pool: slots out of the budget first, max_num_seqs capped to
+    those the budget holds beside one sequence's blocks, prefix caching off, both capacities
+    logged; a budget without room for one slot fails, naming the state."""
+    import logging
+    from types import SimpleNamespace
+
+    from vlinfer.config import EngineConfig
+    from vlinfer.engine import sizing
+    state = StateSlotSpec(num_layers=2, shapes=((6, 3), (2, 4, 5)), dtype=torch.float32)
+    p = pool(torch.float32, False, states=[state])
+    runner = SimpleNamespace(cache_pool=p, device=torch.device("cpu"))
+    per_seq = 16 // BLOCK * p.bytes_per_block  # max_model_len 16
+    config = EngineConfig(model="x", max_model_len=16, max_num_seqs=8,
+                          kv_cache_bytes=per_seq + 3 * p.bytes_per_slot)
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        resolved = sizing.resolve(config, torch.float32, 16, 16, BLOCK, runner)
+    assert resolved.num_state_slots == resolved.max_num_seqs == 3
+    assert resolved.num_blocks == 16 // BLOCK and not resolved.enable_prefix_caching
+    assert "max_num_seqs=8 capped to 3" in caplog.text and "3 state slots" in caplog.text
+    assert "prefix caching: off" in caplog.text
+    small = EngineConfig(model="x", max_model_len=16, kv_cache_bytes=per_seq)
+    with pytest.raises(ValueError, match="one sequence's state"):
+        sizing.resolve(small, torch.float32, 16, 16, BLOCK, runner)
+    plain = SimpleNamespace(cache_pool=pool(torch.float32, False), device=torch.device("cpu"))
+    resolved = sizing.resolve(EngineConfig(model="x", max_model_len=16, max_num_seqs=8,
+                                           kv_cache_bytes=per_seq), torch.float32, 16, 16, BLOCK,
+                              plain)
+    assert resolved.num_state_slots == 0 and resolved.max_num_seqs == 8
+    assert resolved.enable_prefix_caching

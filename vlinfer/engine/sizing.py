@@ -103,11 +103,12 @@ def resolve(config: EngineConfig, dtype, model_len: int, longest: int, block_siz
 def _num_state_slots(config: EngineConfig, longest: int, block_size: int, pool,
                      budget: float) -> int:
     """A hybrid model's state slots: one per sequence the scheduler may run (max_num_seqs), capped
-    so the budget keeps room for one sequence's KV blocks at the shortest length fitted; 0 for a
-    pure-attention model."""
+    so the budget keeps room for one sequence's KV blocks; 0 for a pure-attention model."""
     if not pool.bytes_per_slot:
         return 0
-    one_seq = math.ceil(min(longest, MIN_FITTED_MODEL_LEN) / block_size) * pool.bytes_per_block
+    # one sequence: of max_model_len where given, else of the shortest length fitted
+    shortest = longest if config.max_model_len is not None else min(longest, MIN_FITTED_MODEL_LEN)
+    one_seq = math.ceil(shortest / block_size) * pool.bytes_per_block
     slots = min(config.max_num_seqs, int((budget - one_seq) // pool.bytes_per_slot))
     if slots < 1:
         raise ValueError(
