@@ -1,0 +1,89 @@
+"""The engine state machine (tests/test_engine_state_machine.py's rules) on a hybrid model (a tiny
+random Qwen3.5 text checkpoint: Gated DeltaNet layers beside gated attention), on a pool that
+preempts and on a budget that chunks prefills. Beside the block checks, after every rule: each
+live sequence holding blocks holds one state slot of its own (never shared between live
+sequences), a sequence without blocks holds none, and the free slots are exactly the others;
+every finished request's tokens equal its run alone; once idle, every slot is free."""
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import invariant
+
+from test_engine_state_machine import EngineMachine
+from test_qwen3_5_text import save, text_config
+from vlinfer import LLM, SamplingParams
+from vlinfer.toy.tiny_checkpoints import _rescale
+
+EXAMPLES, STEPS = 12, 30
+MAX_NUM_SEQS = 4
+# 6 blocks of 16 tokens beside the slots (preemption); a budget of 8 tokens a step (chunks)
+ENGINES = {"tight-pool": dict(max_model_len=96, blocks=6),
+           "chunked": dict(max_num_batched_tokens=8, max_model_len=128)}
+
+
+class HybridEngines:
+    def __init__(self, folder):
+        from transformers import Qwen3_5ForCausalLM
+        with torch.random.fork_rng(devices=[]):
+            model = Qwen3_5ForCausalLM(text_config(max_position_embeddings=512)).eval()
+        _rescale(model, torch.Generator().manual_seed(3))
+        self.path = save(model, str(folder))
+        self.reference = LLM(self.path, dtype="float32", kv_cache_bytes=16 * 2 ** 20)
+        pool = self.reference.engine.model_runner.cache_pool
+        self.bytes_per_block, self.bytes_per_slot = pool.bytes_per_block, pool.bytes_per_slot
+        self.engines, self.alone = {}, {}
+        self.stats = dict(examples=0, requests=0, aborted=0, refused=0, steps=0, compared=0)
+
+    def engine(self, name):
+        if name not in self.engines:
+            options = dict(ENGINES[name])
+            blocks = options.pop("blocks", None)
+            budget = 16 * 2 ** 20 if blocks is None else (
+                blocks * self.bytes_per_block + MAX_NUM_SEQS * self.bytes_per_slot)
+            self.engines[name] = LLM(self.path, dtype="float32", kv_cache_bytes=budget,
+                                     max_num_seqs=MAX_NUM_SEQS, **options).engine
+        return self.engines[name]
+
+    def tokens_alone(self, prompt: tuple, params: SamplingParams) -> list[list[int]]:
+        key = (prompt, repr(params))
+        if key not in self.alone:
+            out = self.reference.generate([{"prompt_token_ids": list(prompt)}], params,
+                                          use_tqdm=False)[0]
+            self.alone[key] = [c.token_ids for c in sorted(out.outputs, key=lambda c: c.index)]
+        return self.alone[key]
+
+
+class HybridMachine(EngineMachine):
+    @invariant()
+    def slots_are_owned(self):
+        if not hasattr(self, "engine"):
+            return
+        manager = self.engine.block_manager
+        held = []
+        for seq in self.engine.requests.values():
+            assert (seq.state_slot is not None) == bool(seq.block_table), seq.request_id
+            if seq.state_slot is not None:
+                held.append(seq.state_slot)
+        assert len(held) == len(set(held)), f"a state slot shared by live sequences: {held}"
+        assert sorted(held + manager.free_slots) == list(range(manager.num_state_slots))
+
+    def check_idle(self):
+        super().check_idle()
+        manager = self.engine.block_manager
+        assert manager.num_free_slots == manager.num_state_slots == MAX_NUM_SEQS
+
+
+def test_engine_state_machine_on_a_hybrid_model(tmp_path_factory):
+    engines = HybridEngines(tmp_path_factory.mktemp("hybrid-machine"))
+    HybridMachine.fixture = engines
+    HybridMachine.TestCase.settings = settings(max_examples=EXAMPLES // len(ENGINES),
+                                              stateful_step_count=STEPS, deadline=None,
+                                              suppress_health_check=list(HealthCheck),
+                                              derandomize=True)
+    for name in sorted(ENGINES):
+        HybridMachine.engine_name = name
+        HybridMachine.TestCase().runTest()
+    stats = dict(engines.stats)
+    stats["preemptions"] = {n: e.scheduler.num_preemptions for n, e in engines.engines.items()}
+    print(f"hybrid engine state machine: {stats}")
+    assert stats["examples"] >= EXAMPLES and stats["compared"] >= EXAMPLES // 2
+    assert stats["preemptions"]["tight-pool"] > 0
