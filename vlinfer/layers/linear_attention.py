@@ -71,17 +71,15 @@ class GatedDeltaNet(nn.Module):
 
 
 class DepthwiseConvWeight(nn.Module):
-    """The conv1d's weight as the op reads it, [channels, kernel]; the checkpoint's is
-    [channels, 1, kernel] (torch's Conv1d with groups=channels)."""
+    """The conv1d's weight as the op reads it, [channels, kernel] (a holder: GatedDeltaNet passes
+    it to ops.causal_conv1d); the checkpoint's is [channels, 1, kernel] (torch's Conv1d with
+    groups=channels)."""
 
     def __init__(self, ctx: ModelContext, channels: int, kernel_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, kernel_size, dtype=ctx.dtype),
                                    requires_grad=False)
         self.weight.weight_loader = load_depthwise
-
-    def forward(self):
-        raise RuntimeError("a weight holder, read by GatedDeltaNet")
 
 
 def load_depthwise(param: nn.Parameter, loaded) -> None:
@@ -95,11 +93,9 @@ def load_depthwise(param: nn.Parameter, loaded) -> None:
 
 
 class GatedNormWeight(nn.Module):
-    """The gated RMSNorm's weight (one per value-head channel), applied by ops.gated_rms_norm."""
+    """The gated RMSNorm's weight (one per value-head channel; a holder: GatedDeltaNet passes it
+    to ops.gated_rms_norm)."""
 
     def __init__(self, ctx: ModelContext, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=ctx.dtype), requires_grad=False)
-
-    def forward(self):
-        raise RuntimeError("a weight holder, read by GatedDeltaNet")
