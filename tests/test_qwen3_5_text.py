@@ -199,6 +199,19 @@ def test_bad_layer_types_name_the_field(tmp_path, overrides, field):
         make_llm(folder)
 
 
+@pytest.mark.parametrize("overrides, field", [
+    (dict(linear_num_value_heads=3), "linear_num_value_heads=3 is not a multiple of "
+                                     "linear_num_key_heads=2"),
+    (dict(linear_conv_kernel_dim=1), "linear_conv_kernel_dim=1"),
+    (dict(linear_key_head_dim=0), "linear_key_head_dim=0"),
+])
+def test_linear_sizes_that_do_not_fit_name_the_field(overrides, field):
+    from vlinfer.layers.linear_attention import check_linear_config
+    check_linear_config(text_config())
+    with pytest.raises(ValueError, match=field):
+        check_linear_config(text_config(**overrides))
+
+
 def test_layer_types_checked_by_the_model_too():
     """A config transformers did not validate (hf_overrides, an older config class): the model's
     own check names the field."""

@@ -18,6 +18,7 @@ class GatedDeltaNet(nn.Module):
             raise NotImplementedError(
                 "Gated DeltaNet layers (linear_attention in layer_types) run on one rank only; "
                 f"tensor_parallel_size={ctx.tp.size} is not supported for them yet")
+        check_linear_config(config)
         self.ctx, self.ops = ctx, ctx.ops
         self.num_k_heads, self.num_v_heads = (config.linear_num_key_heads,
                                               config.linear_num_value_heads)
@@ -68,6 +69,24 @@ class GatedDeltaNet(nn.Module):
         o = self.ops.gated_rms_norm(o, z.reshape(n, self.num_v_heads, self.head_v_dim),
                                     self.norm.weight, self.eps)
         return self.out_proj(o.reshape(n, self.value_dim))
+
+
+def check_linear_config(config) -> None:
+    """The linear layers' sizes from the config, or a clear error naming the field."""
+    for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_conv_kernel_dim"):
+        value = getattr(config, name, None)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"the checkpoint's {name}={value!r} is not a positive int")
+    if config.linear_num_value_heads % config.linear_num_key_heads:
+        raise ValueError(
+            f"the checkpoint's linear_num_value_heads={config.linear_num_value_heads} is not a "
+            f"multiple of linear_num_key_heads={config.linear_num_key_heads}: each key head serves "
+            "a group of value heads")
+    if config.linear_conv_kernel_dim < 2:
+        raise ValueError(f"the checkpoint's linear_conv_kernel_dim="
+                         f"{config.linear_conv_kernel_dim}: the causal conv needs a kernel of 2 "
+                         "or more (its state keeps kernel - 1 inputs)")
 
 
 class DepthwiseConvWeight(nn.Module):
