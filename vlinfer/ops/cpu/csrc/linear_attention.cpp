@@ -194,11 +194,13 @@ void gated_delta_rule_decode_impl(const at::Tensor& q, const at::Tensor& k, cons
 
 // One token per sequence: conv state [C, K - 1] shifted by x, the dot over K, SiLU. Rounded where
 // the reference rounds: x into the state's dtype, the window and the sum into the weight's.
-template <typename x_t, typename w_t, typename s_t>
+// kWidth: the conv width as a constant (4, Qwen3.5's, unrolls the channel's loops), 0 at run time.
+template <typename x_t, typename w_t, typename s_t, int64_t kWidth>
 void causal_conv1d_decode_impl(const at::Tensor& x, const at::Tensor& weight, const float* bias,
                                at::Tensor& conv_state, const std::vector<int64_t>& slots,
                                const std::vector<char>& has_state, at::Tensor& out) {
-  const int64_t batch = x.size(0), channels = x.size(1), width = weight.size(1);
+  const int64_t batch = x.size(0), channels = x.size(1);
+  const int64_t width = kWidth ? kWidth : weight.size(1);
   const int64_t keep = width - 1, x_stride = x.stride(0);
   const x_t* xp = x.data_ptr<x_t>();
   const w_t* wp = weight.data_ptr<w_t>();
@@ -301,8 +303,16 @@ at::Tensor causal_conv1d_decode(const at::Tensor& x, const at::Tensor& weight,
   float_or_bf16(x.scalar_type(), "x", [&](auto xt) {
     float_or_bf16(weight.scalar_type(), "weight", [&](auto wt) {
       float_or_bf16(conv_state.scalar_type(), "conv_state", [&](auto st) {
-        causal_conv1d_decode_impl<decltype(xt), decltype(wt), decltype(st)>(
-          x, weight, bias_p, conv_state, rows, carried, out);
+        using x_t = decltype(xt);
+        using w_t = decltype(wt);
+        using s_t = decltype(st);
+        if (weight.size(1) == 4) {
+          causal_conv1d_decode_impl<x_t, w_t, s_t, 4>(x, weight, bias_p, conv_state, rows, carried,
+                                                      out);
+        } else {
+          causal_conv1d_decode_impl<x_t, w_t, s_t, 0>(x, weight, bias_p, conv_state, rows, carried,
+                                                      out);
+        }
       });
     });
   });
