@@ -20,11 +20,12 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from cpu_levels import kernel_levels
 from paged_batches import rel_err, rel_err_per_seq
-from vlinfer.ops.select import select
 from vlinfer.ops.cpu import CpuOps
 from vlinfer.ops.cpu import backend as cpu_backend
 from vlinfer.ops.cpu import linear_attention as cpu_la
 from vlinfer.ops.reference import linear_attention as reference
+from vlinfer.ops.select import select
+from vlinfer.platform import cpu_features
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # outputs; the float32 state: 1e-5 always
 STATE_TOL = 1e-5
@@ -232,6 +233,21 @@ def test_kernels_are_logged_per_level(cpu, caplog):
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         CpuOps(isa=cpu.isa)
     assert f"linear-attention decode kernels: {want}; prefill runs the reference" in caplog.text
+
+
+@pytest.mark.slow  # the AVX2 build: one more build of the extension (tests/cpu_levels.py)
+def test_an_avx2_cpu_runs_the_avx2_kernels(monkeypatch, caplog):
+    """CPU flags mocked to an AVX2-only CPU: the op table builds that level and its decode calls
+    run the AVX2 strips (and still match transformers)."""
+    monkeypatch.setattr(cpu_features, "cpu_flags",
+                        lambda: frozenset({"sse2", "avx", "avx2", "fma", "f16c"}))
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        ops = CpuOps()
+    assert ops.isa == "avx2" and "linear-attention decode kernels: AVX2;" in caplog.text
+    q, k, v, g, beta, pool = _decode_inputs(2, 4, 24, 40, torch.float32, seed=4)
+    want, want_states = _oracle(q, k, v, g, beta, pool, SLOTS)
+    o, after = _delta_rule(ops, q, k, v, g, beta, pool, SLOTS)
+    assert max(_delta_rule_error(o, after, want, want_states, SLOTS)) < TOL[torch.float32]
 
 
 def test_a_failed_build_logs_and_runs_the_reference(monkeypatch, caplog):
