@@ -3,7 +3,7 @@
 write, rotary, the norms, SiLU-and-multiply and tanh GELU run the kernels; the norms and activations
 are memory-bound passes the reference spreads over several tensor ops each. The op families' code is
 in this package's files: attention.py, kv_cache.py, linear.py (panels.py: the panel layout), moe.py,
-quant.py, gguf.py, lora.py.
+quant.py, gguf.py, lora.py, linear_attention.py (hybrid models' decode steps).
 
 Which code the kernels run is chosen from the CPU the engine runs on, at load time
 (cpu_features.cpu_isa): the sources are compiled once per instruction-set level (generic x86-64,
@@ -29,7 +29,8 @@ import logging
 import torch
 
 from vlinfer.ops import reference
-from vlinfer.ops.cpu import attention, gguf, kv_cache, linear, lora, moe, quant
+from vlinfer.ops.cpu import (attention, gguf, kv_cache, linear, linear_attention, lora, moe,
+                             quant)
 from vlinfer.ops.cpu.loader import ISA_FLAGS, build_extension
 from vlinfer.ops.interface import PerStep
 from vlinfer.ops.reference import ReferenceOps, bitmask
@@ -109,6 +110,8 @@ class CpuOps(ReferenceOps):
                 "prefill and "
                 "vision attention run SDPA", self.isa)
         logger.info("ops[cpu]: decode attention kernels: %s", self.ext.decode_attention_kernels())
+        logger.info("ops[cpu]: linear-attention decode kernels: %s; prefill runs the reference",
+                    self.ext.linear_attention_kernels())
 
     def describe(self) -> str:
         if self.bf16_attention and not self.bf16_prefill_kernels:
@@ -163,6 +166,16 @@ class CpuOps(ReferenceOps):
         return kv_cache.quantized_paged_attention(self.ext, decode_rows, q, k_cache, v_cache,
                                                   k_scale, v_scale, cu_seqlens_q, seq_lens,
                                                   block_tables, scale)
+
+    # Hybrid models' linear attention: decode calls on our kernels, the rest on the reference
+    # (linear_attention.py says the rule).
+    def gated_delta_rule(self, q, k, v, g, beta, state, cu_seqlens, slots, has_state, scale):
+        return linear_attention.gated_delta_rule(self.ext, q, k, v, g, beta, state, cu_seqlens,
+                                                 slots, has_state, scale)
+
+    def causal_conv1d(self, x, weight, bias, conv_state, cu_seqlens, slots, has_state):
+        return linear_attention.causal_conv1d(self.ext, x, weight, bias, conv_state, cu_seqlens,
+                                              slots, has_state)
 
     def apply_rotary(self, q, k, cos, sin):
         cos, sin = cos.float().contiguous(), sin.float().contiguous()

@@ -16,7 +16,8 @@ ISA_FLAGS = {"generic": (), "avx2": AVX2_FLAGS, "avx512": AVX512_FLAGS,
 SOURCES = tuple(
     os.path.join(CPU_KERNEL_DIR, name)
     for name in ("paged_ops.cpp", "attention_bf16.cpp", "moe_experts.cpp", "panel_linear.cpp",
-                 "decode_layer.cpp", "kv_quant.cpp", "lora_panels.cpp"))
+                 "decode_layer.cpp", "kv_quant.cpp", "lora_panels.cpp",
+                 "linear_attention.cpp"))
 
 
 def build_extension(isa: str):

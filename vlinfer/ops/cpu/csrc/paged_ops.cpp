@@ -53,6 +53,16 @@ at::Tensor paged_decode_attention_quantized(const at::Tensor& q, const at::Tenso
                                             const at::Tensor& v_scale,
                                             const at::Tensor& block_tables,
                                             const at::Tensor& seq_lens, double scale);
+// cpu/csrc/linear_attention.cpp
+std::string linear_attention_kernels();
+at::Tensor gated_delta_rule_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& g, const at::Tensor& beta, at::Tensor state,
+                                   const at::Tensor& cu_seqlens, const at::Tensor& slots,
+                                   const at::Tensor& has_state, double scale);
+at::Tensor causal_conv1d_decode(const at::Tensor& x, const at::Tensor& weight,
+                                const c10::optional<at::Tensor>& bias, at::Tensor conv_state,
+                                const at::Tensor& cu_seqlens, const at::Tensor& slots,
+                                const at::Tensor& has_state);
 // cpu/csrc/decode_layer.cpp composes the entry points below (hence outside the anonymous namespace)
 
 namespace {
@@ -673,6 +683,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("panels"), py::arg("bias") = py::none());
   m.def("panel_linear_available", &panel_linear_available,
         "whether this build runs panel_linear for a dtype");
+  m.def("gated_delta_rule_decode", &gated_delta_rule_decode,
+        "the gated delta rule for one token per sequence, states updated in place by slot (CPU)");
+  m.def("causal_conv1d_decode", &causal_conv1d_decode,
+        "causal conv1d + SiLU for one token per sequence, conv states shifted by slot (CPU)",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("conv_state"),
+        py::arg("cu_seqlens"), py::arg("slots"), py::arg("has_state"));
+  m.def("linear_attention_kernels", &linear_attention_kernels,
+        "the vector path of this build's linear-attention decode kernels");
   m.def("lora_panels_add", &lora_panels_add,
         "y[t] += (x[t] @ A[s]^T) @ B[s]^T per row's slot, A in 16-output and B in "
         "32-output panels (CPU, AVX-512)",

@@ -1,0 +1,47 @@
+"""Linear attention of hybrid models on the CPU (ops/reference/linear_attention.py defines it):
+decode steps on our kernels (csrc/linear_attention.cpp), everything else on the reference.
+
+The rule, in one place (`kernel_takes_*`): a call runs the kernel when it is a decode call, every
+sequence bringing one token (as many tokens as sequences; the kernel checks cu_seqlens is 0..B and
+refuses a call that hides a zero-length sequence behind a longer one), and its tensors fit: q, k, v
+(or x, the conv weight and conv state) float32 or bf16 with unit stride along the last dim, the
+recurrent state a contiguous float32 pool, the conv state a contiguous pool. Any call with a longer
+sequence (a prefill chunk, a mixed step) runs the reference, whose chunked form is already blocked
+matmuls; decode is where a step reads every state once and the reference's per-token tensor ops
+cost more than the arithmetic."""
+import torch
+
+from vlinfer.ops.reference import linear_attention as reference
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def is_decode(tokens: int, cu_seqlens: torch.Tensor) -> bool:
+    """One token per sequence (no host sync: the kernel checks the boundaries themselves)."""
+    return tokens == cu_seqlens.shape[0] - 1
+
+
+def kernel_takes_delta_rule(q, k, v, state, cu_seqlens) -> bool:
+    return (is_decode(q.shape[0], cu_seqlens) and q.dtype == k.dtype == v.dtype
+            and q.dtype in KERNEL_DTYPES and state.dtype == torch.float32
+            and state.is_contiguous() and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
+
+
+def kernel_takes_conv(x, weight, conv_state, cu_seqlens) -> bool:
+    return (is_decode(x.shape[0], cu_seqlens) and x.dim() == 2 and x.stride(-1) == 1
+            and all(t.dtype in KERNEL_DTYPES for t in (x, weight, conv_state))
+            and weight.is_contiguous() and weight.shape[1] >= 2 and conv_state.is_contiguous())
+
+
+def gated_delta_rule(ext, q, k, v, g, beta, state, cu_seqlens, slots, has_state, scale):
+    if not kernel_takes_delta_rule(q, k, v, state, cu_seqlens):
+        return reference.gated_delta_rule(q, k, v, g, beta, state, cu_seqlens, slots, has_state,
+                                          scale)
+    return ext.gated_delta_rule_decode(q, k, v, g, beta, state, cu_seqlens, slots, has_state,
+                                       scale)
+
+
+def causal_conv1d(ext, x, weight, bias, conv_state, cu_seqlens, slots, has_state):
+    if not kernel_takes_conv(x, weight, conv_state, cu_seqlens):
+        return reference.causal_conv1d(x, weight, bias, conv_state, cu_seqlens, slots, has_state)
+    return ext.causal_conv1d_decode(x, weight, bias, conv_state, cu_seqlens, slots, has_state)
