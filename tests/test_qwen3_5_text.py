@@ -297,7 +297,35 @@ def test_qwen3_next_matches_transformers(tmp_path):
     from transformers import Qwen3NextForCausalLM
     with torch.random.fork_rng(devices=[]):
         model = Qwen3NextForCausalLM(qwen3_next_config()).eval()
-    _rescale(model, torch.Generator().manual_seed(1))
+    assert_moe_matches_transformers(model, tmp_path, seed=1)
+
+
+def qwen3_5_moe_config():
+    from transformers import Qwen3_5MoeTextConfig
+    return Qwen3_5MoeTextConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=6, layer_types=LAYER_TYPES,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=48,
+        linear_conv_kernel_dim=4, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, shared_expert_intermediate_size=40,
+        max_position_embeddings=1024, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25, "mrope_section": [4, 2, 2],
+                         "mrope_interleaved": True},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, architectures=["Qwen3_5MoeForCausalLM"])
+
+
+def test_qwen3_5_moe_matches_transformers(tmp_path):
+    """Qwen3.5-MoE: Qwen3.5's layers with routed experts plus a gated shared expert on every
+    layer; prompt logits, a batch and a chunked run against transformers."""
+    from transformers import Qwen3_5MoeForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        model = Qwen3_5MoeForCausalLM(qwen3_5_moe_config()).eval()
+    assert_moe_matches_transformers(model, tmp_path, seed=2)
+
+
+def assert_moe_matches_transformers(model, tmp_path, seed: int):
+    _rescale(model, torch.Generator().manual_seed(seed))
     model.set_experts_implementation("eager")
     folder = save(model, str(tmp_path))
     model.generation_config.eos_token_id = None  # as ignore_eos

@@ -28,7 +28,8 @@ class SharedExpertMoE(FusedMoE):
     def __init__(self, ctx: ModelContext, config):
         super().__init__(ctx, config.hidden_size, config.moe_intermediate_size,
                          config.num_experts, config.num_experts_per_tok,
-                         bool(config.norm_topk_prob))
+                         # no norm_topk_prob in Qwen3.5-MoE configs: its router always renormalizes
+                         bool(getattr(config, "norm_topk_prob", True)))
         shared = _Width(config, config.shared_expert_intermediate_size)
         self.shared_expert = LlamaMLP(ctx, shared)
         self.shared_expert_gate = ReplicatedLinear(ctx, config.hidden_size, 1)

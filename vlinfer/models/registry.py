@@ -7,6 +7,7 @@ _MODELS = {
     "Qwen3VLForConditionalGeneration": ("vlinfer.models.qwen3_vl",
                                         "Qwen3VLForConditionalGeneration"),
     "Qwen3_5ForCausalLM": ("vlinfer.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("vlinfer.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
     "Qwen3NextForCausalLM": ("vlinfer.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3MoeForCausalLM": ("vlinfer.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "Qwen3VLMoeForConditionalGeneration": ("vlinfer.models.qwen3_vl_moe",
