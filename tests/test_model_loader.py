@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from vlinfer import LLM, SamplingParams
-from vlinfer.loading import resolve_model
+from vlinfer import LLM, ModelNotFoundError, SamplingParams
+from vlinfer.loading import known_aliases, resolve_model
 
 
 def test_repo_id_resolves_from_the_local_hf_cache(qwen3_checkpoint, tmp_path, monkeypatch):
@@ -28,3 +28,17 @@ def test_repo_id_resolves_from_the_local_hf_cache(qwen3_checkpoint, tmp_path, mo
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_qwen3_5_alias_offline_names_the_repo_and_the_download(tmp_path, monkeypatch):
+    """`qwen3.5` stands for Qwen/Qwen3.5-2B; with an empty cache and no network the error says
+    which repo and how to fetch it."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert "qwen3.5" in known_aliases()
+    with pytest.raises(ModelNotFoundError, match=r"'qwen3\.5' \(Qwen/Qwen3\.5-2B\) not found"
+                       ) as err:
+        resolve_model("qwen3.5")
+    assert "huggingface-cli download Qwen/Qwen3.5-2B" in str(err.value)

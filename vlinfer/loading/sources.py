@@ -34,6 +34,7 @@ HF_ALIASES = {
     "qwen3-1.7b": "Qwen/Qwen3-1.7B",
     "qwen3-4b": "Qwen/Qwen3-4B",
     "qwen3-8b": "Qwen/Qwen3-8B",
+    "qwen3.5": "Qwen/Qwen3.5-2B",
 }
 # Retrieval models: the alias's runner and hf_overrides (vLLM's way to load the rerankers as
 # classifiers of their "no" / "yes" logits; docs/retrieval.md).
