@@ -104,8 +104,9 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5Model(nn.Module):
-    def __init__(self, ctx: ModelContext, config, make_mlp=None):
-        """make_mlp(layer_index) -> the layer's MLP (MoE models), or None: the dense one."""
+    def __init__(self, ctx: ModelContext, config, make_mlp=None, rotary_emb: nn.Module = None):
+        """make_mlp(layer_index) -> the layer's MLP (MoE models), or None: the dense one;
+        rotary_emb: the vision models' multimodal one (cos_sin of [3, T] positions)."""
         super().__init__()
         layer_types = check_layer_types(config)
         self.embed_tokens = VocabParallelEmbedding(ctx, config.vocab_size, config.hidden_size)
@@ -114,10 +115,11 @@ class Qwen3_5Model(nn.Module):
             for i, layer_type in enumerate(layer_types)])
         self.norm = OffsetRMSNorm(ctx, config.hidden_size, config.rms_norm_eps)
         # rope_inv_freq reads partial_rotary_factor: the table spans the rotary part only
-        self.rotary_emb = RotaryEmbedding(config, config.max_position_embeddings)
+        self.rotary_emb = rotary_emb or RotaryEmbedding(config, config.max_position_embeddings)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         residual = None
         for layer in self.layers:

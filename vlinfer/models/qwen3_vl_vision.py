@@ -176,7 +176,9 @@ class Qwen3VLVisionModel(nn.Module, PrefillOnly):  # whole images' patches, neve
         self.temporal_patch_size = config.temporal_patch_size
         self.in_channels = config.in_channels
         self.hidden_size = config.hidden_size
-        self.deepstack_visual_indexes = list(config.deepstack_visual_indexes)
+        # Qwen3.5's tower has no DeepStack: its config has no deepstack_visual_indexes
+        self.deepstack_visual_indexes = list(getattr(config, "deepstack_visual_indexes", None)
+                                             or [])
 
         patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
         self.patch_embed = Qwen3VLVisionPatchEmbed(ctx, patch_dim, config.hidden_size)

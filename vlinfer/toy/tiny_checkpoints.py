@@ -80,6 +80,12 @@ def build_tiny_qwen3_vl(folder: str, seed: int = 0, **config_overrides) -> str:
     _rescale(model, torch.Generator().manual_seed(seed))
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
+    write_qwen3_vl_processor_files(folder)
+    return folder
+
+
+def write_qwen3_vl_processor_files(folder: str) -> None:
+    """The real Qwen3 tokenizer and Qwen3-VL's preprocessor config, into a checkpoint folder."""
     tokenizer_dir = qwen_tokenizer_files()
     for name in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, name), folder)
@@ -92,4 +98,3 @@ def build_tiny_qwen3_vl(folder: str, seed: int = 0, **config_overrides) -> str:
     }
     with open(os.path.join(folder, "preprocessor_config.json"), "w") as f:
         json.dump(preprocessor, f, indent=2)
-    return folder

@@ -1,0 +1,79 @@
+"""Qwen3.5 with vision (Qwen3_5ForConditionalGeneration, and the MoE variant) through the whole
+engine against transformers, float32, on a tiny random checkpoint: Qwen3-VL's tower without
+DeepStack, the hybrid decoder with interleaved multimodal rotary over a partial rotary head.
+Prompt logits of an image request and of a text one; an image request and a text request
+batched together generate transformers' greedy tokens."""
+import pytest
+import torch
+
+from conftest import assert_block_pool_empty
+from images import picture
+from test_qwen3_5_text import LAYER_TYPES
+from test_qwen3_vl_engine import PROMPT_0, PROMPT_1, hf_greedy, hf_inputs
+from vlinfer import LLM, SamplingParams
+from vlinfer.engine import SchedulerOutput
+from vlinfer.toy.tiny_checkpoints import (QWEN3_VL_SPECIAL, _rescale,
+                                          write_qwen3_vl_processor_files)
+
+NUM_NEW = 16
+CASES = [(PROMPT_1, [picture(120, 160, 1)]), (PROMPT_0, [])]
+TEXT = dict(vocab_size=151936, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+            layer_types=LAYER_TYPES, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+            linear_value_head_dim=48, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.25, "mrope_section": [4, 2, 2],
+                             "mrope_interleaved": True})
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+           shared_expert_intermediate_size=40)
+VISION = dict(depth=2, hidden_size=64, num_heads=4, intermediate_size=128, patch_size=16,
+              temporal_patch_size=2, in_channels=3, spatial_merge_size=2, out_hidden_size=64,
+              num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh")
+
+
+@pytest.fixture(scope="module", params=["Qwen3_5", "Qwen3_5Moe"])
+def checkpoint(request, tmp_path_factory):
+    import transformers
+    config_class = getattr(transformers, f"{request.param}Config")
+    model_class = getattr(transformers, f"{request.param}ForConditionalGeneration")
+    text = dict(TEXT, **MOE) if request.param == "Qwen3_5Moe" else dict(TEXT)
+    config = config_class(vision_config=VISION, text_config=text, tie_word_embeddings=False,
+                          architectures=[model_class.__name__], **QWEN3_VL_SPECIAL)
+    with torch.random.fork_rng(devices=[]):
+        model = model_class(config).eval()
+    _rescale(model, torch.Generator().manual_seed(3))
+    if request.param == "Qwen3_5Moe":
+        model.set_experts_implementation("eager")
+    folder = str(tmp_path_factory.mktemp(request.param))
+    model.save_pretrained(folder, safe_serialization=True)
+    write_qwen3_vl_processor_files(folder)
+    return folder, model
+
+
+def test_prompt_logits_and_mixed_batch_match_transformers(checkpoint):
+    folder, model = checkpoint
+    llm = LLM(folder, dtype="float32", kv_cache_bytes=32 * 2 ** 20, max_model_len=1024)
+    engine = llm.engine
+    assert engine.resolved.num_state_slots > 0
+    expected = []
+    for text, images in CASES:
+        seq = engine.make_sequence({"prompt": text, "multi_modal_data": {"image": images}})
+        engine.add_sequence(seq)
+        assert engine.block_manager.allocate(seq, seq.num_tokens)
+        ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens]))
+        ids, kwargs = hf_inputs(llm, text, images)
+        assert ids[0].tolist() == seq.token_ids
+        with torch.no_grad():
+            ref = model(input_ids=ids, **kwargs).logits[0]
+        assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+        engine.abort_request(seq.request_id)
+        expected.append(hf_greedy(model, ids, kwargs, NUM_NEW))
+    requests = [{"prompt": text, "multi_modal_data": {"image": images}} if images else text
+                for text, images in CASES]
+    outs = llm.generate(requests, SamplingParams(temperature=0, max_tokens=NUM_NEW,
+                                                 ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_block_pool_empty(llm)
+    bm = engine.block_manager
+    assert bm.num_free_slots == bm.num_state_slots
