@@ -2,7 +2,7 @@
 engine against transformers, float32, on a tiny random checkpoint: Qwen3-VL's tower without
 DeepStack, the hybrid decoder with interleaved multimodal rotary over a partial rotary head.
 Prompt logits of an image request and of a text one; an image request and a text request
-batched together generate transformers' greedy tokens."""
+batched together generate transformers' greedy tokens, in one step and in chunks."""
 import pytest
 import torch
 
@@ -71,9 +71,19 @@ def test_prompt_logits_and_mixed_batch_match_transformers(checkpoint):
         expected.append(hf_greedy(model, ids, kwargs, NUM_NEW))
     requests = [{"prompt": text, "multi_modal_data": {"image": images}} if images else text
                 for text, images in CASES]
-    outs = llm.generate(requests, SamplingParams(temperature=0, max_tokens=NUM_NEW,
-                                                 ignore_eos=True), use_tqdm=False)
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outs = llm.generate(requests, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_nothing_held(llm)
+    # chunks of 16 tokens: the image's rows and the linear layers' state carry across chunks
+    chunked = LLM(folder, dtype="float32", kv_cache_bytes=32 * 2 ** 20, max_model_len=1024,
+                  max_num_batched_tokens=16)
+    outs = chunked.generate(requests, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_nothing_held(chunked)
+
+
+def assert_nothing_held(llm):
     assert_block_pool_empty(llm)
-    bm = engine.block_manager
+    bm = llm.engine.block_manager
     assert bm.num_free_slots == bm.num_state_slots
