@@ -42,3 +42,24 @@ def test_qwen3_5_alias_offline_names_the_repo_and_the_download(tmp_path, monkeyp
                        ) as err:
         resolve_model("qwen3.5")
     assert "huggingface-cli download Qwen/Qwen3.5-2B" in str(err.value)
+
+
+def test_a_damaged_name_around_a_fused_fragment_is_named():
+    """A tensor name whose fused fragment matches but whose rest is damaged (found by
+    test_generated_checkpoints' damaged bytes: 'model.' -> ' odel.') is refused by name, not with a
+    KeyError."""
+    import torch
+    from torch import nn
+
+    from vlinfer.loading import load_weights
+
+    class Tiny(nn.Module):
+        packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0)}
+
+        def __init__(self):
+            super().__init__()
+            self.config = type("Config", (), {"tie_word_embeddings": False})()
+            self.gate_up_proj = nn.Linear(2, 4, bias=False)
+
+    with pytest.raises(ValueError, match="' odel.gate_proj.weight' has no matching parameter"):
+        load_weights(Tiny(), iter([(" odel.gate_proj.weight", torch.zeros(2, 2))]))

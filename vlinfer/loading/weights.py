@@ -24,16 +24,15 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]],
         for fragment, (fused, shard_id) in packed.items():
             if f".{fragment}." in name:
                 target = name.replace(f".{fragment}.", f".{fused}.")
+                if target not in params:  # a misspelt or damaged name around a fused fragment
+                    raise _unmatched(name, model)
                 param = params[target]
                 _load_one(name, param.weight_loader, param, tensor, shard_id)
                 loaded.add((target, shard_id))
                 break
         else:
             if name not in params:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has no matching parameter in "
-                    f"{type(model).__name__}"
-                )
+                raise _unmatched(name, model)
             param = params[name]
             _load_one(name, getattr(param, "weight_loader", _copy), param, tensor)
             loaded.add((name, None))
@@ -48,6 +47,11 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]],
     if missing:
         raise ValueError(
             f"checkpoint is missing weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def _unmatched(name: str, model: nn.Module) -> ValueError:
+    return ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
+                      f"{type(model).__name__}")
 
 
 def _load_one(name: str, loader, *args) -> None:
