@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant
 
-from test_engine_state_machine import EngineMachine
+from test_engine_state_machine import EngineMachine, Engines
 from test_qwen3_5_text import save, text_config
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine.drive import drive
@@ -44,13 +44,7 @@ class HybridEngines:
                                      max_num_seqs=MAX_NUM_SEQS, **options).engine
         return self.engines[name]
 
-    def tokens_alone(self, prompt: tuple, params: SamplingParams) -> list[list[int]]:
-        key = (prompt, repr(params))
-        if key not in self.alone:
-            out = self.reference.generate([{"prompt_token_ids": list(prompt)}], params,
-                                          use_tqdm=False)[0]
-            self.alone[key] = [c.token_ids for c in sorted(out.outputs, key=lambda c: c.index)]
-        return self.alone[key]
+    tokens_alone = Engines.tokens_alone  # each request run alone on the reference engine
 
 
 class HybridMachine(EngineMachine):
