@@ -3,7 +3,9 @@ random Qwen3.5 text checkpoint: Gated DeltaNet layers beside gated attention), o
 preempts and on a budget that chunks prefills. Beside the block checks, after every rule: each
 live sequence holding blocks holds one state slot of its own (never shared between live
 sequences), a sequence without blocks holds none, and the free slots are exactly the others;
-every finished request's tokens equal its run alone; once idle, every slot is free."""
+with prefix caching (docs/hybrid.md), checkpoint slots are never a live sequence's, each is
+either free or keyed by a block hash whose KV is cached; every finished request's tokens equal
+its run alone; once idle, every slot is free and only checkpoints are kept, which a reset frees."""
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant
@@ -16,9 +18,12 @@ from vlinfer.toy.tiny_checkpoints import _rescale
 
 EXAMPLES, STEPS = 12, 30
 MAX_NUM_SEQS = 4
-# 6 blocks of 16 tokens beside the slots (preemption); a budget of 8 tokens a step (chunks)
+# 6 blocks of 16 tokens beside the slots (preemption, no room for a checkpoint: prefix caching
+# off); a budget of 8 tokens a step (chunks, checkpoints at their block boundaries); a tight pool
+# with two checkpoints (prefix hits restoring states beside preemption)
 ENGINES = {"tight-pool": dict(max_model_len=96, blocks=6),
-           "chunked": dict(max_num_batched_tokens=8, max_model_len=128)}
+           "chunked": dict(max_num_batched_tokens=8, max_model_len=128),
+           "tight-prefix": dict(max_model_len=96, blocks=6, checkpoints=2)}
 
 
 class HybridEngines:
@@ -38,8 +43,10 @@ class HybridEngines:
         if name not in self.engines:
             options = dict(ENGINES[name])
             blocks = options.pop("blocks", None)
+            # sizing.py gives checkpoints half of what the live slots leave beside one sequence
+            slots = MAX_NUM_SEQS + 2 * options.pop("checkpoints", 0)
             budget = 16 * 2 ** 20 if blocks is None else (
-                blocks * self.bytes_per_block + MAX_NUM_SEQS * self.bytes_per_slot)
+                blocks * self.bytes_per_block + slots * self.bytes_per_slot)
             self.engines[name] = LLM(self.path, dtype="float32", kv_cache_bytes=budget,
                                      max_num_seqs=MAX_NUM_SEQS, **options).engine
         return self.engines[name]
@@ -60,11 +67,22 @@ class HybridMachine(EngineMachine):
                 held.append(seq.state_slot)
         assert len(held) == len(set(held)), f"a state slot shared by live sequences: {held}"
         assert sorted(held + manager.free_slots) == list(range(manager.num_state_slots))
+        kept = list(manager.checkpoints.values())
+        assert not manager.pending_saves and not any(
+            seq.restore_slot is not None for seq in self.engine.requests.values())
+        assert sorted(kept + manager.free_checkpoints) == list(range(
+            manager.num_state_slots, manager.num_state_slots + manager.num_checkpoint_slots))
+        assert all(h in manager.hash_to_block for h in manager.checkpoints)
+        self.fixture.stats["checkpoints"] = max(self.fixture.stats.get("checkpoints", 0),
+                                                len(kept))
 
     def check_idle(self):
         super().check_idle()
         manager = self.engine.block_manager
         assert manager.num_free_slots == manager.num_state_slots == MAX_NUM_SEQS
+        assert manager.reset_prefix_cache()
+        assert not manager.checkpoints
+        assert len(manager.free_checkpoints) == manager.num_checkpoint_slots
 
 
 def test_engine_state_machine_on_a_hybrid_model(tmp_path_factory):
@@ -79,8 +97,13 @@ def test_engine_state_machine_on_a_hybrid_model(tmp_path_factory):
         HybridMachine.TestCase().runTest()
     stats = dict(engines.stats)
     stats["preemptions"] = {n: e.scheduler.num_preemptions for n, e in engines.engines.items()}
+    stats["checkpoint_slots"] = {n: e.resolved.num_checkpoint_slots
+                                 for n, e in engines.engines.items()}
     print(f"hybrid engine state machine: {stats}")
     assert stats["examples"] >= EXAMPLES and stats["compared"] >= EXAMPLES // 2
+    assert stats["checkpoint_slots"] == {"tight-pool": 0, "chunked": MAX_NUM_SEQS,
+                                         "tight-prefix": 2}
+    assert stats["checkpoints"] > 0  # prefix caching took checkpoints
     # The generated workloads need not overflow the tight pool (under xdist they once did not):
     # four 80-token requests on its 6 blocks must, and still come out as each one alone.
     tight = engines.engine("tight-pool")

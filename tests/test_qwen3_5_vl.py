@@ -87,3 +87,37 @@ def assert_nothing_held(llm):
     assert_block_pool_empty(llm)
     bm = llm.engine.block_manager
     assert bm.num_free_slots == bm.num_state_slots
+
+
+def test_repeated_image_prompt_hits_its_checkpoint_and_stays_exact(checkpoint):
+    """Prefix caching (docs/hybrid.md): the image request again hits the blocks up to the last
+    boundary before its last token, image-keyed, its linear layers restored from the checkpoint
+    there: logits and greedy tokens are transformers'. The same text with another picture of the
+    same size (the same token ids) hits nothing past the blocks before its image."""
+    from test_hybrid_prefix_cache import prefill_logits
+    folder, model = checkpoint
+    llm = LLM(folder, dtype="float32", kv_cache_bytes=32 * 2 ** 20, max_model_len=1024,
+              kvcache_block_size=16)
+    text, images = CASES[0]
+    request = {"prompt": text, "multi_modal_data": {"image": images}}
+    ids, kwargs = hf_inputs(llm, text, images)
+    with torch.no_grad():
+        ref = model(input_ids=ids, **kwargs).logits[0]
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    first = llm.generate([request], greedy, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    last = (ids.shape[1] - 1) // 16 * 16
+    ours, seq = prefill_logits(llm.engine, request)
+    assert seq.num_cached_tokens == last > 0
+    assert ((ours - ref[last:]).abs().max() / ref.abs().max()).item() < 1e-4
+    again = llm.generate([request], greedy, use_tqdm=False)[0]
+    assert again.num_cached_tokens == last
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == hf_greedy(
+        model, ids, kwargs, NUM_NEW)
+    other = {"prompt": text, "multi_modal_data": {"image": [picture(120, 160, 2)]}}
+    out = llm.generate([other], greedy, use_tqdm=False)[0]
+    assert out.prompt_token_ids == first.prompt_token_ids
+    image_start = seq.mm_items[0].offset
+    assert out.num_cached_tokens <= image_start // 16 * 16
+    assert_nothing_held(llm)
+    assert llm.reset_prefix_cache() and not llm.engine.block_manager.checkpoints

@@ -12,7 +12,8 @@ SCHEDULER = "vlinfer/engine/scheduler.py"
 SEQUENCE_INIT = ("vlinfer/engine/sequence.py", "Sequence.__init__")
 # What drives a BlockManager (its own file calls its own helpers).
 BLOCK_MANAGER_CALLS = {"allocate", "allocate_prefix", "free", "trim", "cache_full_blocks",
-                       "reset_prefix_cache"}
+                       "reset_prefix_cache", "reserve_checkpoint", "commit_checkpoints",
+                       "drop_pending_checkpoints"}
 
 
 def _scopes(tree: ast.AST):
@@ -123,3 +124,15 @@ def test_only_the_block_manager_hands_out_state_slots():
                                     (manager, "BlockManager.free"),
                                     ("vlinfer/engine/model_runner.py",
                                      "ModelRunner.profile_peak_memory")}
+
+
+def test_state_checkpoints_have_one_owner():
+    """A hybrid model's prefix-cache checkpoints (docs/hybrid.md): the block manager reserves them
+    as the scheduler places a step and keys them in Scheduler.update alone, after the step ran; a
+    hit's restore is set by the block manager and handed to the step by the scheduler."""
+    manager = "vlinfer/engine/block_manager.py"
+    assert CALLS["commit_checkpoints"] == {(SCHEDULER, "Scheduler.update")}
+    assert CALLS["reserve_checkpoint"] == {(SCHEDULER, "Scheduler._schedule")}
+    assert WRITES["restore_slot"] == {SEQUENCE_INIT, (manager, "BlockManager.allocate_prefix"),
+                                      (manager, "BlockManager.free"),
+                                      (SCHEDULER, "Scheduler._schedule")}

@@ -277,7 +277,9 @@ class ResolvedConfig:
     kv_cache_dtype: torch.dtype  # the dtype K and V are stored in
     # a hybrid model's per-sequence state slots (max_num_seqs is capped to them); 0 for none
     num_state_slots: int = 0
-    # off for a hybrid model: a prefix hit would need the state at the prefix's end (sizing.py)
+    # a hybrid model's prefix-cache state checkpoints, slots of the same size past the live ones
+    num_checkpoint_slots: int = 0
+    # off for a hybrid model whose budget holds no checkpoint: a hit restores one (sizing.py)
     enable_prefix_caching: bool = True
 
     @property

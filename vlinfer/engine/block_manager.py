@@ -1,7 +1,13 @@
 """Paged KV memory: fixed-size blocks, reference counts, and prefix caching by chained block hashes;
 and a hybrid model's per-sequence state slots (engine/cache_pool.py), held and freed with a
 sequence's blocks: a sequence takes its slot with its first blocks, and gives both back at once
-(finish, abort, preemption)."""
+(finish, abort, preemption).
+
+Prefix caching on a hybrid model (docs/hybrid.md "Prefix caching"): the linear layers' state at a
+full-block boundary is copied into a checkpoint slot keyed by that block's hash (the slots past
+the live ones); a hit is cut to the last block whose checkpoint exists, which is copied into the
+sequence's own slot. The copies are the step's (scheduler.SchedulerOutput), run by the model
+runner: restores before the forward, saves after it."""
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -32,11 +38,19 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_state_slots: int = 0):
+                 num_state_slots: int = 0, num_checkpoint_slots: int = 0):
         self.block_size = block_size
         # free state slots, lowest first; empty and unused for a pure-attention model
         self.num_state_slots = num_state_slots
         self.free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
+        # checkpoint slots: the pool's slots past the live ones, never bound to a sequence
+        self.num_checkpoint_slots = num_checkpoint_slots
+        self.free_checkpoints: list[int] = list(
+            range(num_state_slots + num_checkpoint_slots - 1, num_state_slots - 1, -1))
+        # block hash -> checkpoint slot holding the state right after that block, LRU first
+        self.checkpoints: OrderedDict[int, int] = OrderedDict()
+        # (block hash, checkpoint slot) saved by the step in flight, committed by its update
+        self.pending_saves: list[tuple[int, int]] = []
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Blocks with ref_count 0, in eviction order: the front is reused first. Freed blocks that
@@ -56,6 +70,11 @@ class BlockManager:
     @property
     def num_free_slots(self) -> int:
         return len(self.free_slots)
+
+    @property
+    def checkpointing(self) -> bool:
+        """Prefix caching on a hybrid model: hits need a checkpointed state."""
+        return self.enable_prefix_caching and self.num_checkpoint_slots > 0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -84,6 +103,8 @@ class BlockManager:
         if block.hash is not None:  # evict: its cached KV is about to be overwritten
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
+                # a state after KV no one can reuse is no use: dropped with the block
+                self._drop_checkpoint(block.hash)
             block.hash = None
         block.ref_count = 1
         return block_id
@@ -102,11 +123,18 @@ class BlockManager:
             # too)
             return 0
         hits = []
-        for h in self.update_block_hashes(seq)[:(seq.num_tokens - 1) // self.block_size]:
+        hashes = self.update_block_hashes(seq)
+        for h in hashes[:(seq.num_tokens - 1) // self.block_size]:
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.num_state_slots:  # the linear layers start from a checkpoint: cut to the last one
+            while hits and hashes[len(hits) - 1] not in self.checkpoints:
+                hits.pop()
+            if hits:
+                seq.restore_slot = self.checkpoints[hashes[len(hits) - 1]]
+                self.checkpoints.move_to_end(hashes[len(hits) - 1])
         for block_id in hits:
             self._take(block_id)
         seq.block_table = hits
@@ -144,14 +172,60 @@ class BlockManager:
                     hashes[i], block.block_id) == block.block_id:
                 block.hash = hashes[i]
 
+    def reserve_checkpoint(self, seq: Sequence, num_new_tokens: int) -> tuple[int, int] | None:
+        """(seq's slot, a checkpoint slot) when seq's prefill chunk of num_new_tokens ends at a
+        full-block boundary whose state is not checkpointed yet: the step copies the state there
+        after its forward, and `commit_checkpoints` keys it by the block's hash. Decode steps take
+        none (a generated block is rarely another request's prefix). The least recently used
+        checkpoint makes room."""
+        end, bs = seq.num_computed_tokens + num_new_tokens, self.block_size
+        if (not self.checkpointing or end % bs or not end
+                or seq.num_computed_tokens >= seq.num_tokens - 1):
+            return None
+        h = self.update_block_hashes(seq)[end // bs - 1]
+        if h in self.checkpoints:
+            self.checkpoints.move_to_end(h)
+            return None
+        if any(h == pending for pending, _ in self.pending_saves):
+            return None
+        if not self.free_checkpoints:
+            if not self.checkpoints:  # every checkpoint slot is this step's
+                return None
+            self.free_checkpoints.append(self.checkpoints.popitem(last=False)[1])
+        slot = self.free_checkpoints.pop()
+        self.pending_saves.append((h, slot))
+        return seq.state_slot, slot
+
+    def commit_checkpoints(self) -> None:
+        """The step's saves ran: each checkpoint is keyed by its block's hash, while that block's
+        KV is cached (the step's update cached it)."""
+        for h, slot in self.pending_saves:
+            if h in self.hash_to_block and h not in self.checkpoints:
+                self.checkpoints[h] = slot
+            else:
+                self.free_checkpoints.append(slot)
+        self.pending_saves = []
+
+    def drop_pending_checkpoints(self) -> None:
+        """A step that failed before its update: its saves never ran."""
+        self.free_checkpoints.extend(slot for _, slot in self.pending_saves)
+        self.pending_saves = []
+
+    def _drop_checkpoint(self, h: int) -> None:
+        slot = self.checkpoints.pop(h, None)
+        if slot is not None:
+            self.free_checkpoints.append(slot)
+
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (vLLM's reset_prefix_cache). Only while no sequence holds a
-        block: False, and nothing changed, otherwise."""
+        """Forget every cached block and state checkpoint (vLLM's reset_prefix_cache). Only while
+        no sequence holds a block: False, and nothing changed, otherwise."""
         if len(self.free_blocks) != len(self.blocks):
             return False
         for block in self.blocks:
             block.hash = None
         self.hash_to_block.clear()
+        self.free_checkpoints.extend(self.checkpoints.values())
+        self.checkpoints.clear()
         return True
 
     def trim(self, seq: Sequence) -> None:
@@ -166,6 +240,7 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self._release(block_id, seq)
         seq.block_table = []
+        seq.restore_slot = None
         if seq.state_slot is not None:  # its state goes with it: a readmission starts afresh
             if seq.state_slot in self.free_slots:
                 raise RuntimeError(f"state slot {seq.state_slot} freed twice (by sequence "

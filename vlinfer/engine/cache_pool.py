@@ -9,7 +9,8 @@ Two kinds of cache memory (docs/design.md "Two kinds of cache memory"):
   (BlockManager).
 - per-sequence state slots (`StateSlotSpec`): the fixed-size recurrent state of linear-attention
   layers (hybrid models, docs/hybrid.md), one slot per running sequence whatever its length; the
-  block manager hands a sequence its slot (BlockManager.slots).
+  block manager hands a sequence its slot (BlockManager.slots). With prefix caching, the slots past
+  the live ones hold checkpoints of the state at block boundaries (`copy_slots`).
 A pure-attention model asks for one PagedKVSpec; a hybrid model asks for both."""
 import logging
 import math
@@ -189,6 +190,18 @@ class CachePool:
             for i, layer in enumerate(spec.layers):
                 layer.states = tuple(t[i] for t in tensors)
 
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy state slots (source, destination) in every state tensor: a prefix hit's checkpoint
+        into its sequence's slot, a sequence's state into a checkpoint. Sources and destinations
+        are disjoint (live slots one side, checkpoint slots the other)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for tensors in self.state_tensors:
+            for t in tensors:
+                t.index_copy_(1, dst, t.index_select(1, src))
+
     def release(self) -> None:
         """Drop the pool and the layers' views of it."""
         self.kv_cache = self.kv_scales = None
@@ -208,9 +221,13 @@ class CachePool:
                 f"({num_blocks * self.bytes_per_block / 2 ** 20:.1f} MiB{per_rank}, "
                 f"{num_blocks * self.block_size} tokens)")
 
-    def slot_capacity(self, num_slots: int, per_rank: str = "") -> str:
-        """The capacity of num_slots state slots, for the sizing log."""
+    def slot_capacity(self, num_slots: int, per_rank: str = "", num_checkpoints: int = 0) -> str:
+        """The capacity of num_slots state slots (and num_checkpoints checkpoint slots of the
+        same size), for the sizing log."""
         dtypes = sorted({str(spec.dtype).removeprefix("torch.") for spec in self.states})
+        checkpoints = (f" + {num_checkpoints} prefix-cache checkpoints "
+                       f"({num_checkpoints * self.bytes_per_slot / 2 ** 20:.1f} MiB{per_rank})"
+                       if num_checkpoints else "")
         return (f"{num_slots} state slots in {'/'.join(dtypes)} "
                 f"({num_slots * self.bytes_per_slot / 2 ** 20:.1f} MiB{per_rank}, "
-                f"{self.bytes_per_slot / 2 ** 20:.2f} MiB a sequence)")
+                f"{self.bytes_per_slot / 2 ** 20:.2f} MiB a sequence){checkpoints}")

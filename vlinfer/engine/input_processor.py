@@ -220,6 +220,7 @@ class InputProcessor:
             seq = Sequence(token_ids, params, request_id=seq_id, prompt=text, generator=generator,
                            **extra)
             seq.parent_id, seq.index = request_id, index
+            seq.request_group = request_id
             seq.images_info = images_info
             seq.videos_info = videos_info
             seq.bad_words_token_ids = bad_words_token_ids

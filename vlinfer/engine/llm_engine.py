@@ -104,7 +104,8 @@ class LLMEngine:
             draft.allocate_kv_cache(self.resolved.num_blocks)
         self.block_manager = BlockManager(self.resolved.num_blocks, block_size,
                                           self.resolved.enable_prefix_caching,
-                                          self.resolved.num_state_slots)
+                                          self.resolved.num_state_slots,
+                                          self.resolved.num_checkpoint_slots)
         self.scheduler = Scheduler(self.block_manager, self.resolved.max_num_seqs,
                                    self.resolved.max_num_batched_tokens,
                                    config.max_loras if config.enable_lora else 0)

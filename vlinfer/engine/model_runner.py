@@ -91,7 +91,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, num_state_slots: int = 0) -> None:
         """Every rank allocates the same number of blocks (the block tables come from rank 0), and
-        a hybrid model's state slots."""
+        a hybrid model's state slots (its checkpoint slots included)."""
         if self.driver is not None:
             self.driver.call("allocate_kv_cache", num_blocks, num_state_slots)
         self.graphs = None  # captured over the old pool's addresses
@@ -99,7 +99,8 @@ class ModelRunner:
 
     def init_cache(self, resolved) -> None:
         """The pool `resolved` sized (sizing.py), then the decode graphs over its addresses."""
-        self.allocate_kv_cache(resolved.num_blocks, resolved.num_state_slots)
+        self.allocate_kv_cache(resolved.num_blocks,
+                               resolved.num_state_slots + resolved.num_checkpoint_slots)
         self.capture_graphs(resolved)  # for the block tables of the resolved length
 
     def capture_graphs(self, resolved) -> None:
@@ -124,6 +125,7 @@ class ModelRunner:
         slot_of = self.lora.activate_step(batch.seqs, self.install_lora) if self.lora else {}
         inputs, plan = build_step_inputs(batch.seqs, batch.num_new_tokens, self.block_size,
                                          self.mrope, slot_of)
+        inputs.state_restores, inputs.state_saves = batch.state_restores, batch.state_saves
         if self.vision is not None:
             inputs.mm_inputs = self.vision.step_rows(batch, len(inputs.input_ids), slot_of)
         return inputs, plan
@@ -135,6 +137,7 @@ class ModelRunner:
         same inputs; the layers' collectives keep them in step (the pooled rows need none: hidden
         states are whole on every rank)."""
         dev = self.device
+        self.cache_pool.copy_slots(inputs.state_restores)  # prefix hits start from checkpoints
         if self.graphs is not None and self.graphs.can_run(inputs):
             hidden_states = self.graphs.run(inputs)
         else:
@@ -152,6 +155,7 @@ class ModelRunner:
             with self.ctx.stepping(step):
                 hidden_states = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev),
                                            **mm_inputs)
+        self.cache_pool.copy_slots(inputs.state_saves)  # the states at block boundaries
         pooled = None
         if inputs.pool_indices is not None and len(inputs.pool_indices):
             pooled = self.model.pool(hidden_states[inputs.pool_indices.to(dev)])

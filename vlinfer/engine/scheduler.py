@@ -7,7 +7,7 @@ The scheduler is the one owner of a sequence's progress (num_computed_tokens), i
 (update), as vLLM's update_from_output and nano-vllm's postprocess take it; the speculator only
 proposes and counts acceptance."""
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vlinfer.engine.block_manager import BlockManager
 from vlinfer.engine.sequence import Sequence, SequenceStatus
@@ -18,6 +18,10 @@ class SchedulerOutput:
     seqs: list[Sequence]
     # tokens each sequence computes this step, from its num_computed_tokens on
     num_new_tokens: list[int]
+    # a hybrid model's state copies (source slot, destination slot): prefix hits' checkpoints into
+    # their sequences' slots before the forward, checkpoints of block boundaries after it
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -59,14 +63,47 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def _cut(self, seq: Sequence, n: int) -> int:
+        """A hybrid model's prefill chunk, with prefix caching, ends at a block boundary where it
+        crosses one, and at the last boundary before the last token (the longest prefix a later
+        request can hit) where it crosses that: the state there is checkpointed exact (vLLM's
+        "align" mode). The tail past it runs next step."""
+        bm, start = self.block_manager, seq.num_computed_tokens
+        last = (seq.num_tokens - 1) // bm.block_size * bm.block_size
+        if not bm.checkpointing or start >= last:
+            return n
+        end = min(start + n, last) // bm.block_size * bm.block_size
+        return end - start if end > start else n
+
+    def _sibling_prefilling(self, seq: Sequence) -> bool:
+        """A hybrid model's later completion of an n > 1 request waits while an earlier one
+        prefills up to its checkpoint, then hits it (the state copied on fork) rather than
+        prefilling the prompt beside it."""
+        if not self.block_manager.checkpointing or seq.prompt_logprobs is not None:
+            return False
+        bs = self.block_manager.block_size
+        return any(s.request_group == seq.request_group and s.num_computed_tokens <
+                   (s.num_prompt_tokens - 1) // bs * bs for s in self.running)
+
+    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        out.seqs.append(seq)
+        out.num_new_tokens.append(n)
+        if seq.restore_slot is not None:  # its prefix hit's state, into its own slot
+            out.state_restores.append((seq.restore_slot, seq.state_slot))
+            seq.restore_slot = None
+        save = self.block_manager.reserve_checkpoint(seq, n)
+        if save is not None:
+            out.state_saves.append(save)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([], [])
+        self.block_manager.drop_pending_checkpoints()  # of a step that failed before its update
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._cut(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             while not self.block_manager.allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -74,8 +111,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.seqs.append(seq)
-                out.num_new_tokens.append(n)
+                self._schedule(out, seq, n)
                 budget -= n
                 i += 1
         # Admit new work only when the running set did not have to give up blocks this step.
@@ -86,6 +122,8 @@ class Scheduler:
             lora_id = seq.lora_request.lora_int_id if seq.lora_request is not None else None
             if lora_id is not None and lora_id not in adapters and len(adapters) >= self.max_loras:
                 break  # its adapter would not find a slot this step
+            if self._sibling_prefilling(seq):
+                break
             if lora_id is not None:
                 adapters.add(lora_id)
             if not seq.block_table:
@@ -93,7 +131,7 @@ class Scheduler:
                 seq.num_computed_tokens = cached
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = cached
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._cut(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             if not self.block_manager.allocate(seq, n):
                 self.block_manager.free(seq)
                 seq.num_computed_tokens = 0
@@ -101,8 +139,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.seqs.append(seq)
-            out.num_new_tokens.append(n)
+            self._schedule(out, seq, n)
             budget -= n
         return out
 
@@ -140,6 +177,7 @@ class Scheduler:
                 seq.spec_token_ids = []
         for seq in batch.seqs:
             self.block_manager.cache_full_blocks(seq)
+        self.block_manager.commit_checkpoints()
 
     def rollback(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Keep seq's KV over its first num_computed_tokens tokens at most and free the blocks past

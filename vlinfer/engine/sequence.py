@@ -46,6 +46,9 @@ class Sequence(PromptAndOutput):
         # index.
         self.parent_id = self.request_id
         self.index = 0
+        # the request whose n completions this is one of (the engine loop renames parent_id per
+        # stream; this stays): siblings share the prompt, and so its prefix-cache hits
+        self.request_group = self.request_id
         self.prompt = prompt
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -64,6 +67,8 @@ class Sequence(PromptAndOutput):
         self.block_table: list[int] = []
         # a hybrid model's state slot (engine/cache_pool.py), held with its blocks; None: none
         self.state_slot: int | None = None
+        # the checkpoint slot a prefix hit restores its state from, before its next step
+        self.restore_slot: int | None = None
         # chained hashes of this sequence's full blocks, filled lazily
         self.block_hashes: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache; only the scheduler moves it

@@ -73,8 +73,10 @@ def resolve(config: EngineConfig, dtype, model_len: int, longest: int, block_siz
     draft_bytes = draft.bytes_per_block if draft is not None else 0
     budget = _budget(config, min(batched, longest), runner, ranks_per_host)
     num_slots = _num_state_slots(config, longest, block_size, pool, budget)
-    num_blocks = _num_blocks(config, longest, block_size, pool, budget - num_slots *
-                             pool.bytes_per_slot, draft_bytes)
+    num_checkpoints = _num_checkpoint_slots(config, longest, block_size, pool,
+                                            budget - num_slots * pool.bytes_per_slot)
+    num_blocks = _num_blocks(config, longest, block_size, pool, budget - (
+        num_slots + num_checkpoints) * pool.bytes_per_slot, draft_bytes)
     max_model_len = longest
     per_rank = " per rank" if config.tensor_parallel_size > 1 else ""
     if config.max_model_len is None:
@@ -88,15 +90,18 @@ def resolve(config: EngineConfig, dtype, model_len: int, longest: int, block_siz
                               max_num_seqs=num_slots or config.max_num_seqs,
                               num_blocks=num_blocks, bytes_per_block=pool.bytes_per_block,
                               kv_cache_dtype=pool.dtype, num_state_slots=num_slots,
-                              enable_prefix_caching=config.enable_prefix_caching and not num_slots)
+                              num_checkpoint_slots=num_checkpoints,
+                              enable_prefix_caching=config.enable_prefix_caching and (
+                                  not num_slots or num_checkpoints > 0))
     logger.info("KV cache: %s; max_model_len=%d, %d tokens per step",
                 pool.capacity(num_blocks, per_rank), max_model_len, batched)
     if num_slots:
-        logger.info("state cache: %s; max_num_seqs=%d", pool.slot_capacity(num_slots, per_rank),
-                    num_slots)
-        if config.enable_prefix_caching:
-            logger.info("prefix caching: off for this hybrid model (a prefix hit would need the "
-                        "linear layers' state at the prefix's end: state checkpoints, pending)")
+        logger.info("state cache: %s; max_num_seqs=%d",
+                    pool.slot_capacity(num_slots, per_rank, num_checkpoints), num_slots)
+        if config.enable_prefix_caching and not num_checkpoints:
+            logger.warning("prefix caching: off for this hybrid model: the KV cache budget holds "
+                           "no state checkpoint beside one sequence's KV blocks (a hit restores "
+                           "one); raise kv_cache_bytes / memory_utilization")
     return resolved
 
 
@@ -119,6 +124,18 @@ def _num_state_slots(config: EngineConfig, longest: int, block_size: int, pool,
         logger.warning("max_num_seqs=%d capped to %d: the state slots the budget holds",
                        config.max_num_seqs, slots)
     return slots
+
+
+def _num_checkpoint_slots(config: EngineConfig, longest: int, block_size: int, pool,
+                          budget: float) -> int:
+    """A hybrid model's prefix-cache checkpoints (docs/hybrid.md "Prefix caching"), each a state
+    slot's bytes: one per live slot, from at most half of what the live slots leave beside one
+    sequence's KV blocks, so the KV pool keeps the larger share; 0 without prefix caching."""
+    if not pool.bytes_per_slot or not config.enable_prefix_caching:
+        return 0
+    shortest = longest if config.max_model_len is not None else min(longest, MIN_FITTED_MODEL_LEN)
+    spare = budget - math.ceil(shortest / block_size) * pool.bytes_per_block
+    return max(0, min(config.max_num_seqs, int(spare / 2 // pool.bytes_per_slot)))
 
 
 def _budget(config: EngineConfig, batched: int, runner, ranks_per_host: int) -> float:

@@ -30,6 +30,10 @@ class StepInputs:
     # far [B] (tokens computed before this step); None where no sequence holds a slot.
     state_slots: torch.Tensor | None = None
     has_state: torch.Tensor | None = None
+    # state slot copies (source, destination) before the forward (prefix hits restoring their
+    # checkpoints) and after it (checkpoints of block boundaries): scheduler.SchedulerOutput's
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
