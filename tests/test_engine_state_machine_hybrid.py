@@ -88,7 +88,8 @@ class HybridMachine(EngineMachine):
 def test_engine_state_machine_on_a_hybrid_model(tmp_path_factory):
     engines = HybridEngines(tmp_path_factory.mktemp("hybrid-machine"))
     HybridMachine.fixture = engines
-    HybridMachine.TestCase.settings = settings(max_examples=EXAMPLES // len(ENGINES),
+    # as many examples per engine as with two engines: the derandomized first ones are small
+    HybridMachine.TestCase.settings = settings(max_examples=EXAMPLES // 2,
                                               stateful_step_count=STEPS, deadline=None,
                                               suppress_health_check=list(HealthCheck),
                                               derandomize=True)

@@ -102,7 +102,9 @@ def test_prompt_logits_and_batch_match_transformers(checkpoint):
     _, folder, refs = checkpoint
     llm = make_llm(folder)
     engine = llm.engine
-    assert engine.resolved.num_state_slots == 8 and not engine.resolved.enable_prefix_caching
+    # prefix caching with a checkpoint per live slot (tests/test_hybrid_prefix_cache.py)
+    assert engine.resolved.num_state_slots == engine.resolved.num_checkpoint_slots == 8
+    assert engine.resolved.enable_prefix_caching
     for ids, (ref, *_) in zip(PROMPTS, refs):
         seq = engine.make_sequence(ids)
         engine.add_sequence(seq)
