@@ -105,16 +105,19 @@ def test_engine_state_machine_on_a_hybrid_model(tmp_path_factory):
     assert stats["checkpoint_slots"] == {"tight-pool": 0, "chunked": MAX_NUM_SEQS,
                                          "tight-prefix": 2}
     assert stats["checkpoints"] > 0  # prefix caching took checkpoints
-    # The generated workloads need not overflow the tight pool (under xdist they once did not):
-    # four 80-token requests on its 6 blocks must, and still come out as each one alone.
-    tight = engines.engine("tight-pool")
-    before = tight.scheduler.num_preemptions
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    prompts = [tuple(range(3 + i, 43 + i)) for i in range(MAX_NUM_SEQS)]
-    ids = [tight.add_request({"prompt_token_ids": list(p)}, params) for p in prompts]
-    done = {o.request_id: o for o in drive(tight, ids) if o.finished}
-    for prompt, request_id in zip(prompts, ids):
-        assert [done[request_id].outputs[0].token_ids] == engines.tokens_alone(prompt, params)
-    assert tight.scheduler.num_preemptions > before
-    manager = tight.block_manager
-    assert manager.num_free_slots == manager.num_state_slots and not tight.requests
+    # The generated workloads need not overflow the tight pools (under xdist they once did not):
+    # four 80-token requests on their blocks must, and still come out as each one alone; on the
+    # pool with checkpoints a preempted request comes back through its own checkpoint.
+    for name in ("tight-pool", "tight-prefix"):
+        tight = engines.engine(name)
+        before = tight.scheduler.num_preemptions
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        prompts = [tuple(range(3 + i, 43 + i)) for i in range(MAX_NUM_SEQS)]
+        ids = [tight.add_request({"prompt_token_ids": list(p)}, params) for p in prompts]
+        done = {o.request_id: o for o in drive(tight, ids) if o.finished}
+        for prompt, request_id in zip(prompts, ids):
+            assert [done[request_id].outputs[0].token_ids] == engines.tokens_alone(prompt,
+                                                                                 params)
+        assert tight.scheduler.num_preemptions > before, name
+        manager = tight.block_manager
+        assert manager.num_free_slots == manager.num_state_slots and not tight.requests
