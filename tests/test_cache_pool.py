@@ -71,7 +71,7 @@ def test_capacity_line():
 def test_state_slots_are_sized_allocated_and_bound():
     """A state spec costs bytes per sequence slot, counted beside the blocks; allocated, each
     layer gets its views [slots, *shape] of one zeroed tensor per shape."""
-    state = StateSlotSpec(num_layers=2, shapes=((6, 3), (2, 4, 5)), dtype=torch.float32)
+    state = StateSlotSpec(num_layers=2, shapes=((6, 3), (2, 4, 5)))
     assert state.bytes_per_slot == 2 * (6 * 3 + 2 * 4 * 5) * 4
     p = pool(torch.float32, False, states=[state])
     assert p.bytes_per_slot == state.bytes_per_slot
@@ -80,6 +80,7 @@ def test_state_slots_are_sized_allocated_and_bound():
 
     class StateLayer:
         state_shapes = ((6, 3), (2, 4, 5))
+        state_dtypes = (torch.float32, torch.float32)
         states = ()
 
     layers = [StateLayer(), StateLayer()]
@@ -93,9 +94,43 @@ def test_state_slots_are_sized_allocated_and_bound():
         assert layer.states[0].data_ptr() == conv[i].data_ptr()
         assert layer.states[1].data_ptr() == recurrent[i].data_ptr()
     assert p.nbytes == 2 * p.bytes_per_block + 3 * p.bytes_per_slot
-    assert "3 state slots in float32" in p.slot_capacity(3)
+    assert "3 state slots in float32/float32" in p.slot_capacity(3)
     p.release()
     assert all(layer.states == () for layer in layers) and p.nbytes == 0
+
+
+def test_state_tensors_take_their_own_dtypes():
+    """A 16-bit recurrent state (mamba_ssm_cache_dtype) beside a float32 conv state: each tensor
+    in its dtype, the bytes counted per tensor, both dtypes in the capacity line."""
+    state = StateSlotSpec(num_layers=2, shapes=((6, 3), (2, 4, 5)),
+                          dtypes=(torch.float32, torch.bfloat16))
+    assert state.bytes_per_slot == 2 * (6 * 3 * 4 + 2 * 4 * 5 * 2)
+    p = pool(torch.float32, False, states=[state])
+    p.allocate(2, num_slots=3)
+    conv, recurrent = p.state_tensors[0]
+    assert conv.dtype == torch.float32 and recurrent.dtype == torch.bfloat16
+    assert p.nbytes == 2 * p.bytes_per_block + 3 * state.bytes_per_slot
+    assert "3 state slots in float32/bfloat16" in p.slot_capacity(3)
+    with pytest.raises(ValueError, match="differ in length"):
+        StateSlotSpec(num_layers=2, shapes=((6, 3), (2, 4, 5)), dtypes=(torch.float32,))
+
+
+def test_a_state_dtype_without_kernels_is_said_once(caplog):
+    """A table whose linear-attention kernels take a float32 state only (the CPU's) runs the
+    reference for a bf16 one: one warning at load; a float32 state, none."""
+    import logging
+    ops = ReferenceOps()
+    ops.state_cache_kernels, ops.name = (torch.float32,), "cpu-compiled"
+    ctx = ModelContext(ops, dtype=torch.float32)
+    kv = PagedKVSpec((Attention(ctx, 2, 8, 1.0, 1),), torch.float32)
+    for dtype, said in ((torch.float32, 0), (torch.bfloat16, 1)):
+        caplog.clear()
+        state = StateSlotSpec(num_layers=1, shapes=((6, 3), (2, 4, 5)),
+                              dtypes=(torch.float32, dtype))
+        with caplog.at_level(logging.INFO, logger="vlinfer"):
+            CachePool([kv, state], BLOCK, torch.device("cpu"), ops)
+        assert caplog.text.count("recurrent state in bfloat16; cpu-compiled's linear-attention "
+                                 "decode kernels take float32 only") == said
 
 
 def test_one_paged_group():
@@ -112,7 +147,7 @@ def test_sizing_takes_the_slots_first_and_caps_max_num_seqs(caplog):
 
     from vlinfer.config import EngineConfig
     from vlinfer.engine import sizing
-    state = StateSlotSpec(num_layers=2, shapes=((6, 3), (2, 4, 5)), dtype=torch.float32)
+    state = StateSlotSpec(num_layers=2, shapes=((6, 3), (2, 4, 5)))
     p = pool(torch.float32, False, states=[state])
     runner = SimpleNamespace(cache_pool=p, device=torch.device("cpu"))
     per_seq = 16 // BLOCK * p.bytes_per_block  # max_model_len 16

@@ -185,6 +185,8 @@ FLAG_VALUES = {
     "allow_image_urls": ([], True),
     "logprobs_mode": (["raw_logprobs"], "raw_logprobs"),
     "kv_cache_dtype": (["int8"], "int8"),
+    "mamba_ssm_cache_dtype": (["bfloat16"], "bfloat16"),
+    "language_model_only": ([], True),
     "enable_lora": ([], True),
     "max_loras": (["3"], 3),
     "max_lora_rank": (["64"], 64),

@@ -121,3 +121,76 @@ def test_repeated_image_prompt_hits_its_checkpoint_and_stays_exact(checkpoint):
     assert out.num_cached_tokens <= image_start // 16 * 16
     assert_nothing_held(llm)
     assert llm.reset_prefix_cache() and not llm.engine.block_manager.checkpoints
+
+
+def test_language_model_only_builds_no_tower_and_refuses_media(checkpoint):
+    """language_model_only=True (vLLM's --language-model-only): no vision parameter exists, the
+    tower's tensors are never read, text prompts give the full model's (transformers') logits
+    and greedy tokens, and an image or video request is refused by name while a text request
+    beside it runs on."""
+    folder, model = checkpoint
+    opts = dict(dtype="float32", kv_cache_bytes=32 * 2 ** 20, max_model_len=1024)
+    llm = LLM(folder, language_model_only=True, **opts)
+    engine = llm.engine
+    ours_model = engine.model_runner.model
+    assert ours_model.model.visual is None and not engine.is_multimodal
+    assert not [n for n, _ in ours_model.named_parameters() if "visual" in n]
+    vision_bytes = sum(p.numel() * p.element_size() for p in model.model.visual.parameters())
+    text_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                     if not n.startswith("model.visual."))
+    assert sum(p.numel() * p.element_size() for p in ours_model.parameters()) == text_bytes
+    full_read = LLM(folder, **opts).engine.model_runner.checkpoint_bytes_read
+    assert full_read - engine.model_runner.checkpoint_bytes_read == vision_bytes > 0
+    # text prompts: the full model's logits and tokens
+    text = CASES[1][0]
+    seq = engine.make_sequence(text)
+    engine.add_sequence(seq)
+    assert engine.block_manager.allocate(seq, seq.num_tokens)
+    ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens]))
+    engine.abort_request(seq.request_id)
+    ids, kwargs = hf_inputs(llm, text, [])
+    assert ids[0].tolist() == seq.token_ids
+    with torch.no_grad():
+        ref = model(input_ids=ids, **kwargs).logits[0]
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    expected = hf_greedy(model, ids, kwargs, NUM_NEW)
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    # media refused by name, the text request beside them unharmed
+    chat = [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"},
+                                         {"type": "text", "text": "What happens?"}]}]
+    with pytest.raises(ValueError, match=r"language_model_only=True .* does not accept videos"):
+        llm.chat(chat, greedy, use_tqdm=False)
+    engine.add_request(text, greedy, "text")
+    engine.step()
+    image = {"prompt": CASES[0][0], "multi_modal_data": {"image": CASES[0][1]}}
+    with pytest.raises(ValueError, match=r"language_model_only=True .* does not accept images"):
+        engine.add_request(image, greedy, "image")
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert finished == {"text": expected}
+    assert_nothing_held(llm)
+
+
+def test_qwen3_vl_language_model_only_builds_no_tower():
+    """The same switch on Qwen3-VL (models/qwen3_vl.py holds_tower): no tower, no vision
+    parameter, the decoder whole."""
+    from transformers import Qwen3VLConfig
+    from vlinfer.layers import ModelContext
+    from vlinfer.models import Heads
+    from vlinfer.models.qwen3_vl import Qwen3VLForConditionalGeneration
+    from vlinfer.ops.reference import ReferenceOps
+    text = dict(vocab_size=151936, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [6, 5, 5], "mrope_interleaved": True})
+    config = Qwen3VLConfig(vision_config=dict(VISION, deepstack_visual_indexes=[0]),
+                           text_config=text, **QWEN3_VL_SPECIAL)
+    ctx = ModelContext(ReferenceOps())
+    with torch.device("meta"):
+        full = Qwen3VLForConditionalGeneration(config, ctx)
+        text_only = Qwen3VLForConditionalGeneration(config, ctx, Heads(vision_tower=False))
+    assert full.holds_vision_tower and not text_only.holds_vision_tower
+    names = {n for n, _ in full.named_parameters()}
+    assert {n for n, _ in text_only.named_parameters()} == {
+        n for n in names if not n.startswith("model.visual.")} != names

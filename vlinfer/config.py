@@ -38,6 +38,11 @@ KV_CACHE_DTYPES = {
     "auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8
 }
+# mamba_ssm_cache_dtype names (vLLM's) -> the dtype the linear-attention layers' recurrent state is
+# stored in (hybrid models, docs/hybrid.md); "auto" is float32: the state sums every past token, so
+# a 16-bit store rounds a running sum each step. The ops compute in float32 either way.
+SSM_CACHE_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                    "float16": torch.float16}
 
 RUNNERS = ("auto", "generate", "pooling")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -188,6 +193,12 @@ class EngineConfig:
     # The dtype K and V are stored in (KV_CACHE_DTYPES): "auto" is the compute dtype; a smaller one
     # holds more tokens in the same budget, at the accuracy README's correctness table states.
     kv_cache_dtype: str = "auto"
+    # vLLM's: the dtype a hybrid model's recurrent state is stored in (SSM_CACHE_DTYPES); a 16-bit
+    # one holds about twice the sequences in the same budget (docs/hybrid.md states its accuracy).
+    mamba_ssm_cache_dtype: str = "auto"
+    # vLLM's: a vision-language checkpoint run as its language model alone: the vision tower is not
+    # built nor read, and requests with images or videos are refused by name.
+    language_model_only: bool = False
     # vLLM's runner: "generate" (sampling), "pooling" (embed / classify / score: prefill only, a
     # vector or a score per request), or "auto": pooling for a classification architecture or a
     # checkpoint without an LM head, else generate (models/registry.py pooling_task).
@@ -245,6 +256,13 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: expected one of "
                 f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.mamba_ssm_cache_dtype not in SSM_CACHE_DTYPES:
+            raise ValueError(
+                f"mamba_ssm_cache_dtype={self.mamba_ssm_cache_dtype!r} is not supported: expected "
+                f"one of {', '.join(SSM_CACHE_DTYPES)}")
+        if not isinstance(self.language_model_only, bool):
+            raise ValueError(
+                f"language_model_only must be True or False, got {self.language_model_only!r}")
         if self.runner not in RUNNERS:
             raise ValueError(
                 f"runner={self.runner!r} is not supported: expected one of {', '.join(RUNNERS)}")

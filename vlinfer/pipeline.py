@@ -72,7 +72,8 @@ class Pipeline:
         trained on)."""
         images, videos = list(images or []), list(videos or [])
         if (images or videos) and not self.is_multimodal:
-            raise ValueError(text_only(self.model, "images" if images else "videos"))
+            raise ValueError(text_only(self.model, "images" if images else "videos",
+                                       self.engine.input_processor.language_model_only))
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         parts = [{"type": "image", "image": image} for image in images] + \
@@ -131,7 +132,8 @@ class Pipeline:
         """Captions in input order. An image that cannot be read raises RequestError naming it after
         the others finished (their captions are in the error's outputs)."""
         if not self.is_multimodal:
-            raise ValueError(text_only(self.model, "images"))
+            raise ValueError(text_only(self.model, "images",
+                                       self.engine.input_processor.language_model_only))
         params = self.sampling_params(sampling_params, **sampling)
         images = list(images)
         captions = []

@@ -14,7 +14,8 @@ import re
 
 from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, APP_MAX_MODEL_LEN,
                             CPU_DEFAULT_MEMORY_UTILIZATION, DEFAULT_MAX_BATCHED_TOKENS,
-                            KV_CACHE_DTYPES, MIN_BATCHED_TOKENS, RUNNERS, EngineConfig)
+                            KV_CACHE_DTYPES, MIN_BATCHED_TOKENS, RUNNERS, SSM_CACHE_DTYPES,
+                            EngineConfig)
 
 # Keyword argument (LLM / EngineConfig / SamplingParams) -> the flag that sets it in every app.
 FLAGS = {
@@ -40,6 +41,8 @@ FLAGS = {
     "allow_image_urls": "--allow-image-urls",
     "logprobs_mode": "--logprobs-mode",
     "kv_cache_dtype": "--kv-cache-dtype",
+    "mamba_ssm_cache_dtype": "--mamba-ssm-cache-dtype",
+    "language_model_only": "--language-model-only",
     "enable_lora": "--enable-lora",
     "max_loras": "--max-loras",
     "max_lora_rank": "--max-lora-rank",
@@ -160,6 +163,15 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: bool = True) ->
         "tokens "
         "(bfloat16, float16, fp8 = fp8_e4m3, fp8_e5m2, int8)")
     p.add_argument(
+        "--mamba-ssm-cache-dtype", default=ENGINE_DEFAULTS["mamba_ssm_cache_dtype"],
+        choices=list(SSM_CACHE_DTYPES), help=
+        "the dtype hybrid models (Qwen3.5, Qwen3-Next) store their linear layers' recurrent state "
+        "in: auto (float32), or bfloat16 / float16, which hold more sequences (docs/hybrid.md)")
+    p.add_argument(
+        "--language-model-only", action="store_true", help=
+        "run a vision-language checkpoint as its language model alone: no vision tower built, "
+        "requests with images or videos refused")
+    p.add_argument(
         "--enable-lora", action="store_true", help=
         "serve LoRA adapters (PEFT folders) per request; on by itself with --lora, --lora-modules "
         "or "
@@ -218,6 +230,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         distributed_startup_timeout_s=args.distributed_startup_timeout_s,
         quantization=args.quantization, allow_image_urls=args.allow_image_urls,
         logprobs_mode=args.logprobs_mode, kv_cache_dtype=args.kv_cache_dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        language_model_only=args.language_model_only,
         enable_lora=lora_enabled(args), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, runner=args.runner, hf_overrides=args.hf_overrides,
         speculative_config=args.speculative_config,

@@ -1,6 +1,7 @@
 """Builds an engine's model on its op table and dtype (ModelContext), loads its checkpoint shard,
 and gives its weights the layout its ops prefer."""
 import logging
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -13,7 +14,7 @@ from vlinfer.layers.quantization import assign_methods, detect_quantization, kv_
 from vlinfer.layers.quantization.gguf import GgufQuantization, assign_gguf_embeddings
 from vlinfer.models import get_model_class
 from vlinfer.models.interfaces import (Heads, OwnsWeightLoading, PagedAttentionBlock, PrefillOnly,
-                                       SupportsFusedDecode, SupportsPooling)
+                                       SupportsFusedDecode, SupportsMultiModal, SupportsPooling)
 
 logger = logging.getLogger("vlinfer")
 
@@ -24,8 +25,8 @@ class LoadedModel(NamedTuple):
 
 
 def load_model(source, hf_config, device: torch.device, ctx: ModelContext,
-               quantization: str | None = None, pooling=None,
-               tensors: dict | None = None) -> LoadedModel:
+               quantization: str | None = None, pooling=None, tensors: dict | None = None,
+               language_model_only: bool = False) -> LoadedModel:
     """Build the model on ctx's op table for ctx.tp's rank (its shard of every split layer) and load
     that shard: split weights are read lazily, only the rank's rows or columns of each
     (loading.CheckpointSlice). Each linear layer's quantization method is chosen from the checkpoint
@@ -36,7 +37,8 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext,
     LM head only where the checkpoint has one (generation requests may then share its engine);
     "classify" builds it with the head rows of its label_token_ids (layers/pooler.py), read from
     the LM head's table as it streams by. `tensors`: the checkpoint's
-    loading.checkpoint_tensor_index where the caller has it (built here otherwise)."""
+    loading.checkpoint_tensor_index where the caller has it (built here otherwise).
+    language_model_only: a vision-language model is built without its vision tower (Heads)."""
     pooling_task = pooling.task if pooling is not None else None
     model_cls = get_model_class(hf_config)
     tensors = tensors if tensors is not None else loading.checkpoint_tensor_index(source, hf_config)
@@ -44,14 +46,15 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext,
     # against the checkpoint's tensors, then the bytes of a model built on the meta device (shapes
     # only) against its files.
     loading.check_layer_counts(hf_config, tensors, source)
+    towers = _towers(model_cls, language_model_only)
     with torch.device("meta"):
-        skeleton = model_cls(hf_config, ctx)
+        skeleton = model_cls(hf_config, ctx, towers)
     loading.check_model_size(
         sum(t.numel() * t.element_size() for t in (*skeleton.parameters(), *skeleton.buffers())),
         source)
     del skeleton
     head_table = loading.lm_head_table(tensors, hf_config)
-    heads = _heads(model_cls, pooling, head_table)
+    heads = replace(_heads(model_cls, pooling, head_table), vision_tower=towers.vision_tower)
     # torch.device is thread-local: another engine building in another thread keeps its own device
     with torch.device(device):
         net = model_cls(hf_config, ctx, heads).eval()  # parameters in ctx.dtype
@@ -84,6 +87,20 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext,
         kv_cache.attach(kv_scheme, kv_scales, decoder_attention(net),
                         use=ctx.kv_cache_dtype == kv_scheme.cache_dtype)
     return LoadedModel(net, counter.bytes)
+
+
+def _towers(model_cls, language_model_only: bool) -> Heads:
+    """Heads() with the vision tower left out under language_model_only (a text model has none to
+    leave out: said in the log)."""
+    if not language_model_only:
+        return Heads()
+    if not issubclass(model_cls, SupportsMultiModal):
+        logger.info("language_model_only: %s has no vision tower; nothing to leave out",
+                    model_cls.__name__)
+        return Heads()
+    logger.info("language_model_only: %s without its vision tower (its tensors skipped unread); "
+                "requests with images or videos are refused", model_cls.__name__)
+    return Heads(vision_tower=False)
 
 
 def _heads(model_cls, pooling, head_table: str | None) -> Heads:

@@ -5,6 +5,7 @@ import torch
 
 from vlinfer import ops
 from vlinfer.config import EngineConfig
+from vlinfer.engine import sizing
 from vlinfer.engine.build_model import load_model
 from vlinfer.engine.model_runner import ModelRunner
 from vlinfer.layers import ModelContext
@@ -27,8 +28,10 @@ def build_runner(config: EngineConfig, source, hf_config, device: torch.device, 
     driver, this returns once every worker has built its shard too."""
     # The runner's own op table, dtype and step state: no other engine in the process sees them.
     ctx = ModelContext(ops.select(device.type, forced=ops_choice), group,
-                       expert_parallel=expert_parallel, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
-    net, bytes_read = load_model(source, hf_config, device, ctx, quantization, pooling, tensors)
+                       expert_parallel=expert_parallel, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                       state_dtype=sizing.state_dtype(config, hf_config, device))
+    net, bytes_read = load_model(source, hf_config, device, ctx, quantization, pooling, tensors,
+                                 config.language_model_only)
     runner = ModelRunner(config, hf_config, net, ctx, device, block_size,
                          eos_token_ids if eos_token_ids is not None else set(), driver,
                          grammar_matchers, checkpoint_bytes_read=bytes_read)

@@ -72,26 +72,36 @@ class StateSlotSpec:
     """A group of linear-attention layers whose state is fixed-size per sequence (a conv state and
     a recurrent state per layer), held in slots, one per running sequence, not in blocks: it does
     not grow with the context. `shapes`: one layer's state tensors, e.g. ((conv_dim, kernel - 1),
-    (v_heads, key_head_dim, value_head_dim)), sized from the config. `layers`: the modules the
-    pool binds their slots to (their `states`), when built from a model."""
+    (v_heads, key_head_dim, value_head_dim)), sized from the config; `dtypes`: the dtype each is
+    stored in (float32 for every one when not given). `layers`: the modules the pool binds their
+    slots to (their `states`), when built from a model."""
     num_layers: int
     shapes: tuple[tuple[int, ...], ...]
-    dtype: torch.dtype = torch.float32
+    dtypes: tuple[torch.dtype, ...] = ()
     layers: tuple = ()
 
+    def __post_init__(self):
+        if not self.dtypes:
+            object.__setattr__(self, "dtypes", (torch.float32,) * len(self.shapes))
+        if len(self.dtypes) != len(self.shapes):
+            raise ValueError(f"state shapes {self.shapes} and dtypes {self.dtypes} differ in "
+                             "length")
+
     @classmethod
-    def of_layers(cls, layers, dtype: torch.dtype = torch.float32) -> "StateSlotSpec":
+    def of_layers(cls, layers) -> "StateSlotSpec":
         """The spec of a hybrid model's state layers (models/interfaces.py HasStateSlots), all of
-        one set of shapes."""
-        shapes = {tuple(layer.state_shapes) for layer in layers}
-        if len(shapes) != 1:
-            raise ValueError(f"state layers of differing shapes {sorted(shapes)}")
-        return cls(len(layers), shapes.pop(), dtype, tuple(layers))
+        one set of shapes and dtypes."""
+        kinds = {(tuple(layer.state_shapes), tuple(layer.state_dtypes)) for layer in layers}
+        if len(kinds) != 1:
+            raise ValueError(
+                f"state layers of differing shapes or dtypes {sorted(map(str, kinds))}")
+        shapes, dtypes = kinds.pop()
+        return cls(len(layers), shapes, dtypes, tuple(layers))
 
     @property
     def bytes_per_slot(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * sum(math.prod(shape) for shape in self.shapes) * element
+        return self.num_layers * sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                                     for shape, dtype in zip(self.shapes, self.dtypes))
 
 
 class CachePool:
@@ -117,6 +127,8 @@ class CachePool:
         self.num_slots = 0
         if self.kv.quantized:
             self._log_readers()
+        for spec in self.states:
+            self._log_state_readers(spec)
 
     def _log_readers(self) -> None:
         """Which scales a cache stored in another dtype uses; which kernels write and read it."""
@@ -134,6 +146,18 @@ class CachePool:
             logger.warning("KV cache in %s: %s has no kernel that reads it; its writes and "
                            "attention run the pure-torch reference (ops/reference/kv_cache.py)",
                            stored, ops.name)
+
+    def _log_state_readers(self, spec: StateSlotSpec) -> None:
+        """A state dtype this table's linear-attention kernels do not take runs the reference
+        (ops/reference/linear_attention.py): said once, at load."""
+        kernels = self.ops.state_cache_kernels
+        for dtype in spec.dtypes[1:]:  # the recurrent state's (the conv state's is the compute one)
+            if kernels and dtype not in kernels:
+                logger.warning(
+                    "state cache: recurrent state in %s; %s's linear-attention decode kernels "
+                    "take %s only, so decode steps run the reference for it "
+                    "(ops/reference/linear_attention.py)", str(dtype).removeprefix("torch."),
+                    self.ops.name, "/".join(str(d).removeprefix("torch.") for d in kernels))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -184,8 +208,9 @@ class CachePool:
         # read of garbage could be NaN where zeros are harmless.
         self.num_slots = num_slots if self.states else 0
         for spec in self.states:
-            tensors = [torch.zeros(spec.num_layers, num_slots, *shape, dtype=spec.dtype,
-                                   device=self.device) for shape in spec.shapes]
+            tensors = [torch.zeros(spec.num_layers, num_slots, *shape, dtype=dtype,
+                                   device=self.device)
+                       for shape, dtype in zip(spec.shapes, spec.dtypes)]
             self.state_tensors.append(tensors)
             for i, layer in enumerate(spec.layers):
                 layer.states = tuple(t[i] for t in tensors)
@@ -224,10 +249,12 @@ class CachePool:
     def slot_capacity(self, num_slots: int, per_rank: str = "", num_checkpoints: int = 0) -> str:
         """The capacity of num_slots state slots (and num_checkpoints checkpoint slots of the
         same size), for the sizing log."""
-        dtypes = sorted({str(spec.dtype).removeprefix("torch.") for spec in self.states})
+        # per spec, each tensor's dtype in the order of its shapes: conv / recurrent
+        dtypes = sorted({"/".join(str(d).removeprefix("torch.") for d in spec.dtypes)
+                         for spec in self.states})
         checkpoints = (f" + {num_checkpoints} prefix-cache checkpoints "
                        f"({num_checkpoints * self.bytes_per_slot / 2 ** 20:.1f} MiB{per_rank})"
                        if num_checkpoints else "")
-        return (f"{num_slots} state slots in {'/'.join(dtypes)} "
+        return (f"{num_slots} state slots in {', '.join(dtypes)} "
                 f"({num_slots * self.bytes_per_slot / 2 ** 20:.1f} MiB{per_rank}, "
                 f"{self.bytes_per_slot / 2 ** 20:.2f} MiB a sequence){checkpoints}")

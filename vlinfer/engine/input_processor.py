@@ -18,7 +18,7 @@ class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, model_name: str, max_model_len: int,
                  mm_processor=None, chat_template: str | None = None, grammar_matchers=None,
                  device: torch.device | None = None, seed: int = 0, pooling=None,
-                 can_generate: bool = True, lora=None):
+                 can_generate: bool = True, lora=None, language_model_only: bool = False):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.model_name = model_name
@@ -34,21 +34,25 @@ class InputProcessor:
         self.pooling = pooling
         self.can_generate = can_generate  # False: an embedder without an LM head
         self.lora = lora  # engine/lora_manager.py's LoRAManager when LoRA is enabled
+        # a vision-language model run without its tower: media refused naming the option
+        self.language_model_only = language_model_only
 
     @classmethod
     def of_model(cls, source, hf_config, tokenizer, device: torch.device, max_model_len: int,
                  multimodal: bool, allow_image_urls=False, grammar_matchers=None, seed: int = 0,
-                 pooling=None, can_generate: bool = True, lora=None) -> "InputProcessor":
+                 pooling=None, can_generate: bool = True, lora=None,
+                 language_model_only: bool = False) -> "InputProcessor":
         """The processor of one model (a loading.ModelSource, its config and tokenizer): its
-        vocabulary and chat template, and with a vision tower (multimodal) its media processor; the
-        rest as the constructor takes them."""
+        vocabulary and chat template, and with a vision tower (multimodal, not language_model_only)
+        its media processor; the rest as the constructor takes them."""
         from vlinfer.multimodal import Qwen3VLInputProcessor, load_chat_template
+        takes_media = multimodal and not language_model_only
         mm_processor = Qwen3VLInputProcessor(hf_config, tokenizer, source.folder, device,
-                                             allow_image_urls) if multimodal else None
-        template = load_chat_template(source.folder, tokenizer, multimodal)
+                                             allow_image_urls) if takes_media else None
+        template = load_chat_template(source.folder, tokenizer, multimodal)  # the checkpoint's
         return cls(tokenizer, hf_config.get_text_config().vocab_size, source.name, max_model_len,
                    mm_processor, template, grammar_matchers, device, seed, pooling, can_generate,
-                   lora)
+                   lora, language_model_only and multimodal)
 
     @property
     def is_multimodal(self) -> bool:
@@ -56,7 +60,7 @@ class InputProcessor:
 
     def _refuse_media(self, what: str) -> None:
         if not self.is_multimodal:
-            raise ValueError(text_only(self.model_name, what))
+            raise ValueError(text_only(self.model_name, what, self.language_model_only))
 
     def process_prompt(self, prompt: PromptType, truncate_prompt_tokens: int | None = None
                        ) -> tuple[str | None, list[int], dict]:

@@ -114,7 +114,8 @@ class LLMEngine:
         self.input_processor = InputProcessor.of_model(
             self.source, self.hf_config, self.tokenizer, self.device, self.resolved.max_model_len,
             isinstance(runner.model, SupportsMultiModal), config.allow_image_urls,
-            self.grammar_matchers, config.seed, self.pooling, self.can_generate, runner.lora)
+            self.grammar_matchers, config.seed, self.pooling, self.can_generate, runner.lora,
+            config.language_model_only)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 self.resolved.max_model_len)
         self.requests: dict[str, Sequence] = {}  # by sequence id: added and not yet finished

@@ -52,7 +52,8 @@ class ModelRunner:
         self.mrope = isinstance(model, SupportsMRoPE)
         self.encoder_cache = EncoderCache()
         self.vision = (VisionEncoder(model, ctx, device, self.encoder_cache)
-                       if isinstance(model, SupportsMultiModal) else None)
+                       if isinstance(model, SupportsMultiModal) and model.holds_vision_tower
+                       else None)
         # Decode steps replay captured graphs once capture_graphs() has run (after the KV pool).
         kv_dtype = ctx.kv_cache_dtype or ctx.dtype
         stored = kv_dtype if ctx.kv_cache_quantized else None
@@ -73,7 +74,7 @@ class ModelRunner:
         attention = tuple(m for m in model.modules() if isinstance(m, Attention))
         dummy = graph_runner.dummy_blocks(self.graph_backend, config.max_num_seqs, block_size)
         specs = [PagedKVSpec(attention, kv_dtype, ctx.kv_cache_quantized)]
-        if self.hybrid:  # the linear layers' conv and recurrent states, float32
+        if self.hybrid:  # the linear layers' conv and recurrent states, in the dtypes they say
             specs.append(StateSlotSpec.of_layers(model.state_layers()))
         self.cache_pool = CachePool(specs, block_size, device, ctx.ops, num_dummy_blocks=dummy)
 

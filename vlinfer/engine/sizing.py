@@ -13,9 +13,11 @@ import torch
 
 from vlinfer import ops, platform
 from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, CPU_DEFAULT_MEMORY_UTILIZATION,
-                            KV_CACHE_DTYPES, MIN_FITTED_MODEL_LEN, EngineConfig, ResolvedConfig,
-                            default_batched_tokens)
+                            KV_CACHE_DTYPES, MIN_FITTED_MODEL_LEN, SSM_CACHE_DTYPES, EngineConfig,
+                            ResolvedConfig, default_batched_tokens)
 from vlinfer.layers.quantization import kv_cache
+from vlinfer.models import get_model_class
+from vlinfer.models.interfaces import HasStateSlots
 
 logger = logging.getLogger("vlinfer")
 DEFAULT_MODEL_LEN = 4096  # for a config without max_position_embeddings
@@ -55,6 +57,21 @@ def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, hf_config,
         "used",
         config.kv_cache_dtype, scheme.describe())
     return requested
+
+
+def state_dtype(config: EngineConfig, hf_config, device: torch.device) -> torch.dtype:
+    """The dtype a hybrid model's recurrent state is stored in (mamba_ssm_cache_dtype), or a clear
+    error where the device cannot keep it; float32 (unused) for a model without state slots."""
+    dtype = SSM_CACHE_DTYPES[config.mamba_ssm_cache_dtype]
+    if not issubclass(get_model_class(hf_config), HasStateSlots):
+        return torch.float32
+    if not platform.holds_dtype(dtype, device):
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"mamba_ssm_cache_dtype={config.mamba_ssm_cache_dtype}: this {device.type} device has "
+            f"no native {name} (on a CPU: {name} instructions, e.g. AVX512-BF16 / AVX512-FP16 or "
+            "AMX); use float32 (auto) or a dtype it has")
+    return dtype
 
 
 def block_size(config: EngineConfig, device) -> int:

@@ -40,6 +40,10 @@ def unknown_mm_kwargs(keys) -> str:
     return f"unknown mm_processor_kwargs {sorted(keys)}; accepted: {', '.join(MM_PROCESSOR_KWARGS)}"
 
 
-def text_only(model: str, what: str = "images") -> str:
-    """The refusal of media (what: "images", "videos") by a model without a vision encoder."""
+def text_only(model: str, what: str = "images", language_model_only: bool = False) -> str:
+    """The refusal of media (what: "images", "videos") by a model without a vision encoder, or by
+    a vision-language model run without its tower (EngineConfig.language_model_only)."""
+    if language_model_only:
+        return (f"model {model!r} runs with language_model_only=True (its vision tower is not "
+                f"built) and does not accept {what}")
     return f"model {model!r} is a text-only model and does not accept {what}"

@@ -50,6 +50,9 @@ class ModelContext:
     # The dtype K and V are stored in (EngineConfig.kv_cache_dtype resolved); equal to dtype unless
     # compressed.
     kv_cache_dtype: torch.dtype | None = None
+    # The dtype linear-attention layers store their recurrent state in
+    # (EngineConfig.mamba_ssm_cache_dtype resolved); their ops compute in float32 either way.
+    state_dtype: torch.dtype = torch.float32
 
     @property
     def kv_cache_quantized(self) -> bool:

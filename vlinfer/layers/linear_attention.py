@@ -38,11 +38,17 @@ class GatedDeltaNet(nn.Module):
                                     requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads, dtype=ctx.dtype),
                                   requires_grad=False)
+        for per_head in (self.dt_bias, self.A_log):  # one entry per value head
+            per_head.weight_loader = sized_by(f"linear_num_value_heads={self.num_v_heads}")
         self.norm = GatedNormWeight(ctx, self.head_v_dim)
+        self.norm.weight.weight_loader = sized_by(f"linear_value_head_dim={self.head_v_dim}")
         self.out_proj = RowParallelLinear(ctx, self.value_dim, config.hidden_size)
-        # one slot's conv state and recurrent state (HasStateSlots)
+        # one slot's conv state and recurrent state (HasStateSlots). The conv state holds past
+        # inputs, already in the compute dtype: kept in it, losslessly (vLLM's mamba_cache_dtype
+        # "auto"); the recurrent state in ctx.state_dtype (mamba_ssm_cache_dtype).
         self.state_shapes = ((self.conv_dim, self.kernel_size - 1),
                              (self.num_v_heads, self.head_k_dim, self.head_v_dim))
+        self.state_dtypes = (ctx.dtype, ctx.state_dtype)
         # [num_slots, *shape] views of the cache pool, bound by it
         self.states: tuple[torch.Tensor, ...] = ()
 
@@ -102,13 +108,32 @@ class DepthwiseConvWeight(nn.Module):
 
 
 def load_depthwise(param: nn.Parameter, loaded) -> None:
+    """The checkpoint's [channels, 1, kernel] conv weight; one that does not fit names the config
+    fields its kernel and channels come from."""
     tensor = as_tensor(loaded)
     if tensor.dim() == 3 and tensor.shape[1] == 1:
         tensor = tensor[:, 0]
+    channels, kernel = param.shape
+    if tensor.dim() == 2 and tensor.shape[1] != kernel:
+        raise ValueError(f"the conv1d weight has a kernel of {tensor.shape[1]}, the checkpoint's "
+                         f"config says linear_conv_kernel_dim={kernel}")
     if tuple(tensor.shape) != tuple(param.shape):
-        raise ValueError(f"shape mismatch: conv1d weight {tuple(param.shape)} (channels, "
-                         f"linear_conv_kernel_dim), checkpoint {tuple(loaded.shape)}")
+        raise ValueError(
+            f"shape mismatch: conv1d weight {tuple(param.shape)}, checkpoint "
+            f"{tuple(loaded.shape)}: its {channels} channels are 2 * linear_num_key_heads * "
+            "linear_key_head_dim + linear_num_value_heads * linear_value_head_dim of the config")
     param.data.copy_(tensor)
+
+
+def sized_by(fields: str):
+    """A weight loader for a parameter whose one dimension is a config field (`fields` says which
+    and its value): a checkpoint tensor of another size names it."""
+    def load(param: nn.Parameter, loaded) -> None:
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} ({fields} of the "
+                             f"config), checkpoint {tuple(loaded.shape)}")
+        param.data.copy_(as_tensor(loaded))
+    return load
 
 
 class GatedNormWeight(nn.Module):

@@ -26,11 +26,14 @@ import torch
 
 @dataclass(frozen=True)
 class Heads:
-    """The heads a model is built with. lm_head=False: an embedder saved without one (nothing to
-    generate with). classifier_token_ids: a reranker's label tokens, whose LM head rows are its
-    classifier (layers/pooler.py)."""
+    """The heads (and towers) a model is built with. lm_head=False: an embedder saved without one
+    (nothing to generate with). classifier_token_ids: a reranker's label tokens, whose LM head rows
+    are its classifier (layers/pooler.py)."""
     lm_head: bool = True
     classifier_token_ids: tuple[int, ...] | None = None
+    # False: a vision-language model built as its language model alone (language_model_only): no
+    # vision tower, its checkpoint tensors skipped unread.
+    vision_tower: bool = True
 
 
 class SupportsMultiModal:
@@ -76,7 +79,8 @@ class PagedAttentionBlock:
 class HasStateSlots:
     def state_layers(self) -> list:
         """The layers whose state lives in per-sequence slots, in layer order, all alike: each has
-        `state_shapes` (one slot's tensors, e.g. the conv state and the recurrent state) and gets
+        `state_shapes` (one slot's tensors, e.g. the conv state and the recurrent state) and
+        `state_dtypes` (the dtype each is stored in), and gets
         `states`, views [num_slots, *shape] of the cache pool, bound when the pool is allocated
         (layers/linear_attention.py GatedDeltaNet)."""
         raise NotImplementedError

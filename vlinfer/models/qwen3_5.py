@@ -34,6 +34,9 @@ def check_layer_types(config) -> list[str]:
     if unknown:
         raise ValueError(f"the checkpoint's layer_types has unknown entries {unknown}; "
                          f"vlinfer runs {list(LAYER_TYPES)}")
+    if "full_attention" not in layer_types:  # the cache pool takes one paged KV group
+        raise ValueError("the checkpoint's layer_types has no full_attention entry: vlinfer runs "
+                         "hybrid models with at least one full-attention layer")
     return list(layer_types)
 
 

@@ -18,16 +18,17 @@ from vlinfer.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5Model
 from vlinfer.models.qwen3_5_moe import check_silu
 from vlinfer.models.qwen3_moe import check_experts_loaded, route_expert_tensors
 from vlinfer.models.qwen3_next import SharedExpertMoE
-from vlinfer.models.qwen3_vl import MRotaryEmbedding, Qwen3VLForConditionalGeneration
-from vlinfer.models.qwen3_vl_vision import Qwen3VLVisionModel
+from vlinfer.models.qwen3_vl import (MRotaryEmbedding, Qwen3VLForConditionalGeneration,
+                                     holds_tower)
 
 
 class Qwen3_5VLModel(nn.Module):
-    """`model.visual` (rank 0 only, as Qwen3-VL's) and `model.language_model`."""
+    """`model.visual` (rank 0 only, none under language_model_only, as Qwen3-VL's) and
+    `model.language_model`."""
 
-    def __init__(self, ctx: ModelContext, config, make_mlp=None):
+    def __init__(self, ctx: ModelContext, config, make_mlp=None, vision_tower: bool = True):
         super().__init__()
-        self.visual = Qwen3VLVisionModel(config.vision_config, ctx) if ctx.tp.rank == 0 else None
+        self.visual = holds_tower(ctx, config, vision_tower)
         text = config.text_config
         self.language_model = Qwen3_5Model(ctx, text, make_mlp, MRotaryEmbedding(text))
 
@@ -41,7 +42,8 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration, HasStateS
             raise ValueError("Qwen3.5 has no classifier heads in vlinfer yet")
         self.config = config
         text = config.text_config
-        self.model = Qwen3_5VLModel(ctx, config, self.text_mlp_factory(ctx, text))
+        self.model = Qwen3_5VLModel(ctx, config, self.text_mlp_factory(ctx, text),
+                                    heads.vision_tower)
         tied = getattr(config, "tie_word_embeddings", False)
         self.lm_head = build_lm_head(ctx, text, self.model.language_model.embed_tokens, tied, heads)
         self.spatial_merge_size = config.vision_config.spatial_merge_size

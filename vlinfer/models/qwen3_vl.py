@@ -98,10 +98,18 @@ class Qwen3VLModel(nn.Module):
     DeepStack features a step needs with that step's inputs (vlinfer/engine/model_runner.py), so the
     other ranks neither build nor read it."""
 
-    def __init__(self, ctx: ModelContext, config, make_mlp=None):
+    def __init__(self, ctx: ModelContext, config, make_mlp=None, vision_tower: bool = True):
         super().__init__()
-        self.visual = Qwen3VLVisionModel(config.vision_config, ctx) if ctx.tp.rank == 0 else None
+        self.visual = holds_tower(ctx, config, vision_tower)
         self.language_model = Qwen3VLTextModel(ctx, config.text_config, make_mlp)
+
+
+def holds_tower(ctx: ModelContext, config, vision_tower: bool) -> Qwen3VLVisionModel | None:
+    """The vision tower on tensor-parallel rank 0 (the others never run it); None on the other
+    ranks and for a language-model-only build (Heads.vision_tower False)."""
+    if ctx.tp.rank != 0 or not vision_tower:
+        return None
+    return Qwen3VLVisionModel(config.vision_config, ctx)
 
 
 class _TextWeights(nn.Module):
@@ -124,7 +132,8 @@ class Qwen3VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRo
         super().__init__()
         self.config = config
         text = config.text_config
-        self.model = Qwen3VLModel(ctx, config, self.text_mlp_factory(ctx, text))
+        self.model = Qwen3VLModel(ctx, config, self.text_mlp_factory(ctx, text),
+                                  heads.vision_tower)
         tied = getattr(config, "tie_word_embeddings", False)
         self.lm_head = build_lm_head(ctx, text, self.model.language_model.embed_tokens, tied, heads)
         self.spatial_merge_size = config.vision_config.spatial_merge_size
@@ -150,7 +159,7 @@ class Qwen3VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRo
         def text_weights():
             for name, tensor in weights:
                 if name.startswith("model.visual."):  # streamed straight in, nothing buffered
-                    if visual is not None:  # tensor-parallel ranks other than 0 skip it unread
+                    if visual is not None:  # ranks other than 0, language_model_only: unread
                         visual_loaded.update(
                             visual.load_weights([(name[len("model.visual."):], as_tensor(tensor))]))
                 else:

@@ -34,6 +34,9 @@ class Backend:
     # others run the reference definitions (ops/reference/kv_cache.py), and the model runner's
     # start-up log says so.
     kv_cache_kernels: tuple = ()
+    # Recurrent-state dtypes (a hybrid model's state slots) this table's own linear-attention
+    # kernels read and write; others run the reference, and the cache pool's start-up log says so.
+    state_cache_kernels: tuple = ()
 
     def __init__(self, device_type: str = "cpu"):
         self.device_type = device_type

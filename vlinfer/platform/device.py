@@ -75,6 +75,19 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config,
     return chosen
 
 
+def holds_dtype(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `device` keeps a cache in `dtype` at native speed: float32 anywhere; a 16-bit dtype
+    on a CPU with native arithmetic for it (cpu_features.cpu_has_native: else every read and write
+    converts in software), on CUDA where the card has it (bf16: Ampere and later), on NPU."""
+    if dtype == torch.float32:
+        return True
+    if device.type == "cpu":
+        return cpu_features.cpu_has_native(dtype)
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        return torch.cuda.is_bf16_supported()
+    return dtype in (torch.bfloat16, torch.float16)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -58,7 +58,9 @@ def part_sources(contents, engine, config, field: str = "messages") -> list[tupl
                 sources.append((part.image_url.url, f"{prefix}.{j}.image_url.url"))
             videos += part.type == "video_url"
     if sources and not engine.is_multimodal:
-        raise ApiError(400, text_only(config.served_model_names[0], "images"), param=sources[0][1])
+        raise ApiError(400, text_only(config.served_model_names[0], "images",
+                                      engine.input_processor.language_model_only),
+                       param=sources[0][1])
     limit = config.images.max_images
     # counted as the engine counts them (vlinfer/inputs/limits.py)
     if len(sources) + videos > limit:

@@ -169,6 +169,7 @@ class CpuOps(ReferenceOps):
 
     # Hybrid models' linear attention: decode calls on our kernels, the rest on the reference
     # (linear_attention.py says the rule).
+    state_cache_kernels = linear_attention.STATE_KERNEL_DTYPES
     def gated_delta_rule(self, q, k, v, g, beta, state, cu_seqlens, slots, has_state, scale):
         return linear_attention.gated_delta_rule(self.ext, q, k, v, g, beta, state, cu_seqlens,
                                                  slots, has_state, scale)

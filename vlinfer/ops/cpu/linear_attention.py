@@ -14,6 +14,9 @@ import torch
 from vlinfer.ops.reference import linear_attention as reference
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# The recurrent state the delta-rule kernel reads and writes: float32 only (a bf16 state runs the
+# reference, which computes in float32 and stores back in the state's dtype).
+STATE_KERNEL_DTYPES = (torch.float32,)
 
 
 def is_decode(tokens: int, cu_seqlens: torch.Tensor) -> bool:
@@ -23,7 +26,7 @@ def is_decode(tokens: int, cu_seqlens: torch.Tensor) -> bool:
 
 def kernel_takes_delta_rule(q, k, v, state, cu_seqlens) -> bool:
     return (is_decode(q.shape[0], cu_seqlens) and q.dtype == k.dtype == v.dtype
-            and q.dtype in KERNEL_DTYPES and state.dtype == torch.float32
+            and q.dtype in KERNEL_DTYPES and state.dtype in STATE_KERNEL_DTYPES
             and state.is_contiguous() and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
 
 
