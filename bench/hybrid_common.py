@@ -63,12 +63,20 @@ def qwen3_5_config(shape: str):
 
 def ensure_checkpoint(folder: str | None, shape: str, seed: int) -> str:
     """The random-weight checkpoint of `shape` in bf16 with its preprocessor config, built once
-    (transformers' default init: modest magnitudes, fine for a throughput benchmark)."""
+    (transformers' default init: modest magnitudes, fine for a throughput benchmark). The tiny one
+    gets O(1) activations (the tests' rescaling): the default init's near-tied logits would make
+    every engine emit the same token over and over, and a greedy comparison meaningless."""
     name = shape if shape.startswith("qwen3.5") else f"qwen3.5-{shape}"
     folder = folder or f"~/.cache/vlinfer/bench-{name}-random"
+
+    def rescale(model):
+        from vlinfer.toy.tiny_checkpoints import _rescale
+        _rescale(model, torch.Generator().manual_seed(seed))
+
     return random_checkpoint(folder, shape, "Qwen3_5ForConditionalGeneration",
                              lambda: qwen3_5_config(shape), torch.bfloat16, seed,
-                             files={"preprocessor_config.json": PREPROCESSOR})
+                             files={"preprocessor_config.json": PREPROCESSOR},
+                             init=rescale if shape == "tiny" else None)
 
 
 def text_config(path: str) -> dict:

@@ -2,7 +2,10 @@
 and OpenVINO GenAI side by side in one run, on a checkpoint of the real Qwen3.5-2B or -0.8B shape
 with random weights (bench/hybrid_common.py; built once, cached).
 
-Three parts (--parts, all by default):
+Parts (--parts; batch, single and long by default):
+- check: one image request in float32 through vlinfer and OpenVINO GenAI (f32, f32 KV): the
+  greedy tokens must be the same, so the two run the same model on the same input (on --model
+  tiny, whose activations are O(1); at the real shapes the random logits are near-tied).
 - batch: seeded random images with a question each (bench/vlm_throughput.py's workload), greedy,
   EOS ignored, every request at once: vlinfer's streaming API, transformers' left-padded batches,
   OpenVINO's ContinuousBatchingPipeline (max_num_batched_tokens set to what our engine resolves),
@@ -23,6 +26,7 @@ the benchmark says so and runs the rest. Precision is set on both sides and prin
     python bench/hybrid_throughput.py --model qwen3.5-2b
     python bench/hybrid_throughput.py --model qwen3.5-0.8b --parts batch,single
     python bench/hybrid_throughput.py --model qwen3.5-2b --parts long --contexts 1024,8192,32768
+    python bench/hybrid_throughput.py --model tiny --parts check --max-tokens 12
     python bench/hybrid_throughput.py --model tiny --num-requests 2 --max-tokens 4 \\
         --single-output-len 4 --repeat 1 --contexts 64,128 --long-steps 2   # a quick check
 """
@@ -312,13 +316,53 @@ def long_context(args, path) -> None:
 
 
 # -------------------------------------------------------------------------------------------------
+# correctness of the comparison
+
+def check(args, path) -> None:
+    """vlinfer and OpenVINO GenAI (its fp32 export run in f32, f32 KV) on the same image request
+    in float32: the greedy tokens must be the same (run it on --model tiny: a tiny checkpoint has
+    O(1) activations, so the tokens are not near-tied)."""
+    from vlinfer import LLM, SamplingParams
+    n = args.max_tokens
+    image = picture(320, 256, 7)
+    prompt = PROMPT.format(question="Describe this image.")
+    llm = LLM(path, dtype="float32", max_model_len=1024, max_num_seqs=2,
+              kv_cache_bytes=hybrid_common.pool_bytes(path, "float32", [1024, 1024]))
+    out = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": [image]}}],
+                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                       use_tqdm=False)[0]
+    ours = list(out.outputs[0].token_ids)
+    del llm
+    gc.collect()
+    print(f"\ncheck: vlinfer float32, {len(out.prompt_token_ids)} prompt tokens, greedy {ours}")
+    if args.skip_openvino or peers.python("openvino") is None:
+        print(peers.not_installed("openvino"), flush=True)
+        return
+    ir = peers.try_openvino_ir(path, "fp32")
+    with tempfile.TemporaryDirectory(prefix="vlinfer-bench-images-") as tmp:
+        image_path = os.path.join(tmp, "image.png")
+        image.save(image_path)
+        runs = [dict(name="batch", kind="batch", prompts=[prompt], images=[[image_path]],
+                     max_tokens=[n], repeat=1)]
+        r = ir and peers.try_run("openvino", dict(model=ir, precision="f32",
+                                                  kv_cache_precision="f32",
+                                                  max_num_batched_tokens=2048, cache_size_gb=1,
+                                                  runs=runs))
+    if r:
+        theirs = r["runs"]["batch"]["outputs"][0]
+        print(f"check: OpenVINO GenAI {r['version']} f32, f32 KV: greedy {theirs}: "
+              f"{'identical' if theirs == ours else 'DIFFERENT'}")
+
+
+# -------------------------------------------------------------------------------------------------
 # main
 
 def main(argv=None):
     p = common.parser(__doc__)
     p.add_argument("--model", default="qwen3.5-2b", choices=sorted(hybrid_common.SHAPES))
     p.add_argument("--checkpoint", default=None,
-                   help="random checkpoint folder (default ~/.cache/vlinfer/bench-qwen3.5-<shape>-random)")
+                   help="random checkpoint folder "
+                   "(default ~/.cache/vlinfer/bench-qwen3.5-<shape>-random)")
     common.add_dtype_arg(p)
     p.add_argument("--parts", default="batch,single,long")
     p.add_argument("--num-requests", type=int, default=16)
@@ -344,7 +388,8 @@ def main(argv=None):
     print(f"model: {args.model} shape, random weights, {path}; vlinfer and transformers in "
           f"{args.dtype}", flush=True)
     parts = args.parts.split(",")
-    for name, fn in (("batch", batch), ("single", single), ("long", long_context)):
+    for name, fn in (("check", check), ("batch", batch), ("single", single),
+                     ("long", long_context)):
         if name in parts:
             fn(args, path)
     return 0

@@ -1,6 +1,6 @@
 """Peer engines for the benchmarks: vLLM's CPU backend, llama.cpp (llama-cpp-python) and OpenVINO
-GenAI, each installed in its own venv by `make peers` (their torch/numpy pins are not ours) and run here as a
-subprocess with that venv's python.
+GenAI, each installed in its own venv by `make peers` (their torch/numpy pins are not ours) and run
+here as a subprocess with that venv's python.
 
 The protocol is two JSON files. The benchmark writes a request (model path, dtype, threads, and a
 list of runs: the prompts as token ids, max_tokens per prompt, a repeat count; greedy, EOS ignored);
