@@ -222,7 +222,8 @@ def transformers_single(args, path, image, n, repeat):
     model = vlm_common.hf_model(path, args.dtype, "cpu")
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = tokenizer(TEXT_PROMPT, return_tensors="pt").input_ids
-    text = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    text = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                mm_token_type_ids=torch.zeros_like(ids, dtype=torch.int32))
 
     def gen(inputs, k):
         vlm_common.hf_generate(model, inputs, k, "cpu")
