@@ -59,9 +59,16 @@ VLLM_TORCH ?= torch==2.13.0+cpu
 LLAMA_VENV ?= .venv-llamacpp
 LLAMA_SPEC ?= llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON
+# OpenVINO GenAI and the optimum-intel exporter (docs/peers.md): versions that work together; torch and torchvision
+# from PyPI (the exporter needs torchvision). optimum-intel 2.2.0 exports Qwen3-VL only with transformers <= 5.0 and
+# Qwen3.5 only with 5.2.x, so 5.2.0 goes to a folder of the venv that bench/peers puts on PYTHONPATH for Qwen3.5.
+OPENVINO_VENV ?= .venv-openvino
+OPENVINO_SPEC ?= openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 \
+	optimum-intel==2.2.0 optimum==2.3.0 nncf==3.4.0 transformers==5.0.0 torch==2.14.1 torchvision==0.29.1 pillow
+OPENVINO_QWEN3_5_TRANSFORMERS ?= transformers==5.2.0
 
 .PHONY: peers
-peers: $(VLLM_VENV)/.installed $(LLAMA_VENV)/.installed
+peers: $(VLLM_VENV)/.installed $(LLAMA_VENV)/.installed $(OPENVINO_VENV)/.installed
 
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -78,6 +85,16 @@ $(LLAMA_VENV)/.installed:
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(LLAMA_VENV)/bin/pip install -q --no-binary llama-cpp-python --no-cache-dir "$(LLAMA_SPEC)"
 	$(LLAMA_VENV)/bin/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
+	touch $@
+
+$(OPENVINO_VENV)/.installed:
+	$(PYTHON) -m venv $(OPENVINO_VENV)
+	$(OPENVINO_VENV)/bin/pip install -q --upgrade pip
+	$(OPENVINO_VENV)/bin/pip install -q $(OPENVINO_SPEC)
+	$(OPENVINO_VENV)/bin/pip install -q --no-deps --target $(OPENVINO_VENV)/transformers-5.2 \
+		$(OPENVINO_QWEN3_5_TRANSFORMERS)
+	$(OPENVINO_VENV)/bin/python -c "import openvino_genai, optimum.intel; print('openvino_genai', \
+		openvino_genai.__version__)"
 	touch $@
 
 clean:

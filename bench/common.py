@@ -236,11 +236,11 @@ def model_dims(model: str) -> dict:
 
 
 def random_checkpoint(folder: str, what: str, model_class: str, make_config, dtype, seed: int,
-                      files: dict | None = None) -> str:
+                      files: dict | None = None, init=None) -> str:
     """A random-weight checkpoint in `folder`, built once and reused afterwards: transformers'
-    `model_class` with its default init (seeded) saved as safetensors, the Qwen tokenizer, and
-    `files` (name -> JSON). Built into a temporary folder renamed when complete, so an interrupted
-    build is never mistaken for a finished one."""
+    `model_class` with its default init (seeded; then init(model) where given) saved as
+    safetensors, the Qwen tokenizer, and `files` (name -> JSON). Built into a temporary folder
+    renamed when complete, so an interrupted build is never mistaken for a finished one."""
     folder = os.path.abspath(os.path.expanduser(folder))
     if os.path.exists(os.path.join(folder, ".complete")):
         return folder
@@ -252,6 +252,8 @@ def random_checkpoint(folder: str, what: str, model_class: str, make_config, dty
     torch.manual_seed(seed)
     # Built directly in `dtype`: one copy in RAM.
     model = getattr(transformers, model_class)._from_config(make_config(), dtype=dtype).eval()
+    if init is not None:
+        init(model)
     partial = folder + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)

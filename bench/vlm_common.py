@@ -102,9 +102,12 @@ def stream(engine, prompts: list[dict], params):
 
 
 def hf_model(path: str, dtype: str, device: str):
-    """transformers' Qwen3-VL on the same weights, on the engines' device."""
-    from transformers import Qwen3VLForConditionalGeneration
-    model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, dtype))
+    """transformers' model of the checkpoint's architecture (Qwen3-VL, Qwen3.5) on the same
+    weights, on the engines' device."""
+    import transformers
+    with open(os.path.join(path, "config.json")) as f:
+        architecture = json.load(f)["architectures"][0]
+    model = getattr(transformers, architecture).from_pretrained(path, dtype=getattr(torch, dtype))
     return model.to(device).eval()
 
 

@@ -76,15 +76,18 @@ def make_workload(args):
 # -------------------------------------------------------------------------------------------------
 # engines
 
-def run_vlinfer(args, path, requests, max_model_len):
+def run_vlinfer(args, path, requests, max_model_len, **engine_options):
+    """engine_options: LLM arguments over this script's (bench/hybrid_throughput.py sizes a hybrid
+    model's pool its own way)."""
     from vlinfer import LLM, SamplingParams
     from vlinfer.multimodal import Qwen3VLImageProcessor
     proc = Qwen3VLImageProcessor.from_pretrained(path)
     kv_bytes = vlm_common.kv_cache_bytes(
         path, args.dtype, [proc.num_image_tokens(im.height, im.width) for _, im in requests],
         args.max_tokens, max_model_len)
-    llm = LLM(path, dtype=args.dtype, max_model_len=max_model_len, kv_cache_bytes=kv_bytes,
-              device=args.device)
+    options = dict(dtype=args.dtype, max_model_len=max_model_len, kv_cache_bytes=kv_bytes,
+                   device=args.device)
+    llm = LLM(path, **dict(options, **engine_options))
     engine = llm.engine
 
     # Warm-up: one small request through the whole path (processor, vision tower, prefill, decode).
@@ -107,6 +110,7 @@ def run_vlinfer(args, path, requests, max_model_len):
                  for text, image in requests], params)
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     stats = dict(tokens=produced, seconds=elapsed, ttft_mean=sum(ttft) / len(ttft),
+                 max_num_batched_tokens=engine.resolved.max_num_batched_tokens,
                  ttft_max=max(ttft), preprocess=timer.seconds["preprocess"],
                  vision=timer.seconds["vision"], steps=steps,
                  images_encoded=engine.model_runner.vision.num_images_encoded,
@@ -123,17 +127,17 @@ def run_vlinfer(args, path, requests, max_model_len):
     return stats
 
 
-def run_transformers(args, path, requests):
+def transformers_inputs(path):
+    """prepare(batch of (prompt, image)) -> (token id rows, generate's inputs): transformers' side
+    of the pipeline: its image processor, placeholders expanded to the grid's token count (as
+    Qwen3VLProcessor does), left padding."""
     from transformers import AutoTokenizer, Qwen2VLImageProcessor
-    model = vlm_common.hf_model(path, args.dtype, args.device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     size = PREPROCESSOR["size"]
     proc = Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2,
                                  image_mean=[0.5] * 3, image_std=[0.5] * 3, size=size)
 
     def prepare(batch):
-        """transformers' side of the pipeline: its image processor, placeholders expanded to the
-        grid's token count (as Qwen3VLProcessor does), left padding."""
         px = proc(images=[image for _, image in batch], return_tensors="pt")
         grid = px["image_grid_thw"]
         rows = []
@@ -149,6 +153,12 @@ def run_transformers(args, path, requests):
         return rows, dict(input_ids=ids, attention_mask=mask,
                           mm_token_type_ids=(ids == IMAGE).int(), pixel_values=px["pixel_values"],
                           image_grid_thw=grid)
+    return prepare
+
+
+def run_transformers(args, path, requests):
+    model = vlm_common.hf_model(path, args.dtype, args.device)
+    prepare = transformers_inputs(path)
 
     def generate(inputs, n):
         return vlm_common.hf_generate(model, inputs, n, args.device)

@@ -1,6 +1,6 @@
-"""Peer engines for the benchmarks: vLLM's CPU backend and llama.cpp (llama-cpp-python), each
-installed in its own venv by `make peers` (their torch/numpy pins are not ours) and run here as a
-subprocess with that venv's python.
+"""Peer engines for the benchmarks: vLLM's CPU backend, llama.cpp (llama-cpp-python) and OpenVINO
+GenAI, each installed in its own venv by `make peers` (their torch/numpy pins are not ours) and run
+here as a subprocess with that venv's python.
 
 The protocol is two JSON files. The benchmark writes a request (model path, dtype, threads, and a
 list of runs: the prompts as token ids, max_tokens per prompt, a repeat count; greedy, EOS ignored);
@@ -12,7 +12,8 @@ tail is shown when it fails.
 This module also writes the peers' inputs from the weights vlinfer runs, once, into vlinfer's cache
 folder: the SmolLM2 GGUF dequantized to a float32 safetensors Hugging Face folder (for vLLM) and to
 an all-F32 GGUF (for llama.cpp). Both are dequantized by the same gguf-package code transformers
-(and so vlinfer's loader) uses.
+(and so vlinfer's loader) uses. For OpenVINO it exports a Hugging Face folder to OpenVINO IR with
+the venv's optimum-cli, once per folder and weight format (openvino_ir).
 """
 import json
 import os
@@ -27,7 +28,13 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 PEERS = {  # name -> (label, venv folder in the repo root, script beside this file)
     "vllm": ("vLLM-CPU", ".venv-vllm", "vllm_peer.py"),
     "llama.cpp": ("llama.cpp", ".venv-llamacpp", "llamacpp_peer.py"),
+    "openvino": ("OpenVINO GenAI", ".venv-openvino", "openvino_peer.py"),
 }
+# optimum-intel 2.2.0 caps each architecture's export at some transformers versions: Qwen3-VL at
+# 5.0 (the venv's), Qwen3.5 between 5.2.0 and 5.2.x; `make peers` puts 5.2.0 in a folder of the
+# venv put first on PYTHONPATH for these model types' exports.
+EXPORT_TRANSFORMERS = {"qwen3_5": "transformers-5.2", "qwen3_5_moe": "transformers-5.2",
+                       "qwen3_5_text": "transformers-5.2", "qwen3_5_moe_text": "transformers-5.2"}
 
 
 class PeerError(RuntimeError):
@@ -56,6 +63,8 @@ def usable(name: str, model: str) -> bool:
     if python(name) is None:
         print(not_installed(name), flush=True)
         return False
+    if name == "openvino":
+        return True
     if name == "vllm" and not is_text_model(model):
         print(
             f"{label(name)}: skipped ({model} is not a text-only model; the peer runs text models)",
@@ -203,6 +212,68 @@ def hf_folder(model: str = "smollm2") -> str:
             json.dump(config, f, indent=2)
 
     return _cached(f"bench-{stem}-f32-hf", build)
+
+
+def openvino_ir(folder: str, weight_format: str = "fp32", task: str | None = None,
+                timeout: float = 7200) -> str:
+    """`folder` (a Hugging Face checkpoint) exported to OpenVINO IR by the OpenVINO venv's
+    optimum-cli, offline, once: cached under cache_dir()/openvino-ir/ by the folder's name, its
+    config's hash and the weight format (fp32 keeps the weights as they are; int8 is OpenVINO's
+    default deployment for models over 1B parameters). The export log goes beside it. A real 2B
+    checkpoint takes minutes and ~15 GB of memory."""
+    import hashlib
+    with open(os.path.join(folder, "config.json"), "rb") as f:
+        raw = f.read()
+    config = json.loads(raw)
+    model_type = config.get("model_type", "")
+    task = task or ("image-text-to-text" if "vision_config" in config
+                    else "text-generation-with-past")
+    stem = f"{os.path.basename(os.path.normpath(folder))}-{hashlib.sha1(raw).hexdigest()[:8]}"
+    root = os.path.join(cache_dir(), "openvino-ir")
+    os.makedirs(root, exist_ok=True)
+    out = os.path.join(root, f"{stem}-{weight_format}")
+    if os.path.exists(os.path.join(out, ".complete")):
+        return out
+    venv = os.path.join(REPO, PEERS["openvino"][1])
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONHOME", "PYTHONPATH", "VIRTUAL_ENV")}
+    env["HF_HUB_OFFLINE"] = "1"
+    if model_type in EXPORT_TRANSFORMERS:
+        env["PYTHONPATH"] = os.path.join(venv, EXPORT_TRANSFORMERS[model_type])
+    log = out + ".log"
+    partial = out + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    print(f"{label('openvino')}: exporting {folder} ({model_type}, {weight_format} weights) to "
+          f"{out} once; log {log}", flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.run([os.path.join(venv, "bin", "optimum-cli"), "export", "openvino",
+                             "--model", folder, "--task", task, "--weight-format", weight_format,
+                             partial], stdout=f, stderr=subprocess.STDOUT, env=env,
+                            timeout=timeout).returncode
+    if rc != 0:
+        with open(log, errors="replace") as f:
+            tail = "".join(f.readlines()[-15:])
+        raise PeerError(f"{label('openvino')} export failed (exit {rc}); last lines of {log}:\n"
+                        f"{tail}")
+    open(os.path.join(partial, ".complete"), "w").close()
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(partial, out)
+    print(f"exported in {time.perf_counter() - start:.0f}s", flush=True)
+    return out
+
+
+def try_openvino_ir(folder: str, weight_format: str = "fp32") -> str | None:
+    """openvino_ir, or None after printing why it could not export (or that the venv is absent).
+    """
+    if python("openvino") is None:
+        print(not_installed("openvino"), flush=True)
+        return None
+    try:
+        return openvino_ir(folder, weight_format)
+    except (PeerError, subprocess.TimeoutExpired) as e:
+        print(e, flush=True)
+        return None
 
 
 def f32_gguf(model: str = "smollm2") -> str:
