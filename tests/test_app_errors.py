@@ -127,3 +127,18 @@ def test_cli_errors_and_warnings_name_flags(tiny_vl_with_context):
     assert warning.startswith("WARNING --max-model-len=3072: the KV cache"), warning
     assert "the default --max-model-len cap=8192" in warning \
         and "raise --kv-cache-size or --memory-utilization" in warning, warning
+
+
+def test_serve_on_a_busy_port_fails_before_the_model_loads(capsys):
+    """`vlinfer serve` on a port another process holds: exit 2 naming --port, before the model is
+    looked for (fails today: the model loads first, and here is not found)."""
+    import socket
+    from vlinfer.cli import serve as serve_cli
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        code = serve_cli.main(["--model", "no-such-model-anywhere", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--port {port} on 127.0.0.1 cannot be used" in err, err
+    assert "no-such-model-anywhere" not in err

@@ -28,7 +28,8 @@ ROOMS = [
     # the public data types
     [
         "vlinfer.config", "vlinfer.sampling_params", "vlinfer.pooling_params",
-        "vlinfer.lora_request", "vlinfer.outputs"
+        "vlinfer.lora_request", "vlinfer.outputs", "vlinfer.vllm_names",
+        "vlinfer.caption_records"
     ],
     # tensor-parallel processes: rendezvous, control channel, rank 0's driver
     ["vlinfer.distributed"],

@@ -63,10 +63,11 @@ def entry_points() -> dict[str, tuple[dict, dict]]:
     """entry point -> (the engine options it passes to LLM, over EngineConfig's defaults; its
     default sampling, as {field: value} or, for the server, per endpoint)."""
     # LLM and Pipeline add no engine defaults of their own: every option goes through to
-    # EngineConfig (Pipeline's own keyword, lora, is an adapter for its requests, not an engine
-    # option).
+    # EngineConfig (Pipeline's own keywords, lora, an adapter for its requests, and task,
+    # transformers' task name, are not engine options).
     for init in (LLM.__init__, Pipeline.__init__):
-        params = [p for p in inspect.signature(init).parameters.values() if p.name != "lora"]
+        params = [p for p in inspect.signature(init).parameters.values()
+                  if p.name not in ("lora", "task")]
         assert params[-1].kind is inspect.Parameter.VAR_KEYWORD and len(
             params) == 3, inspect.signature(init)
     assert ENGINE_DEFAULTS == {f.name: f.default for f in dataclasses.fields(EngineConfig)

@@ -125,11 +125,76 @@ def test_caption_in_order_equals_single_calls(vl):
     captions = vl.caption([A, B, C], batch_size=2, **GREEDY)
     assert captions == [vl(x, "Describe this image.", **GREEDY) for x in (A, B, C)]
     # An unreadable image: the others are still captioned and come back in the error's outputs.
-    with pytest.raises(RequestError, match="request 1") as err:
+    with pytest.raises(RequestError, match=r"1 of 3 images could not be captioned.*images\[1\]"
+                       ) as err:
         vl.caption([A, b"not an image", C], batch_size=3, **GREEDY)
     outs = err.value.outputs
     assert outs[1].error and [outs[0].outputs[0].text, outs[2].outputs[0].text
                               ] == [captions[0], captions[2]]
+    assert err.value.captions == [captions[0], None, captions[2]]
+
+
+def test_caption_takes_folders_globs_lists_and_records_errors_in_place(vl, tmp_path):
+    """A string is a folder, a glob or a path, never its letters; a failure in one batch leaves
+    the next batches running; errors="record" gives `vlinfer caption`'s records (fails today: the
+    folder's name is captioned letter by letter, and the first failed batch ends the call)."""
+    from vlinfer.caption_records import IMAGE_RECORD_FIELDS
+    A.save(tmp_path / "a.png")
+    B.save(tmp_path / "b.png")
+    (tmp_path / "notes.md").write_text("not an image")
+    expected = vl.caption([A, B], **GREEDY)
+    assert vl.caption(str(tmp_path), **GREEDY) == expected
+    assert vl.caption(str(tmp_path / "*.png"), **GREEDY) == expected
+    assert vl.caption([tmp_path / "b.png"], **GREEDY) == expected[1:]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no image files"):
+        vl.caption(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="no files match"):
+        vl.caption(str(tmp_path / "none" / "*.png"))
+    missing = str(tmp_path / "missing.png")
+    with pytest.raises(RequestError) as err:  # batch_size 1: the failure is its own batch
+        vl.caption([str(tmp_path / "a.png"), missing, B], batch_size=1, **GREEDY)
+    assert err.value.captions == [expected[0], None, expected[1]]
+    assert [name for name, _ in err.value.failures] == [missing]
+    records = vl.caption([str(tmp_path / "a.png"), missing], errors="record", **GREEDY)
+    assert [list(r) for r in records] == [list(IMAGE_RECORD_FIELDS)] * 2
+    assert records[0]["caption"] == expected[0].strip() and records[0]["error"] is None
+    assert records[1]["path"] == missing and records[1]["caption"] is None
+    assert "missing.png" in records[1]["error"]
+
+
+def test_call_forms_a_newcomer_tries(vl):
+    """pipe(question), pipe(image) alone, n > 1 as a list, max_pixels as a keyword (each fails
+    today: the question is read as an image path, an image alone gets no text, n=2 returns one
+    string, max_pixels is "did you mean max_tokens?")."""
+    question = vl("What is a house?", **GREEDY)
+    assert question == vl.chat(user({"type": "text", "text": "What is a house?"}), **GREEDY)
+    assert vl(A, **GREEDY) == vl(A, "Describe this image.", **GREEDY)
+    with pytest.raises(ValueError, match="is not an image.*prompt="):
+        vl("holiday-photo", "What is in it?")
+    two = vl(A, "Describe.", n=2, temperature=1.0, seed=5, max_tokens=4)
+    assert isinstance(two, list) and len(two) == 2 and all(isinstance(t, str) for t in two)
+    small = dict(max_pixels=64 * 64, min_pixels=32 * 32)
+    assert vl(B, "Describe.", **small, **GREEDY) == \
+        vl(B, "Describe.", mm_processor_kwargs=small, **GREEDY)
+    with pytest.raises(ValueError, match="max_pixels given both"):
+        vl(B, "x", max_pixels=4096, mm_processor_kwargs={"max_pixels": 4096})
+
+
+def test_transformers_task_form_and_help():
+    """Pipeline(task, model=...) as transformers' pipeline(...); a model given twice is named
+    before anything loads; help() shows how the arguments are read."""
+    pipe = Pipeline("image-to-text", model="qwen3-vl-tiny", max_model_len=1024,
+                    kv_cache_bytes=16 * 2 ** 20)
+    with pipe.llm:
+        assert (pipe.task, pipe.model, pipe.is_multimodal) == ("image-to-text", "qwen3-vl-tiny",
+                                                               True)
+    with pytest.raises(ValueError, match="give the model once"):
+        Pipeline("qwen3-vl", model="smollm2")
+    for method, words in ((Pipeline, "a first argument that is no image is the prompt"),
+                          (Pipeline.__call__, "n > 1: a list"),
+                          (Pipeline.caption, "errors=\"record\"")):
+        assert words in (method.__doc__ or "")
 
 
 def test_sampling_options_pass_through(vl, monkeypatch):

@@ -497,3 +497,21 @@ def test_count_of_hostile_cases():
         promised = re.search(r"\*\*(\d+) hostile-input cases\*\*", f.read())
     assert promised, "the README no longer states the count of hostile-input cases"
     assert total == int(promised.group(1)) == 102
+
+
+@pytest.mark.parametrize("part", ["image_url", "video_url"])
+def test_a_url_given_as_a_string_is_said_plainly(part):
+    """{"type": "image_url", "image_url": "https://..."}: one 400 line showing OpenAI's object
+    shape, not pydantic's union noise (fails today: "Input should be a valid dictionary ...;
+    messages.0.content: Input should be a valid string")."""
+    from vlinfer.serve.body import parse_body
+    from vlinfer.serve.errors import ApiError
+    from vlinfer.serve.protocol import ChatCompletionRequest
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": part, part: "https://example.com/cat.png"}, {"type": "text", "text": "hi"}]}]}
+    with pytest.raises(ApiError) as e:
+        parse_body(ChatCompletionRequest, json.dumps(body).encode())
+    message = str(e.value)
+    assert f'{part} must be an object {{"url": ...}}' in message
+    assert f'"{part}": {{"url": "https://example.com/cat.png"}}' in message
+    assert "valid string" not in message

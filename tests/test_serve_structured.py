@@ -5,8 +5,10 @@ named, the tool result round trip; /metrics through prometheus_client. One in-pr
 the embedded tiny Qwen3-VL (float32, random weights: its words are meaningless, so every check is
 about shape and validity, never about what it says)."""
 import json
+import logging
 import random
 import re
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -68,7 +70,7 @@ def served():
     app = build_app(loop, ServeConfig(served_model_names=(MODEL,), disable_any_whitespace=True))
     try:
         with ServerThread(app) as url:
-            yield SimpleNamespace(url=url, engine=engine, loop=loop)
+            yield SimpleNamespace(url=url, engine=engine, loop=loop, app=app)
     finally:
         loop.close()
 
@@ -436,3 +438,49 @@ def test_metrics_parse_with_prometheus_client_and_keep_their_names(served, clien
                    for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
                    for s in f.samples if s.name == "vlinfer_requests_total"]
     assert counted == [("/health", 1.0)]
+
+
+# ---- no runaway requests (--max-tokens-default, --request-timeout, bounded JSON numbers) ----
+CITY = {"type": "object", "properties": {"name": {"type": "string"},
+                                         "population": {"type": "integer", "maximum": 100000000}},
+        "required": ["name", "population"]}
+
+
+def test_json_schema_without_max_tokens_ends_in_seconds(served, client, monkeypatch, caplog):
+    """The newcomer's request: strict json_schema, no max_tokens. It returns JSON that parses and
+    validates, with only the schema's keys and a bounded population, or stops at the server's
+    --request-timeout with finish_reason "length" (fails today: ServeConfig has no time limit, an
+    open integer side lets digits run on)."""
+    monkeypatch.setattr(served.app.state.server.config, "request_timeout_s", 5.0)
+    for seed in range(3):
+        start = time.perf_counter()
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "A city as JSON."}], seed=seed,
+            temperature=1.0, response_format={"type": "json_schema", "json_schema": {
+                "name": "city", "schema": CITY, "strict": True}})
+        elapsed, choice = time.perf_counter() - start, r.choices[0]
+        if choice.finish_reason == "stop":
+            value = json.loads(choice.message.content)
+            jsonschema.validate(value, CITY)
+            assert set(value) == {"name", "population"} and abs(value["population"]) < 2 ** 53
+        else:
+            assert choice.finish_reason == "length" and elapsed < 5.0 + 30
+
+
+def test_request_timeout_and_max_tokens_default(served, client, monkeypatch, caplog):
+    """--request-timeout ends a request that would run to the end of the context with "length"
+    and a log line; --max-tokens-default is the max_tokens of a request that gives none."""
+    config = served.app.state.server.config
+    monkeypatch.setattr(config, "max_tokens_default", 7)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Talk."}],
+               extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**ask)
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (7, "length")
+    assert client.chat.completions.create(**ask, max_tokens=3).usage.completion_tokens == 3
+    monkeypatch.setattr(config, "max_tokens_default", None)
+    monkeypatch.setattr(config, "request_timeout_s", 0.3)
+    with caplog.at_level(logging.WARNING, logger="vlinfer"):
+        r = client.chat.completions.create(**ask)
+    room = served.engine.max_model_len - r.usage.prompt_tokens
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens < room
+    assert "--request-timeout" in caplog.text

@@ -380,3 +380,34 @@ def test_strict_closes_every_open_object_schema():
     assert props["either"]["anyOf"][0]["additionalProperties"] is False and \
         "additionalProperties" not in props["either"]["anyOf"][1]
     assert strict["$defs"]["d"]["additionalProperties"] is False
+
+
+def test_open_integers_are_bounded_and_json_has_no_free_whitespace():
+    """A schema's `maximum` alone left every negative integer open, so a model could write digits
+    until max_tokens (the newcomer's 8,139-digit population); open sides are now bounded to
+    +-(2**53 - 1), and JSON has no free whitespace by default on every surface (both fail today)."""
+    llguidance = pytest.importorskip("llguidance")
+    import llguidance.hf
+    from transformers import AutoTokenizer
+    from conftest import qwen_tokenizer_dir
+    from vlinfer.structured.json_bounds import JSON_SAFE_INTEGER
+    tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+    ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+    schema = {"type": "object", "required": ["population", "area"],
+              "properties": {"population": {"type": "integer", "maximum": 100000000},
+                             "area": {"type": ["integer", "null"]}}}
+    params = StructuredOutputsParams(json=schema)
+    assert params.disable_any_whitespace and params.json == schema  # the user's schema kept
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(ll_tokenizer, params.grammar_text)
+        return matcher.consume_tokens(tokenizer(text, add_special_tokens=False).input_ids) and \
+            not matcher.is_error()
+
+    assert accepts('{"population":-' + str(JSON_SAFE_INTEGER) + ',"area":' +
+                   str(JSON_SAFE_INTEGER) + '}')
+    assert not accepts('{"population":-' + "9" * 17)
+    assert not accepts('{"population":100000001')  # the schema's own bound still binds
+    assert not accepts('{"population":1,"area":-' + "9" * 17)
+    assert accepts('{"population":1,"area":null}')
+    assert not accepts('{ "population"')  # no free whitespace

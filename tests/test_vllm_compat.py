@@ -3,16 +3,21 @@ n completions with their own seed streams, skip_special_tokens, spaces_between_s
 include_stop_str_in_output, truncate_prompt_tokens; unsupported vLLM fields refused by name;
 image_url.detail in chat."""
 import base64
+import dataclasses
 import io
+import logging
 import os
+import re
 
 import numpy as np
 import PIL.Image
 import pytest
 
 from conftest import assert_block_pool_empty, build_checkpoint, qwen_tokenizer_dir, tiny_text_config
-from vlinfer import LLM, SamplingParams
+from vlinfer import LLM, Pipeline, SamplingParams
+from vlinfer.config import EngineConfig
 from vlinfer.outputs import RequestError
+from vlinfer import vllm_names
 
 SAMPLE = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
 GREEDY = dict(temperature=0, max_tokens=24, ignore_eos=True)
@@ -75,7 +80,8 @@ def data_uri(image: PIL.Image.Image) -> str:
 @pytest.mark.parametrize("kwargs, names", [
     (dict(best_of=3), ["SamplingParams.best_of=3 is not supported"]),
     (dict(use_beam_search=True), ["SamplingParams.use_beam_search=True"]),
-    (dict(guided_decoding={"json": {}}), ["SamplingParams.guided_decoding="]),
+    (dict(guided_decoding={"json": {}}),
+     ["SamplingParams.guided_decoding is vLLM's older name", "use structured_outputs="]),
     (dict(early_stopping=True, length_penalty=0.5),
      ["SamplingParams.early_stopping=True", "SamplingParams.length_penalty=0.5"]),
     (dict(prompt_logprobs=21), ["SamplingParams.prompt_logprobs must be None or an int in [0, 20]"
@@ -107,6 +113,77 @@ def test_vllm_fields_at_their_off_value_are_accepted():
         not SamplingParams().include_stop_str_in_output
     with pytest.raises(ValueError, match="use_beam_search=0"):  # not False, only equal to it
         SamplingParams(use_beam_search=0)
+
+
+def test_max_tokens_none_means_until_the_context_ends(text_llm):
+    """vLLM's max_tokens=None: no limit of its own, the context (max_model_len) ends it."""
+    params = SamplingParams(max_tokens=None, ignore_eos=True, temperature=0)
+    out = text_llm.generate([[1, 2, 3]], params, use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 256
+    with pytest.raises(ValueError, match="max_tokens must be None"):
+        SamplingParams(max_tokens=0)
+
+
+# -------------------------------------------------------------------------------------
+# vLLM's engine keywords (vlinfer/vllm_names.py)
+
+def test_vllm_engine_keywords_work_with_their_meaning(qwen3_checkpoint, caplog):
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        llm = LLM(model=qwen3_checkpoint[0], dtype="float32", max_model_len=256,
+                  kv_cache_memory_bytes=16 << 20, gpu_memory_utilization=0.5, block_size=16,
+                  trust_remote_code=True, swap_space=4, cpu_offload_gb=0, seed=1,
+                  enforce_eager=True, tokenizer=None, pipeline_parallel_size=1,
+                  disable_log_stats=True)
+    with llm:
+        config = llm.engine.config
+        assert (config.memory_utilization, config.kvcache_block_size, config.kv_cache_bytes,
+                config.seed) == (0.5, 16, 16 << 20, 1)
+        assert "never runs a checkpoint's remote code" in caplog.text
+        assert "swap_space=4: does nothing here" in caplog.text
+        assert "cpu_offload_gb=0: does nothing here" in caplog.text
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(pipeline_parallel_size=2), ["pipeline_parallel_size=2 is not supported",
+                                      "use tensor_parallel_size"]),
+    (dict(tokenizer="other", revision="main"), ["tokenizer='other'", "revision='main'",
+                                                "pass its path"]),
+    (dict(gpu_memory_utilisation=0.5), ["no option 'gpu_memory_utilisation'",
+                                        "did you mean 'gpu_memory_utilization'"]),
+    (dict(max_num_seq=8), ["did you mean 'max_num_seqs'"]),
+    (dict(rope_scaling={"type": "yarn"}), ["use hf_overrides"]),
+    (dict(gpu_memory_utilization=0.5, memory_utilization=0.4), ["the same option"]),
+    (dict(max_logprobs=True), ["max_logprobs=True is not supported"]),  # True is not 20
+])
+@pytest.mark.parametrize("surface", [LLM, Pipeline])
+def test_vllm_engine_keywords_refused_by_name_before_loading(surface, kwargs, says):
+    """A ValueError naming each keyword, why and what to use, before any model is looked for (the
+    model does not exist), through LLM and Pipeline alike; never a bare TypeError."""
+    with pytest.raises(ValueError) as e:
+        surface("no-such-model-anywhere", **kwargs)
+    for text in says:
+        assert text in str(e.value)
+
+
+def test_vllm_engine_keyword_tables_are_consistent():
+    ours = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(vllm_names.SAME) <= ours
+    assert set(vllm_names.ALIASES.values()) <= ours
+    others = [*vllm_names.ALIASES, *vllm_names.NO_EFFECT, *vllm_names.ONLY]
+    assert len(others) == len(set(others)) and not set(others) & ours
+
+
+def test_python_api_doc_tables_every_vllm_engine_keyword():
+    """docs/python-api.md's table has one row per vLLM keyword the code knows, and no other."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "python-api.md")).read()
+    table = text.split("### vLLM's engine keywords", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `(\w+)`", table, re.M)
+    known = [*vllm_names.SAME, *vllm_names.ALIASES, *vllm_names.NO_EFFECT, *vllm_names.ONLY]
+    assert sorted(rows) == sorted(known)
 
 
 @pytest.mark.parametrize("kwargs, field", [

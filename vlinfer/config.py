@@ -28,6 +28,9 @@ APP_MAX_MODEL_LEN = 8192
 ANSWER_MAX_TOKENS = 512
 # `vlinfer caption`: captions are short, and a batch ends with its longest one
 CAPTION_MAX_TOKENS = 128
+# the prompt of a caption, and of Pipeline given an image or a video alone
+DESCRIBE_IMAGE_PROMPT = "Describe this image."
+DESCRIBE_VIDEO_PROMPT = "Describe this video."
 CHAT_TEMPERATURE = 0.7  # the chat UIs (`vlinfer chat`, the demo): varied replies that stay on topic
 CHAT_TOP_P = 0.9
 # kv_cache_dtype names (vLLM's) -> the dtype K and V are stored in; "auto" stores the compute dtype.

@@ -1,26 +1,71 @@
 """`Pipeline("qwen3-vl")`: images and text in, text out. A thin layer over LLM for the common cases.
 """
+import os
 from collections.abc import Iterable, Iterator
 
-from vlinfer.config import ANSWER_MAX_TOKENS
+from vlinfer.caption_records import make_record
+from vlinfer.config import ANSWER_MAX_TOKENS, DESCRIBE_IMAGE_PROMPT, DESCRIBE_VIDEO_PROMPT
 from vlinfer.engine.drive import drive
 from vlinfer.inputs.limits import text_only
 from vlinfer.inputs.retrieval import embedding_messages, mm_processor_kwargs
 from vlinfer.llm import LLM
 from vlinfer.lora_request import LoRARequest
+from vlinfer.multimodal.media_paths import IMAGE_EXTENSIONS, collect_images
+from vlinfer.outputs import RequestError
 from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
 
+# transformers' pipeline task names that mean what a Pipeline does: Pipeline("image-to-text",
+# model=...) is taken as transformers' pipeline(...) is; the model decides what it can do.
+TASKS = ("image-text-to-text", "image-to-text", "visual-question-answering", "text-generation",
+         "feature-extraction", "image-feature-extraction", "text-ranking")
+# image-size keywords taken beside the sampling ones, as mm_processor_kwargs entries
+MEDIA_KEYWORDS = ("min_pixels", "max_pixels")
+
+
+class CaptionError(RequestError):
+    """Pipeline.caption: some images could not be captioned; every other one was. `.captions`
+    holds the captions in input order (None for each failure), `.failures` (image, error) pairs,
+    `.outputs` the RequestOutputs (RequestError's)."""
+
+    def __init__(self, outputs: list, names: list[str]):
+        super().__init__(outputs)
+        self.failures = [(name, out.error) for name, out in zip(names, outputs) if out.error]
+        self.captions = [None if out.error else out.outputs[0].text for out in outputs]
+        self.args = (f"{len(self.failures)} of {len(outputs)} images could not be captioned; the "
+                     "others were (their captions are in this error's .captions, or pass "
+                     "errors='record' for one record per image with its error in place): " +
+                     "; ".join(f"{name}: {error}" for name, error in self.failures),)
+
 
 class Pipeline:
-    """pipe(image, prompt) -> answer; pipe.chat(messages); pipe.stream(...) yields text deltas;
-    pipe.caption(images) -> captions in order. Sampling options (temperature, top_p, max_tokens,
-    seed, ...) pass through as keyword arguments; the rest of **engine_options go to LLM. lora=PATH:
-    a PEFT LoRA adapter folder every request runs with (LoRARequest.from_path: named after its
+    """Images and text in, text out, over one model:
+
+        pipe = Pipeline("qwen3-vl")          # or Pipeline("image-to-text", model="qwen3-vl")
+        pipe("cat.jpg")                      # "Describe this image." of it
+        pipe("cat.jpg", "What colour is it?")  # image first, then the prompt
+        pipe("What is a house?")             # a first argument that is no image is the prompt
+        pipe.chat(messages); pipe.stream(...)  # text deltas as they come
+        pipe.caption("photos/")              # a folder, a glob, a list of paths or images
+
+    Sampling options (temperature, top_p, max_tokens, seed, n, ...) pass through as keyword
+    arguments (n > 1 returns a list of n answers), and so do min_pixels / max_pixels (the images'
+    size budget); the rest of **engine_options go to LLM, vLLM's keywords included. lora=PATH: a
+    PEFT LoRA adapter folder every request runs with (LoRARequest.from_path: named after its
     folder; enable_lora is set for it, max_lora_rank must hold its rank); it is read and checked
     here, so a bad one fails now, named."""
 
-    def __init__(self, model: str = "qwen3-vl", *, lora: str | None = None, **engine_options):
+    def __init__(self, task: str | None = None, model: str | None = None, *,
+                 lora: str | None = None, **engine_options):
+        """Pipeline(model) or, as transformers' pipelines, Pipeline(task, model=...) with one of
+        TASKS (the model decides what it can do); no model: "qwen3-vl"."""
+        if task is not None and task not in TASKS:
+            if model is not None:
+                raise ValueError(f"Pipeline({task!r}, model={model!r}): {task!r} is not a task "
+                                 f"({', '.join(TASKS)}); give the model once")
+            task, model = None, task
+        model = model or "qwen3-vl"
+        self.task = task
         self.lora_request = LoRARequest.from_path(lora) if lora is not None else None
         if self.lora_request is not None:
             if engine_options.get("enable_lora") is False:
@@ -84,40 +129,61 @@ class Pipeline:
             raise ValueError("nothing to answer: give a prompt, an image, or both")
         return [{"role": "user", "content": parts}]
 
+    def user_turn(self, image=None, prompt: str | None = None, images: Iterable | None = None,
+                  video=None, videos: Iterable | None = None) -> list[dict]:
+        """The conversation of pipe(image, prompt, ...): a first argument that is a string but no
+        image source (no such file, no URL, no data URI, no image file name) is the prompt when no
+        prompt is given; images or videos without a prompt are described."""
+        if isinstance(image, str) and prompt is None and (not self.is_multimodal or
+                                                          not is_image_source(image)):
+            image, prompt = None, image
+        elif self.is_multimodal and isinstance(image, (str, os.PathLike)) and \
+                not is_image_source(image):
+            raise ValueError(
+                    f"{os.fspath(image)!r} is not an image: no such file, and not a URL or data "
+                    "URI; to ask without an image, pass the question alone or as prompt=...")
+        images = ([image] if image is not None else []) + list(images or [])
+        videos = ([video] if video is not None else []) + list(videos or [])
+        if prompt is None and (images or videos):
+            prompt = DESCRIBE_IMAGE_PROMPT if images else DESCRIBE_VIDEO_PROMPT
+        return self.messages(prompt, images, videos)
+
     def __call__(self, image=None, prompt: str | None = None, *, images: Iterable | None = None,
                  video=None, videos: Iterable | None = None,
                  sampling_params: SamplingParams | None = None,
-                 mm_processor_kwargs: dict | None = None, **sampling) -> str:
-        """video / videos: a path, bytes, data URI, frames (or (frames, metadata));
-        mm_processor_kwargs takes fps, num_frames, max_frames, video_max_pixels ... for them."""
-        if isinstance(image, str) and prompt is None and images is None and not self.is_multimodal:
-            image, prompt = None, image  # text model: pipe("question")
-        images = ([image] if image is not None else []) + list(images or [])
-        videos = ([video] if video is not None else []) + list(videos or [])
-        return self.chat(self.messages(prompt, images, videos), sampling_params,
+                 mm_processor_kwargs: dict | None = None, **sampling) -> str | list[str]:
+        """pipe(image, prompt) -> the answer: pipe(image) describes it, pipe(question) asks
+        without an image (user_turn says how the first argument is read). image: a path, URL,
+        data URI, bytes, PIL image or tensor; images=[...] for several. video / videos: a path,
+        bytes, data URI, frames (or (frames, metadata)); mm_processor_kwargs takes fps,
+        num_frames, max_frames, video_max_pixels ... for them, and min_pixels / max_pixels for
+        images (also keywords here). n > 1: a list of n answers."""
+        return self.chat(self.user_turn(image, prompt, images, video, videos), sampling_params,
                          mm_processor_kwargs, **sampling)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             mm_processor_kwargs: dict | None = None, **sampling) -> str:
-        """mm_processor_kwargs: {"min_pixels": ..., "max_pixels": ...} for this request's images."""
+             mm_processor_kwargs: dict | None = None, **sampling) -> str | list[str]:
+        """The answer to a conversation (OpenAI-style messages); n > 1: a list of n answers.
+        mm_processor_kwargs: {"min_pixels": ..., "max_pixels": ...} for this request's images
+        (min_pixels= / max_pixels= keywords too)."""
+        mm_processor_kwargs = media_options(mm_processor_kwargs, sampling)
         params = self.sampling_params(sampling_params, **sampling)
-        return self.llm.chat(messages, params, use_tqdm=False,
-                             mm_processor_kwargs=mm_processor_kwargs,
-                             lora_request=self.lora_request)[0].outputs[0].text
+        outputs = self.llm.chat(messages, params, use_tqdm=False,
+                                mm_processor_kwargs=mm_processor_kwargs,
+                                lora_request=self.lora_request)[0].outputs
+        return outputs[0].text if params.n == 1 else [out.text for out in outputs]
 
     def stream(self, image=None, prompt: str | None = None, *, images: Iterable | None = None,
                messages: list[dict] | None = None, sampling_params: SamplingParams | None = None,
                mm_processor_kwargs: dict | None = None,
                **sampling) -> Iterator[str] | Iterator[tuple[int, str]]:
-        """Yield text deltas as tokens arrive (never half a multi-byte character). With n > 1,
-        (index, delta) pairs instead, so each completion's text stays apart; the stream ends when
-        all n have finished. Closing the generator early aborts the request and frees its blocks."""
+        """Yield text deltas as tokens arrive (never half a multi-byte character); the arguments
+        are read as __call__ reads them, or messages=... With n > 1, (index, delta) pairs instead,
+        so each completion's text stays apart; the stream ends when all n have finished. Closing
+        the generator early aborts the request and frees its blocks."""
         if messages is None:
-            if isinstance(image,
-                          str) and prompt is None and images is None and not self.is_multimodal:
-                image, prompt = None, image
-            messages = self.messages(prompt,
-                                     ([image] if image is not None else []) + list(images or []))
+            messages = self.user_turn(image, prompt, images)
+        mm_processor_kwargs = media_options(mm_processor_kwargs, sampling)
         params = self.sampling_params(sampling_params, **sampling)
         prompt_dict = self.engine.chat_prompt(messages, mm_processor_kwargs=mm_processor_kwargs)
         request_id = self.engine.add_request(prompt_dict, params, lora_request=self.lora_request)
@@ -126,24 +192,41 @@ class Pipeline:
             if delta:
                 yield delta if params.n == 1 else (index, delta)
 
-    def caption(self, images: Iterable, prompt: str = "Describe this image.", batch_size: int = 8,
+    def caption(self, images, prompt: str = DESCRIBE_IMAGE_PROMPT, batch_size: int = 8,
                 sampling_params: SamplingParams | None = None,
-                mm_processor_kwargs: dict | None = None, **sampling) -> list[str]:
-        """Captions in input order. An image that cannot be read raises RequestError naming it after
-        the others finished (their captions are in the error's outputs)."""
+                mm_processor_kwargs: dict | None = None, errors: str = "raise",
+                **sampling) -> list[str] | list[dict]:
+        """Captions in input order. images: a folder (its image files, sorted), a glob, a .txt list
+        of paths or one path, as `vlinfer caption` reads them; or a list of paths (each expanded
+        so), URLs, data URIs, bytes, PIL images or tensors; one image alone is one caption.
+        errors="raise": an image that cannot be read raises CaptionError after every other one is
+        captioned, naming each failure (the captions are in its .captions); errors="record": one
+        record per image, `vlinfer caption`'s (path, caption, tokens, size, num_image_tokens,
+        error), a failure's error in its place."""
+        if errors not in ("raise", "record"):
+            raise ValueError(f"errors must be 'raise' or 'record', got {errors!r}")
         if not self.is_multimodal:
             raise ValueError(text_only(self.model, "images",
                                        self.engine.input_processor.language_model_only))
+        mm_processor_kwargs = media_options(mm_processor_kwargs, sampling)
         params = self.sampling_params(sampling_params, **sampling)
-        images = list(images)
-        captions = []
+        images = caption_inputs(images)
+        names = [image if isinstance(image, str) and not image.startswith("data:") else
+                 f"images[{i}]" for i, image in enumerate(images)]
+        outputs = []
         for start in range(0, len(images), batch_size):
             batch = [self.messages(prompt, [image]) for image in images[start:start + batch_size]]
-            outs = self.llm.chat(batch, params, use_tqdm=False,
-                                 mm_processor_kwargs=mm_processor_kwargs,
-                                 lora_request=self.lora_request)
-            captions.extend(out.outputs[0].text for out in outs)
-        return captions
+            try:
+                outputs.extend(self.llm.chat(batch, params, use_tqdm=False,
+                                             mm_processor_kwargs=mm_processor_kwargs,
+                                             lora_request=self.lora_request))
+            except RequestError as e:  # the rest of the batch ran; the next batches still run
+                outputs.extend(e.outputs)
+        if errors == "record":
+            return [make_record(name, out) for name, out in zip(names, outputs)]
+        if any(out.error for out in outputs):
+            raise CaptionError(outputs, names)
+        return [out.outputs[0].text for out in outputs]
 
     # ---- retrieval: Pipeline("qwen3-vl-embedding-2b") / Pipeline("qwen3-vl-reranker-2b");
     # docs/retrieval.md ----
@@ -182,6 +265,50 @@ class Pipeline:
             ]
         ranked = sorted(range(len(candidates)), key=lambda i: -scores[i])[:top_k]
         return [{"index": i, "score": scores[i], "document": candidates[i]} for i in ranked]
+
+
+def is_image_source(value) -> bool:
+    """A string or path that names an image: an existing file, a URL, a data URI, or a file name
+    with an image extension (a missing one is then reported as a missing image)."""
+    if not isinstance(value, (str, os.PathLike)):
+        return True
+    text = os.fspath(value)
+    return text.startswith(("data:", "http://", "https://", "file://")) or \
+        os.path.exists(text) or text.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def caption_inputs(images) -> list:
+    """Pipeline.caption's images as a list: a string is a folder, a glob, a .txt list or a path
+    (never iterated letter by letter); one image alone (bytes, a PIL image, an array) is a list of
+    one."""
+    if isinstance(images, (str, os.PathLike)):
+        images = [images]
+    elif isinstance(images, (bytes, bytearray, dict)) or hasattr(images, "shape") or \
+            not isinstance(images, Iterable):
+        return [images]
+    found = []
+    for item in images:
+        item = os.fspath(item) if isinstance(item, os.PathLike) else item
+        if isinstance(item, str) and "://" not in item and not item.startswith("data:"):
+            found.extend(collect_images([item]))
+        else:
+            found.append(item)
+    if not found:
+        raise ValueError("nothing to caption: no images given")
+    return found
+
+
+def media_options(mm_processor_kwargs: dict | None, sampling: dict) -> dict | None:
+    """mm_processor_kwargs with the MEDIA_KEYWORDS taken out of `sampling` (the keyword arguments
+    of a Pipeline call); one given both ways is an error."""
+    given = {name: sampling.pop(name) for name in MEDIA_KEYWORDS if name in sampling}
+    if not given:
+        return mm_processor_kwargs
+    twice = sorted(set(given) & set(mm_processor_kwargs or {}))
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given both as a keyword and in mm_processor_kwargs: "
+                         "give each once")
+    return {**(mm_processor_kwargs or {}), **given}
 
 
 def embedding_prompt(engine, item, instruction: str | None = None) -> dict:

@@ -1,8 +1,8 @@
-import difflib
 import functools
 from dataclasses import dataclass, field, fields, replace
 
 from vlinfer.structured.params import StructuredOutputsParams
+from vlinfer.vllm_names import did_you_mean
 
 # alternatives per token, for logprobs and prompt_logprobs (vLLM's default max_logprobs)
 MAX_LOGPROBS = 20
@@ -12,9 +12,12 @@ MAX_LOGPROBS = 20
 # value is refused by name instead of being silently ignored.
 VLLM_FIELDS_OFF = {
     "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
-    "guided_decoding": None, "logits_processors": None, "detokenize": True, "output_kind": None,
+    "logits_processors": None, "detokenize": True, "output_kind": None,
     "extra_args": None
 }
+# vLLM's older names of fields vlinfer has under their newer name: refused, naming the new one
+RENAMED = {"guided_decoding": "structured_outputs=StructuredOutputsParams(json=..., regex=..., "
+                              "choice=..., grammar=...) (vLLM's newer name, the same fields)"}
 
 
 def _vllm_field_is_off(name: str, value, kwargs: dict) -> bool:
@@ -37,6 +40,11 @@ def _named_fields_only(cls):
         problems = []
         for name in [k for k in kwargs if k not in known]:
             value = kwargs.pop(name)
+            if name in RENAMED:
+                if value is not None:
+                    problems.append(f"SamplingParams.{name} is vLLM's older name: use "
+                                    f"{RENAMED[name]}")
+                continue
             if name in VLLM_FIELDS_OFF:
                 if not _vllm_field_is_off(name, value, kwargs):
                     problems.append(
@@ -44,9 +52,7 @@ def _named_fields_only(cls):
                         "does "
                         f"not implement; leave it unset)")
                 continue
-            guess = difflib.get_close_matches(name, known, n=1)
-            problems.append(f"SamplingParams has no field {name!r}" +
-                            (f" (did you mean {guess[0]!r}?)" if guess else ""))
+            problems.append(f"SamplingParams has no field {name!r}" + did_you_mean(name, known))
         if problems:
             raise ValueError("; ".join(problems))
         init(self, *args, **kwargs)
@@ -63,7 +69,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    max_tokens: int = 16
+    # None: until the context ends (max_model_len), as vLLM
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -120,10 +127,11 @@ class SamplingParams:
             isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, "min_p",
             "must be in [0, 1]")
         need(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
-            "must be an int >= 1")
+            self.max_tokens is None or isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            "max_tokens", "must be None (until the context ends) or an int >= 1")
         need(
-            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= (self.max_tokens or
+                                                                          self.min_tokens),
             "min_tokens", "must be an int in [0, max_tokens]")
         need(self.seed is None or isinstance(self.seed, int) and not isinstance(self.seed, bool) and
              -2 ** 63 <= self.seed < 2 ** 63, "seed", "must be None or an int in [-2**63, 2**63)")

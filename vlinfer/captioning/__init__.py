@@ -8,7 +8,7 @@ from vlinfer.captioning.embedder import (EMBED_RECORD_FIELDS, EmbedSummary, embe
                                          file_rows, input_rows)
 from vlinfer.captioning.inputs import IMAGE_EXTENSIONS, CaptionInputError, collect_images, is_video
 from vlinfer.captioning.output import OutputWriter, check_output, read_records, recorded
-from vlinfer.captioning.records import (IMAGE_RECORD_FIELDS, RECORD_FIELDS, VIDEO_FIELDS,
+from vlinfer.caption_records import (IMAGE_RECORD_FIELDS, RECORD_FIELDS, VIDEO_FIELDS,
                                         error_record, make_record)
 
 __all__ = [

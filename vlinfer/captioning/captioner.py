@@ -13,14 +13,14 @@ from dataclasses import dataclass, replace
 from vlinfer.captioning.inputs import CaptionInputError, is_video, key
 from vlinfer.captioning.output import (OutputWriter, check_output, is_parquet, recorded,
                                        recorded_errors, skipped_note)
-from vlinfer.captioning.records import RECORD_FIELDS, make_record
-from vlinfer.config import CAPTION_MAX_TOKENS
+from vlinfer.caption_records import RECORD_FIELDS, make_record
+from vlinfer.config import CAPTION_MAX_TOKENS, DESCRIBE_IMAGE_PROMPT, DESCRIBE_VIDEO_PROMPT
 from vlinfer.inputs.limits import text_only
 from vlinfer.outputs import RequestError
 from vlinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
-DEFAULT_PROMPT = "Describe this image."
-DEFAULT_VIDEO_PROMPT = "Describe this video."
+DEFAULT_PROMPT = DESCRIBE_IMAGE_PROMPT
+DEFAULT_VIDEO_PROMPT = DESCRIBE_VIDEO_PROMPT
 
 logger = logging.getLogger("vlinfer")
 

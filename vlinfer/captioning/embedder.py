@@ -14,7 +14,7 @@ from vlinfer.captioning.inputs import (CaptionInputError, check_names, collect_i
                                        key, media, read_table_rows, tables_in)
 from vlinfer.captioning.output import (OutputWriter, check_output, recorded, recorded_errors,
                                        skipped_note)
-from vlinfer.captioning.records import request_error
+from vlinfer.caption_records import request_error
 from vlinfer.inputs.retrieval import embedding_instruction
 from vlinfer.outputs import RequestError
 from vlinfer.pipeline import embedding_prompt

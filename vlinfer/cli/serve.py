@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 
 import uvicorn
@@ -77,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest video accepted, by its container's duration (400 past it); default 3600")
     p.add_argument("--max-n", type=int, default=16, help="most sequences per request (n x prompts)")
     p.add_argument("--max-pending", type=int, default=1024, help="sequences in flight before 503")
+    p.add_argument(
+        "--max-tokens-default", type=int, default=None, metavar="N",
+        help="max_tokens of a request that gives none (default: the rest of the context, "
+        "vLLM's rule)")
+    p.add_argument(
+        "--request-timeout", type=float, default=None, metavar="S",
+        help="seconds one request may take from arrival; a sequence still generating then ends "
+        "with finish_reason 'length', and the log says so (default: no limit)")
     p.add_argument("--image-formats", default="png,jpeg,webp,gif,bmp", metavar="FORMATS",
                    help="image formats accepted (PIL names); default: png,jpeg,webp,gif,bmp")
     p.add_argument(
@@ -131,6 +140,20 @@ def lora_module(text: str) -> LoRAModule:
     return LoRAModule(**fields)
 
 
+def port_in_use(host: str, port: int) -> str | None:
+    """Why host:port cannot be listened on (the OS's words), or None when it can: bound and closed
+    again here, with uvicorn's SO_REUSEADDR, so a port left in TIME_WAIT still counts as free."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port,
+                                                             type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def url_hosts(args) -> tuple[str, ...]:
     """The server fetches image URLs itself: --allow-image-urls (the engine flag every app takes)
     means any public host, as LLM(allow_image_urls=True) does; --allowed-url-hosts names them one by
@@ -150,6 +173,10 @@ def config_from_args(args) -> ServeConfig:
                                                                         args.max_video_seconds)):
         if not value > 0:
             raise ValueError(f"{flag} must be > 0, got {value}")
+    for flag, value in (("--max-tokens-default", args.max_tokens_default),
+                        ("--request-timeout", args.request_timeout)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
     video = VideoLimits(max_frames=args.max_video_frames, max_seconds=args.max_video_seconds)
     return ServeConfig(served_model_names=tuple(args.served_model_name or [args.model]),
                        api_key=args.api_key or os.environ.get("VLINFER_API_KEY") or None,
@@ -157,7 +184,9 @@ def config_from_args(args) -> ServeConfig:
                        max_pending=args.max_pending,
                        disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
                        video=video, lora_modules=tuple(args.lora_modules),
-                       allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                       allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                       max_tokens_default=args.max_tokens_default,
+                       request_timeout_s=args.request_timeout)
 
 
 def main(argv=None) -> int:
@@ -174,6 +203,11 @@ def main(argv=None) -> int:
         return 2
     except ValueError as e:  # an unknown --image-formats name
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    busy = port_in_use(args.host, args.port)
+    if busy:  # said before the model loads, not after
+        print(f"error: --port {args.port} on {args.host} cannot be used ({busy}); another "
+              "server may hold it: stop it or pick another --port", file=sys.stderr)
         return 2
     if config.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning(

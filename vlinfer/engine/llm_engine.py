@@ -26,17 +26,17 @@ from vlinfer.outputs import PoolingRequestOutput, RequestOutput
 from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
 from vlinfer.structured.matchers import GrammarMatchers
+from vlinfer.vllm_names import engine_config
 
 logger = logging.getLogger("vlinfer")
 
 
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
-        config = EngineConfig(model=model, **kwargs)
+        config = engine_config(model, **kwargs)  # vLLM's keywords too (vllm_names.py)
         parallel = ParallelConfig.of(config)
         if parallel.launched_externally and parallel.rank != 0:
-            # torchrun started this script on every rank: rank 0 runs the engine, this rank serves
-            # it and ends with it. Code after LLM(...) runs on rank 0 only.
+            # torchrun ran this script on every rank: this one serves rank 0's engine, then exits
             from vlinfer.engine.worker import serve_from_env
             serve_from_env(parallel)  # does not return
         self.config = config

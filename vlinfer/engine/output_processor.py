@@ -3,6 +3,7 @@ against the request's stops, length and grammar, and turned into a RequestOutput
 delta."""
 import dataclasses
 import logging
+import math
 import time
 
 from vlinfer.engine.detokenizer import IncrementalDetokenizer
@@ -91,8 +92,14 @@ class OutputProcessor:
         longest_stop = max(map(len, p.stop_strings), default=0)
         if seq.finish_reason is None and p.stop_strings and seq.num_output_tokens >= p.min_tokens:
             self._check_stop_strings(seq, sent, longest_stop)
-        if seq.finish_reason is None and (seq.num_output_tokens >= p.max_tokens or
+        # max_tokens None: until the context ends (vLLM's meaning)
+        if seq.finish_reason is None and (seq.num_output_tokens >= (p.max_tokens or math.inf) or
                                           seq.num_tokens >= self.max_model_len):
+            seq.finish_reason = "length"
+        if seq.finish_reason is None and seq.deadline is not None and \
+                time.perf_counter() >= seq.deadline:  # cut short, as max_tokens cuts: "length"
+            logger.warning("request %s: its time limit (--request-timeout) ran out after %d "
+                           "tokens; finished as 'length'", seq.request_id, seq.num_output_tokens)
             seq.finish_reason = "length"
         if seq.finish_reason is None and grammar_error is not None:
             # Only when other options (allowed_token_ids, bad_words, min_tokens) left the grammar no

@@ -64,6 +64,9 @@ class Sequence(PromptAndOutput):
         # else None (LoRAManager.vision_lora). Part of each item's encoder-cache key.
         self.vision_lora = None
         self.status = SequenceStatus.WAITING
+        # time.perf_counter() past which the sequence ends as "length" (the server's
+        # --request-timeout); None: no limit
+        self.deadline: float | None = None
         self.block_table: list[int] = []
         # a hybrid model's state slot (engine/cache_pool.py), held with its blocks; None: none
         self.state_slot: int | None = None

@@ -20,7 +20,10 @@ def _clean_loc(loc) -> str:
 
 
 def validation_error(e: ValidationError) -> ApiError:
-    errors = sorted(e.errors(include_url=False), key=lambda err: -len(_clean_loc(err["loc"])))
+    errors = e.errors(include_url=False)
+    # our validators' own words (value_error) over the noise of the union members they sit in
+    errors = [err for err in errors if err["type"] == "value_error"] or errors
+    errors = sorted(errors, key=lambda err: -len(_clean_loc(err["loc"])))
     seen, lines = set(), []
     for err in errors:
         line = f"{_clean_loc(err['loc']) or 'body'}: {err['msg']}"

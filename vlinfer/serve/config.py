@@ -31,6 +31,13 @@ class ServeConfig:
     # request's own structured_outputs.disable_any_whitespace wins). Small models otherwise pad JSON
     # with newlines.
     disable_any_whitespace: bool = True
+    # max_tokens of a chat or completion request that gives none (--max-tokens-default). None:
+    # the rest of the context, vLLM's rule.
+    max_tokens_default: int | None = None
+    # wall-clock seconds one request may take from arrival (--request-timeout): a sequence still
+    # generating then ends with finish_reason "length" (engine/output_processor.py; logged). None:
+    # no limit.
+    request_timeout_s: float | None = None
     # What one video may cost (frames sampled, seconds, frame size): the engine's video limits while
     # it serves this app (--max-video-frames, --max-video-seconds).
     video: VideoLimits = field(

@@ -7,7 +7,7 @@ bounds (temperature <= 2, n, top_logprobs) is checked here."""
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vlinfer.sampling_params import MAX_LOGPROBS
 
@@ -33,9 +33,23 @@ class ImageURL(_Strict):
     detail: Literal["auto", "low", "high"] | None = None
 
 
+def _url_object(value, field: str):
+    """OpenAI's {"url": ...} object; a bare URL string is a common slip, said plainly."""
+    if isinstance(value, str):
+        url = json.dumps(value if len(value) <= 40 else value[:40] + "...")
+        raise ValueError(f"{field} must be an object {{\"url\": ...}} (OpenAI's shape), got a "
+                         f"string: send {{\"type\": \"{field}\", \"{field}\": {{\"url\": {url}}}}}")
+    return value
+
+
 class ImagePart(_Strict):
     type: Literal["image_url"]
     image_url: ImageURL
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def url_object(cls, value):
+        return _url_object(value, "image_url")
 
 
 class VideoURL(_Strict):
@@ -45,6 +59,11 @@ class VideoURL(_Strict):
 class VideoPart(_Strict):
     type: Literal["video_url"]
     video_url: VideoURL
+
+    @field_validator("video_url", mode="before")
+    @classmethod
+    def url_object(cls, value):
+        return _url_object(value, "video_url")
 
 
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]

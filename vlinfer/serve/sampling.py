@@ -17,9 +17,10 @@ def _sampling_error(e: ValueError) -> ApiError:
 
 
 def request_params(req, logprobs: int | None, max_model_len: int, disable_any_whitespace: bool,
-                   tag_ids: tuple[int | None, int | None] = (None, None)) -> SamplingParams:
-    """A chat or completion request's SamplingParams; max_tokens unset is the room left in the
-    context."""
+                   tag_ids: tuple[int | None, int | None] = (None, None),
+                   max_tokens_default: int | None = None) -> SamplingParams:
+    """A chat or completion request's SamplingParams; max_tokens unset is max_tokens_default (the
+    server's --max-tokens-default), else the room left in the context (vLLM's rule)."""
     options = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                    repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
@@ -38,9 +39,9 @@ def request_params(req, logprobs: int | None, max_model_len: int, disable_any_wh
     if req.stop:
         options["stop"] = req.stop
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
-    # Unset: the room left in the context; the engine stops there with finish_reason "length" either
-    # way.
-    options["max_tokens"] = max_tokens or max_model_len
+    # Unset: the server's default, else the room left in the context; the engine stops at the
+    # context's end with finish_reason "length" either way.
+    options["max_tokens"] = max_tokens or max_tokens_default or max_model_len
     try:
         return SamplingParams(**options)
     except ValueError as e:

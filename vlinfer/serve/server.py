@@ -148,13 +148,14 @@ class Server:
     def sampling_params(self, req, logprobs: int | None) -> SamplingParams:
         tags = tag_token_ids(self.engine.tokenizer) if forced_tool(req) == "*" else (None, None)
         return request_params(req, logprobs, self.engine.max_model_len,
-                              self.config.disable_any_whitespace, tags)
+                              self.config.disable_any_whitespace, tags,
+                              self.config.max_tokens_default)
 
     def submit(self, prompts: list, params: SamplingParams, n: int,
                requested_max_tokens: int | None, event_loop,
-               lora_request: LoRARequest | None = None) -> list:
+               lora_request: LoRARequest | None = None, deadline: float | None = None) -> list:
         """In a worker thread: validate every sequence first (so a bad one queues none), then queue
-        them all."""
+        them all. deadline: the perf_counter time --request-timeout ends them at."""
         seqs = []
         for prompt in prompts:
             # the prompt and its images processed once for its n completions (seed + i each, as
@@ -174,6 +175,7 @@ class Server:
                         f"the prompt has {seq.num_prompt_tokens} tokens and max_tokens asks for "
                         f"{requested_max_tokens or 1} more", param="max_tokens",
                         code="context_length_exceeded")
+                seq.deadline = deadline
                 seqs.append(seq)
         return self._queue(seqs, event_loop)
 
@@ -214,9 +216,11 @@ class Server:
                     num_prompts: int, requested_max_tokens: int | None,
                     lora_request: LoRARequest | None = None) -> Run:
         self.check_capacity(n * num_prompts)
+        timeout = self.config.request_timeout_s
+        deadline = None if timeout is None else request.state.arrival + timeout
         return await self._start(
             request, n * num_prompts, lambda event_loop: self.submit(prompts_fn(
-            ), params, n, requested_max_tokens, event_loop, lora_request))
+            ), params, n, requested_max_tokens, event_loop, lora_request, deadline))
 
     async def start_pooling(self, request: Request, prompts_fn, params: PoolingParams,
                             names: list[str]) -> Run:

@@ -8,6 +8,7 @@ name, instead of failing a step later."""
 import json
 
 from vlinfer.structured.ecma_regex import ascii_classes, ascii_schema
+from vlinfer.structured.json_bounds import bounded_numbers
 
 JSON_SCHEMA_DRAFT = "https://json-schema.org/draft/2020-12/schema"
 
@@ -72,7 +73,8 @@ def _grammar_text(kind: str, value, disable_any_whitespace: bool) -> str:
     matcher = _llguidance().LLMatcher
     if kind == "json":
         options = {"whitespace_flexible": False} if disable_any_whitespace else None
-        return matcher.grammar_from_json_schema(ascii_schema(value), overrides=options)
+        return matcher.grammar_from_json_schema(ascii_schema(bounded_numbers(value)),
+                                                overrides=options)
     if kind == "json_object":
         options = {"whitespace_flexible": False} if disable_any_whitespace else None
         return matcher.grammar_from_json_schema({"type": "object"}, overrides=options)

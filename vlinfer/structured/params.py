@@ -13,13 +13,15 @@ class StructuredOutputsParams:
     made: a schema that is not valid, a schema keyword the backend (llguidance) does not implement,
     a regex or grammar that does not compile, an empty choice list, or no or two constraints raise a
     ValueError naming the problem. disable_any_whitespace: JSON without whitespace between tokens
-    (vLLM's option), which keeps a small model from padding with newlines."""
+    (vLLM's option); on by default here (vLLM's default is off), on every surface, because a small
+    model given free whitespace pads JSON with newlines until max_tokens. Open integers and numbers
+    are bounded (json_bounds.py)."""
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool = True
     # which constraint is set: "json", "regex", "choice", ...
     kind: str = field(init=False, repr=False)
     # the llguidance grammar it compiles to

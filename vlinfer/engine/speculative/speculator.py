@@ -154,7 +154,8 @@ class Speculator:
             self.pause_steps[seq.seq_id] -= 1
             return 0
         return min(self.config.num_speculative_tokens,
-                   seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+                   (seq.sampling_params.max_tokens or self.max_model_len) -
+                   seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1)
 
     def propose(self, batch: SchedulerOutput) -> list[tuple[int, list[int]]]:

@@ -62,5 +62,5 @@ def _record(video: bool, **values) -> dict:
     unknown = set(values) - set(fields)
     if unknown:
         raise KeyError(
-            f"caption record fields {sorted(unknown)} are not in captioning.records' field table")
+            f"caption record fields {sorted(unknown)} are not in caption_records' field table")
     return {name: values.get(name) for name in fields}
