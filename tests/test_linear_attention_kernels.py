@@ -1,16 +1,23 @@
-"""Our CPU decode kernels for the hybrid models' linear attention (ops/cpu/linear_attention.py,
-csrc/linear_attention.cpp) against transformers' Qwen3.5 functions, the oracle:
-`torch_recurrent_gated_delta_rule` and `causal_conv1d_update`, per sequence, at each kernel level
+"""Our CPU kernels for the hybrid models' linear attention (ops/cpu/linear_attention.py,
+csrc/linear_attention.cpp for decode, csrc/linear_attention_prefill.cpp for prefill and mixed
+calls) against transformers' Qwen3.5 functions, the oracle, per sequence, at each kernel level
 (tests/cpu_levels.py: this CPU's level by default, the others in the slow tier).
 
-A decode batch: sequences in scrambled slots of a pool whose unused slots hold garbage that must
-stay bit-identical, some starting from zeros (has_state False), value heads grouped over key heads,
-head dims 64, 128 and ones that are not powers of two (the vector strips' scalar tails). float32
-within 1e-5 relative per sequence; bf16 q/k/v/x within 1e-2 (the output's bf16 rounding; the
-oracle gets the same bf16 inputs in float32), the float32 state within 1e-5 in both. Negative
-controls: a state read from the neighbouring slot holding the same sequence one step stale, and
-one head's decay skipped where the decay is above 0.999, must each fail the same per-sequence
-check."""
+Decode: `torch_recurrent_gated_delta_rule` and `causal_conv1d_update`. A decode batch: sequences
+in scrambled slots of a pool whose unused slots hold garbage that must stay bit-identical, some
+starting from zeros (has_state False), value heads grouped over key heads, head dims 64, 128 and
+ones that are not powers of two (the vector strips' scalar tails). float32 within 1e-5 relative
+per sequence; bf16 q/k/v/x within 1e-2 (the output's bf16 rounding; the oracle gets the same bf16
+inputs in float32), the float32 state within 1e-5 in both. Negative controls: a state read from
+the neighbouring slot holding the same sequence one step stale, and one head's decay skipped where
+the decay is above 0.999, must each fail the same per-sequence check.
+
+Prefill: `torch_chunk_gated_delta_rule` (the recurrence for one-token sequences of a mixed call)
+and `causal_conv1d_fn` / `causal_conv1d_update` over packed sequences of lengths on both sides of
+the 64-token block and not multiples of it, key / value dims 48 / 80 and 128, value heads grouped
+over key heads; the same tolerances. Negative controls planted in the kernel itself (its `plant`
+argument): a block one token longer than the loop's step, and each decay applied one token late,
+where every decay is above 0.99, must each fail the same per-sequence check."""
 import logging
 
 import pytest
@@ -81,9 +88,9 @@ def _delta_rule(ops, q, k, v, g, beta, pool, slots):
     return o, after
 
 
-def _delta_rule_error(o, after, want, want_states, slots):
+def _delta_rule_error(o, after, want, want_states, slots, cu=None):
     """The worst per-sequence error of the outputs and of the final states."""
-    out_err = rel_err_per_seq(o, want, _cu(len(slots)))
+    out_err = rel_err_per_seq(o, want, _cu(len(slots)) if cu is None else cu)
     state_err = max(rel_err(after[slot], s) for slot, s in zip(slots, want_states))
     return out_err, state_err
 
@@ -93,7 +100,7 @@ def _delta_rule_error(o, after, want, want_states, slots):
 def test_delta_rule_decode_matches_transformers(cpu, dtype, shape):
     q, k, v, g, beta, pool = _decode_inputs(*shape, dtype, seed=sum(shape))
     want, want_states = _oracle(q, k, v, g, beta, pool, SLOTS)
-    assert cpu_la.kernel_takes_delta_rule(q, k, v, pool, _cu(len(SLOTS)))
+    assert cpu_la.kernel_takes_delta_rule(q, k, v, pool)
     o, after = _delta_rule(cpu, q, k, v, g, beta, pool, SLOTS)
     assert o.dtype == dtype and o.shape == v.shape
     out_err, state_err = _delta_rule_error(o, after, want, want_states, SLOTS)
@@ -162,7 +169,7 @@ def test_conv_decode_matches_transformers(cpu, dtype, channels, width, with_bias
     bias = torch.randn(channels, generator=gen).to(dtype) if with_bias else None
     pool = torch.randn(POOL, channels, width - 1, generator=gen).to(dtype)
     after = pool.clone()
-    assert cpu_la.kernel_takes_conv(x, weight, after, _cu(b))
+    assert cpu_la.kernel_takes_conv(x, weight, after)
     got = cpu.causal_conv1d(x, weight, bias, after, _cu(b), torch.tensor(SLOTS),
                             torch.tensor(HAS_STATE))
     for i, slot in enumerate(SLOTS):
@@ -175,9 +182,156 @@ def test_conv_decode_matches_transformers(cpu, dtype, channels, width, with_bias
     assert torch.equal(after[unused], pool[unused])
 
 
-def test_prefill_takes_the_reference_and_decode_the_kernel(cpu, monkeypatch):
-    """The rule (ops/cpu/linear_attention.py): one token per sequence runs the kernel; a call with a
-    longer sequence, or a dtype the kernel lacks, runs the reference, with the same results."""
+# Prefill and mixed calls: (lengths, has_state, key heads, value heads, key dim, value dim)
+PREFILL_CASES = [
+    ([130, 1, 70, 5], [True, True, False, True], 2, 4, 48, 80),  # a mixed call, grouped heads
+    ([64, 200], [False, True], 1, 2, 128, 128),
+    ([2, 129, 1], [True, False, False], 1, 3, 40, 24),
+]
+PLANT_OVERLAP, PLANT_LATE_DECAY = 1, 2  # csrc/linear_attention_prefill.cpp's planted bugs
+
+
+def _prefill_inputs(lengths, hk, hv, dk, dv, dtype, seed, decay_scale=0.5):
+    """(q, k, v, g, beta, cu_seqlens, the pool, slots): sequence i in slot POOL - 1 - 2 i (spare
+    slots between, holding garbage)."""
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    q = torch.randn(t, hk, dk, generator=gen).to(dtype)
+    k = torch.randn(t, hk, dk, generator=gen).to(dtype)
+    v = torch.randn(t, hv, dv, generator=gen).to(dtype)
+    g = -F.softplus(torch.randn(t, hv, generator=gen)) * decay_scale
+    beta = torch.rand(t, hv, generator=gen).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    pool = torch.randn(POOL, hv, dk, dv, generator=gen) * 0.3
+    slots = [POOL - 1 - 2 * i for i in range(len(lengths))]
+    return q, k, v, g, beta, cu, pool, slots
+
+
+def _prefill_oracle(q, k, v, g, beta, cu, pool, slots, has_state):
+    """transformers per sequence on float32 copies: the chunked form, the recurrence for one
+    token. (o [T, Hv, Dv], final states)."""
+    outs, finals = [], []
+    for i, slot in enumerate(slots):
+        a, b = int(cu[i]), int(cu[i + 1])
+        init = pool[slot][None].clone() if has_state[i] else None
+        fn = hf.torch_recurrent_gated_delta_rule if b - a == 1 else hf.torch_chunk_gated_delta_rule
+        o, s = fn(q[None, a:b].float(), k[None, a:b].float(), v[None, a:b].float(),
+                  g=g[None, a:b], beta=beta[None, a:b].float(), initial_state=init,
+                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+        outs.append(o[0])
+        finals.append(s[0])
+    return torch.cat(outs), finals
+
+
+def _prefill_kernel(cpu, q, k, v, g, beta, cu, pool, slots, has_state, plant):
+    """The prefill kernel itself, a bug planted or not, on a copy of the pool: (o, the pool)."""
+    after = pool.clone()
+    o = cpu.ext.gated_delta_rule_prefill(q, k, v, g, beta, after, cu, torch.tensor(slots),
+                                         torch.tensor(has_state), q.shape[-1] ** -0.5,
+                                         reference.CHUNK, plant)
+    return o, after
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+def test_delta_rule_prefill_matches_transformers(cpu, monkeypatch, dtype, case):
+    """Through the op table: the call takes the prefill kernel (the reference would raise)."""
+    lengths, has_state, *shape = PREFILL_CASES[case]
+    q, k, v, g, beta, cu, pool, slots = _prefill_inputs(lengths, *shape, dtype, seed=case)
+    want, want_states = _prefill_oracle(q, k, v, g, beta, cu, pool, slots, has_state)
+    monkeypatch.setattr(cpu_la.reference, "gated_delta_rule", None)
+    after = pool.clone()
+    o = cpu.gated_delta_rule(q, k, v, g, beta, after, cu, torch.tensor(slots),
+                             torch.tensor(has_state), shape[2] ** -0.5)
+    assert o.dtype == dtype and o.shape == v.shape
+    out_err, state_err = _delta_rule_error(o, after, want, want_states, slots, cu)
+    assert out_err < TOL[dtype] and state_err < STATE_TOL
+    unused = [s for s in range(POOL) if s not in slots]
+    assert torch.equal(after[unused], pool[unused]), "a slot no sequence owns was written"
+
+
+def test_delta_rule_prefill_reads_strided_views(cpu):
+    """q, k, v as the layer gets them: views into one [T, 2 Dk Hk + Dv Hv] conv output."""
+    lengths, has_state, hk, hv, dk, dv = [70, 3], [True, False], 2, 4, 48, 40
+    q, k, v, g, beta, cu, pool, slots = _prefill_inputs(lengths, hk, hv, dk, dv, torch.float32,
+                                                        seed=7)
+    mixed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    qs, ks, vs = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=1)
+    views = [t.view(sum(lengths), -1, d) for t, d in ((qs, dk), (ks, dk), (vs, dv))]
+    assert not views[0].is_contiguous()
+    want, want_states = _prefill_oracle(q, k, v, g, beta, cu, pool, slots, has_state)
+    o, after = _prefill_kernel(cpu, *views, g, beta, cu, pool, slots, has_state, 0)
+    assert max(_delta_rule_error(o, after, want, want_states, slots, cu)) < TOL[torch.float32]
+
+
+def test_delta_rule_prefill_negative_controls_fail(cpu):
+    """Two bugs planted in the kernel, each failing the check above where the same call without
+    it passes: a block one token longer than the loop's step (the token after each block enters
+    the state twice), and each token's decay applied one token late, every decay above 0.99."""
+    lengths, has_state = [150, 70, 1], [True, False, True]
+    inputs = _prefill_inputs(lengths, 1, 2, 48, 40, torch.float32, seed=9, decay_scale=0.002)
+    q, k, v, g, beta, cu, pool, slots = inputs
+    assert g.exp().min() > 0.99
+    want, want_states = _prefill_oracle(q, k, v, g, beta, cu, pool, slots, has_state)
+    errors = {}
+    for plant in (0, PLANT_OVERLAP, PLANT_LATE_DECAY):
+        o, after = _prefill_kernel(cpu, *inputs, has_state, plant)
+        errors[plant] = _delta_rule_error(o, after, want, want_states, slots, cu)
+    assert max(errors[0]) < TOL[torch.float32]
+    for plant in (PLANT_OVERLAP, PLANT_LATE_DECAY):
+        assert min(errors[plant]) > 10 * TOL[torch.float32], (plant, errors[plant])
+
+
+def test_prefill_with_empty_sequences_matches_the_reference(cpu):
+    """A sequence of no tokens keeps its slot (has_state) or leaves it zeroed, as the reference."""
+    lengths, has_state = [0, 66, 0], [True, True, False]
+    q, k, v, g, beta, cu, pool, slots = _prefill_inputs(lengths, 1, 2, 16, 24, torch.float32,
+                                                        seed=4)
+    want_pool = pool.clone()
+    want = reference.gated_delta_rule(q, k, v, g, beta, want_pool, cu, torch.tensor(slots),
+                                      torch.tensor(has_state), 0.25)
+    o, after = _prefill_kernel(cpu, q, k, v, g, beta, cu, pool, slots, has_state, 0)
+    assert rel_err(o, want) < TOL[torch.float32]
+    assert rel_err(after, want_pool) < TOL[torch.float32]
+    assert torch.equal(after[slots[0]], pool[slots[0]]) and not after[slots[2]].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("channels, width, with_bias", [(40, 4, False), (1000, 4, True),
+                                                        (7, 2, True)])
+def test_conv_prefill_matches_transformers(cpu, monkeypatch, dtype, channels, width, with_bias):
+    """Packed sequences across the kernel's 64-token tiles, one shorter than the kept context
+    (its window reaches into the slot's inputs), some from zeros: causal_conv1d_update from the
+    slot's state, causal_conv1d_fn from zeros; the slot gets the last K - 1 inputs exactly."""
+    lengths, has_state = [70, 1, 2, 130], [True, False, True, False]
+    gen = torch.Generator().manual_seed(channels)
+    x = torch.randn(sum(lengths), channels, generator=gen).to(dtype)
+    weight = torch.randn(channels, width, generator=gen).to(dtype)
+    bias = torch.randn(channels, generator=gen).to(dtype) if with_bias else None
+    pool = torch.randn(POOL, channels, width - 1, generator=gen).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    slots = [POOL - 1 - 2 * i for i in range(len(lengths))]
+    monkeypatch.setattr(cpu_la.reference, "causal_conv1d", None)
+    after = pool.clone()
+    got = cpu.causal_conv1d(x, weight, bias, after, cu, torch.tensor(slots),
+                            torch.tensor(has_state))
+    for i, slot in enumerate(slots):
+        rows = x[int(cu[i]):int(cu[i + 1])].t()[None]  # [1, C, n]
+        if has_state[i]:
+            state = pool[slot][None].clone()
+            want = hf.causal_conv1d_update(rows, state, weight, bias, activation="silu")[0].t()
+        else:
+            want = hf.causal_conv1d_fn(rows, weight, bias, activation="silu")[0].t()
+            state = F.pad(rows[0], (width - 1, 0))[:, -(width - 1):][None]
+        assert rel_err(got[int(cu[i]):int(cu[i + 1])], want) < TOL[dtype]
+        assert torch.equal(after[slot], state[0])
+    unused = [s for s in range(POOL) if s not in slots]
+    assert torch.equal(after[unused], pool[unused])
+
+
+def test_every_call_takes_a_kernel_unless_its_tensors_do_not_fit(cpu, monkeypatch):
+    """The rule (ops/cpu/linear_attention.py): decode, prefill and mixed calls run the kernels; a
+    dtype the kernels lack runs the reference, with the same results."""
     calls = []
 
     def recording(name, fn):
@@ -192,21 +346,39 @@ def test_prefill_takes_the_reference_and_decode_the_kernel(cpu, monkeypatch):
                         recording("reference", reference.causal_conv1d))
     hk, hv, dk, dv = 1, 2, 32, 32
     q, k, v, g, beta, pool = _decode_inputs(hk, hv, dk, dv, torch.float32, seed=3)
-    _delta_rule(cpu, q, k, v, g, beta, pool, SLOTS)
     x, w = torch.randn(len(SLOTS), 16), torch.randn(16, 4)
-    cpu.causal_conv1d(x, w, None, torch.zeros(POOL, 16, 3), _cu(len(SLOTS)), torch.tensor(SLOTS),
-                      torch.tensor(HAS_STATE))
-    assert calls == []
-    prefill = torch.tensor([0, 2, 3, 4, 5], dtype=torch.int32)  # a two-token sequence first
     four = slice(0, 4)
-    cpu.gated_delta_rule(q, k, v, g, beta, pool.clone(), prefill, torch.tensor(SLOTS[four]),
-                         torch.tensor(HAS_STATE[four]), dk ** -0.5)
-    cpu.causal_conv1d(x, w, None, torch.zeros(POOL, 16, 3), prefill, torch.tensor(SLOTS[four]),
-                      torch.tensor(HAS_STATE[four]))
-    assert calls == ["reference", "reference"]
+    for cu, n in ((_cu(len(SLOTS)), len(SLOTS)), (torch.tensor([0, 2, 3, 4, 5]), 4)):
+        cpu.gated_delta_rule(q, k, v, g, beta, pool.clone(), cu.int(), torch.tensor(SLOTS[:n]),
+                             torch.tensor(HAS_STATE[:n]), dk ** -0.5)
+        cpu.causal_conv1d(x, w, None, torch.zeros(POOL, 16, 3), cu.int(),
+                          torch.tensor(SLOTS[:n]), torch.tensor(HAS_STATE[:n]))
+    assert calls == []
     half = [t.half() for t in (q, k, v)]
-    assert not cpu_la.kernel_takes_delta_rule(*half, pool, _cu(len(SLOTS)))
-    assert not cpu_la.kernel_takes_delta_rule(q, k, v, pool.double(), _cu(len(SLOTS)))
+    assert not cpu_la.kernel_takes_delta_rule(*half, pool)
+    assert not cpu_la.kernel_takes_delta_rule(q, k, v, pool.double())
+    assert not cpu_la.kernel_takes_conv(x.half(), w, torch.zeros(POOL, 16, 3))
+    prefill = torch.tensor([0, 2, 3, 4, 5], dtype=torch.int32)
+    args = (torch.tensor(SLOTS[four]), torch.tensor(HAS_STATE[four]))
+    ours, theirs = pool.clone(), pool.clone()
+    got = cpu.gated_delta_rule(q, k, v, g, beta, ours, prefill, *args, dk ** -0.5)
+    want = cpu.gated_delta_rule(q, k, v, g, beta, theirs.double(), prefill, *args, dk ** -0.5)
+    assert calls == ["reference"] and rel_err(got, want) < TOL[torch.float32]
+
+
+def test_prefill_refuses_bad_boundaries_and_shared_slots(cpu):
+    q, k, v, g, beta, cu, pool, slots = _prefill_inputs([5, 70], 1, 1, 16, 16, torch.float32,
+                                                        seed=1)
+    has = torch.tensor([True, True])
+    short = torch.tensor([0, 5, 74], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="cu_seqlens must run from 0 to the 75 tokens"):
+        cpu.gated_delta_rule(q, k, v, g, beta, pool, short, torch.tensor(slots), has, 0.25)
+    with pytest.raises(RuntimeError, match="given to two sequences"):
+        cpu.gated_delta_rule(q, k, v, g, beta, pool, cu, torch.tensor([3, 3]), has, 0.25)
+    x = torch.randn(75, 8)
+    with pytest.raises(RuntimeError, match="cu_seqlens decreases at sequence 1"):
+        cpu.causal_conv1d(x, torch.randn(8, 4), None, torch.zeros(POOL, 8, 3),
+                          torch.tensor([0, 80, 75]), torch.tensor(slots), has)
 
 
 def test_a_zero_length_sequence_is_refused_not_misread(cpu):
@@ -232,22 +404,28 @@ def test_kernels_are_logged_per_level(cpu, caplog):
     assert kernels == want
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         CpuOps(isa=cpu.isa)
-    assert f"linear-attention decode kernels: {want}; prefill runs the reference" in caplog.text
+    assert f"linear-attention kernels (decode and prefill): {want}" in caplog.text
 
 
 @pytest.mark.slow  # the AVX2 build: one more build of the extension (tests/cpu_levels.py)
 def test_an_avx2_cpu_runs_the_avx2_kernels(monkeypatch, caplog):
     """CPU flags mocked to an AVX2-only CPU: the op table builds that level and its decode calls
-    run the AVX2 strips (and still match transformers)."""
+    run the AVX2 strips, its prefill calls the AVX2 tiles (and both still match transformers)."""
     monkeypatch.setattr(cpu_features, "cpu_flags",
                         lambda: frozenset({"sse2", "avx", "avx2", "fma", "f16c"}))
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         ops = CpuOps()
-    assert ops.isa == "avx2" and "linear-attention decode kernels: AVX2;" in caplog.text
+    assert ops.isa == "avx2"
+    assert "linear-attention kernels (decode and prefill): AVX2" in caplog.text
     q, k, v, g, beta, pool = _decode_inputs(2, 4, 24, 40, torch.float32, seed=4)
     want, want_states = _oracle(q, k, v, g, beta, pool, SLOTS)
     o, after = _delta_rule(ops, q, k, v, g, beta, pool, SLOTS)
     assert max(_delta_rule_error(o, after, want, want_states, SLOTS)) < TOL[torch.float32]
+    lengths, has_state, *shape = PREFILL_CASES[0]
+    q, k, v, g, beta, cu, pool, slots = _prefill_inputs(lengths, *shape, torch.float32, seed=4)
+    want, want_states = _prefill_oracle(q, k, v, g, beta, cu, pool, slots, has_state)
+    o, after = _prefill_kernel(ops, q, k, v, g, beta, cu, pool, slots, has_state, 0)
+    assert max(_delta_rule_error(o, after, want, want_states, slots, cu)) < TOL[torch.float32]
 
 
 def test_a_failed_build_logs_and_runs_the_reference(monkeypatch, caplog):

@@ -122,13 +122,14 @@ def test_prompt_logits_and_batch_match_transformers(checkpoint):
     assert_nothing_held(llm)
 
 
-def test_decode_steps_run_the_cpu_kernels(checkpoint, monkeypatch):
-    """The engine's decode steps take our linear-attention kernels (ops/cpu/linear_attention.py)
-    and its prefill chunks the reference, with transformers' tokens either way."""
+def test_decode_and_prefill_run_the_cpu_kernels(checkpoint, monkeypatch):
+    """The engine's linear-attention calls take our kernels (ops/cpu/linear_attention.py), decode
+    steps and prefill chunks both, with transformers' tokens."""
     from vlinfer.ops.cpu import linear_attention as cpu_la
     _, folder, refs = checkpoint
-    taken = {"delta": [], "conv": []}
-    for name, key in (("kernel_takes_delta_rule", "delta"), ("kernel_takes_conv", "conv")):
+    taken = {"delta": [], "conv": [], "decode": []}
+    for name, key in (("kernel_takes_delta_rule", "delta"), ("kernel_takes_conv", "conv"),
+                      ("is_decode", "decode")):
         rule = getattr(cpu_la, name)
         monkeypatch.setattr(cpu_la, name, lambda *a, rule=rule, key=key:
                             taken[key].append(rule(*a)) or taken[key][-1])
@@ -136,8 +137,8 @@ def test_decode_steps_run_the_cpu_kernels(checkpoint, monkeypatch):
     assert llm.engine.ops_implementation == "cpu-compiled"
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in refs]
-    for key in taken:  # decode calls on the kernel, prefill calls on the reference
-        assert True in taken[key] and False in taken[key], key
+    assert taken["delta"] and set(taken["delta"]) == set(taken["conv"]) == {True}
+    assert set(taken["decode"]) == {True, False}  # both kernels ran
 
 
 def test_chunked_prefill_carries_the_state(checkpoint):

@@ -3,7 +3,7 @@
 write, rotary, the norms, SiLU-and-multiply and tanh GELU run the kernels; the norms and activations
 are memory-bound passes the reference spreads over several tensor ops each. The op families' code is
 in this package's files: attention.py, kv_cache.py, linear.py (panels.py: the panel layout), moe.py,
-quant.py, gguf.py, lora.py, linear_attention.py (hybrid models' decode steps).
+quant.py, gguf.py, lora.py, linear_attention.py (hybrid models' linear attention).
 
 Which code the kernels run is chosen from the CPU the engine runs on, at load time
 (cpu_features.cpu_isa): the sources are compiled once per instruction-set level (generic x86-64,
@@ -110,7 +110,7 @@ class CpuOps(ReferenceOps):
                 "prefill and "
                 "vision attention run SDPA", self.isa)
         logger.info("ops[cpu]: decode attention kernels: %s", self.ext.decode_attention_kernels())
-        logger.info("ops[cpu]: linear-attention decode kernels: %s; prefill runs the reference",
+        logger.info("ops[cpu]: linear-attention kernels (decode and prefill): %s",
                     self.ext.linear_attention_kernels())
 
     def describe(self) -> str:
@@ -167,8 +167,8 @@ class CpuOps(ReferenceOps):
                                                   k_scale, v_scale, cu_seqlens_q, seq_lens,
                                                   block_tables, scale)
 
-    # Hybrid models' linear attention: decode calls on our kernels, the rest on the reference
-    # (linear_attention.py says the rule).
+    # Hybrid models' linear attention: decode and prefill calls on our kernels, a call whose
+    # tensors they do not take on the reference (linear_attention.py says the rule).
     state_cache_kernels = linear_attention.STATE_KERNEL_DTYPES
     def gated_delta_rule(self, q, k, v, g, beta, state, cu_seqlens, slots, has_state, scale):
         return linear_attention.gated_delta_rule(self.ext, q, k, v, g, beta, state, cu_seqlens,

@@ -19,54 +19,9 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+#include "linear_attention.h"
 
 namespace {
-
-struct ScalarLanes {
-  using reg = float;
-  static constexpr int64_t W = 1;
-  static reg load(const float* p) { return *p; }
-  static void store(float* p, reg x) { *p = x; }
-  static reg set1(float x) { return x; }
-  static reg fma(reg a, reg b, reg c) { return a * b + c; }
-  static reg mul(reg a, reg b) { return a * b; }
-  static reg sub(reg a, reg b) { return a - b; }
-};
-
-#if defined(__AVX512F__)
-struct Lanes {
-  using reg = __m512;
-  static constexpr int64_t W = 16;
-  static reg load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, reg x) { _mm512_storeu_ps(p, x); }
-  static reg set1(float x) { return _mm512_set1_ps(x); }
-  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
-  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
-  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
-};
-constexpr int kStrip = 2;  // vectors per strip: 32 columns, 16 KB of a 128-row state
-const char* kKernels = "AVX-512";
-#elif defined(__AVX2__) && defined(__FMA__)
-struct Lanes {
-  using reg = __m256;
-  static constexpr int64_t W = 8;
-  static reg load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, reg x) { _mm256_storeu_ps(p, x); }
-  static reg set1(float x) { return _mm256_set1_ps(x); }
-  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
-  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
-  static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
-};
-constexpr int kStrip = 4;  // 32 columns: 8 accumulators of AVX2's 16 registers
-const char* kKernels = "AVX2";
-#else
-using Lanes = ScalarLanes;
-constexpr int kStrip = 16;  // 16 scalar columns, which the compiler may vectorize itself
-const char* kKernels = "the plain loops";
-#endif
 
 // Columns [c, c + U * V::W) of one head's state s [dk, dv] (row stride dv): S^T k and S^T q over
 // the strip's rows, then delta and o for its columns, then the rows decayed and updated in place.
@@ -112,46 +67,14 @@ inline void delta_rule_head(float* s, int64_t dk, int64_t dv, const float* kn, c
     delta_rule_strip<ScalarLanes, 1>(s, dk, dv, c, kn, qn, v, decay, beta, kq, o);
 }
 
-// x [dim] as float32 into out, times factor / sqrt(sum(x^2) + eps) (the reference's l2_normalize)
-template <typename scalar_t>
-inline void l2_normalized(const scalar_t* x, int64_t dim, float factor, float* out) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < dim; ++i) {
-    out[i] = static_cast<float>(x[i]);
-    ss += out[i] * out[i];
-  }
-  const float r = factor / std::sqrt(ss + 1e-6f);
-  for (int64_t i = 0; i < dim; ++i) out[i] *= r;
-}
-
-// The host copy of a call's int metadata, checked: one token per sequence (cu_seqlens 0, 1, ..,
-// B), slots inside the pool and distinct (two sequences in one slot would race).
+// The host copy of a decode call's slots, checked: one token per sequence (cu_seqlens 0, 1, ..,
+// B) and the slots checked_slots takes.
 std::vector<int64_t> decode_slots(const at::Tensor& cu_seqlens, const at::Tensor& slots,
                                   int64_t batch, int64_t num_slots) {
-  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) == batch + 1 && slots.dim() == 1 &&
-                slots.size(0) == batch,
-              "a decode call needs cu_seqlens [B + 1] and slots [B] for B tokens");
-  const at::Tensor cu = cu_seqlens.to(at::kLong).contiguous();
-  const at::Tensor sl = slots.to(at::kLong).contiguous();
-  const int64_t* cu_p = cu.data_ptr<int64_t>();
-  const int64_t* sl_p = sl.data_ptr<int64_t>();
-  std::vector<int64_t> out(sl_p, sl_p + batch);
-  std::vector<char> taken(num_slots, 0);
+  const std::vector<int64_t> bounds = host_ints(cu_seqlens, batch + 1, "cu_seqlens");
   for (int64_t i = 0; i <= batch; ++i)
-    TORCH_CHECK(cu_p[i] == i, "the decode kernels take one token per sequence (cu_seqlens 0..B)");
-  for (int64_t s : out) {
-    TORCH_CHECK(s >= 0 && s < num_slots, "slot ", s, " outside the state pool of ", num_slots);
-    TORCH_CHECK(!taken[s], "slot ", s, " given to two sequences of one call");
-    taken[s] = 1;
-  }
-  return out;
-}
-
-std::vector<char> host_flags(const at::Tensor& has_state, int64_t batch) {
-  TORCH_CHECK(has_state.dim() == 1 && has_state.size(0) == batch, "has_state must be [B]");
-  const at::Tensor h = has_state.to(at::kBool).contiguous();
-  const bool* p = h.data_ptr<bool>();
-  return std::vector<char>(p, p + batch);
+    TORCH_CHECK(bounds[i] == i, "the decode kernels take one token per sequence (cu_seqlens 0..B)");
+  return checked_slots(slots, batch, num_slots);
 }
 
 template <typename scalar_t>
@@ -230,18 +153,6 @@ void causal_conv1d_decode_impl(const at::Tensor& x, const at::Tensor& weight, co
       }
     }
   });
-}
-
-// f(T{}) for T the C++ type of a float32 or bf16 tensor
-template <typename F>
-void float_or_bf16(at::ScalarType type, const char* what, F f) {
-  if (type == at::kFloat) {
-    f(float{});
-  } else if (type == at::kBFloat16) {
-    f(c10::BFloat16{});
-  } else {
-    TORCH_CHECK(false, what, " must be float32 or bfloat16, got ", type);
-  }
 }
 
 }  // namespace

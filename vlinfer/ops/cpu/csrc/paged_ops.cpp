@@ -63,6 +63,16 @@ at::Tensor causal_conv1d_decode(const at::Tensor& x, const at::Tensor& weight,
                                 const c10::optional<at::Tensor>& bias, at::Tensor conv_state,
                                 const at::Tensor& cu_seqlens, const at::Tensor& slots,
                                 const at::Tensor& has_state);
+// cpu/csrc/linear_attention_prefill.cpp
+at::Tensor gated_delta_rule_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& g, const at::Tensor& beta, at::Tensor state,
+                                    const at::Tensor& cu_seqlens, const at::Tensor& slots,
+                                    const at::Tensor& has_state, double scale, int64_t chunk,
+                                    int64_t plant);
+at::Tensor causal_conv1d_prefill(const at::Tensor& x, const at::Tensor& weight,
+                                 const c10::optional<at::Tensor>& bias, at::Tensor conv_state,
+                                 const at::Tensor& cu_seqlens, const at::Tensor& slots,
+                                 const at::Tensor& has_state);
 // cpu/csrc/decode_layer.cpp composes the entry points below (hence outside the anonymous namespace)
 
 namespace {
@@ -687,6 +697,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the gated delta rule for one token per sequence, states updated in place by slot (CPU)");
   m.def("causal_conv1d_decode", &causal_conv1d_decode,
         "causal conv1d + SiLU for one token per sequence, conv states shifted by slot (CPU)",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("conv_state"),
+        py::arg("cu_seqlens"), py::arg("slots"), py::arg("has_state"));
+  m.def("gated_delta_rule_prefill", &gated_delta_rule_prefill,
+        "the gated delta rule in chunks over packed sequences of any lengths, states read and "
+        "written by slot (CPU); plant: a bug for the tests' negative controls, 0 in use",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state"),
+        py::arg("cu_seqlens"), py::arg("slots"), py::arg("has_state"), py::arg("scale"),
+        py::arg("chunk"), py::arg("plant") = 0);
+  m.def("causal_conv1d_prefill", &causal_conv1d_prefill,
+        "causal conv1d + SiLU over packed sequences of any lengths, conv states by slot (CPU)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("conv_state"),
         py::arg("cu_seqlens"), py::arg("slots"), py::arg("has_state"));
   m.def("linear_attention_kernels", &linear_attention_kernels,
