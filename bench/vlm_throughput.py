@@ -86,7 +86,8 @@ def run_vlinfer(args, path, requests, max_model_len, **engine_options):
         path, args.dtype, [proc.num_image_tokens(im.height, im.width) for _, im in requests],
         args.max_tokens, max_model_len)
     options = dict(dtype=args.dtype, max_model_len=max_model_len, kv_cache_bytes=kv_bytes,
-                   device=args.device)
+                   device=args.device,
+                   quantization=common.quantization(getattr(args, "quantization", "none")))
     llm = LLM(path, **dict(options, **engine_options))
     engine = llm.engine
 
@@ -235,6 +236,8 @@ def main(argv=None):
     common.add_seed_arg(p)
     common.add_transformers_args(p, batch_size=8)
     p.add_argument("--device", default="cpu", help="both engines run here: cpu or cuda")
+    p.add_argument("--quantization", default="none", choices=common.QUANTIZATIONS,
+                   help="vlinfer's weights quantized on load (transformers keeps the dense ones)")
     vlm_video.add_args(p)
     args = p.parse_args(argv)
     folder = args.checkpoint or f"~/.cache/vlinfer/bench-qwen3-vl-{args.shape}-random"
