@@ -475,7 +475,8 @@ def test_expert_panel_matmul_equals_grouped_matmul(cpu, case):
     if not cpu.ext.expert_panels_available():
         with pytest.raises(RuntimeError, match="needs an AVX512-BF16 build"):
             cpu.ext.expert_panel_matmul(x, panels, ends)
-        pytest.skip(f"needs AVX512-BF16: the {cpu.isa} build has no expert panels (refusal checked)")
+        pytest.skip(f"needs AVX512-BF16: the {cpu.isa} build has no expert panels (refusal "
+                    "checked)")
     out = cpu.ext.expert_panel_matmul(x, panels, ends)
     assert out.dtype == torch.bfloat16 and out.shape == expected.shape
     assert (out[-2:] == 0).all()

@@ -4,7 +4,8 @@ emulated flash_attn (tests/fake_flash_attn.py), each against the pure-torch refe
 shapes; and two instances keeping their own state.
 
 Tolerances: max |ours - reference| / max |reference| per sequence (tests/paged_batches.py), the
-reference in float32 on the same (rounded) inputs: float32 2e-5, bfloat16 2e-2 (the CPU kernel tests' values). Cache writes must be exact.
+reference in float32 on the same (rounded) inputs: float32 2e-5, bfloat16 2e-2 (the CPU kernel
+tests' values). Cache writes must be exact.
 """
 import itertools
 import logging
@@ -476,7 +477,8 @@ def test_triton_paged_attention_over_compressed_caches_equals_reference(
 @pytest.mark.parametrize("name", ["int8", "fp8"])
 def test_triton_compressed_read_with_a_swapped_scale_fails(triton_interpreted, name):
     """Negative control: the int8 decode reading the longest sequence's first two blocks with each
-    other's key scales, the fp8 one with the key and value scales swapped, fails TOL per sequence."""
+    other's key scales, the fp8 one with the key and value scales swapped, fails TOL per
+    sequence."""
     from vlinfer.ops.reference import kv_cache as kv_quant_reference
     cache_dtype = COMPRESSED[name]
     q, k_dense, v_dense, cu, lens, tables = make_batch([1] * 3, [1, 40, 300], 4, NUM_KV_HEADS, 64,
@@ -486,7 +488,8 @@ def test_triton_compressed_read_with_a_swapped_scale_fails(triton_interpreted, n
     k_scale, v_scale = compressed_scales(cache_dtype, k_dense.shape[0], 16, NUM_KV_HEADS)
     kv_quant_reference.store_quantized_kvcache(k_dense.view(-1, NUM_KV_HEADS, 64),
                                                v_dense.view(-1, NUM_KV_HEADS, 64), k_cache, v_cache,
-                                               k_scale, v_scale, torch.arange(k_dense.shape[0] * 16))
+                                               k_scale, v_scale,
+                                               torch.arange(k_dense.shape[0] * 16))
     ref = reference.quantized_paged_attention(q.float(), k_cache, v_cache, k_scale, v_scale, cu,
                                               lens, tables, 0.125)
     if name == "int8":

@@ -214,11 +214,13 @@ def test_the_interpreter_still_cannot_dot_bf16(monkeypatch):
         m, n, k = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
         a = tl.load(a_ptr + m[:, None] * K + k[None, :])
         b = tl.load(b_ptr + k[:, None] * N + n[None, :])
-        tl.store(o_ptr + m[:, None] * N + n[None, :], tl.dot(a, b, tl.full((M, N), 0.0, tl.float32)))
+        out = tl.dot(a, b, tl.full((M, N), 0.0, tl.float32))
+        tl.store(o_ptr + m[:, None] * N + n[None, :], out)
     g = torch.Generator().manual_seed(0)
     errors = {}
     for dtype in (torch.bfloat16, torch.float16):
-        a, b = torch.randn(16, 32, generator=g).to(dtype), torch.randn(32, 16, generator=g).to(dtype)
+        a = torch.randn(16, 32, generator=g).to(dtype)
+        b = torch.randn(32, 16, generator=g).to(dtype)
         out = torch.empty(16, 16)
         dot[(1, )](a, b, out, 16, 16, 32)
         exact = a.float() @ b.float()

@@ -3,8 +3,8 @@ the emulated torch_npu of tests/fake_torch_npu.py, plus the emulation catching c
 contracts reject.
 
 Tolerances: max |npu - reference| / max |reference| per sequence (attention; each op's whole
-output otherwise), the reference evaluated in float32 on the same (rounded) inputs. float16 2e-3 and bfloat16 1e-2 are docs/npu-ops.md §3's NPU-vs-reference
-tolerances; float32 (norms, rotary, SwiGLU only: FIA and the cache writes take fp16/bf16) 1e-5.
+output otherwise), the reference evaluated in float32 on the same (rounded) inputs. float16 2e-3
+and bfloat16 1e-2 are docs/npu-ops.md §3's NPU-vs-reference tolerances; float32 (norms, rotary, SwiGLU only: FIA and the cache writes take fp16/bf16) 1e-5.
 Cache writes must be exact."""
 import itertools
 import logging
