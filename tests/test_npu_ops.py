@@ -4,7 +4,8 @@ contracts reject.
 
 Tolerances: max |npu - reference| / max |reference| per sequence (attention; each op's whole
 output otherwise), the reference evaluated in float32 on the same (rounded) inputs. float16 2e-3
-and bfloat16 1e-2 are docs/npu-ops.md §3's NPU-vs-reference tolerances; float32 (norms, rotary, SwiGLU only: FIA and the cache writes take fp16/bf16) 1e-5.
+and bfloat16 1e-2 are docs/npu-ops.md §3's NPU-vs-reference tolerances; float32 (norms, rotary,
+SwiGLU only: FIA and the cache writes take fp16/bf16) 1e-5.
 Cache writes must be exact."""
 import itertools
 import logging
