@@ -3,8 +3,9 @@ the Triton interpreter, the SDPA / matmul attention paths and the flash_attn wir
 emulated flash_attn (tests/fake_flash_attn.py), each against the pure-torch reference over a grid of
 shapes; and two instances keeping their own state.
 
-Tolerances: max |ours - reference| / max |reference|, the reference in float32 on the same (rounded)
-inputs: float32 2e-5, bfloat16 2e-2 (the CPU kernel tests' values). Cache writes must be exact.
+Tolerances: max |ours - reference| / max |reference| per sequence (tests/paged_batches.py), the
+reference in float32 on the same (rounded) inputs: float32 2e-5, bfloat16 2e-2 (the CPU kernel
+tests' values). Cache writes must be exact.
 """
 import itertools
 import logging
@@ -13,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from paged_batches import CUDA_ATTENTION_TOL as TOL, fp32, make_batch, rel_err
+from paged_batches import (CUDA_ATTENTION_TOL as TOL, fp32, make_batch, rel_err, rel_err_per_seq,
+                           short_reads)
 from fake_flash_attn import FakeFlashError, install
 from vlinfer.engine import graph_runner
 from vlinfer.ops import OPS, ReferenceOps, reference
@@ -226,7 +228,7 @@ def test_sdpa_paged_attention_equals_reference(sdpa_only, gqa, head_dim, block_s
         ref = reference.paged_attention(*fp32(args), head_dim ** -0.5)
         ours = sdpa_only.paged_attention(*args, head_dim ** -0.5)
         assert ours.dtype == dtype and ours.shape == args[0].shape
-        assert rel_err(ours, ref) < TOL[dtype]
+        assert rel_err_per_seq(ours, ref, args[3]) < TOL[dtype]
 
 
 def test_decode_attention_takes_no_host_sync(sdpa_only):
@@ -273,7 +275,7 @@ def test_flash_paged_attention_equals_reference(fake_flash, flash_ops, gqa, head
                           dtype)
         ref = reference.paged_attention(*fp32(args), head_dim ** -0.5)
         ours = flash_ops.paged_attention(*args, head_dim ** -0.5)
-        assert rel_err(ours, ref) < TOL[dtype]
+        assert rel_err_per_seq(ours, ref, args[3]) < TOL[dtype]
     (decode_fn, decode), (mixed_fn, mixed) = fake_flash.history
     assert decode_fn == "flash_attn_with_kvcache"
     assert decode["q_shape"] == (6, 1, NUM_KV_HEADS * gqa, head_dim) and decode["causal"]
@@ -326,8 +328,8 @@ def test_two_instances_keep_their_own_state(fake_flash, monkeypatch, caplog):
     fake_flash.history.clear()
     for _ in range(3):
         for ops, args in ((a, step_a), (b, step_b)):
-            assert rel_err(ops.paged_attention(*args, 0.125),
-                           reference.paged_attention(*fp32(args), 0.125)) < 2e-2
+            assert rel_err_per_seq(ops.paged_attention(*args, 0.125),
+                                   reference.paged_attention(*fp32(args), 0.125), args[3]) < 2e-2
     assert len(calls) == 1  # `a`'s step; `b` runs SDPA, which reads no metadata through it
     assert [fn for fn, _ in fake_flash.history] == ["flash_attn_varlen_func"] * 3  # `a` only
     b._flash = fake_flash  # now both on flash_attn: still one build per instance and step
@@ -355,7 +357,8 @@ def test_flash_unsupported_cases_run_ours_with_a_warning(fake_flash, flash_ops, 
         args = make_batch(q_lens, kv_lens, 4, 2, 64, block_size, dtype)
         with caplog.at_level(logging.WARNING, logger="vlinfer"):
             ours = flash_ops.paged_attention(*args, 0.125)
-        assert rel_err(ours, reference.paged_attention(*fp32(args), 0.125)) < TOL[dtype]
+        assert rel_err_per_seq(ours, reference.paged_attention(*fp32(args), 0.125),
+                               args[3]) < TOL[dtype]
     assert not fake_flash.history
     assert caplog.text.count(why) == 1  # once, not per layer or step
 
@@ -384,7 +387,7 @@ def test_varlen_attention_equals_reference(fake_flash, flash_ops, dtype, head_di
     cu = torch.tensor([0, *itertools.accumulate(seg)], dtype=torch.int32)
     ours = flash_ops.varlen_attention(q, k, v, cu, head_dim ** -0.5)
     ref = reference.varlen_attention(q.float(), k.float(), v.float(), cu, head_dim ** -0.5)
-    assert rel_err(ours, ref) < TOL[dtype]
+    assert rel_err_per_seq(ours, ref, cu) < TOL[dtype]
     if dtype == torch.float32:
         assert not fake_flash.history  # flash_attn takes half types: the reference ran
     else:
@@ -468,8 +471,36 @@ def test_triton_paged_attention_over_compressed_caches_equals_reference(
         ref = reference.quantized_paged_attention(q.float(), k_cache, v_cache, k_scale, v_scale, cu,
                                                   lens, tables, head_dim**-0.5)
         assert ours.dtype == dtype and ours.shape == q.shape
-        assert rel_err(ours, ref) < TOL[dtype], (q_lens, kv_lens)
+        assert rel_err_per_seq(ours, ref, cu) < TOL[dtype], (q_lens, kv_lens)
 
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_triton_compressed_read_with_a_swapped_scale_fails(triton_interpreted, name):
+    """Negative control: the int8 decode reading the longest sequence's first two blocks with each
+    other's key scales, the fp8 one with the key and value scales swapped, fails TOL per
+    sequence."""
+    from vlinfer.ops.reference import kv_cache as kv_quant_reference
+    cache_dtype = COMPRESSED[name]
+    q, k_dense, v_dense, cu, lens, tables = make_batch([1] * 3, [1, 40, 300], 4, NUM_KV_HEADS, 64,
+                                                       16, torch.bfloat16)
+    k_cache = torch.empty(k_dense.shape, dtype=cache_dtype)
+    v_cache = torch.empty_like(k_cache)
+    k_scale, v_scale = compressed_scales(cache_dtype, k_dense.shape[0], 16, NUM_KV_HEADS)
+    kv_quant_reference.store_quantized_kvcache(k_dense.view(-1, NUM_KV_HEADS, 64),
+                                               v_dense.view(-1, NUM_KV_HEADS, 64), k_cache, v_cache,
+                                               k_scale, v_scale,
+                                               torch.arange(k_dense.shape[0] * 16))
+    ref = reference.quantized_paged_attention(q.float(), k_cache, v_cache, k_scale, v_scale, cu,
+                                              lens, tables, 0.125)
+    if name == "int8":
+        wrong_k, wrong_v = k_scale.clone(), v_scale
+        first, second = tables[2, :2].long()
+        wrong_k[first], wrong_k[second] = k_scale[second], k_scale[first]
+    else:
+        wrong_k, wrong_v = v_scale, k_scale
+    ours = triton_interpreted.quantized_paged_attention(q, k_cache, v_cache, wrong_k, wrong_v, cu,
+                                                        lens, tables, 0.125)
+    assert rel_err_per_seq(ours, ref, cu) > TOL[torch.bfloat16]
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 def test_triton_paged_attention_over_the_compute_dtype_equals_reference(triton_interpreted, dtype):
@@ -480,7 +511,7 @@ def test_triton_paged_attention_over_the_compute_dtype_equals_reference(triton_i
     for q_lens, kv_lens in batches(16):
         args = make_batch(q_lens, kv_lens, NUM_KV_HEADS * 2, NUM_KV_HEADS, 64, 16, dtype)
         ref = reference.paged_attention(*fp32(args), 0.125)
-        assert rel_err(attention(*args, 0.125), ref) < TOL[dtype]
+        assert rel_err_per_seq(attention(*args, 0.125), ref, args[3]) < TOL[dtype]
     q, k_cache, v_cache, cu, lens, tables = make_batch([1, 1], [5, 1], 4, 2, 64, 16, dtype)
     out = attention(q, k_cache, v_cache, cu, torch.tensor([5, 0], dtype=torch.int32), tables, 0.125)
     assert torch.isfinite(out).all() and out[1].abs().max() == 0
@@ -514,7 +545,7 @@ def check_attention(ops, q_lens, kv_lens, block_size, head_dim, gqa, dtype):
     ref = reference.paged_attention(
         *fp32((args[0][rows], args[1], args[2], cu_live, lens[live], args[5][live])),
         head_dim**-0.5)
-    assert rel_err(ours[rows], ref) < TOL[dtype], (q_lens, kv_lens)
+    assert rel_err_per_seq(ours[rows], ref, cu_live) < TOL[dtype], (q_lens, kv_lens)
     assert (ours[~rows] == 0).all()  # an empty row gives zeros, not NaN
 
 
@@ -568,10 +599,22 @@ def test_triton_split_kv_decode_equals_reference(triton_interpreted, kv_lens, sp
     cu_live = torch.arange(int(live.sum()) + 1, dtype=torch.int32)
     ref = reference.paged_attention(
         *fp32((q[live], k_cache, v_cache, cu_live, lens[live], tables[live])), 0.125)
-    assert rel_err(ours[live], ref) < TOL[torch.bfloat16] and rel_err(ours,
-                                                                      whole) < TOL[torch.bfloat16]
+    assert rel_err_per_seq(ours[live], ref) < TOL[torch.bfloat16]
+    assert rel_err_per_seq(ours[live], whole[live]) < TOL[torch.bfloat16]
     assert torch.isfinite(ours).all() and (ours[~live] == 0).all()
 
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_short_read_fails_the_per_sequence_tolerance(triton_interpreted, splits):
+    """Negative control: the decode reading the longest of four sequences (1000 keys) one key, or
+    one 64-key block, short fails the bf16 TOL per sequence; one batch-wide max let both through."""
+    from vlinfer.ops.cuda.loader import load_triton_module
+    module = load_triton_module("paged_attention")
+    args = make_batch([1] * 4, [1, 40, 129, 1000], 4, NUM_KV_HEADS, 64, 64, torch.bfloat16)
+    (key, key_wide), (block, block_wide) = short_reads(
+        lambda *a: module.paged_attention(*a, splits=splits), args, 0.125, 64)
+    assert key > TOL[torch.bfloat16] and block > TOL[torch.bfloat16]
+    assert max(key_wide, block_wide) < TOL[torch.bfloat16]
 
 def test_triton_attention_splits_only_few_long_decodes():
     """The split count follows from shapes only (a CUDA graph captures it): decode steps with few
@@ -624,7 +667,7 @@ def test_triton_varlen_attention_equals_reference(triton_interpreted, dtype, hea
     cu = torch.tensor([0, *itertools.accumulate(seg)], dtype=torch.int32)
     ours = triton_interpreted.varlen_attention(q, k, v, cu, head_dim ** -0.5)
     ref = reference.varlen_attention(q.float(), k.float(), v.float(), cu, head_dim ** -0.5)
-    assert ours.dtype == dtype and rel_err(ours, ref) < TOL[dtype]
+    assert ours.dtype == dtype and rel_err_per_seq(ours, ref, cu) < TOL[dtype]
 
 
 def test_an_engine_on_the_cuda_ops_runs_an_int8_cache_in_triton(triton_interpreted,

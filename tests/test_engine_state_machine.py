@@ -26,6 +26,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from conftest import build_checkpoint, tiny_text_config
 from engine_machines import EngineRules, check_block_pool, completions_done
+from hypothesis_draws import draws
 from vlinfer import LLM, SamplingParams
 
 EXAMPLES, STEPS = 40, 40
@@ -188,14 +189,14 @@ class EngineMachine(EngineRules):
                                  == draft.block_manager.num_blocks)
 
 
-def run_machine(engines, examples: int, steps: int):
+def run_machine(engines, examples: int, steps: int, explore: bool = False):
     """Run the machine; then check it ran what it should have (examples, finished requests compared,
     preemptions and proposals on the engines made for them) and print what it did."""
     EngineMachine.fixture = engines
     EngineMachine.TestCase.settings = settings(max_examples=examples // len(ENGINES),
                                                stateful_step_count=steps, deadline=None,
                                                suppress_health_check=list(HealthCheck),
-                                               derandomize=True)
+                                               **draws(explore))
     for name in sorted(ENGINES):  # each engine its share of the examples
         EngineMachine.engine_name = name
         EngineMachine.TestCase().runTest()
@@ -215,4 +216,4 @@ def test_engine_state_machine(engines):
 
 @pytest.mark.slow  # many more examples: `make test-full` and CI run it
 def test_engine_state_machine_long(engines):
-    run_machine(engines, SLOW_EXAMPLES, SLOW_STEPS)
+    run_machine(engines, SLOW_EXAMPLES, SLOW_STEPS, explore=True)

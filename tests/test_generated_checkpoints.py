@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from conftest import build_checkpoint, tiny_text_config
 from gguf_checkpoints import write_tiny_llama_gguf
+from hypothesis_draws import draws
 from vlinfer import LLM, SamplingParams
 
 CASES, SLOW_CASES = 40, 400
@@ -154,14 +155,14 @@ def opens_or_names_the_file(path: str, shown: str, outcomes: dict, kind: str) ->
     outcomes["opened"] += 1
 
 
-def run_safetensors(originals, tmp_path, cases: int):
+def run_safetensors(originals, tmp_path, cases: int, explore: bool = False):
     folder, _, answers = originals
     data = open(f"{folder}/model.safetensors", "rb").read()
     outcomes, kinds = {"refused": 0, "opened": 0}, set()
     damaged = tmp_path / "damaged"
     shutil.copytree(folder, damaged)  # (makes tmp_path too)
 
-    @settings(max_examples=cases, deadline=None, derandomize=True,
+    @settings(max_examples=cases, deadline=None, **draws(explore),
               suppress_health_check=list(HealthCheck))
     @given(case=damaged_safetensors(data))
     def one(case):
@@ -177,13 +178,13 @@ def run_safetensors(originals, tmp_path, cases: int):
     assert answer(folder) == answers[folder]
 
 
-def run_gguf(originals, tmp_path, cases: int):
+def run_gguf(originals, tmp_path, cases: int, explore: bool = False):
     _, gguf_file, answers = originals
     outcomes, kinds = {"refused": 0, "opened": 0}, set()
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = str(tmp_path / "damaged.gguf")
 
-    @settings(max_examples=cases, deadline=None, derandomize=True,
+    @settings(max_examples=cases, deadline=None, **draws(explore),
               suppress_health_check=list(HealthCheck))
     @given(data=st.data())
     def one(data):
@@ -207,8 +208,8 @@ def test_damaged_gguf(originals, tmp_path):
 
 @pytest.mark.slow  # ten times the cases: `make test-full` and CI run it
 def test_many_damaged_checkpoints(originals, tmp_path):
-    run_safetensors(originals, tmp_path / "st", SLOW_CASES)
-    run_gguf(originals, tmp_path / "gguf", SLOW_CASES)
+    run_safetensors(originals, tmp_path / "st", SLOW_CASES, explore=True)
+    run_gguf(originals, tmp_path / "gguf", SLOW_CASES, explore=True)
 
 
 # Regressions of cases the generated GGUF headers found: sizes that lie made the loader build (and

@@ -196,6 +196,11 @@ def cpu_level(request):
     return CpuOps(isa=request.param)
 
 
+def panel_feature(dtype) -> str:
+    """The CPU feature the LoRA panels of dtype need, as a skip names it."""
+    return "AVX-512" if dtype == torch.float32 else "AVX512-BF16"
+
+
 def takes_panels(ops, dtype) -> bool:
     """Whether this level's build runs the panel kernels for dtype (float32: AVX-512; bf16:
     AVX512-BF16)."""
@@ -215,7 +220,8 @@ def test_cpu_panels_equal_reference(cpu_level, case, dtype, monkeypatch):
     packed = cpu_level.pack_lora(lora_a, lora_b, sub_outputs(case))
     if not takes_panels(cpu_level, dtype):
         assert packed is None
-        return
+        pytest.skip(f"needs {panel_feature(dtype)}: the {cpu_level.isa} build has no LoRA panels "
+                    "(pack_lora gave None)")
     assert packed.a.shape[:2] == (lora_a.shape[0], -(-lora_a.shape[1] // 16))
     n_sub, out = case[3], case[5]
     # Each 32-output panel reads its sub-projection's rank columns only (MAX_RANK each) when parts
@@ -246,7 +252,8 @@ def test_cpu_panels_follow_each_install(cpu_ops):
     packed = packed_slots(cpu_ops, lora_a, lora_b)
     if packed is None:
         assert not takes_panels(cpu_ops, torch.float32)
-        return
+        pytest.skip(f"needs {panel_feature(torch.float32)}: the {cpu_ops.isa} build has no LoRA "
+                    "panels")
     g = torch.Generator().manual_seed(5)
     lora_a[2].zero_()
     lora_b[2].zero_()
@@ -271,7 +278,8 @@ def test_cpu_large_steps_take_the_dense_gemms(cpu_ops, monkeypatch):
     packed = packed_slots(cpu_ops, lora_a, lora_b)
     if packed is None:
         assert not takes_panels(cpu_ops, torch.float32)
-        return
+        pytest.skip(f"needs {panel_feature(torch.float32)}: the {cpu_ops.isa} build has no LoRA "
+                    "panels")
     calls = []
     kernel = cpu_ops.ext.lora_panels_add
     monkeypatch.setattr(cpu_ops.ext, "lora_panels_add",
@@ -295,7 +303,8 @@ def test_panel_kernel_refuses_bad_arguments(cpu_ops):
     packed = packed_slots(cpu_ops, lora_a, lora_b)
     if packed is None:
         assert not takes_panels(cpu_ops, torch.float32)
-        return
+        pytest.skip(f"needs {panel_feature(torch.float32)}: the {cpu_ops.isa} build has no LoRA "
+                    "panels")
     x, y = torch.randn(3, 64), torch.randn(3, 64)
     groups = lora_groups(torch.tensor([0, 1, 1]), "cpu")
     with pytest.raises(RuntimeError, match="out of range"):
@@ -329,10 +338,31 @@ def cuda_ops():
         yield ops
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_triton_add_lora_equals_reference(cuda_ops, case, dtype):
+    """Under the interpreter bf16 tiles are widened to float32 (it cannot run bf16 tl.dot:
+    tests/test_moe_ops.py), fp16 ones run as on a GPU; the GPU test below runs bf16 unwidened."""
     check(cuda_ops, case, dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU: the Triton interpreter cannot run bf16 tl.dot, so on "
+                    "CPU tensors bf16 tiles are widened to float32; the unwidened branch runs on a "
+                    "GPU only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_add_lora_on_16_bit_tiles_equals_reference(dtype):
+    ops = CudaOps("cuda")
+    for case in CASES:
+        x, y, lora_a, lora_b, slots = make_case(case, dtype)
+        groups = lora_groups(slots, "cpu")
+        expected = reference.add_lora(x.float(), y.float().clone(), lora_a.float(),
+                                      lora_b.float(), groups) - y.float()
+        out = y.cuda()
+        ops.add_lora(x.cuda(), out, lora_a.cuda(), lora_b.cuda(), lora_groups(slots, "cuda"))
+        update = out.cpu().float() - y.float()
+        assert ((update - expected).abs().max() / expected.abs().max()).item() < TOL[dtype]
 
 
 @pytest.mark.parametrize("split_k", [1, 3])

@@ -20,7 +20,7 @@ import torch
 
 from conftest import assert_block_pool_empty
 from fake_torch_npu import FakeNpuError, FakeTorchNpu, fake_npu, loaded  # noqa: F401  (fixture)
-from paged_batches import make_batch, rel_err
+from paged_batches import make_batch, rel_err_per_seq
 from test_graph_runner import PROMPTS as GRAPH_PROMPTS, generate
 from test_kv_cache_dtype import TOLERANCE, path_logits, reference_logits, relative_gap
 from test_kv_cache_schemes import STATIC_INT8_TOLERANCE, c8_scales, kv_rows, write_variant
@@ -151,17 +151,17 @@ def test_int8_attention_matches_the_reference(monkeypatch, tnd_paged, gqa, head_
         ref = reference.quantized_paged_attention(q.float(), k_cache, v_cache, k_scale, v_scale, cu,
                                                   seq_lens, tables, scale)
         assert out.dtype == dtype and out.shape == q.shape
-        assert rel_err(out, ref) < TOL[dtype], (q_lens, kv_lens)
+        assert rel_err_per_seq(out, ref, cu) < TOL[dtype], (q_lens, kv_lens)
         # And the whole path against the reference's own write and read of the same half rows.
         (k_ref, v_ref), (ks_ref, vs_ref) = reference_cache(k_cache.shape[0], NUM_KV_HEADS, head_dim)
         kv_quant_reference.store_quantized_kvcache(batch[1].view(-1, NUM_KV_HEADS, head_dim),
                                                    batch[2].view(-1, NUM_KV_HEADS, head_dim), k_ref,
                                                    v_ref, ks_ref, vs_ref,
                                                    torch.arange(k_cache.shape[0] * BLOCK))
-        assert rel_err(
+        assert rel_err_per_seq(
             out,
             reference.quantized_paged_attention(q.float(), k_ref, v_ref, ks_ref, vs_ref, cu,
-                                                seq_lens, tables, scale)) < TOL[dtype]
+                                                seq_lens, tables, scale), cu) < TOL[dtype]
         calls = [kw for op, kw in fake.history[before:] if op == FIA]
         decodes = [c for c in calls if c.get("key_antiquant_mode") == 5]
         prefills = [c for c in calls if "key_antiquant_mode" not in c]
@@ -171,6 +171,26 @@ def test_int8_attention_matches_the_reference(monkeypatch, tnd_paged, gqa, head_
         for c in decodes:
             assert c["key_antiquant_scale"] == (k_cache.shape[0], NUM_KV_HEADS, BLOCK)
 
+
+@pytest.mark.parametrize("dtype", HALF, ids=DTYPE_IDS.get)
+def test_a_swapped_scale_or_short_read_fails_the_per_sequence_tolerance(monkeypatch, dtype):
+    """Negative controls: the int8 decode reading the longest sequence's first two blocks with
+    each other's key scales, or one key short, fails TOL per sequence."""
+    _, ops = loaded(monkeypatch)
+    batch = make_batch([1] * 4, [1, 40, 129, 1000], 4, NUM_KV_HEADS, 128, BLOCK, dtype)
+    q, k_cache, v_cache, k_scale, v_scale, cu, seq_lens, tables = filled(ops, batch, dtype)
+    ref = reference.quantized_paged_attention(q.float(), k_cache, v_cache, k_scale, v_scale, cu,
+                                              seq_lens, tables, 128 ** -0.5)
+    swapped = k_scale.clone()
+    first, second = tables[3, :2].long()
+    swapped[first], swapped[second] = k_scale[second], k_scale[first]
+    out = ops.quantized_paged_attention(q, k_cache, v_cache, swapped, v_scale, cu, seq_lens,
+                                        tables, 128 ** -0.5)
+    assert rel_err_per_seq(out, ref, cu) > TOL[dtype]
+    short = seq_lens - torch.tensor([0, 0, 0, 1], dtype=torch.int32)
+    out = ops.quantized_paged_attention(q, k_cache, v_cache, k_scale, v_scale, cu, short, tables,
+                                        128 ** -0.5)
+    assert rel_err_per_seq(out, ref, cu) > TOL[dtype]
 
 def test_decode_reads_the_pool_in_place(monkeypatch):
     """The decode call gets the cache and its scales as they lie in the pool, not copies (no bytes
@@ -233,7 +253,7 @@ def test_a_captured_int8_decode_replays_with_each_steps_lengths(monkeypatch):
     graph.replay()
     ref = reference.quantized_paged_attention(q.float(), k_cache, v_cache, k_scale, v_scale, cu,
                                               seq_lens, tables, 0.125)
-    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    assert rel_err_per_seq(out, ref, cu) < TOL[torch.bfloat16]
     rows, row_scale = kv_quant_reference.quantize_rows(new_k, torch.int8, None)
     # the replay wrote the new keys
     assert torch.equal(k_cache.view(-1, NUM_KV_HEADS, 64)[slots], rows)
@@ -332,7 +352,7 @@ def test_valid_int8_decode_call_matches_the_reference():
     out, _ = fake.npu_fused_infer_attention_score(*args, **kwargs)
     ref = reference.quantized_paged_attention(q.float(), rows, rows, scale, scale, cu, seq_lens,
                                               tables, 0.125)
-    assert rel_err(out.view(q.shape), ref) < TOL[torch.float16]
+    assert rel_err_per_seq(out.view(q.shape), ref, cu) < TOL[torch.float16]
 
 
 def _token_major(pages):

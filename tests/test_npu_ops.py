@@ -2,9 +2,10 @@
 the emulated torch_npu of tests/fake_torch_npu.py, plus the emulation catching calls the documented
 contracts reject.
 
-Tolerances: max |npu - reference| / max |reference|, the reference evaluated in float32 on the same
-(rounded) inputs. float16 2e-3 and bfloat16 1e-2 are docs/npu-ops.md §3's NPU-vs-reference
-tolerances; float32 (norms, rotary, SwiGLU only: FIA and the cache writes take fp16/bf16) 1e-5.
+Tolerances: max |npu - reference| / max |reference| per sequence (attention; each op's whole
+output otherwise), the reference evaluated in float32 on the same (rounded) inputs. float16 2e-3
+and bfloat16 1e-2 are docs/npu-ops.md §3's NPU-vs-reference tolerances; float32 (norms, rotary,
+SwiGLU only: FIA and the cache writes take fp16/bf16) 1e-5.
 Cache writes must be exact."""
 import itertools
 import logging
@@ -13,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from paged_batches import fp32, make_batch, rel_err
+from paged_batches import fp32, make_batch, rel_err, rel_err_per_seq, short_reads
 from fake_torch_npu import FakeNpuError, FakeTorchNpu, install, loaded
 from vlinfer.ops import OPS, ReferenceOps, reference
 from vlinfer.ops.select import select
@@ -52,7 +53,7 @@ def test_paged_attention_matches_reference(monkeypatch, path, gqa, head_dim, dty
         out = ops.paged_attention(*args, scale)
         ref = reference.paged_attention(*fp32(args), scale)
         assert out.dtype == dtype and out.shape == args[0].shape
-        assert rel_err(out, ref) < TOL[dtype], (q_lens, kv_lens)
+        assert rel_err_per_seq(out, ref, args[3]) < TOL[dtype], (q_lens, kv_lens)
         kinds = {n == 1 for n in q_lens}
         # split: one call for decodes, one for prefills
         expected = 1 if path == "tnd" else len(kinds)
@@ -68,11 +69,22 @@ def test_block_size_16_serves_decodes_and_is_refused_for_prefill(monkeypatch, dt
     # otherwise (§2.3).
     args = make_batch([1] * 5, [1, 15, 16, 17, 70], 4, NUM_KV_HEADS, 64, 16, dtype)
     out = ops.paged_attention(*args, 0.125)
-    assert rel_err(out, reference.paged_attention(*fp32(args), 0.125)) < TOL[dtype]
+    assert rel_err_per_seq(out, reference.paged_attention(*fp32(args), 0.125)) < TOL[dtype]
     args = make_batch([1, 20], [30, 20], 4, NUM_KV_HEADS, 64, 16, dtype)
     with pytest.raises(ValueError, match="multiple of 128"):
         ops.paged_attention(*args, 0.125)
 
+
+@pytest.mark.parametrize("dtype", HALF, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("path", ["tnd", "split"])
+def test_a_short_read_fails_the_per_sequence_tolerance(monkeypatch, path, dtype):
+    """Negative control: FIA reading the longest decode one key or one block short (planted through
+    its kv lengths) fails TOL per sequence, where one batch-wide max let such bugs through."""
+    _, ops = loaded(monkeypatch, tnd_paged=path == "tnd")
+    args = make_batch([1] * 4, [1, 40, 129, 1000], 4, NUM_KV_HEADS, 128, 128, dtype)
+    (key, key_batch_wide), (block, _) = short_reads(ops.paged_attention, args, 128 ** -0.5, 128)
+    assert key > TOL[dtype] and block > TOL[dtype]
+    assert key_batch_wide < TOL[dtype]  # what the batch-wide max let through
 
 def test_metadata_is_read_once_per_step(monkeypatch):
     _, ops = loaded(monkeypatch)
@@ -103,7 +115,8 @@ def test_two_instances_keep_their_own_state(monkeypatch, caplog):
             before = fake_a.calls["npu_fused_infer_attention_score"], fake_b.calls[
                 "npu_fused_infer_attention_score"]
             out = ops.paged_attention(*args, 0.125)
-            assert rel_err(out, reference.paged_attention(*fp32(args), 0.125)) < TOL[torch.float16]
+            assert rel_err_per_seq(out, reference.paged_attention(*fp32(args), 0.125),
+                                  args[3]) < TOL[torch.float16]
             assert fake.last["npu_fused_infer_attention_score"]["input_layout"] == layout
             after = fake_a.calls["npu_fused_infer_attention_score"], fake_b.calls[
                 "npu_fused_infer_attention_score"]
@@ -126,7 +139,8 @@ def test_two_instances_keep_their_own_state(monkeypatch, caplog):
         with pytest.raises(RuntimeError, match="cannot be captured"):
             a.paged_attention(*args32, 0.125)
         out = b.paged_attention(*step_a, 0.125)  # a mixed batch: eager, not a captured decode
-        assert rel_err(out, reference.paged_attention(*fp32(step_a), 0.125)) < TOL[torch.float16]
+        assert rel_err_per_seq(out, reference.paged_attention(*fp32(step_a), 0.125),
+                               step_a[3]) < TOL[torch.float16]
     assert a._capture is None and b._capture is None
 
 
@@ -234,7 +248,7 @@ def test_varlen_attention_matches_reference(monkeypatch, dtype, head_dim):
     q, k, v = (torch.randn(340, 4, head_dim, generator=g).to(dtype) for _ in range(3))
     out = ops.varlen_attention(q, k, v, cu, head_dim ** -0.5)
     ref = reference.varlen_attention(q.float(), k.float(), v.float(), cu, head_dim ** -0.5)
-    assert out.shape == q.shape and rel_err(out, ref) < TOL[dtype]
+    assert out.shape == q.shape and rel_err_per_seq(out, ref, cu) < TOL[dtype]
     call = fake.last["npu_fused_infer_attention_score"]
     assert call["input_layout"] == "TND" and call["sparse_mode"] == 0 and "atten_mask" not in call
     assert call["actual_seq_lengths"] == call["actual_seq_lengths_kv"] == [16, 80, 84, 340]
@@ -286,7 +300,8 @@ def test_fia_scale_keyword_is_detected(monkeypatch, caplog, kwarg, opaque):
     assert ("found by trying" in caplog.text) == (opaque is True)
     args = make_batch(*BATCHES[2], 4, NUM_KV_HEADS, 64, 128, torch.bfloat16)
     out = ops.paged_attention(*args, 0.125)
-    assert rel_err(out, reference.paged_attention(*fp32(args), 0.125)) < TOL[torch.bfloat16]
+    assert rel_err_per_seq(out, reference.paged_attention(*fp32(args), 0.125),
+                           args[3]) < TOL[torch.bfloat16]
     assert fake.last["npu_fused_infer_attention_score"][kwarg] == 0.125
 
 
@@ -358,7 +373,8 @@ def test_valid_fia_call_matches_reference():
     args, kwargs, batch = fia_call()
     out, lse = FakeTorchNpu().npu_fused_infer_attention_score(*args, **kwargs)
     assert lse.shape == (1,)
-    assert rel_err(out, reference.paged_attention(*fp32(batch), 0.125)) < TOL[torch.float16]
+    assert rel_err_per_seq(out, reference.paged_attention(*fp32(batch), 0.125),
+                           batch[3]) < TOL[torch.float16]
 
 
 def _noncontiguous(q):

@@ -110,6 +110,8 @@ def test_compressed_tensors_greedy_matches_transformers(dense_qwen3, tmp_path, s
     runs_int8_weight_only = scheme == "w8a16" or (scheme.startswith("w8a8") and
                                                   not cpu_quant.has_int8_dot_product())
     assert block_kernels_built == runs_int8_weight_only, (scheme, methods)
+    if scheme.startswith("w8a8") and not cpu_quant.has_int8_dot_product():
+        pytest.skip("needs AVX512-VNNI, AVX-VNNI or AMX-INT8: W8A8 ran as W8A16 (checked above)")
 
 
 def test_qwen3_vl_w4a16_keeps_the_vision_tower_dense(tmp_path):

@@ -1,9 +1,10 @@
 """Generated hostile requests against the server (hypothesis): chat and completion bodies whose
 messages, content parts, sampling fields (wrong types, out of range, huge, unicode), response
 formats and tools are drawn at random, some valid and most not. The property: every answer is a 200
-with a well-formed completion or a 4xx with an OpenAI-shaped error naming a field; never a 5xx,
-never a hang past the client's timeout; after each batch, a plain request still gets its usual
-answer, and once idle no KV block is held.
+with a well-formed completion or a 4xx with an OpenAI-shaped error naming a field, a certainly
+valid body always a 200; never a 5xx, never a hang past the client's timeout; after each batch, a
+plain request still gets its usual answer, and once idle no KV block is held. The default tier's
+cases are derandomized; the slow tier explores with a fresh seed (the failure's blob printed).
 
 The counts of cases per surface are printed (pytest -s) and asserted to be at least CASES each."""
 import json
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.serve import ServeConfig, build_app
+from hypothesis_draws import draws
 from serve_helpers import ServerThread, data_uri, png_bytes
 
 MODEL = "qwen3-vl-tiny"
@@ -77,8 +79,9 @@ valid_messages = st.builds(
 
 @st.composite
 def bodies(draw, chat: bool):
-    """A request body: half of them start from a valid one (so answers are checked too), the rest
-    from anything."""
+    """(a request body, whether it is certainly valid): half of them start from a valid one (so
+    answers are checked too), the rest from anything. Certainly valid: a valid start, our model, a
+    non-empty prompt and no drawn field (the fields mix junk in); such a body must get a 200."""
     body = {"model": draw(st.sampled_from([MODEL, MODEL, "other-model"]))}
     valid = draw(st.booleans())
     if chat:
@@ -86,13 +89,15 @@ def bodies(draw, chat: bool):
     else:
         body["prompt"] = draw(texts if valid else texts |
                               st.lists(st.integers(-5, 200000), max_size=6) | junk)
-    for name in draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=5, unique=True)):
+    names = draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=5, unique=True))
+    for name in names:
         body[name] = draw(FIELDS[name])
+    certain = valid and body["model"] == MODEL and not names and body.get("prompt") != ""
     if isinstance(body.get("max_tokens"), int) and 0 < body["max_tokens"] < 10 ** 9:
         body["max_tokens"] = min(body["max_tokens"], 12)
     else:
         body.setdefault("max_tokens", 4)
-    return body
+    return body, certain
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +120,10 @@ def plain_answer(url: str) -> list[int]:
     return r.json()["choices"][0]["text"]
 
 
-def check(response: httpx.Response, stream: bool) -> str:
+def check(response: httpx.Response, stream: bool, valid: bool = False) -> str:
     """'ok' or 'refused'; fails on a 5xx or a malformed answer."""
     assert response.status_code < 500, response.text[:500]
+    assert response.status_code == 200 or not valid, response.text[:500]  # a valid body: answered
     if response.status_code >= 400:
         error = response.json()["error"]
         assert error["message"] and error["type"], error
@@ -133,24 +139,28 @@ def check(response: httpx.Response, stream: bool) -> str:
     return "ok"
 
 
-def run_cases(server, route: str, cases: int):
+def run_cases(server, route: str, cases: int, explore: bool = False):
+    """explore: the slow tier's fresh draws (tests/hypothesis_draws.py)."""
     url, engine = server
     before = plain_answer(url)
-    outcomes = {"ok": 0, "refused": 0}
+    outcomes = {"ok": 0, "refused": 0, "valid": 0}
 
-    @settings(max_examples=cases, deadline=None, derandomize=True,
+    @settings(max_examples=cases, deadline=None, **draws(explore),
               suppress_health_check=list(HealthCheck))
-    @given(body=bodies(chat=route.endswith("chat/completions")))
-    def one(body):
+    @given(drawn=bodies(chat=route.endswith("chat/completions")))
+    def one(drawn):
+        body, valid = drawn
+        outcomes["valid"] += valid
         # json.dumps writes NaN and Infinity as the bare words Python's json reads (not strict
         # JSON): hostile too.
         r = httpx.post(url + route, content=json.dumps(body),
                        headers={"content-type": "application/json"}, timeout=TIMEOUT_S)
-        outcomes[check(r, body.get("stream") is True)] += 1
+        outcomes[check(r, body.get("stream") is True, valid)] += 1
 
     one()
-    print(f"{route}: {sum(outcomes.values())} generated cases, {outcomes}")
-    assert sum(outcomes.values()) >= cases and outcomes["refused"] > 0 and outcomes["ok"] > 0
+    print(f"{route}: {outcomes['ok'] + outcomes['refused']} generated cases, {outcomes}")
+    assert outcomes["ok"] + outcomes["refused"] >= cases and outcomes["refused"] > 0
+    assert outcomes["ok"] >= outcomes["valid"] > 0
     assert plain_answer(url) == before  # the server still answers as before
     bm = engine.block_manager
     assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
@@ -164,4 +174,4 @@ def test_generated_requests_get_a_client_error_or_an_answer(server, route):
 @pytest.mark.slow  # ten times the cases: `make test-full` and CI run it
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
 def test_many_generated_requests(server, route):
-    run_cases(server, route, SLOW_CASES)
+    run_cases(server, route, SLOW_CASES, explore=True)

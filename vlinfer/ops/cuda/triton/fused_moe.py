@@ -32,9 +32,10 @@ import triton
 import triton.language as tl
 
 # Triton 3.8's interpreter computes tl.dot on bfloat16 operands wrongly (values off by ~1e10;
-# float32 operands are right), so under the interpreter the kernels widen their tiles to float32
-# first. On a GPU the tiles stay in the model dtype for the tensor cores. Read when this file is
-# loaded, as triton reads TRITON_INTERPRET.
+# float32 and float16 operands are right), so under the interpreter bf16 tiles, and only those, are
+# widened to float32 first (tests/test_moe_ops.py checks the interpreter still needs it). On a GPU
+# the tiles stay in the model dtype for the tensor cores. Read when this file is loaded, as triton
+# reads TRITON_INTERPRET.
 WIDEN_FOR_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -202,6 +203,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                                                              expert_offset)
     num_m = sorted_ids.numel() // cfg["BLOCK_M"]
     ieee = x.dtype == torch.float32
+    widen = WIDEN_FOR_INTERPRETER and x.dtype == torch.bfloat16
     act = x.new_empty(num_pairs, inter)
     # Grid: M-blocks times N-blocks, N fastest (neighbouring programs share the block's rows of x).
     # The kernels call no jit helpers (tl.cdiv, tl.zeros): the interpreter cannot run those when
@@ -213,7 +215,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                                        w13.stride(1), act.stride(0), TOP_K=top_k,
                                        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                                        BLOCK_K=cfg["BLOCK_K"], IEEE=ieee,
-                                       WIDEN=WIDEN_FOR_INTERPRETER)
+                                       WIDEN=widen)
     pair_out = x.new_empty(num_pairs, hidden)
     weights = topk_weights.to(x.dtype).contiguous().view(-1)
     num_n = triton.cdiv(hidden, cfg["BLOCK_N"])
@@ -221,7 +223,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                                     num_padded, num_pairs, hidden, inter, num_n, act.stride(0),
                                     w2.stride(0), w2.stride(1), pair_out.stride(0),
                                     BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                                    BLOCK_K=cfg["BLOCK_K"], IEEE=ieee, WIDEN=WIDEN_FOR_INTERPRETER)
+                                    BLOCK_K=cfg["BLOCK_K"], IEEE=ieee, WIDEN=widen)
     # Every pair row was written (a local expert's product or a non-local pair's zeros): the sum
     # reads no garbage.
     torch.sum(pair_out.view(num_tokens, top_k, hidden), dim=1, out=out)

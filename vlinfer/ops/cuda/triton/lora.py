@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Triton's interpreter computes tl.dot on bfloat16 tiles wrongly (fused_moe.py), so under it the
-# tiles are widened to float32 first; on a GPU 16-bit tiles go to the tensor cores as they are. Read
-# when this file is loaded.
+# Triton's interpreter computes tl.dot on bfloat16 tiles wrongly (fused_moe.py), so under it bf16
+# tiles, and only those, are widened to float32 first; on a GPU 16-bit tiles go to the tensor cores
+# as they are. Read when this file is loaded.
 WIDEN_FOR_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -159,6 +159,7 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     lora_b = lora_b if lora_b.stride(2) == 1 else lora_b.contiguous()
     target = y if y.stride(1) == 1 else y.contiguous()
     ieee = x.dtype == torch.float32
+    widen = WIDEN_FOR_INTERPRETER and x.dtype == torch.bfloat16
     shrink = torch.zeros(num_rows, rank, dtype=torch.float32, device=x.device)
     num_m = triton.cdiv(max_rows, cfg["BLOCK_M"])
     num_r = triton.cdiv(rank, cfg["BLOCK_R"])
@@ -168,14 +169,14 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
                                      lora_a.stride(1), shrink.stride(0), HAS_ROWS=rows is not None,
                                      SPLIT_K=cfg["SPLIT_K"], BLOCK_M=cfg["BLOCK_M"],
                                      BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], IEEE=ieee,
-                                     WIDEN=WIDEN_FOR_INTERPRETER)
+                                     WIDEN=widen)
     num_n = triton.cdiv(out_features, cfg["BLOCK_N"])
     _expand_kernel[(num_m * num_n,
                     num_slots)](shrink, lora_b, target, rows if rows is not None else offsets,
                                 offsets, out_features, rank, num_n, shrink.stride(0),
                                 lora_b.stride(0), lora_b.stride(1), target.stride(0), HAS_ROWS=rows
                                 is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                                BLOCK_R=cfg["BLOCK_R"], IEEE=ieee, WIDEN=WIDEN_FOR_INTERPRETER)
+                                BLOCK_R=cfg["BLOCK_R"], IEEE=ieee, WIDEN=widen)
     if target is not y:
         y.copy_(target)
     return y
