@@ -86,8 +86,8 @@ def test_fused_decode_layers_equal_the_modules(tiny_checkpoint, biased_llama, dt
             assert ("decode steps run the 2 decoder layers module by module (cpu-compiled has no "
                     "fused form") in caplog.text
     if not this_cpu_fuses(getattr(torch, dtype)):  # both runs were the modules: nothing compared
-        pytest.skip("needs " + ("AVX-512" if dtype == "float32" else "AVX512-BF16 without AMX") +
-                    f": no fused {dtype} decode op on this CPU")
+        feature = "AVX-512" if dtype == "float32" else "AVX512-BF16 without AMX"
+        pytest.skip(f"needs {feature}: no fused {dtype} decode op on this CPU")
 
 
 # The level a CPU without AVX-512 runs: AVX2 where this CPU has it (this CPU's own build on an AVX2

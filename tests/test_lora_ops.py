@@ -220,8 +220,8 @@ def test_cpu_panels_equal_reference(cpu_level, case, dtype, monkeypatch):
     packed = cpu_level.pack_lora(lora_a, lora_b, sub_outputs(case))
     if not takes_panels(cpu_level, dtype):
         assert packed is None
-        pytest.skip(f"needs {panel_feature(dtype)}: the {cpu_level.isa} build has no LoRA panels "
-                    "(pack_lora gave None)")
+        pytest.skip(f"needs {panel_feature(dtype)}: the {cpu_level.isa} CPU build has no LoRA "
+                    "panels (pack_lora gave None)")
     assert packed.a.shape[:2] == (lora_a.shape[0], -(-lora_a.shape[1] // 16))
     n_sub, out = case[3], case[5]
     # Each 32-output panel reads its sub-projection's rank columns only (MAX_RANK each) when parts
@@ -252,8 +252,8 @@ def test_cpu_panels_follow_each_install(cpu_ops):
     packed = packed_slots(cpu_ops, lora_a, lora_b)
     if packed is None:
         assert not takes_panels(cpu_ops, torch.float32)
-        pytest.skip(f"needs {panel_feature(torch.float32)}: the {cpu_ops.isa} build has no LoRA "
-                    "panels")
+        pytest.skip(f"needs {panel_feature(torch.float32)}: the {cpu_ops.isa} CPU build has no "
+                    "LoRA panels")
     g = torch.Generator().manual_seed(5)
     lora_a[2].zero_()
     lora_b[2].zero_()
@@ -278,8 +278,8 @@ def test_cpu_large_steps_take_the_dense_gemms(cpu_ops, monkeypatch):
     packed = packed_slots(cpu_ops, lora_a, lora_b)
     if packed is None:
         assert not takes_panels(cpu_ops, torch.float32)
-        pytest.skip(f"needs {panel_feature(torch.float32)}: the {cpu_ops.isa} build has no LoRA "
-                    "panels")
+        pytest.skip(f"needs {panel_feature(torch.float32)}: the {cpu_ops.isa} CPU build has no "
+                    "LoRA panels")
     calls = []
     kernel = cpu_ops.ext.lora_panels_add
     monkeypatch.setattr(cpu_ops.ext, "lora_panels_add",
@@ -303,8 +303,8 @@ def test_panel_kernel_refuses_bad_arguments(cpu_ops):
     packed = packed_slots(cpu_ops, lora_a, lora_b)
     if packed is None:
         assert not takes_panels(cpu_ops, torch.float32)
-        pytest.skip(f"needs {panel_feature(torch.float32)}: the {cpu_ops.isa} build has no LoRA "
-                    "panels")
+        pytest.skip(f"needs {panel_feature(torch.float32)}: the {cpu_ops.isa} CPU build has no "
+                    "LoRA panels")
     x, y = torch.randn(3, 64), torch.randn(3, 64)
     groups = lora_groups(torch.tensor([0, 1, 1]), "cpu")
     with pytest.raises(RuntimeError, match="out of range"):

@@ -206,11 +206,8 @@ def test_abort_mid_decode_frees_slot_and_blocks(checkpoint):
     assert_nothing_held(llm)
 
 
-@pytest.mark.parametrize("overrides, field", [
-    (dict(layer_types=LAYER_TYPES[:5]), "layer_types"),
-    (dict(layer_types=LAYER_TYPES[:5] + ["sliding_attention"]), "layer_types"),
-])
-def test_bad_layer_types_name_the_field(tmp_path, overrides, field):
+def edited_checkpoint(tmp_path, overrides: dict) -> str:
+    """A tiny Qwen3.5 text checkpoint saved, then its config.json edited by overrides."""
     from transformers import Qwen3_5ForCausalLM
     with torch.random.fork_rng(devices=[]):
         model = Qwen3_5ForCausalLM(text_config()).eval()
@@ -219,6 +216,15 @@ def test_bad_layer_types_name_the_field(tmp_path, overrides, field):
     config = json.load(open(path))
     config.update(overrides)
     json.dump(config, open(path, "w"))
+    return folder
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(layer_types=LAYER_TYPES[:5]), "layer_types"),
+    (dict(layer_types=LAYER_TYPES[:5] + ["sliding_attention"]), "layer_types"),
+])
+def test_bad_layer_types_name_the_field(tmp_path, overrides, field):
+    folder = edited_checkpoint(tmp_path, overrides)
     with pytest.raises(ValueError, match=field):
         make_llm(folder)
 
@@ -440,14 +446,7 @@ def test_a_state_dtype_the_device_cannot_hold_names_the_field(checkpoint, monkey
 def test_a_config_that_disagrees_with_its_weights_names_the_field(tmp_path, overrides, field):
     """config.json edited after saving: the checkpoint's conv kernel, head dims or value heads no
     longer fit the config, or no layer is full attention; the error at load names the field."""
-    from transformers import Qwen3_5ForCausalLM
-    with torch.random.fork_rng(devices=[]):
-        model = Qwen3_5ForCausalLM(text_config()).eval()
-    folder = save(model, str(tmp_path))
-    path = os.path.join(folder, "config.json")
-    config = json.load(open(path))
-    config.update(overrides)
-    json.dump(config, open(path, "w"))
+    folder = edited_checkpoint(tmp_path, overrides)
     with pytest.raises(ValueError, match=field):
         make_llm(folder, ops="reference")
 

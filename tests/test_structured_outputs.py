@@ -386,7 +386,7 @@ def test_open_integers_are_bounded_and_json_has_no_free_whitespace():
     """A schema's `maximum` alone left every negative integer open, so a model could write digits
     until max_tokens (the newcomer's 8,139-digit population); open sides are now bounded to
     +-(2**53 - 1), and JSON has no free whitespace by default on every surface (both fail today)."""
-    llguidance = pytest.importorskip("llguidance")
+    import llguidance
     import llguidance.hf
     from transformers import AutoTokenizer
     from conftest import qwen_tokenizer_dir
