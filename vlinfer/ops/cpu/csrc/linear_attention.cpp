@@ -194,21 +194,10 @@ at::Tensor causal_conv1d_decode(const at::Tensor& x, const at::Tensor& weight,
                                 const c10::optional<at::Tensor>& bias, at::Tensor conv_state,
                                 const at::Tensor& cu_seqlens, const at::Tensor& slots,
                                 const at::Tensor& has_state) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [B, C] with unit channel stride");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
-                weight.size(1) >= 2,
-              "weight must be a contiguous [C, K] with K >= 2");
-  TORCH_CHECK(conv_state.dim() == 3 && conv_state.is_contiguous() &&
-                conv_state.size(1) == x.size(1) && conv_state.size(2) == weight.size(1) - 1,
-              "conv_state must be a contiguous [slots, C, K - 1] pool");
+  const at::Tensor bias32 = checked_conv_call(x, weight, bias, conv_state);
   const int64_t batch = x.size(0);
   const std::vector<int64_t> rows = decode_slots(cu_seqlens, slots, batch, conv_state.size(0));
   const std::vector<char> carried = host_flags(has_state, batch);
-  at::Tensor bias32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == x.size(1), "bias must be [C]");
-    bias32 = bias->to(at::kFloat).contiguous();
-  }
   const float* bias_p = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({batch, x.size(1)}, x.options());
   float_or_bf16(x.scalar_type(), "x", [&](auto xt) {

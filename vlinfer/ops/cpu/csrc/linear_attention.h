@@ -109,4 +109,23 @@ void float_or_bf16(at::ScalarType type, const char* what, F f) {
   }
 }
 
+// A conv call's x ([tokens, C], unit channel stride), weight, pool and bias checked; the bias as
+// float32 (undefined when there is none)
+at::Tensor checked_conv_call(const at::Tensor& x, const at::Tensor& weight,
+                             const c10::optional<at::Tensor>& bias, const at::Tensor& conv_state) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [tokens, C] with unit channel stride");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                weight.size(1) >= 2,
+              "weight must be a contiguous [C, K] with K >= 2");
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.is_contiguous() &&
+                conv_state.size(1) == x.size(1) && conv_state.size(2) == weight.size(1) - 1,
+              "conv_state must be a contiguous [slots, C, K - 1] pool");
+  at::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == x.size(1), "bias must be [C]");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  return bias32;
+}
+
 }  // namespace
