@@ -163,17 +163,7 @@ at::Tensor gated_delta_rule_decode(const at::Tensor& q, const at::Tensor& k, con
                                    const at::Tensor& g, const at::Tensor& beta, at::Tensor state,
                                    const at::Tensor& cu_seqlens, const at::Tensor& slots,
                                    const at::Tensor& has_state, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
-              "q, k must be [B, Hk, Dk] and v [B, Hv, Dv]");
-  TORCH_CHECK(v.size(1) % q.size(1) == 0, "value heads must be a multiple of key heads");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
-              "q, k, v need unit stride along the head dim");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "q, k, v must share a dtype");
-  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
-                state.size(1) == v.size(1) && state.size(2) == q.size(2) &&
-                state.size(3) == v.size(2),
-              "state must be a contiguous float32 [slots, Hv, Dk, Dv] pool");
+  check_delta_rule_call(q, k, v, state);
   const int64_t batch = v.size(0);
   TORCH_CHECK(g.dim() == 2 && beta.dim() == 2 && g.size(0) == batch && beta.size(0) == batch &&
                 g.size(1) == v.size(1) && beta.size(1) == v.size(1),

@@ -109,6 +109,22 @@ void float_or_bf16(at::ScalarType type, const char* what, F f) {
   }
 }
 
+// A delta-rule call's q, k ([tokens, Hk, Dk]), v ([tokens, Hv, Dv]) and state pool checked
+void check_delta_rule_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& state) {
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
+              "q, k must be [tokens, Hk, Dk] and v [tokens, Hv, Dv]");
+  TORCH_CHECK(v.size(1) % q.size(1) == 0, "value heads must be a multiple of key heads");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+              "q, k, v need unit stride along the head dim");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "q, k, v must share a dtype");
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
+                state.size(1) == v.size(1) && state.size(2) == q.size(2) &&
+                state.size(3) == v.size(2),
+              "state must be a contiguous float32 [slots, Hv, Dk, Dv] pool");
+}
+
 // A conv call's x ([tokens, C], unit channel stride), weight, pool and bias checked; the bias as
 // float32 (undefined when there is none)
 at::Tensor checked_conv_call(const at::Tensor& x, const at::Tensor& weight,
