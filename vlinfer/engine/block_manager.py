@@ -76,6 +76,11 @@ class BlockManager:
         """Prefix caching on a hybrid model: hits need a checkpointed state."""
         return self.enable_prefix_caching and self.num_checkpoint_slots > 0
 
+    def shareable_tokens(self, num_tokens: int) -> int:
+        """The longest block-aligned prefix of num_tokens a later request may hit: a hit always
+        leaves the last token to compute."""
+        return (num_tokens - 1) // self.block_size * self.block_size
+
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
@@ -124,7 +129,7 @@ class BlockManager:
             return 0
         hits = []
         hashes = self.update_block_hashes(seq)
-        for h in hashes[:(seq.num_tokens - 1) // self.block_size]:
+        for h in hashes[:self.shareable_tokens(seq.num_tokens) // self.block_size]:
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break

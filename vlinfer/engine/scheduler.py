@@ -69,7 +69,7 @@ class Scheduler:
         request can hit) where it crosses that: the state there is checkpointed exact (vLLM's
         "align" mode). The tail past it runs next step."""
         bm, start = self.block_manager, seq.num_computed_tokens
-        last = (seq.num_tokens - 1) // bm.block_size * bm.block_size
+        last = bm.shareable_tokens(seq.num_tokens)
         if not bm.checkpointing or start >= last:
             return n
         end = min(start + n, last) // bm.block_size * bm.block_size
@@ -81,9 +81,9 @@ class Scheduler:
         prefilling the prompt beside it."""
         if not self.block_manager.checkpointing or seq.prompt_logprobs is not None:
             return False
-        bs = self.block_manager.block_size
+        bm = self.block_manager
         return any(s.request_group == seq.request_group and s.num_computed_tokens <
-                   (s.num_prompt_tokens - 1) // bs * bs for s in self.running)
+                   bm.shareable_tokens(s.num_prompt_tokens) for s in self.running)
 
     def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         out.seqs.append(seq)

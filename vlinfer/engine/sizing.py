@@ -122,15 +122,20 @@ def resolve(config: EngineConfig, dtype, model_len: int, longest: int, block_siz
     return resolved
 
 
+def _one_sequence_kv_bytes(config: EngineConfig, longest: int, block_size: int, pool) -> int:
+    """The KV blocks of one sequence, which the state slots and checkpoints leave room for: of
+    max_model_len where given, else of the shortest length fitted."""
+    shortest = longest if config.max_model_len is not None else min(longest, MIN_FITTED_MODEL_LEN)
+    return math.ceil(shortest / block_size) * pool.bytes_per_block
+
+
 def _num_state_slots(config: EngineConfig, longest: int, block_size: int, pool,
                      budget: float) -> int:
     """A hybrid model's state slots: one per sequence the scheduler may run (max_num_seqs), capped
     so the budget keeps room for one sequence's KV blocks; 0 for a pure-attention model."""
     if not pool.bytes_per_slot:
         return 0
-    # one sequence: of max_model_len where given, else of the shortest length fitted
-    shortest = longest if config.max_model_len is not None else min(longest, MIN_FITTED_MODEL_LEN)
-    one_seq = math.ceil(shortest / block_size) * pool.bytes_per_block
+    one_seq = _one_sequence_kv_bytes(config, longest, block_size, pool)
     slots = min(config.max_num_seqs, int((budget - one_seq) // pool.bytes_per_slot))
     if slots < 1:
         raise ValueError(
@@ -150,8 +155,7 @@ def _num_checkpoint_slots(config: EngineConfig, longest: int, block_size: int, p
     sequence's KV blocks, so the KV pool keeps the larger share; 0 without prefix caching."""
     if not pool.bytes_per_slot or not config.enable_prefix_caching:
         return 0
-    shortest = longest if config.max_model_len is not None else min(longest, MIN_FITTED_MODEL_LEN)
-    spare = budget - math.ceil(shortest / block_size) * pool.bytes_per_block
+    spare = budget - _one_sequence_kv_bytes(config, longest, block_size, pool)
     return max(0, min(config.max_num_seqs, int(spare / 2 // pool.bytes_per_slot)))
 
 
