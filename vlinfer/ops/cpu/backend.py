@@ -60,6 +60,7 @@ class CpuOps(ReferenceOps):
                 f"CPU kernels for {self.isa} cannot run on this CPU (it supports up to {best})")
         self.ext = build_extension(self.isa)
         self._decode_rows = PerStep()  # this step's decode rows, shared by every layer
+        self._decode_kernel_logged: set = set()  # (dtype, head_dim) whose decode kernel is logged
         # GGUF Q8_0 / Q4_0 / Q4_1 block kernels (gguf.py), built when the first such layer packs.
         self.gguf_kernels: gguf.GgufCpuKernels | None = None
         self.gguf_build_error: str | None = None
@@ -132,6 +133,7 @@ class CpuOps(ReferenceOps):
         # The kernel reads int32 metadata; the model runner already builds it so, other callers may
         # not.
         seq_lens, block_tables = seq_lens.to(torch.int32), block_tables.to(torch.int32)
+        self._log_decode_kernel(q, k_cache)
         # Which rows decode, worked out once per step rather than in every layer (four small tensor
         # ops and a host sync each time).
         decode_rows = self._decode_rows.get(attention.decode_rows, cu_seqlens_q)
@@ -152,6 +154,16 @@ class CpuOps(ReferenceOps):
             reference.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                                         scale, out, attention.chunk_over_context)
         return out
+
+    def _log_decode_kernel(self, q, k_cache):
+        """Once per dtype and head_dim: which kernel decodes (the fused decode stack's too), from
+        the C++ dispatch itself, and which prefills; a model off the vector kernels shows here."""
+        key = (q.dtype, q.shape[-1])
+        if key not in self._decode_kernel_logged:
+            self._decode_kernel_logged.add(key)
+            logger.debug("ops[cpu]: decode attention on %s, head_dim %d: the %s kernel; prefill "
+                         "attention on %s", *key, self.ext.decode_attention_kernel(q, k_cache),
+                         "the AVX512-BF16 flash kernel" if self._bf16_flash(q) else "SDPA")
 
     # KV caches in another dtype (kv_cache.py, csrc/kv_quant.cpp).
     kv_cache_kernels = kv_cache.KV_CACHE_KERNELS

@@ -265,6 +265,36 @@ std::string decode_attention_kernels() {
 #endif
 }
 
+namespace {
+
+// Decode attention into out by the best kernel this build has for q's dtype and head_dim; returns
+// that kernel's name.
+const char* decode_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& tables, const at::Tensor& lens, double scale,
+                        at::Tensor& out) {
+  if (paged_decode_attention_bf16(q, k_cache, v_cache, tables, lens, scale, out))
+    return "AVX512-BF16";
+  if (paged_decode_attention_f32(q, k_cache, v_cache, tables, lens, scale, out)) return "AVX-512";
+#if defined(VLINFER_AVX2_DECODE)
+  static const float kNoScale = 1.f;  // rows of the compute dtype: stored as they are
+  auto avx2 = [&](auto value) {
+    using scalar_t = decltype(value);
+    return decode_attention_avx2<scalar_t, scalar_t>(q, k_cache, v_cache, &kNoScale, &kNoScale,
+                                                     false, tables, lens, scale, out);
+  };
+  const auto type = q.scalar_type();
+  if ((type == at::kFloat && avx2(float{})) || (type == at::kBFloat16 && avx2(c10::BFloat16{})) ||
+      (type == at::kHalf && avx2(c10::Half{})))
+    return "AVX2";
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+    at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention",
+    [&] { paged_decode_attention_impl<scalar_t>(q, k_cache, v_cache, tables, lens, scale, out); });
+  return "the plain loops";
+}
+
+}  // namespace
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale) {
@@ -278,27 +308,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "int32 tables");
-  auto tables = block_tables.contiguous();
-  auto lens = seq_lens.contiguous();
   auto out = at::empty_like(q);
-  if (paged_decode_attention_bf16(q, k_cache, v_cache, tables, lens, scale, out)) return out;
-  if (paged_decode_attention_f32(q, k_cache, v_cache, tables, lens, scale, out)) return out;
-#if defined(VLINFER_AVX2_DECODE)
-  static const float kNoScale = 1.f;  // rows of the compute dtype: stored as they are
-  auto avx2 = [&](auto value) {
-    using scalar_t = decltype(value);
-    return decode_attention_avx2<scalar_t, scalar_t>(q, k_cache, v_cache, &kNoScale, &kNoScale,
-                                                     false, tables, lens, scale, out);
-  };
-  const auto type = q.scalar_type();
-  if ((type == at::kFloat && avx2(float{})) || (type == at::kBFloat16 && avx2(c10::BFloat16{})) ||
-      (type == at::kHalf && avx2(c10::Half{})))
-    return out;
-#endif
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-    at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention",
-    [&] { paged_decode_attention_impl<scalar_t>(q, k_cache, v_cache, tables, lens, scale, out); });
+  decode_into(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale, out);
   return out;
+}
+
+// The kernel paged_decode_attention runs for q's dtype and head_dim over this cache: its own
+// dispatch over no rows, so the name cannot drift from what runs (the op table logs it).
+std::string decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache) {
+  const auto none = q.narrow(0, 0, 0);
+  auto out = at::empty_like(none);
+  const auto ints = none.options().dtype(at::kInt);
+  return decode_into(none, k_cache, k_cache, at::empty({0, 1}, ints), at::empty({0}, ints), 1.0,
+                     out);
 }
 
 // Paged KV-cache write: token i goes to flat slot slot_mapping[i] (block * block_size + offset);
@@ -677,6 +699,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_attention_available", &bf16_attention_available, "built with AVX512-BF16");
   m.def("decode_attention_kernels", &decode_attention_kernels,
         "the decode attention kernels of this build");
+  m.def("decode_attention_kernel", &decode_attention_kernel,
+        "the kernel paged_decode_attention runs for q's dtype and head_dim");
   m.def("prefill_attention", &prefill_attention,
         "bf16 causal attention of prefill chunks over the paged cache (CPU)");
   m.def("vision_attention", &vision_attention,
