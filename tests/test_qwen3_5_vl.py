@@ -2,7 +2,10 @@
 engine against transformers, float32, on a tiny random checkpoint: Qwen3-VL's tower without
 DeepStack, the hybrid decoder with interleaved multimodal rotary over a partial rotary head.
 Prompt logits of an image request and of a text one; an image request and a text request
-batched together generate transformers' greedy tokens, in one step and in chunks."""
+batched together generate transformers' greedy tokens, in one step and in chunks; a video clip
+(Qwen3-VL's timestamps and frame groups) the same."""
+import json
+
 import pytest
 import torch
 
@@ -10,6 +13,8 @@ from conftest import assert_block_pool_empty
 from images import picture
 from test_qwen3_5_text import LAYER_TYPES
 from test_qwen3_vl_engine import PROMPT_0, PROMPT_1, hf_greedy, hf_inputs
+from test_video import ASK, CLIP_ODD, HUB_VIDEO_CONFIG, META_ODD, V
+from test_video import hf_inputs as hf_video_inputs
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine import SchedulerOutput
 from vlinfer.toy.tiny_checkpoints import (QWEN3_VL_SPECIAL, _rescale,
@@ -48,6 +53,8 @@ def checkpoint(request, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp(request.param))
     model.save_pretrained(folder, safe_serialization=True)
     write_qwen3_vl_processor_files(folder)
+    with open(f"{folder}/video_preprocessor_config.json", "w") as f:
+        json.dump(HUB_VIDEO_CONFIG, f)  # the hub's sizes: both engines read it, clips stay small
     return folder, model
 
 
@@ -81,6 +88,39 @@ def test_prompt_logits_and_mixed_batch_match_transformers(checkpoint):
     outs = chunked.generate(requests, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert_nothing_held(chunked)
+
+
+def test_video_logits_and_greedy_match_transformers(checkpoint):
+    """A clip of 10 frames at 4 fps (sampled to 5, padded to 3 groups of two) on Qwen3.5: the
+    prompt ids (timestamps, outer vision tokens) of transformers' processor, float32 prompt
+    logits within 1e-4 relative, and greedy tokens equal, alone and batched with a text request,
+    in one step and in chunks of 16 tokens (a group's tokens across two steps, the linear
+    layers' state carried)."""
+    folder, model = checkpoint
+    text, videos = ASK.format(V), [(CLIP_ODD, META_ODD)]
+    request = {"prompt": text, "multi_modal_data": {"video": videos}}
+    llm = LLM(folder, dtype="float32", kv_cache_bytes=32 * 2 ** 20, max_model_len=1024)
+    engine = llm.engine
+    seq = engine.make_sequence(request)
+    engine.add_sequence(seq)
+    assert engine.block_manager.allocate(seq, seq.num_tokens)
+    ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens]))
+    engine.abort_request(seq.request_id)
+    ids, kwargs = hf_video_inputs(folder, text, [], videos)
+    assert ids[0].tolist() == seq.token_ids and "pixel_values_videos" in kwargs
+    with torch.no_grad():
+        ref = model(input_ids=ids, **kwargs).logits[0]
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    text_ids, text_kwargs = hf_inputs(llm, CASES[1][0], [])
+    expected = [hf_greedy(model, ids, kwargs, NUM_NEW),
+                hf_greedy(model, text_ids, text_kwargs, NUM_NEW)]
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    for engine_llm in (llm, LLM(folder, dtype="float32", kv_cache_bytes=32 * 2 ** 20,
+                                max_model_len=1024, max_num_batched_tokens=16)):
+        outs = engine_llm.generate([request, CASES[1][0]], greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert outs[0].videos[0]["grid_thw"] == kwargs["video_grid_thw"][0].tolist()
+        assert_nothing_held(engine_llm)
 
 
 def assert_nothing_held(llm):
