@@ -123,6 +123,8 @@ def test_preemption_under_a_tiny_pool_keeps_outputs(tiny_checkpoint, references)
 # transformers in bfloat16 on the same weights, and the same arg-max at >= 95% of positions. (Both
 # round differently: we rotate q/k and normalize in float32, transformers partly in bfloat16.)
 BF16_LOGIT_TOLERANCE = 3e-2
+# the share of bf16 greedy tokens before the first near tie, over all prompts (docs/correctness.md)
+BF16_DECODE_AGREEMENT = 0.625
 
 
 def test_bf16_prompt_logits_within_documented_tolerance(tiny_checkpoint):
@@ -193,5 +195,6 @@ def test_bf16_decode_on_the_cpu_fast_path_matches_transformers(tiny_checkpoint, 
             assert gap <= 2 * BF16_LOGIT_TOLERANCE * scale[first_diff], (prompt, first_diff,
                                                                          gap.item())
         agreed.append(first_diff)
-    # near ties are rare: most tokens agree
-    assert sum(agreed) >= 0.5 * NUM_NEW * len(PROMPTS), agreed
+    # near ties are rare: most tokens agree (measured 192-256 of 256 on the three checkpoints and
+    # two CPUs; the floor is the lowest less one prompt tied at its first step)
+    assert sum(agreed) >= BF16_DECODE_AGREEMENT * NUM_NEW * len(PROMPTS), agreed
