@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import assert_block_pool_empty
-from test_kv_cache_dtype import TOLERANCE, path_logits, reference_logits, relative_gap
+from test_kv_cache_dtype import (STEP_TOLERANCE, TOLERANCE, path_logits, reference_logits,
+                                 relative_gap, scheduling_path_gaps)
 from test_text_parity import PROMPTS
 from vlinfer import LLM, SamplingParams
 from vlinfer.layers.quantization.kv_cache import StaticKVScales
@@ -164,6 +165,32 @@ def test_fp8_checkpoint_scales_reach_the_cache_and_are_used(scheme_checkpoints, 
             PROMPTS, path_logits(LLM(wrong, dtype="float32", kv_cache_bytes=8 << 20), PROMPTS))
     ]
     assert max(gaps) > TOLERANCE["fp8"]
+
+
+@pytest.mark.parametrize("path_kind", ["chunked-prefix", "preemption"])
+def test_fp8_scales_through_every_scheduling_path(scheme_checkpoints, path_kind, monkeypatch):
+    """fp8 with the checkpoint's calibrated per-layer scales (non-unit: max |x| / 448): the
+    chunked / prefix-hit or preempted run's own step logits within STEP_TOLERANCE["fp8"]
+    of transformers at those positions of the same sequences."""
+    built, rows, model, _ = scheme_checkpoints
+    assert all(k.abs().amax() / FP8_MAX < 0.5 for k, _ in rows)  # far from 1.0
+    gaps = scheduling_path_gaps(built["fp8"], model, path_kind, monkeypatch)
+    assert max(gaps) < STEP_TOLERANCE["fp8"], gaps
+
+
+def test_an_fp8_reader_ignoring_the_scale_fails_the_step_bound(scheme_checkpoints, monkeypatch):
+    """Negative control: rows written with the checkpoint's scales and read back with scale 1.0
+    (planted in the op table's call) put the step logits outside the bound the test above holds
+    (measured 1.2-1.4 of the largest logit)."""
+    built, _, model, _ = scheme_checkpoints
+    read = CpuOps.quantized_paged_attention
+
+    def misread(self, q, k_cache, v_cache, k_scale, v_scale, *rest):
+        return read(self, q, k_cache, v_cache, torch.ones_like(k_scale), torch.ones_like(v_scale),
+                    *rest)
+    monkeypatch.setattr(CpuOps, "quantized_paged_attention", misread)
+    gaps = scheduling_path_gaps(built["fp8"], model, "preemption", monkeypatch)
+    assert min(gaps) > STEP_TOLERANCE["fp8"], gaps
 
 
 def test_scheme_checkpoints_through_chunked_prefill_prefix_hits_and_preemption(scheme_checkpoints):
