@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from vlinfer.ops.reference import quant as quant_reference
 
 GROUP = 32
 
@@ -135,6 +134,23 @@ def write_modelslim(dense_folder: str, out_folder: str, types: dict, ranges: dic
     return reference
 
 
+# The activation quantizers written here from the format's definition (msModelSlim's W8A8 layers
+# as torch_npu runs them), not imported from vlinfer (ops/reference/quant.py is the code under
+# test): x rounded half to even and saturated to int8, then back to float.
+def dynamic_per_token(rows: torch.Tensor) -> torch.Tensor:
+    """W8A8_DYNAMIC (npu_dynamic_quant): per token, scale = max |x| / 127, symmetric."""
+    scale = rows.abs().amax(-1, keepdim=True) / 127
+    return torch.round(rows / torch.where(scale > 0, scale, 1.0)).clamp(-128, 127) * scale
+
+
+def static_per_tensor(rows: torch.Tensor, input_scale: torch.Tensor,
+                      input_offset: torch.Tensor) -> torch.Tensor:
+    """W8A8 static (npu_quantize with the checkpoint's input_scale / input_offset, one value each):
+    q = round(x / input_scale + input_offset) in int8, read back as (q - offset) * scale."""
+    scale, offset = input_scale.float().reshape(-1)[0], input_offset.float().reshape(-1)[0]
+    return (torch.round(rows / scale + offset).clamp(-128, 127) - offset) * scale
+
+
 def apply_reference(model, reference: dict) -> None:
     """Make a transformers model (the dense checkpoint's) run the msModelSlim layers as vlinfer
     defines them."""
@@ -149,13 +165,11 @@ def apply_reference(model, reference: dict) -> None:
         def forward(x, module=module, kind=kind, extra=extra):
             rows = x.reshape(-1, x.shape[-1]).float()
             if kind == "W8A8_DYNAMIC":
-                codes, scale = quant_reference.quantize_per_token(rows)
-                x_dq = codes.float() * scale[:, None]
+                x_dq = dynamic_per_token(rows)
                 bias = module.bias
             else:
                 input_scale, input_offset, bias = extra
-                codes = quant_reference.quantize_per_tensor(rows, input_scale, input_offset)
-                x_dq = (codes.float() - input_offset.float()) * input_scale.float()
+                x_dq = static_per_tensor(rows, input_scale, input_offset)
             y = F.linear(x_dq, module.weight.float(), None if bias is None else bias.float())
             return y.to(x.dtype).reshape(*x.shape[:-1], -1)
         module.forward = forward
