@@ -138,15 +138,59 @@ def test_json_schema_response_format_validates(client):
     jsonschema.validate(json.loads(text), RECORD)
 
 
+# What a JSON text cut short may still need (an open string's end, the rest of a literal or a
+# number, a key's colon and value) before its open containers close: json_object_prefix tries each.
+JSON_FILLERS = ["", '"', "0", ":0", '":0', '"a":0', 'n"', '0"', '00"', '000"', "e", "ue", "rue",
+                "lse", "se", "alse", "ull", "ll", "l", "1"]
+
+
+def json_object_prefix(text: str) -> bool:
+    """Whether text is the start of a JSON object (RFC 8259): some completion parses as one. The
+    test's own check, independent of the grammar engine that constrained it."""
+    for filler in JSON_FILLERS:
+        for then in ("", ":0", '"a":0', "0"):
+            candidate = text + filler + then
+            stack, in_string, escaped = [], False, False
+            for char in candidate:
+                if in_string:
+                    escaped, in_string = (False, True) if escaped else (char == "\\",
+                                                                        char != '"')
+                elif char == '"':
+                    in_string = True
+                elif char in "{[":
+                    stack.append("}" if char == "{" else "]")
+                elif char in "}]" and stack:
+                    stack.pop()
+            if in_string:
+                continue
+            try:
+                if isinstance(json.loads(candidate + "".join(reversed(stack))), dict):
+                    return True
+            except json.JSONDecodeError:
+                pass
+    return False
+
+
+def test_the_json_prefix_check_has_teeth():
+    assert json_object_prefix('{"a": [1, {"b": "x\\"y') and json_object_prefix('{"k": tr')
+    assert json_object_prefix("{") and json_object_prefix('{"a":1,')
+    for bad in ('{"a" 1', "[1, 2", '{"a": 1}}', '{"a": tx', "{1: 2", '"a"', '{"a": 1,]'):
+        assert not json_object_prefix(bad), bad
+
+
 def test_json_object_and_structured_outputs_field(client):
-    sampled = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40,
-                                             temperature=1.0, seed=1, n=4,
+    sampled = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60,
+                                             temperature=1.0, seed=1, n=6,
                                              response_format={"type": "json_object"})
-    # random weights may write one long key: then it is cut, never invalid
+    # random weights may write one long key: then it is cut, and what was written is the start of
+    # an object (checked by the test's own parser whatever the finish reason)
     for choice in sampled.choices:
-        assert choice.message.content.startswith("{")
+        text = choice.message.content
         if choice.finish_reason == "stop":
-            assert isinstance(json.loads(choice.message.content), dict)
+            assert isinstance(json.loads(text), dict), text
+        else:
+            assert choice.finish_reason == "length" and json_object_prefix(text), text
+    # (non-trivial objects from a trained model: test_smollm2.py's server test)
     colours = ["red", "green", "blue"]
     chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=10, temperature=1.0,
                                           seed=3, n=3,

@@ -8,6 +8,7 @@ import torch
 
 from conftest import SMOLLM2_GGUF, assert_block_pool_empty, smollm2_dir
 from test_decode_kernel_parity import vector_kernel_or_skip
+from test_serve_structured import json_object_prefix
 from vlinfer import LLM, SamplingParams
 
 # the real SmolLM2 against transformers: `make test-full` and CI run the slow ones, `make test` the
@@ -157,12 +158,24 @@ def test_smollm2_strict_json_schema_through_the_server():
                     "type": "json_schema",
                     "json_schema": {"name": "person", "schema": schema, "strict": True}
                 })
+            objects = client.chat.completions.create(
+                model="smollm2", temperature=0.7, seed=5, n=4, max_tokens=120,
+                messages=[{"role": "user", "content": "Describe a product as a JSON object."}],
+                response_format={"type": "json_object"})
     finally:
         loop.close()
     choice = reply.choices[0]
     assert choice.finish_reason == "stop", choice.message.content
     person = json.loads(choice.message.content)
     assert set(person) == {"name", "age"} and isinstance(person["age"], int), person
+    # json_object, every choice validated whatever its finish reason, objects with keys in them
+    texts = [c.message.content for c in objects.choices]
+    for choice, text in zip(objects.choices, texts):
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(text), dict), text
+        else:
+            assert choice.finish_reason == "length" and json_object_prefix(text), text
+    assert sum('":' in text for text in texts) >= 2, texts
 
 
 TOPICS = [
