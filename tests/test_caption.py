@@ -127,27 +127,31 @@ def test_caption_folder_records_errors_and_goes_on(llm, image_dir, tmp_path):
     assert (summary.captioned, summary.errors, summary.skipped) == (47, 3, 0)
     records = check_file(out, image_dir)
     assert [r["path"] for r in records] == paths  # batches are written in input order
-    # Each record holds its own image's caption: the first batch (the 3 broken files and 5 drawings)
-    # again, as one chat call of the same eight conversations (the same batch: the same numbers
-    # whatever the dtype).
-    first = [[{
-        "role": "user", "content": [{"type": "image", "image": p},
-                                    {"type": "text", "text": DEFAULT_PROMPT}]
-    }] for p in paths[:8]]
-    try:
-        again = llm.chat(first, params, use_tqdm=False,
-                         mm_processor_kwargs={"max_pixels": MAX_PIXELS})
-    except RequestError as e:  # a broken file in the batch: its error, the others' outputs
-        again = e.outputs
-    assert sum(o.error is None for o in again) == 5
-    for record, out_ in zip(records[:8], again):
-        if out_.error is None:
-            assert (record["caption"],
-                    record["tokens"]) == (out_.outputs[0].text.strip(),
-                                          len(out_.outputs[0].token_ids)), record["path"]
-            assert record["size"] == out_.images[0]["size"]
-        else:
-            assert record["caption"] is None and record["error"] in out_.error
+    # Each record holds its own image's caption: every batch of eight (the first holds the 3
+    # broken files) again, as one chat call of the same conversations and image limits (the
+    # captioner lowers min_pixels to max_pixels): the same batch, the same numbers.
+    limits = {"max_pixels": MAX_PIXELS, "min_pixels": MAX_PIXELS}
+    answered = 0
+    for start in range(0, len(paths), 8):
+        batch = [[{
+            "role": "user", "content": [{"type": "image", "image": p},
+                                        {"type": "text", "text": DEFAULT_PROMPT}]
+        }] for p in paths[start:start + 8]]
+        try:
+            again = llm.chat(batch, params, use_tqdm=False, mm_processor_kwargs=limits)
+        except RequestError as e:  # a broken file in the batch: its error, the others' outputs
+            again = e.outputs
+        assert len(again) == len(batch)
+        for record, out_ in zip(records[start:start + 8], again):
+            if out_.error is None:
+                assert (record["caption"],
+                        record["tokens"]) == (out_.outputs[0].text.strip(),
+                                              len(out_.outputs[0].token_ids)), record["path"]
+                assert record["size"] == out_.images[0]["size"]
+                answered += 1
+            else:
+                assert record["caption"] is None and record["error"] in out_.error
+    assert answered == 47
     assert summary.tokens == sum(r["tokens"] for r in records)
     assert not llm.engine.requests and not llm.engine.scheduler.has_unfinished()
     # Nothing to do a second time; without resume/overwrite an existing file is refused.
