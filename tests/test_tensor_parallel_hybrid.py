@@ -128,3 +128,25 @@ def test_linear_key_heads_that_do_not_split_are_refused_before_spawning(tmp_path
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not fit this model: "
                                          r"linear_num_key_heads=1 is not divisible by it"):
         LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS)
+
+
+@pytest.mark.slow  # two processes: `make test-full` and CI run it
+def test_w4a16_checkpoint_on_two_ranks_equals_one_rank(tmp_path):
+    """Each rank cuts its three runs of in_proj_qkv out of the packed int4 weight and its group
+    scales, as it cuts the dense weight."""
+    from tests.quantized_checkpoints import write_compressed_tensors
+    from transformers import Qwen3_5ForCausalLM
+    folder, _, _ = checkpoint(Qwen3_5ForCausalLM, text_config(), str(tmp_path / "base"), False)
+    path = str(tmp_path / "w4a16")
+    write_compressed_tensors(folder, path, "w4a16", group_size=16)  # 48 per rank in down_proj
+    one = LLM(path, **OPTIONS)
+    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    one_logits = prompt_logits(one)
+    with LLM(path, tensor_parallel_size=2, **OPTIONS) as llm:
+        assert "w4a16" in llm.engine.model_runner.model.model.layers[0].linear_attn.in_proj \
+            .method.describe().lower()
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        two_logits = prompt_logits(llm)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    for ours, ref in zip(two_logits, one_logits):
+        assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4

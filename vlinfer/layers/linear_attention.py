@@ -136,7 +136,7 @@ class DepthwiseConvWeight(nn.Module):
 def load_depthwise(param: nn.Parameter, loaded, runs: list[tuple[int, int]], tp: int) -> None:
     """The checkpoint's [channels, 1, kernel] conv weight, this rank's channels; one that does not
     fit names the config fields its kernel and channels come from."""
-    tensor = as_tensor(loaded)
+    tensor = dense(as_tensor(loaded), "the conv1d weight")
     if tensor.dim() == 3 and tensor.shape[1] == 1:
         tensor = tensor[:, 0]
     channels, kernel = param.shape
@@ -160,8 +160,18 @@ def sized_by(fields: str, tp: TPGroup):
         if tuple(loaded.shape) != (size * tp.size,):
             raise ValueError(f"shape mismatch: parameter {(size * tp.size,)} ({fields} of the "
                              f"config), checkpoint {tuple(loaded.shape)}")
-        param.data.copy_(as_tensor(loaded.narrow(0, tp.rank * size, size)))
+        param.data.copy_(dense(as_tensor(loaded.narrow(0, tp.rank * size, size)),
+                               f"the tensor sized by {fields}"))
     return load
+
+
+def dense(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """A checkpoint tensor of a part that stays dense (conv1d, A_log, dt_bias, the gated norm): an
+    integer or 8-bit float one (a quantized checkpoint that quantized it) is refused by name."""
+    if not tensor.is_floating_point() or tensor.element_size() < 2:
+        raise ValueError(f"{what} is stored as {tensor.dtype}: Gated DeltaNet's conv1d, A_log, "
+                         "dt_bias and gated norm stay dense (16- or 32-bit floats)")
+    return tensor
 
 
 class GatedNormWeight(nn.Module):
