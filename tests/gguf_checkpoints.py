@@ -6,6 +6,7 @@ transformers' GGUF tokenizer conversion runs."""
 import os
 
 import numpy as np
+import torch
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 DIMS = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
@@ -101,3 +102,105 @@ def write_tiny_llama_gguf(path: str, type_name: str, seed: int = 0,
     writer.write_tensors_to_file()
     writer.close()
     return os.path.abspath(path)
+
+
+def _reorder_v_heads(w: np.ndarray, dim: int, num_k: int, per_k: int, head_dim: int) -> np.ndarray:
+    """llama.cpp's _LinearAttentionVReorderBase: value heads from grouped by key head
+    [k0v0, k0v1, k1v0, k1v1] to tiled [k0v0, k1v0, k0v1, k1v1] along `dim`."""
+    shape = list(w.shape)
+    w = w.reshape(*shape[:dim], num_k, per_k, head_dim, *shape[dim + 1:])
+    return np.swapaxes(w, dim, dim + 1).reshape(shape)
+
+
+def write_tiny_qwen35_gguf(model, path: str, type_name: str) -> tuple[str, dict]:
+    """A `qwen35` GGUF of a transformers Qwen3_5ForCausalLM, written as llama.cpp's converter
+    (conversion/qwen.py Qwen3NextModel + _LinearAttentionVReorderBase) writes one: the value heads
+    of in_proj_qkv's v rows, in_proj_z, in_proj_b / in_proj_a, A_log / dt_bias, the conv's v
+    channels and out_proj's columns reordered from grouped to tiled; A_log stored as
+    ssm_a = -exp(A_log); dt_bias as ssm_dt.bias; the conv squeezed to [channels, kernel]; every
+    RMSNorm but the gated one stored as 1 + weight; 2-D weights (not the conv) in `type_name`
+    blocks, the rest F32. The vocabulary is the byte-level one of write_tiny_llama_gguf. Returns
+    (path, the dequantized twin's weights: {Hugging Face name: each block-stored weight as gguf-py
+    dequantizes it, its reorder undone by the inverse permutation})."""
+    import gguf
+    qtype = gguf.GGMLQuantizationType[type_name]
+    c = model.config
+    nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
+    dk, dv, per_k = c.linear_key_head_dim, c.linear_value_head_dim, nv // nk
+    interval = c.layer_types.index("full_attention") + 1
+    assert c.layer_types == [("linear_attention" if (i + 1) % interval else "full_attention")
+                             for i in range(c.num_hidden_layers)]
+    tokens = _byte_symbols() + ["\u0120t"] + SPECIALS
+    assert len(tokens) == c.vocab_size
+    writer = gguf.GGUFWriter(path, "qwen35")
+    writer.add_name("tiny-qwen35")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = c.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(int(c.head_dim * rope["partial_rotary_factor"]))
+    writer.add_rope_dimension_sections(list(rope["mrope_section"]) + [0])
+    writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(dk)
+    writer.add_ssm_group_count(nk)
+    writer.add_ssm_time_step_rank(nv)
+    writer.add_ssm_inner_size(dv * nv)
+    writer.add_full_attention_interval(interval)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 257 + [3] * len(SPECIALS))
+    writer.add_token_merges(["\u0120 t"])
+    writer.add_bos_token_id(257)
+    writer.add_eos_token_id(259)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, c.num_hidden_layers)
+    twin = {}
+    for name, tensor in model.state_dict().items():
+        hf_name = name
+        w = tensor.float().numpy()
+        # where each stored row / column comes from: the reorders below applied to indices
+        rows, cols = np.arange(w.shape[0]), np.arange(w.shape[-1])
+        if name.endswith(".A_log"):
+            w = -np.exp(w)
+        elif name.endswith(".dt_bias"):
+            name = name.replace(".dt_bias", ".dt_proj.bias")
+        elif "conv1d" in name:
+            w = w.squeeze(1)
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            w = w + 1
+        if "linear_attn." in name and per_k > 1:
+            if ".in_proj_qkv." in name or "conv1d" in name:
+                rows = np.concatenate([rows[:2 * nk * dk],
+                                       _reorder_v_heads(rows[2 * nk * dk:], 0, nk, per_k, dv)])
+            elif ".in_proj_z." in name:
+                rows = _reorder_v_heads(rows, 0, nk, per_k, dv)
+            elif ".in_proj_b." in name or ".in_proj_a." in name or ".A_log" in name or \
+                    ".dt_proj" in name:
+                rows = _reorder_v_heads(rows, 0, nk, per_k, 1)
+            elif ".out_proj." in name:
+                cols = _reorder_v_heads(cols, 0, nk, per_k, dv)
+            w = w[rows] if w.ndim == 1 else w[rows][:, cols]
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if w.ndim == 2 and "conv1d" not in name:
+            blocks = gguf.quants.quantize(w, qtype)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+            stored = gguf.quants.dequantize(blocks, qtype)
+            twin[hf_name] = torch.from_numpy(
+                stored[np.argsort(rows)][:, np.argsort(cols)].astype(np.float32))
+        else:
+            writer.add_tensor(gguf_name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return os.path.abspath(path), twin

@@ -10,7 +10,9 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   # Qwen3.5's Gated DeltaNet projections
+                   "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 def _linear_names(state: dict, include_vision: bool = False) -> list[str]:

@@ -29,10 +29,10 @@ CASES = {
     "video": (ASK.format(V), [], [(CLIP_ODD, META_ODD)])
 }
 # PEFT target_modules regexes (full match on the module name): every vision linear (blocks' qkv,
-# proj and MLP, the merger's and the DeepStack mergers'; not the patch embedding, a Conv3d) and the
-# decoder's.
+# proj and MLP, the merger's and the DeepStack mergers'), the patch embedding (a Conv3d: PEFT gives
+# it convolution-shaped A and B) and the decoder's.
 VISION = (r"model\.visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])"
-          r"|(merger|deepstack_merger_list\.\d+)\.linear_fc[12])")
+          r"|(merger|deepstack_merger_list\.\d+)\.linear_fc[12]|patch_embed\.proj)")
 TEXT = r"model\.language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
 # name -> (rank, alpha, rslora, targets, seed)
 ADAPTERS = {"text": (8, 16, False, TEXT, 1), "both": (8, 16, False, f"{VISION}|{TEXT}", 2),
@@ -202,20 +202,43 @@ def test_qwen3_vl_moe_vision_adapter_equals_peft(tmp_path):
     assert_block_pool_empty(llm)
 
 
-def test_a_patch_embedding_adapter_is_refused_by_name(setup, references, tmp_path):
-    """PEFT adapts the patch embedding (a Conv3d) with convolution-shaped A and B: refused by name,
-    the others run."""
+def test_a_patch_embedding_adapter_equals_peft_and_a_bad_conv_is_refused(setup, references,
+                                                                          tmp_path):
+    """PEFT adapts the patch embedding (a Conv3d) with a conv A of the base's kernel and stride and
+    a 1x1x1 conv B: the engine runs it as the flattened patch's matmul, an adapter on it alone
+    equal to PEFT's logits. A conv B of a larger kernel is refused by name, the others run."""
+    from safetensors.torch import load_file, save_file
     from transformers import Qwen3VLForConditionalGeneration
     path, adapters = setup
     base = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
     conv = LoRARequest("conv", 9, make_adapter(base, str(tmp_path / "conv"), 4, 8, False,
                                                r"model\.visual\.patch_embed\.proj", 5))
     llm = make_llm(path)
+    engine = llm.engine
+    seq = engine.make_sequences(request(*CASES["image"]), lora_request=conv)[0]
+    assert seq.vision_lora == conv
+    engine.add_sequence(seq)
+    assert engine.block_manager.allocate(seq, seq.num_tokens)
+    ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens]))
+    engine.abort_request(seq.request_id)
+    ids, kwargs = hf_inputs(path, *CASES["image"])
+    with torch.no_grad():
+        ref = peft_model(path, conv)(input_ids=ids, **kwargs).logits[0]
+    base_logits = references[(None, "image")][0]
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    assert ((base_logits - ref).abs().max() / ref.abs().max()).item() > 1e-3  # it matters
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "adapter_config.json").write_text((tmp_path / "conv" / "adapter_config.json")
+                                              .read_text())
+    tensors = load_file(str(tmp_path / "conv" / "adapter_model.safetensors"))
+    tensors = {k: v.repeat(1, 1, 2, 1, 1) if "lora_B" in k else v for k, v in tensors.items()}
+    save_file(tensors, str(wide / "adapter_model.safetensors"))
     with pytest.raises(RequestError) as e:
         llm.generate([request(*CASES["image"])] * 2, GREEDY, use_tqdm=False,
-                     lora_request=[conv, adapters["eyes"]])
+                     lora_request=[LoRARequest("wide", 10, str(wide)), adapters["eyes"]])
     outs = e.value.outputs
-    assert "model.visual.patch_embed.proj" in outs[
-        0].error and "not a linear layer's adapter" in outs[0].error
+    assert "model.visual.patch_embed.proj" in outs[0].error
+    assert "nor a patch conv's" in outs[0].error
     assert outs[1].outputs[0].token_ids == references[("eyes", "image")][1]
     assert_block_pool_empty(llm)

@@ -3,9 +3,9 @@ weight."""
 
 
 def check_tensor_parallel_shapes(text_config, tp: int, expert_parallel: bool = False) -> None:
-    """Query heads and the MLP split evenly; KV heads split evenly or, when fewer than ranks,
-    replicate. MoE experts split along their intermediate dimension, or (expert_parallel) whole
-    experts over the ranks."""
+    """Query heads, linear-attention key heads and the MLP split evenly; KV heads split evenly
+    or, when fewer than ranks, replicate. MoE experts split along their intermediate dimension,
+    or (expert_parallel) whole experts over the ranks."""
     if tp == 1:
         return
     heads, kv = text_config.num_attention_heads, text_config.num_key_value_heads
@@ -14,8 +14,17 @@ def check_tensor_parallel_shapes(text_config, tp: int, expert_parallel: bool = F
         problems.append(f"num_attention_heads={heads} is not divisible by it")
     if kv % tp and tp % kv:
         problems.append(f"num_key_value_heads={kv} neither divides it nor is divisible by it")
-    if text_config.intermediate_size % tp:
-        problems.append(f"intermediate_size={text_config.intermediate_size} is not divisible by it")
+    intermediate = getattr(text_config, "intermediate_size", 0) or 0  # none in Qwen3.5-MoE's
+    if intermediate % tp:
+        problems.append(f"intermediate_size={intermediate} is not divisible by it")
+    linear_heads = getattr(text_config, "linear_num_key_heads", None)  # Gated DeltaNet layers
+    if "linear_attention" in (getattr(text_config, "layer_types", None) or ()) and \
+            isinstance(linear_heads, int) and linear_heads % tp:
+        problems.append(f"linear_num_key_heads={linear_heads} is not divisible by it (each rank "
+                        "holds whole key heads and the value heads they serve)")
+    shared = getattr(text_config, "shared_expert_intermediate_size", 0) or 0
+    if shared % tp:
+        problems.append(f"shared_expert_intermediate_size={shared} is not divisible by it")
     num_experts = getattr(text_config, "num_experts", 0) or 0
     if num_experts and expert_parallel and num_experts % tp:
         problems.append(

@@ -111,6 +111,20 @@ class LinearBase(nn.Module):
         its rows)."""
         return 0, 0, self.output_size, 0, self.output_size
 
+    def checkpoint_rows(self, shard_id) -> list[tuple[int, int]]:
+        """(first row, rows) of each run of the checkpoint tensor `shard_id` that this rank holds,
+        in the order its output keeps them: one run, unless a layer's shard interleaves parts
+        (Gated DeltaNet's in_proj_qkv: this rank's q, k and v heads)."""
+        _, _, rows, start, _ = self.output_shard(shard_id)
+        return [(start, rows)]
+
+    def take_rows(self, loaded, shard_id, dim: int, full_rows: int):
+        """This rank's rows (checkpoint_rows) of a checkpoint tensor whose `dim` holds full_rows
+        output features in proportion; lazy when they are one run."""
+        parts = [_narrow_in_proportion(loaded, dim, start, rows, full_rows)
+                 for start, rows in self.checkpoint_rows(shard_id)]
+        return parts[0] if len(parts) == 1 else torch.cat([as_tensor(p) for p in parts], dim)
+
     def input_shard(self) -> tuple[int, int, int]:
         """(first column in the checkpoint tensor, columns this rank holds, the tensor's columns).
         """
@@ -134,7 +148,7 @@ class LinearBase(nn.Module):
             loaded = layout.convert(as_tensor(loaded), full_rows, full_cols)
         if not layout.per_shard:
             if layout.output_dim is not None and rows != full_rows:
-                loaded = _narrow_in_proportion(loaded, layout.output_dim, start, rows, full_rows)
+                loaded = self.take_rows(loaded, shard_id, layout.output_dim, full_rows)
             if layout.input_dim is not None and cols != full_cols:
                 loaded = _narrow_in_proportion(loaded, layout.input_dim, col_start, cols, full_cols)
         tensor = as_tensor(loaded)
@@ -210,11 +224,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
         if hasattr(param, "quant_layout"):
             return self.load_quantized(param, loaded, shard_id)
-        world = self.tp.size
-        offset = sum(self.output_sizes[:shard_id]) // world
-        size = divide(self.output_sizes[shard_id], world)
-        check_full_size(loaded, 0, self.output_sizes[shard_id])
-        loaded = loaded.narrow(0, self.tp.rank * size, size)
+        _, offset, size, _, full_rows = self.output_shard(shard_id)
+        check_full_size(loaded, 0, full_rows)
+        loaded = self.take_rows(loaded, shard_id, 0, full_rows)
         default_weight_loader(param.data.narrow(0, offset, size), loaded)
 
 

@@ -8,20 +8,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlinfer.layers.context import ModelContext
+from vlinfer.layers.distributed import SINGLE, TPGroup, divide
 from vlinfer.layers.linear import MergedColumnParallelLinear, RowParallelLinear, as_tensor
 
 
 class GatedDeltaNet(nn.Module):
+    """Under tensor parallelism each rank holds whole key heads and the value heads they serve:
+    their q / k / v channels (in_proj_qkv's rows and the conv's), z, b, a, A_log and dt_bias, the
+    out_proj columns of its value heads, and the state of those heads only."""
+
     def __init__(self, ctx: ModelContext, config):
         super().__init__()
-        if ctx.tp.size != 1:  # in_proj's q/k/v columns and the heads would need splitting apart
-            raise NotImplementedError(
-                "Gated DeltaNet layers (linear_attention in layer_types) run on one rank only; "
-                f"tensor_parallel_size={ctx.tp.size} is not supported for them yet")
         check_linear_config(config)
         self.ctx, self.ops = ctx, ctx.ops
-        self.num_k_heads, self.num_v_heads = (config.linear_num_key_heads,
-                                              config.linear_num_value_heads)
+        tp = ctx.tp.size  # distributed/shapes.py checked linear_num_key_heads splits
+        self.num_k_heads = divide(config.linear_num_key_heads, tp)
+        self.num_v_heads = divide(config.linear_num_value_heads, tp)
         self.head_k_dim, self.head_v_dim = (config.linear_key_head_dim,
                                             config.linear_value_head_dim)
         self.key_dim = self.num_k_heads * self.head_k_dim
@@ -30,19 +32,21 @@ class GatedDeltaNet(nn.Module):
         self.kernel_size = config.linear_conv_kernel_dim
         self.eps = config.rms_norm_eps
         # the checkpoint's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a as one matmul
-        self.in_proj = MergedColumnParallelLinear(
-            ctx, config.hidden_size,
-            [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads])
-        self.conv1d = DepthwiseConvWeight(ctx, self.conv_dim, self.kernel_size)
+        self.in_proj = DeltaNetInProj(ctx, config.hidden_size, self.key_dim, self.value_dim,
+                                      self.num_v_heads)
+        self.conv1d = DepthwiseConvWeight(ctx, self.conv_dim, self.kernel_size,
+                                          self.in_proj.checkpoint_rows(0))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=ctx.dtype),
                                     requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads, dtype=ctx.dtype),
                                   requires_grad=False)
         for per_head in (self.dt_bias, self.A_log):  # one entry per value head
-            per_head.weight_loader = sized_by(f"linear_num_value_heads={self.num_v_heads}")
+            per_head.weight_loader = sized_by(
+                f"linear_num_value_heads={config.linear_num_value_heads}", ctx.tp)
         self.norm = GatedNormWeight(ctx, self.head_v_dim)
-        self.norm.weight.weight_loader = sized_by(f"linear_value_head_dim={self.head_v_dim}")
-        self.out_proj = RowParallelLinear(ctx, self.value_dim, config.hidden_size)
+        self.norm.weight.weight_loader = sized_by(f"linear_value_head_dim={self.head_v_dim}",
+                                                  SINGLE)  # whole on every rank
+        self.out_proj = RowParallelLinear(ctx, self.value_dim * tp, config.hidden_size)
         # one slot's conv state and recurrent state (HasStateSlots). The conv state holds past
         # inputs, already in the compute dtype: kept in it, losslessly (vLLM's mamba_cache_dtype
         # "auto"); the recurrent state in ctx.state_dtype (mamba_ssm_cache_dtype).
@@ -95,45 +99,79 @@ def check_linear_config(config) -> None:
                          "or more (its state keeps kernel - 1 inputs)")
 
 
+class DeltaNetInProj(MergedColumnParallelLinear):
+    """in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (shards 0..3) of one rank's heads in one
+    matmul: [q | k | v | z | b | a] of its key heads and the value heads they serve. Its qkv rows
+    are three runs of the checkpoint's in_proj_qkv (its q heads, its k heads, its v heads)."""
+
+    def __init__(self, ctx: ModelContext, hidden_size: int, key_dim: int, value_dim: int,
+                 num_v_heads: int):
+        self.key_dim, self.value_dim = key_dim, value_dim  # this rank's
+        tp = ctx.tp.size
+        super().__init__(ctx, hidden_size, [tp * (2 * key_dim + value_dim), tp * value_dim,
+                                            tp * num_v_heads, tp * num_v_heads])
+
+    def checkpoint_rows(self, shard_id) -> list[tuple[int, int]]:
+        if shard_id != 0:
+            return super().checkpoint_rows(shard_id)
+        rank, tp, kd, vd = self.tp.rank, self.tp.size, self.key_dim, self.value_dim
+        return [(rank * kd, kd), (tp * kd + rank * kd, kd), (2 * tp * kd + rank * vd, vd)]
+
+
 class DepthwiseConvWeight(nn.Module):
     """The conv1d's weight as the op reads it, [channels, kernel] (a holder: GatedDeltaNet passes
     it to ops.causal_conv1d); the checkpoint's is [channels, 1, kernel] (torch's Conv1d with
-    groups=channels)."""
+    groups=channels). runs: (first channel, channels) of the checkpoint's this rank holds (its q,
+    k and v heads'), in order."""
 
-    def __init__(self, ctx: ModelContext, channels: int, kernel_size: int):
+    def __init__(self, ctx: ModelContext, channels: int, kernel_size: int,
+                 runs: list[tuple[int, int]]):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, kernel_size, dtype=ctx.dtype),
                                    requires_grad=False)
-        self.weight.weight_loader = load_depthwise
+        self.weight.weight_loader = lambda param, loaded: load_depthwise(param, loaded, runs,
+                                                                         ctx.tp.size)
 
 
-def load_depthwise(param: nn.Parameter, loaded) -> None:
-    """The checkpoint's [channels, 1, kernel] conv weight; one that does not fit names the config
-    fields its kernel and channels come from."""
-    tensor = as_tensor(loaded)
+def load_depthwise(param: nn.Parameter, loaded, runs: list[tuple[int, int]], tp: int) -> None:
+    """The checkpoint's [channels, 1, kernel] conv weight, this rank's channels; one that does not
+    fit names the config fields its kernel and channels come from."""
+    tensor = dense(as_tensor(loaded), "the conv1d weight")
     if tensor.dim() == 3 and tensor.shape[1] == 1:
         tensor = tensor[:, 0]
     channels, kernel = param.shape
     if tensor.dim() == 2 and tensor.shape[1] != kernel:
         raise ValueError(f"the conv1d weight has a kernel of {tensor.shape[1]}, the checkpoint's "
                          f"config says linear_conv_kernel_dim={kernel}")
-    if tuple(tensor.shape) != tuple(param.shape):
+    if tuple(tensor.shape) != (channels * tp, kernel):
         raise ValueError(
-            f"shape mismatch: conv1d weight {tuple(param.shape)}, checkpoint "
-            f"{tuple(loaded.shape)}: its {channels} channels are 2 * linear_num_key_heads * "
+            f"shape mismatch: conv1d weight {(channels * tp, kernel)}, checkpoint "
+            f"{tuple(loaded.shape)}: its {channels * tp} channels are 2 * linear_num_key_heads * "
             "linear_key_head_dim + linear_num_value_heads * linear_value_head_dim of the config")
-    param.data.copy_(tensor)
+    param.data.copy_(torch.cat([tensor[start:start + n] for start, n in runs]))
 
 
-def sized_by(fields: str):
-    """A weight loader for a parameter whose one dimension is a config field (`fields` says which
-    and its value): a checkpoint tensor of another size names it."""
+def sized_by(fields: str, tp: TPGroup):
+    """A weight loader for a one-dimensional parameter sized by a config field (`fields` names it
+    and its value), split over `tp` (SINGLE: whole on every rank): this rank's entries; a
+    checkpoint tensor of another size names the field."""
     def load(param: nn.Parameter, loaded) -> None:
-        if tuple(loaded.shape) != tuple(param.shape):
-            raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} ({fields} of the "
+        size = len(param)
+        if tuple(loaded.shape) != (size * tp.size,):
+            raise ValueError(f"shape mismatch: parameter {(size * tp.size,)} ({fields} of the "
                              f"config), checkpoint {tuple(loaded.shape)}")
-        param.data.copy_(as_tensor(loaded))
+        param.data.copy_(dense(as_tensor(loaded.narrow(0, tp.rank * size, size)),
+                               f"the tensor sized by {fields}"))
     return load
+
+
+def dense(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """A checkpoint tensor of a part that stays dense (conv1d, A_log, dt_bias, the gated norm): an
+    integer or 8-bit float one (a quantized checkpoint that quantized it) is refused by name."""
+    if not tensor.is_floating_point() or tensor.element_size() < 2:
+        raise ValueError(f"{what} is stored as {tensor.dtype}: Gated DeltaNet's conv1d, A_log, "
+                         "dt_bias and gated norm stay dense (16- or 32-bit floats)")
+    return tensor
 
 
 class GatedNormWeight(nn.Module):

@@ -127,7 +127,7 @@ class LoRASlots(nn.Module):
         r = a.shape[0]
         if r > self.max_rank:
             raise ValueError(f"rank {r} is above max_lora_rank={self.max_rank}")
-        _, offset, rows, start, full_rows = layer.output_shard(shard_id)
+        _, offset, rows, _, full_rows = layer.output_shard(shard_id)
         col_start, cols, full_cols = layer.input_shard()
         if tuple(a.shape) != (r, full_cols) or tuple(b.shape) != (full_rows, r):
             raise ValueError(
@@ -135,8 +135,8 @@ class LoRASlots(nn.Module):
                 f"{full_cols} layer (an adapter of another model?)")
         lo = sub_index * self.max_rank
         self.a[slot, lo:lo + r] = a[:, col_start:col_start + cols].to(self.a.dtype)
-        self.b[slot, offset:offset + rows,
-               lo:lo + r] = (b[start:start + rows].float() * scaling).to(self.b.dtype)
+        b = torch.cat([b[first:first + n] for first, n in layer.checkpoint_rows(shard_id)])
+        self.b[slot, offset:offset + rows, lo:lo + r] = (b.float() * scaling).to(self.b.dtype)
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> torch.Tensor:
         """y + each row's adapter update: x [T, in], y [T, out] (ops add_lora, in place)."""

@@ -58,8 +58,11 @@ def _read_config(source: ModelSource):
     from transformers import AutoConfig
     try:
         if source.gguf_file:
+            from vlinfer.loading import gguf
             with reading(source.path):
-                config = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file)
+                # qwen35 files: vlinfer reads their header (loading/gguf_qwen35.py)
+                config = gguf.read_config(source.path) or AutoConfig.from_pretrained(
+                    source.folder, gguf_file=source.gguf_file)
                 config.architectures = config.architectures or [_gguf_architecture(config)]
             return config
         return AutoConfig.from_pretrained(source.path)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from vlinfer.layers.quantization.base import TensorInfo
+from vlinfer.loading import gguf_qwen35
 from vlinfer.ops.reference.gguf import GGUF_BLOCK_TYPES
 
 logger = logging.getLogger("vlinfer")
@@ -57,6 +58,24 @@ def _array_reader(path: str):
     return ArrayReader(path)
 
 
+def architecture(reader) -> str:
+    """The file's general.architecture ("llama", "qwen35", ...)."""
+    return gguf_qwen35.header_value(reader, "general.architecture")
+
+
+def read_config(path: str):
+    """The config of a GGUF file whose architecture transformers' GGUF loader does not read
+    (qwen35), or None: transformers reads it. A known architecture vlinfer cannot open yet is
+    refused by name. The architecture is peeked from the header's key-value pairs, so other files'
+    headers (a vocabulary takes seconds) are parsed no more often than before."""
+    name = gguf_qwen35.peek_architecture(path)
+    if name in gguf_qwen35.REFUSED:
+        raise ValueError(gguf_qwen35.REFUSED[name])
+    if name not in gguf_qwen35.ARCHITECTURES:
+        return None
+    return gguf_qwen35.read_config(_array_reader(path))
+
+
 def _reader_and_mapping(path: str, config):
     """(reader, processor, {gguf name: hf name}) for a GGUF file, built as transformers builds them.
     """
@@ -64,8 +83,7 @@ def _reader_and_mapping(path: str, config):
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map)
     reader = _array_reader(path)
-    field = reader.fields["general.architecture"]
-    architecture = bytes(field.parts[field.data[0]]).decode()
+    name = architecture(reader)
     blocks = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
     # before transformers builds that many layers to name them
     if config.num_hidden_layers > len(blocks):
@@ -73,10 +91,13 @@ def _reader_and_mapping(path: str, config):
             f"its header declares {config.num_hidden_layers} blocks, it has tensors for "
             f"{len(blocks)}"
         )
+    if name in gguf_qwen35.ARCHITECTURES:  # transformers' GGUF loader does not read it
+        mapping = gguf_qwen35.hf_names(config)
+        return reader, gguf_qwen35.Qwen35TensorProcessor(config, mapping), mapping, {"tensors": {}}
     # The processor reads the config transformers parsed from this file's header (head counts for
     # Llama's q / k permutation): `config` is that parse.
     parsed = {"config": config.to_dict()}
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    processor = TENSOR_PROCESSORS.get(name, TensorProcessor)(config=parsed["config"])
     # transformers maps GGUF names through an (empty) model of the same config
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -88,6 +109,9 @@ def _reader_and_mapping(path: str, config):
 
 def _keeps_blocks(tensor, processor) -> bool:
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, TensorProcessor
+    if isinstance(processor, gguf_qwen35.Qwen35TensorProcessor):
+        return (tensor.tensor_type.name in KEPT_TYPE_NAMES and tensor.data.ndim == 2 and
+                processor.keeps_blocks(tensor.name))
     return (tensor.tensor_type.name in KEPT_TYPE_NAMES and tensor.data.ndim == 2 and
             type(processor) in (TensorProcessor, LlamaTensorProcessor))
 

@@ -63,12 +63,7 @@ def read_peft_adapter(path: str) -> LoRAAdapter:
     for module, pair in modules.items():
         if set(pair) != {"lora_A", "lora_B"}:
             raise ValueError(f"LoRA adapter {path!r}: module {module!r} has {sorted(pair)} only")
-        a, b = pair["lora_A"], pair["lora_B"]
-        if a.dim() != 2 or b.dim() != 2:  # e.g. a Conv3d's (Qwen3-VL's patch embedding)
-            raise ValueError(
-                f"LoRA adapter {path!r}: module {module!r} has lora_A {tuple(a.shape)} and lora_B "
-                f"{tuple(b.shape)}: not a linear layer's adapter (only linear layers are supported)"
-            )
+        a, b = _as_linear(path, module, pair["lora_A"], pair["lora_B"])
         if a.shape[0] != rank or b.shape[1] != rank:
             raise ValueError(
                 f"LoRA adapter {path!r}: module {module!r} has lora_A {tuple(a.shape)} and lora_B "
@@ -76,8 +71,25 @@ def read_peft_adapter(path: str) -> LoRAAdapter:
     if not modules:
         raise ValueError(f"LoRA adapter {path!r}: no LoRA weights in it")
     return LoRAAdapter(path, rank, scaling,
-                       {m: (p["lora_A"], p["lora_B"])
+                       {m: _as_linear(path, m, p["lora_A"], p["lora_B"])
                         for m, p in modules.items()})
+
+
+def _as_linear(path: str, module: str, a: torch.Tensor,
+               b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A module's lora_A [r, in] and lora_B [out, r]. A conv's (PEFT's Conv3d adapter on the vision
+    towers' patch embedding: lora_A a conv with the base's kernel and stride [r, C, *kernel], lora_B
+    a 1 x ... x 1 conv [out, r, 1, ...]) is its flattened linear one: vlinfer holds a conv only as
+    the matmul of a kernel == stride patch (C * kernel inputs, the element order of the base weight
+    flattened on load), and targets() checks the flattened width against that layer."""
+    if a.dim() == b.dim() > 2 and all(size == 1 for size in b.shape[2:]):
+        return a.reshape(a.shape[0], -1), b.reshape(b.shape[0], b.shape[1])
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(
+            f"LoRA adapter {path!r}: module {module!r} has lora_A {tuple(a.shape)} and lora_B "
+            f"{tuple(b.shape)}: neither a linear layer's adapter nor a patch conv's (lora_B a "
+            "1 x ... x 1 conv)")
+    return a, b
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:

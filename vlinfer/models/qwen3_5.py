@@ -16,8 +16,8 @@ from vlinfer.layers import (Attention, ModelContext, QKVParallelLinear, RotaryEm
                             RowParallelLinear, VocabParallelEmbedding)
 from vlinfer.layers.layernorm import OffsetRMSNorm
 from vlinfer.layers.linear_attention import GatedDeltaNet
-from vlinfer.models.interfaces import Heads, HasStateSlots
-from vlinfer.models.llama import LlamaForCausalLM, LlamaMLP, build_lm_head
+from vlinfer.models.interfaces import Heads, HasStateSlots, SupportsPooling
+from vlinfer.models.llama import LlamaForCausalLM, LlamaMLP, build_classifier, build_lm_head
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -131,7 +131,7 @@ class Qwen3_5Model(nn.Module):
         return hidden_states
 
 
-class Qwen3_5ForCausalLM(nn.Module, HasStateSlots):
+class Qwen3_5ForCausalLM(nn.Module, HasStateSlots, SupportsPooling):
     packed_modules_mapping = {
         **LlamaForCausalLM.packed_modules_mapping,
         "in_proj_qkv": ("in_proj", 0),
@@ -142,12 +142,11 @@ class Qwen3_5ForCausalLM(nn.Module, HasStateSlots):
 
     def __init__(self, config, ctx: ModelContext, heads: Heads = Heads()):
         super().__init__()
-        if heads.classifier_token_ids is not None:
-            raise ValueError("Qwen3.5 has no classifier heads in vlinfer yet")
         self.config = config
         self.model = Qwen3_5Model(ctx, config)
         self.lm_head = build_lm_head(ctx, config, self.model.embed_tokens,
                                      config.tie_word_embeddings, heads)
+        self.classifier = build_classifier(ctx, config, heads)  # registered last: loaded last
 
     def state_layers(self) -> list[GatedDeltaNet]:
         return [m for m in self.modules() if isinstance(m, GatedDeltaNet)]

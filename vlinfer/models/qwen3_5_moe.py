@@ -11,7 +11,7 @@ from torch import nn
 from vlinfer.layers import ModelContext
 from vlinfer.loading import load_weights
 from vlinfer.models.interfaces import Heads, OwnsWeightLoading
-from vlinfer.models.llama import build_lm_head
+from vlinfer.models.llama import build_classifier, build_lm_head
 from vlinfer.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5Model
 from vlinfer.models.qwen3_moe import check_experts_loaded, route_expert_tensors
 from vlinfer.models.qwen3_next import SharedExpertMoE
@@ -26,13 +26,12 @@ def check_silu(config) -> None:
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM, OwnsWeightLoading):
     def __init__(self, config, ctx: ModelContext, heads: Heads = Heads()):
         nn.Module.__init__(self)
-        if heads.classifier_token_ids is not None:
-            raise ValueError("Qwen3.5-MoE has no classifier heads in vlinfer yet")
         check_silu(config)
         self.config = config
         self.model = Qwen3_5Model(ctx, config, lambda i: SharedExpertMoE(ctx, config))
         self.lm_head = build_lm_head(ctx, config, self.model.embed_tokens,
                                      config.tie_word_embeddings, heads)
+        self.classifier = build_classifier(ctx, config, heads)  # registered last: loaded last
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weights(self, route_expert_tensors(self, weights))

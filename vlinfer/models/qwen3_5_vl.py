@@ -13,7 +13,7 @@ from torch import nn
 from vlinfer.layers import ModelContext
 from vlinfer.layers.linear_attention import GatedDeltaNet
 from vlinfer.models.interfaces import Heads, HasStateSlots
-from vlinfer.models.llama import build_lm_head
+from vlinfer.models.llama import build_classifier, build_lm_head
 from vlinfer.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5Model
 from vlinfer.models.qwen3_5_moe import check_silu
 from vlinfer.models.qwen3_moe import check_experts_loaded, route_expert_tensors
@@ -38,8 +38,6 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration, HasStateS
 
     def __init__(self, config, ctx: ModelContext, heads: Heads = Heads()):
         nn.Module.__init__(self)
-        if heads.classifier_token_ids is not None:
-            raise ValueError("Qwen3.5 has no classifier heads in vlinfer yet")
         self.config = config
         text = config.text_config
         self.model = Qwen3_5VLModel(ctx, config, self.text_mlp_factory(ctx, text),
@@ -48,7 +46,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration, HasStateS
         self.lm_head = build_lm_head(ctx, text, self.model.language_model.embed_tokens, tied, heads)
         self.spatial_merge_size = config.vision_config.spatial_merge_size
         self.num_deepstack = 0
-        self.classifier = None
+        self.classifier = build_classifier(ctx, text, heads)  # registered last: loaded last
 
     def state_layers(self) -> list[GatedDeltaNet]:
         return [m for m in self.modules() if isinstance(m, GatedDeltaNet)]

@@ -16,7 +16,7 @@ from vlinfer.layers.fused_moe import FusedMoE
 from vlinfer.layers.linear import as_tensor
 from vlinfer.loading import load_weights
 from vlinfer.models.interfaces import Heads, OwnsWeightLoading
-from vlinfer.models.llama import LlamaMLP, build_lm_head
+from vlinfer.models.llama import LlamaMLP, build_classifier, build_lm_head
 from vlinfer.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5Model
 from vlinfer.models.qwen3_moe import check_experts_loaded, is_sparse_layer, route_expert_tensors
 
@@ -56,8 +56,6 @@ def grouped_rows(tensor: torch.Tensor, groups: int, sizes: list[int]) -> list[to
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM, OwnsWeightLoading):
     def __init__(self, config, ctx: ModelContext, heads: Heads = Heads()):
         nn.Module.__init__(self)
-        if heads.classifier_token_ids is not None:
-            raise ValueError("Qwen3-Next has no classifier heads in vlinfer yet")
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported activation hidden_act={config.hidden_act!r} in the "
                              "checkpoint's config; the experts run 'silu' (SwiGLU) only")
@@ -68,6 +66,7 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM, OwnsWeightLoading):
         self.model = Qwen3_5Model(ctx, config, make_mlp)
         self.lm_head = build_lm_head(ctx, config, self.model.embed_tokens,
                                      config.tie_word_embeddings, heads)
+        self.classifier = build_classifier(ctx, config, heads)  # registered last: loaded last
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weights(self, route_expert_tensors(self, self._reordered(weights)))

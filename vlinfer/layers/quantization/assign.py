@@ -67,8 +67,33 @@ def assign_methods(model: nn.Module, quantization: CheckpointQuantization,
             "compute dtype and run dense (no kept-quantized expert kernels yet): they open and "
             "match, but "
             "take dense memory", quantization.describe(), quantized_experts)
+    refuse_quantized_dense_parts(model, tensors)
     return counts
 
 
 # A checkpoint tensor with one of these suffixes carries a quantized projection's scales.
 QUANTIZED_SUFFIXES = (".weight_scale", ".weight_scale_inv")
+# ... or its packed values / zero points / activation scales (compressed-tensors, FP8, GPTQ names)
+QUANTIZED_PART_SUFFIXES = (*QUANTIZED_SUFFIXES, ".weight_packed", ".weight_zero_point",
+                           ".input_scale", ".qweight", ".qzeros", ".scales", ".g_idx")
+
+
+def refuse_quantized_dense_parts(model: nn.Module, tensors: TensorIndex) -> None:
+    """A checkpoint that quantizes a module vlinfer keeps dense (a norm, an embedding, Gated
+    DeltaNet's conv1d or its gated norm: anything but a linear layer or an MoE layer's experts) is
+    refused naming the tensor, rather than its scales failing as unknown names or its values
+    loading unscaled."""
+    modules = dict(model.named_modules())
+    for name in tensors:
+        if not name.endswith(QUANTIZED_PART_SUFFIXES):
+            continue
+        module_name = name.rsplit(".", 1)[0]
+        module = modules.get(module_name)
+        if module is None or isinstance(module, (LinearBase, FusedMoE)) or any(
+                isinstance(modules.get(module_name[:i]), FusedMoE)
+                for i in range(len(module_name)) if module_name[i] == "."):
+            continue
+        raise ValueError(
+            f"checkpoint tensor {name!r}: the checkpoint quantizes {module_name} (a "
+            f"{type(module).__name__}), which vlinfer keeps dense: only linear layers and MoE "
+            "experts hold quantized weights")
