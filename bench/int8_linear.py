@@ -3,7 +3,7 @@ count, the dense weight on the layout the engine packs it in (ops.pack_linear_we
 same weight quantized per channel as `quantization="int8"` does (ops.pack_quantized_linear("w8a16"),
 ops.weight_only_linear: the path the engine runs at that row count), and on the VNNI panels both
 paths forced, W8A16 (16-bit activations; bf16 panels widened per call) and W8A8 (per-token int8):
-where each leads re-derives int8_panels.WEIGHT_ONLY_ROWS (vlinfer/ops/cpu/int8_panels.py). Then
+where each leads re-derives int8_panels.WIDEN_ROWS (vlinfer/ops/cpu/int8_panels.py). Then
 this machine's bf16 and int8 matmul peaks, measured in the same run: the best of the dense
 kernels (oneDNN prepacked, F.linear, our panels) and of the W8A8 panels on 512 rows of 2048 -> 2048.
 
@@ -65,7 +65,7 @@ def peaks(ops, dtype, repeats: int) -> tuple[float, float | None]:
 def main(argv=None):
     p = common.parser(__doc__)
     common.add_dtype_arg(p, choices=["bfloat16", "float32"])
-    p.add_argument("--rows", default="1,2,4,8,16,64,256",
+    p.add_argument("--rows", default="1,2,4,8,16,32,48,64,256",
                    type=lambda v: [int(r) for r in v.split(",")])
     p.add_argument("--shapes", default=SHAPES, help="in x out features, comma-separated",
                    type=lambda v: [tuple(map(int, s.split("x"))) for s in v.split(",")])

@@ -150,10 +150,10 @@ def test_a_planted_bug_fails_the_per_row_check(ops, rows, digits, plant):
 
 
 def test_the_row_rule_and_the_packing_choice(ops):
-    """W8A16 with two digits up to WEIGHT_ONLY_ROWS rows and in float32, the widened bf16 panels
+    """W8A16 with two digits up to WIDEN_ROWS rows and in float32, the widened bf16 panels
     above in bf16; W8A8 checkpoints W8A8 at every row count. Per-channel layers on whole panels pack
     as VNNI panels, others keep the block kernel."""
-    top = int8_panels.WEIGHT_ONLY_ROWS
+    top = int8_panels.WIDEN_ROWS
     for dtype in (torch.float32, torch.bfloat16):
         assert int8_panels.digits(top, dtype, "w8a16") == 2
         assert int8_panels.digits(1, dtype, "w8a8") == 1

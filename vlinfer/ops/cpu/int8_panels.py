@@ -2,22 +2,20 @@
 as int8 [N / 32, K / 4, 32, 4] with its channel scales and the weight sums that take back the
 activations' +128 offset; each call quantizes its activations per row and takes vpdpbusd products.
 Which path a call runs is decided here, in one place (`digits`):
-- up to WEIGHT_ONLY_ROWS rows (decode): W8A16 with the activations as 16-bit integers per row (two
-  digits, each within max|x_row| / 65534 of its value): half the weight bytes of bf16 for the same
-  instruction count, in float32 and bf16 compute alike.
-- above it, bf16 compute: W8A16 on bf16 panels widened once per call, bf16(q * scale) (the
-  reference's dequantized weight) through the dense bf16 tiles (digits = 0): the dense rate and the
-  reference's numerics; float32 compute keeps the two digits.
-- W8A8 checkpoints at every row count: W8A8 with dynamic per-token int8 activations (the
-  reference's quantize_per_token: max|x_row| / 127, round half to even), one vpdpbusd per 4
-  products per row, twice the products per instruction of the bf16 panels.
-int8 on load does not take W8A8 at many rows: per-token int8 activations doubled its bf16 prompt
-logits' error against transformers on the dequantized weights (tests/test_quantized.py bound: 1.5x
-transformers' own bf16 error; docs/benchmarks.md).
-The crossover is a rule of the kernel, the same on every CPU: up to 4 rows a tile streams each
-weight once from memory (two digits cost no time while the bytes bound it); from 5 rows the tiles
-re-read each panel from cache for every few rows, the work bounds it, and the bf16 tiles do it at
-the dense rate. bench/int8_linear.py measures the paths against bf16 per row count.
+- W8A16 layers (int8 on load, W8A16 checkpoints), float32 compute, and bf16 calls up to WIDEN_ROWS
+  rows: the activations as 16-bit integers per row (two digits, each within max|x_row| / 65534 of
+  its value), two vpdpbusd per 4 weights and row: half the weight bytes of bf16 for the same
+  instruction count, which wins while the weights' bytes bound the call (decode).
+- bf16 calls above WIDEN_ROWS rows: bf16 panels widened once per call, bf16(q * scale) (the
+  reference's dequantized weight), through the dense bf16 tiles (digits = 0): the dense rate and
+  the reference's numerics, plus one widening per panel and call.
+- W8A8 checkpoints at every row count: dynamic per-token int8 activations (the reference's
+  quantize_per_token: max|x_row| / 127, round half to even), one vpdpbusd per 4 weights and row.
+int8 on load does not take W8A8 at many rows, though it is the fastest path there: per-token int8
+activations doubled its bf16 prompt logits' error against transformers on the dequantized weights
+(tests/test_quantized.py bounds it at 1.5x transformers' own bf16 error; docs/benchmarks.md).
+WIDEN_ROWS: the widening costs about what the two digits' extra work over the bf16 tiles costs on
+that many rows (bench/int8_linear.py measures both per row count; the table in docs/benchmarks.md).
 """
 import torch
 
@@ -25,7 +23,7 @@ from vlinfer.platform import cpu_features
 
 PANEL = 32  # outputs per panel
 QUAD = 4  # k per int32 lane of vpdpbusd
-WEIGHT_ONLY_ROWS = 4  # rows up to which calls run W8A16 (module docstring: the rule)
+WIDEN_ROWS = 32  # bf16 W8A16 calls above this many rows run the widened panels (docstring)
 
 
 def int8_path(ext) -> str:
@@ -36,8 +34,8 @@ def int8_path(ext) -> str:
         amx = (" (this CPU has AMX-INT8: its tiles are not used yet, the AVX512-VNNI kernels run)"
                if "amx_int8" in flags else "")
         return (f"int8 VNNI panels (AVX512-VNNI vpdpbusd){amx}: W8A16 with 16-bit activations "
-                f"per row up to {WEIGHT_ONLY_ROWS} rows (and in float32), bf16 panels widened "
-                f"once per call above; W8A8 checkpoints per-token int8 activations")
+                f"per row up to {WIDEN_ROWS} rows (and in float32), bf16 panels widened once per "
+                f"call above; W8A8 checkpoints per-token int8 activations")
     if "avx512_vnni" in flags or "avx_vnni" in flags:
         why = ("this level's build has no AVX512-VNNI kernels" if "avx512_vnni" in flags else
                "AVX-VNNI (256-bit) kernels are not written yet")
@@ -79,7 +77,7 @@ def digits(rows: int, dtype: torch.dtype, policy: str) -> int:
     `rows` rows: the rule of the module docstring."""
     if policy == "w8a8":
         return 1
-    return 0 if rows > WEIGHT_ONLY_ROWS and dtype == torch.bfloat16 else 2
+    return 0 if rows > WIDEN_ROWS and dtype == torch.bfloat16 else 2
 
 
 def linear(x: torch.Tensor, kernel: dict, bias: torch.Tensor | None,
