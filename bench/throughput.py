@@ -341,7 +341,9 @@ def main(argv=None):
     peak_before = matmul_peak_gflops(dtype, args.device)
 
     rows, notes = [], []  # rows: (name, seconds, outputs)
-    for quant in args.quantization:
+    # A quantized run is read against the dense one: --quantization int8 runs dense first.
+    quants = args.quantization if "none" in args.quantization else ["none", *args.quantization]
+    for quant in quants:
         for kv_cache_dtype in args.kv_cache_dtypes.split(","):
             seconds, outputs = run_vlinfer(args, prompts, out_lens, kv_cache_dtype,
                                            quantization=common.quantization(quant))

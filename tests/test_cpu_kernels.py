@@ -490,14 +490,15 @@ def test_expert_panel_matmul_equals_grouped_matmul(cpu, case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows, n, k", [(1, 576, 576), (3, 70, 96), (33, 130, 1536), (100, 56, 64),
+@pytest.mark.parametrize("rows, n, k", [(1, 560, 576), (3, 70, 96), (33, 130, 1536), (100, 56, 64),
                                         (8, 3, 32), (7, 48, 64)], ids=lambda v: str(v))
 def test_int8_layers_run_the_block_kernel_at_every_row_count(cpu_ops, rows, n, k, dtype):
-    """A per-channel int8 layer runs the GGUF block kernel as Q8_0 blocks of d = 1 times its channel
-    scales (N off the 16-row group, rows past one 32-row tile): equal to the reference on the
-    activations as the kernel holds them (float32 rounding), and within ~1e-5 of the
-    float-activation W8A16 reference (the documented tolerance). bf16 activations from
-    BF16_PANEL_ROWS rows take the bf16 panels instead, where this CPU has AVX512-BF16."""
+    """A per-channel int8 layer with N off the VNNI panels' 32 outputs (those: test_int8_vnni.py)
+    runs the GGUF block kernel as Q8_0 blocks of d = 1 times its channel scales (N off the 16-row
+    group, rows past one 32-row tile): equal to the reference on the activations as the kernel
+    holds them (float32 rounding), and within ~1e-5 of the float-activation W8A16 reference (the
+    documented tolerance). bf16 activations from BF16_PANEL_ROWS rows take the bf16 panels instead,
+    where this CPU has AVX512-BF16."""
     from vlinfer.ops.cpu import quant as cpu_quant
     from vlinfer.ops.reference import gguf as gguf_reference
     from vlinfer.ops.reference import quant as quant_reference

@@ -29,8 +29,8 @@ import logging
 import torch
 
 from vlinfer.ops import reference
-from vlinfer.ops.cpu import (attention, gguf, kv_cache, linear, linear_attention, lora, moe,
-                             quant)
+from vlinfer.ops.cpu import (attention, gguf, int8_panels, kv_cache, linear, linear_attention,
+                             lora, moe, quant)
 from vlinfer.ops.cpu.loader import ISA_FLAGS, build_extension
 from vlinfer.ops.interface import PerStep
 from vlinfer.ops.reference import ReferenceOps, bitmask
@@ -64,6 +64,7 @@ class CpuOps(ReferenceOps):
         # GGUF Q8_0 / Q4_0 / Q4_1 block kernels (gguf.py), built when the first such layer packs.
         self.gguf_kernels: gguf.GgufCpuKernels | None = None
         self.gguf_build_error: str | None = None
+        self._int8_path_logged = False  # int8_panels.int8_path, logged at the first int8 layer
         # (slots, rank) -> PerStep of the step's LoRA shrink mask (lora.py)
         self._lora_masks: dict = {}
         self.bf16_attention = bool(self.ext.bf16_attention_available())
@@ -249,10 +250,15 @@ class CpuOps(ReferenceOps):
         """Small steps on the slots' panels, else dense GEMMs over the used slots (lora.py)."""
         return lora.add_lora(self.ext, x, y, lora_a, lora_b, groups, self._lora_masks, packed)
 
-    # Quantized linears: our GGUF block kernel for per-channel int8, torch's int4 CPU kernel and
-    # oneDNN's int8 GEMM (quant.py).
+    # Quantized linears: our VNNI panels or GGUF block kernel for per-channel int8, torch's int4
+    # CPU kernel and oneDNN's int8 GEMM (quant.py; int8_panels.py says which runs where).
     def pack_quantized_linear(self, scheme: str, tensors: dict) -> dict:
-        packed = quant.pack(scheme, tensors, quant.has_int8_dot_product(), self._block_kernels)
+        vnni = self.ext if self.ext.int8_vnni_available() else None
+        packed = quant.pack(scheme, tensors, quant.has_int8_dot_product(), self._block_kernels,
+                            vnni)
+        if scheme in ("w8a16", "w8a8_dynamic") and not self._int8_path_logged:
+            self._int8_path_logged = True
+            logger.info("ops[cpu]: per-channel int8 layers run %s", int8_panels.int8_path(self.ext))
         if "cpu" in packed:
             op = {"w8a8_dynamic": self.w8a8_dynamic_linear,
                   "w8a8_static": self.w8a8_static_linear}.get(scheme, self.weight_only_linear)

@@ -17,7 +17,7 @@ SOURCES = tuple(
     os.path.join(CPU_KERNEL_DIR, name)
     for name in ("paged_ops.cpp", "attention_bf16.cpp", "moe_experts.cpp", "panel_linear.cpp",
                  "decode_layer.cpp", "kv_quant.cpp", "lora_panels.cpp",
-                 "linear_attention.cpp", "linear_attention_prefill.cpp"))
+                 "linear_attention.cpp", "linear_attention_prefill.cpp", "int8_vnni.cpp"))
 
 
 def build_extension(isa: str):

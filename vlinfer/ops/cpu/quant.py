@@ -1,34 +1,29 @@
 """CPU kernels for the quantized linears (definitions: ops/reference/quant.py):
-- W8A16 per channel: our GGUF block kernel (csrc/gguf_blocks.cpp) at every row count, the int8
-  weight held as Q8_0 blocks of d = 1 (gguf_reference.q8_0_blocks: exact) and the channel scales
-  applied to its float32 result. Its activations are two int8 digits per 32
-  (gguf_reference.quantize_activations), integer dot products (VNNI, vpmaddubsw without it): each
-  activation within 1/(127 * 512) of its block's largest, so the outputs stay within ~2e-5 of the
-  largest output of the float-activation reference, far under bf16 rounding (tests bound it at
-  1e-4). In memory 34 bytes per 32 weights (the blocks' fp16 ones) against 32. In bfloat16 compute
-  from BF16_PANEL_ROWS rows, on CPUs with AVX512-BF16, the same packed weights run
-  `int8_linear_bf16`: widened to bf16 once per call, products against the bf16 activations as they
-  are (no digits), as fast as the prepacked dense bf16 matmul.
+- Per-channel int8 (W8A16, int8 on load, W8A8 dynamic), N a multiple of 32 and K of 4, on builds
+  with AVX512-VNNI: our VNNI panels (int8_panels.py: which rows run W8A16 and which W8A8, and why).
+- W8A16 per channel elsewhere (AVX2, AVX-512 without VNNI, N off the panels): our GGUF block kernel
+  (csrc/gguf_blocks.cpp) at every row count, the int8 weight held as Q8_0 blocks of d = 1
+  (gguf_reference.q8_0_blocks: exact) and the channel scales applied to its float32 result. Its
+  activations are two int8 digits per 32 (gguf_reference.quantize_activations), integer dot products
+  (VNNI, vpmaddubsw without it): each activation within 1/(127 * 512) of its block's largest, so the
+  outputs stay within ~2e-5 of the largest output of the float-activation reference, far under bf16
+  rounding (tests bound it at 1e-4). In memory 34 bytes per 32 weights (the blocks' fp16 ones)
+  against 32. In bfloat16 compute from BF16_PANEL_ROWS rows, on CPUs with AVX512-BF16, the same
+  packed weights run `int8_linear_bf16`: widened to bf16 once per call, products against the bf16
+  activations as they are (no digits), as fast as the prepacked dense bf16 matmul.
 - W4A16 (groups of 32..256): `aten._convert_weight_to_int4pack_for_cpu` at load (on the machine that
-  runs, never
-  cached) + `aten._weight_int4pack_mm_for_cpu`, scales and float zeros [K/g, N, 2]: w = (u - 8) *
-  scale + zero
-  with u = q + 8, zero = -zp * scale (the reference's (q - zp) * scale, rounded once more). Above
-  DENSE_ROWS rows
-  (prefill chunks) it streams the whole weight for every few rows and loses to dequantize + the
-  dense matmul
-  (oneDNN / AMX), so those calls take the reference path.
-- W8A8 (int8 x int8): oneDNN `onednn.qlinear_prepack` + `onednn.qlinear_pointwise`, only where the
-  CPU has VNNI or
-  AMX-INT8 (elsewhere int8 products go through vpmaddubsw's saturating int16 path or torch's scalar
-  loop): the
-  activations are quantized as the reference does, the matmul runs with x scale 1 and the weight
-  scales, and the
-  per-token scales multiply the rows after. Without VNNI / AMX a W8A8 layer runs as W8A16 on its
-  int8 weight
+  runs, never cached) + `aten._weight_int4pack_mm_for_cpu`, scales and float zeros [K/g, N, 2]: w =
+  (u - 8) * scale + zero with u = q + 8, zero = -zp * scale (the reference's (q - zp) * scale,
+  rounded once more). Above DENSE_ROWS rows (prefill chunks) it streams the whole weight for every
+  few rows and loses to dequantize + the dense matmul (oneDNN / AMX), so those calls take the
+  reference path.
+- W8A8 (int8 x int8) off the VNNI panels: oneDNN `onednn.qlinear_prepack` +
+  `onednn.qlinear_pointwise`, only where the CPU has VNNI or AMX-INT8 (elsewhere int8 products go
+  through vpmaddubsw's saturating int16 path or torch's scalar loop): the activations are quantized
+  as the reference does, the matmul runs with x scale 1 and the weight scales, and the per-token
+  scales multiply the rows after. Without VNNI / AMX a W8A8 layer runs as W8A16 on its int8 weight
   (activations as the W8A16 kernel holds them; logged), which is not the reference's numerics but
-  the faster honest
-  choice there.
+  the faster honest choice there.
 
 Each layout is checked once at pack time against the reference on a small input; a kernel torch does
 not take for this shape or dtype is logged and the layer keeps the reference path."""
@@ -36,6 +31,7 @@ import logging
 
 import torch
 
+from vlinfer.ops.cpu import int8_panels
 from vlinfer.ops.reference import gguf as gguf_reference
 from vlinfer.ops.reference import quant as quant_reference
 
@@ -60,13 +56,20 @@ def has_int8_dot_product() -> bool:
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
 
 
-def pack(scheme: str, tensors: dict, int8_dot: bool, block_kernels) -> dict:
+def pack(scheme: str, tensors: dict, int8_dot: bool, block_kernels, vnni_ext=None) -> dict:
     """block_kernels(): the op table's GGUF block kernels (gguf.py), built on the first call, None
     where they did not build (logged there; int8 weight-only layers then run the reference). Called
-    only for a layer that runs on them, so int4 and W8A8 checkpoints never build them."""
+    only for a layer that runs on them, so int4 and W8A8 checkpoints never build them. vnni_ext: the
+    CPU kernels' extension where it has the VNNI panels (int8_panels.py), else None."""
     packed = quant_reference.pack_quantized_linear(scheme, tensors)
     weight = packed["weight"]
     n, k = weight.shape
+    policy = {"w8a16": "w8a16", "w8a8_dynamic": "w8a8"}.get(scheme)
+    scale = packed.get("weight_scale")
+    if (vnni_ext is not None and policy is not None and packed.get("weight_zero") is None
+            and scale is not None and scale.numel() == n and int8_panels.fits(n, k)):
+        packed["cpu"] = int8_panels.pack(weight, scale, policy, vnni_ext)
+        return packed
     try:
         if scheme in ("w8a16", "w4a16") or (scheme.startswith("w8a8") and not int8_dot):
             kernel = _pack_weight_only(scheme, packed, n, k, block_kernels)
@@ -144,6 +147,8 @@ def _pack_w8a8(scheme: str, packed: dict) -> dict:
 def weight_only_linear(x: torch.Tensor, packed: dict, bias: torch.Tensor | None,
                        dense_rows: int = DENSE_ROWS):
     kernel = packed.get("cpu")
+    if kernel is not None and kernel["kind"] == "int8_vnni" and x.numel():
+        return int8_panels.linear(x, kernel, bias)
     if kernel is not None and kernel["kind"] == "int8" and x.numel():
         if (x.dtype == torch.bfloat16 and kernel["linear_bf16"] is not None
                 and x.numel() >= BF16_PANEL_ROWS * x.shape[-1]):
@@ -171,6 +176,9 @@ def w8a8_dynamic_linear(x: torch.Tensor, packed: dict, bias: torch.Tensor | None
     kernel = packed.get("cpu")
     if kernel is None:
         return quant_reference.w8a8_dynamic_linear(x, packed, bias)
+    if kernel["kind"] == "int8_vnni":
+        return int8_panels.linear(x, kernel, bias) if x.numel() else \
+            quant_reference.w8a8_dynamic_linear(x, packed, bias)
     if kernel["kind"] != "w8a8_dynamic":  # no VNNI / AMX: int8 weight, float activations
         return weight_only_linear(
             x, {
@@ -214,7 +222,7 @@ def check_kernel(scheme: str, packed: dict, op) -> None:
         "w8a8_static": quant_reference.w8a8_static_linear
     }
     expected = reference.get(scheme, quant_reference.weight_only_linear)(x, packed, None)
-    if packed["cpu"]["kind"] in ("int8", "int4"):
+    if packed["cpu"]["kind"] in ("int8", "int4") or scheme == "w8a16":
         expected = quant_reference.weight_only_linear(x, packed, None)
     got = op(x, packed, None)
     err = (got - expected).abs().max().item()

@@ -40,6 +40,12 @@ bool expert_panels_available();
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
                         const c10::optional<at::Tensor>& bias);
 bool panel_linear_available(at::ScalarType dtype);
+// cpu/csrc/int8_vnni.cpp
+bool int8_vnni_available();
+std::vector<at::Tensor> int8_vnni_quantize(const at::Tensor& x, int64_t digits);
+at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& comp,
+                            const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
+                            int64_t digits);
 // cpu/csrc/lora_panels.cpp
 void lora_panels_add(const at::Tensor& x, at::Tensor& y, const at::Tensor& a_panels,
                      const at::Tensor& b_panels, const at::Tensor& k_ranges,
@@ -717,6 +723,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("panels"), py::arg("bias") = py::none());
   m.def("panel_linear_available", &panel_linear_available,
         "whether this build runs panel_linear for a dtype");
+  m.def("int8_vnni_available", &int8_vnni_available,
+        "built with AVX512-VNNI (and BF16): int8_vnni_linear runs");
+  m.def("int8_vnni_quantize", &int8_vnni_quantize,
+        "rows -> (uint8 [M, digits, K], float32 row scales): int8_vnni_linear's activations");
+  m.def("int8_vnni_linear", &int8_vnni_linear,
+        "x @ (q * scale)^T (+ bias) on int8 VNNI panels, activations per row as 1 (W8A8) or 2 "
+        "(W8A16) digits (CPU, AVX512-VNNI)",
+        py::arg("x"), py::arg("panels"), py::arg("comp"), py::arg("scale"),
+        py::arg("bias") = py::none(), py::arg("digits"));
   m.def("gated_delta_rule_decode", &gated_delta_rule_decode,
         "the gated delta rule for one token per sequence, states updated in place by slot (CPU)");
   m.def("causal_conv1d_decode", &causal_conv1d_decode,
