@@ -59,6 +59,16 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     # sum of the chosen tokens' raw logprobs; None unless logprobs asked
     cumulative_logprob: float | None = None
+    # With a reasoning parser (LLM(..., reasoning_parser=)): the thinking, without its tags, while
+    # `text` is the answer after it; None when the output did not think. delta_reasoning: what this
+    # step added to it.
+    reasoning: str | None = None
+    delta_reasoning: str = ""
+
+    @property
+    def reasoning_content(self) -> str | None:
+        """vLLM's older name of `reasoning`, kept as vLLM keeps it."""
+        return self.reasoning
 
 
 @dataclass
