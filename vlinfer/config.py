@@ -225,7 +225,7 @@ class EngineConfig:
     speculative_config: dict | SpeculativeConfig | None = None
     # vLLM's --reasoning-parser: "qwen3" splits `<think> ... </think>` from the answer into each
     # output's `reasoning`; "auto" picks it when the chat template thinks (structured/reasoning.py
-    # template_thinks), "none" leaves the thinking in the text.
+    # template_thinks), "none" (or vLLM's None / "") leaves the thinking in the text.
     reasoning_parser: str | None = "auto"
 
     def __post_init__(self):
@@ -280,7 +280,7 @@ class EngineConfig:
                 "hf_overrides must be a dict of config.json fields, got "
                 f"{type(self.hf_overrides).__name__}"
             )
-        if self.reasoning_parser not in (None, ) + REASONING_PARSER_CHOICES:
+        if self.reasoning_parser not in (None, "") + REASONING_PARSER_CHOICES:
             raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is not supported: "
                              f"expected one of {', '.join(REASONING_PARSER_CHOICES)}")
         method = self.distributed_init_method

@@ -72,6 +72,20 @@ class CompletionOutput:
 
 
 @dataclass
+class ChatAnswer:
+    """Pipeline.chat(..., detailed=True): one answer, its thinking apart (None when the model did
+    not think or no reasoning parser runs), why it ended and its tokens."""
+    text: str
+    reasoning: str | None
+    finish_reason: str | None
+    token_ids: list[int]
+
+    @property
+    def reasoning_content(self) -> str | None:
+        return self.reasoning
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None

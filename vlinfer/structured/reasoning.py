@@ -134,7 +134,7 @@ def resolve_reasoning_parser(choice: str | None, chat_template: str | None, toke
     """The parser an engine runs with (None: off) from its reasoning_parser option: "auto" picks
     qwen3 when the template thinks (template_thinks) and the tokenizer has both tags within the
     model's vocabulary; the choice is logged."""
-    if choice in (None, "none"):
+    if choice in (None, "", "none"):
         return None
     if choice == "auto":
         if not template_thinks(chat_template):
