@@ -68,7 +68,7 @@ def main() -> None:
     deltas = [tokenizer.decode([t]) for t in output]
     split_times = []
     for _ in range(args.rounds):
-        split = ReasoningText("<think>", "</think>", True)
+        split = ReasoningText("<think>", "</think>", "reasoning")
         start = time.perf_counter()
         for delta in deltas:
             split.feed(delta)

@@ -18,8 +18,9 @@ from vlinfer.engine.input_processor import InputProcessor
 from vlinfer.engine.output_processor import OutputProcessor
 from vlinfer.engine.sequence import Sequence
 from vlinfer.multimodal.chat import load_chat_template
-from vlinfer.structured.reasoning import (Qwen3ReasoningParser, ReasoningState, ReasoningText,
-                                          allow_token, resolve_reasoning_parser, template_thinks)
+from vlinfer.structured.reasoning import (STATES, Qwen3ReasoningParser, ReasoningState,
+                                          ReasoningText, allow_token, resolve_reasoning_parser,
+                                          template_thinks)
 
 START, END = "<think>", "</think>"
 
@@ -34,10 +35,13 @@ def parser(tokenizer):
     return Qwen3ReasoningParser(tokenizer)
 
 
-def oracle(text: str, in_reasoning: bool) -> tuple[str | None, str]:
+def oracle(text: str, state: str) -> tuple[str | None, str]:
     """The split written with str.partition: thinking runs from the start (opened in the prompt, or
-    the output's own start tag) to the first end tag; no start: all content."""
-    if not in_reasoning:
+    the output's own start tag) to the first end tag; no start, or closed in the prompt: all
+    content."""
+    if state == "content":
+        return None, text
+    if state == "start":
         if not text.startswith(START):
             return None, text
         text = text[len(START):]
@@ -45,8 +49,8 @@ def oracle(text: str, in_reasoning: bool) -> tuple[str | None, str]:
     return reasoning, content
 
 
-def streamed(pieces: list[str], in_reasoning: bool) -> tuple[ReasoningText, str, str]:
-    split = ReasoningText(START, END, in_reasoning)
+def streamed(pieces: list[str], state: str) -> tuple[ReasoningText, str, str]:
+    split = ReasoningText(START, END, state)
     reasoning = content = ""
     for k, piece in enumerate(pieces):
         r, c = split.feed(piece, final=k == len(pieces) - 1)
@@ -59,14 +63,14 @@ PIECES = st.sampled_from(["<think>", "</think>", "<", "</", "<th", "</thin", "th
 
 
 @settings(max_examples=300, deadline=None, **draws(False))
-@given(st.lists(PIECES, max_size=12), st.booleans(), st.data())
-def test_any_split_of_any_text_gives_the_whole_texts_split(parts, in_reasoning, data):
+@given(st.lists(PIECES, max_size=12), st.sampled_from(STATES), st.data())
+def test_any_split_of_any_text_gives_the_whole_texts_split(parts, state, data):
     text = "".join(parts)
     cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=6)))
     bounds = [0] + cuts + [len(text)]
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-    split, reasoning, content = streamed(pieces, in_reasoning)
-    expected_reasoning, expected_content = oracle(text, in_reasoning)
+    split, reasoning, content = streamed(pieces, state)
+    expected_reasoning, expected_content = oracle(text, state)
     assert (split.reasoning if split.opened else None) == expected_reasoning
     assert (reasoning, content) == (split.reasoning, split.content) and content == expected_content
     assert split.raw() == text  # reasoning and content joined, the tags put back: the raw text
@@ -74,28 +78,29 @@ def test_any_split_of_any_text_gives_the_whole_texts_split(parts, in_reasoning, 
 
 def test_every_split_point_of_both_tags():
     text = "<think>\nLet me see.\n</think>\n\n42"
-    for in_reasoning, body in ((False, text), (True, text[len(START):])):
+    for state, body in (("start", text), ("reasoning", text[len(START):])):
         for i in range(len(body) + 1):
             for j in range(i, len(body) + 1):
-                split, reasoning, content = streamed([body[:i], body[i:j], body[j:]], in_reasoning)
+                split, reasoning, content = streamed([body[:i], body[i:j], body[j:]], state)
                 assert (reasoning, content) == ("\nLet me see.\n", "\n\n42"), (i, j)
 
 
 def test_a_partial_tag_is_held_until_it_cannot_be_one():
-    split = ReasoningText(START, END, True)
+    split = ReasoningText(START, END, "reasoning")
     assert split.feed("abc</th") == ("abc", "")  # may be the end tag: waits
     assert split.feed("x") == ("</thx", "")  # it was not
     assert split.feed("</") == ("", "") and split.feed("think>ok") == ("", "ok")
-    start = ReasoningText(START, END, False)
+    start = ReasoningText(START, END, "start")
     assert start.feed("<th") == ("", "") and start.feed("e") == ("", "<the")
-    assert ReasoningText(START, END, False).feed("<thi", final=True) == ("", "<thi")
+    assert ReasoningText(START, END).feed("<thi", final=True) == ("", "<thi")
 
 
 def test_extract_reasoning_whole(parser):
     assert parser.extract_reasoning("<think>a</think>b") == ("a", "b")
     assert parser.extract_reasoning("plain answer") == (None, "plain answer")
-    assert parser.extract_reasoning("a</think>b", in_reasoning=True) == ("a", "b")
-    assert parser.extract_reasoning("cut short", in_reasoning=True) == ("cut short", "")
+    assert parser.extract_reasoning("a</think>b", "reasoning") == ("a", "b")
+    assert parser.extract_reasoning("cut short", "reasoning") == ("cut short", "")
+    assert parser.extract_reasoning("<think>a</think>b", "content") == (None, "<think>a</think>b")
 
 
 def test_tags_split_across_tokens_stream_exactly_through_the_output_processor(tokenizer, parser):
@@ -125,18 +130,23 @@ def test_tags_split_across_tokens_stream_exactly_through_the_output_processor(to
 
 
 def test_the_prompt_decides_where_the_output_starts(tokenizer, parser):
-    def opens(text):
-        return parser.prompt_opens_thinking(tokenizer(text).input_ids)
+    def state(text):
+        return parser.prompt_state(tokenizer(text).input_ids)
 
-    assert opens("<|im_start|>assistant\n<think>\n")
-    assert not opens("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert not opens("<|im_start|>assistant\n")
-    assert opens("<think>old</think> turn <|im_start|>assistant\n<think>\n")
+    assert state("<|im_start|>assistant\n<think>\n") == "reasoning"
+    assert state("<|im_start|>assistant\n<think>\n\n</think>\n\n") == "content"  # closed
+    assert state("<|im_start|>assistant\n") == "start"
+    assert state("<think>old</think> turn <|im_start|>assistant\n<think>\n") == "reasoning"
+    # a past turn's thinking is not this output's: it may still open its own
+    assert state("<think>old</think>\n\nanswer<|im_end|>\n<|im_start|>assistant\n") == "start"
 
 
 def test_budget_and_grammar_token_rules(parser):
     s, e = parser.start_token_id, parser.end_token_id
     opened = ReasoningState(parser, [1, s], budget=3)
+    closed = ReasoningState(parser, [1, s, 7, e, 198], budget=0)  # 198: "\n"
+    assert not closed.may_open and closed.thinking_tokens([]) is None and not closed.must_end([])
+    assert closed.park("m") == "m" and closed.text.feed("<think>x", final=True) == ("", "<think>x")
     assert [opened.thinking_tokens([7] * k) for k in range(4)] == [0, 1, 2, 3]
     assert [opened.must_end([7] * k) for k in range(5)] == [False, False, False, True, True]
     assert opened.thinking_tokens([7, e]) is None and not opened.must_end([7, 7, 7, e, 7])
@@ -207,7 +217,7 @@ def test_chat_template_kwargs_render_as_the_template_does(tokenizer, parser, kwa
                                                              **(kwargs or {}))
     off = kwargs == {"enable_thinking": False}
     assert prompt["prompt"].endswith("<think>\n\n</think>\n\n") == off
-    assert not parser.prompt_opens_thinking(prompt["prompt_token_ids"])
+    assert parser.prompt_state(prompt["prompt_token_ids"]) == ("content" if off else "start")
 
 
 def test_bad_chat_template_kwargs_and_budgets_are_refused(tokenizer, parser):

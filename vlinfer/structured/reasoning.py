@@ -3,10 +3,11 @@
 the content, per request, and exactly in a stream (a tag split across tokens or deltas waits until
 it is whole or cannot be one).
 
-- Where the output starts: a prompt whose last `<think>` comes after its last `</think>` opened the
-  thinking (Qwen3.5's and Qwen3-Thinking's templates open it in the generation prompt), so the
-  output starts in the reasoning; otherwise the output is reasoning only when it starts with
-  `<think>` (Qwen3's templates), and content from its first character when it does not.
+- Where the output starts (prompt_state): a prompt whose last tag is `<think>` opened the thinking
+  (Qwen3.5's and Qwen3-Thinking's templates open it in the generation prompt): the output starts in
+  the reasoning. A prompt that ends with `</think>` and whitespace closed it (enable_thinking=False
+  writes an empty thinking): the output is all content. Otherwise the output is reasoning only when
+  it starts with `<think>` (Qwen3's templates), and content from its first character when not.
 - The text split (ReasoningText) is on characters: the joined reasoning and content with the tags
   put back equal the raw text, whatever the deltas.
 - The token rules (ReasoningState: the thinking budget, structured outputs after `</think>`) are on
@@ -40,15 +41,19 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+STATES = ("start", "reasoning", "content")
+
+
 class ReasoningText:
     """One output's text split into reasoning and content as it streams (feed), the whole text
-    being one feed with final=True. States: "start" (the output may still open with the start
-    tag), "reasoning", "content"."""
+    being one feed with final=True. States (STATES): "start" (the output may still open with the
+    start tag), "reasoning", "content"; the first is the prompt's (prompt_state)."""
 
-    def __init__(self, start_tag: str, end_tag: str, in_reasoning: bool):
+    def __init__(self, start_tag: str, end_tag: str, state: str = "start"):
+        assert state in STATES, state
         self.start_tag, self.end_tag = start_tag, end_tag
-        self.state = "reasoning" if in_reasoning else "start"
-        self.opened = in_reasoning  # thinking began (in the prompt, or the output's start tag)
+        self.state = state
+        self.opened = state == "reasoning"  # thinking began (in the prompt, or the output's tag)
         self.wrote_start_tag = False  # the output itself opened with the start tag
         self.closed = False  # the end tag came
         self.pending = ""  # text held back: maybe the start of a tag
@@ -98,6 +103,7 @@ class Qwen3ReasoningParser:
     start_token, end_token = "<think>", "</think>"
 
     def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
         vocab = tokenizer.get_vocab()
         missing = [t for t in (self.start_token, self.end_token) if t not in vocab]
         if missing:
@@ -105,23 +111,27 @@ class Qwen3ReasoningParser:
                              "single tokens of the tokenizer; this tokenizer has no such token")
         self.start_token_id, self.end_token_id = vocab[self.start_token], vocab[self.end_token]
 
-    def prompt_opens_thinking(self, prompt_token_ids: list[int]) -> bool:
-        """The prompt's last start tag comes after its last end tag: the output starts inside the
-        thinking."""
-        last = {self.start_token_id: -1, self.end_token_id: -1}
+    def prompt_state(self, prompt_token_ids: list[int]) -> str:
+        """Where the output starts (the module docstring): "reasoning" when the prompt's last tag
+        is the start tag, "content" when the prompt ends with the end tag and whitespace, else
+        "start"."""
         for i in range(len(prompt_token_ids) - 1, -1, -1):
             token = prompt_token_ids[i]
-            if token in last:
-                return token == self.start_token_id
-        return False
+            if token == self.start_token_id:
+                return "reasoning"
+            if token == self.end_token_id:
+                rest = self.tokenizer.decode(prompt_token_ids[i + 1:])
+                return "content" if not rest.strip() else "start"
+        return "start"
 
-    def text_splitter(self, in_reasoning: bool) -> ReasoningText:
-        return ReasoningText(self.start_token, self.end_token, in_reasoning)
+    def text_splitter(self, state: str = "start") -> ReasoningText:
+        return ReasoningText(self.start_token, self.end_token, state)
 
-    def extract_reasoning(self, model_output: str, in_reasoning: bool = False
+    def extract_reasoning(self, model_output: str, state: str = "start"
                           ) -> tuple[str | None, str]:
-        """(reasoning, content) of a whole output; reasoning None when the output did not think."""
-        split = self.text_splitter(in_reasoning)
+        """(reasoning, content) of a whole output, which starts in `state` (prompt_state);
+        reasoning None when the output did not think."""
+        split = self.text_splitter(state)
         split.feed(model_output, final=True)
         return (split.reasoning if split.opened else None), split.content
 
@@ -167,10 +177,10 @@ class ReasoningState:
     def __init__(self, parser: Qwen3ReasoningParser, prompt_token_ids: list[int],
                  budget: int | None):
         self.parser = parser
-        self.opened_in_prompt = parser.prompt_opens_thinking(prompt_token_ids)
-        self.text = parser.text_splitter(self.opened_in_prompt)
+        self.token_state = parser.prompt_state(prompt_token_ids)  # then advanced by on_token
+        self.opened_in_prompt = self.token_state == "reasoning"
+        self.text = parser.text_splitter(self.token_state)
         self.budget = budget
-        self.token_state = "reasoning" if self.opened_in_prompt else "start"
         self.parked_matcher = None  # the grammar matcher, while the output thinks
 
     @property
