@@ -235,3 +235,27 @@ def test_bad_chat_template_kwargs_and_budgets_are_refused(tokenizer, parser):
     small = InputProcessor(tokenizer, 512, "qwen3", 4096, reasoning_parser=parser)
     with pytest.raises(ValueError, match=r"vocabulary \(512\) has no </think>"):
         small.make_sequences([5, 6], SamplingParams(thinking_token_budget=4), "r")
+
+
+def test_the_budget_forces_the_end_tag_in_verification_rows(parser):
+    """Under speculative decoding each verification row counts its own thinking (the proposals
+    before it): the row where the budget runs out emits the end tag, greedy or sampled, and the
+    proposal there is rejected; without a budget the same proposals are all accepted."""
+    import torch
+
+    from vlinfer.engine.sampler import sample
+    s, e = parser.start_token_id, parser.end_token_id
+    prompt = [1, s]  # the prompt opened the thinking
+    for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
+        for budget, expected in ((2, [6, e]), (None, [6, 7, 8, 9])):
+            params = SamplingParams(temperature=temperature, seed=seed, max_tokens=20,
+                                    thinking_token_budget=budget)
+            seq = Sequence(prompt, params, generator=torch.Generator().manual_seed(seed or 0))
+            seq.reasoning = ReasoningState(parser, prompt, budget)
+            seq.append_token(5)  # one thinking token so far
+            seq.spec_token_ids = [6, 7, 8]  # row 1 sees [5, 6]: two, the budget
+            logits = torch.full((4, 151936), -20.0)
+            for row, token in enumerate([6, 7, 8, 9]):  # the model agrees with every proposal
+                logits[row, token] = 20.0
+            tokens, _ = sample(logits, [seq], {2})
+            assert tokens == [expected], (temperature, budget)
