@@ -141,7 +141,8 @@ def test_enable_thinking_false_renders_as_the_template_does(llm, thinking_model)
 
 def test_pipeline_and_cli_chat_show_the_thinking_apart(llm, ids, monkeypatch):
     import vlinfer.pipeline
-    from vlinfer.cli.answer import THINKING_CLOSE, THINKING_OPEN, _stream_answer
+    from vlinfer.cli import build_parser
+    from vlinfer.cli.answer import THINKING_CLOSE, THINKING_OPEN, _stream_answer, thinking_kwargs
     monkeypatch.setattr(vlinfer.pipeline, "LLM", lambda model, **options: llm)  # its engine
     pipe = vlinfer.pipeline.Pipeline("thinking")
     options = dict(temperature=0, max_tokens=8, thinking_token_budget=2)
@@ -158,6 +159,10 @@ def test_pipeline_and_cli_chat_show_the_thinking_apart(llm, ids, monkeypatch):
     with contextlib.redirect_stdout(printed):
         answer = _stream_answer(llm.engine, request_id)
     assert answer == detailed.text
+    for command in (["chat"], ["generate", "hi"]):
+        assert thinking_kwargs(build_parser().parse_args(command + ["--no-thinking"])) == \
+            {"enable_thinking": False}
+        assert thinking_kwargs(build_parser().parse_args(command)) is None
     assert printed.getvalue() == f"{THINKING_OPEN}{detailed.reasoning}{THINKING_CLOSE}" \
         f"{detailed.text}\n"
 
