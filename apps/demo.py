@@ -24,6 +24,9 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp"}
 # Assistant messages with this title are notices from the demo (a rejected request), not model
 # answers: they and the user turn they answer are left out of what the model sees on later turns.
 NOTICE_TITLE = "Not answered"
+# a thinking model's reasoning: shown folded (Gradio renders a titled message as a collapsible
+# block) above the answer, and never sent back to the model
+THINKING_TITLE = "Thinking"
 CONCURRENCY = 16  # chat events the Gradio queue runs at once; the engine batches them
 MAX_TOKENS_LIMIT = 4096
 # The sliders' starting values: a chat UI's (README.md "Defaults" says why they differ from LLM's).
@@ -60,6 +63,23 @@ def is_notice(message: dict) -> bool:
     return (message.get("metadata") or {}).get("title") == NOTICE_TITLE
 
 
+def is_thinking(message: dict) -> bool:
+    return (message.get("metadata") or {}).get("title") == THINKING_TITLE
+
+
+def answer_messages(reasoning: str, answer: str) -> list[dict]:
+    """The assistant's turn as shown: its thinking folded (pending until the answer starts), then
+    the answer."""
+    shown = []
+    if reasoning:
+        shown.append({"role": "assistant", "content": reasoning,
+                      "metadata": {"title": THINKING_TITLE,
+                                   "status": "done" if answer else "pending"}})
+    if answer or not reasoning:
+        shown.append({"role": "assistant", "content": answer})
+    return shown
+
+
 def model_messages(history: list[dict]) -> list[dict]:
     """Chatbot history -> OpenAI-style messages: user images become {"type": "image", "image": path}
     parts, videos {"type": "video", "video": path} parts (sampled at the model's default fps), text
@@ -69,6 +89,8 @@ def model_messages(history: list[dict]) -> list[dict]:
     for message in history or []:
         role = message.get("role")
         if role not in ("user", "assistant", "system"):
+            continue
+        if is_thinking(message):  # shown only: the templates drop past thinking anyway
             continue
         if is_notice(message):
             # the rejected turn (a turn may span several messages)
@@ -168,17 +190,20 @@ def build_demo(pipe, loop: EngineLoop | None = None) -> gr.Blocks:
             gr.Warning(f"Request rejected: {e}")
             yield shown + [notice(f"⚠️ Request rejected: {e}")], EMPTY_INPUT
             return
-        answer = ""
+        answer = reasoning = ""
         try:
             yield shown, EMPTY_INPUT  # show the user's turn and clear the box right away
-            for delta in stream.deltas():
-                answer += delta
+            for out in stream:
+                c = out.outputs[0]
+                if not (c.delta_text or c.delta_reasoning):
+                    continue
+                answer, reasoning = answer + c.delta_text, reasoning + c.delta_reasoning
                 # gr.skip(): leave the textbox alone, the user may be typing the next question
-                yield shown + [{"role": "assistant", "content": answer}], gr.skip()
+                yield shown + answer_messages(reasoning, answer), gr.skip()
         # the engine loop failed this request (logged there with the traceback)
         except RuntimeError as e:
             gr.Warning(str(e))
-            yield shown + [{"role": "assistant", "content": answer}, notice(f"⚠️ {e}")], gr.skip()
+            yield shown + answer_messages(reasoning, answer) + [notice(f"⚠️ {e}")], gr.skip()
         except GeneratorExit:  # Stop, Clear or a closed tab: Gradio closed this generator
             # mid-answer: say so, an abort is otherwise invisible from outside
             if stream.final is None:

@@ -197,6 +197,7 @@ FLAG_VALUES = {
                      {"classifier_from_token": ["no", "yes"]}),
     "speculative_config": (['{"method": "ngram", "num_speculative_tokens": 3}'],
                            {"method": "ngram", "num_speculative_tokens": 3}),
+    "reasoning_parser": (["qwen3"], "qwen3"),
 }
 
 

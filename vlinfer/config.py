@@ -3,6 +3,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vlinfer.structured.reasoning import REASONING_PARSER_CHOICES
+
 INIT_SCHEMES = ("tcp://", "env://", "file://")  # the rendezvous URLs torch.distributed understands
 # A max_model_len fitted to the KV cache is at least this long (or the model's own length when
 # shorter): room for a useful prompt and answer. A pool that holds fewer tokens is an error.
@@ -221,6 +223,10 @@ class EngineConfig:
     # "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}; stored checked,
     # as a SpeculativeConfig. None: no speculation.
     speculative_config: dict | SpeculativeConfig | None = None
+    # vLLM's --reasoning-parser: "qwen3" splits `<think> ... </think>` from the answer into each
+    # output's `reasoning`; "auto" picks it when the chat template thinks (structured/reasoning.py
+    # template_thinks), "none" (or vLLM's None / "") leaves the thinking in the text.
+    reasoning_parser: str | None = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config",
@@ -274,6 +280,9 @@ class EngineConfig:
                 "hf_overrides must be a dict of config.json fields, got "
                 f"{type(self.hf_overrides).__name__}"
             )
+        if self.reasoning_parser not in (None, "") + REASONING_PARSER_CHOICES:
+            raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is not supported: "
+                             f"expected one of {', '.join(REASONING_PARSER_CHOICES)}")
         method = self.distributed_init_method
         if method is not None and not (isinstance(method, str) and method.startswith(INIT_SCHEMES)):
             raise ValueError(

@@ -195,12 +195,13 @@ class LLM:
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: str | None = None,
              mm_processor_kwargs: dict | None = None, tools: list[dict] | None = None,
-             lora_request=None) -> list[RequestOutput]:
+             lora_request=None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the model's chat template, then generate. Takes one conversation or a list of them;
         content may be a string or OpenAI-style parts ({"type": "text"}, {"type": "image", "image":
         ...}, {"type": "image_url", "image_url": {"url": ...}}). tools: OpenAI tool definitions,
         rendered by the chat template as vLLM's chat(tools=...) does; the calls the model writes
-        stay in the text. Bad conversations are answered as generate answers bad prompts:
+        stay in the text. chat_template_kwargs: more template variables, as vLLM's, e.g.
+        {"enable_thinking": False}. Bad conversations are answered as generate answers bad prompts:
         RequestError after the others finished, every output in `.outputs` in input order."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         # As in generate, a conversation that cannot be run (vision tokens typed in its text, an
@@ -210,7 +211,8 @@ class LLM:
         for i, conversation in enumerate(conversations):
             try:
                 prompts[i] = self.engine.chat_prompt(conversation, add_generation_prompt,
-                                                     chat_template, mm_processor_kwargs, tools)
+                                                     chat_template, mm_processor_kwargs, tools,
+                                                     chat_template_kwargs)
             except ValueError as e:
                 rejected[i] = RequestOutput.rejected(f"rejected-{i}", None, str(e))
         if not rejected:

@@ -59,6 +59,30 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     # sum of the chosen tokens' raw logprobs; None unless logprobs asked
     cumulative_logprob: float | None = None
+    # With a reasoning parser (LLM(..., reasoning_parser=)): the thinking, without its tags, while
+    # `text` is the answer after it; None when the output did not think. delta_reasoning: what this
+    # step added to it.
+    reasoning: str | None = None
+    delta_reasoning: str = ""
+
+    @property
+    def reasoning_content(self) -> str | None:
+        """vLLM's older name of `reasoning`, kept as vLLM keeps it."""
+        return self.reasoning
+
+
+@dataclass
+class ChatAnswer:
+    """Pipeline.chat(..., detailed=True): one answer, its thinking apart (None when the model did
+    not think or no reasoning parser runs), why it ended and its tokens."""
+    text: str
+    reasoning: str | None
+    finish_reason: str | None
+    token_ids: list[int]
+
+    @property
+    def reasoning_content(self) -> str | None:
+        return self.reasoning
 
 
 @dataclass

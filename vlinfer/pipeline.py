@@ -11,7 +11,7 @@ from vlinfer.inputs.retrieval import embedding_messages, mm_processor_kwargs
 from vlinfer.llm import LLM
 from vlinfer.lora_request import LoRARequest
 from vlinfer.multimodal.media_paths import IMAGE_EXTENSIONS, collect_images
-from vlinfer.outputs import RequestError
+from vlinfer.outputs import ChatAnswer, RequestError
 from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
 
@@ -151,41 +151,50 @@ class Pipeline:
     def __call__(self, image=None, prompt: str | None = None, *, images: Iterable | None = None,
                  video=None, videos: Iterable | None = None,
                  sampling_params: SamplingParams | None = None,
-                 mm_processor_kwargs: dict | None = None, **sampling) -> str | list[str]:
+                 mm_processor_kwargs: dict | None = None, thinking: bool | None = None,
+                 **sampling) -> str | list[str]:
         """pipe(image, prompt) -> the answer: pipe(image) describes it, pipe(question) asks
         without an image (user_turn says how the first argument is read). image: a path, URL,
         data URI, bytes, PIL image or tensor; images=[...] for several. video / videos: a path,
         bytes, data URI, frames (or (frames, metadata)); mm_processor_kwargs takes fps,
         num_frames, max_frames, video_max_pixels ... for them, and min_pixels / max_pixels for
-        images (also keywords here). n > 1: a list of n answers."""
+        images (also keywords here). n > 1: a list of n answers. thinking: as in chat."""
         return self.chat(self.user_turn(image, prompt, images, video, videos), sampling_params,
-                         mm_processor_kwargs, **sampling)
+                         mm_processor_kwargs, thinking=thinking, **sampling)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             mm_processor_kwargs: dict | None = None, **sampling) -> str | list[str]:
+             mm_processor_kwargs: dict | None = None, thinking: bool | None = None,
+             detailed: bool = False, **sampling) -> str | list[str] | ChatAnswer | list[ChatAnswer]:
         """The answer to a conversation (OpenAI-style messages); n > 1: a list of n answers.
         mm_processor_kwargs: {"min_pixels": ..., "max_pixels": ...} for this request's images
-        (min_pixels= / max_pixels= keywords too)."""
+        (min_pixels= / max_pixels= keywords too). A thinking model's answer is the text after its
+        thinking; thinking=False asks it not to think (the template's enable_thinking), None leaves
+        the template's default. detailed=True: ChatAnswer(s), with the thinking in `.reasoning`."""
         mm_processor_kwargs = media_options(mm_processor_kwargs, sampling)
         params = self.sampling_params(sampling_params, **sampling)
         outputs = self.llm.chat(messages, params, use_tqdm=False,
                                 mm_processor_kwargs=mm_processor_kwargs,
-                                lora_request=self.lora_request)[0].outputs
-        return outputs[0].text if params.n == 1 else [out.text for out in outputs]
+                                lora_request=self.lora_request,
+                                chat_template_kwargs=thinking_kwargs(thinking))[0].outputs
+        answers = [ChatAnswer(out.text, out.reasoning, out.finish_reason, out.token_ids)
+                   for out in outputs] if detailed else [out.text for out in outputs]
+        return answers[0] if params.n == 1 else answers
 
     def stream(self, image=None, prompt: str | None = None, *, images: Iterable | None = None,
                messages: list[dict] | None = None, sampling_params: SamplingParams | None = None,
-               mm_processor_kwargs: dict | None = None,
+               mm_processor_kwargs: dict | None = None, thinking: bool | None = None,
                **sampling) -> Iterator[str] | Iterator[tuple[int, str]]:
         """Yield text deltas as tokens arrive (never half a multi-byte character); the arguments
         are read as __call__ reads them, or messages=... With n > 1, (index, delta) pairs instead,
         so each completion's text stays apart; the stream ends when all n have finished. Closing
-        the generator early aborts the request and frees its blocks."""
+        the generator early aborts the request and frees its blocks. A thinking model's thinking
+        is not in the deltas (thinking as in chat)."""
         if messages is None:
             messages = self.user_turn(image, prompt, images)
         mm_processor_kwargs = media_options(mm_processor_kwargs, sampling)
         params = self.sampling_params(sampling_params, **sampling)
-        prompt_dict = self.engine.chat_prompt(messages, mm_processor_kwargs=mm_processor_kwargs)
+        prompt_dict = self.engine.chat_prompt(messages, mm_processor_kwargs=mm_processor_kwargs,
+                                              chat_template_kwargs=thinking_kwargs(thinking))
         request_id = self.engine.add_request(prompt_dict, params, lora_request=self.lora_request)
         for out in drive(self.engine, [request_id]):  # closed early: drive aborts the request
             delta, index = out.outputs[0].delta_text, out.outputs[0].index
@@ -265,6 +274,11 @@ class Pipeline:
             ]
         ranked = sorted(range(len(candidates)), key=lambda i: -scores[i])[:top_k]
         return [{"index": i, "score": scores[i], "document": candidates[i]} for i in ranked]
+
+
+def thinking_kwargs(thinking: bool | None) -> dict | None:
+    """Pipeline's thinking= as the chat template variable Qwen3's and Qwen3.5's templates read."""
+    return None if thinking is None else {"enable_thinking": bool(thinking)}
 
 
 def is_image_source(value) -> bool:

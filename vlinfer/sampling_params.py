@@ -97,6 +97,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # constrain the output to a schema/regex/choice/grammar
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: after this many thinking tokens the engine writes the end of the thinking itself
+    # (`</think>`) and the answer follows; needs the engine's reasoning parser. None: no limit.
+    thinking_token_budget: int | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -166,6 +169,9 @@ class SamplingParams:
         need(k is None or isinstance(k, int) and not isinstance(k, bool) and (k >= 1 or k == -1),
              "truncate_prompt_tokens",
              "must be None, -1 (the model's max_model_len) or an int >= 1")
+        k = self.thinking_token_budget
+        need(k is None or isinstance(k, int) and not isinstance(k, bool) and k >= 0,
+             "thinking_token_budget", "must be None (no limit) or an int >= 0")
         if self.top_k == -1:
             self.top_k = 0
         self.stop_strings = stops

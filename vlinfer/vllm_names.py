@@ -14,7 +14,8 @@ logger = logging.getLogger("vlinfer")
 SAME = ("dtype", "kv_cache_dtype", "seed", "max_model_len", "max_num_seqs",
         "max_num_batched_tokens", "enable_prefix_caching", "enforce_eager", "tensor_parallel_size",
         "enable_expert_parallel", "quantization", "hf_overrides", "logprobs_mode", "runner",
-        "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "speculative_config")
+        "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "speculative_config",
+        "reasoning_parser")
 # vLLM's name -> ours, same meaning
 ALIASES = {
     "gpu_memory_utilization": "memory_utilization",
@@ -80,7 +81,6 @@ ONLY = {
     "rope_scaling": ((None,), "use hf_overrides={'rope_scaling': ...}"),
     "rope_theta": ((None,), "use hf_overrides={'rope_theta': ...}"),
     "logits_processors": ((None, [], ()), "custom logits processors are not offered"),
-    "reasoning_parser": ((None, ""), "reasoning is not parsed out of the text"),
     "pooler_config": ((None,), "pooling follows the model (runner='pooling'); see "
                                "docs/retrieval.md"),
     "override_pooler_config": ((None,), "pooling follows the model (runner='pooling'); see "

@@ -31,9 +31,21 @@ def cmd_generate(args) -> int:
             content.append({"type": "text", "text": args.prompt})
         out = llm.chat([{"role": "user", "content": content}], sampling_params(args),
                        use_tqdm=False, mm_processor_kwargs=mm_kwargs(args, llm),
-                       lora_request=lora_request(args))[0]
+                       lora_request=lora_request(args),
+                       chat_template_kwargs=thinking_kwargs(args))[0]
+    if out.outputs[0].reasoning is not None:
+        print(f"{THINKING_OPEN}{out.outputs[0].reasoning}{THINKING_CLOSE}", end="")
     print(out.outputs[0].text)
     return 0
+
+
+# How the CLI marks a thinking model's reasoning (the parser's `reasoning`) before its answer.
+THINKING_OPEN, THINKING_CLOSE = "[thinking]\n", "\n[/thinking]\n"
+
+
+def thinking_kwargs(args) -> dict | None:
+    """--no-thinking as the chat template's variable (Qwen3's and Qwen3.5's enable_thinking)."""
+    return {"enable_thinking": False} if args.no_thinking else None
 
 
 CHAT_HELP = ("/image PATH attaches an image to your next message, /reset clears the history, "
@@ -43,11 +55,20 @@ CHAT_HELP = ("/image PATH attaches an image to your next message, /reset clears 
 def _stream_answer(engine, request_id: str) -> str | None:
     """Print the answer as it arrives; None when interrupted (the request is aborted, its blocks
     freed)."""
-    answer = ""
+    answer, thinking = "", False
     try:
         for out in drive(engine, [request_id]):
-            print(out.outputs[0].delta_text, end="", flush=True)
-            answer = out.outputs[0].text
+            c = out.outputs[0]
+            if c.delta_reasoning and not thinking:
+                print(THINKING_OPEN, end="", flush=True)
+                thinking = True
+            if thinking and (c.delta_text or out.finished):
+                print(c.delta_reasoning + THINKING_CLOSE, end="", flush=True)
+                thinking = False
+            elif c.delta_reasoning:
+                print(c.delta_reasoning, end="", flush=True)
+            print(c.delta_text, end="", flush=True)
+            answer = c.text
     except KeyboardInterrupt:  # drive aborted the request
         print("\n(interrupted)", file=sys.stderr)
         return None
@@ -108,7 +129,8 @@ def cmd_chat(args) -> int:
         turn = {"role": "user", "content": content}
         pending = []
         try:
-            prompt = engine.chat_prompt(history + [turn], mm_processor_kwargs=image_kwargs)
+            prompt = engine.chat_prompt(history + [turn], mm_processor_kwargs=image_kwargs,
+                                        chat_template_kwargs=thinking_kwargs(args))
             request_id = engine.add_request(prompt, params, lora_request=lora)
         except ValueError as e:  # unreadable image, history longer than --max-model-len, ...
             print(
@@ -120,6 +142,12 @@ def cmd_chat(args) -> int:
         if answer is not None:
             history += [turn, {"role": "assistant", "content": answer}]
 
+
+
+def add_thinking_arg(p) -> None:
+    p.add_argument("--no-thinking", action="store_true",
+                   help="a thinking model (Qwen3, Qwen3.5) answers without thinking: the chat "
+                   "template's enable_thinking=False; its thinking is otherwise shown marked")
 
 
 def add_parsers(sub) -> list:
@@ -137,6 +165,7 @@ def add_parsers(sub) -> list:
                    help="send the prompt as is, without the chat template (write one "
                         "<|vision_start|><|image_pad|><|vision_end|> per --image yourself)")
     add_max_pixels(g)
+    add_thinking_arg(g)
     add_lora_arg(g)
     add_model_args(g, f"{TEXT_MODEL}, or {VISION_MODEL} with --image")
     add_sampling_args(g, ANSWER_MAX_TOKENS)
@@ -147,6 +176,7 @@ def add_parsers(sub) -> list:
         description=f"Interactive chat, answers streamed. {CHAT_HELP}. Default model: {TEXT_MODEL} "
         f"(text-only); pass --model {VISION_MODEL} to use /image.")
     add_max_pixels(c)
+    add_thinking_arg(c)
     add_lora_arg(c)
     add_model_args(c, TEXT_MODEL)
     add_sampling_args(c, ANSWER_MAX_TOKENS, CHAT_TEMPERATURE, CHAT_TOP_P)

@@ -16,6 +16,7 @@ from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, APP_MAX_MODE
                             CPU_DEFAULT_MEMORY_UTILIZATION, DEFAULT_MAX_BATCHED_TOKENS,
                             KV_CACHE_DTYPES, MIN_BATCHED_TOKENS, RUNNERS, SSM_CACHE_DTYPES,
                             EngineConfig)
+from vlinfer.structured.reasoning import REASONING_PARSER_CHOICES
 
 # Keyword argument (LLM / EngineConfig / SamplingParams) -> the flag that sets it in every app.
 FLAGS = {
@@ -50,6 +51,7 @@ FLAGS = {
     "runner": "--runner",
     "hf_overrides": "--hf-overrides",
     "speculative_config": "--speculative-config",
+    "reasoning_parser": "--reasoning-parser",
     "temperature": "--temperature",
     "top_p": "--top-p",
     "max_tokens": "--max-tokens",
@@ -198,6 +200,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: bool = True) ->
         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or "
         "'{\"model\": DRAFT, \"num_speculative_tokens\": 4}' (docs/speculative.md)")
     p.add_argument(
+        "--reasoning-parser", default=ENGINE_DEFAULTS["reasoning_parser"],
+        choices=list(REASONING_PARSER_CHOICES), help=
+        "split the thinking (<think> ... </think>) from the answer, as vLLM's --reasoning-parser: "
+        "qwen3, none, or auto: qwen3 when the chat template thinks (default: auto; "
+        "docs/reasoning.md)")
+    p.add_argument(
         "--seed", type=int, default=None,
         help="the engine's seed for unseeded requests; the apps' own requests use it too "
              "(default: "
@@ -234,7 +242,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         language_model_only=args.language_model_only,
         enable_lora=lora_enabled(args), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, runner=args.runner, hf_overrides=args.hf_overrides,
-        speculative_config=args.speculative_config,
+        speculative_config=args.speculative_config, reasoning_parser=args.reasoning_parser,
         seed=ENGINE_DEFAULTS["seed"] if args.seed is None else args.seed)
     if hasattr(args, "max_num_seqs"):
         options["max_num_seqs"] = args.max_num_seqs

@@ -10,8 +10,8 @@ import sys
 
 import uvicorn
 
-from vlinfer.cli.options import (add_engine_args, engine_options, flags_in_logs, name_flags,
-                                 parse_size, set_threads)
+from vlinfer.cli.options import (add_engine_args, engine_options, flags_in_logs, json_object,
+                                 name_flags, parse_size, set_threads)
 from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.inputs.limits import MAX_IMAGE_PIXELS, MAX_IMAGES
 from vlinfer.multimodal.video_io import VideoLimits
@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
         "free whitespace (vLLM's disable_any_whitespace; a request's own structured_outputs wins). "
         "Default on: small models otherwise pad JSON with newlines until max_tokens")
     p.add_argument(
+        "--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+        help="chat template variables every chat request gets, a request's chat_template_kwargs "
+        "over them (vLLM's), e.g. '{\"enable_thinking\": false}' (docs/reasoning.md)")
+    p.add_argument(
         "--malloc-arena-max", type=int, default=2,
         help="glibc malloc arenas, so RSS comes back after bursts (0: glibc's default); default 2")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -186,7 +190,8 @@ def config_from_args(args) -> ServeConfig:
                        video=video, lora_modules=tuple(args.lora_modules),
                        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                        max_tokens_default=args.max_tokens_default,
-                       request_timeout_s=args.request_timeout)
+                       request_timeout_s=args.request_timeout,
+                       default_chat_template_kwargs=args.default_chat_template_kwargs)
 
 
 def main(argv=None) -> int:

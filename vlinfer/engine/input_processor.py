@@ -9,6 +9,8 @@ from vlinfer.inputs import PromptType
 from vlinfer.inputs.limits import text_only
 from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
+from vlinfer.structured.reasoning import (RESERVED_TEMPLATE_KWARGS, ReasoningState,
+                                          resolve_reasoning_parser)
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
 MEDIA_KEYS = {"image", "video"}
@@ -18,7 +20,8 @@ class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, model_name: str, max_model_len: int,
                  mm_processor=None, chat_template: str | None = None, grammar_matchers=None,
                  device: torch.device | None = None, seed: int = 0, pooling=None,
-                 can_generate: bool = True, lora=None, language_model_only: bool = False):
+                 can_generate: bool = True, lora=None, language_model_only: bool = False,
+                 reasoning_parser=None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.model_name = model_name
@@ -36,23 +39,30 @@ class InputProcessor:
         self.lora = lora  # engine/lora_manager.py's LoRAManager when LoRA is enabled
         # a vision-language model run without its tower: media refused naming the option
         self.language_model_only = language_model_only
+        # structured/reasoning.py's parser of this engine's outputs; None: the text is not split
+        self.reasoning_parser = reasoning_parser
 
     @classmethod
     def of_model(cls, source, hf_config, tokenizer, device: torch.device, max_model_len: int,
                  multimodal: bool, allow_image_urls=False, grammar_matchers=None, seed: int = 0,
                  pooling=None, can_generate: bool = True, lora=None,
-                 language_model_only: bool = False) -> "InputProcessor":
+                 language_model_only: bool = False,
+                 reasoning_parser: str | None = "auto") -> "InputProcessor":
         """The processor of one model (a loading.ModelSource, its config and tokenizer): its
-        vocabulary and chat template, and with a vision tower (multimodal, not language_model_only)
-        its media processor; the rest as the constructor takes them."""
+        vocabulary and chat template, with a vision tower (multimodal, not language_model_only)
+        its media processor, and the reasoning parser the option and the template resolve to; the
+        rest as the constructor takes them."""
         from vlinfer.multimodal import Qwen3VLInputProcessor, load_chat_template
         takes_media = multimodal and not language_model_only
         mm_processor = Qwen3VLInputProcessor(hf_config, tokenizer, source.folder, device,
                                              allow_image_urls) if takes_media else None
         template = load_chat_template(source.folder, tokenizer, multimodal)  # the checkpoint's
-        return cls(tokenizer, hf_config.get_text_config().vocab_size, source.name, max_model_len,
-                   mm_processor, template, grammar_matchers, device, seed, pooling, can_generate,
-                   lora, language_model_only and multimodal)
+        vocab_size = hf_config.get_text_config().vocab_size
+        parser = resolve_reasoning_parser(reasoning_parser, template, tokenizer, vocab_size) \
+            if can_generate else None
+        return cls(tokenizer, vocab_size, source.name, max_model_len, mm_processor, template,
+                   grammar_matchers, device, seed, pooling, can_generate, lora,
+                   language_model_only and multimodal, parser)
 
     @property
     def is_multimodal(self) -> bool:
@@ -207,6 +217,14 @@ class InputProcessor:
         constraint = sampling_params.structured_outputs
         compiled_grammar = self.grammar_matchers.compile(
             constraint) if constraint is not None else None
+        budget = sampling_params.thinking_token_budget
+        parser = self.reasoning_parser
+        if budget is not None and parser is None:
+            raise ValueError("SamplingParams.thinking_token_budget needs a reasoning parser: "
+                             "LLM(..., reasoning_parser='qwen3')")
+        if budget is not None and parser.end_token_id >= self.vocab_size:
+            raise ValueError(f"SamplingParams.thinking_token_budget: the model's vocabulary "
+                             f"({self.vocab_size}) has no {parser.end_token} to end thinking with")
         n = sampling_params.n
         ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
         images_info = extra.pop("images_info", [])
@@ -230,6 +248,9 @@ class InputProcessor:
             seq.bad_words_token_ids = bad_words_token_ids
             if compiled_grammar is not None:  # each completion walks the grammar on its own
                 seq.grammar_matcher = compiled_grammar.deep_copy()
+            if parser is not None:  # the constraint covers the answer after the thinking
+                seq.reasoning = ReasoningState(parser, token_ids, budget)
+                seq.grammar_matcher = seq.reasoning.park(seq.grammar_matcher)
             seqs.append(seq)
         return seqs
 
@@ -252,9 +273,11 @@ class InputProcessor:
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None, mm_processor_kwargs: dict | None = None,
-                    tools: list[dict] | None = None) -> dict:
+                    tools: list[dict] | None = None,
+                    chat_template_kwargs: dict | None = None) -> dict:
         """One conversation (OpenAI-style content parts allowed) -> a prompt dict for add_request /
         generate. tools: OpenAI tool definitions, rendered by the template (which must read them).
+        chat_template_kwargs: more variables for the template (vLLM's), e.g. enable_thinking.
         Whatever is wrong with the conversation is a ValueError, so callers answer it as a bad
         request."""
         from vlinfer.multimodal.chat import (image_details, message_texts, split_chat_media,
@@ -277,11 +300,13 @@ class InputProcessor:
                 f"the chat template of model {self.model_name!r} does not render tools, so the "
                 "model "
                 "would never see them; pass a chat_template that does")
+        extra = check_template_kwargs(chat_template_kwargs)
         try:
             text = self.tokenizer.apply_chat_template(template_messages, tokenize=False,
                                                       chat_template=template,
                                                       add_generation_prompt=add_generation_prompt,
-                                                      **({"tools": tools} if tools else {}))
+                                                      **({"tools": tools} if tools else {}),
+                                                      **extra)
         except ValueError:
             raise
         # jinja's TemplateError (a role the template refuses), a TypeError on odd content
@@ -302,6 +327,21 @@ class InputProcessor:
         if mm_processor_kwargs:
             prompt["mm_processor_kwargs"] = mm_processor_kwargs
         return prompt
+
+
+def check_template_kwargs(kwargs: dict | None) -> dict:
+    """chat_template_kwargs as given, or a ValueError naming what is wrong: a dict of variables
+    with string names, none that the engine itself passes to the template."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError("chat_template_kwargs must be a dict of template variables, e.g. "
+                         "{'enable_thinking': False}")
+    reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs cannot set {reserved}: the request's own fields "
+                         "set them")
+    return kwargs
 
 
 def _media(mm_data: dict) -> tuple[list, list]:

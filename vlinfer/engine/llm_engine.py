@@ -115,7 +115,7 @@ class LLMEngine:
             self.source, self.hf_config, self.tokenizer, self.device, self.resolved.max_model_len,
             isinstance(runner.model, SupportsMultiModal), config.allow_image_urls,
             self.grammar_matchers, config.seed, self.pooling, self.can_generate, runner.lora,
-            config.language_model_only)
+            config.language_model_only, config.reasoning_parser)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 self.resolved.max_model_len)
         self.requests: dict[str, Sequence] = {}  # by sequence id: added and not yet finished

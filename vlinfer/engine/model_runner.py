@@ -29,6 +29,7 @@ from vlinfer.engine.vision_encoder import VisionEncoder
 from vlinfer.layers import Attention, ForwardContext, ModelContext
 from vlinfer.layers.linear import LinearBase
 from vlinfer.models.interfaces import HasStateSlots, SupportsMRoPE, SupportsMultiModal
+from vlinfer.structured.reasoning import allow_token
 
 logger = logging.getLogger("vlinfer")
 
@@ -209,6 +210,10 @@ class ModelRunner:
             return [], prompt_entries, pooled_rows
         if constrained and mask_rows is None:
             mask_rows = self.grammar_matchers.fill_bitmask(matchers)
+        for row, i in enumerate(constrained):  # an output that may still open its thinking
+            reasoning = sample_seqs[i].reasoning
+            if reasoning is not None and reasoning.may_open:
+                allow_token(mask_rows[row], reasoning.parser.start_token_id)
         bitmask = (constrained, mask_rows) if constrained else None
         tokens, logprobs = sample(logits, sample_seqs, self.eos_token_ids, bitmask,
                                   self.ctx.ops.apply_token_bitmask)

@@ -57,8 +57,13 @@ class OutputProcessor:
         hold = 0 if finished or not p.stop_strings or p.include_stop_str_in_output else \
             max(map(len, p.stop_strings)) - 1
         visible = max(len(seq.output_text) - hold, seq.num_streamed_chars)
+        delta = seq.output_text[seq.num_streamed_chars:visible]
+        delta_reasoning = ""
+        if seq.reasoning is not None:  # the parser splits what is final, so streams split exactly
+            delta_reasoning, delta = seq.reasoning.text.feed(delta, final=finished)
         out = make_output(seq, finished)
-        out.outputs[0].delta_text = seq.output_text[seq.num_streamed_chars:visible]
+        out.outputs[0].delta_text = delta
+        out.outputs[0].delta_reasoning = delta_reasoning
         out.outputs[0].delta_token_ids = appended
         seq.num_streamed_chars = visible
         return out
@@ -75,8 +80,11 @@ class OutputProcessor:
             seq.output_logprobs.append(self._logprobs(logprobs))
             seq.cumulative_logprob += logprobs[token_id][0]
         grammar_error = None
-        if seq.grammar_matcher is not None:
-            grammar_error = GrammarMatchers.accept(seq.grammar_matcher, token_id)
+        matcher = seq.grammar_matcher
+        if seq.reasoning is not None:  # parked while thinking: the tags never reach the grammar
+            seq.grammar_matcher = seq.reasoning.on_token(token_id, matcher)
+        if matcher is not None and seq.grammar_matcher is matcher:
+            grammar_error = GrammarMatchers.accept(matcher, token_id)
         sent = len(seq.output_text)
         # The sampler masks EOS and stop tokens until min_tokens, so one seen here past that point
         # ends the request.
@@ -128,7 +136,10 @@ class OutputProcessor:
 
 def make_output(seq: Sequence, finished: bool) -> RequestOutput:
     asked = seq.sampling_params.logprobs is not None
-    completion = CompletionOutput(index=seq.index, text=seq.output_text,
+    split = seq.reasoning.text if seq.reasoning is not None else None
+    completion = CompletionOutput(index=seq.index,
+                                  text=seq.output_text if split is None else split.content,
+                                  reasoning=split.reasoning if split and split.opened else None,
                                   token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
                                   stop_reason=seq.stop_reason,
                                   logprobs=list(seq.output_logprobs) if asked else None,

@@ -29,6 +29,9 @@ logits processors on the same logits, and the whole chain against theirs in sequ
       vLLM, whose
       min_tokens masks all its stop ids). A masked logit stays -inf through a and b, so masks
       commute with them.
+   d. a thinking budget spent (SamplingParams.thinking_token_budget): every token but the end of
+      the thinking (`</think>`) masked, whatever a-c left, so the row emits it (vLLM's and
+      llama.cpp's rule: the engine ends the thinking, the answer follows).
    Greedy rows (temperature 0) take the arg-max here.
 3. warp_logits, on sampled rows: temperature, top-k, top-p, min-p, in transformers' order
    (TemperatureLogitsWarper,
@@ -158,7 +161,16 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence],
     _add_logit_bias(logits, params)
     _apply_penalties(logits, seqs)
     _mask_tokens(logits, seqs, eos_token_ids)
+    _end_thinking(logits, seqs)
     return logits
+
+
+def _end_thinking(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Step 2d: rows whose thinking budget is spent can only emit the end tag."""
+    for i, seq in enumerate(seqs):
+        if seq.reasoning is not None and seq.reasoning.must_end(seq.output_token_ids):
+            logits[i] = NEG_INF
+            logits[i, seq.reasoning.parser.end_token_id] = 0.0
 
 
 def _top_k(x: torch.Tensor, top_k: list[int]) -> torch.Tensor:
@@ -274,13 +286,15 @@ def _uniforms(seq: Sequence, count: int, device) -> torch.Tensor:
 class _Proposed(PromptAndOutput):
     """A sequence as row j of its verification sees it: its tokens, then its first j proposed tokens
     (the penalties, bad words and min_tokens of that row count them as output)."""
-    __slots__ = ("token_ids", "num_prompt_tokens", "sampling_params", "bad_words_token_ids")
+    __slots__ = ("token_ids", "num_prompt_tokens", "sampling_params", "bad_words_token_ids",
+                 "reasoning")
 
     def __init__(self, seq: Sequence, j: int):
         self.token_ids = seq.token_ids + seq.spec_token_ids[:j]
         self.num_prompt_tokens = seq.num_prompt_tokens
         self.sampling_params = seq.sampling_params
         self.bad_words_token_ids = seq.bad_words_token_ids
+        self.reasoning = seq.reasoning
 
 
 def _verification_rows(seqs: list[Sequence]) -> tuple[list, list[int]]:

@@ -93,6 +93,9 @@ class Sequence(PromptAndOutput):
         # LLMatcher, advanced by every appended token; LLMEngine.make_sequences makes it); None when
         # unconstrained.
         self.grammar_matcher = None
+        # structured/reasoning.py's ReasoningState when the engine has a reasoning parser: the text
+        # split into reasoning and content, the thinking budget, the matcher parked while thinking
+        self.reasoning = None
         # Speculative decoding (engine/speculative/): the tokens proposed for this step, verified
         # with the last token and never part of token_ids until accepted. The scheduler places and
         # clears them.

@@ -47,3 +47,6 @@ class ServeConfig:
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     lora_modules: tuple[LoRAModule, ...] = ()
     allow_runtime_lora_updating: bool = False
+    # chat template variables every chat request gets (--default-chat-template-kwargs, vLLM's), a
+    # request's own chat_template_kwargs over them; e.g. {"enable_thinking": False}
+    default_chat_template_kwargs: dict | None = None

@@ -162,6 +162,9 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, Any] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's: thinking tokens before the engine ends the thinking (needs the server's reasoning
+    # parser)
+    thinking_token_budget: int | None = Field(None, ge=0)
     response_format: ResponseFormat | None = None  # OpenAI's; vLLM takes it on completions too
     structured_outputs: dict[str, Any] | None = None  # vLLM's: StructuredOutputsParams' fields
     # vLLM's older spelling of structured_outputs: refused by name, never ignored (the output would
@@ -183,6 +186,9 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None  # False: at most one call (OpenAI's default: True)
     functions: list[Any] | None = None
     function_call: Any = None
+    # vLLM's: more chat template variables, e.g. {"enable_thinking": false}; over the server's
+    # --default-chat-template-kwargs
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def tool_problem(self) -> tuple[str, str] | None:
         """Tools, tool_choice and tool turns that cannot be served, found before any work is

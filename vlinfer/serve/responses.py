@@ -35,6 +35,12 @@ def usage(run: Run, n: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}}
 
 
+def reasoning_fields(text: str) -> dict:
+    """The thinking in a message, delta or choice: vLLM's `reasoning` and its older name
+    `reasoning_content`, which OpenAI clients read."""
+    return {"reasoning": text, "reasoning_content": text}
+
+
 def pooling_usage(prompt_tokens: int) -> dict:
     """The usage of an embedding or scoring request: prompt tokens only."""
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}

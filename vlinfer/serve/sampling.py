@@ -30,6 +30,7 @@ def request_params(req, logprobs: int | None, max_model_len: int, disable_any_wh
                    include_stop_str_in_output=req.include_stop_str_in_output,
                    truncate_prompt_tokens=req.truncate_prompt_tokens, logit_bias=req.logit_bias,
                    allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+                   thinking_token_budget=req.thinking_token_budget,
                    structured_outputs=output_constraint(req, disable_any_whitespace, tag_ids))
     options = {k: v for k, v in options.items() if v is not None}
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_SEQUENCES:

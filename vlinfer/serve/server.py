@@ -250,18 +250,23 @@ class Server:
         return Run(self, streams, request.state.arrival)
 
     def chat_prompt(self, messages, sources, fetched, mm_processor_kwargs: dict | None, tools=None,
-                    add_generation_prompt: bool = True) -> dict:
+                    add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> dict:
         """In a worker thread: a request's messages (images decoded, videos read) through the chat
-        template."""
+        template, with the server's default template variables under the request's own."""
         from jinja2.exceptions import TemplateError
         images = media.load_images(sources, fetched, self.config.images)
         messages = media.chat_messages(messages, images, self.config.images, fetched)
         tools = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+        variables = {**(self.config.default_chat_template_kwargs or {}),
+                     **(chat_template_kwargs or {})}
         try:
             return self.engine.chat_prompt(messages, add_generation_prompt,
-                                           mm_processor_kwargs=mm_processor_kwargs, tools=tools)
+                                           mm_processor_kwargs=mm_processor_kwargs, tools=tools,
+                                           chat_template_kwargs=variables)
         except ValueError as e:
-            raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+            param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+            raise ApiError(400, str(e), param=param, code="invalid_value") from None
         # the template refuses this conversation (e.g. a system message not first)
         except TemplateError as e:
             raise ApiError(400, f"the chat template cannot render these messages: {e}",

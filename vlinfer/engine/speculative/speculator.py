@@ -142,7 +142,8 @@ class Speculator:
         """How many tokens this sequence may propose this step (0: none)."""
         if n != 1 or not _decoding(seq) or seq.pooling_params is not None:
             return 0
-        if seq.grammar_matcher is not None:
+        parked = seq.reasoning is not None and seq.reasoning.parked_matcher is not None
+        if seq.grammar_matcher is not None or parked:
             if not self.said_structured:  # once per engine: a rule, not a failure
                 logger.info(
                     "speculative decoding: requests with structured outputs decode one token a "

@@ -8,7 +8,8 @@ from vlinfer.serve import media
 from vlinfer.serve.body import read_json
 from vlinfer.serve.constraints import forced_tool
 from vlinfer.serve.protocol import ChatCompletionRequest
-from vlinfer.serve.responses import Logprobs, finished_outputs, new_id, now, stream_response, usage
+from vlinfer.serve.responses import (Logprobs, finished_outputs, new_id, now, reasoning_fields,
+                                     stream_response, usage)
 from vlinfer.serve.run import Run
 from vlinfer.serve.tool_calls import ToolCallParser, parse_tool_calls
 
@@ -32,7 +33,7 @@ async def chat_completions(request: Request):
 
     def prompts():
         return [server.chat_prompt(req.messages, sources, fetched, req.mm_processor_kwargs,
-                                   req.tools)]
+                                   req.tools, chat_template_kwargs=req.chat_template_kwargs)]
     run = await server.start(request, prompts, params, req.n, 1,
                              req.max_completion_tokens or req.max_tokens, adapter)
     return await respond(request, run, req, model, fmt)
@@ -68,6 +69,8 @@ async def respond(request: Request, run: Run, req: ChatCompletionRequest, model:
                 finish = _finish_reason(finish, parsers[i].calls)
             else:
                 delta = {"content": c.delta_text} if c.delta_text else {}
+            if c.delta_reasoning:  # the thinking, apart from the answer (vLLM's two names)
+                delta = {**reasoning_fields(c.delta_reasoning), **delta}
             if not (delta or finish or logprobs):
                 return None  # e.g. held back as a possible stop string, or half a character
             return {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
@@ -91,6 +94,8 @@ async def respond(request: Request, run: Run, req: ChatCompletionRequest, model:
             finish = _finish_reason(finish, calls)
         else:
             message = {"role": "assistant", "content": c.text}
+        if c.reasoning is not None:
+            message.update(reasoning_fields(c.reasoning))
         logprobs = fmt.chat(out, 0, len(c.token_ids)) if fmt else None
         choices.append({"index": i, "message": message, "logprobs": logprobs,
                         "finish_reason": finish})

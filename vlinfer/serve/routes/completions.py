@@ -5,7 +5,8 @@ from fastapi.responses import JSONResponse, Response
 
 from vlinfer.serve.body import read_json
 from vlinfer.serve.protocol import CompletionRequest
-from vlinfer.serve.responses import Logprobs, finished_outputs, new_id, now, stream_response, usage
+from vlinfer.serve.responses import (Logprobs, finished_outputs, new_id, now, reasoning_fields,
+                                     stream_response, usage)
 from vlinfer.serve.run import Run
 
 router = APIRouter()
@@ -44,10 +45,13 @@ async def respond(request: Request, run: Run, req: CompletionRequest, model: str
             logprobs = fmt.completion(out, sent[i], sent[i] + new_tokens, offsets[i]) \
                 if fmt else None
             sent[i], offsets[i] = sent[i] + new_tokens, offsets[i] + len(c.delta_text)
-            if not (c.delta_text or c.finish_reason or logprobs):
+            if not (c.delta_text or c.delta_reasoning or c.finish_reason or logprobs):
                 return None  # e.g. held back as a possible stop string, or half a character
-            return {**head, "choices": [{"index": i, "text": c.delta_text, "logprobs": logprobs,
-                                         "finish_reason": c.finish_reason}]}
+            choice = {"index": i, "text": c.delta_text, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason}
+            if c.delta_reasoning:
+                choice.update(reasoning_fields(c.delta_reasoning))
+            return {**head, "choices": [choice]}
 
         def usage_chunk():
             return {**head, "choices": [], "usage": usage(run, req.n)}
@@ -59,7 +63,8 @@ async def respond(request: Request, run: Run, req: CompletionRequest, model: str
         c = out.outputs[0]
         logprobs = fmt.completion(out, 0, len(c.token_ids)) if fmt else None
         choices.append({"index": i, "text": c.text, "logprobs": logprobs,
-                        "finish_reason": c.finish_reason})
+                        "finish_reason": c.finish_reason,
+                        **(reasoning_fields(c.reasoning) if c.reasoning is not None else {})})
     return JSONResponse({"id": request_id, "object": "text_completion", "created": created,
                          "model": model, "choices": choices, "usage": usage(run, req.n)},
                         headers=headers)
