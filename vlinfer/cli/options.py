@@ -204,6 +204,18 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: bool = True) ->
         f"{ENGINE_DEFAULTS['seed']})")
 
 
+def add_json_whitespace_arg(p) -> None:
+    """The one flag for free whitespace in constrained JSON (serve, caption --json-schema); its
+    default is StructuredOutputsParams' own."""
+    from vlinfer.structured.params import StructuredOutputsParams
+    p.add_argument(
+        "--structured-outputs-disable-any-whitespace", action=argparse.BooleanOptionalAction,
+        default=StructuredOutputsParams.disable_any_whitespace,
+        help="constrained JSON has no free whitespace (vLLM's disable_any_whitespace; in the "
+        "server a request's own structured_outputs wins). Default on: small models otherwise pad "
+        "JSON with newlines until max_tokens")
+
+
 def set_threads(args: argparse.Namespace) -> None:
     """The app owns its process: set torch's CPU thread count from --num-threads
     (platform/threads.py). The engine never does; each spawned tensor-parallel worker sets its own

@@ -10,7 +10,7 @@ import sys
 
 import uvicorn
 
-from vlinfer.cli.options import (add_engine_args, engine_options, flags_in_logs, name_flags,
+from vlinfer.cli.options import (add_engine_args, add_json_whitespace_arg, engine_options, flags_in_logs, name_flags,
                                  parse_size, set_threads)
 from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.inputs.limits import MAX_IMAGE_PIXELS, MAX_IMAGES
@@ -101,13 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--allowed-local-root", default=None, metavar="DIR",
         help="serve file:// image URLs from below this folder only; default: file URLs refused")
-    p.add_argument(
-        "--structured-outputs-disable-any-whitespace", action=argparse.BooleanOptionalAction,
-        default=ServeConfig.disable_any_whitespace,
-        help="JSON constrained by response_format, a forced tool_choice or structured_outputs has "
-             "no "
-        "free whitespace (vLLM's disable_any_whitespace; a request's own structured_outputs wins). "
-        "Default on: small models otherwise pad JSON with newlines until max_tokens")
+    add_json_whitespace_arg(p)
     p.add_argument(
         "--malloc-arena-max", type=int, default=2,
         help="glibc malloc arenas, so RSS comes back after bursts (0: glibc's default); default 2")

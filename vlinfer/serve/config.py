@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from vlinfer.multimodal.video_io import VideoLimits
 from vlinfer.serve.security import ImagePolicy
+from vlinfer.structured.params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,8 @@ class ServeConfig:
     # hand freed heap pages back to the OS once a burst is over (glibc)
     trim_memory_when_idle: bool = True
     # vLLM's structured-outputs option: JSON the server constrains has no free whitespace (a
-    # request's own structured_outputs.disable_any_whitespace wins). Small models otherwise pad JSON
-    # with newlines.
-    disable_any_whitespace: bool = True
+    # request's own structured_outputs.disable_any_whitespace wins); StructuredOutputsParams' default.
+    disable_any_whitespace: bool = StructuredOutputsParams.disable_any_whitespace
     # max_tokens of a chat or completion request that gives none (--max-tokens-default). None:
     # the rest of the context, vLLM's rule.
     max_tokens_default: int | None = None
