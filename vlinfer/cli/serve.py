@@ -31,11 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default="qwen3-vl",
         help="alias, local folder, .gguf file or Hugging Face repo id "
-        "(default: qwen3-vl; the embedded random-weight model when the real weights are not here)")
+        "(default: qwen3-vl; without its weights on this machine, the embedded toy model, which "
+        "knows only drawn scenes)")
     p.add_argument("--served-model-name", action="append", default=None,
                    help="name(s) clients use in 'model' (default: --model); repeatable")
     p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="default: %(default)s")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                    "(default: $VLINFER_API_KEY; none when unset)")
     add_engine_args(p)
