@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="alias, local folder, .gguf file or Hugging Face repo id "
         "(default: qwen3-vl; without its weights on this machine, the embedded toy model, which "
         "knows only drawn scenes)")
+    p.add_argument(
+        "--chat-template", default=None, metavar="FILE",
+        help="a Jinja chat template file to render chat requests with, as vLLM's (default: the "
+        "model's own); one that reads `tools` for tool calling")
     p.add_argument("--served-model-name", action="append", default=None,
                    help="name(s) clients use in 'model' (default: --model); repeatable")
     p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
@@ -157,6 +161,22 @@ def url_hosts(args) -> tuple[str, ...]:
     return hosts or (("*",) if args.allow_image_urls else ())
 
 
+def chat_template(path: str | None) -> str | None:
+    """--chat-template FILE's text, checked to parse as Jinja before the model loads."""
+    if path is None:
+        return None
+    import jinja2
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        jinja2.Environment().parse(text)
+    except OSError as e:
+        raise ValueError(f"--chat-template {path!r} cannot be read: {e.strerror or e}") from None
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template {path!r} is not a Jinja template: {e}") from None
+    return text
+
+
 def config_from_args(args) -> ServeConfig:
     images = security.ImagePolicy(
         max_image_bytes=args.max_image_bytes, max_video_bytes=args.max_video_bytes,
@@ -174,6 +194,7 @@ def config_from_args(args) -> ServeConfig:
             raise ValueError(f"{flag} must be > 0, got {value}")
     video = VideoLimits(max_frames=args.max_video_frames, max_seconds=args.max_video_seconds)
     return ServeConfig(served_model_names=tuple(args.served_model_name or [args.model]),
+                       chat_template=chat_template(args.chat_template),
                        api_key=args.api_key or os.environ.get("VLINFER_API_KEY") or None,
                        max_body_bytes=args.max_request_bytes, images=images, max_n=args.max_n,
                        max_pending=args.max_pending,

@@ -31,6 +31,8 @@ class ServeConfig:
     # vLLM's structured-outputs option: JSON the server constrains has no free whitespace (a
     # request's own structured_outputs.disable_any_whitespace wins); StructuredOutputsParams' default.
     disable_any_whitespace: bool = StructuredOutputsParams.disable_any_whitespace
+    # the chat template requests are rendered with (--chat-template, vLLM's); None: the model's own
+    chat_template: str | None = None
     # max_tokens of a chat or completion request that gives none (--max-tokens-default). None:
     # the rest of the context, vLLM's rule.
     max_tokens_default: int | None = None
