@@ -100,15 +100,22 @@ class Pipeline:
         engine.source.about says what its answers are worth."""
         return self.engine.source.embedded
 
+    @property
+    def default_max_tokens(self) -> int:
+        """max_tokens when none is given: room for a full answer, or on an embedded toy its world's
+        longest answer (a picture outside that world then cannot loop for hundreds of tokens)."""
+        return self.engine.source.max_tokens or ANSWER_MAX_TOKENS
+
     @staticmethod
-    def sampling_params(sampling_params: SamplingParams | None = None, **options) -> SamplingParams:
+    def sampling_params(sampling_params: SamplingParams | None = None, *,
+                        default_max_tokens: int = ANSWER_MAX_TOKENS, **options) -> SamplingParams:
         if sampling_params is not None:
             if options:
                 raise ValueError(
                     "pass either sampling_params or sampling keyword options, not both")
             return sampling_params
         # SamplingParams' 16 would cut most answers short
-        options.setdefault("max_tokens", ANSWER_MAX_TOKENS)
+        options.setdefault("max_tokens", default_max_tokens)
         return SamplingParams(**options)
 
     def messages(self, prompt: str | None = None, images: Iterable | None = None,
@@ -167,7 +174,8 @@ class Pipeline:
         mm_processor_kwargs: {"min_pixels": ..., "max_pixels": ...} for this request's images
         (min_pixels= / max_pixels= keywords too)."""
         mm_processor_kwargs = media_options(mm_processor_kwargs, sampling)
-        params = self.sampling_params(sampling_params, **sampling)
+        params = self.sampling_params(sampling_params, default_max_tokens=self.default_max_tokens,
+                                      **sampling)
         outputs = self.llm.chat(messages, params, use_tqdm=False,
                                 mm_processor_kwargs=mm_processor_kwargs,
                                 lora_request=self.lora_request)[0].outputs
@@ -184,7 +192,8 @@ class Pipeline:
         if messages is None:
             messages = self.user_turn(image, prompt, images)
         mm_processor_kwargs = media_options(mm_processor_kwargs, sampling)
-        params = self.sampling_params(sampling_params, **sampling)
+        params = self.sampling_params(sampling_params, default_max_tokens=self.default_max_tokens,
+                                      **sampling)
         prompt_dict = self.engine.chat_prompt(messages, mm_processor_kwargs=mm_processor_kwargs)
         request_id = self.engine.add_request(prompt_dict, params, lora_request=self.lora_request)
         for out in drive(self.engine, [request_id]):  # closed early: drive aborts the request
@@ -209,7 +218,8 @@ class Pipeline:
             raise ValueError(text_only(self.model, "images",
                                        self.engine.input_processor.language_model_only))
         mm_processor_kwargs = media_options(mm_processor_kwargs, sampling)
-        params = self.sampling_params(sampling_params, **sampling)
+        params = self.sampling_params(sampling_params, default_max_tokens=self.default_max_tokens,
+                                      **sampling)
         images = caption_inputs(images)
         names = [image if isinstance(image, str) and not image.startswith("data:") else
                  f"images[{i}]" for i, image in enumerate(images)]
