@@ -262,7 +262,12 @@ def cosine(a: PoolingRequestOutput, b: PoolingRequestOutput, params: PoolingPara
     dot = sum(p * q for p, q in zip(x, y))
     if params.normalize is False:
         dot /= (sum(p * p for p in x) * sum(q * q for q in y)) ** 0.5
-    return dot
+    return clamp_cosine(dot)
+
+
+def clamp_cosine(value: float) -> float:
+    """A cosine within [-1, 1]: float rounding of unit vectors' dot product may pass 1 by an ulp."""
+    return max(-1.0, min(1.0, value))
 
 
 def _prompt_list(prompts) -> list:

@@ -8,7 +8,7 @@ from vlinfer.config import ANSWER_MAX_TOKENS, DESCRIBE_IMAGE_PROMPT, DESCRIBE_VI
 from vlinfer.engine.drive import drive
 from vlinfer.inputs.limits import text_only
 from vlinfer.inputs.retrieval import embedding_messages, mm_processor_kwargs
-from vlinfer.llm import LLM
+from vlinfer.llm import LLM, clamp_cosine
 from vlinfer.lora_request import LoRARequest
 from vlinfer.multimodal.media_paths import IMAGE_EXTENSIONS, collect_images
 from vlinfer.outputs import RequestError
@@ -270,7 +270,7 @@ class Pipeline:
         else:
             query_vector, = self.embed(items=[query], instruction=instruction)
             scores = [
-                sum(a * b for a, b in zip(query_vector, vector))
+                clamp_cosine(sum(a * b for a, b in zip(query_vector, vector)))
                 for vector in self.embed(items=candidates)
             ]
         ranked = sorted(range(len(candidates)), key=lambda i: -scores[i])[:top_k]
