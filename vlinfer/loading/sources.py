@@ -49,6 +49,7 @@ POOLING_ALIASES = {
     "qwen3-vl-embedding": ("Qwen/Qwen3-VL-Embedding-2B", {}),
     "qwen3-vl-embedding-2b": ("Qwen/Qwen3-VL-Embedding-2B", {}),
     "qwen3-vl-embedding-8b": ("Qwen/Qwen3-VL-Embedding-8B", {}),
+    "qwen3-vl-reranker": ("Qwen/Qwen3-VL-Reranker-2B", QWEN3_VL_RERANKER_OVERRIDES),
     "qwen3-vl-reranker-2b": ("Qwen/Qwen3-VL-Reranker-2B", QWEN3_VL_RERANKER_OVERRIDES),
     "qwen3-vl-reranker-8b": ("Qwen/Qwen3-VL-Reranker-8B", QWEN3_VL_RERANKER_OVERRIDES),
 }
@@ -96,7 +97,11 @@ TOY_RUNS = {
 }
 # The default vision alias and the default embedder's fall back to the embedded toys when the real
 # weights are not on this machine.
-OFFLINE_FALLBACK = {"qwen3-vl": "qwen3-vl-toy", "qwen3-vl-embedding": "qwen3-vl-toy-embedding"}
+# The 2B retrieval aliases too: the toys stand for the 2B models (EMBEDDED_STANDS_FOR).
+OFFLINE_FALLBACK = {"qwen3-vl": "qwen3-vl-toy", "qwen3-vl-embedding": "qwen3-vl-toy-embedding",
+                    "qwen3-vl-embedding-2b": "qwen3-vl-toy-embedding",
+                    "qwen3-vl-reranker": "qwen3-vl-toy-reranker",
+                    "qwen3-vl-reranker-2b": "qwen3-vl-toy-reranker"}
 EMBEDDED_NOTICE = ("*** vlinfer is using {about} ({path}). For real answers fetch the weights: "
                    "huggingface-cli download {repo} ***")
 # The real model an embedded one stands in for, named in its notice (Qwen3-VL-2B-Instruct where not
