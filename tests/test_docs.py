@@ -40,8 +40,8 @@ def test_readme_types_no_test_counts():
 
 
 def test_the_default_model_is_not_called_random_weight():
-    """Offline, qwen3-vl falls back to the trained toy, not to the random-weight model: the examples'
-    README and serve --help say so."""
+    """Offline, qwen3-vl falls back to the trained toy, not to the random-weight model: the
+    examples' README and serve --help say so."""
     from vlinfer.cli.serve import build_parser
     from vlinfer.loading.sources import EMBEDDED_MODELS, OFFLINE_FALLBACK
     assert "random" not in EMBEDDED_MODELS[OFFLINE_FALLBACK["qwen3-vl"]]
@@ -60,7 +60,8 @@ def test_every_port_flag_shows_its_default():
 
 
 # ```python            : runs offline as written (a page's blocks in order, one namespace per page)
-# ```python needs="WHAT" twin=PATH : needs WHAT; PATH runs the same calls offline (a test or example)
+# ```python needs="WHAT" twin=PATH : needs WHAT; PATH runs the same calls offline (a test, an
+#                                    example)
 FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```$", re.M | re.S)
 MARK = re.compile(r'^ needs="([^"]+)" twin=(\S+)$')
 
@@ -72,7 +73,8 @@ def doc_pages() -> list[str]:
 def python_blocks(path: str) -> list[tuple[int, str, str]]:
     """(line, info string after 'python', code) of each fenced Python block."""
     text = _read(path)
-    return [(text[:m.start()].count("\n") + 1, m.group(1), m.group(2)) for m in FENCE.finditer(text)]
+    return [(text[:m.start()].count("\n") + 1, m.group(1), m.group(2))
+            for m in FENCE.finditer(text)]
 
 
 def test_every_python_block_runs_offline_or_names_its_needs_and_twin():
@@ -123,8 +125,9 @@ def test_the_offline_blocks_run_as_written(page, blocks, tmp_path):
     namespace: the embedded toys and SmolLM2 answer each."""
     (tmp_path / "blocks.json").write_text(json.dumps([(page, blocks)]))
     (tmp_path / "runner.py").write_text(textwrap.dedent(RUNNER))
-    run = subprocess.run([sys.executable, str(tmp_path / "runner.py"), str(tmp_path / "blocks.json")],
-                         capture_output=True, text=True, timeout=900, cwd=REPO,
+    run = subprocess.run([sys.executable, str(tmp_path / "runner.py"),
+                          str(tmp_path / "blocks.json")], capture_output=True, text=True,
+                         timeout=900, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("ran ") == len(blocks)

@@ -1,6 +1,6 @@
 """The toys' world is stated where a newcomer meets them (the README, each toy's notice) as
-scenes.py draws it, a picture outside it ends within the world's longest answer, and the chat example
-asks what the world can answer."""
+scenes.py draws it, a picture outside it ends within the world's longest answer, and the chat
+example asks what the world can answer."""
 import os
 import re
 import subprocess
