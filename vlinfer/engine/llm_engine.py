@@ -44,11 +44,10 @@ class LLMEngine:
         self.grammar_matchers: GrammarMatchers | None = None  # close() may run before _build
         self.device = platform.resolve_device(config.device)  # fails before any model work
         self.source = loading.resolve_model(model)
-        # config.json decides whether the model splits over the ranks, before any worker spawns
         self.hf_config = loading.load_config(self.source, config.hf_overrides)
         check_tensor_parallel_shapes(self.hf_config.get_text_config(), config.tensor_parallel_size,
                                      config.enable_expert_parallel)
-        if config.tensor_parallel_size > 1:  # the workers import torch while we read the tokenizer
+        if config.tensor_parallel_size > 1:  # spawned after the shape check, from config.json
             self.driver = TPDriver(parallel, self.device.type, spawned_worker_main)
             self.device = self.driver.device
         try:
