@@ -288,8 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="qwen3-vl", help=
         "alias, local folder, .gguf or HF repo id (default qwen3-vl; without its weights on this "
         "machine it falls back to the embedded toy model, which knows only drawn scenes)")
-    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve the local network")
-    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="default: 127.0.0.1 (this machine only); 0.0.0.0 serves the network")
+    p.add_argument("--port", type=int, default=7860, help="default: %(default)s")
     p.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     # --max-model-len counts images too: ~1 token per 32x32 pixels
     add_engine_args(p, max_num_seqs=False)

@@ -291,12 +291,17 @@ def test_bad_requests_are_answered_one_by_one(checkpoints, embedder):
     assert outs[0].error is None and outs[3].error is None
     assert outs[0].outputs.embedding == outs[3].outputs.embedding
     assert "empty" in outs[1].error and "image" in outs[2].error
-    with pytest.raises(RequestError, match="larger than the model's embedding size 128"):
-        embedder.llm.embed([good], PoolingParams(dimensions=129), use_tqdm=False)
+    # wrong for every prompt alike: one ValueError for the call, not a RequestError per prompt
+    for call, says in ((lambda: embedder.llm.embed([good, good], PoolingParams(dimensions=129),
+                                                   use_tqdm=False),
+                        "larger than the model's embedding size 128"),
+                       (lambda: embedder.llm.classify([good, good], use_tqdm=False),
+                        "no classifier")):
+        with pytest.raises(ValueError, match=says) as e:
+            call()
+        assert not isinstance(e.value, RequestError) and str(e.value).count(says) == 1
     with pytest.raises(ValueError, match="positive int"):
         PoolingParams(dimensions=0)
-    with pytest.raises(RequestError, match="no classifier"):
-        embedder.llm.classify([good], use_tqdm=False)
     assert_block_pool_empty(embedder.llm)
     generative = LLM(checkpoints[1], dtype="float32", kv_cache_bytes=8 * 2 ** 20, max_model_len=256)
     assert generative.engine.pooling is None

@@ -314,6 +314,52 @@ def test_score_and_rerank_on_the_embedder(servers, embedder):
         abs(d["score"] - o.outputs.score) <= 1e-6 for d, o in zip(r.json()["data"], pairwise))
 
 
+def test_images_through_the_openai_client_and_the_query_instruction(servers, client, embedder):
+    """vLLM's multimodal embeddings through OpenAI's client: `input` as one item's content parts,
+    or data-URI strings (each an image), in the Qwen embedder's format with the request's
+    instruction: the vectors of Pipeline.embed."""
+    parts = [{"type": "image_url", "image_url": {"url": IMAGE}},
+             {"type": "text", "text": "A photo."}]
+    got = client.embeddings.create(model=MODEL, input=parts, dimensions=16).data
+    ref, = embedder.embed(items=[{"image": pil(), "text": "A photo."}], dimensions=16)
+    assert len(got) == 1 and close(got[0].embedding, ref)
+    other = png_bytes(seed=5)
+    got = client.embeddings.create(model=MODEL, input=[IMAGE, "a red house", data_uri(other)],
+                                   extra_body={"instruction": "Find the picture."}).data
+    refs = embedder.embed(items=[{"image": pil()}, "a red house", {"image": pil(other)}],
+                          instruction="Find the picture.")
+    assert len(got) == 3 and all(close(g.embedding, r) for g, r in zip(got, refs))
+    assert not close(refs[0], embedder.embed(images=[pil()])[0])  # the instruction counts
+    assert_idle(servers["embed"])
+
+
+def test_rerank_and_score_with_images_on_the_embedder_as_pipeline_rerank(servers, embedder):
+    """Image documents on an embedder, and the query instruction as a request field: the scores
+    and order of Pipeline.rerank; an item against itself scores at most 1 (cosine clamped)."""
+    query = "What is the capital of France?"
+    ranked = embedder.rerank(query, OFFLINE_DOCUMENTS, instruction="Find the answer.")
+    r = post(servers["embed"], "/rerank", {"query": query, "documents": DOCUMENTS,
+                                           "instruction": "Find the answer."})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == [x["index"] for x in ranked]
+    assert all(abs(x["relevance_score"] - y["score"]) <= 1e-6 for x, y in zip(results, ranked))
+    r = post(servers["embed"], "/score", {"text_1": DOCUMENTS[2], "text_2": [DOCUMENTS[2]]})
+    assert r.status_code == 200, r.text
+    assert 0.999 < r.json()["data"][0]["score"] <= 1.0
+    assert_idle(servers["embed"])
+
+
+def test_cosine_is_clamped():
+    from vlinfer.llm import clamp_cosine, cosine
+    from vlinfer.outputs import EmbeddingOutput, PoolingRequestOutput
+    unit = [0.6, 0.8000000000000002]  # its dot product with itself is 1 + 4e-16
+    out = PoolingRequestOutput("a", EmbeddingOutput(unit), [1], True)
+    assert sum(x * x for x in unit) > 1.0
+    assert cosine(out, out, PoolingParams()) == 1.0 == clamp_cosine(1.0000001)
+    assert clamp_cosine(-1.5) == -1.0
+
+
 # ---- bad requests ----
 CORRUPT = data_uri(b"\x89PNG\r\n\x1a\n not really a png")
 BAD = [
@@ -402,10 +448,13 @@ BAD = [
         "query": "a",
         "documents": [{"content": [{"type": "image_url", "image_url": {"url": IMAGE}}]}] * 17
     }, "documents", "the request has 17 images and videos; the limit is 16 per request"),
-    ("embed", "/rerank", {"query": "a", "documents": ["b", DOCUMENTS[2]]}, "documents.1",
-     "an embedding model scores text items as given"),
-    ("embed", "/score", {"text_1": "a", "text_2": "b",
-                         "instruction": "Judge."}, "instruction", "instruction is for a reranker"),
+    ("embed", "/rerank", {"query": "a", "documents": [{"content": [
+        {"type": "text", "text": "b"}, {"type": "text", "text": "c"}]}]}, "documents.0",
+     "give an instruction to embed items in its format"),
+    ("embed", "/v1/embeddings", {"input": [[1, 2]], "instruction": "Find."}, "input.0",
+     "token ids cannot take the embedder's format"),
+    ("embed", "/v1/embeddings", {"input": [{"type": "image_url", "image_url": {"url": CORRUPT}}]},
+     "input.content.0.image_url.url", "invalid image"),
     ("embed", "/score", {"text_1": "", "text_2": "b"}, "text_1", "the prompt is empty"),
 ]
 

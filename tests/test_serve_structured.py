@@ -446,6 +446,34 @@ def test_a_template_without_tools_refuses_them(served):
             ASK, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}", tools=TOOLS)
 
 
+def test_tools_on_a_template_without_them_name_the_cause_and_the_servers_flag(served, prompts,
+                                                                              tmp_path):
+    """The 400 names `tools` (not `messages`) and a remedy serve has: --chat-template, which renders
+    every chat request with the given template."""
+    from vlinfer.cli.serve import build_parser, config_from_args
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "plain.jinja").write_text(plain)
+    config = config_from_args(build_parser().parse_args(
+        ["--model", MODEL, "--chat-template", str(tmp_path / "plain.jinja")]))
+    assert config.chat_template == plain
+    with ServerThread(build_app(served.loop, config)) as url, \
+            httpx.Client(base_url=url, timeout=60) as http:
+        body = {"model": MODEL, "messages": ASK, "max_tokens": 2, "temperature": 0}
+        r = http.post("/v1/chat/completions", json={**body, "tools": TOOLS})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "tools", r.text
+        assert "does not render tools" in error["message"], error
+        assert "--chat-template FILE" in error["message"] and "chat_template=" not in \
+            error["message"], error
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+    assert prompts[-1] == ASK[0]["content"]
+    (tmp_path / "bad.jinja").write_text("{% for %}")
+    for name, says in (("bad.jinja", "is not a Jinja template"), ("none.jinja", "cannot be read")):
+        with pytest.raises(ValueError, match=says):
+            config_from_args(build_parser().parse_args(
+                ["--model", MODEL, "--chat-template", str(tmp_path / name)]))
+
+
 # ---- /metrics ----
 def test_metrics_parse_with_prometheus_client_and_keep_their_names(served, client):
     client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, temperature=0)

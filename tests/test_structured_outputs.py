@@ -411,3 +411,38 @@ def test_open_integers_are_bounded_and_json_has_no_free_whitespace():
     assert not accepts('{"population":1,"area":-' + "9" * 17)
     assert accepts('{"population":1,"area":null}')
     assert not accepts('{ "population"')  # no free whitespace
+
+
+def test_caption_json_schema_has_the_servers_whitespace_flag_and_default(monkeypatch):
+    """caption --json-schema: no free whitespace by default (a small model pads JSON with tabs until
+    max_tokens otherwise), and the server's flag, one definition, turns it back on; the value
+    reaches the StructuredOutputsParams every caption runs under."""
+    from types import SimpleNamespace
+
+    from vlinfer.captioning import captioner
+    from vlinfer.cli import build_parser
+    from vlinfer.cli.serve import build_parser as serve_parser
+    flag = "--structured-outputs-disable-any-whitespace"
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["caption"]
+    ours, theirs = (next(a for a in p._actions if flag in a.option_strings)
+                    for p in (sub, serve_parser()))
+    assert (ours.default, ours.help, ours.option_strings) == \
+        (theirs.default, theirs.help, theirs.option_strings)
+    assert ours.default is True is StructuredOutputsParams.disable_any_whitespace
+    base = ["caption", IMAGES, "--out", "x.jsonl", "--json-schema", "s.json"]
+    assert build_parser().parse_args(base).structured_outputs_disable_any_whitespace is True
+    off = build_parser().parse_args(base + ["--no-" + flag[2:]])
+    assert off.structured_outputs_disable_any_whitespace is False
+
+    class Made(Exception):
+        pass
+
+    def spy(**kwargs):
+        raise Made(kwargs)
+
+    monkeypatch.setattr(captioner, "StructuredOutputsParams", spy)
+    fake = SimpleNamespace(engine=SimpleNamespace(is_multimodal=True))
+    for given, expected in (({}, True), ({"disable_any_whitespace": False}, False)):
+        with pytest.raises(Made) as made:
+            captioner.caption_files(fake, [], "x.jsonl", json_schema=LABEL, **given)
+        assert made.value.args[0]["disable_any_whitespace"] is expected

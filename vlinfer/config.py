@@ -1,7 +1,11 @@
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from vlinfer.structured.reasoning import REASONING_PARSER_CHOICES
 
@@ -39,15 +43,27 @@ CHAT_TOP_P = 0.9
 # fp8 caches carry one float32 scale per layer for K and one for V (1.0 unless the checkpoint has
 # them); int8 caches one float32 scale per token and KV head, written beside the row when it is
 # stored (ops/reference/kv_cache.py).
-KV_CACHE_DTYPES = {
-    "auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8
+# (torch's dtypes by name, so that reading this module, as the CLI's --help does, imports no torch)
+KV_CACHE_DTYPE_NAMES = {
+    "auto": None, "bfloat16": "bfloat16", "float16": "float16", "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "int8": "int8"
 }
 # mamba_ssm_cache_dtype names (vLLM's) -> the dtype the linear-attention layers' recurrent state is
 # stored in (hybrid models, docs/hybrid.md); "auto" is float32: the state sums every past token, so
 # a 16-bit store rounds a running sum each step. The ops compute in float32 either way.
-SSM_CACHE_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
-                    "float16": torch.float16}
+SSM_CACHE_DTYPE_NAMES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16",
+                         "float16": "float16"}
+
+
+def __getattr__(name: str):
+    """KV_CACHE_DTYPES and SSM_CACHE_DTYPES: the name tables above with torch's dtypes."""
+    tables = {"KV_CACHE_DTYPES": KV_CACHE_DTYPE_NAMES, "SSM_CACHE_DTYPES": SSM_CACHE_DTYPE_NAMES}
+    if name not in tables:
+        raise AttributeError(f"module 'vlinfer.config' has no attribute {name!r}")
+    import torch
+    return {key: None if value is None else getattr(torch, value)
+            for key, value in tables[name].items()}
+
 
 RUNNERS = ("auto", "generate", "pooling")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -261,14 +277,14 @@ class EngineConfig:
                 "'raw_logprobs' only (raw_logits, processed_logprobs and processed_logits are not "
                 "offered)"
             )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise ValueError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: expected one of "
-                f"{', '.join(KV_CACHE_DTYPES)}")
-        if self.mamba_ssm_cache_dtype not in SSM_CACHE_DTYPES:
+                f"{', '.join(KV_CACHE_DTYPE_NAMES)}")
+        if self.mamba_ssm_cache_dtype not in SSM_CACHE_DTYPE_NAMES:
             raise ValueError(
                 f"mamba_ssm_cache_dtype={self.mamba_ssm_cache_dtype!r} is not supported: expected "
-                f"one of {', '.join(SSM_CACHE_DTYPES)}")
+                f"one of {', '.join(SSM_CACHE_DTYPE_NAMES)}")
         if not isinstance(self.language_model_only, bool):
             raise ValueError(
                 f"language_model_only must be True or False, got {self.language_model_only!r}")

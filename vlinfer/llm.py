@@ -1,5 +1,6 @@
 """The offline entry point, shaped like vLLM's `LLM` so its users can switch."""
 import dataclasses
+import logging
 from collections import Counter
 
 from tqdm.auto import tqdm
@@ -11,6 +12,8 @@ from vlinfer.inputs.retrieval import RERANK_FORMATS, mm_processor_kwargs
 from vlinfer.outputs import PoolingRequestOutput, RequestError, RequestOutput, ScoringOutput
 from vlinfer.pooling_params import PoolingParams
 from vlinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("vlinfer")
 
 
 class LLM:
@@ -107,6 +110,9 @@ class LLM:
             raise ValueError(f"got {len(pooling_params)} pooling_params for {len(prompts)} prompts")
         if pooling_task is not None:
             pooling_params = [dataclasses.replace(p, task=pooling_task) for p in pooling_params]
+        if self.engine.pooling is not None:  # wrong for every prompt alike: said once, not per item
+            for params in {id(p): p for p in pooling_params}.values():
+                self.engine.pooling.check(params, self.engine.input_processor.model_name)
         results: list = [None] * len(prompts)
         seqs, order = [], {}
         for i, (prompt, params, lora) in enumerate(zip(prompts, pooling_params, loras)):
@@ -117,10 +123,26 @@ class LLM:
                 continue
             seqs.append(seq)
             order[seq.request_id] = i
+            self._warn_unknown_tokens(seq)
         self._run(seqs, order, results, use_tqdm)
         if any(r.error for r in results):
             raise RequestError(results)
         return results
+
+    def _warn_unknown_tokens(self, seq) -> None:
+        """On an embedded toy, a prompt's tokens it has no learned row for add nothing to the vector
+        (their rows are zero): said, not left to a silent near-zero score."""
+        source = self.engine.source
+        if not (source.embedded and source.max_tokens):  # the trained toys: they set max_tokens
+            return
+        from vlinfer.toy.embedded import known_token_ids
+        known = known_token_ids(embedder=self.engine.pooling.task == "embed")
+        unknown = [t for t in seq.prompt_token_ids if t not in known]
+        if unknown:
+            words = self.engine.tokenizer.decode(unknown)
+            logger.warning("%s: %d token(s) of this prompt are outside the toy's vocabulary (%r), "
+                           "so they add nothing to its vector; it knows only its drawn world's "
+                           "words", source.name, len(unknown), words[:80])
 
     def embed(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
               truncate_prompt_tokens: int | None = None,
@@ -264,7 +286,12 @@ def cosine(a: PoolingRequestOutput, b: PoolingRequestOutput, params: PoolingPara
     dot = sum(p * q for p, q in zip(x, y))
     if params.normalize is False:
         dot /= (sum(p * p for p in x) * sum(q * q for q in y)) ** 0.5
-    return dot
+    return clamp_cosine(dot)
+
+
+def clamp_cosine(value: float) -> float:
+    """A cosine within [-1, 1]: float rounding of unit vectors' dot product may pass 1 by an ulp."""
+    return max(-1.0, min(1.0, value))
 
 
 def _prompt_list(prompts) -> list:

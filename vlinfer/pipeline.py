@@ -8,7 +8,7 @@ from vlinfer.config import ANSWER_MAX_TOKENS, DESCRIBE_IMAGE_PROMPT, DESCRIBE_VI
 from vlinfer.engine.drive import drive
 from vlinfer.inputs.limits import text_only
 from vlinfer.inputs.retrieval import embedding_messages, mm_processor_kwargs
-from vlinfer.llm import LLM
+from vlinfer.llm import LLM, clamp_cosine
 from vlinfer.lora_request import LoRARequest
 from vlinfer.multimodal.media_paths import IMAGE_EXTENSIONS, collect_images
 from vlinfer.outputs import ChatAnswer, RequestError
@@ -100,15 +100,22 @@ class Pipeline:
         engine.source.about says what its answers are worth."""
         return self.engine.source.embedded
 
+    @property
+    def default_max_tokens(self) -> int:
+        """max_tokens when none is given: room for a full answer, or on an embedded toy its world's
+        longest answer (a picture outside that world then cannot loop for hundreds of tokens)."""
+        return self.engine.source.max_tokens or ANSWER_MAX_TOKENS
+
     @staticmethod
-    def sampling_params(sampling_params: SamplingParams | None = None, **options) -> SamplingParams:
+    def sampling_params(sampling_params: SamplingParams | None = None, *,
+                        default_max_tokens: int = ANSWER_MAX_TOKENS, **options) -> SamplingParams:
         if sampling_params is not None:
             if options:
                 raise ValueError(
                     "pass either sampling_params or sampling keyword options, not both")
             return sampling_params
         # SamplingParams' 16 would cut most answers short
-        options.setdefault("max_tokens", ANSWER_MAX_TOKENS)
+        options.setdefault("max_tokens", default_max_tokens)
         return SamplingParams(**options)
 
     def messages(self, prompt: str | None = None, images: Iterable | None = None,
@@ -171,7 +178,8 @@ class Pipeline:
         thinking; thinking=False asks it not to think (the template's enable_thinking), None leaves
         the template's default. detailed=True: ChatAnswer(s), with the thinking in `.reasoning`."""
         mm_processor_kwargs = media_options(mm_processor_kwargs, sampling)
-        params = self.sampling_params(sampling_params, **sampling)
+        params = self.sampling_params(sampling_params, default_max_tokens=self.default_max_tokens,
+                                      **sampling)
         outputs = self.llm.chat(messages, params, use_tqdm=False,
                                 mm_processor_kwargs=mm_processor_kwargs,
                                 lora_request=self.lora_request,
@@ -192,7 +200,8 @@ class Pipeline:
         if messages is None:
             messages = self.user_turn(image, prompt, images)
         mm_processor_kwargs = media_options(mm_processor_kwargs, sampling)
-        params = self.sampling_params(sampling_params, **sampling)
+        params = self.sampling_params(sampling_params, default_max_tokens=self.default_max_tokens,
+                                      **sampling)
         prompt_dict = self.engine.chat_prompt(messages, mm_processor_kwargs=mm_processor_kwargs,
                                               chat_template_kwargs=thinking_kwargs(thinking))
         request_id = self.engine.add_request(prompt_dict, params, lora_request=self.lora_request)
@@ -218,7 +227,8 @@ class Pipeline:
             raise ValueError(text_only(self.model, "images",
                                        self.engine.input_processor.language_model_only))
         mm_processor_kwargs = media_options(mm_processor_kwargs, sampling)
-        params = self.sampling_params(sampling_params, **sampling)
+        params = self.sampling_params(sampling_params, default_max_tokens=self.default_max_tokens,
+                                      **sampling)
         images = caption_inputs(images)
         names = [image if isinstance(image, str) and not image.startswith("data:") else
                  f"images[{i}]" for i, image in enumerate(images)]
@@ -269,7 +279,7 @@ class Pipeline:
         else:
             query_vector, = self.embed(items=[query], instruction=instruction)
             scores = [
-                sum(a * b for a, b in zip(query_vector, vector))
+                clamp_cosine(sum(a * b for a, b in zip(query_vector, vector)))
                 for vector in self.embed(items=candidates)
             ]
         ranked = sorted(range(len(candidates)), key=lambda i: -scores[i])[:top_k]

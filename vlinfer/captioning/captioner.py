@@ -78,14 +78,17 @@ def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT,
                   max_pixels: int | None = None, resume: bool = False, overwrite: bool = False,
                   progress: bool = True, json_schema: dict | str | None = None,
                   video_prompt: str | None = None, video_options: dict | None = None,
-                  lora_request=None) -> CaptionSummary:
+                  lora_request=None,
+                  disable_any_whitespace: bool = StructuredOutputsParams.disable_any_whitespace
+                  ) -> CaptionSummary:
     """Caption `paths` with `llm` (an LLM, or a Pipeline: its .llm is used) into the JSONL file
     `out`. With json_schema (a JSON schema, dict or string), every caption is generated under it
     (structured outputs) and recorded as the parsed JSON value. Paths with a video extension
     (VIDEO_EXTENSIONS) are captioned as clips, in the same batches as the images: with video_prompt
     (default: `prompt` when one is given, else DEFAULT_VIDEO_PROMPT) and video_options (fps,
     num_frames, max_frames, video_max_pixels, ...: the video processor's per-request keys).
-    lora_request: the LoRARequest every caption runs with (a Pipeline(lora=...) brings its own)."""
+    lora_request: the LoRARequest every caption runs with (a Pipeline(lora=...) brings its own).
+    disable_any_whitespace: no free whitespace in json_schema's JSON (StructuredOutputsParams')."""
     if getattr(llm, "lora_request", None) is not None:
         if lora_request is not None:
             raise ValueError(
@@ -112,7 +115,8 @@ def caption_files(llm, paths: list[str], out: str, prompt: str = DEFAULT_PROMPT,
     VideoOptions.of(video_options)
     params = sampling_params or SamplingParams(temperature=0.0, max_tokens=CAPTION_MAX_TOKENS)
     if json_schema is not None:  # a bad schema fails here, before any image is read
-        params = replace(params, structured_outputs=StructuredOutputsParams(json=json_schema))
+        params = replace(params, structured_outputs=StructuredOutputsParams(
+            json=json_schema, disable_any_whitespace=disable_any_whitespace))
     mm_kwargs = image_limits(llm, max_pixels)
     check_caption_output(out, resume, overwrite)
     done = {key(r["path"]): r for r in recorded(out, resume, overwrite)}

@@ -4,14 +4,16 @@
 Exit codes: 0 done; 1 caption or embed finished but some items could not be read (their errors are
 in the output); 2 bad usage, a model that cannot be found, or a rejected request; 3 caption or embed
 could not write its output (disk full, ...): the batches written before are whole, --resume
-continues; 130 interrupted."""
+continues; 130 interrupted.
+
+Building the parsers imports no torch and no engine (they load in the command that runs), so
+--help answers at once."""
 import argparse
 import logging
 import sys
 
-from vlinfer.captioning.output import OutputWriteError
 from vlinfer.cli import answer, bench, caption, embed
-from vlinfer.cli.options import flags_in_logs, name_flags, set_threads
+from vlinfer.cli.options import compact_usage, flags_in_logs, name_flags, set_threads
 from vlinfer.cli.shared import CLI_FLAGS
 
 
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="OpenAI-compatible HTTP server; try serve --help")
     s.set_defaults(func=None)  # its own parser takes -v too
     for command in commands:
+        command.usage = compact_usage(command)
         # -v after the subcommand as well as before it; SUPPRESS: absent there, the top-level value
         # stands.
         command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
@@ -56,6 +59,7 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(message)s")
+    from vlinfer.captioning.output import OutputWriteError
     # the benchmark scripts name their own flags
     flags = {} if args.command == "bench" else CLI_FLAGS
     try:

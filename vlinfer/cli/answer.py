@@ -7,8 +7,6 @@ from vlinfer.cli.shared import (CLI_FLAGS, TEXT_MODEL, VISION_MODEL, add_lora_ar
                                 add_model_args, add_sampling_args, build_llm, lora_request,
                                 mm_kwargs, sampling_params)
 from vlinfer.config import ANSWER_MAX_TOKENS, CHAT_TEMPERATURE, CHAT_TOP_P
-from vlinfer.engine.drive import drive
-from vlinfer.inputs.limits import text_only
 
 
 def cmd_generate(args) -> int:
@@ -55,6 +53,7 @@ CHAT_HELP = ("/image PATH attaches an image to your next message, /reset clears 
 def _stream_answer(engine, request_id: str) -> str | None:
     """Print the answer as it arrives; None when interrupted (the request is aborted, its blocks
     freed)."""
+    from vlinfer.engine.drive import drive  # here: --help imports no engine (cli/__init__.py)
     answer, thinking = "", False
     try:
         for out in drive(engine, [request_id]):
@@ -106,6 +105,7 @@ def cmd_chat(args) -> int:
         if line == "/image" or line.startswith("/image "):
             path = line[len("/image"):].strip()
             if not engine.is_multimodal:
+                from vlinfer.inputs.limits import text_only
                 print(
                     f"error: {text_only(model, 'images')}; start the chat with a vision model, "
                     "e.g. "

@@ -2,7 +2,7 @@
 cluster."""
 import sys
 
-from vlinfer.cli.options import engine_options
+from vlinfer.cli.options import add_json_whitespace_arg, engine_options
 from vlinfer.cli.shared import (VISION_MODEL, add_batch_job_args, add_lora_arg, add_max_pixels,
                                 add_model_args, add_sampling_args, build_llm, lora_request,
                                 sampling_params)
@@ -45,7 +45,8 @@ def cmd_caption(args) -> int:
                             resume=args.resume, overwrite=args.overwrite,
                             progress=not args.no_progress, json_schema=schema,
                             video_prompt=args.video_prompt, video_options=_video_options(args),
-                            lora_request=lora_request(args))
+                            lora_request=lora_request(args),
+                            disable_any_whitespace=args.structured_outputs_disable_any_whitespace)
     print(summary.line())
     if llm.engine.source.embedded:
         print(
@@ -108,6 +109,7 @@ def add_parser(sub):
         "--json-schema", metavar="FILE", default=None,
         help="a JSON schema file: every caption is generated under it (structured outputs) and its "
         "record's caption is the parsed JSON value")
+    add_json_whitespace_arg(k)
     add_max_pixels(k)
     add_lora_arg(k)
     v = k.add_argument_group(

@@ -14,8 +14,8 @@ import re
 
 from vlinfer.config import (ACCELERATOR_DEFAULT_MEMORY_UTILIZATION, APP_MAX_MODEL_LEN,
                             CPU_DEFAULT_MEMORY_UTILIZATION, DEFAULT_MAX_BATCHED_TOKENS,
-                            KV_CACHE_DTYPES, MIN_BATCHED_TOKENS, RUNNERS, SSM_CACHE_DTYPES,
-                            EngineConfig)
+                            KV_CACHE_DTYPE_NAMES, MIN_BATCHED_TOKENS, RUNNERS,
+                            SSM_CACHE_DTYPE_NAMES, EngineConfig)
 from vlinfer.structured.reasoning import REASONING_PARSER_CHOICES
 
 # Keyword argument (LLM / EngineConfig / SamplingParams) -> the flag that sets it in every app.
@@ -160,13 +160,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: bool = True) ->
         help="which logprobs requests get: vLLM's default raw_logprobs, the only one offered")
     p.add_argument(
         "--kv-cache-dtype", default=ENGINE_DEFAULTS["kv_cache_dtype"],
-        choices=list(KV_CACHE_DTYPES), help=
+        choices=list(KV_CACHE_DTYPE_NAMES), help=
         "the dtype K and V are stored in: auto (the model's), or a smaller one that holds more "
         "tokens "
         "(bfloat16, float16, fp8 = fp8_e4m3, fp8_e5m2, int8)")
     p.add_argument(
         "--mamba-ssm-cache-dtype", default=ENGINE_DEFAULTS["mamba_ssm_cache_dtype"],
-        choices=list(SSM_CACHE_DTYPES), help=
+        choices=list(SSM_CACHE_DTYPE_NAMES), help=
         "the dtype hybrid models (Qwen3.5, Qwen3-Next) store their linear layers' recurrent state "
         "in: auto (float32), or bfloat16 / float16, which hold more sequences (docs/hybrid.md)")
     p.add_argument(
@@ -210,6 +210,35 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: bool = True) ->
         help="the engine's seed for unseeded requests; the apps' own requests use it too "
              "(default: "
         f"{ENGINE_DEFAULTS['seed']})")
+
+
+ADVANCED = "advanced options"
+
+
+def advanced_group(p: argparse.ArgumentParser):
+    """The help's second section: the engine and limit flags, after the options most runs set."""
+    found = [g for g in p._action_groups if g.title == ADVANCED]
+    return found[0] if found else p.add_argument_group(
+        ADVANCED, "engine settings and limits (their defaults: README.md's Defaults)")
+
+
+def compact_usage(p: argparse.ArgumentParser) -> str:
+    """'prog POSITIONAL ... [options]': the full list is the help itself."""
+    positionals = [a.metavar or a.dest for a in p._actions
+                   if not a.option_strings and a.dest != "command"]
+    return " ".join(["%(prog)s", *positionals, "[options]"])
+
+
+def add_json_whitespace_arg(p) -> None:
+    """The one flag for free whitespace in constrained JSON (serve, caption --json-schema); its
+    default is StructuredOutputsParams' own."""
+    from vlinfer.structured.params import StructuredOutputsParams
+    p.add_argument(
+        "--structured-outputs-disable-any-whitespace", action=argparse.BooleanOptionalAction,
+        default=StructuredOutputsParams.disable_any_whitespace,
+        help="constrained JSON has no free whitespace (vLLM's disable_any_whitespace; in the "
+        "server a request's own structured_outputs wins). Default on: small models otherwise pad "
+        "JSON with newlines until max_tokens")
 
 
 def set_threads(args: argparse.Namespace) -> None:

@@ -8,18 +8,13 @@ import signal
 import socket
 import sys
 
-import uvicorn
-
-from vlinfer.cli.options import (add_engine_args, engine_options, flags_in_logs, json_object,
+# Only what the flags show is imported here (no torch, FastAPI or engine): serve --help is instant.
+from vlinfer.cli.options import (add_engine_args, add_json_whitespace_arg, advanced_group,
+                                 compact_usage, engine_options, flags_in_logs, json_object,
                                  name_flags, parse_size, set_threads)
-from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.inputs.limits import MAX_IMAGE_PIXELS, MAX_IMAGES
-from vlinfer.multimodal.video_io import VideoLimits
-from vlinfer.serve import security
-from vlinfer.serve.app import build_app
-from vlinfer.serve.config import LoRAModule, ServeConfig
-from vlinfer.serve.lora import RUNTIME_FLAG
-from vlinfer.serve.memory import limit_malloc_arenas
+from vlinfer.serve.limits import (MAX_IMAGE_BYTES, MAX_VIDEO_BYTES, MAX_VIDEO_FRAMES,
+                                  MAX_VIDEO_SECONDS, RUNTIME_FLAG)
 
 logger = logging.getLogger("vlinfer.serve")
 
@@ -31,99 +26,104 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default="qwen3-vl",
         help="alias, local folder, .gguf file or Hugging Face repo id "
-        "(default: qwen3-vl; the embedded random-weight model when the real weights are not here)")
+        "(default: qwen3-vl; without its weights on this machine, the embedded toy model, which "
+        "knows only drawn scenes)")
+    p.add_argument(
+        "--chat-template", default=None, metavar="FILE",
+        help="a Jinja chat template file to render chat requests with, as vLLM's (default: the "
+        "model's own); one that reads `tools` for tool calling")
     p.add_argument("--served-model-name", action="append", default=None,
                    help="name(s) clients use in 'model' (default: --model); repeatable")
     p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="default: %(default)s")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                    "(default: $VLINFER_API_KEY; none when unset)")
-    add_engine_args(p)
-    p.add_argument(
+    advanced = advanced_group(p)
+    add_engine_args(advanced)
+    advanced.add_argument(
         "--lora-modules", nargs="+", action="extend", type=lora_module, default=[],
         metavar="NAME=PATH",
         help="LoRA adapters (PEFT folders) served from the start, chosen by the request's 'model': "
         "name=path, or vLLM's JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' "
         "(turns --enable-lora on; docs/lora.md)")
-    p.add_argument(
+    advanced.add_argument(
         RUNTIME_FLAG, action="store_true",
         help="let clients load and unload LoRA adapters by path (POST /v1/load_lora_adapter, "
         "/v1/unload_lora_adapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING). Off by default: "
         "whoever "
         "can call the server could then read adapter folders on this machine")
-    p.add_argument(
+    advanced.add_argument(
         "--ray", nargs="?", const="", default=None, metavar="ADDRESS",
         help="serve --replicas engines with Ray Serve behind this one endpoint: ADDRESS of the Ray "
         "cluster's head ('auto': the one this machine is in), or none to start one here "
         "(needs pip install 'vlinfer[ray]')")
-    p.add_argument("--replicas", type=int, default=1,
+    advanced.add_argument("--replicas", type=int, default=1,
                    help="with --ray: engine replicas (default: 1)")
-    p.add_argument("--max-request-bytes", type=parse_size, default=32 * 2 ** 20, metavar="SIZE",
+    advanced.add_argument("--max-request-bytes", type=parse_size, default=32 * 2 ** 20,
+                          metavar="SIZE",
                    help="largest request body (413 past it); default 32M")
-    p.add_argument("--max-image-bytes", type=parse_size,
-                   default=security.ImagePolicy.max_image_bytes, metavar="SIZE", help="default 20M")
-    p.add_argument("--max-video-bytes", type=parse_size,
-                   default=security.ImagePolicy.max_video_bytes, metavar="SIZE",
+    advanced.add_argument("--max-image-bytes", type=parse_size,
+                   default=MAX_IMAGE_BYTES, metavar="SIZE", help="default 20M")
+    advanced.add_argument("--max-video-bytes", type=parse_size,
+                   default=MAX_VIDEO_BYTES, metavar="SIZE",
                    help="one video (data URI, file or http(s) URL); default 256M")
-    p.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
+    advanced.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
                    help="per image, width x height; default 2^25 (vlinfer/inputs/limits.py)")
-    p.add_argument("--max-images-per-request", type=int, default=MAX_IMAGES,
+    advanced.add_argument("--max-images-per-request", type=int, default=MAX_IMAGES,
                    help="images and videos in one request; default 16 (vlinfer/inputs/limits.py)")
-    p.add_argument(
-        "--max-video-frames", type=int, default=768, metavar="N",
+    advanced.add_argument(
+        "--max-video-frames", type=int, default=MAX_VIDEO_FRAMES, metavar="N",
         help="most frames sampled from one video (sampling clamps to it; a request asking for more "
         "gets 400); default 768, the Qwen3-VL video processor's max_frames")
-    p.add_argument(
-        "--max-video-seconds", type=float, default=3600.0, metavar="S",
+    advanced.add_argument(
+        "--max-video-seconds", type=float, default=MAX_VIDEO_SECONDS, metavar="S",
         help="longest video accepted, by its container's duration (400 past it); default 3600")
-    p.add_argument("--max-n", type=int, default=16, help="most sequences per request (n x prompts)")
-    p.add_argument("--max-pending", type=int, default=1024, help="sequences in flight before 503")
-    p.add_argument(
+    advanced.add_argument("--max-n", type=int, default=16,
+                          help="most sequences per request (n x prompts)")
+    advanced.add_argument("--max-pending", type=int, default=1024,
+                          help="sequences in flight before 503")
+    advanced.add_argument(
         "--max-tokens-default", type=int, default=None, metavar="N",
         help="max_tokens of a request that gives none (default: the rest of the context, "
         "vLLM's rule)")
-    p.add_argument(
+    advanced.add_argument(
         "--request-timeout", type=float, default=None, metavar="S",
         help="seconds one request may take from arrival; a sequence still generating then ends "
         "with finish_reason 'length', and the log says so (default: no limit)")
-    p.add_argument("--image-formats", default="png,jpeg,webp,gif,bmp", metavar="FORMATS",
+    advanced.add_argument("--image-formats", default="png,jpeg,webp,gif,bmp", metavar="FORMATS",
                    help="image formats accepted (PIL names); default: png,jpeg,webp,gif,bmp")
-    p.add_argument(
+    advanced.add_argument(
         "--allowed-url-hosts", default="", metavar="HOSTS",
         help="comma-separated hosts image URLs may point to ('*.example.com' for subdomains, '*' "
              "for "
         "any public host); default: none, image URLs refused")
-    p.add_argument(
+    advanced.add_argument(
         "--allow-private-urls", action="store_true", help=
         "let image URLs reach loopback / private / link-local addresses (only for trusted setups)")
-    p.add_argument("--url-timeout", type=float, default=10.0,
+    advanced.add_argument("--url-timeout", type=float, default=10.0,
                    help="seconds per image URL, redirects included")
-    p.add_argument(
+    advanced.add_argument(
         "--allowed-local-root", default=None, metavar="DIR",
         help="serve file:// image URLs from below this folder only; default: file URLs refused")
-    p.add_argument(
-        "--structured-outputs-disable-any-whitespace", action=argparse.BooleanOptionalAction,
-        default=ServeConfig.disable_any_whitespace,
-        help="JSON constrained by response_format, a forced tool_choice or structured_outputs has "
-             "no "
-        "free whitespace (vLLM's disable_any_whitespace; a request's own structured_outputs wins). "
-        "Default on: small models otherwise pad JSON with newlines until max_tokens")
-    p.add_argument(
+    add_json_whitespace_arg(advanced)
+    advanced.add_argument(
         "--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
         help="chat template variables every chat request gets, a request's chat_template_kwargs "
         "over them (vLLM's), e.g. '{\"enable_thinking\": false}' (docs/reasoning.md)")
-    p.add_argument(
+    advanced.add_argument(
         "--malloc-arena-max", type=int, default=2,
         help="glibc malloc arenas, so RSS comes back after bursts (0: glibc's default); default 2")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("-v", "--verbose", action="store_true",
                    help="log everything: the same as --log-level debug")
+    p.usage = compact_usage(p)
     return p
 
 
-def lora_module(text: str) -> LoRAModule:
+def lora_module(text: str):
     """One --lora-modules item, in either of vLLM's forms: name=path, or JSON with name, path and
     optionally base_model_name (the served model name /v1/models gives as its parent)."""
+    from vlinfer.serve.config import LoRAModule
     if not text.lstrip().startswith("{"):
         name, equals, path = text.partition("=")
         if not (equals and name and path):
@@ -166,7 +166,27 @@ def url_hosts(args) -> tuple[str, ...]:
     return hosts or (("*",) if args.allow_image_urls else ())
 
 
-def config_from_args(args) -> ServeConfig:
+def chat_template(path: str | None) -> str | None:
+    """--chat-template FILE's text, checked to parse as Jinja before the model loads."""
+    if path is None:
+        return None
+    import jinja2
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        jinja2.Environment().parse(text)
+    except OSError as e:
+        raise ValueError(f"--chat-template {path!r} cannot be read: {e.strerror or e}") from None
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template {path!r} is not a Jinja template: {e}") from None
+    return text
+
+
+def config_from_args(args):
+    """The ServeConfig of the flags."""
+    from vlinfer.multimodal.video_io import VideoLimits
+    from vlinfer.serve import security
+    from vlinfer.serve.config import ServeConfig
     images = security.ImagePolicy(
         max_image_bytes=args.max_image_bytes, max_video_bytes=args.max_video_bytes,
         max_image_pixels=args.max_image_pixels, max_images=args.max_images_per_request,
@@ -183,6 +203,7 @@ def config_from_args(args) -> ServeConfig:
             raise ValueError(f"{flag} must be > 0, got {value}")
     video = VideoLimits(max_frames=args.max_video_frames, max_seconds=args.max_video_seconds)
     return ServeConfig(served_model_names=tuple(args.served_model_name or [args.model]),
+                       chat_template=chat_template(args.chat_template),
                        api_key=args.api_key or os.environ.get("VLINFER_API_KEY") or None,
                        max_body_bytes=args.max_request_bytes, images=images, max_n=args.max_n,
                        max_pending=args.max_pending,
@@ -195,8 +216,16 @@ def config_from_args(args) -> ServeConfig:
 
 
 def main(argv=None) -> int:
-    from vlinfer.engine import LLMEngine
     args = build_parser().parse_args(argv)
+    try:  # imported only now: the flags and --help need neither
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        print(f"error: the server needs FastAPI, uvicorn, httpx and prometheus_client ({e.name} "
+              "is missing): pip install 'vlinfer[serve]'", file=sys.stderr)
+        return 2
+    from vlinfer.engine import LLMEngine
+    from vlinfer.serve.memory import limit_malloc_arenas
     if args.verbose:
         args.log_level = "debug"
     limit_malloc_arenas(args.malloc_arena_max)
@@ -242,7 +271,7 @@ def main(argv=None) -> int:
             return 2
 
 
-def _serve_on_ray(args, config: ServeConfig) -> int:
+def _serve_on_ray(args, config) -> int:
     from vlinfer.integrations import MissingDependencyError
     if args.replicas < 1:
         print(f"error: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
@@ -256,7 +285,11 @@ def _serve_on_ray(args, config: ServeConfig) -> int:
         return 2
 
 
-def _serve(engine, args, config: ServeConfig) -> int:
+def _serve(engine, args, config) -> int:
+    import uvicorn
+
+    from vlinfer.engine.engine_loop import EngineLoop
+    from vlinfer.serve.app import build_app
     loop = EngineLoop(engine)
     try:
         # reads and checks the --lora-modules adapters: ValueError naming one

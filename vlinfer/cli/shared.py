@@ -2,7 +2,7 @@
 jobs' flags (caption, embed), and building the LLM and SamplingParams from them."""
 import argparse
 
-from vlinfer.cli.options import FLAGS, add_engine_args, engine_options
+from vlinfer.cli.options import FLAGS, add_engine_args, advanced_group, engine_options
 
 TEXT_MODEL = "smollm2"  # real SmolLM2-135M-Instruct, shipped inside a PyPI package: works offline
 # real Qwen3-VL-2B when in the HF cache, else the embedded toy model (warned)
@@ -24,7 +24,7 @@ def add_model_args(p: argparse.ArgumentParser, default: str) -> None:
     from vlinfer.loading import known_aliases
     p.add_argument("--model", default=None,
                    help=MODEL_HELP.format(aliases=", ".join(known_aliases()), default=default))
-    add_engine_args(p)
+    add_engine_args(advanced_group(p))
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float = 0.0,

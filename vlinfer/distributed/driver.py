@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 
 from vlinfer.distributed.comm import (ParallelConfig, TensorParallelError, connect_store,
                                       control_channel, device_group, host_store, rank_device)
+from vlinfer.distributed.main_guard import GUARD_HINT, check_main_guard
 from vlinfer.platform import cores_per_rank
 
 logger = logging.getLogger("vlinfer")
@@ -200,7 +201,8 @@ class TPDriver:
         self.url = parallel.init_method()
         try:
             if not parallel.launched_externally:
-                # returns at once: the workers start while rank 0 reads the config and tokenizer
+                check_main_guard()  # the workers would import an unguarded script again
+                # returns at once: the workers start while rank 0 reads the tokenizer and weights
                 self._spawn()
         except BaseException:
             self.close(polite=False)
@@ -271,10 +273,7 @@ class TPDriver:
             if error:
                 message += f"; it raised:\n{error}"
             elif proc is not None and doing == "connect":
-                message += (
-                    " (a spawned worker imports the main module again: a script that creates the "
-                    "LLM "
-                    "at top level needs `if __name__ == '__main__':`)")
+                message += f" ({GUARD_HINT})"
             raise TensorParallelError(message)
 
     # ---- steps ----

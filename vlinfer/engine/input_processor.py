@@ -280,9 +280,9 @@ class InputProcessor:
         chat_template_kwargs: more variables for the template (vLLM's), e.g. enable_thinking.
         Whatever is wrong with the conversation is a ValueError, so callers answer it as a bad
         request."""
-        from vlinfer.multimodal.chat import (image_details, message_texts, split_chat_media,
-                                             template_renders_tools, with_image_details,
-                                             with_video_options)
+        from vlinfer.multimodal.chat import (ToolsNotRenderedError, image_details, message_texts,
+                                             split_chat_media, template_renders_tools,
+                                             with_image_details, with_video_options)
         if not isinstance(messages, (list, tuple)):
             raise ValueError(
                 f"a conversation must be a list of message dicts, got {type(messages).__name__}")
@@ -296,10 +296,8 @@ class InputProcessor:
         if template is None:
             raise ValueError(f"model {self.model_name!r} has no chat template; pass chat_template=")
         if tools and not template_renders_tools(template):
-            raise ValueError(
-                f"the chat template of model {self.model_name!r} does not render tools, so the "
-                "model "
-                "would never see them; pass a chat_template that does")
+            raise ToolsNotRenderedError(self.model_name,
+                                        "pass a chat_template= that reads `tools`")
         extra = check_template_kwargs(chat_template_kwargs)
         try:
             text = self.tokenizer.apply_chat_template(template_messages, tokenize=False,

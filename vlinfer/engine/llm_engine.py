@@ -44,7 +44,10 @@ class LLMEngine:
         self.grammar_matchers: GrammarMatchers | None = None  # close() may run before _build
         self.device = platform.resolve_device(config.device)  # fails before any model work
         self.source = loading.resolve_model(model)
-        if config.tensor_parallel_size > 1:  # the workers import torch while we read the config
+        self.hf_config = loading.load_config(self.source, config.hf_overrides)
+        check_tensor_parallel_shapes(self.hf_config.get_text_config(), config.tensor_parallel_size,
+                                     config.enable_expert_parallel)
+        if config.tensor_parallel_size > 1:  # spawned after the shape check, from config.json
             self.driver = TPDriver(parallel, self.device.type, spawned_worker_main)
             self.device = self.driver.device
         try:
@@ -55,7 +58,6 @@ class LLMEngine:
 
     def _build(self, config: EngineConfig) -> None:
         start = time.perf_counter()
-        self.hf_config = loading.load_config(self.source, config.hf_overrides)
         self.tokenizer = loading.load_tokenizer(self.source)
         self.dtype = platform.resolve_dtype(config.dtype, self.hf_config, self.device)
         self.text_config = self.hf_config.get_text_config()  # nested in multimodal configs
@@ -66,8 +68,6 @@ class LLMEngine:
         tensors = loading.checkpoint_tensor_index(self.source, self.hf_config)
         self.pooling, self.can_generate = resolve_pooling(config, self.source, self.hf_config,
                                                           self.tokenizer, tensors)
-        check_tensor_parallel_shapes(self.text_config, config.tensor_parallel_size,
-                                     config.enable_expert_parallel)
         block_size = sizing.block_size(config, self.device)
         kv_cache_dtype = sizing.kv_cache_dtype(config, self.dtype, self.hf_config,
                                                self.source.folder)

@@ -4,7 +4,9 @@ import glob
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from vlinfer.toy import scenes
 
 logger = logging.getLogger("vlinfer")
 
@@ -47,6 +49,7 @@ POOLING_ALIASES = {
     "qwen3-vl-embedding": ("Qwen/Qwen3-VL-Embedding-2B", {}),
     "qwen3-vl-embedding-2b": ("Qwen/Qwen3-VL-Embedding-2B", {}),
     "qwen3-vl-embedding-8b": ("Qwen/Qwen3-VL-Embedding-8B", {}),
+    "qwen3-vl-reranker": ("Qwen/Qwen3-VL-Reranker-2B", QWEN3_VL_RERANKER_OVERRIDES),
     "qwen3-vl-reranker-2b": ("Qwen/Qwen3-VL-Reranker-2B", QWEN3_VL_RERANKER_OVERRIDES),
     "qwen3-vl-reranker-8b": ("Qwen/Qwen3-VL-Reranker-8B", QWEN3_VL_RERANKER_OVERRIDES),
 }
@@ -61,12 +64,9 @@ PACKAGED_MODELS = {
 EMBEDDED_MODELS = {
     # Trained on the drawn scenes of vlinfer/toy/scenes.py (tools/train_embedded.py), shipped
     # compact in the package.
-    "qwen3-vl-toy": "the embedded TOY Qwen3-VL, trained briefly on drawn scenes only (coloured "
-                    "circles, squares, "
-    "triangles, stars and houses on a plain background): it answers in that world's words, is "
-    "sometimes WRONG even there (held-out scenes: 99% of answers, 91-94% of captions right) and "
-    "knows "
-    "NOTHING else",
+    "qwen3-vl-toy": "the embedded TOY Qwen3-VL, trained briefly on drawn scenes only: "
+    f"{scenes.world()}. It answers in that world's words, is sometimes WRONG even there "
+    "(held-out scenes: 99% of answers, 91-94% of captions right) and knows NOTHING else",
     # Seeded random weights: the engine's mechanics without a meaning (what most engine tests run
     # on).
     "qwen3-vl-tiny": "the embedded random-weight Qwen3-VL: the real layout at a tiny width, so its "
@@ -77,13 +77,14 @@ EMBEDDED_MODELS = {
     "qwen3-vl-toy-reranker": "the embedded TOY Qwen3-VL as a reranker: it scores a drawn scene by "
                              "its own answer "
     "to 'Is there <query>?' (its 'Yes' logit against its 'No'); it finds the drawn "
-    "world's objects (recall@5 100% on the held-out scenes) and knows NOTHING else",
+    f"world's objects (recall@5 100% on the held-out scenes: {scenes.world()}) and knows NOTHING "
+    "else",
     # The toy's language model retrained as an embedder (tools/train_toy_embedder.py): the package
     # holds the tensors it changes.
     "qwen3-vl-toy-embedding": "the embedded TOY Qwen3-VL-Embedding: the toy retrained to embed "
                               "drawn scenes and "
-    "queries such as 'a red house' (recall@5 100% on the held-out scenes); it knows "
-    "NOTHING else",
+    "queries such as 'a red house' (recall@5 100% on the held-out scenes: "
+    f"{scenes.world()}); it knows NOTHING else",
 }
 # The embedded models built from the toy's weights, and how each runs: (runner, hf_overrides,
 # rerank_format).
@@ -96,7 +97,11 @@ TOY_RUNS = {
 }
 # The default vision alias and the default embedder's fall back to the embedded toys when the real
 # weights are not on this machine.
-OFFLINE_FALLBACK = {"qwen3-vl": "qwen3-vl-toy", "qwen3-vl-embedding": "qwen3-vl-toy-embedding"}
+# The 2B retrieval aliases too: the toys stand for the 2B models (EMBEDDED_STANDS_FOR).
+OFFLINE_FALLBACK = {"qwen3-vl": "qwen3-vl-toy", "qwen3-vl-embedding": "qwen3-vl-toy-embedding",
+                    "qwen3-vl-embedding-2b": "qwen3-vl-toy-embedding",
+                    "qwen3-vl-reranker": "qwen3-vl-toy-reranker",
+                    "qwen3-vl-reranker-2b": "qwen3-vl-toy-reranker"}
 EMBEDDED_NOTICE = ("*** vlinfer is using {about} ({path}). For real answers fetch the weights: "
                    "huggingface-cli download {repo} ***")
 # The real model an embedded one stands in for, named in its notice (Qwen3-VL-2B-Instruct where not
@@ -123,6 +128,8 @@ class ModelSource:
     hf_overrides: dict = field(default_factory=dict)
     # How a reranker reads a (query, document) pair: a name in inputs/retrieval.py RERANK_FORMATS.
     rerank_format: str = "qwen3-vl-reranker"
+    # An embedded toy's answers all fit in this many tokens: Pipeline's default max_tokens on it.
+    max_tokens: int | None = None
 
     @property
     def folder(self) -> str:
@@ -195,7 +202,8 @@ def resolve_model(model: str) -> ModelSource:
         runner, overrides, rerank_format = TOY_RUNS.get(model, (None, {}, None))
         return ModelSource(model, path, embedded=True, about=EMBEDDED_MODELS[model], runner=runner,
                            hf_overrides=dict(overrides), rerank_format=rerank_format or
-                           "qwen3-vl-reranker")
+                           "qwen3-vl-reranker",
+                           max_tokens=scenes.MAX_ANSWER_TOKENS if model in TOY_RUNS else None)
     if model in PACKAGED_MODELS:
         package, filename, install = PACKAGED_MODELS[model]
         path = _package_file(package, filename)
@@ -215,9 +223,8 @@ def resolve_model(model: str) -> ModelSource:
                                    hf_overrides=dict(POOLING_ALIASES[model][1]))
             return ModelSource(model, source.path)
         if model in OFFLINE_FALLBACK:
-            fallback = resolve_model(OFFLINE_FALLBACK[model])
-            return ModelSource(model, fallback.path, embedded=True, about=fallback.about,
-                               runner="pooling" if model in POOLING_ALIASES else None)
+            # the toy's source whole (runner, overrides, rerank format, answer length), by this name
+            return replace(resolve_model(OFFLINE_FALLBACK[model]), name=model)
         raise ModelNotFoundError(f"model {model!r} ({repo}) not found. Tried: " + "; ".join(tried) +
                                  f". Fetch it with: huggingface-cli download {repo}")
     expanded = os.path.expanduser(model)

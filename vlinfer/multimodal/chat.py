@@ -122,6 +122,16 @@ def message_texts(messages: list[dict], tools: list | None = None):
         yield json.dumps(tools, ensure_ascii=False)
 
 
+class ToolsNotRenderedError(ValueError):
+    """Tools given to a model whose chat template does not read them (the model would never see
+    them); model_name says which. Each surface adds its own remedy."""
+
+    def __init__(self, model_name: str, remedy: str):
+        self.model_name = model_name
+        super().__init__(f"the chat template of model {model_name!r} does not render tools, so the "
+                         f"model would never see them; {remedy}")
+
+
 def template_renders_tools(template: str) -> bool:
     """Whether a chat template reads the `tools` variable (a template that does not would drop them
     silently)."""

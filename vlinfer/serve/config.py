@@ -3,7 +3,9 @@ one request may cost, what one image or video may be, and the LoRA adapters it s
 from dataclasses import dataclass, field
 
 from vlinfer.multimodal.video_io import VideoLimits
+from vlinfer.serve.limits import MAX_VIDEO_FRAMES, MAX_VIDEO_SECONDS
 from vlinfer.serve.security import ImagePolicy
+from vlinfer.structured.params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -28,9 +30,11 @@ class ServeConfig:
     # hand freed heap pages back to the OS once a burst is over (glibc)
     trim_memory_when_idle: bool = True
     # vLLM's structured-outputs option: JSON the server constrains has no free whitespace (a
-    # request's own structured_outputs.disable_any_whitespace wins). Small models otherwise pad JSON
-    # with newlines.
-    disable_any_whitespace: bool = True
+    # request's own structured_outputs.disable_any_whitespace wins); StructuredOutputsParams'
+    # default.
+    disable_any_whitespace: bool = StructuredOutputsParams.disable_any_whitespace
+    # the chat template requests are rendered with (--chat-template, vLLM's); None: the model's own
+    chat_template: str | None = None
     # max_tokens of a chat or completion request that gives none (--max-tokens-default). None:
     # the rest of the context, vLLM's rule.
     max_tokens_default: int | None = None
@@ -41,7 +45,8 @@ class ServeConfig:
     # What one video may cost (frames sampled, seconds, frame size): the engine's video limits while
     # it serves this app (--max-video-frames, --max-video-seconds).
     video: VideoLimits = field(
-        default_factory=lambda: VideoLimits(max_frames=768, max_seconds=3600.0))
+        default_factory=lambda: VideoLimits(max_frames=MAX_VIDEO_FRAMES,
+                                            max_seconds=MAX_VIDEO_SECONDS))
     # LoRA adapters (the engine needs enable_lora): those served from the start, and whether clients
     # may load and unload more (/v1/load_lora_adapter, /v1/unload_lora_adapter; vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING).

@@ -14,10 +14,10 @@ import logging
 from vlinfer.lora_request import LoRARequest
 from vlinfer.serve.config import ServeConfig
 from vlinfer.serve.errors import ApiError
+from vlinfer.serve.limits import RUNTIME_FLAG
 from vlinfer.serve.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 logger = logging.getLogger("vlinfer.serve")
-RUNTIME_FLAG = "--allow-runtime-lora-updating"
 # lora_int_ids, unique in the process: two servers on one engine (an app beside the server, tests)
 # never give one id to two adapters.
 _LORA_IDS = itertools.count(1)

@@ -265,8 +265,11 @@ class EmbeddingRequest(_Strict):
     embedding each; or vLLM's `messages`, one conversation (images and videos allowed) through the
     chat template, one embedding."""
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]] | None = None
+    # text, token ids, one item's content parts (text, image_url, video_url), or data-URI images
+    input: str | list[str] | list[int] | list[list[int]] | list[ContentPart] | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    # vlinfer's: the embedder's task instruction (Pipeline.embed's); input then takes its format
+    instruction: str | None = None
     encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32 bytes
     dimensions: int | None = None  # PoolingParams checks it (and the model's size)
     user: str | None = None
@@ -284,8 +287,11 @@ class EmbeddingRequest(_Strict):
             return "input", ("send exactly one of input (text or token ids) and messages (a chat "
                              "conversation, for images and video)")
         if self.mm_processor_kwargs is not None and self.messages is None:
-            return "mm_processor_kwargs", ("mm_processor_kwargs applies to messages (the input "
-                                           "field has no media)")
+            return "mm_processor_kwargs", ("mm_processor_kwargs applies to messages (input items "
+                                           "are sized as the embedder's code sizes them)")
+        if self.instruction is not None and self.messages is not None:
+            return "instruction", ("instruction applies to input items; messages carry their own "
+                                   "system turn")
         return None
 
 

@@ -23,6 +23,7 @@ from vlinfer.inputs.limits import MAX_IMAGE_PIXELS, MAX_IMAGES, too_many_pixels
 from vlinfer.multimodal.image_io import ImageLoadError, load_image
 from vlinfer.multimodal.url_fetch import UrlFetchError, UrlPolicy, fetch_image_url
 from vlinfer.serve.errors import ApiError, error_body
+from vlinfer.serve.limits import MAX_IMAGE_BYTES, MAX_VIDEO_BYTES
 
 
 # ---- API key ----
@@ -126,9 +127,9 @@ async def send_error(send, status: int, message: str, code: str | None = None, h
 # ---- image sources ----
 @dataclass
 class ImagePolicy:
-    max_image_bytes: int = 20 * 2 ** 20
+    max_image_bytes: int = MAX_IMAGE_BYTES
     # one video (a data URI, a file, an http(s) URL): clips outweigh images
-    max_video_bytes: int = 256 * 2 ** 20
+    max_video_bytes: int = MAX_VIDEO_BYTES
     max_image_pixels: int = MAX_IMAGE_PIXELS  # defaults: the table in vlinfer/inputs/limits.py
     max_images: int = MAX_IMAGES
     # empty: http(s) URLs are refused; "*" allows any public host

@@ -255,6 +255,8 @@ class Server:
         """In a worker thread: a request's messages (images decoded, videos read) through the chat
         template, with the server's default template variables under the request's own."""
         from jinja2.exceptions import TemplateError
+
+        from vlinfer.multimodal.chat import ToolsNotRenderedError
         images = media.load_images(sources, fetched, self.config.images)
         messages = media.chat_messages(messages, images, self.config.images, fetched)
         tools = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
@@ -262,8 +264,15 @@ class Server:
                      **(chat_template_kwargs or {})}
         try:
             return self.engine.chat_prompt(messages, add_generation_prompt,
+                                           chat_template=self.config.chat_template,
                                            mm_processor_kwargs=mm_processor_kwargs, tools=tools,
                                            chat_template_kwargs=variables)
+        except ToolsNotRenderedError as e:  # the remedy is the server's flag, not a Python keyword
+            raise ApiError(
+                400, f"the chat template of model {e.model_name!r} does not render tools, so the "
+                "model would never see them: send the request without tools, or start the server "
+                "with --chat-template FILE, a template that reads `tools` (the model family's "
+                "tool-calling template)", param="tools", code="invalid_value") from None
         except ValueError as e:
             param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
             raise ApiError(400, str(e), param=param, code="invalid_value") from None

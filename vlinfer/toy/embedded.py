@@ -7,6 +7,7 @@ full 151,936-token vocabulary, but only the few hundred tokens the world uses ha
 and output rows; every other row is zero (its logit is exactly 0, which training accounts for).
 build_checkpoint writes the full Hugging Face checkpoint from it (float32, like any other folder
 vlinfer or transformers loads)."""
+import functools
 import hashlib
 import json
 import os
@@ -113,6 +114,19 @@ def checked_weights(folder: str, name: str, manifest: dict) -> str:
         raise ValueError(
             f"{path} does not match the sha256 in its manifest: the file is damaged or stale")
     return path
+
+
+@functools.cache
+def known_token_ids(embedder: bool = False, folder: str = PACKAGE_DIR) -> frozenset[int]:
+    """The token ids the toy (or the toy embedder, with the rows it adds) has learned rows for; any
+    other token's embedding is zero, so a text made of them carries nothing into a vector."""
+    from safetensors import safe_open
+    ids = set()
+    files = [(WEIGHTS, "vocab_ids")] + ([(EMBEDDER_WEIGHTS, "extra_vocab_ids")] if embedder else [])
+    for name, key in files:
+        with safe_open(os.path.join(folder, name), framework="pt") as f:
+            ids.update(f.get_tensor(key).tolist())
+    return frozenset(ids)
 
 
 def _toy_tensors(compact_folder: str) -> dict:

@@ -24,9 +24,29 @@ MAX_OBJECTS = 3
 GRID = 3  # objects sit in distinct cells of a GRID x GRID layout, so they never overlap
 # Canvas sizes (width, height) the world is drawn at: the examples' 320 x 240 and a few near it.
 SIZES = ((320, 240), (256, 256), (240, 320), (288, 288))
+# An object's half-size, as a share of its grid cell's shorter side.
+HALF_SHARE = (0.28, 0.44)
+# Room for every answer of the world (its longest caption is about 20 tokens): a Pipeline's default
+# max_tokens on the toys, so a picture outside the world cannot loop for 512 tokens.
+MAX_ANSWER_TOKENS = 48
 CAPTION_PROMPTS = ("Describe this image.", "Describe the image.", "Describe this picture.",
                    "What is in this image?", "What is in this picture?", "What do you see?",
                    "Caption this image.")
+
+
+def _either(words) -> str:
+    words = list(words)
+    return ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def world() -> str:
+    """Exactly what the toy was trained on, in one sentence (its notice and the README say it)."""
+    across = [2 * min(w, h) / GRID * share for w, h in SIZES for share in HALF_SHARE]
+    sizes = _either([f"{w}x{h}" for w, h in SIZES])
+    return (f"one picture per conversation, {sizes} pixels, a {_either(BACKGROUNDS)} background, "
+            f"1 to {MAX_OBJECTS} objects ({', '.join(SHAPES)}; {', '.join(COLOURS)}) "
+            f"{math.floor(min(across))}-{math.ceil(max(across))} pixels across, apart in a "
+            f"{GRID}x{GRID} grid; no video, JSON or tools")
 
 
 @dataclass(frozen=True)
@@ -167,7 +187,7 @@ def random_scene(rng: random.Random, max_objects: int = MAX_OBJECTS,
             shape, colour = earlier.shape, earlier.colour
         else:
             shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
-        half = min(cell_w, cell_h) * rng.uniform(0.28, 0.44)
+        half = min(cell_w, cell_h) * rng.uniform(*HALF_SHARE)
         slack_x, slack_y = cell_w / 2 - half, cell_h / 2 - half
         cx = (cell % GRID + 0.5) * cell_w + rng.uniform(-slack_x, slack_x)
         cy = (cell // GRID + 0.5) * cell_h + rng.uniform(-slack_y, slack_y)

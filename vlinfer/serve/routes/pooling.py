@@ -14,11 +14,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from vlinfer.llm import cosine, rerank_prompt, score_pairs
+from vlinfer.pipeline import embedding_prompt
 from vlinfer.serve import media
 from vlinfer.serve.body import read_json
 from vlinfer.serve.errors import ApiError
-from vlinfer.serve.protocol import (EmbeddingRequest, RerankRequest, ScoreMultiModal, ScoreRequest,
-                                    named_items)
+from vlinfer.serve.protocol import (EmbeddingRequest, ImagePart, ImageURL, RerankRequest,
+                                    ScoreMultiModal, ScoreRequest, named_items)
 from vlinfer.serve.responses import finished_outputs, new_id, now, pooling_usage
 
 router = APIRouter()
@@ -45,6 +46,12 @@ async def embeddings(request: Request):
             return [server.chat_prompt(req.messages, sources, fetched, req.mm_processor_kwargs,
                                        add_generation_prompt=req.add_generation_prompt)]
     else:
+        items = _input_items(req.input)
+        if req.instruction is not None or any(isinstance(item, ScoreMultiModal)
+                                              for _, item in items):
+            outs = await _embed_items(server, request, items, [req.instruction] * len(items),
+                                      params, "input")
+            return _embeddings_response(outs, req, model)
         inputs = server.completion_prompts(req.input, "input")
         single = isinstance(req.input, str) or isinstance(req.input[0], int)
         names = ["input"] if single else [f"input.{i}" for i in range(len(inputs))]
@@ -54,12 +61,63 @@ async def embeddings(request: Request):
             return inputs
     outs = await finished_outputs(request, await server.start_pooling(request, prompts, params,
                                                                       names))
+    return _embeddings_response(outs, req, model)
+
+
+def _embeddings_response(outs, req, model: str) -> JSONResponse:
     data = [{"index": i, "object": "embedding",
              "embedding": _encoded(out.outputs.embedding, req.encoding_format)}
             for i, out in enumerate(outs)]
     return JSONResponse({"id": new_id("embd"), "object": "list", "created": now(), "model": model,
                          "data": data,
                          "usage": pooling_usage(sum(len(out.prompt_token_ids) for out in outs))})
+
+
+def _input_items(given) -> list[tuple[str, object]]:
+    """(param, item) of /v1/embeddings' input: one text, token-id list or content-part list, or a
+    list of texts / token-id lists. A data-URI string is an image, as vLLM's multimodal embeddings
+    take it: an item of one image_url part."""
+    if isinstance(given, str) or (given and not isinstance(given[0], (str, list))):
+        listed = [("input", given)]
+    else:
+        listed = [(f"input.{i}", item) for i, item in enumerate(given)]
+    return [(name, ScoreMultiModal(content=[ImagePart(type="image_url",
+                                                      image_url=ImageURL(url=item))])
+             if isinstance(item, str) and item.startswith("data:image/") else
+             ScoreMultiModal(content=item) if isinstance(item, list) and item and
+             not isinstance(item[0], int) else item) for name, item in listed]
+
+
+async def _embed_items(server, request: Request, items: list, instructions: list, params,
+                       field: str) -> list:
+    """Texts and content-part items (ScoreMultiModal) in the Qwen embedder's format, each with its
+    instruction (None: the default), as Pipeline.embed builds them (pipeline.embedding_prompt)."""
+    server.check_capacity(len(items), server.config.max_pooling_inputs, "items to embed", field)
+    for name, item in items:
+        if not isinstance(item, (str, ScoreMultiModal)):
+            raise ApiError(400, f"{name}: token ids cannot take the embedder's format (an "
+                                "instruction or media); send text", param=name)
+    policy = server.config.images
+    contents = [(f"{name}.content", item.content) for name, item in items
+                if isinstance(item, ScoreMultiModal)]
+    sources = media.part_sources(contents, server.engine, server.config, field)
+    fetched = await media.fetch_urls(sources, policy, media.video_sources(contents))
+
+    def prompts():  # in the worker thread: media decoded once, then each item's conversation
+        images = iter(media.load_images(sources, fetched, policy))
+        out = []
+        for (name, item), instruction in zip(items, instructions):
+            if isinstance(item, ScoreMultiModal):
+                item = _retrieval_item(media.template_parts(item.content, f"{name}.content",
+                                                            images, policy, fetched))
+            try:
+                out.append(embedding_prompt(server.engine, item, instruction))
+            except ValueError as e:
+                raise ApiError(400, f"{name}: {e}", param=name, code="invalid_value") from None
+        return out
+
+    return await finished_outputs(request, await server.start_pooling(
+        request, prompts, params, [name for name, _ in items]))
 
 
 def _encoded(vector: list[float], encoding_format: str):
@@ -160,22 +218,31 @@ def _retrieval_item(parts: list[dict]) -> dict:
 
 async def _embedding_scores(server, request: Request, req, firsts: list, seconds: list,
                             field: str) -> tuple[list, int]:
-    """An embedding model's scores: each item embedded once, as given (LLM.score), then the cosine
-    of each pair."""
-    if req.instruction is not None:
-        raise ApiError(400, "instruction is for a reranker; an embedding model scores the items as "
-                            "given", param="instruction")
+    """An embedding model's scores: each item embedded once, then the cosine of each pair. Texts
+    alone are embedded as given (LLM.score); with images, videos or an instruction every item takes
+    the embedder's format, the query side with the instruction (Pipeline.rerank)."""
+    params = server.pooling_params("embed", truncate_prompt_tokens=req.truncate_prompt_tokens)
+    media_given = any(isinstance(item, ScoreMultiModal) and
+                      any(part.type != "text" for part in item.content)
+                      for _, item in firsts + seconds)
+    if media_given or req.instruction is not None:
+        # Pipeline.rerank's way: the query side with the instruction, the documents with the default
+        outs = await _embed_items(server, request, firsts + seconds,
+                                  [req.instruction] * len(firsts) + [None] * len(seconds), params,
+                                  field)
+        a, b = score_pairs(outs[:len(firsts)], outs[len(firsts):])
+        return [cosine(x, y, params) for x, y in zip(a, b)], \
+            sum(len(x.prompt_token_ids) + len(y.prompt_token_ids) for x, y in zip(a, b))
     texts = []
     for name, item in firsts + seconds:
         if isinstance(item, ScoreMultiModal):
-            if len(item.content) != 1 or item.content[0].type != "text":
-                raise ApiError(400, f"{name}: an embedding model scores text items as given; embed "
-                                    "images and videos with /v1/embeddings messages, or serve a "
-                                    "reranker to score them", param=name)
+            if len(item.content) != 1:
+                raise ApiError(400, f"{name}: an embedding model scores one text part as given; "
+                                    "give an instruction to embed items in its format",
+                               param=name)
             item = item.content[0].text
         texts.extend(server.completion_prompts(item, name))  # raw text: no vision tokens typed in
     server.check_capacity(len(texts), server.config.max_pooling_inputs, "items to embed", field)
-    params = server.pooling_params("embed", truncate_prompt_tokens=req.truncate_prompt_tokens)
     names = [name for name, _ in firsts + seconds]
     outs = await finished_outputs(request, await server.start_pooling(request, lambda: texts,
                                                                       params, names))
