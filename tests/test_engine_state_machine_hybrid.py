@@ -5,7 +5,8 @@ live sequence holding blocks holds one state slot of its own (never shared betwe
 sequences), a sequence without blocks holds none, and the free slots are exactly the others;
 with prefix caching (docs/hybrid.md), checkpoint slots are never a live sequence's, each is
 either free or keyed by a block hash whose KV is cached; every finished request's tokens equal
-its run alone; once idle, every slot is free and only checkpoints are kept, which a reset frees."""
+its run alone (without speculation, on one engine with it); once idle, every slot is free and only
+checkpoints are kept, which a reset frees."""
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant
@@ -23,7 +24,12 @@ MAX_NUM_SEQS = 4
 # with two checkpoints (prefix hits restoring states beside preemption)
 ENGINES = {"tight-pool": dict(max_model_len=96, blocks=6),
            "chunked": dict(max_num_batched_tokens=8, max_model_len=128),
-           "tight-prefix": dict(max_model_len=96, blocks=6, checkpoints=2)}
+           "tight-prefix": dict(max_model_len=96, blocks=6, checkpoints=2),
+           # n-gram speculation on the tight pool with checkpoints: rejections put states back
+           # beside preemption and prefix hits (docs/speculative.md "Hybrid targets")
+           "speculating": dict(max_model_len=96, blocks=6, checkpoints=2, speculative_config={
+               "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+               "prompt_lookup_max": 2, "adaptive": False})}
 
 
 class HybridEngines:
@@ -103,7 +109,8 @@ def test_engine_state_machine_on_a_hybrid_model(tmp_path_factory):
     print(f"hybrid engine state machine: {stats}")
     assert stats["examples"] >= EXAMPLES and stats["compared"] >= EXAMPLES // 2
     assert stats["checkpoint_slots"] == {"tight-pool": 0, "chunked": MAX_NUM_SEQS,
-                                         "tight-prefix": 2}
+                                         "tight-prefix": 2, "speculating": 2}
+    assert engines.engines["speculating"].speculator.num_drafts > 0
     assert stats["checkpoints"] > 0  # prefix caching took checkpoints
     # The generated workloads need not overflow the tight pools (under xdist they once did not):
     # four 80-token requests on their blocks must, and still come out as each one alone; on the

@@ -255,12 +255,6 @@ def test_layer_types_checked_by_the_model_too():
                                              num_hidden_layers=6)) == LAYER_TYPES
 
 
-def test_speculative_decoding_is_refused_by_name(checkpoint):
-    _, folder, _ = checkpoint
-    with pytest.raises(ValueError, match="speculative decoding.*Qwen3_5ForCausalLM"):
-        make_llm(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-
-
 def test_bfloat16_as_close_to_float32_as_transformers_bf16(checkpoint):
     """bf16 weights and activations, states kept float32: prompt logits as far from transformers'
     float32 ones as transformers' own bf16 run is, within a factor (bf16 rounding through six

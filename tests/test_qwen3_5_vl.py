@@ -234,3 +234,41 @@ def test_qwen3_vl_language_model_only_builds_no_tower():
     names = {n for n, _ in full.named_parameters()}
     assert {n for n, _ in text_only.named_parameters()} == {
         n for n in names if not n.startswith("model.visual.")} != names
+
+
+def test_speculation_with_an_image_on_the_hybrid_target(checkpoint, monkeypatch):
+    """Speculative decoding on Qwen3.5 with vision (docs/speculative.md "Hybrid targets"): an
+    image request and a text one batched, proposals of transformers' own continuation with one
+    token wrong in two steps of three (accepted, rejected and partly accepted verifications, the
+    image request's state put back after each rejection): greedy tokens are transformers'."""
+    from vlinfer.engine.speculative import speculator
+    folder, model = checkpoint
+    llm = LLM(folder, dtype="float32", kv_cache_bytes=32 * 2 ** 20, max_model_len=1024,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "adaptive": False})
+    expected, prompts = [], []
+    for text, images in CASES:
+        ids, kwargs = hf_inputs(llm, text, images)
+        prompts.append(ids[0].tolist())
+        expected.append(hf_greedy(model, ids, kwargs, NUM_NEW))
+    calls = [0]
+
+    def propose(token_ids, k, min_n, max_n, never):
+        for prompt, tokens in zip(prompts, expected):
+            if token_ids[:len(prompt)] == prompt:
+                done = len(token_ids) - len(prompt)
+                proposal = list(tokens[done:done + k])
+                calls[0] += 1
+                if 0 <= calls[0] % 3 - 1 < len(proposal):
+                    proposal[calls[0] % 3 - 1] += 1
+                return proposal
+        return []
+    monkeypatch.setattr(speculator, "propose_ngram", propose)
+    requests = [{"prompt": text, "multi_modal_data": {"image": images}} if images else text
+                for text, images in CASES]
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outs = llm.generate(requests, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    s = llm.engine.speculator
+    assert s.num_drafts > 0 and 0 < s.num_accepted_tokens < s.num_draft_tokens
+    assert_nothing_held(llm)

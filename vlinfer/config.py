@@ -67,6 +67,14 @@ def __getattr__(name: str):
 
 RUNNERS = ("auto", "generate", "pooling")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+# vLLM's speculative methods vlinfer does not run yet, and why (a refusal names the reason)
+UNOFFERED_SPECULATIVE_METHODS = {
+    "mtp": "a checkpoint's MTP layers (Qwen3.5 / Qwen3-Next mtp.*) are not loaded yet: the head "
+           "needs the target's hidden state at every position and a KV layer of its own",
+    **{m: "EAGLE heads are not offered: they need the target's hidden states per position"
+       for m in ("eagle", "eagle3")},
+    "medusa": "Medusa heads are not offered",
+}
 # speculative_config's default number of proposed tokens per step, and the batch above which no step
 # proposes (verifying k + 1 tokens per sequence then costs more compute than the weight reads it
 # saves: docs/speculative.md).
@@ -111,6 +119,11 @@ class SpeculativeConfig:
                              f"{', '.join(sorted(known))}; EAGLE and MTP heads are not offered)")
         fields = dict(value)
         fields.setdefault("method", "draft_model" if fields.get("model") else None)
+        if fields["method"] in UNOFFERED_SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config: method={fields['method']!r} is not supported: "
+                f"{UNOFFERED_SPECULATIVE_METHODS[fields['method']]}; use 'ngram' or a draft "
+                "model ('model'), which run on every target, hybrid ones included")
         if fields["method"] not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config: method={fields['method']!r} is not supported: expected one "

@@ -227,6 +227,23 @@ class CachePool:
             for t in tensors:
                 t.index_copy_(1, dst, t.index_select(1, src))
 
+    def snapshot_slots(self, slots: list[int]) -> list[torch.Tensor]:
+        """A copy of these slots' states (every state tensor, slots in this order): a
+        verification's starting states, kept for the step (engine/model_runner.py)."""
+        index = torch.tensor(slots, device=self.device)
+        return [t.index_select(1, index) for tensors in self.state_tensors for t in tensors]
+
+    def restore_slots(self, snapshot: list[torch.Tensor], positions: list[int],
+                      slots: list[int]) -> None:
+        """Put back the states at `positions` of a snapshot_slots copy into their `slots`."""
+        if not slots:
+            return
+        src = torch.tensor(positions, device=self.device)
+        dst = torch.tensor(slots, device=self.device)
+        live = [t for tensors in self.state_tensors for t in tensors]
+        for t, saved in zip(live, snapshot):
+            t.index_copy_(1, dst, saved.index_select(1, src))
+
     def release(self) -> None:
         """Drop the pool and the layers' views of it."""
         self.kv_cache = self.kv_scales = None

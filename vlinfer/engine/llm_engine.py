@@ -16,8 +16,7 @@ from vlinfer.engine.output_processor import OutputProcessor
 from vlinfer.engine.pooling import resolve_pooling
 from vlinfer.engine.scheduler import Scheduler
 from vlinfer.engine.sequence import Sequence
-from vlinfer.engine.speculative import (DraftModel, Speculator, check_target,
-                                        placeholder_token_ids)
+from vlinfer.engine.speculative import DraftModel, Speculator, placeholder_token_ids
 from vlinfer.engine.worker import spawned_worker_main
 from vlinfer.inputs import PromptType
 from vlinfer.layers.distributed import SINGLE
@@ -62,8 +61,7 @@ class LLMEngine:
         self.dtype = platform.resolve_dtype(config.dtype, self.hf_config, self.device)
         self.text_config = self.hf_config.get_text_config()  # nested in multimodal configs
         model_len, longest = sizing.context_limit(config, self.text_config)  # before any weight
-        # an unsupported architecture, or speculation on a hybrid, fails before workers load
-        check_target(get_model_class(self.hf_config), config.speculative_config)
+        get_model_class(self.hf_config)  # an unsupported architecture fails before workers load
         # A pooling engine generates too where its checkpoint has an LM head (both kinds batch).
         tensors = loading.checkpoint_tensor_index(self.source, self.hf_config)
         self.pooling, self.can_generate = resolve_pooling(config, self.source, self.hf_config,

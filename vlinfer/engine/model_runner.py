@@ -22,7 +22,7 @@ from vlinfer.engine.cache_pool import CachePool, PagedKVSpec, StateSlotSpec
 from vlinfer.engine.encoder_cache import EncoderCache
 from vlinfer.engine.lora_manager import LoRAManager, step_groups
 from vlinfer.engine.sampler import prompt_logprob_entries, sample
-from vlinfer.engine.scheduler import SchedulerOutput
+from vlinfer.engine.scheduler import SchedulerOutput, restores_state
 from vlinfer.engine.sequence import Sequence
 from vlinfer.engine.step_inputs import StepInputs, StepPlan, build_step_inputs
 from vlinfer.engine.vision_encoder import VisionEncoder
@@ -152,6 +152,7 @@ class ModelRunner:
                 lora=step_groups(inputs.lora_slots, dev) if inputs.lora_slots is not None else None,
                 state_slots=_to(inputs.state_slots, dev),
                 has_state=_to(inputs.has_state, dev),
+                state_cu_seqlens=_to(inputs.state_cu_seqlens, dev),
             )
             mm_inputs = {k: v.to(dev) for k, v in inputs.mm_inputs.items()}
             with self.ctx.stepping(step):
@@ -191,6 +192,10 @@ class ModelRunner:
         matchers = [sample_seqs[i].grammar_matcher for i in constrained]
         overlap = inputs.compute_logits and constrained and self.device.type != "cpu"
         masks = self.grammar_matchers.start_bitmask(matchers) if overlap else None
+        # A hybrid verification: the slots' states before it, put back where a proposal fails
+        verifying = [seq for seq in batch.seqs if seq.spec_token_ids] if self.hybrid else []
+        snapshot = self.cache_pool.snapshot_slots([s.state_slot for s in verifying]) \
+            if verifying else None
         try:
             logits, pooled = self._run(inputs)
         finally:
@@ -217,6 +222,10 @@ class ModelRunner:
         bitmask = (constrained, mask_rows) if constrained else None
         tokens, logprobs = sample(logits, sample_seqs, self.eos_token_ids, bitmask,
                                   self.ctx.ops.apply_token_bitmask)
+        if snapshot is not None:
+            back = [(i, seq.state_slot) for i, seq in enumerate(verifying)
+                    if restores_state(seq, tokens[sample_seqs.index(seq)])]
+            self.cache_pool.restore_slots(snapshot, [i for i, _ in back], [s for _, s in back])
         return list(zip(sample_seqs, tokens, logprobs)), prompt_entries, pooled_rows
 
     @torch.inference_mode()

@@ -27,6 +27,19 @@ class SchedulerOutput:
         return len(self.seqs)
 
 
+def num_rejected(seq: Sequence, tokens: list[int]) -> int:
+    """How many of seq's proposals its verification's sampled tokens rejected."""
+    return len(seq.spec_token_ids) - (len(tokens) - 1)
+
+
+def restores_state(seq: Sequence, tokens: list[int]) -> bool:
+    """A hybrid sequence whose verification rejected a proposal: its linear layers' state ran
+    over every proposal and has no per-token history, so the state it verified from is put back
+    (engine/model_runner.py) and its last token and the accepted ones are computed again (update).
+    """
+    return seq.state_slot is not None and num_rejected(seq, tokens) > 0
+
+
 class Scheduler:
     """A draft model (speculative/draft_model.py) keeps a Scheduler of its own over its pool for its
     shadow sequences: it batches them itself (schedule() never runs there) and goes through reserve,
@@ -167,13 +180,20 @@ class Scheduler:
         sequence's KV now covers its num_new_tokens more tokens; a verified one keeps only its last
         token's and its accepted proposals' KV (the rejected slots roll back, the blocks past its
         tokens return to the pool); full blocks enter the prefix cache."""
+        started = {}
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            started[seq.seq_id] = seq.num_computed_tokens
             seq.num_computed_tokens += n
         for seq, tokens, _ in sampled:
             if seq.spec_token_ids:
-                rejected = len(seq.spec_token_ids) - (len(tokens) - 1)
+                rejected = num_rejected(seq, tokens)
+                keep = seq.num_computed_tokens - rejected
+                if restores_state(seq, tokens):
+                    # its state covers the rejected proposals: the runner put back the state it
+                    # verified from (restores_state), and the kept tokens run again next step
+                    keep = started[seq.seq_id]
                 # A stop may have cut the tokens appended: its KV never reaches past them.
-                self.rollback(seq, min(seq.num_computed_tokens - rejected, seq.num_tokens))
+                self.rollback(seq, min(keep, seq.num_tokens))
                 seq.spec_token_ids = []
         for seq in batch.seqs:
             self.block_manager.cache_full_blocks(seq)

@@ -30,6 +30,9 @@ class StepInputs:
     # far [B] (tokens computed before this step); None where no sequence holds a slot.
     state_slots: torch.Tensor | None = None
     has_state: torch.Tensor | None = None
+    # [B+1] where each sequence's tokens start, proposals included: the linear layers run a
+    # verification as one chunk (cu_seqlens_q splits it into one-token attention rows)
+    state_cu_seqlens: torch.Tensor | None = None
     # state slot copies (source, destination) before the forward (prefix hits restoring their
     # checkpoints) and after it (checkpoints of block boundaries): scheduler.SchedulerOutput's
     state_restores: list[tuple[int, int]] = field(default_factory=list)
@@ -114,8 +117,7 @@ def build_step_inputs(seqs: list[Sequence], num_new_tokens: list[int], block_siz
         pool_indices=torch.tensor(pool_indices, dtype=torch.long),
     )
     if any(seq.state_slot is not None for seq in seqs):
-        if any(seq.spec_token_ids for seq in seqs):  # load refuses speculation on hybrid models
-            raise ValueError("a step with state slots cannot verify proposals")
+        inputs.state_cu_seqlens = torch.tensor([0] + num_new_tokens).cumsum(0).to(torch.int32)
         inputs.state_slots = torch.tensor([seq.state_slot for seq in seqs], dtype=torch.long)
         inputs.has_state = torch.tensor([seq.num_computed_tokens > 0 for seq in seqs])
     if lora_slot_of:  # each token's LoRA slot

@@ -25,6 +25,9 @@ class ForwardContext:
     # a model without state slots.
     state_slots: torch.Tensor | None = None
     has_state: torch.Tensor | None = None
+    # [B+1] each sequence's tokens in the packed batch, a verification's proposals as one chunk
+    # with its last token (cu_seqlens_q runs them as one-token attention rows)
+    state_cu_seqlens: torch.Tensor | None = None
 
     @classmethod
     def encoder_pass(cls, lora: "LoRAStep") -> "ForwardContext":

@@ -64,7 +64,7 @@ class GatedDeltaNet(nn.Module):
         n = len(hidden_states)
         qkv, z, b, a = self.in_proj(hidden_states).split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
-        cu, slots, has_state = step.cu_seqlens_q, step.state_slots, step.has_state
+        cu, slots, has_state = step.state_cu_seqlens, step.state_slots, step.has_state
         qkv = self.ops.causal_conv1d(qkv.contiguous(), self.conv1d.weight, None, conv_state, cu,
                                      slots, has_state)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], -1)

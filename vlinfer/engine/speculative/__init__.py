@@ -2,7 +2,6 @@
 model) verified by the target model in one forward of k + 1 tokens per sequence (engine/sampler.py),
 under the rules of speculator.py."""
 from vlinfer.engine.speculative.draft_model import DraftModel
-from vlinfer.engine.speculative.speculator import (Speculator, check_target,
-                                                   placeholder_token_ids)
+from vlinfer.engine.speculative.speculator import Speculator, placeholder_token_ids
 
-__all__ = ["DraftModel", "Speculator", "check_target", "placeholder_token_ids"]
+__all__ = ["DraftModel", "Speculator", "placeholder_token_ids"]

@@ -24,10 +24,21 @@ from vlinfer.engine.model_runner import ModelRunner
 from vlinfer.engine.scheduler import Scheduler, SchedulerOutput
 from vlinfer.engine.sequence import Sequence
 from vlinfer.models import get_model_class
+from vlinfer.models.interfaces import HasStateSlots
 from vlinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("vlinfer")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def check_draft(model_cls, name: str) -> None:
+    """Refuse a hybrid draft model at load, by name: its shadow rolls its KV back to the tokens
+    its target kept at every proposal, which a linear-attention state cannot do."""
+    if issubclass(model_cls, HasStateSlots):
+        raise ValueError(
+            f"speculative_config: the draft model {name} ({model_cls.__name__}) has "
+            "linear-attention state, which cannot roll back to the tokens its target kept; a "
+            "draft must be a pure-attention model (the target may be hybrid)")
 
 
 class DraftModel:
@@ -52,8 +63,8 @@ class DraftModel:
             return None
         source = loading.resolve_model(config.model)
         hf_config = loading.load_config(source)
-        # an unsupported architecture fails here, before any weight is read
-        get_model_class(hf_config)
+        # an unsupported architecture or a hybrid one fails here, before any weight is read
+        check_draft(get_model_class(hf_config), config.model)
         vocab = hf_config.get_text_config().vocab_size
         if vocab != target_vocab_size:
             raise ValueError(f"speculative_config: the draft model {config.model} has a vocabulary "

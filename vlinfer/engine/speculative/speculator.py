@@ -36,7 +36,6 @@ from vlinfer.engine.scheduler import SchedulerOutput
 from vlinfer.engine.sequence import Sequence
 from vlinfer.engine.speculative.draft_model import DraftModel
 from vlinfer.engine.speculative.ngram import propose_ngram
-from vlinfer.models.interfaces import HasStateSlots
 
 logger = logging.getLogger("vlinfer")
 MAX_PAUSE_STEPS = 31
@@ -89,15 +88,6 @@ class BatchClassRates:
         rate = tokens / max(seconds, 1e-9)
         rates[proposed] = rate if proposed not in rates else RATE_MEMORY * rates[proposed] + (
             1 - RATE_MEMORY) * rate
-
-
-def check_target(model_cls, config: SpeculativeConfig | None) -> None:
-    """Refuse speculation on a hybrid target (linear-attention state) at load, by name."""
-    if config is not None and issubclass(model_cls, HasStateSlots):
-        raise ValueError(
-            f"speculative decoding (speculative_config) is not supported on the hybrid model "
-            f"{model_cls.__name__} yet: its linear layers' state cannot roll back a rejected "
-            "proposal")
 
 
 def placeholder_token_ids(hf_config) -> frozenset[int]:
