@@ -29,6 +29,23 @@ def test_heads_that_do_not_divide_fail_from_config_before_spawning(four_heads, m
     assert not spawned
 
 
+def test_speculation_on_a_hybrid_model_across_ranks_is_refused_before_spawning(tmp_path,
+                                                                               monkeypatch):
+    """The state put back after a rejected proposal lives on rank 0's slots only."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    from test_qwen3_5_text import save, text_config
+    with torch.random.fork_rng(devices=[]):
+        save(Qwen3_5ForCausalLM(text_config()).eval(), str(tmp_path))
+    spawned = []
+    monkeypatch.setattr(TPDriver, "_spawn", lambda self: spawned.append(self))
+    with pytest.raises(ValueError, match="speculative decoding on a hybrid model runs on one rank"):
+        LLM(str(tmp_path), tensor_parallel_size=2, dtype="float32",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert not spawned
+
+
 SCRIPT = """\
 import sys
 from vlinfer.distributed.main_guard import unguarded_main_line

@@ -2,10 +2,12 @@
 weight."""
 
 
-def check_tensor_parallel_shapes(text_config, tp: int, expert_parallel: bool = False) -> None:
+def check_tensor_parallel_shapes(text_config, tp: int, expert_parallel: bool = False,
+                                 speculative: bool = False) -> None:
     """Query heads, linear-attention key heads and the MLP split evenly; KV heads split evenly
     or, when fewer than ranks, replicate. MoE experts split along their intermediate dimension,
-    or (expert_parallel) whole experts over the ranks."""
+    or (expert_parallel) whole experts over the ranks. A hybrid model does not speculate across
+    ranks: a rejection puts back the linear-attention state on rank 0's slots only."""
     if tp == 1:
         return
     heads, kv = text_config.num_attention_heads, text_config.num_key_value_heads
@@ -18,8 +20,11 @@ def check_tensor_parallel_shapes(text_config, tp: int, expert_parallel: bool = F
     if intermediate % tp:
         problems.append(f"intermediate_size={intermediate} is not divisible by it")
     linear_heads = getattr(text_config, "linear_num_key_heads", None)  # Gated DeltaNet layers
-    if "linear_attention" in (getattr(text_config, "layer_types", None) or ()) and \
-            isinstance(linear_heads, int) and linear_heads % tp:
+    hybrid = "linear_attention" in (getattr(text_config, "layer_types", None) or ())
+    if hybrid and speculative:
+        problems.append("speculative decoding on a hybrid model runs on one rank only (a "
+                        "rejection puts back the linear-attention state of rank 0's slots)")
+    if hybrid and isinstance(linear_heads, int) and linear_heads % tp:
         problems.append(f"linear_num_key_heads={linear_heads} is not divisible by it (each rank "
                         "holds whole key heads and the value heads they serve)")
     shared = getattr(text_config, "shared_expert_intermediate_size", 0) or 0

@@ -45,7 +45,8 @@ class LLMEngine:
         self.source = loading.resolve_model(model)
         self.hf_config = loading.load_config(self.source, config.hf_overrides)
         check_tensor_parallel_shapes(self.hf_config.get_text_config(), config.tensor_parallel_size,
-                                     config.enable_expert_parallel)
+                                     config.enable_expert_parallel,
+                                     config.speculative_config is not None)
         if config.tensor_parallel_size > 1:  # spawned after the shape check, from config.json
             self.driver = TPDriver(parallel, self.device.type, spawned_worker_main)
             self.device = self.driver.device
