@@ -28,14 +28,15 @@ def biased_llama(tmp_path_factory):
     return str(path)
 
 
-def run(folder, dtype, fused: bool, monkeypatch):
+def run(folder, dtype, fused: bool, monkeypatch, kv_cache_dtype="auto"):
     """Greedy tokens and their top-5 logprobs, the decoder, and how many decode steps ran the fused
     stack (fusion switched off on request). Chunks of 16 tokens: steps with prefill rows take the
     modules, decode-only steps the fused stack."""
     with monkeypatch.context() as m:
         if not fused:
             m.setattr(CpuOps, "dense_decode_stack", lambda self, layers, **attention: None)
-        llm = LLM(folder, dtype=dtype, kv_cache_bytes=1 << 22, max_num_batched_tokens=16)
+        llm = LLM(folder, dtype=dtype, kv_cache_bytes=1 << 22, max_num_batched_tokens=16,
+                  kv_cache_dtype=kv_cache_dtype)
     decoder = llm.engine.model_runner.model.model
     calls = []
     if decoder.decode_stack is not None:
@@ -88,6 +89,30 @@ def test_fused_decode_layers_equal_the_modules(tiny_checkpoint, biased_llama, dt
     if not this_cpu_fuses(getattr(torch, dtype)):  # both runs were the modules: nothing compared
         feature = "AVX-512" if dtype == "float32" else "AVX512-BF16 without AMX"
         pytest.skip(f"needs {feature}: no fused {dtype} decode op on this CPU")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_over_a_compressed_cache_equals_the_modules(tiny_checkpoint, dtype,
+                                                                 kv_cache_dtype, monkeypatch):
+    """A KV cache stored in another dtype (kv_cache_dtype): the fused stack runs the quantizing
+    write and the decode kernel over the stored rows with each layer's scales, bit for bit the
+    modules' tokens and top-5 logprobs. A stack handed another layer's int8 scales is not."""
+    if not this_cpu_fuses(getattr(torch, dtype)):
+        feature = "AVX-512" if dtype == "float32" else "AVX512-BF16 without AMX"
+        pytest.skip(f"needs {feature}: no fused {dtype} decode op on this CPU")
+    folder = tiny_checkpoint[0]
+    fused, calls, decoder = run(folder, dtype, True, monkeypatch, kv_cache_dtype)
+    modules, no_calls, _ = run(folder, dtype, False, monkeypatch, kv_cache_dtype)
+    assert decoder.decode_stack is not None and calls >= 15 and no_calls == 0
+    assert fused == modules
+    if kv_cache_dtype != "int8":  # fp8's scales are 1.0 in every layer: nothing to misread
+        return
+    # planted: every layer reads the first layer's int8 row scales
+    monkeypatch.setattr(CountingStack, "forward", lambda self, *args: self.stack.forward(
+        *args[:8], [args[8][0]] * len(args[8]), [args[9][0]] * len(args[9])))
+    planted, _, _ = run(folder, dtype, True, monkeypatch, kv_cache_dtype)
+    assert [lp for _, lp in planted] != [lp for _, lp in modules]
 
 
 # The level a CPU without AVX-512 runs: AVX2 where this CPU has it (this CPU's own build on an AVX2

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import assert_block_pool_empty
+from paged_batches import CUDA_ATTENTION_TOL, make_batch, rel_err_per_seq
 from cpu_levels import kernel_levels
 from test_text_parity import PROMPTS, prompts_of_lengths
 from vlinfer import LLM, SamplingParams
@@ -238,7 +239,7 @@ def test_capacity_counts_the_stored_bytes_and_scales(qwen3_checkpoint):
         "kv_cache_bytes"] == llm.engine.resolved.num_blocks * llm.engine.resolved.bytes_per_block
 
 
-def test_the_log_names_the_cache_dtype_its_reader_and_the_unfused_decode(qwen3_checkpoint, caplog):
+def test_the_log_names_the_cache_dtype_its_reader_and_the_decode_fusion(qwen3_checkpoint, caplog):
     path, _ = qwen3_checkpoint
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         LLM(path, dtype="float32", kv_cache_bytes=4 << 20, kv_cache_dtype="fp8", ops="reference")
@@ -256,7 +257,12 @@ def test_the_log_names_the_cache_dtype_its_reader_and_the_unfused_decode(qwen3_c
             ops="cpu-compiled")
     text = caplog.text
     assert "KV cache in torch.int8: cpu-compiled kernels write it and read it" in text
-    assert "module by module (the KV cache is stored in torch.int8)" in text
+    from vlinfer.ops.cpu import CpuOps
+    if torch.float32 in CpuOps().panel_dtypes:  # float32 panels (AVX-512): the fused stack reads it
+        assert "decoder layers in one op call (cpu-compiled)" in text
+    else:
+        assert ("module by module (cpu-compiled has no fused form for them over a KV cache stored "
+                "in torch.int8)") in text
     assert "no kernel that reads it" not in text
 
 
@@ -374,6 +380,44 @@ def test_cpu_kernels_write_and_read_as_the_reference(kernel_ops, name, dtype, he
         tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(
             rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got, expected, **tolerance)
+
+
+@pytest.mark.parametrize("head_dim, gqa", [(64, 3), (128, 2), (72, 1)])
+def test_int8_prefill_chunks_run_the_bf16_kernel_on_the_rows_read_back(head_dim, gqa):
+    """Prefill chunks over an int8 cache with bf16 queries (csrc/attention_bf16.cpp
+    prefill_attention_int8): from scratch, after a cached context, beside decodes. Their rows equal
+    the bf16 cache's kernel on the reference's rows read back (dequantized_blocks), bit for bit;
+    every sequence is within the bf16 attention tolerance of exact attention over those rows; a
+    kernel reading the other KV head's scales, or a block's rows as zeros, is not."""
+    from vlinfer.ops.cpu import CpuOps
+    ops = CpuOps(bf16_prefill_kernels=True)
+    if not ops.bf16_attention:
+        pytest.skip("needs AVX512-BF16: below it int8 prefill chunks run SDPA on rows read back")
+    q_lens, kv_lens, block_size = [300, 1, 70, 2, 1], [300, 40, 470, 9, 200], 16
+    q, k, v, cu, lens, tables = make_batch(q_lens, kv_lens, 2 * gqa, 2, head_dim, block_size,
+                                           torch.float32, seed=11)
+    k[:, :, 1] *= 3  # heads of different magnitudes, so a head's scale read for the other shows
+    caches = (torch.zeros(k.shape, dtype=torch.int8), torch.zeros(v.shape, dtype=torch.int8),
+              torch.ones(k.shape[:3]), torch.ones(v.shape[:3]))
+    kv_quant_reference.store_quantized_kvcache(k.flatten(0, 1), v.flatten(0, 1), *caches,
+                                               torch.arange(k.shape[0] * block_size))
+    q, scale = q.bfloat16(), head_dim ** -0.5
+    ours = ops.quantized_paged_attention(q, *caches, cu, lens, tables, scale)
+    k_read, v_read, local = kv_quant_reference.dequantized_blocks(*caches, tables, torch.bfloat16)
+    bf16_cache = ops.paged_attention(q, k_read, v_read, cu, lens, local, scale)
+    q_lens = cu[1:] - cu[:-1]
+    chunk_rows = torch.repeat_interleave(q_lens > 1, q_lens)
+    assert torch.equal(ours[chunk_rows], bf16_cache[chunk_rows])
+    exact = reference.quantized_paged_attention(q.float(), *caches, cu, lens, tables, scale)
+    tolerance = CUDA_ATTENTION_TOL[torch.bfloat16]
+    assert rel_err_per_seq(ours, exact, cu) < tolerance
+    k_cache, v_cache, k_scale, v_scale = caches
+    dropped_k, dropped_v = k_scale.clone(), v_scale.clone()
+    dropped_k[tables[0, 0]] = dropped_v[tables[0, 0]] = 0  # the first block of a fresh prompt
+    for planted in ((k_cache, v_cache, k_scale.roll(1, dims=2), v_scale),
+                    (k_cache, v_cache, dropped_k, dropped_v)):
+        wrong = ops.quantized_paged_attention(q, *planted, cu, lens, tables, scale)
+        assert rel_err_per_seq(wrong, exact, cu) > tolerance
 
 
 def test_no_decode_graphs_over_a_cache_the_reference_reads(caplog):

@@ -138,6 +138,8 @@ def test_static_int8_checkpoints_open_and_match_transformers(scheme_checkpoints,
     assert "KV cache in torch.int8 with the checkpoint's static scales" in caplog.text
     layers = llm.engine.model_runner.cache_pool.layers
     assert all(layer.static_kv_scales is not None for layer in layers)
+    # their scales move onto the query and the output, which the fused decode stack does not do
+    assert llm.engine.model_runner.model.model.decode_stack is None
     for prompt, ours in zip(PROMPTS, path_logits(llm, PROMPTS)):
         assert relative_gap(ours, reference_logits(model, prompt)) < STATIC_INT8_TOLERANCE
     # The row scales stay 1.0: the static scales do the work.

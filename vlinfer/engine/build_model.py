@@ -172,9 +172,9 @@ def pack_weights(model: torch.nn.Module) -> None:
             logger.info("decode steps run all %d decoder layers in one op call (%s)",
                         len(decoder.layers), decoder.ctx.ops.name)
         else:
-            reason = (f"the KV cache is stored in {decoder.ctx.kv_cache_dtype}"
-                      if decoder.ctx.kv_cache_quantized else
-                      f"{decoder.ctx.ops.name} has no fused form for them")
+            reason = f"{decoder.ctx.ops.name} has no fused form for them" + (
+                f" over a KV cache stored in {decoder.ctx.kv_cache_dtype}"
+                if decoder.ctx.kv_cache_quantized else "")
             logger.info("decode steps run the %d decoder layers module by module (%s)",
                         len(decoder.layers), reason)
     if linears:

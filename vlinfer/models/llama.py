@@ -129,8 +129,11 @@ class LlamaModel(nn.Module, SupportsFusedDecode):
     def fuse_decode(self) -> bool:
         """Let decode steps run every layer in one op call (ops.dense_decode_stack), once after
         packing; False where a layer has no fused form or the op table fuses none."""
-        # the fused stack reads and writes a cache of the compute dtype only
-        if self.ctx.kv_cache_quantized:
+        quantized = self.ctx.kv_cache_quantized
+        # a static int8 cache moves its scales onto the query and the output
+        # (Attention._static_int8), which the stack does not
+        if quantized and any(layer.self_attn.attn.static_kv_scales is not None
+                             for layer in self.layers):
             return False
         weights = [layer.decode_weights() for layer in self.layers]
         if not weights or any(w is None for w in weights):
@@ -143,7 +146,9 @@ class LlamaModel(nn.Module, SupportsFusedDecode):
                                                             head_dim=attn.head_dim,
                                                             scale=attn.attn.scale,
                                                             eps=self.layers[0].input_layernorm.eps,
-                                                            qk_eps=qk_eps)
+                                                            qk_eps=qk_eps,
+                                                            kv_cache_dtype=self.ctx.kv_cache_dtype
+                                                            if quantized else None)
         return self.decode_stack is not None
 
     def run_layers(self, rope, hidden_states: torch.Tensor):
@@ -154,9 +159,12 @@ class LlamaModel(nn.Module, SupportsFusedDecode):
         if self.decode_stack is not None and step.decode_only and step.lora is None:
             # each layer's cache views, bound by the model runner after fusing
             caches = self.attention_caches
+            scaled = caches[0].k_scale is not None  # a cache in another dtype
             return self.decode_stack.forward(hidden_states, *rope, [c.k_cache for c in caches],
                                              [c.v_cache for c in caches], step.slot_mapping,
-                                             step.block_tables, step.seq_lens)
+                                             step.block_tables, step.seq_lens,
+                                             [c.k_scale for c in caches] if scaled else [],
+                                             [c.v_scale for c in caches] if scaled else [])
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(rope, hidden_states, residual)

@@ -149,10 +149,12 @@ class Backend:
 
     @op
     def dense_decode_stack(self, layers: list[dict], num_heads: int, num_kv_heads: int,
-                           head_dim: int, scale: float, eps: float, qk_eps: float):
+                           head_dim: int, scale: float, eps: float, qk_eps: float,
+                           kv_cache_dtype: torch.dtype | None = None):
         """An object running a dense model's decoder layers for a decode step in one call
-        (forward(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens) -> (mlp
-        output, residual)), or None."""
+        (forward(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens, k_scales,
+        v_scales) -> (mlp output, residual); the scales only for a cache stored in kv_cache_dtype,
+        another dtype than the compute dtype), or None."""
         raise NotImplementedError
 
     # ---- mixture of experts ----

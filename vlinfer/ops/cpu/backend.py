@@ -178,7 +178,7 @@ class CpuOps(ReferenceOps):
         decode_rows = self._decode_rows.get(attention.decode_rows, cu_seqlens_q)
         return kv_cache.quantized_paged_attention(self.ext, decode_rows, q, k_cache, v_cache,
                                                   k_scale, v_scale, cu_seqlens_q, seq_lens,
-                                                  block_tables, scale)
+                                                  block_tables, scale, self._bf16_flash(q))
 
     # Hybrid models' linear attention: decode and prefill calls on our kernels, a call whose
     # tensors they do not take on the reference (linear_attention.py says the rule).
@@ -307,10 +307,13 @@ class CpuOps(ReferenceOps):
     def linear(self, x, weight, bias=None):
         return linear.linear(self.ext, x, weight, bias)
 
-    def dense_decode_stack(self, layers, num_heads, num_kv_heads, head_dim, scale, eps, qk_eps):
+    def dense_decode_stack(self, layers, num_heads, num_kv_heads, head_dim, scale, eps, qk_eps,
+                           kv_cache_dtype=None):
         """csrc/decode_layer.cpp: every layer's kernels in their modules' order, without the Python
         between them, where all four projections of every layer are on panels (norms in their
-        activations' dtype)."""
+        activations' dtype) and a cache in another dtype is one csrc/kv_quant.cpp reads."""
+        if kv_cache_dtype is not None and kv_cache_dtype not in self.kv_cache_kernels:
+            return None
         dtype = layers[0]["qkv"].dtype
         for layer in layers:
             projections = [layer[name] for name in ("qkv", "o", "gate_up", "down")]

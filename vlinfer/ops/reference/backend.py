@@ -79,7 +79,8 @@ class ReferenceOps(Backend):
         return None
 
     def dense_decode_stack(self, layers: list[dict], num_heads: int, num_kv_heads: int,
-                           head_dim: int, scale: float, eps: float, qk_eps: float):
+                           head_dim: int, scale: float, eps: float, qk_eps: float,
+                           kv_cache_dtype: torch.dtype | None = None):
         """None: the reference fuses nothing, the layers run module by module. `layers`: per layer
         its packed weights by name (LlamaDecoderLayer.decode_weights); models ask once after
         packing."""

@@ -516,38 +516,25 @@ at::Tensor vision_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-// The multi-token rows of paged attention (prefill chunks, with or without cached context), written
-// into out: q [T, heads, d] bfloat16, caches [blocks, block_size, kv_heads, d]; one-token rows are
-// the decode kernel's and are left untouched. Sequence i's queries are its last tokens, so query j
-// of a chunk of n sits at position seq_lens[i] - n + j.
-void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-                       const at::Tensor& block_tables, double scale, at::Tensor& out) {
-  TORCH_CHECK(bf16_attention_available(), "prefill_attention: built without AVX512-BF16");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "bad shapes");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "prefill_attention is bfloat16 only");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1,
-              "head_dim must be contiguous");
-  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "k and v caches must share a layout");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) <= 128, "head_dim mismatch or over 128");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
-  TORCH_CHECK(out.sizes() == q.sizes(), "out must be shaped like q");
 #ifdef VLINFER_BF16_ATTENTION
+namespace {
+
+// The multi-token rows of a step: per sequence, its n_keys keys packed by pack(kv, its block table,
+// n_keys), then its queries through flash_attention. Sequence i's queries are its last tokens, so
+// query j of a chunk of n sits at position seq_lens[i] - n + j.
+template <typename PackFn>
+void prefill_sequences(const at::Tensor& q, const at::Tensor& cu_seqlens_q,
+                       const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                       int64_t block_size, int64_t kv_heads, double scale, at::Tensor& out,
+                       PackFn pack) {
   auto cu = cu_seqlens_q.to(at::kLong).contiguous();
   auto lens = seq_lens.to(at::kLong).contiguous();
   auto tables = block_tables.to(at::kInt).contiguous();
   const int64_t* c = cu.data_ptr<int64_t>();
   const int64_t* l = lens.data_ptr<int64_t>();
   const int32_t* t = tables.data_ptr<int32_t>();
-  const int64_t max_blocks = tables.size(1), block_size = k_cache.size(1),
-                kv_heads = k_cache.size(2);
-  const int64_t sb = k_cache.stride(0), st = k_cache.stride(1), sh = k_cache.stride(2);
+  const int64_t max_blocks = tables.size(1);
   auto qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  auto kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-  auto vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
   auto op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   PackedKV kv;
   for (int64_t i = 0; i + 1 < cu.numel(); ++i) {
@@ -555,14 +542,112 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
     if (n_q <= 1) continue;
     TORCH_CHECK(n_q <= n_keys && n_keys <= max_blocks * block_size, "sequence ", i,
                 ": bad lengths");
-    const int32_t* table = t + i * max_blocks;
-    pack_kv(kv, n_keys, kv_heads, q.size(2), kp, vp, [&](int64_t j, int64_t h) {
-      return table[j / block_size] * sb + (j % block_size) * st + h * sh;
-    });
+    pack(kv, t + i * max_blocks, n_keys);
     flash_attention(qp + c[i] * q.stride(0), q.stride(0), q.stride(1), n_q, q.size(1), kv_heads,
                     q.size(2), kv,
                     /*causal=*/true, n_keys - n_q, static_cast<float>(scale),
                     op + c[i] * out.stride(0), out.stride(0), out.stride(1));
   }
+}
+
+// One stored int8 row read back as ops/reference/kv_cache.py dequantize does: each value times the
+// row's scale in float32, rounded to bf16 (vcvtneps2bf16 rounds to nearest even, as torch does).
+inline void dequantize_row(const int8_t* x, float s, uint16_t* out, int64_t d) {
+  const __m512 sv = _mm512_set1_ps(s);
+  int64_t e = 0;
+  for (; e + 16 <= d; e += 16) {
+    const __m512 f = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + e))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(f, sv)));
+  }
+  for (; e < d; ++e) out[e] = c10::BFloat16(static_cast<float>(x[e]) * s).x;
+}
+
+}  // namespace
+#endif  // VLINFER_BF16_ATTENTION
+
+static void check_prefill_shapes(const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& out) {
+  TORCH_CHECK(bf16_attention_available(), "prefill_attention: built without AVX512-BF16");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "bad shapes");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "prefill_attention is bfloat16 only");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1,
+              "head_dim must be contiguous");
+  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "k and v caches must share a layout");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) <= 128, "head_dim mismatch or over 128");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must be shaped like q");
+}
+
+// The multi-token rows of paged attention (prefill chunks, with or without cached context), written
+// into out: q [T, heads, d] bfloat16, caches [blocks, block_size, kv_heads, d]; one-token rows are
+// the decode kernel's and are left untouched.
+void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                       const at::Tensor& block_tables, double scale, at::Tensor& out) {
+  check_prefill_shapes(q, k_cache, v_cache, out);
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "prefill_attention reads bfloat16 caches");
+#ifdef VLINFER_BF16_ATTENTION
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t sb = k_cache.stride(0), st = k_cache.stride(1), sh = k_cache.stride(2);
+  auto kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  auto vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  prefill_sequences(q, cu_seqlens_q, seq_lens, block_tables, block_size, kv_heads, scale, out,
+                    [&](PackedKV& kv, const int32_t* table, int64_t n_keys) {
+                      pack_kv(kv, n_keys, kv_heads, q.size(2), kp, vp, [&](int64_t j, int64_t h) {
+                        return table[j / block_size] * sb + (j % block_size) * st + h * sh;
+                      });
+                    });
+#endif
+}
+
+// prefill_attention over an int8 cache with one float32 scale per slot and KV head
+// (ops/reference/kv_cache.py): each sequence's rows are read back in bf16 exactly as the
+// reference's dequantized blocks, then run the same flash kernel, so the result equals
+// prefill_attention on those blocks. Before it an int8 cache's chunks ran SDPA on blocks read back
+// in Python, the bf16 cache's kernel beside it.
+void prefill_attention_int8(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& k_scale,
+                            const at::Tensor& v_scale, const at::Tensor& cu_seqlens_q,
+                            const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                            double scale, at::Tensor& out) {
+  check_prefill_shapes(q, k_cache, v_cache, out);
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar,
+              "prefill_attention_int8 reads int8 caches");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat &&
+                  k_scale.is_contiguous() && v_scale.is_contiguous(),
+              "scales must be contiguous float32");
+  TORCH_CHECK(k_scale.sizes() == k_cache.sizes().slice(0, 3) && v_scale.sizes() == k_scale.sizes(),
+              "int8 caches need one scale per slot and KV head");
+#ifdef VLINFER_BF16_ATTENTION
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), d = q.size(2);
+  const int8_t* kp = k_cache.data_ptr<int8_t>();
+  const int8_t* vp = v_cache.data_ptr<int8_t>();
+  const float* ks = k_scale.data_ptr<float>();
+  const float* vs = v_scale.data_ptr<float>();
+  std::vector<uint16_t> keys, values;  // a sequence's rows [n_keys, kv_heads, d] in bf16
+  prefill_sequences(
+    q, cu_seqlens_q, seq_lens, block_tables, block_size, kv_heads, scale, out,
+    [&](PackedKV& kv, const int32_t* table, int64_t n_keys) {
+      keys.resize(n_keys * kv_heads * d);
+      values.resize(keys.size());
+      at::parallel_for(0, n_keys, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t j = begin; j < end; ++j) {
+          const int64_t slot = table[j / block_size] * block_size + j % block_size;
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            const int64_t at = slot * kv_heads + h, to = (j * kv_heads + h) * d;
+            dequantize_row(kp + at * d, ks[at], keys.data() + to, d);
+            dequantize_row(vp + at * d, vs[at], values.data() + to, d);
+          }
+        }
+      });
+      pack_kv(kv, n_keys, kv_heads, d, keys.data(), values.data(),
+              [&](int64_t j, int64_t h) { return (j * kv_heads + h) * d; });
+    });
 #endif
 }

@@ -10,7 +10,9 @@
 // attention 0.9, LM head 2.6). A DenseDecodeStack holds every layer's weights once
 // (ops/cpu/backend.py dense_decode_stack, when all four projections of every layer are on 32-output
 // panels) and runs a decode step's layers in one call: one layer per call from Python still cost
-// ~20 us a layer in arguments and module calls.
+// ~20 us a layer in arguments and module calls. A cache stored in another dtype (kv_cache_dtype,
+// csrc/kv_quant.cpp) runs its quantizing write and decode kernels here, as Attention.forward's
+// unfused path does: without it an int8 cache lost the fused step and paid the Python per layer.
 #include <torch/extension.h>
 
 #include <vector>
@@ -23,6 +25,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& seq_lens, double scale);
 void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                    at::Tensor& v_cache, const at::Tensor& slot_mapping);
+// cpu/csrc/kv_quant.cpp
+void store_kvcache_quantized(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                             at::Tensor& v_cache, at::Tensor& k_scale, at::Tensor& v_scale,
+                             const at::Tensor& slot_mapping);
+at::Tensor paged_decode_attention_quantized(const at::Tensor& q, const at::Tensor& k_cache,
+                                            const at::Tensor& v_cache, const at::Tensor& k_scale,
+                                            const at::Tensor& v_scale,
+                                            const at::Tensor& block_tables,
+                                            const at::Tensor& seq_lens, double scale);
 void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
@@ -36,12 +47,14 @@ namespace {
 
 // One layer: x [R, H], the previous layer's MLP output (or the embeddings, residual undefined: the
 // first layer); cos / sin [R, head_dim] float32; the layer's caches [blocks, block_size, kv_heads,
-// head_dim]; one query token per sequence (R sequences). Returns the MLP's output and the residual
+// head_dim] and, for a cache in another dtype, their scales (else undefined); one query token per
+// sequence (R sequences). Returns the MLP's output and the residual
 // stream, as LlamaDecoderLayer.forward does.
 std::vector<at::Tensor> decode_layer(const DenseDecodeStack::LayerWeights& w,
                                      const DenseDecodeStack::Attention& a, const at::Tensor& x,
                                      const at::Tensor& residual, const at::Tensor& cos,
                                      const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor k_scale, at::Tensor v_scale,
                                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens) {
   at::Tensor h, res;
@@ -66,9 +79,16 @@ std::vector<at::Tensor> decode_layer(const DenseDecodeStack::LayerWeights& w,
   }
   rotary_inplace(q, cos, sin);
   rotary_inplace(k, cos, sin);
-  store_kvcache(k, v, k_cache, v_cache, slot_mapping);
-  const auto attn =
-    paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, a.scale).flatten(1);
+  at::Tensor attn;
+  if (k_scale.defined()) {
+    store_kvcache_quantized(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping);
+    attn = paged_decode_attention_quantized(q, k_cache, v_cache, k_scale, v_scale, block_tables,
+                                            seq_lens, a.scale);
+  } else {
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping);
+    attn = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, a.scale);
+  }
+  attn = attn.flatten(1);
   auto normed = add_rms_norm(panel_linear(attn, w.o, w.o_bias), res, w.post_norm, a.eps);
   const auto act = silu_and_mul(panel_linear(normed[0], w.gate_up, w.gate_up_bias));
   return {panel_linear(act, w.down, w.down_bias), normed[1]};
@@ -100,7 +120,9 @@ std::vector<at::Tensor> DenseDecodeStack::forward(const at::Tensor& x, const at:
                                                   const std::vector<at::Tensor>& v_caches,
                                                   const at::Tensor& slot_mapping,
                                                   const at::Tensor& block_tables,
-                                                  const at::Tensor& seq_lens) const {
+                                                  const at::Tensor& seq_lens,
+                                                  const std::vector<at::Tensor>& k_scales,
+                                                  const std::vector<at::Tensor>& v_scales) const {
   TORCH_CHECK(x.dim() == 2, "DenseDecodeStack: x must be [sequences, hidden], got ", x.sizes());
   TORCH_CHECK(seq_lens.numel() == x.size(0),
               "DenseDecodeStack: one query token per sequence: ", x.size(0), " rows for ",
@@ -108,12 +130,18 @@ std::vector<at::Tensor> DenseDecodeStack::forward(const at::Tensor& x, const at:
   TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
               "DenseDecodeStack: ", layers_.size(), " layers, ", k_caches.size(), " key and ",
               v_caches.size(), " value caches");
+  const bool quantized = !k_scales.empty();
+  TORCH_CHECK(!quantized ||
+                (k_scales.size() == layers_.size() && v_scales.size() == k_scales.size()),
+              "DenseDecodeStack: ", layers_.size(), " layers, ", k_scales.size(), " key and ",
+              v_scales.size(), " value cache scales");
   const auto cos_f = cos.to(at::kFloat).contiguous(), sin_f = sin.to(at::kFloat).contiguous();
   const auto tables = block_tables.to(at::kInt), lens = seq_lens.to(at::kInt);
   std::vector<at::Tensor> out{
     x, at::Tensor()};  // (mlp output, residual); the first layer has no residual
   for (size_t i = 0; i < layers_.size(); ++i)
     out = decode_layer(layers_[i], attention_, out[0], out[1], cos_f, sin_f, k_caches[i],
-                       v_caches[i], slot_mapping, tables, lens);
+                       v_caches[i], quantized ? k_scales[i] : at::Tensor(),
+                       quantized ? v_scales[i] : at::Tensor(), slot_mapping, tables, lens);
   return out;
 }

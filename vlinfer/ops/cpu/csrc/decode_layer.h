@@ -30,13 +30,16 @@ class DenseDecodeStack {
                  const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
                  const c10::optional<at::Tensor>& down_bias);
   // A decode step (one token per sequence) through every layer: x [R, H] embeddings, cos / sin [R,
-  // head_dim], each layer's caches, the step's slots / block tables / lengths. Returns the last
-  // layer's (mlp output, residual).
+  // head_dim], each layer's caches, the step's slots / block tables / lengths, and each layer's
+  // cache scales for a cache in another dtype (empty: the caches hold the compute dtype). Returns
+  // the last layer's (mlp output, residual).
   std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                   const std::vector<at::Tensor>& k_caches,
                                   const std::vector<at::Tensor>& v_caches,
                                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens) const;
+                                  const at::Tensor& seq_lens,
+                                  const std::vector<at::Tensor>& k_scales,
+                                  const std::vector<at::Tensor>& v_scales) const;
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:

@@ -32,6 +32,11 @@ at::Tensor vision_attention(const at::Tensor& q, const at::Tensor& k, const at::
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                        const at::Tensor& block_tables, double scale, at::Tensor& out);
+void prefill_attention_int8(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& k_scale,
+                            const at::Tensor& v_scale, const at::Tensor& cu_seqlens_q,
+                            const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                            double scale, at::Tensor& out);
 // cpu/csrc/moe_experts.cpp
 at::Tensor expert_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ends);
 at::Tensor expert_panel_matmul(const at::Tensor& x, const at::Tensor& panels,
@@ -709,6 +714,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the kernel paged_decode_attention runs for q's dtype and head_dim");
   m.def("prefill_attention", &prefill_attention,
         "bf16 causal attention of prefill chunks over the paged cache (CPU)");
+  m.def("prefill_attention_int8", &prefill_attention_int8,
+        "prefill_attention over an int8 cache with per-row scales, rows read back in bf16 (CPU)");
   m.def("vision_attention", &vision_attention,
         "bf16 varlen bidirectional attention (CPU, AVX512-BF16)");
   m.def("expert_matmul", &expert_matmul,
@@ -768,6 +775,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          py::arg("qkv"), py::arg("qkv_bias"), py::arg("q_norm"), py::arg("k_norm"), py::arg("o"),
          py::arg("o_bias"), py::arg("gate_up"), py::arg("gate_up_bias"), py::arg("down"),
          py::arg("down_bias"))
-    .def("forward", &DenseDecodeStack::forward)
+    .def("forward", &DenseDecodeStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"),
+         py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"),
+         py::arg("block_tables"), py::arg("seq_lens"),
+         py::arg("k_scales") = std::vector<at::Tensor>(),
+         py::arg("v_scales") = std::vector<at::Tensor>())
     .def_property_readonly("num_layers", &DenseDecodeStack::num_layers);
 }
