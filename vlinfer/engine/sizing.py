@@ -90,7 +90,7 @@ def resolve(config: EngineConfig, dtype, model_len: int, longest: int, block_siz
     draft_bytes = draft.bytes_per_block if draft is not None else 0
     budget = _budget(config, min(batched, longest), runner, ranks_per_host)
     num_slots = _num_state_slots(config, longest, block_size, pool, budget)
-    num_checkpoints = _num_checkpoint_slots(config, longest, block_size, pool,
+    num_checkpoints = _num_checkpoint_slots(config, longest, block_size, pool, num_slots,
                                             budget - num_slots * pool.bytes_per_slot)
     num_blocks = _num_blocks(config, longest, block_size, pool, budget - (
         num_slots + num_checkpoints) * pool.bytes_per_slot, draft_bytes)
@@ -149,14 +149,14 @@ def _num_state_slots(config: EngineConfig, longest: int, block_size: int, pool,
 
 
 def _num_checkpoint_slots(config: EngineConfig, longest: int, block_size: int, pool,
-                          budget: float) -> int:
+                          num_slots: int, budget: float) -> int:
     """A hybrid model's prefix-cache checkpoints (docs/hybrid.md "Prefix caching"), each a state
     slot's bytes: one per live slot, from at most half of what the live slots leave beside one
     sequence's KV blocks, so the KV pool keeps the larger share; 0 without prefix caching."""
     if not pool.bytes_per_slot or not config.enable_prefix_caching:
         return 0
     spare = budget - _one_sequence_kv_bytes(config, longest, block_size, pool)
-    return max(0, min(config.max_num_seqs, int(spare / 2 // pool.bytes_per_slot)))
+    return max(0, min(num_slots, int(spare / 2 // pool.bytes_per_slot)))
 
 
 def _budget(config: EngineConfig, batched: int, runner, ranks_per_host: int) -> float:
