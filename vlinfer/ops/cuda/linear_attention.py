@@ -56,7 +56,8 @@ def checked_kernels(device: torch.device):
     for ours, expected in pairs:
         err = ((ours - expected).abs().max() / expected.abs().max()).item()
         if not err < CHECK_TOL:
-            raise RuntimeError(f"the Triton linear attention is off from the reference by {err:.3g}")
+            raise RuntimeError(
+                f"the Triton linear attention is off from the reference by {err:.3g}")
     return module
 
 
