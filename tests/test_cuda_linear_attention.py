@@ -11,8 +11,10 @@ reference's 64-token block, one-token sequences among them). Value heads grouped
 head dims that are not powers of two, value columns over two program blocks, conv channels over two.
 Tolerances: outputs float32 2e-5, bf16 2e-2 (the attention kernels' values: the oracle in float32
 on the same bf16 inputs); the float32 state 2e-5; the conv state exact (it copies inputs).
-Negative controls planted in the kernel source itself: the decay's sign flipped, the recurrent
-state's write skipped, the conv state's write skipped; each fails the same check.
+A decode step reads no tensor value back to the host (what a CUDA graph needs); the reference
+trips the same guard. Negative controls planted in the kernel source itself: the decay's sign
+flipped, the recurrent state's write skipped, the conv state's write skipped; each fails the same
+check.
 
 The engine: a tiny Qwen3.5 (tests/test_qwen3_5_text.py's checkpoint) on the CUDA op table, its
 greedy tokens and logprobs equal to the reference table's, the kernels' launches counted (decode
@@ -166,6 +168,29 @@ def test_calls_take_the_kernels(ops, monkeypatch):
     assert calls == ["gated_delta_rule", "causal_conv1d"]
     q, k, v, _, _, state, *_ = delta_inputs(SHAPES[0], BATCHES[0], torch.float32)
     assert not cuda_la.kernel_takes_delta_rule(q, k, v, state.bfloat16())
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy")
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "causal_conv1d"])
+def test_a_decode_step_reads_nothing_back_to_the_host(ops, op, monkeypatch):
+    """What a CUDA graph needs of a decode step: no tensor value read on the host (slots,
+    cu_seqlens and has_state stay on the device). The guard is real: the reference, which loops
+    over cu_seqlens on the host, trips it."""
+    ops._linear_attention_kernels()  # loaded (and checked) before the guard goes on
+    if op == "gated_delta_rule":
+        args = delta_inputs(SHAPES[0], BATCHES[0], torch.float32) + [0.5]
+    else:
+        args = conv_inputs(CONV[0], BATCHES[0], torch.float32)
+
+    def host_read(*a, **k):
+        raise AssertionError("a tensor read on the host")
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    getattr(ops, op)(*args)
+    with pytest.raises(AssertionError, match="on the host"):
+        getattr(reference, op)(*args)
 
 
 # ---- negative controls: a bug planted in the kernel source fails the same check ----
