@@ -12,9 +12,11 @@ head dims that are not powers of two, value columns over two program blocks, con
 Tolerances: outputs float32 2e-5, bf16 2e-2 (the attention kernels' values: the oracle in float32
 on the same bf16 inputs); the float32 state 2e-5; the conv state exact (it copies inputs).
 A decode step reads no tensor value back to the host (what a CUDA graph needs); the reference
-trips the same guard. Negative controls planted in the kernel source itself: the decay's sign
-flipped, the recurrent state's write skipped, the conv state's write skipped; each fails the same
-check.
+trips the same guard. The decode batch runs the recurrent kernel, the prefill batch the chunked
+one (blocks of 16 tokens: the 70-token sequence ends in a partial block). Negative controls
+planted in the kernel source itself: the decay's sign flipped (in each kernel), the chunked
+form's forward substitution skipped, the recurrent state's write skipped (in each), the conv
+state's write skipped; each fails the same check.
 
 The engine: a tiny Qwen3.5 (tests/test_qwen3_5_text.py's checkpoint) on the CUDA op table, its
 greedy tokens and logprobs equal to the reference table's, the kernels' launches counted (decode
@@ -195,12 +197,17 @@ def test_a_decode_step_reads_nothing_back_to_the_host(ops, op, monkeypatch):
 
 # ---- negative controls: a bug planted in the kernel source fails the same check ----
 
+# (source text, its replacement, the batch that must catch it: decode runs the recurrent kernel,
+# prefill the chunked one)
 PLANTS = {
-    "decay sign": ("s = s * tl.exp(g)", "s = s * tl.exp(-g)"),
-    "state write skipped": ("    tl.store(s_ptrs, s, mask=smask)\n", "\n"),
+    "decay sign, recurrent": ("s = s * tl.exp(g)", "s = s * tl.exp(-g)", "decode"),
+    "decay sign, chunked": ("g[None, :], 0.0), 1)", "-g[None, :], 0.0), 1)", "prefill"),
+    "substitution skipped": ("for i in range(1, BT):", "for i in range(1, 1):", "prefill"),
+    "state write skipped, recurrent": ("    tl.store(s_ptrs, s, mask=smask)\n", "\n", "decode"),
+    "state write skipped, chunked": ("    tl.store(s_ptrs, s, mask=smask)\n", "\n", "prefill"),
     "conv state write skipped": ("    tl.store(state_row[:, None] + taps[None, :]",
                                  "    if False:\n"
-                                 "        tl.store(state_row[:, None] + taps[None, :]"),
+                                 "        tl.store(state_row[:, None] + taps[None, :]", "prefill"),
 }
 
 
@@ -209,7 +216,7 @@ def planted(tmp_path, edit):
     with open(f"{KERNEL_DIR}/linear_attention.py") as f:
         source = f.read()
     old, new = edit
-    assert source.count(old) == 1, old
+    assert old in source, old
     path = tmp_path / "planted_linear_attention.py"
     path.write_text(source.replace(old, new))
     spec = importlib.util.spec_from_file_location("_vlinfer_triton_planted", path)
@@ -222,12 +229,14 @@ def planted(tmp_path, edit):
 
 @pytest.mark.parametrize("plant", PLANTS)
 def test_a_planted_bug_fails_the_check(tmp_path, plant):
-    module = planted(tmp_path, PLANTS[plant])
+    old, new, batch = PLANTS[plant]
+    module = planted(tmp_path, (old, new))
+    batch = BATCHES[0] if batch == "decode" else BATCHES[1]
     with pytest.raises(AssertionError):
         if plant.startswith("conv"):
-            check_conv(module.causal_conv1d, CONV[1], BATCHES[1], torch.float32)
+            check_conv(module.causal_conv1d, CONV[1], batch, torch.float32)
         else:
-            check_delta_rule(module.gated_delta_rule, SHAPES[0], BATCHES[1], torch.float32)
+            check_delta_rule(module.gated_delta_rule, SHAPES[0], batch, torch.float32)
 
 
 # ---- the engine: a tiny Qwen3.5 on the CUDA op table equals the reference table ----

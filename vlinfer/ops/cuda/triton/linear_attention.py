@@ -7,13 +7,15 @@ chunks and one-token decodes in one launch, each sequence reading and writing it
   first K - 1 positions, zeros where the sequence has no state), so tokens are independent. The
   slot's new conv state (its last K - 1 inputs) is gathered into registers, then written after a
   barrier: the program's own reads of the old state come first.
-- gated_delta_rule: the recurrent form. One program per (sequence, value head, block of value
-  columns) holds its [Dk, BLOCK_V] slice of the state in registers over the sequence's tokens (the
-  columns of S evolve independently: k is shared), then writes it back to the slot. The chunked WY
-  form (blocks of tokens as matmuls) is the follow-up for long prefills; decode is one token per
-  program either way.
+- gated_delta_rule: one program per (sequence, value head, block of value columns) holds its
+  [Dk, BLOCK_V] slice of the state S in float32 registers over the sequence's tokens (the columns
+  of S evolve independently: k is shared), then writes it back to the slot. A decode call (one
+  token per sequence, known from shapes) takes the recurrence; any other call the chunked WY form
+  of reference.chunked, in blocks of DELTA_CHUNK tokens: per block the matmuls K K^T, K S, Q K^T,
+  Q S, the unit lower-triangular system solved by forward substitution row by row, one matmul for
+  the outputs and one for the state's update (a one-token sequence is a block of one).
 
-Both grids come from shapes alone (sequences, heads, channels), the slot index is read on the
+All grids come from shapes alone (sequences, heads, channels), the slot index is read on the
 device, and a slot < 0 (the padded rows of a CUDA graph's batch) writes nothing: a decode step takes
 no host sync and a CUDA graph can capture it. Outputs are written in float32 and cast by torch (the
 interpreter's narrowing casts truncate); the recurrent state must be float32 (its in-place write
@@ -31,6 +33,7 @@ import triton.language as tl
 L2_EPS = 1e-6  # reference.l2_normalize's
 CONV_BLOCK_C, CONV_BLOCK_T = 64, 16
 DELTA_BLOCK_V = 32  # value columns per program: a [Dk, 32] float32 state slice in registers
+DELTA_CHUNK = 16  # tokens per block of the chunked kernel: its within-block matmuls are 16 x 16
 
 
 @triton.jit
@@ -151,6 +154,73 @@ def _gated_delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ou
     tl.store(s_ptrs, s, mask=smask)
 
 
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def _gated_delta_rule_chunked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr,
+                                     cu_ptr, slot_ptr, has_ptr, q_stride_t, q_stride_h,
+                                     k_stride_t, k_stride_h, v_stride_t, v_stride_h, gb_stride_t,
+                                     scale, HV: tl.constexpr, GROUP: tl.constexpr,
+                                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
+                                     BLOCK_V: tl.constexpr, BT: tl.constexpr, EPS: tl.constexpr):
+    """reference.chunked per (sequence, value head, value columns), blocks of BT tokens: within a
+    block of cumulative log-decays G, (I + L) U = beta V - (beta e^G) K S, solved by forward
+    substitution; O = (e^G Q) S + (M * Q K^T) U; S = e^(G_n) S + K^T (e^(G_n - G) U). Rows past
+    the sequence load g = 0 and beta = 0: they add nothing and leave G_n at the last real row."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    dims = tl.arange(0, BLOCK_K)
+    kmask, vmask = dims < DK, cols < DV
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    live = slot >= 0
+    carried = (tl.load(has_ptr + seq) != 0) & live
+    s_ptrs = state_ptr + ((slot * HV + head) * DK + dims[:, None]) * DV + cols[None, :]
+    smask = kmask[:, None] & vmask[None, :] & live
+    s = tl.load(s_ptrs, mask=smask & carried, other=0.0)
+    key_head = head // GROUP
+    rows = tl.arange(0, BT)
+    lower = rows[:, None] >= rows[None, :]  # j <= i
+    strict = rows[:, None] > rows[None, :]  # j < i
+    for c0 in range(start, end, BT):
+        pos = c0 + rows
+        tmask = (pos < end) & live
+        qk_mask = tmask[:, None] & kmask[None, :]
+        q = tl.load(q_ptr + pos[:, None] * q_stride_t + key_head * q_stride_h + dims[None, :],
+                    mask=qk_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + pos[:, None] * k_stride_t + key_head * k_stride_h + dims[None, :],
+                    mask=qk_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + pos[:, None] * v_stride_t + head * v_stride_h + cols[None, :],
+                    mask=tmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + pos * gb_stride_t + head, mask=tmask, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + pos * gb_stride_t + head, mask=tmask, other=0.0).to(tl.float32)
+        q = q * (scale / tl.sqrt(_sum(q * q, 1) + EPS))[:, None]
+        k = k / tl.sqrt(_sum(k * k, 1) + EPS)[:, None]
+        cum = _sum(tl.where(lower, g[None, :], 0.0), 1)  # G_i = g_1 + ... + g_i
+        # M: e^(G_i - G_j) on and below the diagonal (the exponent masked first: no overflow)
+        decay = tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
+        kk = tl.dot(k, tl.trans(k), input_precision="ieee")
+        lmat = tl.where(strict, decay * kk * beta[:, None], 0.0)
+        u = beta[:, None] * v - (beta * tl.exp(cum))[:, None] * tl.dot(k, s, input_precision="ieee")
+        for i in range(1, BT):  # row i of U from the rows before it, already final
+            l_row = _sum(tl.where((rows == i)[:, None], lmat, 0.0), 0)  # L[i, :], zero from i on
+            u = tl.where((rows == i)[:, None], u - _sum(l_row[:, None] * u, 0)[None, :], u)
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        o = tl.dot(tl.exp(cum)[:, None] * q, s, input_precision="ieee") \
+            + tl.dot(decay * qk, u, input_precision="ieee")
+        tl.store(out_ptr + (pos[:, None] * HV + head) * DV + cols[None, :], o,
+                 mask=tmask[:, None] & vmask[None, :])
+        last = _sum(tl.where(rows == BT - 1, cum, 0.0), 0)  # G_n
+        s = tl.exp(last) * s + tl.dot(tl.trans(k), tl.exp(last - cum)[:, None] * u,
+                                      input_precision="ieee")
+    tl.store(s_ptrs, s, mask=smask)
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor,
                      slots: torch.Tensor, has_state: torch.Tensor, scale: float) -> torch.Tensor:
@@ -172,11 +242,15 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     out = torch.zeros(tokens, value_heads, dv, dtype=torch.float32, device=v.device)
     seqs = cu_seqlens.shape[0] - 1
     if tokens and seqs:
-        block_v = min(DELTA_BLOCK_V, triton.next_power_of_2(dv))
+        # tl.dot takes 16 at least in each dim (the chunked kernel's blocks)
+        block_v = max(16, min(DELTA_BLOCK_V, triton.next_power_of_2(dv)))
         grid = (seqs, value_heads, triton.cdiv(dv, block_v))
-        _gated_delta_rule_kernel[grid](
+        decode = tokens == seqs  # shapes alone: one token per sequence (no host sync)
+        kernel = _gated_delta_rule_kernel if decode else _gated_delta_rule_chunked_kernel
+        extra = {} if decode else {"BT": DELTA_CHUNK}
+        kernel[grid](
             q, k, v, g, beta, state, out, cu_seqlens, slots, has_state.to(torch.int32),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g.stride(0), scale, HV=value_heads, GROUP=value_heads // key_heads, DK=dk, DV=dv,
-            BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, EPS=L2_EPS)
+            BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v, EPS=L2_EPS, **extra)
     return out.to(v.dtype)
