@@ -87,12 +87,13 @@ def test_cuda_device_selects_the_cuda_implementation(monkeypatch, caplog):
     assert type(ops) is CudaOps and ops.name == "cuda" and ops.device_type == "cuda"
     assert loaded == ["cuda"]
     assert "ops: cuda implementation for cuda" in caplog.text
-    # The attention ops, the cache write, the fused MoE and LoRA are CUDA's; rotary, the norms,
-    # SwiGLU, GELU and linear stay on the reference.
+    # The attention ops, the cache write, the fused MoE, LoRA and linear attention are CUDA's;
+    # rotary, the norms, SwiGLU, GELU and linear stay on the reference.
     assert overridden(CudaOps) == {
         "store_kvcache", "paged_attention", "varlen_attention", "fused_moe", "pack_moe_weights",
         "w8a8_dynamic_linear", "w8a8_static_linear", "weight_only_linear", "pack_quantized_linear",
-        "store_quantized_kvcache", "quantized_paged_attention", "add_lora"
+        "store_quantized_kvcache", "quantized_paged_attention", "add_lora", "causal_conv1d",
+        "gated_delta_rule"
     }
     assert ops.paged_attention.__func__ is CudaOps.paged_attention \
         and ops.rms_norm is reference.rms_norm

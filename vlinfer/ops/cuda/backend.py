@@ -1,7 +1,8 @@
 """`CudaOps`: our Triton KV cache write (triton/store_kvcache.py), FlashAttention's varlen and
 paged-KV calls where `flash_attn` is installed, our Triton attention otherwise (attention.py); KV
-caches in another dtype on our Triton kernels (kv_cache.py); the fused MoE (moe.py), LoRA (lora.py)
-and quantized linears (quant.py) on our Triton kernels, loaded when a layer first asks (loader.py).
+caches in another dtype on our Triton kernels (kv_cache.py); the fused MoE (moe.py), LoRA (lora.py),
+quantized linears (quant.py) and hybrid models' linear attention (linear_attention.py) on our Triton
+kernels, loaded when a layer first asks (loader.py).
 Rotary, norms and SwiGLU stay on the pure-torch reference, which on CUDA is a handful of elementwise
 kernels.
 
@@ -39,6 +40,7 @@ import torch
 
 from vlinfer.ops import reference
 from vlinfer.ops.cuda import graph
+from vlinfer.ops.cuda import linear_attention as cuda_linear_attention
 from vlinfer.ops.cuda import lora as cuda_lora
 from vlinfer.ops.cuda import moe as cuda_moe
 from vlinfer.ops.cuda import quant as cuda_quant
@@ -72,8 +74,9 @@ class CudaOps(ReferenceOps):
                 f"{device_type!r}"
             )
         super().__init__(device_type)
-        # What loading found: "cache_write", "moe", "quantized_linear", "lora" ("triton" or
-        # "reference"; the last three on first use) and "attention" ("flash_attn" or "sdpa").
+        # What loading found: "cache_write", "moe", "quantized_linear", "lora", "linear_attention"
+        # ("triton" or "reference"; the last four on first use) and "attention" ("flash_attn" or
+        # "sdpa").
         self.features: dict = {}
         self._triton = TritonKernels(self.features)
         self._flash = None
@@ -200,6 +203,27 @@ class CudaOps(ReferenceOps):
         if kernel is None:  # warned on first use
             return reference.add_lora(x, y, lora_a, lora_b, groups)
         return cuda_lora.add_lora(kernel, x, y, lora_a, lora_b, groups)
+
+    # ---- linear attention of hybrid models (linear_attention.py, triton/linear_attention.py) ----
+
+    # The recurrent state dtypes the kernels take (engine/cache_pool.py logs any other at load).
+    state_cache_kernels = cuda_linear_attention.STATE_KERNEL_DTYPES
+
+    def _linear_attention_kernels(self):
+        return self._triton.get(
+            "linear_attention",
+            lambda: cuda_linear_attention.checked_kernels(torch.device(self.device_type)),
+            "linear attention", "the causal conv1d and the gated delta rule run the pure-torch "
+            "reference (a loop over sequences with host syncs: no CUDA graphs)")
+
+    def causal_conv1d(self, x, weight, bias, conv_state, cu_seqlens, slots, has_state):
+        return cuda_linear_attention.causal_conv1d(self._linear_attention_kernels(), x, weight,
+                                                   bias, conv_state, cu_seqlens, slots, has_state)
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, cu_seqlens, slots, has_state, scale):
+        return cuda_linear_attention.gated_delta_rule(self._linear_attention_kernels(), q, k, v,
+                                                      g, beta, state, cu_seqlens, slots,
+                                                      has_state, scale)
 
     # ---- quantized linears (quant.py, triton/int8_gemm.py, weight_only_gemm.py) ----
 
