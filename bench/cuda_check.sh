@@ -22,9 +22,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # 1. Parity and engine tests with the engine on CUDA (float32 parity against transformers on the CPU); the
 #    linear-attention Triton kernels compiled on the GPU against the reference.
-tests=${TESTS:-tests/test_qwen3_vl_engine.py tests/test_text_parity.py tests/test_image_processor.py
-  tests/test_graph_runner.py tests/test_qwen3_vl_vision.py tests/test_qwen3_vl_model.py
-  tests/test_cuda_linear_attention.py}
+tests=${TESTS:-tests/models/test_qwen3_vl_engine.py tests/models/test_text_parity.py tests/multimodal/test_image_processor.py
+  tests/engine/test_graph_runner.py tests/models/test_qwen3_vl_vision.py tests/models/test_qwen3_vl_model.py
+  tests/ops/cuda/test_cuda_linear_attention.py}
 # shellcheck disable=SC2086
 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short --junitxml="$out/junit.xml" \
   $tests 2>&1 | tee "$out/tests.log"

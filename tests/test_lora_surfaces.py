@@ -1,7 +1,8 @@
-"""LoRA on the user-facing surfaces but the server (tests/test_serve_lora.py): Pipeline(lora=PATH),
-`vlinfer generate|chat|caption --lora PATH` and the engine flags --enable-lora, --max-loras,
---max-lora-rank, --max-cpu-loras. PEFT adapters on the language model of a tiny random Qwen3-VL
-(float32), each surface's greedy answer equal to LLM.generate / LLM.chat with the same LoRARequest.
+"""LoRA on the user-facing surfaces but the server (tests/serve/test_serve_lora.py):
+Pipeline(lora=PATH), `vlinfer generate|chat|caption --lora PATH` and the engine flags --enable-lora,
+--max-loras, --max-lora-rank, --max-cpu-loras. PEFT adapters on the language model of a tiny random
+Qwen3-VL (float32), each surface's greedy answer equal to LLM.generate / LLM.chat with the same
+LoRARequest.
 """
 import io
 import json
@@ -21,7 +22,7 @@ ATTENTION = r".*language_model.*\.(q_proj|v_proj)"
 EVERY_LINEAR = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_bytes=32 << 20)
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-size", "32M"]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from dependencies import REPO
 IMAGE = os.path.join(REPO, "examples", "images", "cat_face.png")
 MAX_PIXELS = 64 * 64
 GREEDY = SamplingParams(temperature=0, max_tokens=6)

@@ -13,7 +13,11 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from conftest import assert_block_pool_empty, build_checkpoint, qwen_tokenizer_dir, tiny_text_config
+from dependencies import REPO, qwen_tokenizer_dir
+
+from engine_checks import assert_block_pool_empty
+
+from text_checkpoints import build_checkpoint, tiny_text_config
 from vlinfer import LLM, Pipeline, SamplingParams
 from vlinfer.config import EngineConfig
 from vlinfer.outputs import RequestError
@@ -179,7 +183,7 @@ def test_vllm_engine_keyword_tables_are_consistent():
 
 def test_python_api_doc_tables_every_vllm_engine_keyword():
     """docs/python-api.md's table has one row per vLLM keyword the code knows, and no other."""
-    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "python-api.md")).read()
+    text = open(os.path.join(REPO, "docs", "python-api.md")).read()
     table = text.split("### vLLM's engine keywords", 1)[1].split("\n#", 1)[0]
     rows = re.findall(r"^\| `(\w+)`", table, re.M)
     known = [*vllm_names.SAME, *vllm_names.ALIASES, *vllm_names.NO_EFFECT, *vllm_names.ONLY]

@@ -29,7 +29,7 @@ The head is dropped, so the shipped model is a plain Qwen3-VL. Without it the ti
 learned to look at the picture.
 
 Seeded: the same seed, thread count and library versions give the same weights
-(tests/test_embedded_model.py trains a short run twice and compares the hashes)."""
+(tests/toy/test_embedded_model.py trains a short run twice and compares the hashes)."""
 import argparse
 import functools
 import json

@@ -16,8 +16,9 @@ ops/interface.py): CUDA's records the forward with torch.cuda.CUDAGraph (ops/cud
 NPU's with torch.npu.NPUGraph, re-issuing its attention tasks with each step's host lengths before a
 replay (such a backend sets `host_lengths`) and padding into a dummy block (ops/npu/graph.py).
 Buckets, buffers and padding do not depend on it otherwise, so tests run them on CPU with a backend
-whose "graph" re-runs the recorded callable on the static buffers (tests/test_graph_runner.py), or
-under an emulated torch_npu whose graphs replay what was captured (tests/test_npu_graph.py).
+whose "graph" re-runs the recorded callable on the static buffers
+(tests/engine/test_graph_runner.py), or under an emulated torch_npu whose graphs replay what was
+captured (tests/ops/npu/test_npu_graph.py).
 
 Graph mode stays off under tensor parallelism: every rank would have to capture and replay in lock
 step with the collectives inside the graph, which is not done yet.

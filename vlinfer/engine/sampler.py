@@ -1,8 +1,8 @@
 """Turns the logits of each sequence's last position into its next token, with vLLM's sampling
 options.
 
-The chain, per row, in this order (tests/test_sampling.py checks each step against transformers'
-logits processors on the same logits, and the whole chain against theirs in sequence):
+The chain, per row, in this order (tests/engine/test_sampling.py checks each step against
+transformers' logits processors on the same logits, and the whole chain against theirs in sequence):
 
 0. logprobs, when asked for: log_softmax of the raw model logits in float32, before anything below,
    the grammar

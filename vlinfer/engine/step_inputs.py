@@ -1,5 +1,5 @@
-"""One step's model inputs from the scheduled sequences: a pure function of its arguments (no
-model, no device), so tests build and check a step's tensors by hand (tests/test_step_inputs.py)."""
+"""One step's model inputs from the scheduled sequences: a pure function of its arguments (no model,
+no device), so tests build and check a step's tensors by hand (tests/engine/test_step_inputs.py)."""
 from dataclasses import dataclass, field
 
 import torch

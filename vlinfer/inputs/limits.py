@@ -2,7 +2,7 @@
 by a text-only model. LLM.generate / Pipeline (the engine's multimodal processor), image decoding,
 the server and the CLI all read it, so the same over-limit request is refused with the same words on
 every surface. The server's flags may set stricter values; their defaults are these. README.md's "##
-Defaults" shows this table (tests/test_defaults.py checks it)."""
+Defaults" shows this table (tests/project/test_defaults.py checks it)."""
 
 # Images and videos in one request (one prompt): each is decoded and preprocessed before any token
 # is counted.

@@ -9,8 +9,8 @@ from vlinfer.ops.reference import ReferenceOps
 logger = logging.getLogger("vlinfer")
 
 # VLINFER_OPS=<name> forces one implementation whatever the device, e.g. the NPU code on CPU tensors
-# under an emulated torch_npu (tests/fake_torch_npu.py). A forced implementation that cannot load is
-# an error, not a fallback.
+# under an emulated torch_npu (tests/fakes/fake_torch_npu.py). A forced implementation that cannot
+# load is an error, not a fallback.
 OVERRIDE_ENV = "VLINFER_OPS"
 IMPLEMENTATIONS = ("cuda", "npu", "cpu-compiled", "reference")
 # The implementation each device type gets by default; other device types run the reference.

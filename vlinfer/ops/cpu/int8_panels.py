@@ -13,7 +13,8 @@ Which path a call runs is decided here, in one place (`digits`):
   quantize_per_token: max|x_row| / 127, round half to even), one vpdpbusd per 4 weights and row.
 int8 on load does not take W8A8 at many rows, though it is the fastest path there: per-token int8
 activations doubled its bf16 prompt logits' error against transformers on the dequantized weights
-(tests/test_quantized.py bounds it at 1.5x transformers' own bf16 error; docs/benchmarks.md).
+(tests/layers/quantization/test_quantized.py bounds it at 1.5x transformers' own bf16 error;
+docs/benchmarks.md).
 WIDEN_ROWS: the widening costs about what the two digits' extra work over the bf16 tiles costs on
 that many rows (bench/int8_linear.py measures both per row count; the table in docs/benchmarks.md).
 """

@@ -30,8 +30,8 @@ kernels.
   otherwise).
 
 Where this has run on a GPU is in docs/benchmarks.md "Kernel decisions" (bench/cuda_check.sh re-runs
-it). tests/test_cuda_ops.py runs CudaOps on CPU tensors with the Triton kernels under the Triton
-interpreter and an emulated flash_attn (tests/fake_flash_attn.py).
+it). tests/ops/cuda/test_cuda_ops.py runs CudaOps on CPU tensors with the Triton kernels under the
+Triton interpreter and an emulated flash_attn (tests/fakes/fake_flash_attn.py).
 """
 import importlib.util
 import logging

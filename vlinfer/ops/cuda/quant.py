@@ -14,7 +14,8 @@ are thin wrappers.
   CudaOps loads it
   through loader.TritonKernels): a warning, and every quantized linear runs the reference
   (dequantize + matmul) on the device.
-Not run on a GPU yet: tests/test_quantized_cuda_ops.py runs the kernels under the Triton interpreter
+Not run on a GPU yet: tests/ops/cuda/test_quantized_cuda_ops.py runs the kernels under the Triton
+interpreter
 on CPU tensors.
 """
 import torch

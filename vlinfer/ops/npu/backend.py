@@ -2,7 +2,7 @@
 operators.
 
 Written against the operator contracts in docs/npu-ops.md (section numbers below refer to it);
-nothing here has run on an NPU yet, tests/fake_torch_npu.py emulates those contracts on CPU.
+nothing here has run on an NPU yet, tests/fakes/fake_torch_npu.py emulates those contracts on CPU.
 torch_npu is imported when an NpuOps is made, not at module import: it cannot import without the
 CANN runtime.
 

@@ -21,8 +21,8 @@ they are not relied on: the explicit update runs either way, and their presence 
 Below: what a captured decode graph keeps, the capture of each layer's decode attention as a task
 group (NpuOps routes its decode paths here while a graph is being captured, `NpuOps._capturing`),
 the update that re-issues those tasks with each replay's host lengths, and the backend that drives
-them. Nothing here has run on an NPU; tests/fake_torch_npu.py emulates the graph APIs as the note
-documents them."""
+them. Nothing here has run on an NPU; tests/fakes/fake_torch_npu.py emulates the graph APIs as the
+note documents them."""
 import importlib.util
 import logging
 from dataclasses import dataclass

@@ -19,8 +19,8 @@ output.
   hardware flagged
   for them with max_lora_rank < 128; the grouped matmul is in the torch_npu wheel and documented.
 
-Nothing here reads a value back to the host. Nothing here has run on an NPU; tests/fake_torch_npu.py
-emulates the grouped matmul from its documented contract."""
+Nothing here reads a value back to the host. Nothing here has run on an NPU;
+tests/fakes/fake_torch_npu.py emulates the grouped matmul from its documented contract."""
 import torch
 
 # npu_grouped_matmul, group_type 0 with one weight tensor: groups of one call (§2.11)

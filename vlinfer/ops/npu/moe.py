@@ -16,7 +16,7 @@ fused_moe's contract:
 4. npu_moe_finalize_routing (drop_pad_mode 2: dropless, the row index by row) for the weighted sum
    over the top-k.
 
-Contracts: Ascend/op-plugin's torch_npu API pages (tests/fake_torch_npu_moe.py emulates them).
+Contracts: Ascend/op-plugin's torch_npu API pages (tests/fakes/fake_torch_npu_moe.py emulates them).
 Nothing here has run on an NPU. Nothing reads a value back to the host, so a decode graph can
 capture it.
 

@@ -21,7 +21,7 @@ sorted list belongs to one expert):
 
 Loaded by file path by vlinfer/ops/cuda/loader.py (triton/ is not a package). Runs on CPU
 tensors under the Triton interpreter (TRITON_INTERPRET=1 set before this file is loaded), which is
-how tests/test_moe_ops.py checks it without a GPU. Every step takes no device->host sync and
+how tests/ops/test_moe_ops.py checks it without a GPU. Every step takes no device->host sync and
 allocates by shapes known on the host (the grid is sized for the worst case and blocks past the
 padded length exit at once), so a CUDA graph can capture it.
 """
@@ -33,9 +33,9 @@ import triton.language as tl
 
 # Triton 3.8's interpreter computes tl.dot on bfloat16 operands wrongly (values off by ~1e10;
 # float32 and float16 operands are right), so under the interpreter bf16 tiles, and only those, are
-# widened to float32 first (tests/test_moe_ops.py checks the interpreter still needs it). On a GPU
-# the tiles stay in the model dtype for the tensor cores. Read when this file is loaded, as triton
-# reads TRITON_INTERPRET.
+# widened to float32 first (tests/ops/test_moe_ops.py checks the interpreter still needs it). On a
+# GPU the tiles stay in the model dtype for the tensor cores. Read when this file is loaded, as
+# triton reads TRITON_INTERPRET.
 WIDEN_FOR_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

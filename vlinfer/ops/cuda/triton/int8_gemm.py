@@ -17,7 +17,7 @@ would move codes at rounding ties away from the reference.
 
 Loaded by file path by vlinfer/ops/cuda/loader.py (triton/ is not a package; see
 store_kvcache.py). Runs on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1), which is
-how tests/test_quantized_cuda_ops.py checks it.
+how tests/ops/cuda/test_quantized_cuda_ops.py checks it.
 """
 import torch
 import triton

@@ -22,7 +22,7 @@ Nothing reads a value back.
 
 Loaded by file path by vlinfer/ops/cuda/loader.py (triton/ is not a package). Runs on CPU tensors
 under the Triton interpreter (TRITON_INTERPRET=1 set before this file is loaded), which is how
-tests/test_lora_ops.py checks it. The kernels call no jit helpers (tl.zeros, tl.cdiv): the
+tests/ops/test_lora_ops.py checks it. The kernels call no jit helpers (tl.zeros, tl.cdiv): the
 interpreter cannot run those when triton was imported before TRITON_INTERPRET was set, so zeros come
 from tl.full and block counts from the host.
 """

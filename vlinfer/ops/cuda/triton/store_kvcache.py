@@ -7,7 +7,7 @@ capture it.
 Loaded by file path by vlinfer/ops/cuda/loader.py: triton/ is not a package, because
 `kernels` is the name of an unrelated PyPI package that transformers probes for. Runs on CPU tensors
 under the Triton interpreter (TRITON_INTERPRET=1 set before this file is loaded), which is how
-tests/test_cuda_ops.py checks it without a GPU.
+tests/ops/cuda/test_cuda_ops.py checks it without a GPU.
 """
 import torch
 import triton
