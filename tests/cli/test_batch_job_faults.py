@@ -32,7 +32,7 @@ from vlinfer.cli import main
 from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
 
 from dependencies import REPO
-DRIVER = os.path.join(REPO, "tests", "fault_points.py")
+DRIVER = os.path.join(REPO, "tests", "support", "fault_points.py")
 TIMEOUT_S = 400  # a bound for a hung subprocess, not a speed check
 ITEMS, BATCH = 10, 2  # five batches: a fault lands at one of the first four
 ENGINE = ["--max-model-len", "512", "--kv-cache-size", "32M", "--no-progress"]

@@ -50,7 +50,8 @@ class ReasoningText:
     start tag), "reasoning", "content"; the first is the prompt's (prompt_state)."""
 
     def __init__(self, start_tag: str, end_tag: str, state: str = "start"):
-        assert state in STATES, state
+        if state not in STATES:
+            raise ValueError(f"reasoning state {state!r} is not one of {STATES}")
         self.start_tag, self.end_tag = start_tag, end_tag
         self.state = state
         self.opened = state == "reasoning"  # thinking began (in the prompt, or the output's tag)
