@@ -79,22 +79,28 @@ class LlamaDecoderLayer(nn.Module):
 
     def decode_weights(self) -> dict | None:
         """This layer's weights by name for an op table's fused decode layers
-        (ops.dense_decode_stack), or None where it has no fused form: a sparse MLP, quantized
-        projections, or tensor parallel (the row-parallel projections' all-reduce)."""
+        (ops.dense_decode_stack): each projection its dense weight or its quantization method's
+        decode_weight; None where it has no fused form: a sparse MLP, a quantized projection
+        without one, or tensor parallel (the row-parallel projections' all-reduce)."""
         attn, mlp = self.self_attn, self.mlp
         if not isinstance(mlp, LlamaMLP):
             return None
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        if attn.o_proj.tp.size != 1 or any(linear.method is not None for linear in linears):
+        if attn.o_proj.tp.size != 1:
+            return None
+        qkv, o, gate_up, down = [
+            linear.weight if linear.method is None else linear.method.decode_weight(linear)
+            for linear in linears
+        ]
+        if any(w is None for w in (qkv, o, gate_up, down)):
             return None
         q_norm, k_norm = (attn.q_norm.weight,
                           attn.k_norm.weight) if attn.q_norm is not None else (None, None)
         return dict(input_norm=self.input_layernorm.weight,
-                    post_norm=self.post_attention_layernorm.weight, qkv=attn.qkv_proj.weight,
-                    qkv_bias=attn.qkv_proj.bias, q_norm=q_norm, k_norm=k_norm, o=attn.o_proj.weight,
-                    o_bias=attn.o_proj.bias, gate_up=mlp.gate_up_proj.weight,
-                    gate_up_bias=mlp.gate_up_proj.bias, down=mlp.down_proj.weight,
-                    down_bias=mlp.down_proj.bias)
+                    post_norm=self.post_attention_layernorm.weight, qkv=qkv,
+                    qkv_bias=attn.qkv_proj.bias, q_norm=q_norm, k_norm=k_norm, o=o,
+                    o_bias=attn.o_proj.bias, gate_up=gate_up, gate_up_bias=mlp.gate_up_proj.bias,
+                    down=down, down_bias=mlp.down_proj.bias)
 
     def forward(self, rope, hidden_states, residual):
         if residual is None:

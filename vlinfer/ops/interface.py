@@ -154,7 +154,8 @@ class Backend:
         """An object running a dense model's decoder layers for a decode step in one call
         (forward(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens, k_scales,
         v_scales) -> (mlp output, residual); the scales only for a cache stored in kv_cache_dtype,
-        another dtype than the compute dtype), or None."""
+        another dtype than the compute dtype), or None. A projection is a dense weight or a
+        quantization method's decode_weight dict."""
         raise NotImplementedError
 
     # ---- mixture of experts ----

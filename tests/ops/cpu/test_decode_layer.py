@@ -10,6 +10,7 @@ from text_checkpoints import build_checkpoint, tiny_text_config
 from vlinfer import LLM, SamplingParams, platform
 from vlinfer.platform import cpu_features
 from vlinfer.platform.cpu_features import CPU_ISAS
+from vlinfer.ops.cpu import int8_panels
 from vlinfer.ops.cpu import panels as cpu_panels
 from vlinfer.ops.cpu import CpuOps
 
@@ -28,7 +29,7 @@ def biased_llama(tmp_path_factory):
     return str(path)
 
 
-def run(folder, dtype, fused: bool, monkeypatch, kv_cache_dtype="auto"):
+def run(folder, dtype, fused: bool, monkeypatch, kv_cache_dtype="auto", quantization=None):
     """Greedy tokens and their top-5 logprobs, the decoder, and how many decode steps ran the fused
     stack (fusion switched off on request). Chunks of 16 tokens: steps with prefill rows take the
     modules, decode-only steps the fused stack."""
@@ -36,7 +37,7 @@ def run(folder, dtype, fused: bool, monkeypatch, kv_cache_dtype="auto"):
         if not fused:
             m.setattr(CpuOps, "dense_decode_stack", lambda self, layers, **attention: None)
         llm = LLM(folder, dtype=dtype, kv_cache_bytes=1 << 22, max_num_batched_tokens=16,
-                  kv_cache_dtype=kv_cache_dtype)
+                  kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     decoder = llm.engine.model_runner.model.model
     calls = []
     if decoder.decode_stack is not None:
@@ -113,6 +114,56 @@ def test_fused_decode_over_a_compressed_cache_equals_the_modules(tiny_checkpoint
         *args[:8], [args[8][0]] * len(args[8]), [args[9][0]] * len(args[9])))
     planted, _, _ = run(folder, dtype, True, monkeypatch, kv_cache_dtype)
     assert [lp for _, lp in planted] != [lp for _, lp in modules]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_with_int8_weights_equals_the_modules(tiny_checkpoint, dtype, monkeypatch,
+                                                           caplog):
+    """int8 weights on load (W8A16 on the VNNI panels): the fused stack calls the op's kernel
+    (int8_vnni_linear, the same row rule) per projection, so bit for bit the int8 modules' tokens
+    and top-5 logprobs, and the start-up log says the layers fused. A stack whose layers read
+    the first layer's channel scales is not."""
+    if not this_cpu_fuses(getattr(torch, dtype)):
+        feature = "AVX-512" if dtype == "float32" else "AVX512-BF16 without AMX"
+        pytest.skip(f"needs {feature}: no fused {dtype} decode op on this CPU")
+    if not CpuOps().ext.int8_vnni_available():
+        pytest.skip("needs AVX512-VNNI (and its build): no int8 VNNI panels on this CPU")
+    folder = tiny_checkpoint[0]
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        fused, calls, decoder = run(folder, dtype, True, monkeypatch, quantization="int8")
+    assert "decode steps run all 2 decoder layers in one op call (cpu-compiled)" in caplog.text
+    assert decoder.decode_stack.stack.num_layers == 2 and calls >= 15
+    modules, no_calls, unfused = run(folder, dtype, False, monkeypatch, quantization="int8")
+    assert no_calls == 0 and unfused.decode_stack is None
+    assert fused == modules
+    # planted: every layer's projection reads the first layer's channel scales of its shape
+    first, decode_kernel = {}, int8_panels.decode_kernel
+
+    def first_layers_scales(weight):
+        kernel = decode_kernel(weight)
+        shape = tuple(kernel["weight"].shape)
+        return dict(kernel, scale=first.setdefault(shape, kernel["scale"]))
+
+    monkeypatch.setattr(int8_panels, "decode_kernel", first_layers_scales)
+    planted, planted_calls, _ = run(folder, dtype, True, monkeypatch, quantization="int8")
+    assert planted_calls >= 15
+    assert [lp for _, lp in planted] != [lp for _, lp in modules]
+
+
+def test_int8_weights_without_vnni_panels_decode_module_by_module(qwen3_checkpoint, monkeypatch,
+                                                                  caplog):
+    """A build without the VNNI panels (AVX2, plain AVX-512; mocked) runs int8 layers on the GGUF
+    block kernel, which the stack does not call: the modules run, and the log says why."""
+    ext = CpuOps().ext
+    with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="vlinfer"):
+        m.setattr(ext, "int8_vnni_available", lambda: False)
+        outs, calls, decoder = run(qwen3_checkpoint[0], "float32", True, monkeypatch,
+                                   quantization="int8")
+    assert calls == 0 and decoder.decode_stack is None
+    assert ("the fused decode layers take int8 weights on the VNNI panels only; these layers' "
+            "int8 weights run the GGUF block kernel") in caplog.text
+    assert "decode steps run the 2 decoder layers module by module" in caplog.text
+    assert all(len(tokens) == 20 for tokens, _ in outs)
 
 
 # The level a CPU without AVX-512 runs: AVX2 where this CPU has it (this CPU's own build on an AVX2

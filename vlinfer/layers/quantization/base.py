@@ -96,6 +96,12 @@ class LinearMethod:
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def decode_weight(self, layer) -> dict | None:
+        """The packed weight an op table's fused decode layers may take in place of `apply`
+        (ops.dense_decode_stack: {"scheme", "packed"}, the op table judges it), or None: no fused
+        form."""
+        return None
+
     def dequantized_weight(self, layer) -> torch.Tensor:
         """The loaded weight as float32 [out, in], the checkpoint-form parameters freed: for
         consumers that run dense (the MoE experts, layers/fused_moe.py)."""

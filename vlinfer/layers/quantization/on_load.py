@@ -60,6 +60,9 @@ class QuantizeOnLoadMethod(LinearMethod):
     def apply(self, layer, x, bias):
         return layer.ops.weight_only_linear(x, layer.quantized, bias)
 
+    def decode_weight(self, layer) -> dict | None:
+        return {"scheme": self.scheme, "packed": layer.quantized}
+
 
 class OnLoadQuantization(CheckpointQuantization):
     def __init__(self, kind: str):

@@ -310,11 +310,13 @@ class CpuOps(ReferenceOps):
     def dense_decode_stack(self, layers, num_heads, num_kv_heads, head_dim, scale, eps, qk_eps,
                            kv_cache_dtype=None):
         """csrc/decode_layer.cpp: every layer's kernels in their modules' order, without the Python
-        between them, where all four projections of every layer are on panels (norms in their
-        activations' dtype) and a cache in another dtype is one csrc/kv_quant.cpp reads."""
+        between them, where all four projections of every layer are on panels (dense, or int8
+        W8A16 on the VNNI panels: int8_panels.decode_kernel; norms in their activations' dtype)
+        and a cache in another dtype is one csrc/kv_quant.cpp reads."""
         if kv_cache_dtype is not None and kv_cache_dtype not in self.kv_cache_kernels:
             return None
-        dtype = layers[0]["qkv"].dtype
+        dtype = layers[0]["input_norm"].dtype
+        int8 = []  # per layer: the four int8 kernels, or None (dense panels)
         for layer in layers:
             projections = [layer[name] for name in ("qkv", "o", "gate_up", "down")]
             norms = [
@@ -322,13 +324,31 @@ class CpuOps(ReferenceOps):
                 for w in (layer["input_norm"], layer["post_norm"], layer["q_norm"], layer["k_norm"])
                 if w is not None
             ]
-            if not all(w.dim() > 2 and not w.is_mkldnn and w.dtype == dtype
-                       for w in projections) or \
-                    not all(w.dtype == dtype for w in norms):
+            if not all(w.dtype == dtype for w in norms):
                 return None
-        stack = self.ext.DenseDecodeStack(num_heads, num_kv_heads, head_dim, scale, eps, qk_eps)
-        for layer in layers:
-            stack.add_layer(**layer)
+            if any(isinstance(w, dict) for w in projections):
+                kernels = [int8_panels.decode_kernel(w) if isinstance(w, dict) else None
+                           for w in projections]
+                if any(k is None for k in kernels):
+                    logger.info("ops[cpu]: the fused decode layers take int8 weights on the VNNI "
+                                "panels only; these layers' int8 weights run %s",
+                                int8_panels.int8_path(self.ext))
+                    return None
+                int8.append(kernels)
+            elif all(w.dim() > 2 and not w.is_mkldnn and w.dtype == dtype for w in projections):
+                int8.append(None)
+            else:
+                return None
+        stack = self.ext.DenseDecodeStack(num_heads, num_kv_heads, head_dim, scale, eps, qk_eps,
+                                          int8_widen_rows=int8_panels.WIDEN_ROWS)
+        for layer, kernels in zip(layers, int8):
+            if kernels is None:
+                stack.add_layer(**layer)
+                continue
+            weights = {name: k["weight"] for name, k in zip(("qkv", "o", "gate_up", "down"),
+                                                             kernels)}
+            stack.add_layer(**{**layer, **weights}, int8_comp=[k["comp"] for k in kernels],
+                            int8_scale=[k["scale"] for k in kernels])
         return stack
 
     def pack_linear_weight(self, weight: torch.Tensor,

@@ -75,10 +75,22 @@ def pack(weight: torch.Tensor, scale: torch.Tensor, policy: str, ext) -> dict:
 
 def digits(rows: int, dtype: torch.dtype, policy: str) -> int:
     """2 (W8A16, 16-bit activations), 0 (W8A16 on widened bf16 panels) or 1 (W8A8) for a call of
-    `rows` rows: the rule of the module docstring."""
+    `rows` rows: the rule of the module docstring. The fused decode layers (csrc/decode_layer.cpp
+    `project`) apply the same W8A16 rule with WIDEN_ROWS passed in."""
     if policy == "w8a8":
         return 1
     return 0 if rows > WIDEN_ROWS and dtype == torch.bfloat16 else 2
+
+
+def decode_kernel(weight: dict) -> dict | None:
+    """A quantization method's decode_weight ({"scheme", "packed"}) -> its kernel where the fused
+    decode layers run it (csrc/decode_layer.cpp calls int8_vnni_linear with `digits`' W8A16 rule,
+    WIDEN_ROWS passed in): W8A16 on these panels; else None."""
+    kernel = weight["packed"].get("cpu")
+    if weight["scheme"] != "w8a16" or kernel is None or kernel["kind"] != "int8_vnni" or \
+            kernel["policy"] != "w8a16":
+        return None
+    return kernel
 
 
 def linear(x: torch.Tensor, kernel: dict, bias: torch.Tensor | None,

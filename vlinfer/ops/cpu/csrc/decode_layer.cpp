@@ -42,8 +42,25 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 // cpu/csrc/panel_linear.cpp
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
                         const c10::optional<at::Tensor>& bias);
+// cpu/csrc/int8_vnni.cpp
+at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& comp,
+                            const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
+                            int64_t digits);
 
 namespace {
+
+enum Projection { kQkv, kO, kGateUp, kDown };
+
+// One projection: dense panels, or int8 panels through the kernel and path
+// int8_panels.linear takes for W8A16 (digits: int8_panels.digits' rule), so the same bits.
+at::Tensor project(const DenseDecodeStack::LayerWeights& w, const DenseDecodeStack::Attention& a,
+                   Projection p, const at::Tensor& x, const at::Tensor& weight,
+                   const c10::optional<at::Tensor>& bias) {
+  if (w.int8_comp.empty()) return panel_linear(x, weight, bias);
+  const int64_t digits =
+    x.scalar_type() == at::kBFloat16 && x.size(0) > a.int8_widen_rows ? 0 : 2;
+  return int8_vnni_linear(x, weight, w.int8_comp[p], w.int8_scale[p], bias, digits);
+}
 
 // One layer: x [R, H], the previous layer's MLP output (or the embeddings, residual undefined: the
 // first layer); cos / sin [R, head_dim] float32; the layer's caches [blocks, block_size, kv_heads,
@@ -68,7 +85,7 @@ std::vector<at::Tensor> decode_layer(const DenseDecodeStack::LayerWeights& w,
   }
   const int64_t rows = x.size(0), q_size = a.num_heads * a.head_dim,
                 kv_size = a.num_kv_heads * a.head_dim;
-  const auto qkv = panel_linear(h, w.qkv, w.qkv_bias);
+  const auto qkv = project(w, a, kQkv, h, w.qkv, w.qkv_bias);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, a.num_heads, a.head_dim});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, a.num_kv_heads, a.head_dim});
   const at::Tensor v =
@@ -89,16 +106,17 @@ std::vector<at::Tensor> decode_layer(const DenseDecodeStack::LayerWeights& w,
     attn = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, a.scale);
   }
   attn = attn.flatten(1);
-  auto normed = add_rms_norm(panel_linear(attn, w.o, w.o_bias), res, w.post_norm, a.eps);
-  const auto act = silu_and_mul(panel_linear(normed[0], w.gate_up, w.gate_up_bias));
-  return {panel_linear(act, w.down, w.down_bias), normed[1]};
+  auto normed = add_rms_norm(project(w, a, kO, attn, w.o, w.o_bias), res, w.post_norm, a.eps);
+  const auto act = silu_and_mul(project(w, a, kGateUp, normed[0], w.gate_up, w.gate_up_bias));
+  return {project(w, a, kDown, act, w.down, w.down_bias), normed[1]};
 }
 
 }  // namespace
 
 DenseDecodeStack::DenseDecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                   double scale, double eps, double qk_eps)
-    : attention_{num_heads, num_kv_heads, head_dim, scale, eps, qk_eps} {}
+                                   double scale, double eps, double qk_eps,
+                                   int64_t int8_widen_rows)
+    : attention_{num_heads, num_kv_heads, head_dim, scale, eps, qk_eps, int8_widen_rows} {}
 
 void DenseDecodeStack::add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm,
                                  const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias,
@@ -107,11 +125,26 @@ void DenseDecodeStack::add_layer(const at::Tensor& input_norm, const at::Tensor&
                                  const c10::optional<at::Tensor>& o_bias, const at::Tensor& gate_up,
                                  const c10::optional<at::Tensor>& gate_up_bias,
                                  const at::Tensor& down,
-                                 const c10::optional<at::Tensor>& down_bias) {
+                                 const c10::optional<at::Tensor>& down_bias,
+                                 const std::vector<at::Tensor>& int8_comp,
+                                 const std::vector<at::Tensor>& int8_scale) {
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(),
               "DenseDecodeStack: q_norm and k_norm come together");
+  const bool int8 = qkv.scalar_type() == at::kChar;
+  // a layer's four projections share one form: all int8 panels with their sums and scales, or
+  // all dense panels
+  for (const auto* p : {&qkv, &o, &gate_up, &down})
+    TORCH_CHECK((p->scalar_type() == at::kChar) == int8,
+                "DenseDecodeStack: a layer's projections are all int8 or all dense");
+  TORCH_CHECK(int8 ? int8_comp.size() == 4 && int8_scale.size() == 4 &&
+                       attention_.int8_widen_rows >= 0
+                   : int8_comp.empty() && int8_scale.empty(),
+              "DenseDecodeStack: int8 projections take 4 weight sums and 4 scales and a stack "
+              "built with int8_widen_rows; dense ones none, got ",
+              int8_comp.size(), " and ", int8_scale.size());
   layers_.push_back(LayerWeights{input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, q_norm,
-                                 k_norm, o_bias, gate_up_bias, down_bias});
+                                 k_norm, o_bias, gate_up_bias, down_bias, int8_comp,
+                                 int8_scale});
 }
 
 std::vector<at::Tensor> DenseDecodeStack::forward(const at::Tensor& x, const at::Tensor& cos,

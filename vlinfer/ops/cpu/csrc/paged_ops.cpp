@@ -768,13 +768,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m, "DenseDecodeStack", py::module_local(),
     "a dense model's decoder layers for decode steps, one call a step (CPU; projections "
     "on panels, AVX-512)")
-    .def(py::init<int64_t, int64_t, int64_t, double, double, double>(), py::arg("num_heads"),
-         py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"),
-         py::arg("qk_eps"))
+    .def(py::init<int64_t, int64_t, int64_t, double, double, double, int64_t>(),
+         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"),
+         py::arg("eps"), py::arg("qk_eps"), py::arg("int8_widen_rows") = -1)
     .def("add_layer", &DenseDecodeStack::add_layer, py::arg("input_norm"), py::arg("post_norm"),
          py::arg("qkv"), py::arg("qkv_bias"), py::arg("q_norm"), py::arg("k_norm"), py::arg("o"),
          py::arg("o_bias"), py::arg("gate_up"), py::arg("gate_up_bias"), py::arg("down"),
-         py::arg("down_bias"))
+         py::arg("down_bias"), py::arg("int8_comp") = std::vector<at::Tensor>(),
+         py::arg("int8_scale") = std::vector<at::Tensor>())
     .def("forward", &DenseDecodeStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"),
          py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"),
          py::arg("block_tables"), py::arg("seq_lens"),
