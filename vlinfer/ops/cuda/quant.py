@@ -11,12 +11,10 @@ are thin wrappers.
   tile by tile inside the GEMM.
 - Weights are laid out once at load (`pack`); nothing is cached to disk.
 - Kernels that do not load or fail their load-time check on this machine (QuantKernels raises;
-  CudaOps loads it
-  through loader.TritonKernels): a warning, and every quantized linear runs the reference
-  (dequantize + matmul) on the device.
+  CudaOps loads it through loader.TritonKernels): a warning, and every quantized linear runs the
+  reference (dequantize + matmul) on the device.
 Not run on a GPU yet: tests/ops/cuda/test_quantized_cuda_ops.py runs the kernels under the Triton
-interpreter
-on CPU tensors.
+interpreter on CPU tensors.
 """
 import torch
 
