@@ -223,8 +223,9 @@ class ModelRunner:
         tokens, logprobs = sample(logits, sample_seqs, self.eos_token_ids, bitmask,
                                   self.ctx.ops.apply_token_bitmask)
         if snapshot is not None:
+            sampled = {seq.seq_id: row for seq, row in zip(sample_seqs, tokens)}
             back = [(i, seq.state_slot) for i, seq in enumerate(verifying)
-                    if restores_state(seq, tokens[sample_seqs.index(seq)])]
+                    if restores_state(seq, sampled[seq.seq_id])]
             self.cache_pool.restore_slots(snapshot, [i for i, _ in back], [s for _, s in back])
         return list(zip(sample_seqs, tokens, logprobs)), prompt_entries, pooled_rows
 
