@@ -19,7 +19,8 @@ FakeTorchNpu(fia_scale_kwarg="scale_value") is a 6.0.x-era FIA; opaque=True hide
 tnd_paged=False rejects TND over a paged cache (the input_layout paragraph of §2.3);
 scatter_pa=False lacks npu_scatter_pa_kv_cache; atb=False has ATB ops that raise OSError on first
 use (NNAL not sourced, §0); graphs=False lacks the ACL graph APIs; paged_antiquant=False rejects
-FIA's antiquant mode 5 (a release without it, §2.10).
+FIA's antiquant mode 5 (a release without it, §2.10); gdn=False lacks the Gated DeltaNet ops
+(npu_recurrent_gated_delta_rule, npu_chunk_gated_delta_rule: tests/fakes/fake_torch_npu_gdn.py).
 
 int8 KV caches (§2.10): FIA takes int8 key/value pages with their per-token, per-head scales in
 pages of the cache (key_/value_antiquant_scale (blocknum, N, blocksize) float32, mode 5) for a
@@ -99,7 +100,7 @@ class FakeTorchNpu(types.ModuleType):
     called)."""
 
     def __init__(self, *, fia_scale_kwarg="scale", opaque=False, tnd_paged=True, scatter_pa=True,
-                 atb=True, graphs=True, paged_antiquant=True):
+                 atb=True, graphs=True, paged_antiquant=True, gdn=True):
         super().__init__("torch_npu")
         self.__file__ = __file__
         self.calls = collections.Counter()
@@ -125,6 +126,9 @@ class FakeTorchNpu(types.ModuleType):
         ops.update(QUANT_OPS)
         from fake_torch_npu_moe import MOE_OPS  # the fused MoE's ops (imports this module too)
         ops.update(MOE_OPS)
+        if gdn:  # Gated DeltaNet's (§2.12, §2.13; tests/fakes/fake_torch_npu_gdn.py)
+            from fake_torch_npu_gdn import GDN_OPS
+            ops.update(GDN_OPS)
         for name, fn in ops.items():
             setattr(self, name, self._recorded(name, fn, opaque))
         # OPD:8521: the .out overload, an attribute of the op as on a registered torch op

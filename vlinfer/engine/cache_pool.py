@@ -208,9 +208,12 @@ class CachePool:
         # read of garbage could be NaN where zeros are harmless.
         self.num_slots = num_slots if self.states else 0
         for spec in self.states:
-            tensors = [torch.zeros(spec.num_layers, num_slots, *shape, dtype=dtype,
-                                   device=self.device)
-                       for shape, dtype in zip(spec.shapes, spec.dtypes)]
+            # the conv state, then the recurrent state in the order the op table's kernels read
+            shape, dtype = (spec.num_layers, num_slots, *spec.shapes[0]), spec.dtypes[0]
+            tensors = [torch.zeros(shape, dtype=dtype, device=self.device)]
+            tensors += [self.ops.recurrent_state_pool((spec.num_layers, num_slots, *shape), dtype,
+                                                      self.device)
+                        for shape, dtype in zip(spec.shapes[1:], spec.dtypes[1:])]
             self.state_tensors.append(tensors)
             for i, layer in enumerate(spec.layers):
                 layer.states = tuple(t[i] for t in tensors)

@@ -264,6 +264,12 @@ class Backend:
         whole width (which bounds the block-table width a captured graph may have)."""
         return False
 
+    def recurrent_state_pool(self, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        """A zeroed recurrent-state pool of the reference's logical shape [..., Hv, Dk, Dv], laid
+        out in memory as this table's delta-rule kernels read it (a view where that order differs:
+        the reference, slot copies and checkpoints read it by its logical shape)."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def graph_capture(self, device: torch.device):
         """How this table's decode steps are captured as graphs on `device`: an object with
         capture(fn) -> replayable (with host_lengths: capture(fn, lens), replay(lens)) and

@@ -35,7 +35,8 @@ CANN runtime.
   re-issues with that step's host lengths (§5.4); see "graph mode" below and graph.py.
 - One file per op family behind the NpuOps methods: host.py (feature detection, per-step host
   metadata, the shared paged FIA call shapes), kv_cache.py, graph.py, quant.py, moe.py, lora.py
-  (LoRA on npu_grouped_matmul).
+  (LoRA on npu_grouped_matmul), linear_attention.py (hybrid models' Gated DeltaNet; the recurrent
+  state pool stored value-major, as those ops read it).
 - State: torch_npu, what loading detected, warnings, masks, per-step caches and the graph being
   captured belong to
   one NpuOps instance (one per engine); this module keeps none.
@@ -51,6 +52,7 @@ from vlinfer.ops import reference
 from vlinfer.ops.interface import PerStep
 from vlinfer.ops.npu import graph as npu_graph
 from vlinfer.ops.npu import kv_cache as npu_kv_cache
+from vlinfer.ops.npu import linear_attention as npu_linear_attention
 from vlinfer.ops.npu import lora as npu_lora
 from vlinfer.ops.npu import moe as npu_moe
 from vlinfer.ops.npu import quant as npu_quant
@@ -91,6 +93,7 @@ class NpuOps(ReferenceOps):
                                                                                         PerStep(),
                                                                                         PerStep(),
                                                                                         PerStep())
+        self._state_step = PerStep()  # a decode step's slots that start from zeros
         self._capture: GraphCapture | None = None  # the decode graph being captured (`_capturing`)
         self.features["fia_scale_kwarg"] = detect_fia_scale_kwarg(torch_npu)
         self.features["cache_write"] = detect_cache_write(torch_npu)
@@ -439,6 +442,22 @@ class NpuOps(ReferenceOps):
         # silu(first half) * second half along the last dim, i.e. SiluAndMul on the merged gate_up
         # projection (§2.7).
         return self._torch_npu.npu_swiglu(x, -1)
+
+    # ---- linear attention of hybrid models: torch_npu's Gated DeltaNet ops (linear_attention.py,
+    # §2.12 - §2.14) ----
+
+    state_cache_kernels = npu_linear_attention.STATE_KERNEL_DTYPES
+
+    def recurrent_state_pool(self, shape, dtype, device):
+        return npu_linear_attention.state_pool(shape, dtype, device)
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, cu_seqlens, slots, has_state, scale):
+        return npu_linear_attention.gated_delta_rule(self, q, k, v, g, beta, state, cu_seqlens,
+                                                     slots, has_state, scale)
+
+    def causal_conv1d(self, x, weight, bias, conv_state, cu_seqlens, slots, has_state):
+        return npu_linear_attention.causal_conv1d(self, x, weight, bias, conv_state, cu_seqlens,
+                                                  slots, has_state)
 
     # ---- fused MoE: gating top-k softmax, init routing v2, grouped matmuls, finalize (moe.py) ----
 
