@@ -58,7 +58,7 @@ def oracle(q, k, v, g, beta, cu, states, has_state):
 
 
 def run(ops, case, seed=0):
-    """NpuOps' gated_delta_rule on a value-major bf16 pool; (o, final states, oracle's o, states)."""
+    """NpuOps' gated_delta_rule on a value-major bf16 pool: (o, final states, the oracle's)."""
     lengths, has_state, hk, hv, dk, dv = case
     q, k, v, g, beta, cu = inputs(lengths, hk, hv, dk, dv, seed)
     gen = torch.Generator().manual_seed(seed + 1)

@@ -69,9 +69,10 @@ NPU_BLOCK_SIZE = 128
 
 
 class NpuOps(ReferenceOps):
-    """The NPU op table of one engine: every op but linear and the GELU (one aclnn op each already)
-    on torch_npu. The loaded torch_npu, what loading detected, warnings given, causal masks,
-    per-step host metadata and the decode graph being captured are this instance's."""
+    """The NPU op table of one engine: every op but linear and the GELU (one aclnn op each already),
+    the causal conv1d and the gated RMSNorm (no torch_npu op fits: the reference) on torch_npu.
+    The loaded torch_npu, what loading detected, warnings given, causal masks, per-step host
+    metadata and the decode graph being captured are this instance's."""
     name = NAME
 
     def __init__(self, device_type: str = "npu"):

@@ -25,8 +25,9 @@ OP_DTYPE = torch.bfloat16  # q / k / v / beta / state: bf16 only on Atlas A2 / A
 STATE_KERNEL_DTYPES = (OP_DTYPE,)
 RECURRENT, CHUNK = "npu_recurrent_gated_delta_rule", "npu_chunk_gated_delta_rule"
 CHUNK_MAX_HEADS, CHUNK_MAX_DIM = 64, 128  # the chunk op's Nk, Nv and Dk, Dv limits (§2.13)
-CONV_FALLBACK = ("torch_npu's causal conv1d ops (npu_fused_causal_conv1d, npu_masked_causal_conv1d) "
-                 "run on Ascend 950 only and take kernel width 3 (npu-ops.md §2.14)")
+CONV_FALLBACK = ("torch_npu's causal conv1d ops (npu_fused_causal_conv1d, "
+                 "npu_masked_causal_conv1d) run on Ascend 950 only and take kernel width 3 "
+                 "(npu-ops.md §2.14)")
 
 
 def state_pool(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
