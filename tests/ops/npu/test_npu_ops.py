@@ -279,11 +279,12 @@ def test_load_detects_the_2_14_contracts(monkeypatch, caplog):
     # compressed KV cache (kv_cache_dtype) is int8 on torch_npu
     # (tests/ops/npu/test_npu_kv_cache.py), checked on first use, not at load. The linears' packing,
     # the fused decode stack, LoRA's own slot layout and the token bitmask stay the reference's too
-    # (plain weights, module by module, plain slots, torch ops). Linear attention (hybrid models)
-    # has no NPU operator wired yet.
+    # (plain weights, module by module, plain slots, torch ops). Linear attention (hybrid models):
+    # the gated delta rule on torch_npu's ops, its conv (routed through NpuOps to log why) and
+    # gated norm on the reference (npu-ops.md §7.9).
     on_torch = {"linear", "gelu_tanh", "gguf_linear", "gguf_embedding", "pack_gguf_weight",
                 "pack_linear_weight", "dense_decode_stack", "pack_lora", "repack_lora",
-                "apply_token_bitmask", "causal_conv1d", "gated_delta_rule", "gated_rms_norm"}
+                "apply_token_bitmask", "gated_rms_norm"}
     assert {op
             for op in OPS
             if getattr(NpuOps, op) is not getattr(ReferenceOps, op)} == set(OPS) - on_torch
