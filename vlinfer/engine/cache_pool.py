@@ -209,10 +209,10 @@ class CachePool:
         self.num_slots = num_slots if self.states else 0
         for spec in self.states:
             # the conv state, then the recurrent state in the order the op table's kernels read
-            shape, dtype = (spec.num_layers, num_slots, *spec.shapes[0]), spec.dtypes[0]
-            tensors = [torch.zeros(shape, dtype=dtype, device=self.device)]
-            tensors += [self.ops.recurrent_state_pool((spec.num_layers, num_slots, *shape), dtype,
-                                                      self.device)
+            lead = (spec.num_layers, num_slots)
+            tensors = [torch.zeros(*lead, *spec.shapes[0], dtype=spec.dtypes[0],
+                                   device=self.device)]
+            tensors += [self.ops.recurrent_state_pool((*lead, *shape), dtype, self.device)
                         for shape, dtype in zip(spec.shapes[1:], spec.dtypes[1:])]
             self.state_tensors.append(tensors)
             for i, layer in enumerate(spec.layers):

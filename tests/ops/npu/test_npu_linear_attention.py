@@ -212,3 +212,20 @@ def test_conv_runs_the_reference_logged(monkeypatch, caplog):
                           torch.tensor([0, 3]).int(), torch.tensor([1]), torch.tensor([False]))
     assert "causal_conv1d on torch.bfloat16 runs the pure-torch reference" in caplog.text
     assert "npu_fused_causal_conv1d" in caplog.text
+
+
+def test_capture_refuses_by_name(monkeypatch):
+    """Hybrid decode stays eager on the NPU (the model runner says so); were it captured, both ops
+    refuse with the reason instead of syncing inside the graph."""
+    from vlinfer.ops.npu.graph import GraphCapture
+    _, ops = loaded(monkeypatch)
+    q, k, v, g, beta, cu = inputs([1], 1, 2, 16, 24)
+    pool = ops.recurrent_state_pool((2, 2, 16, 24), torch.bfloat16, "cpu")
+    with ops._capturing(GraphCapture([1])):
+        with pytest.raises(RuntimeError, match="not ACL graph capture"):
+            ops.gated_delta_rule(q, k, v, g, beta, pool, cu, torch.tensor([1]),
+                                 torch.tensor([True]), 0.25)
+        with pytest.raises(RuntimeError, match="cannot be captured"):
+            ops.causal_conv1d(torch.randn(1, 8).bfloat16(), torch.randn(8, 4).bfloat16(), None,
+                              torch.zeros(2, 8, 3).bfloat16(), cu, torch.tensor([1]),
+                              torch.tensor([True]))

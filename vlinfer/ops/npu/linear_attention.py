@@ -73,6 +73,9 @@ def fresh_slots(slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor | 
 
 
 def gated_delta_rule(ops, q, k, v, g, beta, state, cu_seqlens, slots, has_state, scale):
+    if ops._capture is not None:  # the model runner keeps hybrid models eager; said if not
+        raise RuntimeError(f"{RECURRENT} is documented for single-op and static graph modes, not "
+                           "ACL graph capture (npu-ops.md §2.12): hybrid decode runs eager")
     torch_npu = ops._torch_npu
     decode = is_decode(q, cu_seqlens)
     op = RECURRENT if decode else CHUNK
@@ -105,4 +108,5 @@ def gated_delta_rule(ops, q, k, v, g, beta, state, cu_seqlens, slots, has_state,
 
 def causal_conv1d(ops, x, weight, bias, conv_state, cu_seqlens, slots, has_state):
     ops._warn_fallback("causal_conv1d", x.dtype, CONV_FALLBACK)
+    ops._no_fallback_in_capture("causal_conv1d", x.dtype, CONV_FALLBACK)
     return reference.causal_conv1d(x, weight, bias, conv_state, cu_seqlens, slots, has_state)
