@@ -18,34 +18,7 @@
 #include <vector>
 
 #include "decode_layer.h"
-
-// cpu/csrc/paged_ops.cpp
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale);
-void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                   at::Tensor& v_cache, const at::Tensor& slot_mapping);
-// cpu/csrc/kv_quant.cpp
-void store_kvcache_quantized(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                             at::Tensor& v_cache, at::Tensor& k_scale, at::Tensor& v_scale,
-                             const at::Tensor& slot_mapping);
-at::Tensor paged_decode_attention_quantized(const at::Tensor& q, const at::Tensor& k_cache,
-                                            const at::Tensor& v_cache, const at::Tensor& k_scale,
-                                            const at::Tensor& v_scale,
-                                            const at::Tensor& block_tables,
-                                            const at::Tensor& seq_lens, double scale);
-void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                     const at::Tensor& weight, double eps);
-at::Tensor silu_and_mul(const at::Tensor& x);
-// cpu/csrc/panel_linear.cpp
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
-                        const c10::optional<at::Tensor>& bias);
-// cpu/csrc/int8_vnni.cpp
-at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& comp,
-                            const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
-                            int64_t digits);
+#include "kernels.h"
 
 namespace {
 
