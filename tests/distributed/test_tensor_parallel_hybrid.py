@@ -4,7 +4,8 @@ it serves, their conv channels and state slots, and the replicated single KV hea
 full-attention layers. Prompt logits on two ranks equal one rank's and transformers' within 1e-4
 per sequence, greedy tokens equal, through chunked prefill (the state carries across chunks on
 each rank) and a prefix-cache hit (each rank restores its own checkpoint); an adapter on the
-linear-attention projections on two ranks equals PEFT's; a shape that does not split is refused
+linear-attention projections on two ranks equals PEFT's; Qwen3.5-MoE with expert parallelism
+(whole experts per rank) equals one rank and transformers; a shape that does not split is refused
 by name before any worker starts. One two-rank test in the default tier, the rest slow."""
 import pytest
 import torch
@@ -53,10 +54,13 @@ def prompt_logits(llm) -> list[torch.Tensor]:
     return out
 
 
-def assert_two_ranks_equal(folder, ref_logits, ref_tokens):
+def assert_two_ranks_equal(folder, ref_logits, ref_tokens, **options):
     one = prompt_logits(LLM(folder, **OPTIONS))
-    with LLM(folder, tensor_parallel_size=2, **OPTIONS) as llm:
+    with LLM(folder, tensor_parallel_size=2, **OPTIONS, **options) as llm:
         ranks = llm.engine.model_runner.describe_all()
+        if options.get("enable_expert_parallel"):
+            # rank 1 holds experts 2 and 3 of 4 whole: their gate and up rows (2 x 48), all of H
+            assert ranks[1]["params"]["model.layers.0.mlp.w13_weight"][0] == (2, 2 * 48, 64)
         # rank 1's in_proj: its key head's q and k (32 each), its two value heads' v and z (48
         # each), b and a (one each per value head)
         assert ranks[1]["params"]["model.layers.0.linear_attn.in_proj.weight"][0] == (
@@ -92,6 +96,16 @@ def test_moe_on_two_ranks_equals_one_rank_and_transformers(tmp_path, family):
     # reference ops 2.3e-5, two ranks within 1e-4), a one-rank finding outside tensor parallelism
     seed = 1 if family == "Qwen3Next" else 5
     assert_two_ranks_equal(*checkpoint(model_class, config, str(tmp_path), True, seed))
+
+
+@pytest.mark.slow  # two processes: `make test-full` and CI run it
+def test_qwen3_5_moe_expert_parallel_equals_one_rank_and_transformers(tmp_path):
+    """enable_expert_parallel: each rank holds two of the four routed experts whole (the shared
+    expert and the linear-attention heads split as under plain tensor parallelism); a token's
+    share of the other rank's experts is zero here and the layer's all-reduce sums the ranks."""
+    from transformers import Qwen3_5MoeForCausalLM
+    assert_two_ranks_equal(*checkpoint(Qwen3_5MoeForCausalLM, qwen3_5_moe_config(),
+                                       str(tmp_path), True), enable_expert_parallel=True)
 
 
 @pytest.mark.slow  # two processes: `make test-full` and CI run it

@@ -5,7 +5,9 @@ the header, the conversion undone, the row-reordered weights kept in their block
 dequantized transformers twin: the same Qwen3_5ForCausalLM with each block-stored weight as gguf-py
 dequantizes it and every block-kept linear fed the GGUF op's quantized activations, as
 tests/ops/cpu/test_gguf_quantized.py holds the Llama files. float32: prompt logits within
-GGUF_TOLERANCE per sequence, greedy tokens identical. qwen35moe files are refused by name."""
+GGUF_TOLERANCE per sequence, greedy tokens identical. qwen35moe files the same way, their stacked
+routed experts dequantized (float activations in vlinfer and in the twin), the shared expert kept in
+blocks; a file whose experts sit one place off their router fails the same check."""
 import os
 
 import pytest
@@ -87,15 +89,74 @@ def test_qwen35_gguf_matches_its_dequantized_twin(tmp_path, type_name):
     assert llm.tokenizer.decode([104, 105]) == "hi"  # the file's own vocabulary
 
 
-def test_qwen35moe_gguf_is_refused_by_name(tmp_path):
-    import gguf
-    path = str(tmp_path / "moe.gguf")
-    writer = gguf.GGUFWriter(path, "qwen35moe")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(Exception, match="qwen35moe"):
-        LLM(os.path.abspath(path), dtype="float32")
+def tiny_moe_model(seed: int):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    base = text_config(vocab_size=260, num_hidden_layers=4,
+                       layer_types=["linear_attention", "full_attention"] * 2,
+                       bos_token_id=257, eos_token_id=259, pad_token_id=None).to_dict()
+    keep = ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim", "rms_norm_eps", "max_position_embeddings",
+            "tie_word_embeddings", "rope_parameters", "bos_token_id", "eos_token_id")
+    # moe_intermediate_size apart from hidden_size and its half, so the experts' layout is
+    # told from its shape (layers/fused_moe.py); every K a multiple of the 32-weight block
+    config = Qwen3_5MoeTextConfig(**{k: base[k] for k in keep}, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=96,
+                                  shared_expert_intermediate_size=64,
+                                  architectures=["Qwen3_5MoeForCausalLM"])
+    with torch.random.fork_rng(devices=[]):
+        model = Qwen3_5MoeForCausalLM(config).eval()
+    _rescale(model, torch.Generator().manual_seed(seed))
+    model.set_experts_implementation("eager")
+    return model
+
+
+def moe_errors(tmp_path, permute_experts: bool):
+    """(vlinfer, the dequantized twin) on a qwen35moe file: per-prompt largest logit gap over
+    the twin's largest logit, and whether greedy tokens agree for every prompt."""
+    model = tiny_moe_model(seed=11)
+    path, dequantized = write_tiny_qwen35_gguf(model, str(tmp_path / "moe.gguf"), "Q8_0",
+                                               permute_experts=permute_experts)
+    assert dequantized["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 192, 64)
+    llm = LLM(path, dtype="float32", kv_cache_bytes=8 * 2 ** 20, max_model_len=256)
+    net = llm.engine.model_runner.model
+    assert type(net).__name__ == "Qwen3_5MoeForCausalLM"
+    mlp = net.model.layers[1].mlp
+    # the shared expert stays in its blocks; the router and the shared expert's gate are dense
+    assert mlp.shared_expert.gate_up_proj.method is not None
+    assert mlp.gate.method is None and mlp.shared_expert_gate.method is None
+    dense = {n for n, m in net.named_modules()
+             if n.endswith(("linear_attn.out_proj", "mlp.shared_expert_gate"))}
+    twin = twin_of(model, dequantized, dense)
+    errors = []
+    for prompt in PROMPTS:
+        seq = llm.engine.make_sequence(prompt)
+        llm.engine.add_sequence(seq)
+        assert llm.engine.block_manager.allocate(seq, seq.num_tokens)
+        ours = llm.engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens]))
+        llm.engine.abort_request(seq.request_id)
+        with torch.no_grad():
+            ref = twin(input_ids=torch.tensor([prompt])).logits[0]
+        errors.append(((ours - ref).abs().max() / ref.abs().max()).item())
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    same = True
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
+        with torch.no_grad():
+            expected = twin.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW,
+                                     do_sample=False)[0, len(prompt):].tolist()
+        same = same and out.outputs[0].token_ids == expected
+    assert_block_pool_empty(llm)
+    return errors, same
+
+
+def test_qwen35moe_gguf_matches_its_dequantized_twin(tmp_path):
+    errors, same = moe_errors(tmp_path, permute_experts=False)
+    assert max(errors) < GGUF_TOLERANCE, errors
+    assert same
+
+
+def test_qwen35moe_gguf_with_experts_off_their_router_fails(tmp_path):
+    errors, _ = moe_errors(tmp_path, permute_experts=True)
+    # the check above fails, with a margin: measured 3.4e-3 and 1.2e-2 on the two prompts
+    assert max(errors) > 3 * GGUF_TOLERANCE, errors

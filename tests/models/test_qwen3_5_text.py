@@ -418,6 +418,37 @@ def test_bfloat16_state_holds_more_sequences(checkpoint, caplog):
     assert slots["bfloat16"] > 1.7 * slots["auto"]
 
 
+@pytest.mark.parametrize("kv_name,kv_dtype", [("int8", torch.int8),
+                                              ("fp8", torch.float8_e4m3fn)])
+def test_startup_log_names_both_capacities(checkpoint, caplog, kv_name, kv_dtype):
+    """A compressed KV cache on the full-attention layers beside a bf16 recurrent state: the
+    startup log names each cache's count and dtypes, the counts the engine holds, each from its
+    own bytes (KV: 2 full-attention layers x 1 KV head x 64 values a row, int8 rows with their
+    float32 scale; state: the float32 conv state and the bf16 recurrent state of 4 linear
+    layers); the engine still answers."""
+    from vlinfer.platform import holds_dtype
+    if not holds_dtype(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("a bf16 state needs AVX512-BF16 or AMX on this CPU")
+    _, folder, expected = checkpoint
+    with caplog.at_level(logging.INFO, logger="vlinfer"):
+        llm = make_llm(folder, kv_cache_dtype=kv_name, mamba_ssm_cache_dtype="bfloat16",
+                       kv_cache_bytes=4 * 2 ** 20)
+    resolved = llm.engine.resolved
+    row = 64 * kv_dtype.itemsize + (4 if kv_dtype == torch.int8 else 0)
+    assert resolved.bytes_per_block == resolved.block_size * 2 * 2 * 1 * row
+    slot_bytes = 4 * (320 * 3 * 4 + 4 * 32 * 48 * 2)
+    assert llm.engine.model_runner.cache_pool.bytes_per_slot == slot_bytes
+    name = str(kv_dtype).removeprefix("torch.")
+    assert (f"KV cache: {resolved.num_blocks} blocks of {resolved.block_size} tokens in {name} "
+            f"({resolved.num_blocks * resolved.bytes_per_block / 2 ** 20:.1f} MiB") in caplog.text
+    assert (f"state cache: {resolved.num_state_slots} state slots in float32/bfloat16 "
+            f"({resolved.num_state_slots * slot_bytes / 2 ** 20:.1f} MiB") in caplog.text
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4,
+                                                    ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert_nothing_held(llm)
+
+
 def test_a_state_dtype_the_device_cannot_hold_names_the_field(checkpoint, monkeypatch):
     from vlinfer.platform import cpu_features
     _, folder, _ = checkpoint

@@ -112,7 +112,8 @@ def _reorder_v_heads(w: np.ndarray, dim: int, num_k: int, per_k: int, head_dim: 
     return np.swapaxes(w, dim, dim + 1).reshape(shape)
 
 
-def write_tiny_qwen35_gguf(model, path: str, type_name: str) -> tuple[str, dict]:
+def write_tiny_qwen35_gguf(model, path: str, type_name: str,
+                           permute_experts: bool = False) -> tuple[str, dict]:
     """A `qwen35` GGUF of a transformers Qwen3_5ForCausalLM, written as llama.cpp's converter
     (conversion/qwen.py Qwen3NextModel + _LinearAttentionVReorderBase) writes one: the value heads
     of in_proj_qkv's v rows, in_proj_z, in_proj_b / in_proj_a, A_log / dt_bias, the conv's v
@@ -121,7 +122,13 @@ def write_tiny_qwen35_gguf(model, path: str, type_name: str) -> tuple[str, dict]
     RMSNorm but the gated one stored as 1 + weight; 2-D weights (not the conv) in `type_name`
     blocks, the rest F32. The vocabulary is the byte-level one of write_tiny_llama_gguf. Returns
     (path, the dequantized twin's weights: {Hugging Face name: each block-stored weight as gguf-py
-    dequantizes it, its reorder undone by the inverse permutation})."""
+    dequantizes it, its reorder undone by the inverse permutation}).
+    A Qwen3_5MoeForCausalLM is written as `qwen35moe`: the routed experts stacked per layer as
+    ffn_gate_exps / ffn_up_exps [E, I, H] and ffn_down_exps [E, H, I] in `type_name` blocks (the
+    twin holds them dequantized and joined into gate_up_proj), the shared expert as ffn_*_shexp,
+    its gate as ffn_gate_inp_shexp [H] and the router ffn_gate_inp in F32 (llama.cpp keeps both
+    F32). permute_experts (a planted mistake) writes every layer's experts one place further on,
+    their router unchanged."""
     import gguf
     qtype = gguf.GGMLQuantizationType[type_name]
     c = model.config
@@ -132,12 +139,20 @@ def write_tiny_qwen35_gguf(model, path: str, type_name: str) -> tuple[str, dict]
                              for i in range(c.num_hidden_layers)]
     tokens = _byte_symbols() + ["\u0120t"] + SPECIALS
     assert len(tokens) == c.vocab_size
-    writer = gguf.GGUFWriter(path, "qwen35")
-    writer.add_name("tiny-qwen35")
+    moe = hasattr(c, "num_experts")
+    arch = "qwen35moe" if moe else "qwen35"
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"tiny-{arch}")
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_block_count(c.num_hidden_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
+    if moe:
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    else:
+        writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_key_length(c.head_dim)
@@ -161,11 +176,18 @@ def write_tiny_qwen35_gguf(model, path: str, type_name: str) -> tuple[str, dict]
     writer.add_token_merges(["\u0120 t"])
     writer.add_bos_token_id(257)
     writer.add_eos_token_id(259)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, c.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
     twin = {}
     for name, tensor in model.state_dict().items():
         hf_name = name
         w = tensor.float().numpy()
+        if ".mlp.experts." in name:
+            twin[hf_name] = _write_experts(writer, name, w, qtype, permute_experts)
+            continue
+        if name.endswith(".mlp.shared_expert_gate.weight") or name.endswith(".mlp.gate.weight"):
+            writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)),
+                              np.ascontiguousarray(w.squeeze(0) if w.shape[0] == 1 else w))
+            continue
         # where each stored row / column comes from: the reorders below applied to indices
         rows, cols = np.arange(w.shape[0]), np.arange(w.shape[-1])
         if name.endswith(".A_log"):
@@ -204,3 +226,24 @@ def write_tiny_qwen35_gguf(model, path: str, type_name: str) -> tuple[str, dict]
     writer.write_tensors_to_file()
     writer.close()
     return os.path.abspath(path), twin
+
+
+def _write_experts(writer, name: str, w: np.ndarray, qtype, permute: bool) -> torch.Tensor:
+    """One layer's stacked experts as llama.cpp writes them (gate_up_proj split into
+    ffn_gate_exps and ffn_up_exps); returns them as gguf-py dequantizes them, joined again."""
+    import gguf
+    layer = name.split(".")[2]
+    if permute:
+        w = np.roll(w, 1, axis=0)
+    if name.endswith("gate_up_proj"):
+        half = w.shape[1] // 2
+        parts = {"ffn_gate_exps": w[:, :half], "ffn_up_exps": w[:, half:]}
+    else:
+        parts = {"ffn_down_exps": w}
+    stored = []
+    for leaf, part in parts.items():
+        blocks = gguf.quants.quantize(np.ascontiguousarray(part, dtype=np.float32), qtype)
+        writer.add_tensor(f"blk.{layer}.{leaf}.weight", blocks, raw_dtype=qtype)
+        stored.append(gguf.quants.dequantize(blocks, qtype))
+    joined = np.concatenate(stored, axis=1)
+    return torch.from_numpy(np.roll(joined, -1, axis=0) if permute else joined)

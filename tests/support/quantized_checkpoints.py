@@ -141,3 +141,51 @@ def write_fp8_block(src: str, dst: str, block: int = 128):
     _write(dst, out, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                       "weight_block_size": [block, block]})
     return dequantized, out
+
+
+# What Qwen's FP8 releases of Qwen3.5 keep dense, per decoder layer (their config's
+# modules_to_not_convert lists each by its full name): the norms, the Gated DeltaNet's conv1d,
+# A_log, dt_bias, gated norm and its small b / a projections, the router and the shared expert's
+# gate; then lm_head and the embedding.
+QWEN3_5_FP8_DENSE = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm",
+                     "self_attn.k_norm", "linear_attn.A_log", "linear_attn.conv1d",
+                     "linear_attn.dt_bias", "linear_attn.in_proj_a", "linear_attn.in_proj_b",
+                     "linear_attn.norm", "mlp.gate", "mlp.shared_expert_gate")
+
+
+def write_qwen3_5_fp8(src: str, dst: str, block: int, transpose_scales: bool = False):
+    """Qwen's FP8 release of a Qwen3.5 (or Qwen3.5-MoE) checkpoint, from the format's definition:
+    each linear weight not in QWEN3_5_FP8_DENSE cut into block x block tiles (the last ones
+    partial), s = max |tile| / 448 per tile rounded to bf16 (the releases' scale dtype), the
+    weight float8_e4m3fn(W / s) (round to nearest, the cast), `weight_scale_inv` = s as
+    [ceil(N / b), ceil(K / b)] (W = W8 * s: the name is the releases'); routed experts one tensor
+    set per expert. quantization_config lists every dense module by name. Returns the dequantized
+    weights by tensor name. transpose_scales (a planted mistake): square scale grids written
+    [K blocks, N blocks]."""
+    _copy_folder(src, dst)
+    state = load_file(os.path.join(src, "model.safetensors"))
+    layers = sorted({int(n.split(".")[2]) for n in state if n.startswith("model.layers.")})
+    dense = [f"model.layers.{i}.{leaf}" for i in layers for leaf in QWEN3_5_FP8_DENSE]
+    out, dequantized = dict(state), {}
+    for module in _linear_names(state):
+        if any(module == d for d in dense):
+            continue
+        w = state[f"{module}.weight"].float()
+        n, k = w.shape
+        nb, kb = -(-n // block), -(-k // block)
+        padded = torch.zeros(nb * block, kb * block)
+        padded[:n, :k] = w
+        tiles = padded.reshape(nb, block, kb, block)
+        scale = (tiles.abs().amax((1, 3)) / 448.0).to(torch.bfloat16)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        full = scale.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
+        w8 = (w / full).to(torch.float8_e4m3fn)
+        out[f"{module}.weight"] = w8
+        out[f"{module}.weight_scale_inv"] = scale.T.contiguous() if (
+            transpose_scales and nb == kb) else scale
+        dequantized[f"{module}.weight"] = w8.float() * full
+    _write(dst, out, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                      "weight_block_size": [block, block],
+                      "modules_to_not_convert": ["lm_head", "model.embed_tokens", "model.norm",
+                                                 *dense]})
+    return dequantized

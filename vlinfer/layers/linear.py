@@ -99,8 +99,9 @@ class LinearBase(nn.Module):
         specs = method.create_weights(self)
         del self.weight
         for name, spec in specs.items():
-            param = nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype, device=device),
-                                 requires_grad=False)
+            value = (torch.empty(spec.shape, dtype=spec.dtype, device=device) if spec.fill is None
+                     else torch.full(spec.shape, spec.fill, dtype=spec.dtype, device=device))
+            param = nn.Parameter(value, requires_grad=False)
             param.weight_loader = self.weight_loader
             param.quant_layout = spec.layout
             self.register_parameter(name, param)

@@ -65,12 +65,10 @@ def architecture(reader) -> str:
 
 def read_config(path: str):
     """The config of a GGUF file whose architecture transformers' GGUF loader does not read
-    (qwen35), or None: transformers reads it. A known architecture vlinfer cannot open yet is
-    refused by name. The architecture is peeked from the header's key-value pairs, so other files'
-    headers (a vocabulary takes seconds) are parsed no more often than before."""
+    (qwen35, qwen35moe), or None: transformers reads it. The architecture is peeked from the
+    header's key-value pairs, so other files' headers (a vocabulary takes seconds) are parsed no
+    more often than before."""
     name = gguf_qwen35.peek_architecture(path)
-    if name in gguf_qwen35.REFUSED:
-        raise ValueError(gguf_qwen35.REFUSED[name])
     if name not in gguf_qwen35.ARCHITECTURES:
         return None
     return gguf_qwen35.read_config(_array_reader(path))
@@ -128,6 +126,8 @@ def tensor_index(path: str, config) -> dict[str, TensorInfo]:
         if name is None:
             continue
         shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists ne[0] (K) first
+        if isinstance(processor, gguf_qwen35.Qwen35TensorProcessor):
+            shape = processor.index_shape(tensor.name, shape)
         dtype = tensor.tensor_type.name if _keeps_blocks(tensor, processor) else "F32"
         index[name] = TensorInfo(shape, dtype)
     return index

@@ -324,8 +324,12 @@ def test_bad_quantized_checkpoints_fail_before_the_kv_pool_naming_the_problem(
     _fails_before_kv_pool(monkeypatch, path,
                           r"config_groups\.group_0: float weights .* not supported")
     # an unknown quant_method
+    _edit_config(path, lambda q: q.update(quant_method="hqq"))
+    _fails_before_kv_pool(monkeypatch, path, r"quant_method='hqq' is not supported")
+    # AWQ (and GPTQ): no loader, said by name
     _edit_config(path, lambda q: q.update(quant_method="awq"))
-    _fails_before_kv_pool(monkeypatch, path, r"quant_method='awq' is not supported")
+    _fails_before_kv_pool(monkeypatch, path, r"quant_method='awq': GPTQ / AWQ checkpoints are "
+                                             r"not read by vlinfer")
     # quantization on load of an already quantized checkpoint
     write_compressed_tensors(dense_qwen3, path, "w4a16")
     _fails_before_kv_pool(monkeypatch, path, r"already quantized", quantization="int8")

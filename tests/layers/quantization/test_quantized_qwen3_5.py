@@ -5,7 +5,12 @@ out_proj) quantized with the rest, and `quantization="int8"` on load; each greed
 and by transformers running the same dequantized weights (W8A8: the reference linear quantizes its
 activations as the op does), float32: tokens identical, as
 tests/layers/quantization/test_quantized.py holds every quantized format. conv1d, A_log, dt_bias and
-the norms stay dense; a checkpoint that quantizes one of them is refused naming the tensor."""
+the norms stay dense; a checkpoint that quantizes one of them is refused naming the tensor. Qwen's
+block FP8 releases (tests/support/quantized_checkpoints.py write_qwen3_5_fp8, from the format's
+definition: in_proj_qkv / z, out_proj, attention, MLP and experts FP8; what the release lists in
+modules_to_not_convert dense): prompt logits within 1e-4 per sequence of the dequantized twin,
+greedy tokens equal; scales written in the wrong orientation fail. GPTQ / AWQ checkpoints are
+refused by name."""
 import json
 import os
 
@@ -15,10 +20,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from test_qwen3_5_text import qwen3_5_moe_config, save, text_config
-from quantized_checkpoints import LINEAR_SUFFIXES, write_compressed_tensors
+from quantized_checkpoints import LINEAR_SUFFIXES, write_compressed_tensors, write_qwen3_5_fp8
 from test_quantized import (NEW_TOKENS, PROMPT, _methods, _per_token, _reference_tokens,
                                   _vlinfer_tokens)
 from vlinfer import LLM
+from vlinfer.engine import SchedulerOutput
 from vlinfer.ops.cpu import quant as cpu_quant
 from vlinfer.ops.reference import quant as quant_reference
 from vlinfer.toy.tiny_checkpoints import _rescale
@@ -36,9 +42,9 @@ def dense_checkpoint(folder: str, moe: bool) -> str:
     return save(model, folder)
 
 
-def twin_tokens(src: str, dequantized: dict, activations, folder: str) -> list[int]:
-    """transformers' greedy tokens on a copy of src holding the dequantized weights (its per-expert
-    tensors fused by transformers' own loading), the eager experts."""
+def twin_model(src: str, dequantized: dict, folder: str):
+    """transformers on a copy of src holding the dequantized weights (its per-expert tensors
+    fused by transformers' own loading), the eager experts."""
     import shutil
     from transformers import AutoModelForCausalLM
     shutil.copytree(src, folder)
@@ -47,6 +53,12 @@ def twin_tokens(src: str, dequantized: dict, activations, folder: str) -> list[i
               metadata={"format": "pt"})
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     model.set_experts_implementation("eager")
+    return model
+
+
+def twin_tokens(src: str, dequantized: dict, activations, folder: str) -> list[int]:
+    """transformers' greedy tokens on the dequantized weights (twin_model)."""
+    model = twin_model(src, dequantized, folder)
     for name, fn in (activations or {}).items():
         linear = model.get_submodule(name)
         linear.forward = (lambda lin, f: lambda x: F.linear(f(x), lin.weight, lin.bias))(linear, fn)
@@ -147,4 +159,68 @@ def test_a_checkpoint_that_quantizes_a_dense_part_is_refused_by_name(dense, tmp_
     with open(os.path.join(path, "config.json")) as f:
         assert json.load(f)["quantization_config"]["quant_method"] == "compressed-tensors"
     with pytest.raises(ValueError, match=match):
+        LLM(path, dtype="float32", kv_cache_bytes=4 << 20)
+
+
+def fp8_errors(src: str, tmp_path, transpose_scales: bool = False):
+    """(vlinfer, transformers on the dequantized weights) on Qwen's FP8 layout of src in blocks of
+    32 (multi-block grids at these sizes): the largest prompt-logit gap over the twin's largest
+    logit, both greedy continuations, and vlinfer's linear-attention in_proj method."""
+    path = str(tmp_path / "fp8")
+    dequantized = write_qwen3_5_fp8(src, path, 32, transpose_scales=transpose_scales)
+    assert any(".linear_attn.in_proj_qkv." in n for n in dequantized)
+    assert not any(n.endswith((".in_proj_b.weight", ".in_proj_a.weight", ".mlp.gate.weight"))
+                   for n in dequantized)
+    twin = twin_model(src, dequantized, str(tmp_path / "twin"))
+    with torch.no_grad():
+        ref = twin(input_ids=torch.tensor([PROMPT])).logits[0]
+    got, llm = _vlinfer_tokens(path)
+    engine = llm.engine
+    seq = engine.make_sequence(PROMPT)
+    engine.add_sequence(seq)
+    assert engine.block_manager.allocate(seq, seq.num_tokens)
+    ours = engine.model_runner.prompt_logits(SchedulerOutput([seq], [seq.num_tokens]))
+    engine.abort_request(seq.request_id)
+    assert_dense_parts_kept(llm, path)
+    in_proj = llm.engine.model_runner.model.model.layers[0].linear_attn.in_proj
+    llm.close()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            ids = torch.cat([ids, twin(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    error = ((ours - ref).abs().max() / ref.abs().max()).item()
+    return error, got, ids[0, len(PROMPT):].tolist(), in_proj
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_qwen_fp8_release_matches_its_dequantized_twin(dense, tmp_path, moe):
+    """in_proj fuses FP8 in_proj_qkv / in_proj_z with the release's dense in_proj_b / in_proj_a:
+    one matmul, dequantized on load (their rows scaled by 1)."""
+    src = dense_checkpoint(str(tmp_path / "moe-dense"), moe=True) if moe else dense
+    error, got, expected, in_proj = fp8_errors(src, tmp_path)
+    assert in_proj.method is None  # dequantized after loading: a dense layer
+    assert error < 1e-4, error
+    assert got == expected
+
+
+def test_qwen_fp8_scales_in_the_wrong_orientation_fail(tmp_path):
+    """The MoE's experts and shared expert (48 / 40 x 64: 2 x 2 blocks of 32) with each scale
+    grid transposed: the file opens, and its logits leave the twin's."""
+    src = dense_checkpoint(str(tmp_path / "moe-dense"), moe=True)
+    error, _, _, _ = fp8_errors(src, tmp_path, transpose_scales=True)
+    assert error > 1e-2, error
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "gptq_marlin"])
+def test_gptq_and_awq_checkpoints_are_refused_by_name(dense, tmp_path, method):
+    import shutil
+    path = str(tmp_path / method)
+    shutil.copytree(dense, path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=rf"quant_method='{method}': GPTQ / AWQ checkpoints are "
+                                         r"not read by vlinfer"):
         LLM(path, dtype="float32", kv_cache_bytes=4 << 20)

@@ -324,6 +324,28 @@ def test_readme_capacity_table():
         assert written == expected, (model, written, expected)
 
 
+def test_hybrid_capacity_table():
+    """docs/kv-cache.md's Qwen3.5-2B rows: KV blocks and state slots per GiB, from the engine's
+    own bytes per token (cache_pool.kv_bytes_per_token) and per slot (StateSlotSpec), for the
+    published shape (bench/hybrid_common.py: 6 of 24 layers full attention with 2 KV heads of
+    256; 18 Gated DeltaNet layers of 16 key heads of 128, 16 value heads of 128, kernel 4) in a
+    bf16 model (the conv state in bf16)."""
+    import re
+
+    from dependencies import REPO
+    from vlinfer.engine.cache_pool import StateSlotSpec, kv_bytes_per_token
+    text = open(f"{REPO}/docs/kv-cache.md").read()
+    kv_row = re.search(r"^\| Qwen3\.5-2B KV blocks .*$", text, re.M).group(0)
+    state_row = re.search(r"^\| Qwen3\.5-2B state slots .*$", text, re.M).group(0)
+    kv = [2 ** 30 // (16 * kv_bytes_per_token(6, 2, 256, d))
+          for d in (torch.bfloat16, torch.int8, torch.float8_e4m3fn)]
+    shapes = ((2 * 16 * 128 + 16 * 128, 3), (16, 128, 128))
+    state = [2 ** 30 // StateSlotSpec(18, shapes, (torch.bfloat16, d), ()).bytes_per_slot
+             for d in (torch.float32, torch.bfloat16)]
+    assert [int(c.replace(",", "")) for c in kv_row.split("|")[2:5]] == kv, kv
+    assert [int(c.replace(",", "")) for c in state_row.split("|")[2:4]] == state, state
+
+
 @pytest.fixture(scope="module", params=kernel_levels())
 def kernel_ops(request):
     from vlinfer.ops.cpu import CpuOps

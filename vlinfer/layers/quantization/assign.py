@@ -41,7 +41,11 @@ def assign_methods(model: nn.Module, quantization: CheckpointQuantization,
         prefixes = shard_prefixes(name, packed)
         methods = [quantization.method_for(layer, prefix, tensors) for prefix in prefixes]
         signatures = [None if m is None else m.signature() for m in methods]
-        if len(set(signatures)) > 1:
+        quantized = [m for m in methods if m is not None]
+        if len(set(signatures) - {None}) == 1 and quantized[0].hosts_dense_shards:
+            # e.g. Qwen's FP8 Gated DeltaNet: in_proj_qkv / z FP8, in_proj_b / a dense by name
+            methods = [quantized[0]] * len(methods)
+        elif len(set(signatures)) > 1:
             found = ", ".join(f"{p}: {'dense' if m is None else m.describe()}"
                               for p, m in zip(prefixes, methods))
             raise ValueError(

@@ -54,10 +54,11 @@ class ParamLayout:
 @dataclass(frozen=True)
 class ParamSpec:
     """A parameter a method asks its layer to hold: this rank's shape, its dtype, and its checkpoint
-    layout."""
+    layout; fill: its value before loading (None: uninitialized, every element must be loaded)."""
     shape: tuple[int, ...]
     dtype: torch.dtype
     layout: ParamLayout
+    fill: float | None = None
 
 
 def dense_weight_layout() -> ParamLayout:
@@ -73,6 +74,9 @@ class LinearMethod:
     by name."""
     # Short name for logs and errors ("dense", "w8a16", "w4a16", "w8a8", ...).
     name = "dense"
+    # Whether a fused layer of this method may also hold shards the checkpoint keeps dense (their
+    # weights loaded as they are): methods that dequantize on load, whose result is dense anyway.
+    hosts_dense_shards = False
 
     def signature(self) -> tuple:
         """What fused shards must agree on (scheme, bits, group size, ...): q, k and v of one layer

@@ -11,6 +11,8 @@ from vlinfer.layers.quantization.modelslim import detect_modelslim
 logger = logging.getLogger("vlinfer")
 # LLM(model, quantization=...): a dense checkpoint quantized while loading
 QUANTIZE_ON_LOAD = ("int8", "int4")
+# quant_method prefixes of AutoGPTQ / GPTQModel / AutoAWQ checkpoints (gptq, gptq_marlin, awq, ...)
+UNREAD_INT4_FORMATS = ("gptq", "awq")
 
 
 def quantization_config(hf_config) -> dict | None:
@@ -36,6 +38,12 @@ def _from_quantization_config(hf_config, folder: str | None, tensors: TensorInde
     if method == "fp8":
         from vlinfer.layers.quantization.fp8 import Fp8Quantization
         return Fp8Quantization(config)
+    if str(method).lower().startswith(UNREAD_INT4_FORMATS):
+        raise ValueError(
+            f"quantization_config.quant_method={method!r}: GPTQ / AWQ checkpoints are not read by "
+            "vlinfer (it has no GPTQ or AWQ loader, for any model); open the model's "
+            "compressed-tensors W4A16 release (what llm-compressor writes), or its dense "
+            "checkpoint with quantization='int4'")
     raise ValueError(
         f"quantization_config.quant_method={method!r} is not supported; vlinfer loads "
         "'compressed-tensors' (int8 W8A8, W8A16, W4A16) and 'fp8' (block-quantized, dequantized on "

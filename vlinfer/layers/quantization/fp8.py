@@ -2,7 +2,10 @@
 block, as Qwen's official FP8 repos): dequantized to the compute dtype while loading, W = W8 *
 scale_inv per block, and run dense. They open and match their dequantized weights; they are not
 faster (logged). Layers in `modules_to_not_convert` / `ignored_layers`, and any whose weight is not
-FP8 in the file, are dense as stored."""
+FP8 in the file, are dense as stored; an FP8 weight for a listed module is refused. A fused layer
+may mix the two (Qwen3.5's Gated DeltaNet in_proj: in_proj_qkv / in_proj_z FP8, in_proj_b /
+in_proj_a listed dense): the e4m3 values load into the compute dtype (exact: e4m3's 3 mantissa
+bits and exponent range fit bf16, fp16 and float32), a dense shard's rows keep a scale of 1."""
 import logging
 
 import torch
@@ -24,6 +27,7 @@ def _expand_rows(block_rows: int):
 
 class Fp8BlockMethod(LinearMethod):
     name = "fp8"
+    hosts_dense_shards = True
 
     def __init__(self, block: tuple[int, int]):
         self.block = block
@@ -37,14 +41,16 @@ class Fp8BlockMethod(LinearMethod):
     def create_weights(self, layer) -> dict[str, ParamSpec]:
         bn, bk = self.block
         n, k = layer.output_size, layer.input_size
-        specs = {"weight": ParamSpec((n, k), torch.float8_e4m3fn, dense_weight_layout())}
+        # e4m3 values held in the compute dtype (exact), so dense shards load beside them
+        specs = {"weight": ParamSpec((n, k), layer.params_dtype, dense_weight_layout())}
         # A shard's scale rows are expanded whole before cutting (a fused shard may not start on a
         # block).
         layout = ParamLayout(lambda rows, cols: (-(-rows // bn), -(-cols // bk)),
                              convert=_expand_rows(bn), convert_first=True)
         # row-parallel ranks hold whole blocks
         blocks = -(-k // bk) if layer.full_input_size == k else k // bk
-        specs["weight_scale_inv"] = ParamSpec((n, blocks), torch.float32, layout)
+        # 1 where no scale is loaded: the rows of a shard the checkpoint keeps dense
+        specs["weight_scale_inv"] = ParamSpec((n, blocks), torch.float32, layout, fill=1.0)
         return specs
 
     def dequantized_weight(self, layer) -> torch.Tensor:
