@@ -17,8 +17,8 @@ run to its end
   (greedy, or sampled with a seed);
 and at the end, once everything finished or was aborted, no block is held and no entry is left.
 
-The default suite runs EXAMPLES examples of up to STEPS rules, an equal share on each engine; the
-slow tier many more."""
+The suite runs EXAMPLES examples of up to STEPS rules, an equal share on each engine: derandomized
+in the default tier, on fresh draws in the slow tier (tests/support/hypothesis_draws.py)."""
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -26,11 +26,9 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from text_checkpoints import build_checkpoint, tiny_text_config
 from engine_machines import EngineRules, check_block_pool, completions_done
-from hypothesis_draws import draws
 from vlinfer import LLM, SamplingParams
 
 EXAMPLES, STEPS = 40, 40
-SLOW_EXAMPLES, SLOW_STEPS = 150, 60
 VOCAB = 500
 # longer than a block of 16
 PREFIX = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]
@@ -189,14 +187,13 @@ class EngineMachine(EngineRules):
                                  == draft.block_manager.num_blocks)
 
 
-def run_machine(engines, examples: int, steps: int, explore: bool = False):
+def run_machine(engines, examples: int, steps: int):
     """Run the machine; then check it ran what it should have (examples, finished requests compared,
     preemptions and proposals on the engines made for them) and print what it did."""
     EngineMachine.fixture = engines
     EngineMachine.TestCase.settings = settings(max_examples=examples // len(ENGINES),
                                                stateful_step_count=steps, deadline=None,
-                                               suppress_health_check=list(HealthCheck),
-                                               **draws(explore))
+                                               suppress_health_check=list(HealthCheck))
     for name in sorted(ENGINES):  # each engine its share of the examples
         EngineMachine.engine_name = name
         EngineMachine.TestCase().runTest()
@@ -210,10 +207,6 @@ def run_machine(engines, examples: int, steps: int, explore: bool = False):
         "proposed"]["draft"] > 0
 
 
+@pytest.mark.generated
 def test_engine_state_machine(engines):
     run_machine(engines, EXAMPLES, STEPS)
-
-
-@pytest.mark.slow  # many more examples: `make test-full` and CI run it
-def test_engine_state_machine_long(engines):
-    run_machine(engines, SLOW_EXAMPLES, SLOW_STEPS, explore=True)
