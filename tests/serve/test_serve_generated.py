@@ -4,7 +4,8 @@ formats and tools are drawn at random, some valid and most not. The property: ev
 with a well-formed completion or a 4xx with an OpenAI-shaped error naming a field, a certainly
 valid body always a 200; never a 5xx, never a hang past the client's timeout; after each batch, a
 plain request still gets its usual answer, and once idle no KV block is held. The default tier's
-cases are derandomized; the slow tier reruns them on fresh draws (tests/support/hypothesis_draws.py).
+cases are derandomized; the slow tier reruns them on fresh draws
+(tests/support/hypothesis_draws.py).
 
 The counts of cases per surface are printed (pytest -s) and asserted to be at least CASES each."""
 import json
