@@ -1,6 +1,8 @@
 """The Gradio demo (apps/demo.py) end to end: a real server subprocess on the embedded tiny model,
-driven through gradio_client the way a browser tab drives it, plus one headless Chromium screenshot
-of the page."""
+driven through gradio_client the way a browser tab drives it; in headless Chromium (DevTools
+protocol, tests/support/browser.py), the rendered DOM's chat widgets and a question typed and
+submitted with a click, answered with the model's own tokens (a demo whose chat shows no answer, a
+planted bug, fails that check); and one screenshot of the page."""
 import importlib.util
 import os
 import re
@@ -14,6 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from browser import Page
 from dependencies import REPO
 
 import gradio  # noqa: F401  (the demo's own dependency: a test dependency, imported, never skipped)
@@ -47,14 +50,15 @@ def _stop(proc: subprocess.Popen) -> None:
         pass
 
 
-def _start(log_path: Path, *args: str) -> tuple[subprocess.Popen, int]:
-    """A demo server process with these arguments, on a free port; (process, port)."""
+def _start(log_path: Path, *args: str, script: Path = DEMO) -> tuple[subprocess.Popen, int]:
+    """A demo server process (script: apps/demo.py or a wrapper of it) with these arguments, on a
+    free port; (process, port)."""
     port = _free_port()
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log:
         # A new session: _stop kills the whole process group, not just the Python process.
         proc = subprocess.Popen(
-            [sys.executable, str(DEMO), *args, "--port",
+            [sys.executable, str(script), *args, "--port",
              str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
             start_new_session=True)
     return proc, port
@@ -332,6 +336,98 @@ def test_example_gallery_lists_the_example_images(server):
     assert len(galleries) == 1
     shown = sorted(Path(item["image"]["path"]).name for item in galleries[0]["props"]["value"])
     assert shown == expected
+
+
+# A demo whose chat callback never shows an answer (the user's turn only): the planted bug the
+# browser test must catch.
+SILENT_DEMO = """import importlib.util, sys
+spec = importlib.util.spec_from_file_location("demo", {demo!r})
+demo = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(demo)
+demo.answer_messages = lambda reasoning, answer: []
+sys.exit(demo.main())
+"""
+QUESTION, ANSWER_TOKENS = "Say hi", 12
+
+
+def _greedy_answer(url: str) -> str:
+    """What the model answers QUESTION (greedy, ANSWER_TOKENS), through the API."""
+    history, _ = _client(url).predict({"text": QUESTION, "files": []}, [], 0.0, 0.9,
+                                      ANSWER_TOKENS, api_name="/chat")
+    return _answer(history)
+
+
+def _set_number(page: Page, label: str, value) -> None:
+    """Types a value into the number box of the slider labelled `label`, as a user does."""
+    selector = f"#number-{label.lower().replace(' ', '-')}"
+    page.evaluate(f"""(() => {{
+        const box = [...document.querySelectorAll('[data-testid=number-input]')]
+            .find(e => e.closest('.block').innerText.includes({label!r}));
+        box.id = {selector[1:]!r}; box.select(); }})()""")
+    page.type(selector, str(value))
+    page.evaluate(f"document.querySelector({selector!r}).blur()")
+    assert page.evaluate(f"document.querySelector({selector!r}).value") == str(value)
+
+
+def _ask_in_the_browser(url: str, expected: str, answer_timeout: float) -> None:
+    """The rendered page (DOM) has the chat, the message box, the image input and the submit
+    button; with temperature 0 and ANSWER_TOKENS set in their boxes, QUESTION typed and submitted
+    with a click shows the user's turn and then `expected` as the bot's message."""
+    page = Page(url)
+    try:
+        page.wait_for("document.querySelector('textarea[data-testid=textbox]') !== null", 60,
+                      "the page rendering its message box")
+        dom = page.dom()
+        assert re.search(r'<div id="chat"', dom) and 'aria-label="chatbot conversation"' in dom
+        box = re.search(r'<textarea[^>]*data-testid="textbox"[^>]*>', dom)
+        assert box and "Ask about images or videos" in box.group(0), "no message box"
+        files = re.search(r'<input[^>]*type="file"[^>]*>', dom)
+        assert files and 'accept="image/*' in files.group(0), "no image input"
+        submit = re.search(r'<button[^>]*data-testid="submit-button"[^>]*>', dom)
+        assert submit and 'aria-label="Submit"' in submit.group(0), "no submit button"
+        _set_number(page, "Temperature", 0)
+        _set_number(page, "Max new tokens", ANSWER_TOKENS)
+        page.type("textarea[data-testid=textbox]", QUESTION)
+        page.click("button.submit-button")
+        page.wait_for("[...document.querySelectorAll('#chat [data-testid=user]')]"
+                      f".some(e => e.innerText.trim() === {QUESTION!r})", 30, "the user's turn")
+        shown = f"bot's message: {expected}"
+        page.wait_for(f"[...document.querySelectorAll('#chat [data-testid=bot]')]"
+                      f".some(e => e.getAttribute('aria-label') === {shown!r})", answer_timeout,
+                      "the model's answer showing in the chat")
+    finally:
+        page.close()
+
+
+def test_a_question_typed_and_clicked_in_the_browser_gets_the_models_answer(server):
+    """Chromium renders the page, a user types and clicks Submit, and the chat shows exactly what
+    the model answers through the API (the embedded toy's greedy tokens), logged as a request."""
+    url, _, log_path = server
+    expected = _greedy_answer(url)
+    assert expected
+    requests = log_path.read_text().count(f"max_tokens={ANSWER_TOKENS}")
+    _ask_in_the_browser(url, expected, answer_timeout=60)
+    assert log_path.read_text().count(f"max_tokens={ANSWER_TOKENS}") == requests + 1
+
+
+@pytest.mark.slow  # a second demo subprocess
+def test_the_browser_check_fails_on_a_demo_that_shows_no_answer(server, tmp_path):
+    """The control: a demo whose chat callback shows the user's turn and never an answer (a
+    planted bug) fails the browser check, though its page renders every widget."""
+    url, _, _ = server
+    expected = _greedy_answer(url)
+    script = tmp_path / "silent_demo.py"
+    script.write_text(SILENT_DEMO.format(demo=str(DEMO)))
+    log_path = tmp_path / "silent.log"
+    proc, port = _start(log_path, "--model", "qwen3-vl-tiny", "--max-model-len", "4096",
+                        script=script)
+    try:
+        silent = f"http://127.0.0.1:{port}/"
+        _wait_serving(proc, silent, log_path)
+        with pytest.raises(AssertionError, match="the model's answer showing in the chat"):
+            _ask_in_the_browser(silent, expected, answer_timeout=15)
+    finally:
+        _stop(proc)
 
 
 def test_screenshot(server, tmp_path):
