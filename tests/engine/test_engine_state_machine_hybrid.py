@@ -12,11 +12,11 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant
 
-from test_engine_state_machine import EngineMachine, Engines
-from test_qwen3_5_text import save, text_config
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine.drive import drive
 from vlinfer.toy.tiny_checkpoints import _rescale
+from engine_state_machine_cases import EngineMachine, Engines
+from qwen3_5_text_cases import save, text_config
 
 EXAMPLES, STEPS = 12, 30
 MAX_NUM_SEQS = 4

@@ -35,10 +35,10 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from engine_machines import EngineRules, check_block_pool, completions_done
 from images import picture
-from test_lora import make_adapter
-from test_lora_vision import TEXT, VISION
 from vlinfer import LLM, LoRARequest, PoolingParams, SamplingParams
 from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
+from lora_cases import make_adapter
+from lora_vision_cases import TEXT, VISION
 
 EXAMPLES, STEPS = 40, 30
 TOL = 1e-5

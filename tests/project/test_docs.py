@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from dependencies import REPO
-from test_defaults import load_demo
+from defaults_cases import load_demo
 
 README = os.path.join(REPO, "README.md")
 # The README is the first page: past this, readers stop; details go to docs/.

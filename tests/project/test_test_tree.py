@@ -1,9 +1,12 @@
-"""The test tree's own rules, read from its sources: the generated (hypothesis) tests take their
+"""The test tree's own rules, read from its sources: a test module imports builders from
+tests/support/ and emulated devices from tests/fakes/ (the only folders pyproject puts on the
+path), never another test module or conftest; the generated (hypothesis) tests take their
 draws from one profile per tier (tests/support/hypothesis_draws.py), so no test derandomizes or
 explores by itself, and each is marked for the slow tier's exploring rerun; the profile choice
 refuses a value it does not know; the two profiles are what the tiers promise."""
 import ast
 import os
+import tomllib
 
 import pytest
 
@@ -22,6 +25,53 @@ def tree_modules() -> dict[str, ast.Module]:
                 path = os.path.join(root, name)
                 found[os.path.relpath(path, TESTS)] = ast.parse(open(path).read(), path)
     return found
+
+
+def tree_sources() -> dict[str, ast.Module]:
+    """Every .py file of the tree (tests, support, fakes, conftest), parsed."""
+    found = {}
+    for root, _, names in os.walk(TESTS):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                found[os.path.relpath(path, TESTS)] = ast.parse(open(path).read(), path)
+    return found
+
+
+def imports_of_test_modules(sources: dict[str, ast.Module]) -> list[str]:
+    """'file: module' for every import of a test module or conftest, at any depth."""
+    found = []
+    for path, tree in sorted(sources.items()):
+        for node in ast.walk(tree):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [
+                a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path}: {n}" for n in names
+                      if n.split(".")[0].startswith("test_") or n.split(".")[0] == "conftest"]
+    return found
+
+
+def test_no_test_module_imports_another():
+    assert imports_of_test_modules(tree_sources()) == []
+
+
+def test_the_import_check_sees_a_test_module_imported_at_any_depth():
+    planted = ast.parse("import os\n"
+                        "def test_x():\n"
+                        "    from test_text_parity import PROMPTS\n"
+                        "    import conftest\n")
+    assert imports_of_test_modules({"test_planted.py": planted}) == [
+        "test_planted.py: test_text_parity", "test_planted.py: conftest"]
+
+
+def test_only_support_and_fakes_are_on_the_path():
+    """What the test modules share lives in tests/support/ (builders) and tests/fakes/ (emulated
+    devices); no other test folder is importable by name."""
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        options = tomllib.load(f)["tool"]["pytest"]["ini_options"]
+    assert options["pythonpath"] == ["tests/support", "tests/fakes"]
+    for folder in options["pythonpath"]:
+        names = os.listdir(os.path.join(REPO, folder))
+        assert not [n for n in names if n.startswith("test_") or n == "conftest.py"], folder
 
 
 def _uses_hypothesis(tree: ast.Module) -> bool:

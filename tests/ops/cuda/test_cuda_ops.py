@@ -755,8 +755,8 @@ def test_an_engine_on_the_cuda_ops_runs_an_int8_cache_in_triton(triton_interpret
                                                                 qwen3_checkpoint, caplog):
     """The whole engine on CudaOps (CPU tensors, kernels interpreted): the startup log names the
     Triton reader, and the logits equal the reference op table's with the same int8 cache."""
-    from test_kv_cache_dtype import path_logits
-    from test_text_parity import PROMPTS
+    from kv_cache_dtype_cases import path_logits
+    from text_parity_cases import PROMPTS
     from vlinfer import LLM
     path, _ = qwen3_checkpoint
     with caplog.at_level(logging.INFO, logger="vlinfer"):

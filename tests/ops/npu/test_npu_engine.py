@@ -20,10 +20,10 @@ from engine_checks import assert_block_pool_empty
 from text_checkpoints import hf_qwen3_vl_processor
 from fake_torch_npu import fake_npu  # noqa: F401  (fixture)
 from images import picture
-from test_text_parity import BF16_LOGIT_TOLERANCE
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine import SchedulerOutput
 from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
+from text_parity_cases import BF16_LOGIT_TOLERANCE
 
 NUM_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
