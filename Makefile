@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 run: install
 	$(BIN)/python examples/quickstart.py
 
-# tests/apps/test_demo.py screenshots the demo with Debian's headless Chromium (and its fonts): installed with apt-get
+# tests/apps/test_demo.py drives the demo in Debian's headless Chromium (and its fonts): installed with apt-get
 # where missing; a machine that cannot install it stops here, saying so, rather than failing one test later.
 browser:
 	@command -v chromium >/dev/null 2>&1 || { \
