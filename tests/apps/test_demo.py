@@ -263,7 +263,8 @@ def _ask_in_the_browser(url: str, expected: str, answer_timeout: float) -> None:
     with a click shows the user's turn and then `expected` as the bot's message."""
     page = Page(url)
     try:
-        page.wait_for("document.querySelector('textarea[data-testid=textbox]') !== null", 60,
+        page.wait_for("document.readyState === 'complete' && "
+                      "document.querySelector('textarea[data-testid=textbox]') !== null", 60,
                       "the page rendering its message box")
         dom = page.dom()
         assert re.search(r'<div id="chat"', dom) and 'aria-label="chatbot conversation"' in dom
@@ -275,10 +276,21 @@ def _ask_in_the_browser(url: str, expected: str, answer_timeout: float) -> None:
         assert submit and 'aria-label="Submit"' in submit.group(0), "no submit button"
         _set_number(page, "Temperature", 0)
         _set_number(page, "Max new tokens", ANSWER_TOKENS)
+        box = "document.querySelector('textarea[data-testid=textbox]')"
         page.type("textarea[data-testid=textbox]", QUESTION)
-        page.click("button.submit-button")
-        page.wait_for("[...document.querySelectorAll('#chat [data-testid=user]')]"
-                      f".some(e => e.innerText.trim() === {QUESTION!r})", 30, "the user's turn")
+        page.wait_for(f"{box}.value === {QUESTION!r}", 10, "the typed question in the box")
+        turn = ("[...document.querySelectorAll('#chat [data-testid=user]')]"
+                f".some(e => e.innerText.trim() === {QUESTION!r})")
+        # A click the busy page dropped leaves the question in the box (a submit empties it): only
+        # then is it clicked again, so the question is never sent twice.
+        for _ in range(3):
+            page.click("button.submit-button")
+            try:
+                page.wait_for(f"{turn} || {box}.value === ''", 20, "the question leaving the box")
+                break
+            except AssertionError:
+                continue
+        page.wait_for(turn, 30, "the user's turn")
         shown = f"bot's message: {expected}"
         page.wait_for(f"[...document.querySelectorAll('#chat [data-testid=bot]')]"
                       f".some(e => e.getAttribute('aria-label') === {shown!r})", answer_timeout,
