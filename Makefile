@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 run: install
 	$(BIN)/python examples/quickstart.py
 
-# tests/apps/test_demo.py screenshots the demo with Debian's headless Chromium (and its fonts): installed with apt-get
+# tests/apps/test_demo.py drives the demo in Debian's headless Chromium (and its fonts): installed with apt-get
 # where missing; a machine that cannot install it stops here, saying so, rather than failing one test later.
 browser:
 	@command -v chromium >/dev/null 2>&1 || { \
@@ -36,7 +36,8 @@ browser:
 # test-full runs everything, and is what CI (.ci/run) runs. The default tests run on TEST_WORKERS processes
 # (pytest-xdist; a file's tests on one worker, so its module fixtures are built once), with OpenMP threads that
 # wait passively: spinning ones of two workers on two cores ran the engine tests up to 4x slower. The slow tier
-# runs in one process: on two workers one of them died near its end, twice, and xdist then hung.
+# runs in one process: on two workers one of them died near its end, twice, and xdist then hung. It reruns the
+# generated (hypothesis) tests on fresh draws (tests/support/hypothesis_draws.py).
 TEST_WORKERS ?= 2
 PYTEST_WORKERS = OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 test: install browser
@@ -44,7 +45,7 @@ test: install browser
 
 test-full: install browser
 	$(PYTEST_WORKERS) -m "not slow"
-	$(BIN)/python -m pytest -q -m slow --durations=30
+	VLINFER_HYPOTHESIS=explore $(BIN)/python -m pytest -q -m "slow or generated" --durations=30
 
 bench: install
 	$(BIN)/python bench/throughput.py

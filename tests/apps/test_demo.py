@@ -1,81 +1,26 @@
 """The Gradio demo (apps/demo.py) end to end: a real server subprocess on the embedded tiny model,
-driven through gradio_client the way a browser tab drives it, plus one headless Chromium screenshot
-of the page."""
+driven through gradio_client the way a browser tab drives it; in headless Chromium (DevTools
+protocol, tests/support/browser.py), the rendered DOM's chat widgets and a question typed and
+submitted with a click, answered with the model's own tokens (a demo whose chat shows no answer, a
+planted bug, fails that check); and one screenshot of the page."""
 import importlib.util
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
-from dependencies import REPO
+from browser import Page
 
 import gradio  # noqa: F401  (the demo's own dependency: a test dependency, imported, never skipped)
 import pytest
-from gradio_client import Client, handle_file
+from gradio_client import Client
+from demo_cases import (DEMO, NOTICE_TITLE, ROOT, _answer, _as_input, _chat, _client, _start,
+                        _stop, _texts, _wait_serving, _watch)
 
-ROOT = Path(REPO)
-DEMO = ROOT / "apps" / "demo.py"
 SCREENSHOT = ROOT / "apps" / "screenshot.sh"
-STARTUP_TIMEOUT = 120  # model build / load plus gradio import; ~20 s on a busy 2-core machine
-NOTICE_TITLE = "Not answered"  # apps/demo.py marks its rejection notices with this title
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (it may have children), SIGKILL it if it lingers."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    except ProcessLookupError:
-        pass
-
-
-def _start(log_path: Path, *args: str) -> tuple[subprocess.Popen, int]:
-    """A demo server process with these arguments, on a free port; (process, port)."""
-    port = _free_port()
-    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "wb") as log:
-        # A new session: _stop kills the whole process group, not just the Python process.
-        proc = subprocess.Popen(
-            [sys.executable, str(DEMO), *args, "--port",
-             str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True)
-    return proc, port
-
-
-def _wait_serving(proc: subprocess.Popen, url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the demo exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(
-                f"the demo did not serve within {STARTUP_TIMEOUT}s:\n{log_path.read_text()[-3000:]}"
-            )
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -93,63 +38,10 @@ def server(tmp_path_factory):
         _stop(proc)
 
 
-def _client(url: str) -> Client:
-    # timeout: gradio_client's plain requests (predict polls, cancel) default to httpx's 5 s, too
-    # short when the machine is busy (CI, a benchmark next door); the streams themselves have no
-    # timeout.
-    return Client(url, verbose=False, download_files=False, analytics_enabled=False,
-                  httpx_kwargs={"timeout": 60})
-
-
 def _image(path: Path, color=(200, 40, 40), size=(64, 48)) -> str:
     from PIL import Image
     Image.new("RGB", size, color).save(path)
     return str(path)
-
-
-def _texts(message: dict) -> str:
-    content = message["content"]
-    parts = content if isinstance(content, list) else [content]
-    return "".join(p if isinstance(p, str) else p.get("text", "") for p in parts if p)
-
-
-def _answer(history: list[dict]) -> str:
-    """The last assistant message's text ('' when there is none yet)."""
-    for message in reversed(history or []):
-        if message["role"] == "assistant":
-            return _texts(message)
-    return ""
-
-
-def _as_input(history: list[dict]) -> list[dict]:
-    """A returned chat history, sent back as a browser does: file parts keep the server's FileData
-    (its path in the server's upload cache), so the images of earlier turns are not uploaded again.
-    """
-    for message in history:
-        for part in message["content"]:
-            assert part.get("type") != "file" or isinstance(part["file"], dict), part
-    return history
-
-
-def _chat(client: Client, text: str, files=(), history=None, max_tokens: int = 24):
-    message = {"text": text, "files": [handle_file(f) for f in files]}
-    return client.submit(message, history or [], 0.7, 0.9, max_tokens, api_name="/chat")
-
-
-def _watch(job, poll: float = 0.05) -> list[str]:
-    """The distinct answer texts the job streamed, in the order they arrived."""
-    seen, read = [], 0
-    while True:
-        done = job.done()
-        outputs = job.outputs()
-        for out in outputs[read:]:
-            text = _answer(out[0])
-            if not seen or text != seen[-1]:
-                seen.append(text)
-        read = len(outputs)
-        if done:
-            return seen
-        time.sleep(poll)
 
 
 def _active(client: Client) -> int:
@@ -332,6 +224,110 @@ def test_example_gallery_lists_the_example_images(server):
     assert len(galleries) == 1
     shown = sorted(Path(item["image"]["path"]).name for item in galleries[0]["props"]["value"])
     assert shown == expected
+
+
+# A demo whose chat callback never shows an answer (the user's turn only): the planted bug the
+# browser test must catch.
+SILENT_DEMO = """import importlib.util, sys
+spec = importlib.util.spec_from_file_location("demo", {demo!r})
+demo = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(demo)
+demo.answer_messages = lambda reasoning, answer: []
+sys.exit(demo.main())
+"""
+QUESTION, ANSWER_TOKENS = "Say hi", 12
+
+
+def _greedy_answer(url: str) -> str:
+    """What the model answers QUESTION (greedy, ANSWER_TOKENS), through the API."""
+    history, _ = _client(url).predict({"text": QUESTION, "files": []}, [], 0.0, 0.9,
+                                      ANSWER_TOKENS, api_name="/chat")
+    return _answer(history)
+
+
+def _set_number(page: Page, label: str, value) -> None:
+    """Types a value into the number box of the slider labelled `label`, as a user does."""
+    selector = f"#number-{label.lower().replace(' ', '-')}"
+    page.evaluate(f"""(() => {{
+        const box = [...document.querySelectorAll('[data-testid=number-input]')]
+            .find(e => e.closest('.block').innerText.includes({label!r}));
+        box.id = {selector[1:]!r}; box.select(); }})()""")
+    page.type(selector, str(value))
+    page.evaluate(f"document.querySelector({selector!r}).blur()")
+    assert page.evaluate(f"document.querySelector({selector!r}).value") == str(value)
+
+
+def _ask_in_the_browser(url: str, expected: str, answer_timeout: float) -> None:
+    """The rendered page (DOM) has the chat, the message box, the image input and the submit
+    button; with temperature 0 and ANSWER_TOKENS set in their boxes, QUESTION typed and submitted
+    with a click shows the user's turn and then `expected` as the bot's message."""
+    page = Page(url)
+    try:
+        page.wait_for("document.readyState === 'complete' && "
+                      "document.querySelector('textarea[data-testid=textbox]') !== null", 60,
+                      "the page rendering its message box")
+        dom = page.dom()
+        assert re.search(r'<div id="chat"', dom) and 'aria-label="chatbot conversation"' in dom
+        box = re.search(r'<textarea[^>]*data-testid="textbox"[^>]*>', dom)
+        assert box and "Ask about images or videos" in box.group(0), "no message box"
+        files = re.search(r'<input[^>]*type="file"[^>]*>', dom)
+        assert files and 'accept="image/*' in files.group(0), "no image input"
+        submit = re.search(r'<button[^>]*data-testid="submit-button"[^>]*>', dom)
+        assert submit and 'aria-label="Submit"' in submit.group(0), "no submit button"
+        _set_number(page, "Temperature", 0)
+        _set_number(page, "Max new tokens", ANSWER_TOKENS)
+        box = "document.querySelector('textarea[data-testid=textbox]')"
+        page.type("textarea[data-testid=textbox]", QUESTION)
+        page.wait_for(f"{box}.value === {QUESTION!r}", 10, "the typed question in the box")
+        turn = ("[...document.querySelectorAll('#chat [data-testid=user]')]"
+                f".some(e => e.innerText.trim() === {QUESTION!r})")
+        # A click the busy page dropped leaves the question in the box (a submit empties it): only
+        # then is it clicked again, so the question is never sent twice.
+        for _ in range(3):
+            page.click("button.submit-button")
+            try:
+                page.wait_for(f"{turn} || {box}.value === ''", 20, "the question leaving the box")
+                break
+            except AssertionError:
+                continue
+        page.wait_for(turn, 30, "the user's turn")
+        shown = f"bot's message: {expected}"
+        page.wait_for(f"[...document.querySelectorAll('#chat [data-testid=bot]')]"
+                      f".some(e => e.getAttribute('aria-label') === {shown!r})", answer_timeout,
+                      "the model's answer showing in the chat")
+    finally:
+        page.close()
+
+
+def test_a_question_typed_and_clicked_in_the_browser_gets_the_models_answer(server):
+    """Chromium renders the page, a user types and clicks Submit, and the chat shows exactly what
+    the model answers through the API (the embedded toy's greedy tokens), logged as a request."""
+    url, _, log_path = server
+    expected = _greedy_answer(url)
+    assert expected
+    requests = log_path.read_text().count(f"max_tokens={ANSWER_TOKENS}")
+    _ask_in_the_browser(url, expected, answer_timeout=60)
+    assert log_path.read_text().count(f"max_tokens={ANSWER_TOKENS}") == requests + 1
+
+
+@pytest.mark.slow  # a second demo subprocess
+def test_the_browser_check_fails_on_a_demo_that_shows_no_answer(server, tmp_path):
+    """The control: a demo whose chat callback shows the user's turn and never an answer (a
+    planted bug) fails the browser check, though its page renders every widget."""
+    url, _, _ = server
+    expected = _greedy_answer(url)
+    script = tmp_path / "silent_demo.py"
+    script.write_text(SILENT_DEMO.format(demo=str(DEMO)))
+    log_path = tmp_path / "silent.log"
+    proc, port = _start(log_path, "--model", "qwen3-vl-tiny", "--max-model-len", "4096",
+                        script=script)
+    try:
+        silent = f"http://127.0.0.1:{port}/"
+        _wait_serving(proc, silent, log_path)
+        with pytest.raises(AssertionError, match="the model's answer showing in the chat"):
+            _ask_in_the_browser(silent, expected, answer_timeout=15)
+    finally:
+        _stop(proc)
 
 
 def test_screenshot(server, tmp_path):

@@ -7,9 +7,9 @@ import re
 import gradio  # noqa: F401  (the demo's own dependency: a test dependency, imported, never skipped)
 import pytest
 
-from test_demo import (NOTICE_TITLE, _answer, _as_input, _chat, _client, _start, _stop, _texts,
-                       _wait_serving, _watch)
 from videos import drawn_clip, encode
+from demo_cases import (NOTICE_TITLE, _answer, _as_input, _chat, _client, _start, _stop, _texts,
+                        _wait_serving, _watch)
 
 
 @pytest.fixture(scope="module")

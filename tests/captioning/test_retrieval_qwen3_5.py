@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine_checks import assert_block_pool_empty
-from test_qwen3_5_vl import TEXT, VISION
-from test_retrieval import IMG_A, IMG_B, IMG_C, RERANKER, VIDEO_CONFIG, hf_embedding, hf_score
 from vlinfer import Pipeline
 from vlinfer.toy.tiny_checkpoints import (QWEN3_VL_SPECIAL, _rescale,
                                           write_qwen3_vl_processor_files)
+from qwen3_5_vl_cases import TEXT, VISION
+from retrieval_cases import IMG_A, IMG_B, IMG_C, RERANKER, VIDEO_CONFIG, hf_embedding, hf_score
 
 TOL = 1e-5
 ITEMS = {"text": {"text": "A red house beside two blue stars."}, "image": {"image": IMG_A},

@@ -147,7 +147,7 @@ def test_int8_kv_cache_on_two_ranks_equals_one_rank(text_checkpoints, references
     reach the next layer's K and V in another order, and a value on a rounding edge then stores
     one int8 step (1/127 of its row's largest) apart; and transformers' within the stated int8
     tolerance."""
-    from test_kv_cache_dtype import TOLERANCE
+    from kv_cache_dtype_cases import TOLERANCE
     path = text_checkpoints["qwen3-kv2"]
     one = prompt_logits(LLM(path, **OPTIONS, kv_cache_dtype="int8"))
     with LLM(path, tensor_parallel_size=2, **OPTIONS, kv_cache_dtype="int8") as llm:
@@ -164,7 +164,7 @@ def test_int8_kv_cache_on_two_ranks_equals_one_rank(text_checkpoints, references
 def test_c8_static_int8_checkpoint_on_two_ranks_equals_one_rank(text_checkpoints, tmp_path):
     """msModelSlim C8 scales are per KV channel: each rank takes its KV heads' share, so two ranks
     give one rank's logits."""
-    from test_kv_cache_schemes import c8_scales, kv_rows, write_variant
+    from kv_cache_schemes_cases import c8_scales, kv_rows, write_variant
     src = text_checkpoints["qwen3-kv2"]
     path = write_variant(src, str(tmp_path / "c8"), c8_scales(kv_rows(src)),
                          description={"model_quant_type": "FLOAT", "kv_cache_type": "C8"})
@@ -232,7 +232,7 @@ def test_two_tp_engines_at_once(tp_engines, references):
 
 def test_qwen3_vl_with_images_matches_transformers_and_one_rank(tmp_path_factory):
     from transformers import Qwen3VLForConditionalGeneration
-    from test_qwen3_vl_engine import CASES, hf_greedy as hf_vl_greedy, hf_inputs, requests
+    from qwen3_vl_engine_cases import CASES, hf_greedy as hf_vl_greedy, hf_inputs, requests
     from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
     path = build_tiny_qwen3_vl(str(tmp_path_factory.mktemp("vl-kv1")), seed=0, num_heads=4,
                                num_kv_heads=1, head_dim=32, mrope_section=(6, 5, 5), vision_depth=2,

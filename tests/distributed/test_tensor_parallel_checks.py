@@ -37,7 +37,7 @@ def test_speculation_on_a_hybrid_model_across_ranks_is_refused_before_spawning(t
     import torch
     from transformers import Qwen3_5ForCausalLM
 
-    from test_qwen3_5_text import save, text_config
+    from qwen3_5_text_cases import save, text_config
     with torch.random.fork_rng(devices=[]):
         save(Qwen3_5ForCausalLM(text_config()).eval(), str(tmp_path))
     spawned = []

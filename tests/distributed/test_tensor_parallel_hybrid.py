@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from engine_checks import assert_block_pool_empty
-from test_lora import make_adapter
-from test_qwen3_5_text import (PROMPTS, qwen3_5_moe_config, qwen3_next_config, save,
-                               text_config)
 from vlinfer import LLM, LoRARequest, SamplingParams
 from vlinfer.engine import SchedulerOutput
 from vlinfer.toy.tiny_checkpoints import _rescale
+from lora_cases import make_adapter
+from qwen3_5_text_cases import PROMPTS, qwen3_5_moe_config, qwen3_next_config, save, text_config
 
 NUM_NEW = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)

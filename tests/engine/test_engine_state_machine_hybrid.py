@@ -7,15 +7,16 @@ sequence without blocks holds none, and the free slots are exactly the others; w
 block hash whose KV is cached; every finished request's tokens equal its run alone (without
 speculation, on one engine with it); once idle, every slot is free and only checkpoints are kept,
 which a reset frees."""
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant
 
-from test_engine_state_machine import EngineMachine, Engines
-from test_qwen3_5_text import save, text_config
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine.drive import drive
 from vlinfer.toy.tiny_checkpoints import _rescale
+from engine_state_machine_cases import EngineMachine, Engines
+from qwen3_5_text_cases import save, text_config
 
 EXAMPLES, STEPS = 12, 30
 MAX_NUM_SEQS = 4
@@ -91,14 +92,14 @@ class HybridMachine(EngineMachine):
         assert len(manager.free_checkpoints) == manager.num_checkpoint_slots
 
 
+@pytest.mark.generated
 def test_engine_state_machine_on_a_hybrid_model(tmp_path_factory):
     engines = HybridEngines(tmp_path_factory.mktemp("hybrid-machine"))
     HybridMachine.fixture = engines
     # as many examples per engine as with two engines: the derandomized first ones are small
     HybridMachine.TestCase.settings = settings(max_examples=EXAMPLES // 2,
                                               stateful_step_count=STEPS, deadline=None,
-                                              suppress_health_check=list(HealthCheck),
-                                              derandomize=True)
+                                              suppress_health_check=list(HealthCheck))
     for name in sorted(ENGINES):
         HybridMachine.engine_name = name
         HybridMachine.TestCase().runTest()

@@ -25,7 +25,8 @@ refused. After every rule:
 and at the end, once everything finished or was aborted, no block is held and no encoder entry is
 left.
 
-The default suite runs EXAMPLES examples of up to STEPS rules; the slow tier many more."""
+The suite runs EXAMPLES examples of up to STEPS rules: derandomized in the default tier, on fresh
+draws in the slow tier (tests/support/hypothesis_draws.py)."""
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -34,13 +35,12 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from engine_machines import EngineRules, check_block_pool, completions_done
 from images import picture
-from test_lora import make_adapter
-from test_lora_vision import TEXT, VISION
 from vlinfer import LLM, LoRARequest, PoolingParams, SamplingParams
 from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
+from lora_cases import make_adapter
+from lora_vision_cases import TEXT, VISION
 
 EXAMPLES, STEPS = 40, 30
-SLOW_EXAMPLES, SLOW_STEPS = 200, 50
 TOL = 1e-5
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 # Three pictures (an image is 64 tokens at the checkpoint's minimum size): requests share them, so
@@ -269,8 +269,7 @@ def run_machine(engines, examples: int, steps: int):
     MultimodalMachine.fixture = engines
     MultimodalMachine.TestCase.settings = settings(max_examples=examples, stateful_step_count=steps,
                                                    deadline=None,
-                                                   suppress_health_check=list(HealthCheck),
-                                                   derandomize=True)
+                                                   suppress_health_check=list(HealthCheck))
     MultimodalMachine.TestCase().runTest()
     stats = dict(engines.stats, preemptions=engines.engine.scheduler.num_preemptions,
                  lora_steps=engines.engine.model_runner.lora.steps)
@@ -281,10 +280,6 @@ def run_machine(engines, examples: int, steps: int):
     assert stats["installs"] > 2  # the two adapters took turns in the one slot
 
 
+@pytest.mark.generated
 def test_multimodal_engine_state_machine(engines):
     run_machine(engines, EXAMPLES, STEPS)
-
-
-@pytest.mark.slow  # many more examples: `make test-full` and CI run it
-def test_multimodal_engine_state_machine_long(engines):
-    run_machine(engines, SLOW_EXAMPLES, SLOW_STEPS)

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from engine_checks import assert_block_pool_empty
-from test_qwen3_5_text import qwen3_next_config, save, text_config
 from vlinfer import LLM, SamplingParams
 from vlinfer.toy.tiny_checkpoints import _rescale
+from qwen3_5_text_cases import qwen3_next_config, save, text_config
+from hybrid_prefix_cache_cases import prefill_logits
 
 BS = 16
 NUM_NEW = 16
@@ -54,26 +55,6 @@ def make_llm(folder, **kw):
     kw.setdefault("max_model_len", 256)
     kw.setdefault("max_num_seqs", 8)
     return LLM(folder, dtype="float32", kvcache_block_size=BS, **kw)
-
-
-def prefill_logits(engine, prompt, tamper=None):
-    """Prefill `prompt` (token ids or a request) alone through the scheduler (its prefix hit, chunk
-    cuts and state copies included), the logits of every position it computes; then abort it.
-    tamper(batch) may change each step's batch first. Returns (logits of positions
-    num_cached_tokens.., the sequence)."""
-    request = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
-    seq = engine.make_sequence(request)
-    engine.add_sequence(seq)
-    rows = []
-    while seq.num_computed_tokens < seq.num_tokens:
-        batch = engine.scheduler.schedule()
-        assert batch.seqs == [seq]
-        if tamper is not None:
-            tamper(batch)
-        rows.append(engine.model_runner.prompt_logits(batch))
-        engine.scheduler.update(batch, [])
-    engine.abort_request(seq.request_id)
-    return torch.cat(rows), seq
 
 
 def relative_error(ours, ref):

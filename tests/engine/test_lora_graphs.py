@@ -23,13 +23,13 @@ import torch
 
 from engine_checks import assert_block_pool_empty
 from fake_torch_npu import loaded
-from test_graph_runner import MAX_TOKENS, PROMPTS, cpu_graphs, greedy  # noqa: F401
-from test_lora import ALL_LINEARS, make_adapter
+from graph_runner_cases import MAX_TOKENS, PROMPTS, cpu_graphs, greedy  # noqa: F401
 from vlinfer import LLM, LoRARequest
 from vlinfer.engine import graph_runner
 from vlinfer.layers.lora import LoRAGroups
 from vlinfer.ops.npu import NpuOps
 from vlinfer.ops.npu import graph as npu_graph
+from lora_cases import ALL_LINEARS, make_adapter
 
 NPU_KW = dict(dtype="bfloat16", kvcache_block_size=128, max_num_seqs=6, kv_cache_bytes=8 * 2**20,
               max_model_len=512)

@@ -16,11 +16,11 @@ import torch.nn.functional as F
 
 from engine_checks import assert_block_pool_empty
 from gguf_checkpoints import write_tiny_qwen35_gguf
-from test_qwen3_5_text import text_config
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine import SchedulerOutput
 from vlinfer.ops.reference import gguf as gguf_reference
 from vlinfer.toy.tiny_checkpoints import _rescale
+from qwen3_5_text_cases import text_config
 
 NUM_NEW = 12
 # Per sequence, relative to its largest logit: the op's two-digit activation rounding turns a

@@ -16,8 +16,8 @@ from vlinfer import LLM, LoRARequest, SamplingParams
 from vlinfer.engine import SchedulerOutput
 from vlinfer.outputs import RequestError
 from vlinfer.platform import cpu_features
+from lora_cases import ALL_LINEARS, make_adapter, peft_model
 
-ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (rank, alpha, rslora, targets, seed)
 ADAPTERS = {"style": (8, 16, False, ALL_LINEARS, 1), "fields": (4, 8, True, ALL_LINEARS, 2),
             "attn": (16, 8, False, ["q_proj", "v_proj"], 3)}
@@ -26,22 +26,6 @@ ADAPTERS = {"style": (8, 16, False, ALL_LINEARS, 1), "fields": (4, 8, True, ALL_
 PROMPTS = [(5, 17, 42, 99), (7, 300, 12, 48, 250, 3, 77, 8, 401, 66, 21, 9, 130, 44),
            (11, 12, 11, 12, 11, 12)]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-
-
-def make_adapter(base, folder: str, rank: int, alpha: int, rslora: bool, targets: list[str],
-                 seed: int) -> str:
-    from peft import LoraConfig, get_peft_model
-    torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets,
-                        init_lora_weights=False, lora_dropout=0.0)
-    peft_model = get_peft_model(base, config)
-    with torch.no_grad():  # O(1) updates: a comparison that could miss an adapter would fail
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-    peft_model.save_pretrained(folder)
-    peft_model.unload()
-    return folder
 
 
 @pytest.fixture(scope="module", params=[("qwen3", True), ("llama", False)], ids=["qwen3", "llama"])
@@ -56,14 +40,6 @@ def setup(request, tmp_path_factory):
         adapters[name] = LoRARequest(name, i + 1,
                                      make_adapter(base, str(tmp_path_factory.mktemp(name)), *spec))
     return path, adapters
-
-
-def peft_model(path: str, adapter: LoRARequest | None):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return PeftModel.from_pretrained(model,
-                                     adapter.lora_path).eval() if adapter is not None else model
 
 
 def reference(path, adapter, prompt: tuple) -> tuple[torch.Tensor, list[int]]:

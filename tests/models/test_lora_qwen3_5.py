@@ -10,14 +10,14 @@ import torch
 
 from engine_checks import assert_block_pool_empty
 from images import picture
-from test_lora import make_adapter
-from test_qwen3_5_text import PROMPTS, qwen3_5_moe_config, save, text_config
-from test_qwen3_5_vl import MOE, TEXT, VISION
-from test_qwen3_vl_engine import PROMPT_0, PROMPT_1, hf_inputs
 from vlinfer import LLM, LoRARequest, SamplingParams
 from vlinfer.engine import SchedulerOutput
 from vlinfer.toy.tiny_checkpoints import (QWEN3_VL_SPECIAL, _rescale,
                                           write_qwen3_vl_processor_files)
+from lora_cases import make_adapter
+from qwen3_5_text_cases import PROMPTS, qwen3_5_moe_config, save, text_config
+from qwen3_5_vl_cases import MOE, TEXT, VISION
+from qwen3_vl_engine_cases import PROMPT_0, PROMPT_1, hf_inputs
 
 NUM_NEW = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)

@@ -12,13 +12,14 @@ import torch
 
 from engine_checks import assert_block_pool_empty
 from images import picture
-from test_lora import make_adapter
-from test_moe_model import IMG_B, IMG_C, PROMPT_TWO, qwen3_vl_moe_config, save_with_layout
-from test_moe_model import hf_inputs as moe_hf_inputs
-from test_video import ASK, CLIP_ODD, HUB_VIDEO_CONFIG, META_ODD, V, hf_inputs, request
 from vlinfer import LLM, LoRARequest, RequestError, SamplingParams
 from vlinfer.engine import SchedulerOutput
 from vlinfer.toy.tiny_checkpoints import _rescale, build_tiny_qwen3_vl
+from lora_cases import make_adapter
+from moe_model_cases import IMG_B, IMG_C, PROMPT_TWO, qwen3_vl_moe_config, save_with_layout
+from moe_model_cases import hf_inputs as moe_hf_inputs
+from video_cases import ASK, CLIP_ODD, HUB_VIDEO_CONFIG, META_ODD, V, hf_inputs, request
+from lora_vision_cases import TEXT, VISION
 
 NUM_NEW = 16
 I = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -28,12 +29,6 @@ CASES = {
     "image": (ASK.format("Look: " + I), [IMG], []),
     "video": (ASK.format(V), [], [(CLIP_ODD, META_ODD)])
 }
-# PEFT target_modules regexes (full match on the module name): every vision linear (blocks' qkv,
-# proj and MLP, the merger's and the DeepStack mergers'), the patch embedding (a Conv3d: PEFT gives
-# it convolution-shaped A and B) and the decoder's.
-VISION = (r"model\.visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])"
-          r"|(merger|deepstack_merger_list\.\d+)\.linear_fc[12]|patch_embed\.proj)")
-TEXT = r"model\.language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
 # name -> (rank, alpha, rslora, targets, seed)
 ADAPTERS = {"text": (8, 16, False, TEXT, 1), "both": (8, 16, False, f"{VISION}|{TEXT}", 2),
             "eyes": (4, 8, True, VISION, 3)}

@@ -11,30 +11,17 @@ import torch
 
 from engine_checks import assert_block_pool_empty
 from images import picture
-from test_qwen3_5_text import LAYER_TYPES
-from test_qwen3_vl_engine import PROMPT_0, PROMPT_1, hf_greedy, hf_inputs
-from test_video import ASK, CLIP_ODD, HUB_VIDEO_CONFIG, META_ODD, V
-from test_video import hf_inputs as hf_video_inputs
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine import SchedulerOutput
 from vlinfer.toy.tiny_checkpoints import (QWEN3_VL_SPECIAL, _rescale,
                                           write_qwen3_vl_processor_files)
+from qwen3_vl_engine_cases import PROMPT_0, PROMPT_1, hf_greedy, hf_inputs
+from video_cases import ASK, CLIP_ODD, HUB_VIDEO_CONFIG, META_ODD, V
+from video_cases import hf_inputs as hf_video_inputs
+from qwen3_5_vl_cases import MOE, TEXT, VISION
 
 NUM_NEW = 16
 CASES = [(PROMPT_1, [picture(120, 160, 1)]), (PROMPT_0, [])]
-TEXT = dict(vocab_size=151936, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
-            layer_types=LAYER_TYPES, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-            linear_value_head_dim=48, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
-            max_position_embeddings=4096,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "partial_rotary_factor": 0.25, "mrope_section": [4, 2, 2],
-                             "mrope_interleaved": True})
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-           shared_expert_intermediate_size=40)
-VISION = dict(depth=2, hidden_size=64, num_heads=4, intermediate_size=128, patch_size=16,
-              temporal_patch_size=2, in_channels=3, spatial_merge_size=2, out_hidden_size=64,
-              num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh")
 
 
 @pytest.fixture(scope="module", params=["Qwen3_5", "Qwen3_5Moe"])
@@ -134,7 +121,7 @@ def test_repeated_image_prompt_hits_its_checkpoint_and_stays_exact(checkpoint):
     boundary before its last token, image-keyed, its linear layers restored from the checkpoint
     there: logits and greedy tokens are transformers'. The same text with another picture of the
     same size (the same token ids) hits nothing past the blocks before its image."""
-    from test_hybrid_prefix_cache import prefill_logits
+    from hybrid_prefix_cache_cases import prefill_logits
     folder, model = checkpoint
     llm = LLM(folder, dtype="float32", kv_cache_bytes=32 * 2 ** 20, max_model_len=1024,
               kvcache_block_size=16)

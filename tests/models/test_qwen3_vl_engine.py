@@ -9,24 +9,16 @@ from PIL import Image
 
 from engine_checks import assert_block_pool_empty
 
-from text_checkpoints import hf_qwen3_vl_processor
 from images import picture
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine import SchedulerOutput
 from vlinfer.multimodal import Qwen3VLImageProcessor
 from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
+from qwen3_vl_engine_cases import (CASES, IMG_A, IMG_B, NUM_NEW, PROMPT_0, PROMPT_1, hf_greedy,
+                                   hf_inputs, requests)
 
-NUM_NEW = 32
 IMAGE = 151655
-PROMPT_1 = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image." \
-           "<|im_end|>\n<|im_start|>assistant\n"
-PROMPT_2 = "<|im_start|>user\nCompare <|vision_start|><|image_pad|><|vision_end|> with " \
-           "<|vision_start|><|image_pad|><|vision_end|> please.<|im_end|>\n<|im_start|>assistant\n"
-PROMPT_0 = "<|im_start|>user\nWrite one word about the sea.<|im_end|>\n<|im_start|>assistant\n"
 
-
-IMG_A, IMG_B, IMG_C = picture(120, 160, 1), picture(200, 90, 2), picture(64, 64, 3)
-IMG_BIG, IMG_TALL, IMG_WIDE = picture(480, 640, 4), picture(1200, 30, 5), picture(25, 1000, 6)
 
 SHAPES = {
     # GQA 2:1, rotary sections [6, 5, 5], DeepStack after vision blocks 0 and 1, untied head.
@@ -55,35 +47,6 @@ def make_llm(path, **kw):
     return LLM(path, dtype="float32", **kw)
 
 
-def hf_inputs(llm, text, images, max_pixels=None):
-    """transformers' inputs for a prompt, all made by its own Qwen3VLProcessor: placeholders
-    expanded (not fed ours) and pixels preprocessed on the engine's device as ours are:
-    torchvision's uint8 resize rounds differently on CUDA than on the CPU (one grey level at some
-    pixels, measured on an H200), and that, not the model, would separate the logits."""
-    size = {"size": {"shortest_edge": 65536, "longest_edge": max_pixels}} if max_pixels else {}
-    out = hf_qwen3_vl_processor(llm.engine.source.folder)(text=[text], images=images or None,
-                                                          return_tensors="pt",
-                                                          device=llm.engine.device, **size)
-    kwargs = {"mm_token_type_ids": out["mm_token_type_ids"].cpu()}
-    if images:
-        kwargs.update(pixel_values=out["pixel_values"].cpu(),
-                      image_grid_thw=out["image_grid_thw"].cpu())
-    return out["input_ids"].cpu(), kwargs
-
-
-def hf_greedy(model, ids, kwargs, num_new=NUM_NEW):
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
-                             **kwargs)
-    return out[0, ids.shape[1]:].tolist()
-
-
-# One image; two images with text before, between and after; text only; and large, tall and wide
-# images.
-CASES = [(PROMPT_1, [IMG_A]), (PROMPT_2, [IMG_B, IMG_C]), (PROMPT_0, []), (PROMPT_1, [IMG_C]),
-         (PROMPT_1, [IMG_BIG]), (PROMPT_2, [IMG_TALL, IMG_WIDE])]
-
-
 @pytest.fixture(scope="module")
 def references(checkpoint):
     path, model = checkpoint
@@ -93,11 +56,6 @@ def references(checkpoint):
         ids, kwargs = hf_inputs(llm, text, images)
         refs.append(hf_greedy(model, ids, kwargs))
     return refs
-
-
-def requests():
-    return [{"prompt": text, "multi_modal_data": {"image": images}} if images else text
-            for text, images in CASES]
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)

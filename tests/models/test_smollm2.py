@@ -9,9 +9,9 @@ import torch
 from dependencies import SMOLLM2_GGUF, smollm2_dir
 
 from engine_checks import assert_block_pool_empty
-from test_decode_kernel_parity import vector_kernel_or_skip
-from test_serve_structured import json_object_prefix
 from vlinfer import LLM, SamplingParams
+from decode_kernel_parity_cases import vector_kernel_or_skip
+from serve_structured_cases import json_object_prefix
 
 # the real SmolLM2 against transformers: `make test-full` and CI run the slow ones, `make test` the
 # float32 decode along transformers' path only

@@ -1,5 +1,4 @@
 """Our engine against transformers on tiny random Qwen3 and Llama checkpoints, float32."""
-import random
 
 import pytest
 import torch
@@ -7,24 +6,8 @@ import torch
 from engine_checks import assert_block_pool_empty
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine import SchedulerOutput
-
-NUM_NEW = 32
-
-
-def prompts_of_lengths(lengths, seed=0, vocab=512):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
-
-
-# 8 prompts, lengths crossing block edges
-PROMPTS = prompts_of_lengths([1, 5, 16, 17, 31, 48, 70, 129])
-
-
-def reference_greedy(model, prompt, num_new=NUM_NEW):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_new, min_new_tokens=num_new,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+from text_parity_cases import (BF16_LOGIT_TOLERANCE, NUM_NEW, PROMPTS, prompts_of_lengths,
+                               reference_greedy)
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +102,6 @@ def test_preemption_under_a_tiny_pool_keeps_outputs(tiny_checkpoint, references)
     assert_block_pool_empty(llm)
 
 
-# bfloat16 tolerance, documented in the README: prompt logits within 3e-2 of the largest |logit| of
-# transformers in bfloat16 on the same weights, and the same arg-max at >= 95% of positions. (Both
-# round differently: we rotate q/k and normalize in float32, transformers partly in bfloat16.)
-BF16_LOGIT_TOLERANCE = 3e-2
 # the share of bf16 greedy tokens before the first near tie, over all prompts (docs/correctness.md)
 BF16_DECODE_AGREEMENT = 0.625
 

@@ -468,7 +468,7 @@ def adapters(tmp_path_factory):
     """A tiny Qwen3 checkpoint and two PEFT adapters of ranks 8 and 4 on every linear."""
     from transformers import AutoModelForCausalLM
     from text_checkpoints import build_checkpoint, tiny_text_config
-    from test_lora import ALL_LINEARS, make_adapter
+    from lora_cases import ALL_LINEARS, make_adapter
     from vlinfer import LoRARequest
     path = str(tmp_path_factory.mktemp("lora-ops-qwen3"))
     build_checkpoint(path, tiny_text_config("qwen3", True))

@@ -3,12 +3,9 @@ signatures, EngineConfig, SamplingParams, the server's request handling, the dem
 read and written the way the table writes them, cell by cell, so a default changed in code or in the
 README alone fails here."""
 import dataclasses
-import importlib.util
 import inspect
 import re
-from pathlib import Path
 
-from dependencies import REPO
 from types import SimpleNamespace
 
 import pytest
@@ -24,19 +21,11 @@ from vlinfer.cli import serve as serve_cli
 from vlinfer.serve.config import ServeConfig
 from vlinfer.serve.server import Server
 from vlinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
+from defaults_cases import ROOT, load_demo
 
-ROOT = Path(REPO)
 COLUMNS = ("LLM", "Pipeline", "generate", "chat", "caption", "serve", "demo")
 ROWS = ("max_model_len", "max_num_batched_tokens", "temperature", "top_p", "max_tokens",
         "max_num_seqs", "memory_utilization")
-
-
-def load_demo():
-    spec = importlib.util.spec_from_file_location("vlinfer_demo_defaults",
-                                                  ROOT / "apps" / "demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def readme_section() -> str:

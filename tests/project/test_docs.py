@@ -1,7 +1,8 @@
-"""What a newcomer reads is true: the README stays short and types no test counts, the default
-model is called what it is, every app's --port shows its default; every Python block of the README
-and docs/ runs offline as written, or names what it needs and the offline file that runs the same
-calls; the retrieval aliases and their errors behave as the README's block needs."""
+"""What a newcomer reads is true: the README stays short and types no test counts, every claim of
+docs/correctness.md names the test files behind it (its tests column, each file existing), the
+default model is called what it is, every app's --port shows its default; every Python block of the
+README and docs/ runs offline as written, or names what it needs and the offline file that runs the
+same calls; the retrieval aliases and their errors behave as the README's block needs."""
 import glob
 import json
 import logging
@@ -14,7 +15,7 @@ import textwrap
 import pytest
 
 from dependencies import REPO
-from test_defaults import load_demo
+from defaults_cases import load_demo
 
 README = os.path.join(REPO, "README.md")
 # The README is the first page: past this, readers stop; details go to docs/.
@@ -38,6 +39,35 @@ def test_readme_types_no_test_counts():
     counts = re.findall(r"\b\d[\d,]*\s+(?:tests?|passed|failed|skipped|deselected)\b",
                         _read(README))
     assert not counts, counts
+
+
+CORRECTNESS = os.path.join(REPO, "docs", "correctness.md")
+
+
+def unbacked_claims(text: str) -> list[str]:
+    """The rows of the correctness table (| what | check | tests |) whose tests cell names no test
+    file of the repository (`tests/.../test_*.py`), by their first words."""
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert rows and rows[0] == "| what | check | tests |", rows[:1]
+    found = []
+    for row in rows[1:]:
+        tests_cell = row.rstrip(" |").rsplit(" | ", 1)[-1]
+        named = re.findall(r"`(tests/[\w/]+/test_\w+\.py|tests/test_\w+\.py)`", tests_cell)
+        if not named or not all(os.path.exists(os.path.join(REPO, n)) for n in named):
+            found.append(row[2:].split(" | ")[0])
+    return found
+
+
+def test_every_correctness_claim_names_its_tests():
+    assert unbacked_claims(_read(CORRECTNESS)) == []
+
+
+def test_a_claim_without_a_test_or_with_a_missing_one_is_found():
+    table = ("| what | check | tests |\n|---|---|---|\n"
+             "| ok | a check | `tests/models/test_text_parity.py` |\n"
+             "| no test | a claim |  |\n"
+             "| gone | a claim | `tests/models/test_no_such_file.py` |\n")
+    assert unbacked_claims(table) == ["no test", "gone"]
 
 
 def test_the_default_model_is_not_called_random_weight():

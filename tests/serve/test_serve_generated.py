@@ -4,7 +4,8 @@ formats and tools are drawn at random, some valid and most not. The property: ev
 with a well-formed completion or a 4xx with an OpenAI-shaped error naming a field, a certainly
 valid body always a 200; never a 5xx, never a hang past the client's timeout; after each batch, a
 plain request still gets its usual answer, and once idle no KV block is held. The default tier's
-cases are derandomized; the slow tier explores with a fresh seed (the failure's blob printed).
+cases are derandomized; the slow tier reruns them on fresh draws
+(tests/support/hypothesis_draws.py).
 
 The counts of cases per surface are printed (pytest -s) and asserted to be at least CASES each."""
 import json
@@ -17,12 +18,10 @@ from hypothesis import strategies as st
 from vlinfer.engine.engine_loop import EngineLoop
 from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.serve import ServeConfig, build_app
-from hypothesis_draws import draws
 from serve_helpers import ServerThread, data_uri, png_bytes
 
 MODEL = "qwen3-vl-tiny"
-CASES = 150  # per route in the default suite; SLOW_CASES in the slow tier
-SLOW_CASES = 1500
+CASES = 150  # per route
 TIMEOUT_S = 60
 IMAGE = data_uri(png_bytes(seed=4, size=(32, 32)))
 
@@ -139,14 +138,12 @@ def check(response: httpx.Response, stream: bool, valid: bool = False) -> str:
     return "ok"
 
 
-def run_cases(server, route: str, cases: int, explore: bool = False):
-    """explore: the slow tier's fresh draws (tests/support/hypothesis_draws.py)."""
+def run_cases(server, route: str, cases: int):
     url, engine = server
     before = plain_answer(url)
     outcomes = {"ok": 0, "refused": 0, "valid": 0}
 
-    @settings(max_examples=cases, deadline=None, **draws(explore),
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=cases, deadline=None, suppress_health_check=list(HealthCheck))
     @given(drawn=bodies(chat=route.endswith("chat/completions")))
     def one(drawn):
         body, valid = drawn
@@ -166,12 +163,7 @@ def run_cases(server, route: str, cases: int, explore: bool = False):
     assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.generated
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
 def test_generated_requests_get_a_client_error_or_an_answer(server, route):
     run_cases(server, route, CASES)
-
-
-@pytest.mark.slow  # ten times the cases: `make test-full` and CI run it
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
-def test_many_generated_requests(server, route):
-    run_cases(server, route, SLOW_CASES, explore=True)

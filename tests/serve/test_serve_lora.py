@@ -12,7 +12,6 @@ import httpx
 import openai
 import pytest
 
-from test_lora_surfaces import ATTENTION, EVERY_LINEAR, make_vl_adapter
 from vlinfer import LLM, LoRARequest, SamplingParams
 from vlinfer.cli.serve import build_parser, lora_module
 from vlinfer.cli.serve import main as serve_main
@@ -21,6 +20,7 @@ from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.serve import ServeConfig, build_app
 from vlinfer.serve.config import LoRAModule
 from serve_helpers import ServerThread
+from lora_surfaces_cases import ATTENTION, EVERY_LINEAR, make_vl_adapter
 
 BASE = "tiny-vl"
 KEY = "test-key-lora"

@@ -22,6 +22,7 @@ from vlinfer.engine.llm_engine import LLMEngine
 from vlinfer.serve import ServeConfig, build_app
 from serve_helpers import ServerThread
 from vlinfer.serve.tool_calls import ToolCallParser, parse_tool_calls
+from serve_structured_cases import json_object_prefix
 
 MODEL = "qwen3-vl-tiny"
 
@@ -136,39 +137,6 @@ def test_json_schema_response_format_validates(client):
     text = client.completions.create(model=MODEL, prompt="Record:", max_tokens=120, temperature=0,
                                      extra_body={"response_format": fmt}).choices[0].text
     jsonschema.validate(json.loads(text), RECORD)
-
-
-# What a JSON text cut short may still need (an open string's end, the rest of a literal or a
-# number, a key's colon and value) before its open containers close: json_object_prefix tries each.
-JSON_FILLERS = ["", '"', "0", ":0", '":0', '"a":0', 'n"', '0"', '00"', '000"', "e", "ue", "rue",
-                "lse", "se", "alse", "ull", "ll", "l", "1"]
-
-
-def json_object_prefix(text: str) -> bool:
-    """Whether text is the start of a JSON object (RFC 8259): some completion parses as one. The
-    test's own check, independent of the grammar engine that constrained it."""
-    for filler in JSON_FILLERS:
-        for then in ("", ":0", '"a":0', "0"):
-            candidate = text + filler + then
-            stack, in_string, escaped = [], False, False
-            for char in candidate:
-                if in_string:
-                    escaped, in_string = (False, True) if escaped else (char == "\\",
-                                                                        char != '"')
-                elif char == '"':
-                    in_string = True
-                elif char in "{[":
-                    stack.append("}" if char == "{" else "]")
-                elif char in "}]" and stack:
-                    stack.pop()
-            if in_string:
-                continue
-            try:
-                if isinstance(json.loads(candidate + "".join(reversed(stack))), dict):
-                    return True
-            except json.JSONDecodeError:
-                pass
-    return False
 
 
 def test_the_json_prefix_check_has_teeth():

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from dependencies import qwen_tokenizer_dir
-from hypothesis_draws import draws
 from vlinfer import SamplingParams
 from vlinfer.engine.input_processor import InputProcessor
 from vlinfer.engine.output_processor import OutputProcessor
@@ -63,7 +62,8 @@ PIECES = st.sampled_from(["<think>", "</think>", "<", "</", "<th", "</thin", "th
                           "a", " ", "\n", "é", "<think", "</think", "{\"a\": 1}"])
 
 
-@settings(max_examples=300, deadline=None, **draws(False))
+@pytest.mark.generated
+@settings(max_examples=300, deadline=None)
 @given(st.lists(PIECES, max_size=12), st.sampled_from(STATES), st.data())
 def test_any_split_of_any_text_gives_the_whole_texts_split(parts, state, data):
     text = "".join(parts)

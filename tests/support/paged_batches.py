@@ -67,3 +67,35 @@ def short_reads(attention, args, scale, block_size):
         out = attention(q, k_cache, v_cache, cu, wrong, tables, scale)
         errors.append((rel_err_per_seq(out, ref, cu), rel_err(out, ref)))
     return errors
+
+
+def tf32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 with its mantissa rounded to TF32's 10 bits (to nearest, ties to even): what a
+    GPU's tensor cores take of a float32 operand of tl.dot at its default input_precision."""
+    bits = x.float().contiguous().view(torch.int32)
+    rounded = (bits + 0x0FFF + ((bits >> 13) & 1)) & ~0x1FFF
+    return rounded.view(torch.float32)
+
+
+def tf32_paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+    """The Triton attention as a GPU runs it on a 16-bit model (dots at TF32, the rest float32), in
+    float64: scores from TF32 q and k (exact for bf16 / fp16 inputs), the unnormalized
+    probabilities and v rounded to TF32 before their product, the normalizer from the unrounded
+    ones. The kernel rounds each probability against its running maximum, this reference against
+    the final one: the roundings differ by at most half a TF32 unit (2^-11) of each term."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    for i, n in enumerate(seq_lens.tolist()):
+        start, end = cu_seqlens_q[i].item(), cu_seqlens_q[i + 1].item()
+        blocks = block_tables[i, :-(-n // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:n].repeat_interleave(group, 1)  # [n, heads, D]
+        v = v_cache[blocks].flatten(0, 1)[:n].repeat_interleave(group, 1)
+        s = torch.einsum("thd,nhd->htn", tf32(q[start:end]).double(), tf32(k).double()) * scale
+        positions = torch.arange(n - (end - start), n)
+        s = s.masked_fill(torch.arange(n)[None, None, :] > positions[None, :, None], float("-inf"))
+        e = torch.exp(s - s.amax(-1, keepdim=True))
+        rounded = tf32(e.float()).double()
+        out[start:end] = (torch.einsum("htn,nhd->thd", rounded, tf32(v).double())
+                          / e.sum(-1).transpose(0, 1)[..., None])
+    return out

@@ -360,6 +360,77 @@ def test_sampled_continuations_are_distributed_as_without_speculation(checkpoint
             assert got < bound, (name, got, bound)
 
 
+def plant_acceptance_bias(monkeypatch, bias: float):
+    """The acceptance rule with a planted bias: each proposal's acceptance uniform lowered by bias,
+    so a proposal d is accepted with probability p(d) + bias (the control: it must fail)."""
+    draw = sampler._uniforms
+
+    def biased(seq, count, device):
+        u = draw(seq, count, device)
+        k = len(seq.spec_token_ids)
+        u[:k] = (u[:k] - bias).clamp(min=0.0)
+        return u
+
+    monkeypatch.setattr(sampler, "_uniforms", biased)
+
+
+VERIFIED_DRAWS = 9000
+# a prompt whose likeliest first token a and second token b are likely: fewer draws see the bias
+SKEWED_PROMPT = [(3 * j + 11) % 500 + 3 for j in range(12)]
+BIAS = 0.03
+
+
+@pytest.mark.parametrize("bias", [0.0, BIAS], ids=["exact", "planted-3%-bias"])
+def test_a_verified_token_is_distributed_within_a_3_percent_bias(checkpoints, monkeypatch, bias):
+    """VERIFIED_DRAWS seeded three-token continuations (temperature 0.7, top-k 2) on the dense
+    path: the first token comes from the prefill, the second is always proposed (b, transformers'
+    likeliest after the likeliest first token a) and verified by rejection sampling. After a, the
+    second token takes two values, so its total variation from transformers' processed
+    distribution is |f - p| (f: b's frequency, p: its probability), a binomial mean's deviation of
+    standard error s = sqrt(p (1 - p) / m) over the m draws that start with a. The bound is 4 s (a
+    false alarm one run in 16000); a 3% bias fails when 3% - 4 s exceeds 2 s, so the test first
+    asserts 6 s <= 0.03, i.e. m >= 10000 * 4 p (1 - p) draws after a, or 10000 * 4 p (1 - p) / p(a)
+    draws in all: VERIFIED_DRAWS covers that on SKEWED_PROMPT (a likely a, a likely b; with
+    top-k 4 and a flat prompt the need is several times larger). The same run with the acceptance
+    rule biased by 3% (a planted bug: proposals accepted with p(d) + 0.03) must exceed the bound."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"], dtype=torch.float32).eval()
+    prompt = SKEWED_PROMPT
+
+    def processed(ids):
+        with torch.no_grad():
+            row = model(torch.tensor([ids])).logits[0, -1] / 0.7
+        return row.masked_fill(row < row.topk(2).values[-1], float("-inf")).softmax(-1)
+
+    a = int(processed(prompt).argmax())
+    b = int(processed(prompt + [a]).argmax())
+    p = float(processed(prompt + [a])[b])
+    monkeypatch.setattr(speculator, "propose_ngram",
+                        lambda ids, k, *_: [b] if len(ids) == len(prompt) + 1 else [])
+    if bias:
+        plant_acceptance_bias(monkeypatch, bias)
+    n = VERIFIED_DRAWS
+    spec = dict(NGRAM, disable_by_batch_size=n)
+    options = dict(OPTIONS, kv_cache_bytes=128 * 2**20, max_num_seqs=2048,
+                   max_num_batched_tokens=32768)
+    llm = LLM(checkpoints["qwen3"], **options, speculative_config=spec)
+    # three tokens: a proposal is made only where a token is left after it
+    params = SamplingParams(n=n, temperature=0.7, top_k=2, max_tokens=3, ignore_eos=True, seed=5)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    draws = np.array([c.token_ids for c in out.outputs])
+    assert llm.engine.speculator.num_draft_tokens == n  # every second token was verified
+    assert_pools_empty(llm)
+    after_a = draws[draws[:, 0] == a][:, 1]
+    m = len(after_a)
+    s = float(np.sqrt(p * (1 - p) / m))
+    assert 6 * s <= BIAS, f"{m} draws after a cannot see a {BIAS:.0%} bias (s = {s:.4f})"
+    gap = abs(float((after_a == b).mean()) - p)
+    if bias:
+        assert gap > 4 * s, (gap, 4 * s)
+    else:
+        assert gap < 4 * s, (gap, 4 * s)
+
+
 def test_seeded_requests_repeat(checkpoints):
     llm = LLM(checkpoints["qwen3"], speculative_config=NGRAM, **OPTIONS)
     params = SamplingParams(temperature=0.8, max_tokens=30, seed=11, ignore_eos=True)

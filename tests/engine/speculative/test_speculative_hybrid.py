@@ -9,11 +9,11 @@ import torch
 from engine_checks import assert_block_pool_empty
 
 from text_checkpoints import build_checkpoint, tiny_text_config
-from test_qwen3_5_text import qwen3_5_moe_config, save, text_config
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine.cache_pool import CachePool
 from vlinfer.engine.speculative import speculator
 from vlinfer.toy.tiny_checkpoints import _rescale
+from qwen3_5_text_cases import qwen3_5_moe_config, save, text_config
 
 NUM_NEW = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)

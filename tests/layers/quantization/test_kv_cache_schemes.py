@@ -4,66 +4,23 @@ with offsets), built here from a tiny random checkpoint with scales calibrated o
 rows. They open, their scales reach the cache, and their logits stay within the stated tolerance of
 transformers on the same weights; bad schemes and scales are refused at load, naming the field or
 tensor."""
-import json
 import logging
-import os
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine_checks import assert_block_pool_empty
-from test_kv_cache_dtype import (STEP_TOLERANCE, TOLERANCE, path_logits, reference_logits,
-                                 relative_gap, scheduling_path_gaps)
-from test_text_parity import PROMPTS
 from vlinfer import LLM, SamplingParams
 from vlinfer.layers.quantization.kv_cache import StaticKVScales
 from vlinfer.ops import reference
 from vlinfer.ops.reference import kv_cache as kv_quant_reference
 from vlinfer.ops.cpu import CpuOps
+from kv_cache_dtype_cases import (STEP_TOLERANCE, TOLERANCE, path_logits, reference_logits,
+                                  relative_gap, scheduling_path_gaps)
+from text_parity_cases import PROMPTS
+from kv_cache_schemes_cases import STATIC_INT8_TOLERANCE, c8_scales, kv_rows, write_variant
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-# Static int8 scales are calibrated, not fitted to each row (README's correctness table,
-# docs/kv-cache.md).
-STATIC_INT8_TOLERANCE = 5e-2
-
-
-def kv_rows(path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every decoder layer's K and V rows [tokens, kv_heads, head_dim] over PROMPTS, as our float32
-    engine stores them (after the norms and rotary): the calibration set."""
-    llm = LLM(path, dtype="float32", kv_cache_bytes=8 << 20)
-    layers = llm.engine.model_runner.cache_pool.layers
-    rows = [([], []) for _ in layers]
-
-    def capture(i):
-        def hook(module, args):
-            rows[i][0].append(args[1].clone())
-            rows[i][1].append(args[2].clone())
-        return hook
-    hooks = [layer.register_forward_pre_hook(capture(i)) for i, layer in enumerate(layers)]
-    path_logits(llm, PROMPTS)
-    for hook in hooks:
-        hook.remove()
-    return [(torch.cat(k), torch.cat(v)) for k, v in rows]
-
-
-def write_variant(src: str, dst: str, tensors: dict, quantization_config: dict | None = None,
-                  description: dict | None = None) -> str:
-    shutil.copytree(src, dst)
-    state = load_file(os.path.join(dst, "model.safetensors"))
-    save_file({**state, **tensors}, os.path.join(dst, "model.safetensors"),
-              metadata={"format": "pt"})
-    if quantization_config is not None:
-        with open(os.path.join(dst, "config.json")) as f:
-            config = json.load(f)
-        config["quantization_config"] = quantization_config
-        with open(os.path.join(dst, "config.json"), "w") as f:
-            json.dump(config, f)
-    if description is not None:
-        with open(os.path.join(dst, "quant_model_description.json"), "w") as f:
-            json.dump(description, f)
-    return dst
 
 
 def compressed_tensors_config(kind: str, strategy: str = "tensor", **overrides) -> dict:
@@ -89,20 +46,6 @@ def calibrated(rows, granularity: str, limit: float) -> dict:
             else:
                 scale = magnitude.amax(0).flatten()
             tensors[f"model.layers.{i}.self_attn.{side}_scale"] = (scale / limit).float()
-    return tensors
-
-
-def c8_scales(rows) -> dict:
-    """msModelSlim C8: per channel, asymmetric (the min-max rule of its W8A16 weights)."""
-    tensors = {}
-    for i, (k, v) in enumerate(rows):
-        for side, x in (("k", k), ("v", v)):
-            flat = x.flatten(1)
-            low, high = flat.amin(0).clamp(max=0), flat.amax(0).clamp(min=0)
-            scale = ((high - low) / 255).clamp(min=1e-8)
-            tensors[f"model.layers.{i}.self_attn.{side}_proj.kv_cache_scale"] = scale
-            tensors[f"model.layers.{i}.self_attn.{side}_proj.kv_cache_offset"] = -128 - torch.round(
-                low / scale)
     return tensors
 
 

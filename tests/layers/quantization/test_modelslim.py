@@ -22,11 +22,11 @@ from text_checkpoints import hf_qwen3_vl_processor
 from fake_torch_npu import fake_npu  # noqa: F401  (fixture)
 from images import picture
 from modelslim_checkpoints import apply_reference, calibrate, write_modelslim
-from test_text_parity import BF16_LOGIT_TOLERANCE
 from vlinfer import LLM, SamplingParams
 from vlinfer.layers.quantization import TensorInfo
 from vlinfer.layers.quantization.modelslim import ModelSlimLinear, ModelSlimQuantization
 from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
+from text_parity_cases import BF16_LOGIT_TOLERANCE
 
 NUM_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)

@@ -9,16 +9,13 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from text_checkpoints import build_checkpoint
 from quantized_checkpoints import write_compressed_tensors, write_fp8_block
-from vlinfer import LLM, SamplingParams
+from vlinfer import LLM
 from vlinfer.ops.cpu import quant as cpu_quant
 from vlinfer.ops.reference import quant as quant_reference
-
-PROMPT = [3, 17, 92, 44, 5, 8, 250, 31]
-NEW_TOKENS = 8
+from quantized_cases import PROMPT, _methods, _per_token, _reference_tokens, _vlinfer_tokens
 
 
 def _text_config():
@@ -37,57 +34,11 @@ def dense_qwen3(tmp_path_factory):
     return path
 
 
-def _reference_tokens(dense_path: str, dequantized: dict, activations=None,
-                      vl: bool = False) -> list[int]:
-    """Greedy tokens of transformers on the dense model with `dequantized` weights substituted.
-    activations: {module name: fn(x) -> x as the quantized op sees it} (W8A8's activation
-    quantization)."""
-    from transformers import AutoModelForCausalLM, Qwen3VLForConditionalGeneration
-    cls = Qwen3VLForConditionalGeneration if vl else AutoModelForCausalLM
-    model = cls.from_pretrained(dense_path, dtype=torch.float32).eval()
-    missing = set(dequantized) - set(model.state_dict())
-    assert not missing, missing
-    model.load_state_dict(dequantized, strict=False)
-    for name, fn in (activations or {}).items():
-        linear = model.get_submodule(name)
-        linear.forward = (lambda lin, f: lambda x: F.linear(f(x), lin.weight, lin.bias))(linear, fn)
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    return ids[0, len(PROMPT):].tolist()
-
-
-def _vlinfer_tokens(path: str, **options) -> tuple[list[int], LLM]:
-    llm = LLM(path, dtype="float32", kv_cache_bytes=4 << 20, **options)
-    out = llm.generate([PROMPT],
-                       SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
-                       use_tqdm=False)
-    return out[0].outputs[0].token_ids, llm
-
-
-def _per_token(x):
-    """W8A8 dynamic activations as the format's runtime defines them (compressed-tensors'
-    `dynamic: true, strategy: token` as vLLM's scaled_int8_quant runs it): per token, scale =
-    max |x| / 127, x / scale rounded half to even and saturated to [-128, 127]. Written here, not
-    imported from ops/reference/quant.py (the code under test)."""
-    rows = x.reshape(-1, x.shape[-1]).float()
-    scale = rows.abs().amax(-1, keepdim=True) / 127
-    codes = torch.round(rows / torch.where(scale > 0, scale, 1.0)).clamp(-128, 127)
-    return (codes * scale).reshape(x.shape)
-
-
 def _per_tensor(scale, zero):
     def fn(x):
         x_q = torch.round(x / scale + zero).clamp(-128, 127)
         return (x_q - zero) * scale
     return fn
-
-
-def _methods(llm) -> set[str]:
-    from vlinfer.layers.linear import LinearBase
-    return {m.method.describe() if m.method is not None else "dense"
-            for m in llm.engine.model_runner.model.modules() if isinstance(m, LinearBase)}
 
 
 @pytest.mark.parametrize("scheme,group", [("w4a16", 128), ("w4a16_asym", 64), ("w8a16", 128),

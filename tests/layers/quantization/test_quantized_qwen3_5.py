@@ -19,15 +19,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from test_qwen3_5_text import qwen3_5_moe_config, save, text_config
 from quantized_checkpoints import LINEAR_SUFFIXES, write_compressed_tensors, write_qwen3_5_fp8
-from test_quantized import (NEW_TOKENS, PROMPT, _methods, _per_token, _reference_tokens,
-                                  _vlinfer_tokens)
 from vlinfer import LLM
 from vlinfer.engine import SchedulerOutput
 from vlinfer.ops.cpu import quant as cpu_quant
 from vlinfer.ops.reference import quant as quant_reference
 from vlinfer.toy.tiny_checkpoints import _rescale
+from qwen3_5_text_cases import qwen3_5_moe_config, save, text_config
+from quantized_cases import (NEW_TOKENS, PROMPT, _methods, _per_token, _reference_tokens,
+                             _vlinfer_tokens)
 
 LINEAR_ATTN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 

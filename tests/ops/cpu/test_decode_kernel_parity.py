@@ -17,22 +17,17 @@ import pytest
 import torch
 
 from text_checkpoints import build_checkpoint, tiny_text_config
-from test_moe_model import qwen3_moe_config, save_with_layout
-from test_qwen3_5_text import save as save_with_tokenizer
-from test_qwen3_5_text import text_config as qwen3_5_text_config
-from test_text_parity import BF16_LOGIT_TOLERANCE, prompts_of_lengths, reference_greedy
 from vlinfer import LLM, SamplingParams
 from vlinfer.platform import cpu_features
 from vlinfer.toy.tiny_checkpoints import _rescale, build_tiny_qwen3_vl
+from moe_model_cases import qwen3_moe_config, save_with_layout
+from qwen3_5_text_cases import save as save_with_tokenizer
+from qwen3_5_text_cases import text_config as qwen3_5_text_config
+from text_parity_cases import BF16_LOGIT_TOLERANCE, prompts_of_lengths, reference_greedy
+from decode_kernel_parity_cases import VECTOR_KERNEL, vector_kernel_or_skip
 
 NUM_NEW = 12
 PROMPTS = prompts_of_lengths([1, 17, 40], seed=7)  # a one-token prompt and two past a block edge
-# The kernel paged_decode_attention runs for head_dim 64 / 128, by level and dtype
-# (csrc/paged_ops.cpp decode_attention_kernels: AVX-512 builds without BF16 run bf16 on the
-# plain loops).
-VECTOR_KERNEL = {("avx512bf16", "float32"): "AVX-512", ("avx512bf16", "bfloat16"): "AVX512-BF16",
-                 ("avx512", "float32"): "AVX-512", ("avx2", "float32"): "AVX2",
-                 ("avx2", "bfloat16"): "AVX2"}
 # transformers' class, head_dim of the (full-)attention layers
 KINDS = {"llama": ("AutoModelForCausalLM", 64), "qwen3": ("AutoModelForCausalLM", 128),
          "qwen3-moe": ("Qwen3MoeForCausalLM", 64),
@@ -119,14 +114,6 @@ def compare(ref_model, ours):
         err = (steps - ref).abs().amax(-1) / ref.abs().amax(-1)
         out.append((tokens, reference_greedy(ref_model, prompt, NUM_NEW), err, ref))
     return out
-
-
-def vector_kernel_or_skip(dtype):
-    kernel = VECTOR_KERNEL.get((cpu_features.cpu_isa(), dtype))
-    if kernel is None:
-        pytest.skip(f"needs {'AVX2' if dtype == 'float32' else 'AVX2 or AVX512-BF16'}: no vector "
-                    f"{dtype} decode kernel at the {cpu_features.cpu_isa()} level")
-    return kernel
 
 
 def float32_check(tokens, ref_tokens, err) -> bool:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine_checks import assert_block_pool_empty
-from test_graph_runner import (TEXT_PROMPT, TWO_IMAGES, VL_PROMPT, greedy, picture,  # noqa: F401
+from graph_runner_cases import (TEXT_PROMPT, TWO_IMAGES, VL_PROMPT, greedy, picture,  # noqa: F401
                                vl_checkpoint)
 from vlinfer import LLM
 
@@ -85,7 +85,7 @@ def test_engine_on_triton_attention_equals_the_reference(interpreted, vl_checkpo
 def test_text_engine_preempted_on_triton_attention(interpreted, qwen3_checkpoint, monkeypatch):
     """A pool too small for the batch (preemption, recompute) on our kernels: the reference op
     table's tokens."""
-    from test_graph_runner import PROMPTS
+    from graph_runner_cases import PROMPTS
     # 15-token prompts in a 3-block pool: three fit, then each needs its second block while
     # decoding.
     prompts = [(p * 15)[:15] for p in PROMPTS]

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from paged_batches import CUDA_ATTENTION_TOL as TOL, rel_err_per_seq
-from test_qwen3_5_text import PROMPTS, checkpoint, make_llm  # noqa: F401  (the tiny Qwen3.5)
+from qwen3_5_text_cases import PROMPTS, checkpoint, make_llm  # noqa: F401  (the tiny Qwen3.5)
 from vlinfer import SamplingParams
 from vlinfer.ops.cuda import CudaOps
 from vlinfer.ops.cuda import linear_attention as cuda_la

@@ -20,10 +20,11 @@ from engine_checks import assert_block_pool_empty
 from text_checkpoints import hf_qwen3_vl_processor
 from fake_torch_npu import fake_npu  # noqa: F401  (fixture)
 from images import picture
-from test_text_parity import BF16_LOGIT_TOLERANCE
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine import SchedulerOutput
 from vlinfer.toy.tiny_checkpoints import build_tiny_qwen3_vl
+from npu_engine_cases import IMAGE_TOKEN, assert_tokens_within_tolerance
+from text_parity_cases import BF16_LOGIT_TOLERANCE
 
 NUM_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
@@ -31,7 +32,6 @@ BLOCK = 128
 _rng = random.Random(5)
 # Lengths at and across the 128-token block edge; 200 spans two blocks.
 PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in (1, 5, 127, 128, 129, 200)]
-IMAGE_TOKEN = 151655
 VL_PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image." \
             "<|im_end|>\n<|im_start|>assistant\n"
 TEXT_PROMPT = "<|im_start|>user\nWrite one word about the sea.<|im_end|>\n<|im_start|>assistant\n"
@@ -47,20 +47,6 @@ def fia_calls(fake):
 def q_lens(call):
     ends = call["actual_seq_lengths"]
     return [b - a for a, b in zip([0] + ends, ends)]
-
-
-def assert_tokens_within_tolerance(ref_model, prompt_ids, tokens, **inputs):
-    """Each generated token's transformers logit (same prefix, one forward) within the tolerance of
-    the best one."""
-    ids = torch.tensor([prompt_ids + tokens])
-    if "pixel_values" in inputs:
-        inputs["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
-    with torch.no_grad():
-        logits = ref_model(input_ids=ids, **inputs).logits[0, len(prompt_ids) - 1:-1].float()
-    best = logits.max(-1).values
-    chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-    gap = ((best - chosen) / logits.abs().max()).max().item()
-    assert gap <= BF16_LOGIT_TOLERANCE, (gap, tokens)
 
 
 def assert_logits_within_tolerance(ours, ref):

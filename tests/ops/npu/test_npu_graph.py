@@ -17,7 +17,7 @@ import torch
 from engine_checks import assert_block_pool_empty
 from fake_torch_npu import FakeNpuError, loaded
 from paged_batches import rel_err_per_seq
-from test_graph_runner import (
+from graph_runner_cases import (
     PROMPTS,
     TEXT_PROMPT,
     VL_PROMPT,

@@ -20,8 +20,8 @@ import torch
 
 from engine_checks import assert_block_pool_empty
 from fake_torch_npu import fake_npu  # noqa: F401  (fixture)
-from test_npu_engine import assert_tokens_within_tolerance
-from test_qwen3_5_text import save, text_config
+from npu_engine_cases import assert_tokens_within_tolerance
+from qwen3_5_text_cases import save, text_config
 from vlinfer import LLM, SamplingParams
 from vlinfer.ops.npu import linear_attention as npu_la
 from vlinfer.platform.device import holds_dtype

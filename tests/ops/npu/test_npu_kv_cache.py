@@ -21,11 +21,6 @@ import torch
 from engine_checks import assert_block_pool_empty
 from fake_torch_npu import FakeNpuError, FakeTorchNpu, fake_npu, loaded  # noqa: F401  (fixture)
 from paged_batches import make_batch, rel_err_per_seq
-from test_graph_runner import PROMPTS as GRAPH_PROMPTS, generate
-from test_kv_cache_dtype import TOLERANCE, path_logits, reference_logits, relative_gap
-from test_kv_cache_schemes import STATIC_INT8_TOLERANCE, c8_scales, kv_rows, write_variant
-from test_npu_ops import BATCHES, DTYPE_IDS, HALF, NUM_KV_HEADS, TOL
-from test_text_parity import PROMPTS, prompts_of_lengths
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine import graph_runner
 from vlinfer.ops import reference
@@ -33,6 +28,11 @@ from vlinfer.ops.npu import NpuOps
 from vlinfer.ops.npu import graph as npu_graph
 from vlinfer.ops.npu.graph import GraphCapture
 from vlinfer.ops.reference import kv_cache as kv_quant_reference
+from graph_runner_cases import PROMPTS as GRAPH_PROMPTS, generate
+from kv_cache_dtype_cases import TOLERANCE, path_logits, reference_logits, relative_gap
+from kv_cache_schemes_cases import STATIC_INT8_TOLERANCE, c8_scales, kv_rows, write_variant
+from npu_ops_cases import BATCHES, DTYPE_IDS, HALF, NUM_KV_HEADS, TOL
+from text_parity_cases import PROMPTS, prompts_of_lengths
 
 BLOCK = 128
 FIA = "npu_fused_infer_attention_score"

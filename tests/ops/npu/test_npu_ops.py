@@ -21,18 +21,7 @@ from vlinfer.ops.select import select
 from vlinfer.ops.npu import NpuOps
 from vlinfer.ops.npu import host as npu
 from vlinfer.ops.npu.graph import GraphCapture
-
-TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
-HALF = [torch.float16, torch.bfloat16]
-DTYPE_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-NUM_KV_HEADS = 2
-
-# (q_lens, kv_lens) with block size 128: decodes at and across block edges; fresh prefills; and a
-# mixed batch of a fresh prefill, decodes, a prefill crossing a block edge, a chunk after a
-# 260-token cached prefix and a 3-token prefix hit on one full block.
-BATCHES = [([1] * 6, [1, 127, 128, 129, 256, 300]),
-           ([5, 128, 129], [5, 128, 129]),
-           ([7, 1, 130, 1, 40, 3], [7, 200, 130, 129, 300, 131])]
+from npu_ops_cases import BATCHES, DTYPE_IDS, HALF, NUM_KV_HEADS, TOL
 
 
 # ---- paged attention ----
