@@ -11,10 +11,12 @@ the maintainers, not at install:
     weights
     python tools/train_embedded.py --evaluate               # score the shipped model under vlinfer
 
-The shipped recipe has two stages (vlinfer/toy/embedded.py): TRAINING from a seeded draw, with a
-curriculum from lone objects up to full scenes, then FINE_TUNING from its weights on full scenes
-weighted towards three objects, at a lower learning rate: the captions it still got wrong after the
-first stage were almost all three-object scenes.
+The shipped recipe has three stages (vlinfer/toy/embedded.py STAGES): TRAINING from a seeded
+draw, with a curriculum from lone objects up to full scenes; FINE_TUNING from its weights on full
+scenes weighted towards three objects, at a lower learning rate (the captions it still got wrong
+after the first stage were almost all three-object scenes); AUGMENTING from those, half its scenes
+with objects of any size anywhere the world allows, drawn varied (draw_varied), so pictures drawn
+by another hand (tools/hand_drawn.py) are answered too.
 
 Small on disk: the model keeps Qwen3's 151,936-token vocabulary, but only the tokens the world's
 prompts and answers use (a few hundred) have learned rows. Training computes the loss over the full
@@ -189,23 +191,72 @@ def losses(model, batch: dict, rest: int):
     return nll, full.argmax(1) == labels, targets
 
 
+def _shade(rgb, factor: float):
+    return tuple(max(0, min(255, int(c * factor))) for c in rgb)
+
+
+def draw_varied(scene, rng: random.Random):
+    """The scene drawn with the freedom a hand has (the training's style augmentation): colours
+    further off their swatch, an outline of a darker shade sometimes, and each shape's proportions
+    varied (a star's points, a triangle's apex, a house's roof and door), on the footprint
+    scenes.object_index_map gives (the location loss's targets)."""
+    from PIL import Image, ImageDraw
+    img = Image.new("RGB", (scene.width, scene.height),
+                    scenes._jitter(scenes.BACKGROUNDS[scene.background], rng, 14))
+    d = ImageDraw.Draw(img)
+    for o in scene.objects:
+        fill = scenes._jitter(scenes.COLOURS[o.colour], rng, 28)
+        width = rng.choice((0, 0, 1, 2, 3, 4))
+        line = dict(outline=_shade(fill, rng.uniform(0.45, 0.8)), width=width) if width else {}
+        x0, y0, x1, y1 = o.cx - o.half, o.cy - o.half, o.cx + o.half, o.cy + o.half
+        sx, sy = o.half * rng.uniform(-0.08, 0.08), o.half * rng.uniform(-0.08, 0.08)
+        if o.shape == "circle":
+            d.ellipse([x0 + sx, y0 + sy, x1 - sx, y1 - sy], fill=fill, **line)
+        elif o.shape == "square":
+            d.rectangle([x0 + sx, y0 + sy, x1 - sx, y1 - sy], fill=fill, **line)
+        elif o.shape == "triangle":
+            apex = o.cx + o.half * rng.uniform(-0.2, 0.2)
+            d.polygon([(apex, y0), (x1, y1), (x0, y1)], fill=fill, **line)
+        elif o.shape == "star":
+            inner, turn = rng.uniform(0.34, 0.52), rng.uniform(-0.25, 0.25)
+            d.polygon([(o.cx + o.half * (1 if k % 2 == 0 else inner) *
+                        math.cos(-math.pi / 2 + turn + k * math.pi / 5),
+                        o.cy + o.half * (1 if k % 2 == 0 else inner) *
+                        math.sin(-math.pi / 2 + turn + k * math.pi / 5)) for k in range(10)],
+                      fill=fill, **line)
+        else:  # house: walls, a roof of a darker (or the same) shade, a door or none
+            inset, top = o.half * rng.uniform(0.05, 0.25), o.cy + o.half * rng.uniform(-0.35, 0.1)
+            d.rectangle([x0 + inset, top, x1 - inset, y1], fill=fill, **line)
+            d.polygon([(x0, top + 1), (o.cx, y0), (x1, top + 1)],
+                      fill=_shade(fill, rng.uniform(0.45, 1.0)), **line)
+            if rng.random() < 0.8:
+                door = o.half * rng.uniform(0.12, 0.25)
+                d.rectangle([o.cx - door, o.cy + o.half * rng.uniform(0.3, 0.55), o.cx + door, y1],
+                            fill=scenes._jitter((60, 40, 25), rng, 20))
+    return img
+
+
 def sample_batch(rng: random.Random, size: int, max_turns: int, batcher: Batcher, max_objects: int,
-                 objects_power: float = 0.0) -> dict:
+                 objects_power: float = 0.0, augment: float = 0.0) -> dict:
     """Model inputs for `size` conversations, one picture each; batch["scenes"] holds their scenes.
     A scene has n objects (1..max_objects) with weight n ** objects_power: 0 draws every count
     equally often (the world's own mix, as the held-out scenes have it); 1 shows three-object scenes
-    three times as often as lone objects."""
+    three times as often as lone objects. A share `augment` of the scenes has its objects anywhere
+    the world allows (scenes.random_scene anywhere=True) and is drawn by draw_varied."""
     convs, images, drawn = [], [], []
     counts = range(1, max_objects + 1)
     for _ in range(size):
-        # (0 keeps randint's draws: runs from before this option replay unchanged)
+        # (0 keeps the draws of both options: runs from before them replay unchanged)
+        varied = bool(augment) and rng.random() < augment
         if objects_power:
             scene = scenes.random_scene(rng, max_objects,
-                                        rng.choices(counts, [n**objects_power for n in counts])[0])
+                                        rng.choices(counts, [n**objects_power for n in counts])[0],
+                                        anywhere=varied)
         else:
-            scene = scenes.random_scene(rng, max_objects)
+            scene = scenes.random_scene(rng, max_objects, anywhere=varied)
         drawn.append(scene)
-        images.append(scenes.draw(scene, rng.randrange(2 ** 31)))
+        images.append(draw_varied(scene, rng) if varied else
+                      scenes.draw(scene, rng.randrange(2 ** 31)))
         convs.append(conversation(scene, scenes.questions(scene, rng), rng, max_turns))
     return dict(batcher(convs, images), scenes=drawn)
 
@@ -283,7 +334,7 @@ def train(out: str, steps: int, batch_size: int, seed: int, threads: int, lr: fl
           stop_after: int | None = None, snapshot_every: int = 0,
           weight_decay: float = embedded.TRAINING["weight_decay"],
           objects_power: float = embedded.TRAINING["objects_power"],
-          init: str | None = None) -> dict:
+          init: str | None = None, augment: float = 0.0) -> dict:
     """Train and write the compact model to `out`; returns its manifest. `steps` sets the schedule;
     stop_after ends the run early (the weights equal that step's snapshot of the full run);
     snapshot_every writes the model so far to out/step-N as it goes; init starts from a compact
@@ -297,14 +348,15 @@ def train(out: str, steps: int, batch_size: int, seed: int, threads: int, lr: fl
     try:
         return _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_every,
                       eval_every, eval_count, stop_after or steps, snapshot_every, weight_decay,
-                      objects_power, init)
+                      objects_power, init, augment)
     finally:
         torch.set_num_threads(saved[0])
         torch.use_deterministic_algorithms(saved[1])
 
 
 def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_every, eval_every,
-           eval_count, stop_after, snapshot_every, weight_decay, objects_power, init) -> dict:
+           eval_count, stop_after, snapshot_every, weight_decay, objects_power, init,
+           augment) -> dict:
     tokenizer, template = load_tokenizer_and_template()
     vocab = world_vocabulary(tokenizer, template)
     rest = embedded.VOCAB_SIZE - len(vocab)
@@ -338,7 +390,7 @@ def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_ever
     start, history, location_history = time.time(), [], []
     for step in range(1, stop_after + 1):
         batch = sample_batch(rng, batch_size, max_turns, batcher,
-                             objects_cap(step, steps, bool(init)), objects_power)
+                             objects_cap(step, steps, bool(init)), objects_power, augment)
         vision_features.clear()
         nll, correct, _ = losses(model, batch, rest)
         where = location_targets(batch["scenes"], batch["image_grid_thw"], vision.patch_size,
@@ -367,7 +419,8 @@ def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_ever
         if snapshot_every and step % snapshot_every == 0 and step < stop_after:
             info = dict(steps=steps, stop_after=step, batch_size=batch_size, seed=seed,
                         threads=threads, lr=lr, max_turns=max_turns, weight_decay=weight_decay,
-                        objects_power=objects_power, shape=shape,
+                        objects_power=objects_power, shape=shape, init=start_from,
+                        **({"augment": augment} if augment else {}),
                         train_seconds=round(time.time() - start), torch=torch.__version__,
                         machine=cpu_name())
             embedded.write_compact(os.path.join(out, f"step-{step}"), model.state_dict(), vocab,
@@ -375,6 +428,7 @@ def _train(out, steps, batch_size, seed, threads, lr, max_turns, shape, log_ever
     info = dict(steps=steps, stop_after=stop_after, batch_size=batch_size, seed=seed,
                 threads=threads, lr=lr, max_turns=max_turns, weight_decay=weight_decay,
                 objects_power=objects_power, shape=shape, init=start_from,
+                **({"augment": augment} if augment else {}),
                 train_seconds=round(time.time() - start),
                 final_loss=round(sum(history[-50:]) / len(history[-50:]),
                                  5), torch=torch.__version__, machine=cpu_name())
@@ -416,11 +470,18 @@ def evaluate(model, seed: int = embedded.EVAL_SEED, count: int = 200, **llm_kwar
     vlinfer: the caption must state exactly the scene (each kind of object, its colour and its
     number, and the background: scenes.caption_is_right); each question's answer must equal the
     truth."""
+    return evaluate_items(model, scenes.generate(seed, count), **llm_kwargs)
+
+
+def evaluate_items(model, drawn: list, **llm_kwargs) -> dict:
+    """evaluate's scoring of any pictures with their truths ((scene, picture, questions with
+    answers), as scenes.generate gives them): "accuracy" is the share of captions and answers right
+    together."""
     from vlinfer import LLM, SamplingParams
     llm = model if isinstance(model, LLM) else LLM(model, **llm_kwargs)
-    params = SamplingParams(temperature=0, max_tokens=48)
-    items = []
-    for i, (scene, image, qa) in enumerate(scenes.generate(seed, count)):
+    params = SamplingParams(temperature=0, max_tokens=scenes.MAX_ANSWER_TOKENS)
+    items, count = [], len(drawn)
+    for i, (scene, image, qa) in enumerate(drawn):
         prompt = scenes.CAPTION_PROMPTS[i % len(scenes.CAPTION_PROMPTS)]
         items.append((scene, image, prompt, None))
         items += [(scene, image, q, a) for q, a in qa]
@@ -443,7 +504,8 @@ def evaluate(model, seed: int = embedded.EVAL_SEED, count: int = 200, **llm_kwar
             answers_right += ok
         if not ok:
             failures.append(dict(question=q, answer=text, truth=truth))
-    return dict(scenes=count, caption_accuracy=captions_right / count, caption_exact=exact / count,
+    return dict(scenes=count, accuracy=(captions_right + answers_right) / (count + answers),
+                caption_accuracy=captions_right / count, caption_exact=exact / count,
                 questions=answers, answer_accuracy=answers_right / max(1, answers),
                 failures=failures)
 
@@ -479,19 +541,21 @@ def evaluate_retrieval(pipe, seed: int = embedded.EVAL_SEED, count: int = 200, k
 
 
 RUN_FLAGS = ("steps", "batch_size", "seed", "threads", "lr", "max_turns", "weight_decay",
-             "objects_power")
+             "objects_power", "augment")
 
 
 def train_shipped(out: str, log_every: int = 50) -> dict:
-    """The shipped recipe: embedded.TRAINING from a seeded draw, then embedded.FINE_TUNING from its
-    weights."""
-    first, second = embedded.TRAINING, embedded.FINE_TUNING
-    with tempfile.TemporaryDirectory() as stage_one:
-        train(stage_one, shape=dict(embedded.SHAPE), log_every=log_every,
-              **{k: first[k]
-                 for k in RUN_FLAGS})
-        return train(out, shape=dict(embedded.SHAPE), log_every=log_every, init=stage_one,
-                      **{k: second[k] for k in RUN_FLAGS})
+    """The shipped recipe: embedded.STAGES in turn, the first from a seeded draw, each next one from
+    the weights of the one before."""
+    with tempfile.TemporaryDirectory() as work:
+        init = None
+        for i, stage in enumerate(embedded.STAGES):
+            folder = out if i == len(embedded.STAGES) - 1 else os.path.join(work, f"stage-{i}")
+            info = train(folder, shape=dict(embedded.SHAPE), log_every=log_every, init=init,
+                         stop_after=stage["stop_after"],
+                         **{k: stage[k] for k in RUN_FLAGS if k in stage})
+            init = folder
+        return info
 
 
 def main(argv=None) -> int:
@@ -499,8 +563,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=embedded.PACKAGE_DIR,
                    help="folder for the compact weights (default: the package's)")
     run = p.add_argument_group(
-        "one run instead of the shipped two-stage recipe (defaults: embedded.TRAINING, or "
-        "embedded.FINE_TUNING with --init)")
+        "one run instead of the shipped recipe's stages (defaults: embedded.TRAINING, or "
+        "embedded.AUGMENTING with --init)")
     run.add_argument("--steps", type=int)
     run.add_argument("--batch-size", type=int)
     run.add_argument("--seed", type=int)
@@ -511,6 +575,8 @@ def main(argv=None) -> int:
     run.add_argument("--objects-power", type=float,
                      help="a training scene has n objects with weight n ** this "
                      "(0: uniform)")
+    run.add_argument("--augment", type=float,
+                     help="share of scenes with objects anywhere in the world, drawn varied")
     run.add_argument("--init", default=None, help="start from this compact model (a second stage)")
     run.add_argument("--stop-after", type=int, default=None,
                      help="end after N steps of the --steps schedule")
@@ -531,8 +597,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     single = args.init is not None or any(getattr(args, k) is not None for k in RUN_FLAGS) or \
         args.stop_after or args.snapshot_every or args.eval_every
-    recipe = embedded.FINE_TUNING if args.init is not None else embedded.TRAINING
-    flags = {k: recipe[k] if getattr(args, k) is None else getattr(args, k) for k in RUN_FLAGS}
+    recipe = embedded.AUGMENTING if args.init is not None else embedded.TRAINING
+    # (a recipe without augment has none)
+    flags = {k: recipe.get(k, 0.0) if getattr(args, k) is None else getattr(args, k)
+             for k in RUN_FLAGS}
     if args.evaluate_retrieval:
         from vlinfer import Pipeline
         scores = evaluate_retrieval(Pipeline("qwen3-vl-toy-reranker", dtype="float32"),

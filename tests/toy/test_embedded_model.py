@@ -17,10 +17,13 @@ from vlinfer.toy import embedded, scenes
 from vlinfer.loading import resolve_model
 
 IM_END = 151645
-BAR = 0.9  # answers right in at least 90% of held-out scenes
-# Captions judged on their whole content (counts included, scenes.caption_is_right), as
-# tools/train_embedded.py --evaluate scores them; the README gives the full evaluation's figures.
-CAPTION_BAR = 0.9
+# The README's figures (tools/train_embedded.py --evaluate: captions judged on their whole content,
+# counts included, scenes.caption_is_right; answers equal to the truth) minus the spread measured
+# between sets of 200 scenes (seed 1,000,000 and the two halves of seed 3,000,000's 400: captions
+# 91.5-94%, answers 98.95-99.56%), so another CPU's float order cannot fail them.
+CAPTION_SPREAD, ANSWER_SPREAD = 0.025, 0.006
+HELD_OUT = dict(caption_accuracy=0.94 - CAPTION_SPREAD, answer_accuracy=0.989 - ANSWER_SPREAD)
+UNSEEN_SEED = dict(caption_accuracy=0.915 - CAPTION_SPREAD, answer_accuracy=0.993 - ANSWER_SPREAD)
 
 
 @pytest.fixture(scope="module")
@@ -38,23 +41,31 @@ def test_package_ships_the_trained_model_small():
         k: list(v) if isinstance(v, tuple) else v
         for k, v in embedded.SHAPE.items()
     }
-    # Two stages: FINE_TUNING from the weights TRAINING made (tools/train_embedded.py
-    # train_shipped).
-    second, first = manifest["training"], manifest["training"]["init"]
-    assert {k: second[k]
-            for k in embedded.FINE_TUNING} == embedded.FINE_TUNING, "not the recorded second stage"
-    assert {k: first["training"][k]
-            for k in embedded.TRAINING} == embedded.TRAINING, "not the recorded first stage"
-    assert first["sha256"] != manifest["sha256"]
+    # Three stages, each from the weights the one before made (tools/train_embedded.py
+    # train_shipped): the manifest's training is the last, its "init" the stage before.
+    stage, hashes = manifest, []
+    for recipe in reversed(embedded.STAGES):
+        assert {k: stage["training"][k] for k in recipe} == recipe, f"not the recorded {recipe}"
+        hashes.append(stage["sha256"])
+        stage = stage["training"].get("init")
+    assert stage is None and len(set(hashes)) == len(embedded.STAGES)
 
 
 def test_toy_describes_held_out_scenes(toy):
     """The 200 held-out scenes (a seed training never used), scored as the issue asks and as the
     README states."""
     scores = tool_script("train_embedded").evaluate(toy[1], seed=embedded.EVAL_SEED, count=200)
-    assert scores["caption_accuracy"] >= CAPTION_BAR and scores["answer_accuracy"] >= BAR, \
+    assert all(scores[k] >= bar for k, bar in HELD_OUT.items()), \
         {**scores, "failures": scores["failures"][:8]}
     assert_block_pool_empty(toy[1])
+
+
+@pytest.mark.slow  # 400 scenes, ~2,700 requests: ~45 s on 2 cores
+def test_toy_describes_scenes_of_a_seed_never_used(toy):
+    """The README's second figure: 400 scenes of seed 3,000,000, used by no training or test."""
+    scores = tool_script("train_embedded").evaluate(toy[1], seed=3_000_000, count=400)
+    assert all(scores[k] >= bar for k, bar in UNSEEN_SEED.items()), \
+        {**scores, "failures": scores["failures"][:8]}
 
 
 def test_example_image_gets_a_true_caption(toy):

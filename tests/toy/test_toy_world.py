@@ -44,6 +44,25 @@ def test_the_world_is_what_the_generator_draws():
     assert {len(s.objects) for s in drawn} == set(range(1, scenes.MAX_OBJECTS + 1))
 
 
+def test_the_training_augmentation_stays_inside_the_world():
+    """random_scene(anywhere=True), the training's augmentation: every object inside world()'s size
+    range and its own grid cell, reaching sizes the plain draw never puts on the 320x240 canvas."""
+    import random
+    rng = random.Random(0)
+    drawn = [scenes.random_scene(rng, anywhere=True) for _ in range(400)]
+    low, high = scenes.across()
+    wide = 0.0
+    for s in drawn:
+        cell_w, cell_h = s.width / scenes.GRID, s.height / scenes.GRID
+        for o in s.objects:
+            assert low <= 2 * o.half <= high
+            col, row = (o.cx - o.half) // cell_w, (o.cy - o.half) // cell_h
+            assert (o.cx + o.half) <= (col + 1) * cell_w and (o.cy + o.half) <= (row + 1) * cell_h
+            if (s.width, s.height) == (320, 240):
+                wide = max(wide, 2 * o.half)
+    assert wide > 2 * 80 * scenes.HALF_SHARE[1] + 5  # plain: at most 0.44 of the 80-pixel cell
+
+
 @pytest.fixture(scope="module")
 def toy():
     return Pipeline("qwen3-vl-toy", max_model_len=1024, kv_cache_bytes=16 << 20)

@@ -39,14 +39,20 @@ def _either(words) -> str:
     return ", ".join(words[:-1]) + " or " + words[-1]
 
 
+def across() -> tuple[int, int]:
+    """The world's object sizes, in pixels across: the smallest and largest the canvases and
+    HALF_SHARE give."""
+    sizes = [2 * min(w, h) / GRID * share for w, h in SIZES for share in HALF_SHARE]
+    return math.floor(min(sizes)), math.ceil(max(sizes))
+
+
 def world() -> str:
     """Exactly what the toy was trained on, in one sentence (its notice and the README say it)."""
-    across = [2 * min(w, h) / GRID * share for w, h in SIZES for share in HALF_SHARE]
+    low, high = across()
     sizes = _either([f"{w}x{h}" for w, h in SIZES])
     return (f"one picture per conversation, {sizes} pixels, a {_either(BACKGROUNDS)} background, "
             f"1 to {MAX_OBJECTS} objects ({', '.join(SHAPES)}; {', '.join(COLOURS)}) "
-            f"{math.floor(min(across))}-{math.ceil(max(across))} pixels across, apart in a "
-            f"{GRID}x{GRID} grid; no video, JSON or tools")
+            f"{low}-{high} pixels across, apart in a {GRID}x{GRID} grid; no video, JSON or tools")
 
 
 @dataclass(frozen=True)
@@ -169,11 +175,13 @@ def questions(scene: Scene, rng: random.Random) -> list[tuple[str, str]]:
     return qa
 
 
-def random_scene(rng: random.Random, max_objects: int = MAX_OBJECTS,
-                 count: int | None = None) -> Scene:
+def random_scene(rng: random.Random, max_objects: int = MAX_OBJECTS, count: int | None = None,
+                 anywhere: bool = False) -> Scene:
     """1..max_objects objects, uniformly (training starts with few: one object teaches what each
     word looks like), or exactly `count` of them (the training chooses how often each count comes;
-    the world's scenes are these)."""
+    the world's scenes are these). anywhere: each object of any size the world states (across())
+    that fits its cell, on every canvas, instead of a share of its cell (the training's
+    augmentation: a picture drawn by hand puts a large object on a small canvas)."""
     width, height = rng.choice(SIZES)
     background = rng.choice(list(BACKGROUNDS))
     cells = rng.sample(range(GRID * GRID), rng.randint(1, max_objects) if count is None else count)
@@ -187,7 +195,11 @@ def random_scene(rng: random.Random, max_objects: int = MAX_OBJECTS,
             shape, colour = earlier.shape, earlier.colour
         else:
             shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
-        half = min(cell_w, cell_h) * rng.uniform(*HALF_SHARE)
+        if anywhere:
+            low, high = across()
+            half = rng.uniform(low, min(high, min(cell_w, cell_h) - 2)) / 2
+        else:
+            half = min(cell_w, cell_h) * rng.uniform(*HALF_SHARE)
         slack_x, slack_y = cell_w / 2 - half, cell_h / 2 - half
         cx = (cell % GRID + 0.5) * cell_w + rng.uniform(-slack_x, slack_x)
         cy = (cell // GRID + 0.5) * cell_h + rng.uniform(-slack_y, slack_y)
