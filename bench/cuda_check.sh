@@ -21,10 +21,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 } 2>&1 | tee "$out/env.txt"
 
 # 1. Parity and engine tests with the engine on CUDA (float32 parity against transformers on the CPU); the
-#    linear-attention Triton kernels compiled on the GPU against the reference.
+#    linear-attention Triton kernels compiled on the GPU against the reference; hybrid decode in real CUDA graphs
+#    against eager, step by step (emulated graphs on a CPU).
 tests=${TESTS:-tests/models/test_qwen3_vl_engine.py tests/models/test_text_parity.py tests/multimodal/test_image_processor.py
   tests/engine/test_graph_runner.py tests/models/test_qwen3_vl_vision.py tests/models/test_qwen3_vl_model.py
-  tests/ops/cuda/test_cuda_linear_attention.py}
+  tests/ops/cuda/test_cuda_linear_attention.py tests/engine/test_hybrid_graphs.py}
 # shellcheck disable=SC2086
 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short --junitxml="$out/junit.xml" \
   $tests 2>&1 | tee "$out/tests.log"
