@@ -43,8 +43,8 @@ JOINS = {
     6: [("e", FIRST[:BS] + [99], 5)],  # hits FIRST's first block: one token left to compute
 }
 MAX_STEPS = 40
-# Per slot, relative to its largest entry. Not bit-exact: the padded bucket's matmuls (4 rows for
-# 3) round a row differently from eager's, by up to 1.7e-5 after a few steps here.
+# Per slot, relative to its largest entry. Not bit-exact (1.7e-5 seen by the fifth step on this
+# CPU): the likely source is the padded bucket's matmuls (4 rows where eager has 3) rounding rows.
 STATE_TOL = 1e-4
 
 
