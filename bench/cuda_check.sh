@@ -21,11 +21,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 } 2>&1 | tee "$out/env.txt"
 
 # 1. Parity and engine tests with the engine on CUDA (float32 parity against transformers on the CPU); the
-#    linear-attention Triton kernels compiled on the GPU against the reference; the GPU-only branches the Triton
-#    interpreter cannot run as a GPU does (16-bit attention at TF32, bf16 MoE and LoRA tiles unwidened).
+#    linear-attention Triton kernels compiled on the GPU against the reference; hybrid decode in real CUDA graphs
+#    against eager, step by step (emulated graphs on a CPU); the GPU-only branches the Triton interpreter cannot
+#    run as a GPU does (16-bit attention at TF32, bf16 MoE and LoRA tiles unwidened).
 tests=${TESTS:-tests/models/test_qwen3_vl_engine.py tests/models/test_text_parity.py tests/multimodal/test_image_processor.py
   tests/engine/test_graph_runner.py tests/models/test_qwen3_vl_vision.py tests/models/test_qwen3_vl_model.py
-  tests/ops/cuda/test_cuda_linear_attention.py
+  tests/ops/cuda/test_cuda_linear_attention.py tests/engine/test_hybrid_graphs.py
   tests/ops/cuda/test_cuda_ops.py::test_gpu_16_bit_attention_is_within_the_tf32_bound
   tests/ops/test_moe_ops.py::test_gpu_fused_moe_on_16_bit_tiles_equals_reference
   tests/ops/test_lora_ops.py::test_gpu_add_lora_on_16_bit_tiles_equals_reference}

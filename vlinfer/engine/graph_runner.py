@@ -10,6 +10,12 @@ sampling run eager on the real rows. Prefill and mixed steps, steps carrying ima
 batches above the largest bucket and contexts longer than the captured block-table width run eager.
 With LoRA on, the graphs run the adapters' updates over static buffers (every row in a slot, the
 base model's and padding rows in one kept zero), so decode steps with adapters replay as well.
+A hybrid model's decode steps replay where its op table's linear-attention ops can be captured
+(Backend.state_graph_refusal; the model runner logs why not): the state pools are the engine's
+static tensors already, and each step's state slots and has_state are static buffers like the
+block tables (cu_seqlens is one token per row, as the attention's); padded rows take slot -1,
+which those ops neither read nor write, so no live slot or checkpoint is touched. A step whose
+rows are not one token per state sequence (a speculative verification) runs eager.
 
 How a graph is captured and replayed is the op table's answer (Backend.graph_capture,
 ops/interface.py): CUDA's records the forward with torch.cuda.CUDAGraph (ops/cuda/graph.py); the
@@ -43,6 +49,9 @@ MAX_BUCKET = 256
 # memory a replay needs. Longer steps run eager. flash_attn and our Triton kernel read only each
 # sequence's own blocks, so with them the graphs serve up to max_model_len.
 MAX_CAPTURE_LEN = 8192
+# A padded row's state slot: the capturable linear-attention ops read and write nothing for it
+# (Backend.state_graph_refusal's contract).
+PAD_STATE_SLOT = -1
 
 
 def batch_sizes(max_num_seqs: int) -> list[int]:
@@ -98,10 +107,12 @@ class GraphRunner:
 
     def __init__(self, model: torch.nn.Module, ctx: ModelContext, device: torch.device, backend,
                  sizes: list[int], max_blocks: int, uses_mrope: bool,
-                 dummy_block: int | None = None, block_size: int = 0, lora_slots: int = 0):
+                 dummy_block: int | None = None, block_size: int = 0, lora_slots: int = 0,
+                 state_slots: bool = False):
         """lora_slots: the LoRA layers' slot count, the last one kept zero (LoRAManager zero_slot),
         when adapters are on: every graph then runs the LoRA updates over static groups, and steps
-        with adapters replay too; 0: none."""
+        with adapters replay too; 0: none. state_slots: a hybrid model's (its steps carry each
+        row's state slot and has_state)."""
         self.model, self.ctx, self.backend, self.sizes, self.max_blocks = \
             model, ctx, backend, sizes, max_blocks
         self.host_lengths = getattr(backend, "host_lengths", False)
@@ -125,6 +136,11 @@ class GraphRunner:
         # one token per row, always
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = self.pad_table.clone()
+        # A hybrid model's state slot per row (-1: padding, read and written by nobody) and
+        # whether it holds the row's state so far.
+        self.states = dict(slots=torch.full((n,), PAD_STATE_SLOT, dtype=torch.long, device=device),
+                           has_state=torch.zeros(n, dtype=torch.bool, device=device)) \
+            if state_slots else None
         # The step's LoRA grouping (layers/lora.py captured_lora_groups), all rows in the zero slot
         # until a step fills it.
         self.lora_slots = lora_slots
@@ -142,6 +158,10 @@ class GraphRunner:
                               cu_seqlens_q=self.cu_seqlens_q[:size + 1],
                               seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
                               decode_only=True, lora=lora)
+        if self.states is not None:  # the linear layers' sequences are the rows: one token each
+            step.state_slots, step.has_state = (self.states["slots"][:size],
+                                                self.states["has_state"][:size])
+            step.state_cu_seqlens = self.cu_seqlens_q[:size + 1]
         with self.ctx.stepping(step):
             return self.model(self.input_ids[:size], self.positions[..., :size])
 
@@ -169,7 +189,9 @@ class GraphRunner:
         return (inputs.decode_only and not inputs.mm_inputs and
                 inputs.input_ids.shape[0] <= self.sizes[-1] and
                 inputs.block_tables.shape[1] <= self.max_blocks and
-                inputs.positions.dim() == self.positions.dim())
+                inputs.positions.dim() == self.positions.dim() and
+                (self.states is None or (inputs.state_slots is not None and
+                                         inputs.state_slots.shape[0] == inputs.input_ids.shape[0])))
 
     def run(self, inputs) -> torch.Tensor:
         """Hidden states [B, hidden] of a decode-only step (can_run), from the smallest bucket that
@@ -191,6 +213,11 @@ class GraphRunner:
         self.block_tables[:b, :width].copy_(inputs.block_tables)
         self.block_tables[b:size].copy_(self.pad_table[b:size])
         self._fill_lora(inputs.lora_slots, size)
+        if self.states is not None:
+            self.states["slots"][:b].copy_(inputs.state_slots)
+            self.states["slots"][b:size].fill_(PAD_STATE_SLOT)  # padded rows touch no slot
+            self.states["has_state"][:b].copy_(inputs.has_state)
+            self.states["has_state"][b:size].fill_(False)
         # inputs are host tensors: their lengths cost no device sync
         lens = (inputs.seq_lens.tolist() + [self.pad_len] *
                 (size - b), ) if self.host_lengths else ()
@@ -229,13 +256,15 @@ def blocks_for(backend, max_model_len: int, block_size: int, dtype: torch.dtype)
 
 def capture(model: torch.nn.Module, ctx: ModelContext, device: torch.device, backend,
             max_num_seqs: int, max_model_len: int, block_size: int, mrope: bool,
-            dummy_block: int | None, lora_slots: int) -> GraphRunner | None:
+            dummy_block: int | None, lora_slots: int,
+            state_slots: bool = False) -> GraphRunner | None:
     """The decode graphs over the current KV pool for up to max_num_seqs sequences of up to
-    max_model_len tokens; None (eager, logged) where capture fails."""
+    max_model_len tokens (state_slots: a hybrid model's); None (eager, logged) where capture
+    fails."""
     sizes = batch_sizes(max_num_seqs)
     width = blocks_for(backend, max_model_len, block_size, ctx.dtype)
     graphs = GraphRunner(model, ctx, device, backend, sizes, width, mrope, dummy_block, block_size,
-                         lora_slots)
+                         lora_slots, state_slots)
     try:
         graphs.capture()
     except Exception as e:  # out of memory after the KV pool, an op that syncs, ...

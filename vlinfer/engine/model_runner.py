@@ -61,9 +61,11 @@ class ModelRunner:
         self.graph_backend = graph_runner.select_backend(config, device, ctx.ops, stored)
         self.hybrid = isinstance(model, HasStateSlots)
         if self.hybrid and self.graph_backend is not None:
-            # the replayed step has no state slots yet: a hybrid decode step runs eager
-            logger.info("graph mode: off for this hybrid model (state slots), running eager")
-            self.graph_backend = None
+            # a captured step reads its state slots on the device, where the op table can
+            why = ctx.ops.state_graph_refusal(ctx.state_dtype)
+            if why is not None:
+                logger.info("graph mode: off for this hybrid model (%s), running eager", why)
+                self.graph_backend = None
         self.graphs: graph_runner.GraphRunner | None = None
         # LoRA slots on the model's linears (every rank: workers install their shard of each
         # adapter; the vision tower's, on rank 0 alone).
@@ -113,7 +115,7 @@ class ModelRunner:
         self.graphs = graph_runner.capture(
             self.model, self.ctx, self.device, self.graph_backend, resolved.max_num_seqs,
             resolved.max_model_len, self.block_size, self.mrope, self.cache_pool.dummy_block,
-            self.lora.num_slots if self.lora else 0)
+            self.lora.num_slots if self.lora else 0, self.hybrid)
 
     def install_lora(self, slot: int, request, adapter=None) -> None:
         """Put an adapter in a LoRA slot, on every rank; each keeps its shard."""

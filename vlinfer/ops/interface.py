@@ -280,6 +280,13 @@ class Backend:
             raise GraphModeUnavailable(f"the {self.name} ops read sequence lengths on the host")
         return None
 
+    def state_graph_refusal(self, state_dtype: torch.dtype) -> str | None:
+        """Why a hybrid model's decode step on this table's linear-attention ops (causal_conv1d,
+        gated_delta_rule) with a recurrent state of state_dtype cannot be captured in a graph;
+        None where it can (the slots, has_state and cu_seqlens read on the device, a slot < 0
+        writing nothing: engine/graph_runner.py pads with it)."""
+        return f"the {self.name} linear-attention ops read lengths and slots on the host"
+
     def __deepcopy__(self, memo):
         # A model copied deep (e.g. to cast a copy to another dtype) still runs on its engine's op
         # table: loaded kernels are not data to duplicate.

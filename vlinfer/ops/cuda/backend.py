@@ -216,6 +216,13 @@ class CudaOps(ReferenceOps):
             "linear attention", "the causal conv1d and the gated delta rule run the pure-torch "
             "reference (a loop over sequences with host syncs: no CUDA graphs)")
 
+    def state_graph_refusal(self, state_dtype):
+        # asked at engine start for a hybrid model in graph mode: the kernels load (and are
+        # checked) here, before any capture
+        if self._linear_attention_kernels() is None:
+            return "the Triton linear-attention kernels are unavailable (warned above)"
+        return cuda_linear_attention.graph_refusal(state_dtype)
+
     def causal_conv1d(self, x, weight, bias, conv_state, cu_seqlens, slots, has_state):
         return cuda_linear_attention.causal_conv1d(self._linear_attention_kernels(), x, weight,
                                                    bias, conv_state, cu_seqlens, slots, has_state)

@@ -29,6 +29,16 @@ def kernel_takes_conv(x, weight, conv_state) -> bool:
             and all(t.dtype in KERNEL_DTYPES for t in (x, weight, conv_state)))
 
 
+def graph_refusal(state_dtype: torch.dtype) -> str | None:
+    """Why decode steps with a recurrent state of state_dtype cannot be captured in a CUDA graph
+    (None: they can): the kernels read every step's metadata on the device, the reference on the
+    host."""
+    if state_dtype not in STATE_KERNEL_DTYPES:
+        return (f"the Triton delta rule takes a float32 recurrent state; a {state_dtype} one runs "
+                "the reference, which reads lengths on the host")
+    return None
+
+
 def checked_kernels(device: torch.device):
     """The kernels' module, after tiny float32 calls of each against the reference: a mixed call
     of three sequences (a decode, a prefill from zeros, a chunk after a carried state) in scrambled

@@ -452,6 +452,9 @@ class NpuOps(ReferenceOps):
     def recurrent_state_pool(self, shape, dtype, device):
         return npu_linear_attention.state_pool(shape, dtype, device)
 
+    def state_graph_refusal(self, state_dtype):
+        return npu_linear_attention.GRAPH_REFUSAL
+
     def gated_delta_rule(self, q, k, v, g, beta, state, cu_seqlens, slots, has_state, scale):
         return npu_linear_attention.gated_delta_rule(self, q, k, v, g, beta, state, cu_seqlens,
                                                      slots, has_state, scale)

@@ -29,6 +29,12 @@ CONV_FALLBACK = ("torch_npu's causal conv1d ops (npu_fused_causal_conv1d, "
                  "npu_masked_causal_conv1d) run on Ascend 950 only and take kernel width 3 "
                  "(npu-ops.md §2.14)")
 
+# Why hybrid decode runs eager on the NPU (ModelRunner logs it; gated_delta_rule raises it if a
+# capture reaches the op anyway).
+GRAPH_REFUSAL = (f"{RECURRENT} is documented for single-op and static graph modes, not ACL graph "
+                 "capture (npu-ops.md §2.12), and the causal conv1d runs the reference, which "
+                 "reads lengths on the host")
+
 
 def state_pool(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
     """A zeroed pool of logical shape [..., Hv, Dk, Dv] stored value-major ([..., Hv, Dv, Dk])."""
@@ -74,8 +80,7 @@ def fresh_slots(slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor | 
 
 def gated_delta_rule(ops, q, k, v, g, beta, state, cu_seqlens, slots, has_state, scale):
     if ops._capture is not None:  # the model runner keeps hybrid models eager; said if not
-        raise RuntimeError(f"{RECURRENT} is documented for single-op and static graph modes, not "
-                           "ACL graph capture (npu-ops.md §2.12): hybrid decode runs eager")
+        raise RuntimeError(f"{GRAPH_REFUSAL}: hybrid decode runs eager")
     torch_npu = ops._torch_npu
     decode = is_decode(q, cu_seqlens)
     op = RECURRENT if decode else CHUNK
