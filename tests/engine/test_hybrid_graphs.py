@@ -23,7 +23,7 @@ import sys
 import pytest
 import torch
 
-from test_qwen3_5_text import qwen3_5_moe_config, save, text_config
+from qwen3_5_text_cases import qwen3_5_moe_config, save, text_config
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine import graph_runner
 from vlinfer.ops import ReferenceOps
