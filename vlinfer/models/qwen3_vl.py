@@ -122,11 +122,14 @@ class _TextWeights(nn.Module):
         self.packed_modules_mapping = owner.packed_modules_mapping
         self.language_model = owner.model.language_model
         self.lm_head = owner.lm_head
+        if owner.mtp is not None:  # Qwen3.5's MTP head (mtp.*), where built
+            self.mtp = owner.mtp
 
 
 class Qwen3VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRoPE, SupportsPooling,
                                       OwnsWeightLoading):
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+    mtp = None  # Qwen3.5's MTP head, where built (models/qwen3_5.py)
 
     def __init__(self, config, ctx: ModelContext, heads: Heads = Heads()):
         super().__init__()
