@@ -41,6 +41,11 @@ class TorchMTP(nn.Module):
         self.pre_fc_norm_hidden = norm(h, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList([type(lm.layers[0])(config, mtp_layer_index(config))])
         self.norm = norm(h, eps=config.rms_norm_eps)
+        # transformers fills weights in post_init, which a bare layer never runs (its experts
+        # would stay uninitialised memory); the norms keep their own start
+        for p in self.parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.05)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor,
                 position_embeddings) -> torch.Tensor:
