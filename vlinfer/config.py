@@ -82,10 +82,10 @@ DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 16
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's speculative_config, checked: proposals from n-grams of the sequence itself ("ngram"),
-    from a smaller draft model with the same vocabulary ("draft_model", given by "model") or from
-    the checkpoint's own MTP head ("mtp": Qwen3.5, Qwen3-Next), verified by the target model in one forward of k + 1 tokens per sequence (engine/speculative/).
-    """
+    """vLLM's speculative_config, checked: proposals from n-grams of the sequence itself
+    ("ngram"), from a smaller draft model with the same vocabulary ("draft_model", given by
+    "model") or from the checkpoint's own MTP head ("mtp": Qwen3.5, Qwen3-Next), verified by
+    the target model in one forward of k + 1 tokens per sequence (engine/speculative/)."""
     method: str
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     # ngram: the longest suffix of prompt + output, from prompt_lookup_max tokens down to

@@ -16,8 +16,7 @@ from vlinfer.engine.output_processor import OutputProcessor
 from vlinfer.engine.pooling import resolve_pooling
 from vlinfer.engine.scheduler import Scheduler
 from vlinfer.engine.sequence import Sequence
-from vlinfer.engine.speculative import (DraftModel, Speculator, check_mtp_target,
-                                       placeholder_token_ids)
+from vlinfer.engine.speculative import DraftModel, Speculator, placeholder_token_ids
 from vlinfer.engine.worker import spawned_worker_main
 from vlinfer.inputs import PromptType
 from vlinfer.layers.distributed import SINGLE
@@ -68,10 +67,6 @@ class LLMEngine:
         tensors = loading.checkpoint_tensor_index(self.source, self.hf_config)
         self.pooling, self.can_generate = resolve_pooling(config, self.source, self.hf_config,
                                                           self.tokenizer, tensors)
-        spec = config.speculative_config
-        mtp = spec is not None and spec.method == "mtp"
-        if mtp:  # refused by name before any weight is read
-            check_mtp_target(get_model_class(self.hf_config), tensors, self.source.name)
         block_size = sizing.block_size(config, self.device)
         kv_cache_dtype = sizing.kv_cache_dtype(config, self.dtype, self.hf_config,
                                                self.source.folder)
@@ -91,7 +86,7 @@ class LLMEngine:
             dtype=self.dtype, kv_cache_dtype=kv_cache_dtype, group=group,
             expert_parallel=config.enable_expert_parallel, quantization=config.quantization,
             pooling=self.pooling, tensors=tensors, eos_token_ids=self.eos_token_ids,
-            driver=self.driver, grammar_matchers=self.grammar_matchers, mtp=mtp)
+            driver=self.driver, grammar_matchers=self.grammar_matchers)
         logger.info("loaded %s (%s) on %s in %s in %.1fs%s", self.source.name,
                     type(runner.model).__name__, self.device, self.dtype,
                     time.perf_counter() - start,
@@ -114,8 +109,7 @@ class LLMEngine:
                                    self.resolved.max_num_batched_tokens,
                                    config.max_loras if config.enable_lora else 0)
         self.speculator = Speculator(config.speculative_config, self.resolved.max_model_len,
-                                     placeholder_token_ids(self.hf_config), draft,
-                                     runner.mtp)
+                                     placeholder_token_ids(self.hf_config), draft, runner.mtp)
         self.input_processor = InputProcessor.of_model(
             self.source, self.hf_config, self.tokenizer, self.device, self.resolved.max_model_len,
             isinstance(runner.model, SupportsMultiModal), config.allow_image_urls,
@@ -220,8 +214,7 @@ class LLMEngine:
         now = time.time()
         for seq in batch.seqs:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
-        self.scheduler.add_proposals(  # speculative decoding
-            batch, self.speculator.propose(batch, self.scheduler.reserve))
+        self.scheduler.add_proposals(batch, self.speculator.propose(batch, self.scheduler.reserve))
         sampled, prompt_logprobs, pooled = self.model_runner.execute(batch)
         for seq, position, entry in prompt_logprobs:
             self.output_processor.add_prompt_logprob(seq, position, entry)

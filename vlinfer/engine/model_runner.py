@@ -84,7 +84,7 @@ class ModelRunner:
         self.mtp = None
         if isinstance(model, HasMTPHead) and model.mtp is not None:
             if not self.hybrid:  # its kept hidden state lives in the state slots
-                raise ValueError(f"speculative_config: method='mtp' runs on hybrid models (Qwen3.5, "
+                raise ValueError("speculative_config: method='mtp' runs on hybrid models (Qwen3.5, "
                                  f"Qwen3-Next); {type(model).__name__} has no state slots")
             head = model.mtp
             specs.append(StateSlotSpec(1, head.state_shapes, head.state_dtypes, (head,)))

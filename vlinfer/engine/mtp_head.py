@@ -1,6 +1,7 @@
-"""The MTP head's passes over the target's paged KV pool, a part of the model runner (docs
-speculative.md "MTP"). The head at position p reads the target's final hidden state h_p and the input
-row of token p + 1, so its K and V at p can be written once token p + 1 has run through the target:
+"""The MTP head's passes over the target's paged KV pool, a part of the model runner
+(docs/speculative.md "MTP"). The head at position p reads the target's final hidden state h_p and
+the input row of token p + 1, so its K and V at p can be written once token p + 1 has run through
+the target:
 
 - `catch_up`, inside every target forward (chunked prefill, decode, verification alike): each target
   row at position p >= 1 pairs its own input row with h_{p-1} (the row before it in the step, or,
@@ -17,15 +18,40 @@ row of token p + 1, so its K and V at p can be written once token p + 1 has run 
 Keeping the hidden state in the state slot makes it follow the sequence's state everywhere the
 pool moves it: prefix-cache checkpoints (a hit restores h at the block boundary), the snapshot a
 hybrid verification puts back, and preemption (the slot goes; a recompute starts at position 0,
-which pairs with nothing)."""
+which pairs with nothing). `check_mtp_target` says, before any weight is read, whether a runner is
+built with the head, and refuses by name what cannot run it."""
 from dataclasses import dataclass
 
 import torch
 
+from vlinfer.config import SpeculativeConfig
 from vlinfer.engine.sequence import Sequence
 from vlinfer.engine.step_inputs import positions
 from vlinfer.layers import ForwardContext, ModelContext
-from vlinfer.models.interfaces import HasMTPHead
+from vlinfer.models import get_model_class
+from vlinfer.models.interfaces import HasMTPHead, HasStateSlots
+
+MTP_PREFIX = "mtp."
+
+
+def check_mtp_target(config: SpeculativeConfig | None, hf_config, tensors: dict | None,
+                     name: str) -> bool:
+    """Whether a runner is built with the MTP head (method "mtp"); where it is, a target that can
+    run it: a model family with an MTP head (a hybrid one: its kept hidden state lives in the
+    state slots) whose checkpoint holds the head's tensors (`tensors`: its tensor index, None
+    where the caller has none), else a refusal naming what lacks."""
+    if config is None or config.method != "mtp":
+        return False
+    model_cls = get_model_class(hf_config)
+    if not (issubclass(model_cls, HasMTPHead) and issubclass(model_cls, HasStateSlots)):
+        raise ValueError(
+            f"speculative_config: method='mtp' runs the MTP heads of Qwen3.5 / Qwen3-Next "
+            f"checkpoints; {name} ({model_cls.__name__}) has none: use 'ngram' or a draft model")
+    if tensors is not None and not any(t.startswith(MTP_PREFIX) for t in tensors):
+        raise ValueError(
+            f"speculative_config: method='mtp' needs the checkpoint's MTP head weights (mtp.*), "
+            f"and {name} has none (a checkpoint saved by transformers drops them)")
+    return True
 
 
 @dataclass

@@ -31,7 +31,8 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM, OwnsWeightLoading):
         self.model = Qwen3_5Model(ctx, config, lambda i: SharedExpertMoE(ctx, config))
         self.lm_head = build_lm_head(ctx, config, self.model.embed_tokens,
                                      config.tie_word_embeddings, heads)
-        self.mtp = build_mtp(ctx, config, heads, SharedExpertMoE(ctx, config) if heads.mtp else None)
+        self.mtp = build_mtp(ctx, config, heads,
+                             SharedExpertMoE(ctx, config) if heads.mtp else None)
         self.classifier = build_classifier(ctx, config, heads)  # registered last: loaded last
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from engine_checks import assert_block_pool_empty
 
+from text_checkpoints import build_checkpoint, tiny_text_config
 from test_qwen3_5_text import qwen3_5_moe_config, qwen3_next_config, save, text_config
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine import mtp_head
@@ -251,6 +252,10 @@ def test_refusals(tmp_path, target):
     os.remove(os.path.join(bare, "mtp.safetensors"))
     with pytest.raises(ValueError, match=r"MTP head weights \(mtp\.\*\)"):
         make_llm(bare)
+    qwen3 = str(tmp_path / "qwen3")
+    build_checkpoint(qwen3, tiny_text_config("qwen3", True))
+    with pytest.raises(ValueError, match=r"Qwen3ForCausalLM\) has none"):
+        make_llm(qwen3)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
         LLM(folder, speculative_config=MTP, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="method='mtp' takes no 'model'"):

@@ -1,8 +1,8 @@
 """Speculative decoding: proposals (ngram.py: the sequence's own n-grams; draft_model.py: a smaller
-model; mtp.py: the target checkpoint's MTP head, run by engine/mtp_head.py) verified by the target model in one forward of k + 1 tokens per sequence (engine/sampler.py),
-under the rules of speculator.py."""
+model; the target checkpoint's MTP head, run by engine/mtp_head.py) verified by the target
+model in one forward of k + 1 tokens per sequence (engine/sampler.py), under the rules of
+speculator.py."""
 from vlinfer.engine.speculative.draft_model import DraftModel
-from vlinfer.engine.speculative.mtp import check_mtp_target
 from vlinfer.engine.speculative.speculator import Speculator, placeholder_token_ids
 
-__all__ = ["DraftModel", "Speculator", "check_mtp_target", "placeholder_token_ids"]
+__all__ = ["DraftModel", "Speculator", "placeholder_token_ids"]
