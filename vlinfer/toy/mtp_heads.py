@@ -1,7 +1,8 @@
 """MTP heads (`mtp.*`) for the tiny Qwen3.5 / Qwen3-Next checkpoints transformers saves without
 one: the published layout, built from transformers' own decoder layer and norm classes, written
 beside the checkpoint's files, and trained on the target's own greedy outputs (the target frozen)
-so that a bench can see the acceptance a real head gives (bench/mtp_acceptance.py)."""
+so that a bench can see the acceptance a real head gives (bench/mtp_acceptance.py) and a test
+both accepted and rejected proposals."""
 import json
 import os
 
@@ -83,26 +84,24 @@ def head_logits(model: nn.Module, head: TorchMTP, ids: torch.Tensor,
     return model.lm_head(head(embeds, hidden[:, :-1], rope))
 
 
-def train_mtp(model: nn.Module, head: TorchMTP, prompts: list[list[int]], new_tokens: int,
-              steps: int, lr: float = 3e-3, log=None) -> None:
-    """Train the head (the target frozen) on the target's own greedy continuations of `prompts`:
-    at each position, the token two on."""
-    model.generation_config.eos_token_id = None
-    rows = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
-            rows.append(out[0])
+def train_mtp(model: nn.Module, head: TorchMTP, rows: list[list[int]], steps: int,
+              lr: float = 3e-3, batch: int = 64, log=None) -> None:
+    """Train the head (the target frozen) on token rows the target generated greedily (its own
+    outputs, all of one length): at each position, the token two on; minibatches of `batch` rows
+    drawn at random."""
+    data = torch.tensor(rows)
     for p in model.parameters():
         p.requires_grad_(False)
     with torch.no_grad():
-        hidden = [text_model(model)(input_ids=r[None]).last_hidden_state for r in rows]
+        hidden = torch.cat([text_model(model)(input_ids=data[i:i + batch]).last_hidden_state
+                            for i in range(0, len(data), batch)])
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(0)
     for step in range(steps):
-        loss = 0
-        for r, h in zip(rows, hidden):
-            logits = head_logits(model, head, r[None], h)[0, :-1]
-            loss = loss + nn.functional.cross_entropy(logits, r[2:]) / len(rows)
+        pick = torch.randperm(len(data), generator=generator)[:batch]
+        logits = head_logits(model, head, data[pick], hidden[pick])[:, :-1]
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           data[pick, 2:].reshape(-1))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
