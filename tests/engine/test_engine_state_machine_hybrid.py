@@ -5,8 +5,8 @@ sequence holding blocks holds one state slot of its own (never shared between li
 sequence without blocks holds none, and the free slots are exactly the others; with prefix caching
 (docs/hybrid.md), checkpoint slots are never a live sequence's, each is either free or keyed by a
 block hash whose KV is cached; every finished request's tokens equal its run alone (without
-speculation, on one engine with n-gram and one with MTP proposals); once idle, every slot is free and only checkpoints are kept,
-which a reset frees."""
+speculation, on one engine with n-gram and one with MTP proposals); once idle, every slot is free
+and only checkpoints are kept, which a reset frees."""
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant
