@@ -66,11 +66,9 @@ def __getattr__(name: str):
 
 
 RUNNERS = ("auto", "generate", "pooling")
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 # vLLM's speculative methods vlinfer does not run yet, and why (a refusal names the reason)
 UNOFFERED_SPECULATIVE_METHODS = {
-    "mtp": "a checkpoint's MTP layers (Qwen3.5 / Qwen3-Next mtp.*) are not loaded yet: the head "
-           "needs the target's hidden state at every position and a KV layer of its own",
     **{m: "EAGLE heads are not offered: they need the target's hidden states per position"
        for m in ("eagle", "eagle3")},
     "medusa": "Medusa heads are not offered",
@@ -84,10 +82,10 @@ DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 16
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's speculative_config, checked: proposals from n-grams of the sequence itself ("ngram")
-    or from a smaller draft model with the same vocabulary ("draft_model", given by "model"),
-    verified by the target model in one forward of k + 1 tokens per sequence (engine/speculative/).
-    """
+    """vLLM's speculative_config, checked: proposals from n-grams of the sequence itself
+    ("ngram"), from a smaller draft model with the same vocabulary ("draft_model", given by
+    "model") or from the checkpoint's own MTP head ("mtp": Qwen3.5, Qwen3-Next), verified by
+    the target model in one forward of k + 1 tokens per sequence (engine/speculative/)."""
     method: str
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     # ngram: the longest suffix of prompt + output, from prompt_lookup_max tokens down to
@@ -116,14 +114,14 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} (supported: "
-                             f"{', '.join(sorted(known))}; EAGLE and MTP heads are not offered)")
+                             f"{', '.join(sorted(known))}; EAGLE heads are not offered)")
         fields = dict(value)
         fields.setdefault("method", "draft_model" if fields.get("model") else None)
         if fields["method"] in UNOFFERED_SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config: method={fields['method']!r} is not supported: "
-                f"{UNOFFERED_SPECULATIVE_METHODS[fields['method']]}; use 'ngram' or a draft "
-                "model ('model'), which run on every target, hybrid ones included")
+                f"{UNOFFERED_SPECULATIVE_METHODS[fields['method']]}; use 'ngram', a draft "
+                "model ('model') or, on Qwen3.5 / Qwen3-Next checkpoints, 'mtp'")
         if fields["method"] not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config: method={fields['method']!r} is not supported: expected one "
@@ -151,6 +149,10 @@ class SpeculativeConfig:
                     f"prompt_lookup_max={self.prompt_lookup_max}")
             if self.model is not None:
                 raise ValueError("speculative_config: method='ngram' takes no draft 'model'")
+        elif self.method == "mtp":
+            if self.model is not None:  # vLLM's mtp reads the target's own checkpoint
+                raise ValueError("speculative_config: method='mtp' takes no 'model': the MTP head "
+                                 "is read from the target's own checkpoint (mtp.*)")
         elif not isinstance(self.model, str) or not self.model:
             raise ValueError(
                 "speculative_config: method='draft_model' needs 'model', the draft's checkpoint")
@@ -266,6 +268,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "mtp" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"speculative_config: method='mtp' with tensor_parallel_size="
+                f"{self.tensor_parallel_size} is not supported: the MTP head, its kept hidden "
+                "states and a rejection's state put-back run on one rank")
         if self.memory_utilization is not None and not (isinstance(self.memory_utilization,
                                                                    (int, float)) and
                                                         0 < self.memory_utilization <= 1):

@@ -5,8 +5,8 @@ sequence holding blocks holds one state slot of its own (never shared between li
 sequence without blocks holds none, and the free slots are exactly the others; with prefix caching
 (docs/hybrid.md), checkpoint slots are never a live sequence's, each is either free or keyed by a
 block hash whose KV is cached; every finished request's tokens equal its run alone (without
-speculation, on one engine with it); once idle, every slot is free and only checkpoints are kept,
-which a reset frees."""
+speculation, on one engine with n-gram and one with MTP proposals); once idle, every slot is free
+and only checkpoints are kept, which a reset frees."""
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -14,6 +14,7 @@ from hypothesis.stateful import invariant
 
 from vlinfer import LLM, SamplingParams
 from vlinfer.engine.drive import drive
+from vlinfer.toy.mtp_heads import TorchMTP, save_mtp
 from vlinfer.toy.tiny_checkpoints import _rescale
 from engine_state_machine_cases import EngineMachine, Engines
 from qwen3_5_text_cases import save, text_config
@@ -30,7 +31,11 @@ ENGINES = {"tight-pool": dict(max_model_len=96, blocks=6),
            # beside preemption and prefix hits (docs/speculative.md "Hybrid targets")
            "speculating": dict(max_model_len=96, blocks=6, checkpoints=2, speculative_config={
                "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-               "prompt_lookup_max": 2, "adaptive": False})}
+               "prompt_lookup_max": 2, "adaptive": False}),
+           # the checkpoint's MTP head (docs/speculative.md "MTP"): its K and V in the same
+           # blocks, its kept hidden state in the same slots, freed with them
+           "mtp": dict(max_model_len=96, blocks=6, checkpoints=2, speculative_config={
+               "method": "mtp", "num_speculative_tokens": 3, "adaptive": False})}
 
 
 class HybridEngines:
@@ -40,9 +45,10 @@ class HybridEngines:
             model = Qwen3_5ForCausalLM(text_config(max_position_embeddings=512)).eval()
         _rescale(model, torch.Generator().manual_seed(3))
         self.path = save(model, str(folder))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            save_mtp(self.path, TorchMTP(model))  # read by the "mtp" engine only
         self.reference = LLM(self.path, dtype="float32", kv_cache_bytes=16 * 2 ** 20)
-        pool = self.reference.engine.model_runner.cache_pool
-        self.bytes_per_block, self.bytes_per_slot = pool.bytes_per_block, pool.bytes_per_slot
         self.engines, self.alone = {}, {}
         self.stats = dict(examples=0, requests=0, aborted=0, refused=0, steps=0, compared=0)
 
@@ -52,8 +58,13 @@ class HybridEngines:
             blocks = options.pop("blocks", None)
             # sizing.py gives checkpoints half of what the live slots leave beside one sequence
             slots = MAX_NUM_SEQS + 2 * options.pop("checkpoints", 0)
+            # the pool's costs with this engine's speculation (an MTP head adds a KV layer and a
+            # hidden state a slot)
+            pool = LLM(self.path, dtype="float32", kv_cache_bytes=16 * 2 ** 20,
+                       speculative_config=options.get("speculative_config")
+                       ).engine.model_runner.cache_pool
             budget = 16 * 2 ** 20 if blocks is None else (
-                blocks * self.bytes_per_block + slots * self.bytes_per_slot)
+                blocks * pool.bytes_per_block + slots * pool.bytes_per_slot)
             self.engines[name] = LLM(self.path, dtype="float32", kv_cache_bytes=budget,
                                      max_num_seqs=MAX_NUM_SEQS, **options).engine
         return self.engines[name]
@@ -110,8 +121,9 @@ def test_engine_state_machine_on_a_hybrid_model(tmp_path_factory):
     print(f"hybrid engine state machine: {stats}")
     assert stats["examples"] >= EXAMPLES and stats["compared"] >= EXAMPLES // 2
     assert stats["checkpoint_slots"] == {"tight-pool": 0, "chunked": MAX_NUM_SEQS,
-                                         "tight-prefix": 2, "speculating": 2}
+                                         "tight-prefix": 2, "speculating": 2, "mtp": 2}
     assert engines.engines["speculating"].speculator.num_drafts > 0
+    assert engines.engines["mtp"].speculator.num_drafts > 0
     assert stats["checkpoints"] > 0  # prefix caching took checkpoints
     # The generated workloads need not overflow the tight pools (under xdist they once did not):
     # four 80-token requests on their blocks must, and still come out as each one alone; on the

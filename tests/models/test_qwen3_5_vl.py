@@ -259,3 +259,40 @@ def test_speculation_with_an_image_on_the_hybrid_target(checkpoint, monkeypatch)
     s = llm.engine.speculator
     assert s.num_drafts > 0 and 0 < s.num_accepted_tokens < s.num_draft_tokens
     assert_nothing_held(llm)
+
+
+def test_mtp_with_an_image_on_the_hybrid_target(checkpoint, tmp_path):
+    """MTP speculation (docs/speculative.md "MTP") on Qwen3.5 with vision: the checkpoint with an
+    `mtp.*` head written beside it (random, so most proposals fail), an image request batched with
+    a text one: greedy tokens are transformers', proposals were verified (the image request's
+    state put back after each rejection), the head's catch-up ran over the image's rows, and
+    nothing is held after."""
+    import shutil
+    from vlinfer.toy.mtp_heads import TorchMTP, save_mtp
+    folder, model = checkpoint
+    with_head = str(tmp_path / "with_head")
+    shutil.copytree(folder, with_head)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        save_mtp(with_head, TorchMTP(model))
+    llm = LLM(with_head, dtype="float32", kv_cache_bytes=32 * 2 ** 20, max_model_len=1024,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3,
+                                  "adaptive": False})
+    expected = []
+    for text, images in CASES:
+        ids, kwargs = hf_inputs(llm, text, images)
+        expected.append(hf_greedy(model, ids, kwargs, NUM_NEW))
+    requests = [{"prompt": text, "multi_modal_data": {"image": images}} if images else text
+                for text, images in CASES]
+    seen = []
+    head = llm.engine.model_runner.mtp
+    catch_up = head.catch_up
+    head.catch_up = lambda plan, ids, hidden, mm: seen.append(bool(mm)) or catch_up(
+        plan, ids, hidden, mm)
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    outs = llm.generate(requests, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    s = llm.engine.speculator
+    assert s.num_drafts > 0 and s.num_accepted_tokens < s.num_draft_tokens
+    assert any(seen)  # a catch-up of a step with image rows got them
+    assert_nothing_held(llm)

@@ -198,7 +198,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: bool = True) ->
         "--speculative-config", type=json_object, default=None, metavar="JSON",
         help="speculative decoding, as vLLM's --speculative-config: '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or "
-        "'{\"model\": DRAFT, \"num_speculative_tokens\": 4}' (docs/speculative.md)")
+        "'{\"model\": DRAFT, \"num_speculative_tokens\": 4}' or, on Qwen3.5 / Qwen3-Next, "
+        "'{\"method\": \"mtp\", \"num_speculative_tokens\": 3}' (docs/speculative.md)")
     p.add_argument(
         "--reasoning-parser", default=ENGINE_DEFAULTS["reasoning_parser"],
         choices=list(REASONING_PARSER_CHOICES), help=

@@ -26,7 +26,7 @@ class LoadedModel(NamedTuple):
 
 def load_model(source, hf_config, device: torch.device, ctx: ModelContext,
                quantization: str | None = None, pooling=None, tensors: dict | None = None,
-               language_model_only: bool = False) -> LoadedModel:
+               language_model_only: bool = False, mtp: bool = False) -> LoadedModel:
     """Build the model on ctx's op table for ctx.tp's rank (its shard of every split layer) and load
     that shard: split weights are read lazily, only the rank's rows or columns of each
     (loading.CheckpointSlice). Each linear layer's quantization method is chosen from the checkpoint
@@ -38,7 +38,8 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext,
     "classify" builds it with the head rows of its label_token_ids (layers/pooler.py), read from
     the LM head's table as it streams by. `tensors`: the checkpoint's
     loading.checkpoint_tensor_index where the caller has it (built here otherwise).
-    language_model_only: a vision-language model is built without its vision tower (Heads)."""
+    language_model_only: a vision-language model is built without its vision tower (Heads).
+    mtp: with the checkpoint's MTP head (speculative_config method "mtp", Heads.mtp)."""
     pooling_task = pooling.task if pooling is not None else None
     model_cls = get_model_class(hf_config)
     tensors = tensors if tensors is not None else loading.checkpoint_tensor_index(source, hf_config)
@@ -54,7 +55,8 @@ def load_model(source, hf_config, device: torch.device, ctx: ModelContext,
         source)
     del skeleton
     head_table = loading.lm_head_table(tensors, hf_config)
-    heads = replace(_heads(model_cls, pooling, head_table), vision_tower=towers.vision_tower)
+    heads = replace(_heads(model_cls, pooling, head_table), vision_tower=towers.vision_tower,
+                    mtp=mtp)
     # torch.device is thread-local: another engine building in another thread keeps its own device
     with torch.device(device):
         net = model_cls(hf_config, ctx, heads).eval()  # parameters in ctx.dtype

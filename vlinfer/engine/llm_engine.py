@@ -109,7 +109,7 @@ class LLMEngine:
                                    self.resolved.max_num_batched_tokens,
                                    config.max_loras if config.enable_lora else 0)
         self.speculator = Speculator(config.speculative_config, self.resolved.max_model_len,
-                                     placeholder_token_ids(self.hf_config), draft)
+                                     placeholder_token_ids(self.hf_config), draft, runner.mtp)
         self.input_processor = InputProcessor.of_model(
             self.source, self.hf_config, self.tokenizer, self.device, self.resolved.max_model_len,
             isinstance(runner.model, SupportsMultiModal), config.allow_image_urls,
@@ -214,7 +214,7 @@ class LLMEngine:
         now = time.time()
         for seq in batch.seqs:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
-        self.scheduler.add_proposals(batch, self.speculator.propose(batch))  # speculative decoding
+        self.scheduler.add_proposals(batch, self.speculator.propose(batch, self.scheduler.reserve))
         sampled, prompt_logprobs, pooled = self.model_runner.execute(batch)
         for seq, position, entry in prompt_logprobs:
             self.output_processor.add_prompt_logprob(seq, position, entry)

@@ -21,6 +21,7 @@ from vlinfer.engine.build_model import pack_weights
 from vlinfer.engine.cache_pool import CachePool, PagedKVSpec, StateSlotSpec
 from vlinfer.engine.encoder_cache import EncoderCache
 from vlinfer.engine.lora_manager import LoRAManager, step_groups
+from vlinfer.engine.mtp_head import MTPHead, plan_catch_up
 from vlinfer.engine.sampler import prompt_logprob_entries, sample
 from vlinfer.engine.scheduler import SchedulerOutput, restores_state
 from vlinfer.engine.sequence import Sequence
@@ -28,7 +29,8 @@ from vlinfer.engine.step_inputs import StepInputs, StepPlan, build_step_inputs
 from vlinfer.engine.vision_encoder import VisionEncoder
 from vlinfer.layers import Attention, ForwardContext, ModelContext
 from vlinfer.layers.linear import LinearBase
-from vlinfer.models.interfaces import HasStateSlots, SupportsMRoPE, SupportsMultiModal
+from vlinfer.models.interfaces import (HasMTPHead, HasStateSlots, SupportsMRoPE,
+                                       SupportsMultiModal)
 from vlinfer.structured.reasoning import allow_token
 
 logger = logging.getLogger("vlinfer")
@@ -79,6 +81,16 @@ class ModelRunner:
         specs = [PagedKVSpec(attention, kv_dtype, ctx.kv_cache_quantized)]
         if self.hybrid:  # the linear layers' conv and recurrent states, in the dtypes they say
             specs.append(StateSlotSpec.of_layers(model.state_layers()))
+        # The MTP head (speculative_config method "mtp"): its attention layer's K and V are one
+        # more layer of the paged pool; the hidden state it reads next, one more state tensor.
+        self.mtp = None
+        if isinstance(model, HasMTPHead) and model.mtp is not None:
+            if not self.hybrid:  # its kept hidden state lives in the state slots
+                raise ValueError("speculative_config: method='mtp' runs on hybrid models (Qwen3.5, "
+                                 f"Qwen3-Next); {type(model).__name__} has no state slots")
+            head = model.mtp
+            specs.append(StateSlotSpec(1, head.state_shapes, head.state_dtypes, (head,)))
+            self.mtp = MTPHead(model, ctx, device, block_size, self.mrope)
         self.cache_pool = CachePool(specs, block_size, device, ctx.ops, num_dummy_blocks=dummy)
 
     @torch.inference_mode()
@@ -130,16 +142,21 @@ class ModelRunner:
         inputs, plan = build_step_inputs(batch.seqs, batch.num_new_tokens, self.block_size,
                                          self.mrope, slot_of)
         inputs.state_restores, inputs.state_saves = batch.state_restores, batch.state_saves
+        if self.mtp is not None:
+            inputs.mtp_catch_up = plan_catch_up(batch.seqs, batch.num_new_tokens, self.block_size,
+                                                self.mrope)
         if self.vision is not None:
             inputs.mm_inputs = self.vision.step_rows(batch, len(inputs.input_ids), slot_of)
         return inputs, plan
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The model on this rank's shard: logits of the wanted rows (None if none wanted) and
-        the pooled rows (None if no pooling request ends this step). Every rank runs it on the
-        same inputs; the layers' collectives keep them in step (the pooled rows need none: hidden
-        states are whole on every rank)."""
+    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                   torch.Tensor]:
+        """The model on this rank's shard: logits of the wanted rows (None if none wanted), the
+        pooled rows (None if no pooling request ends this step) and every row's final hidden
+        state. Every rank runs it on the same inputs; the layers' collectives keep them in step
+        (the pooled rows need none: hidden states are whole on every rank). With an MTP head, its
+        catch-up runs before the step's state checkpoints are saved (they keep its hidden row)."""
         dev = self.device
         self.cache_pool.copy_slots(inputs.state_restores)  # prefix hits start from checkpoints
         if self.graphs is not None and self.graphs.can_run(inputs):
@@ -160,17 +177,20 @@ class ModelRunner:
             with self.ctx.stepping(step):
                 hidden_states = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev),
                                            **mm_inputs)
+            if inputs.mtp_catch_up is not None:
+                self.mtp.catch_up(inputs.mtp_catch_up, inputs.input_ids, hidden_states, mm_inputs)
         self.cache_pool.copy_slots(inputs.state_saves)  # the states at block boundaries
         pooled = None
         if inputs.pool_indices is not None and len(inputs.pool_indices):
             pooled = self.model.pool(hidden_states[inputs.pool_indices.to(dev)])
         if not inputs.compute_logits:
-            return None, pooled
+            return None, pooled, hidden_states
+        rows = hidden_states
         if inputs.logits_indices is not None:
-            hidden_states = hidden_states[inputs.logits_indices.to(dev)]
-        return self.model.compute_logits(hidden_states), pooled
+            rows = hidden_states[inputs.logits_indices.to(dev)]
+        return self.model.compute_logits(rows), pooled, hidden_states
 
-    def _run(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _run(self, inputs: StepInputs):
         if self.driver is None:
             return self.forward(inputs)
         with self.driver.step(inputs):  # sent (tensors as CPU bytes); then rank 0's own share
@@ -199,7 +219,7 @@ class ModelRunner:
         snapshot = self.cache_pool.snapshot_slots([s.state_slot for s in verifying]) \
             if verifying else None
         try:
-            logits, pooled = self._run(inputs)
+            logits, pooled, _ = self._run(inputs)
         finally:
             mask_rows = masks.result() if masks is not None else None
         pooled_rows = (list(zip(plan.pool_seqs, pooled.float().cpu()))

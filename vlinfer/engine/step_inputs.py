@@ -37,6 +37,8 @@ class StepInputs:
     # checkpoints) and after it (checkpoints of block boundaries): scheduler.SchedulerOutput's
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # With an MTP head: the step's catch-up (engine/mtp_head.py CatchUp), run after the layers
+    mtp_catch_up: object | None = None
 
 
 @dataclass

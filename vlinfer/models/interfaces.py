@@ -17,7 +17,10 @@ classifier's rows for a reranker. Everything else a class declares by inheriting
 
 - `HasStateSlots` (a hybrid model: linear-attention layers beside full attention, docs
   hybrid.md): `state_layers` names the layers that keep a fixed-size state per sequence and the
-  shapes of one slot, for the cache pool's state slots (engine/cache_pool.py)."""
+  shapes of one slot, for the cache pool's state slots (engine/cache_pool.py).
+- `HasMTPHead`: the checkpoint may carry a multi-token prediction head (Qwen3.5, Qwen3-Next:
+  `mtp.*`), built as `mtp` under Heads(mtp=True) (None otherwise); `mtp_embeds` and `mtp_forward`
+  run it (engine/mtp_head.py, docs/speculative.md "MTP")."""
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -34,6 +37,9 @@ class Heads:
     # False: a vision-language model built as its language model alone (language_model_only): no
     # vision tower, its checkpoint tensors skipped unread.
     vision_tower: bool = True
+    # True: the checkpoint's MTP head is built and loaded (speculative_config method "mtp"); False:
+    # its tensors are skipped unread.
+    mtp: bool = False
 
 
 class SupportsMultiModal:
@@ -83,4 +89,19 @@ class HasStateSlots:
         `state_dtypes` (the dtype each is stored in), and gets
         `states`, views [num_slots, *shape] of the cache pool, bound when the pool is allocated
         (layers/linear_attention.py GatedDeltaNet)."""
+        raise NotImplementedError
+
+
+class HasMTPHead:
+    mtp: torch.nn.Module | None
+
+    def mtp_embeds(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None,
+                   mm_mask: torch.Tensor | None = None, **_) -> torch.Tensor:
+        """The input rows the target's forward saw for these tokens (image rows spliced in)."""
+        raise NotImplementedError
+
+    def mtp_forward(self, embeds: torch.Tensor, hidden_states: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
+        """The MTP head at rotary `positions`: embeds of the next tokens and the hidden states
+        before them -> its output rows, which the LM head (compute_logits) reads."""
         raise NotImplementedError

@@ -8,18 +8,29 @@ lives in the cache pool's per-sequence slots (HasStateSlots). Norms scale by 1 +
 (layers/layernorm.py OffsetRMSNorm).
 
 Text-only positions: Qwen3.5's interleaved M-RoPE with all three rows equal to the token index
-(what transformers uses for text) gives the plain rotary of that index, so positions are [T]."""
+(what transformers uses for text) gives the plain rotary of that index, so positions are [T].
+
+The checkpoint's multi-token prediction head (`mtp.*`, transformers drops it; `Qwen3_5MTP` below)
+is built only for speculative_config method "mtp" (Heads.mtp); otherwise its tensors are skipped
+unread."""
+import logging
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
-from vlinfer.layers import (Attention, ModelContext, QKVParallelLinear, RotaryEmbedding,
-                            RowParallelLinear, VocabParallelEmbedding)
+from vlinfer.layers import (Attention, ModelContext, QKVParallelLinear, ReplicatedLinear,
+                            RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
 from vlinfer.layers.layernorm import OffsetRMSNorm
 from vlinfer.layers.linear_attention import GatedDeltaNet
-from vlinfer.models.interfaces import Heads, HasStateSlots, SupportsPooling
+from vlinfer.loading import load_weights
+from vlinfer.models.interfaces import (Heads, HasMTPHead, HasStateSlots, OwnsWeightLoading,
+                                       SupportsPooling)
 from vlinfer.models.llama import LlamaForCausalLM, LlamaMLP, build_classifier, build_lm_head
 
+logger = logging.getLogger("vlinfer")
 LAYER_TYPES = ("linear_attention", "full_attention")
+MTP_PREFIX = "mtp."
 
 
 def check_layer_types(config) -> list[str]:
@@ -131,7 +142,95 @@ class Qwen3_5Model(nn.Module):
         return hidden_states
 
 
-class Qwen3_5ForCausalLM(nn.Module, HasStateSlots, SupportsPooling):
+class Qwen3_5MTP(nn.Module):
+    """The multi-token prediction head: at position p it takes the target's final hidden state h_p
+    (after the target's final norm: what the LM head reads) and the input row of token p + 1 (an
+    image row where that token is a placeholder),
+        y = norm(layer(fc(cat(pre_fc_norm_embedding(row), pre_fc_norm_hidden(h_p))), rotary p))
+    and the target's LM head on y gives the logits of token p + 2. `layers.0` is a full-attention
+    decoder layer (its MLP `mlp`: the MoE block on MoE models) whose K and V live in the target's
+    paged KV pool at position p's slot. k > 1 proposals feed its own output y back as the next
+    hidden state (vLLM's MTP proposer). The embedding and the LM head are the target's."""
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+
+    def __init__(self, ctx: ModelContext, config, mlp: nn.Module | None = None):
+        super().__init__()
+        self.config = config
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.fc = ReplicatedLinear(ctx, 2 * h, h)
+        self.pre_fc_norm_embedding = OffsetRMSNorm(ctx, h, eps)
+        self.pre_fc_norm_hidden = OffsetRMSNorm(ctx, h, eps)
+        self.layers = nn.ModuleList([Qwen3_5DecoderLayer(ctx, config, "full_attention", mlp)])
+        self.norm = OffsetRMSNorm(ctx, h, eps)
+        # One state slot tensor (engine/mtp_head.py): the target's final hidden state at each
+        # sequence's last computed position, [slots, hidden], bound by the cache pool.
+        self.state_shapes, self.state_dtypes = ((h,),), (ctx.dtype,)
+        self.states: tuple[torch.Tensor, ...] = ()
+
+    def forward(self, embeds: torch.Tensor, hidden_states: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = torch.cat([self.pre_fc_norm_embedding(embeds),
+                       self.pre_fc_norm_hidden(hidden_states)], -1)
+        x, residual = self.layers[0](rope, self.fc(x), None)
+        return self.norm(x, residual)[0]
+
+
+def num_mtp_layers(config) -> int:
+    """The checkpoint's MTP layers: mtp_num_hidden_layers (Qwen3.5) or num_nextn_predict_layers
+    (Qwen3-Next), 0 where its config names neither."""
+    for field in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+        if getattr(config, field, None) is not None:
+            return int(getattr(config, field))
+    return 0
+
+
+def build_mtp(ctx: ModelContext, config, heads: Heads, mlp=None) -> Qwen3_5MTP | None:
+    """The MTP head where Heads.mtp asks for it, refused by name where the config has none or
+    more than the one layer vlinfer runs."""
+    if not heads.mtp:
+        return None
+    n = num_mtp_layers(config)
+    if n != 1:
+        raise ValueError(
+            "speculative_config: method='mtp' runs a checkpoint's one MTP layer; this config has "
+            f"{n} (mtp_num_hidden_layers / num_nextn_predict_layers)")
+    return Qwen3_5MTP(ctx, config, mlp)
+
+
+def mtp_weights(model: nn.Module, weights: Iterable):
+    """A checkpoint stream without its mtp.* tensors where the model holds no MTP head (skipped
+    unread, said once); as is otherwise."""
+    skipped = 0
+    for name, tensor in weights:
+        if model.mtp is None and name.startswith(MTP_PREFIX):
+            skipped += 1
+            continue
+        yield name, tensor
+    if skipped:
+        logger.info("%d MTP head tensors (mtp.*) skipped: speculative_config method='mtp' "
+                    "loads them", skipped)
+
+
+class Qwen3_5MTPRunner(HasMTPHead):
+    """HasMTPHead for the Qwen3.5 family: `mtp_language_model()` is the decoder whose embedding
+    and rotary the head shares."""
+
+    def mtp_language_model(self) -> "Qwen3_5Model":
+        raise NotImplementedError
+
+    def mtp_embeds(self, input_ids, mm_embeds=None, mm_mask=None, **_):
+        rows = self.mtp_language_model().embed_tokens(input_ids)
+        if mm_mask is not None and mm_embeds is not None:
+            rows[mm_mask] = mm_embeds.to(rows.dtype)
+        return rows
+
+    def mtp_forward(self, embeds, hidden_states, positions):
+        rope = self.mtp_language_model().rotary_emb.cos_sin(positions, hidden_states.dtype)
+        return self.mtp(embeds, hidden_states, rope)
+
+
+class Qwen3_5ForCausalLM(nn.Module, HasStateSlots, SupportsPooling, Qwen3_5MTPRunner,
+                         OwnsWeightLoading):
     packed_modules_mapping = {
         **LlamaForCausalLM.packed_modules_mapping,
         "in_proj_qkv": ("in_proj", 0),
@@ -146,10 +245,17 @@ class Qwen3_5ForCausalLM(nn.Module, HasStateSlots, SupportsPooling):
         self.model = Qwen3_5Model(ctx, config)
         self.lm_head = build_lm_head(ctx, config, self.model.embed_tokens,
                                      config.tie_word_embeddings, heads)
+        self.mtp = build_mtp(ctx, config, heads)
         self.classifier = build_classifier(ctx, config, heads)  # registered last: loaded last
 
     def state_layers(self) -> list[GatedDeltaNet]:
         return [m for m in self.modules() if isinstance(m, GatedDeltaNet)]
+
+    def mtp_language_model(self) -> Qwen3_5Model:
+        return self.model
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_weights(self, mtp_weights(self, weights))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

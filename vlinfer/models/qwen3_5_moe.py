@@ -12,7 +12,7 @@ from vlinfer.layers import ModelContext
 from vlinfer.loading import load_weights
 from vlinfer.models.interfaces import Heads, OwnsWeightLoading
 from vlinfer.models.llama import build_classifier, build_lm_head
-from vlinfer.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5Model
+from vlinfer.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5Model, build_mtp, mtp_weights
 from vlinfer.models.qwen3_moe import check_experts_loaded, route_expert_tensors
 from vlinfer.models.qwen3_next import SharedExpertMoE
 
@@ -31,8 +31,10 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM, OwnsWeightLoading):
         self.model = Qwen3_5Model(ctx, config, lambda i: SharedExpertMoE(ctx, config))
         self.lm_head = build_lm_head(ctx, config, self.model.embed_tokens,
                                      config.tie_word_embeddings, heads)
+        self.mtp = build_mtp(ctx, config, heads,
+                             SharedExpertMoE(ctx, config) if heads.mtp else None)
         self.classifier = build_classifier(ctx, config, heads)  # registered last: loaded last
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_weights(self, route_expert_tensors(self, weights))
+        load_weights(self, route_expert_tensors(self, mtp_weights(self, weights)))
         check_experts_loaded(self)

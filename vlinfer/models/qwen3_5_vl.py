@@ -14,7 +14,8 @@ from vlinfer.layers import ModelContext
 from vlinfer.layers.linear_attention import GatedDeltaNet
 from vlinfer.models.interfaces import Heads, HasStateSlots
 from vlinfer.models.llama import build_classifier, build_lm_head
-from vlinfer.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5Model
+from vlinfer.models.qwen3_5 import (Qwen3_5ForCausalLM, Qwen3_5Model, Qwen3_5MTPRunner,
+                                    build_mtp, mtp_weights)
 from vlinfer.models.qwen3_5_moe import check_silu
 from vlinfer.models.qwen3_moe import check_experts_loaded, route_expert_tensors
 from vlinfer.models.qwen3_next import SharedExpertMoE
@@ -33,7 +34,8 @@ class Qwen3_5VLModel(nn.Module):
         self.language_model = Qwen3_5Model(ctx, text, make_mlp, MRotaryEmbedding(text))
 
 
-class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration, HasStateSlots):
+class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration, HasStateSlots,
+                                      Qwen3_5MTPRunner):
     packed_modules_mapping = Qwen3_5ForCausalLM.packed_modules_mapping
 
     def __init__(self, config, ctx: ModelContext, heads: Heads = Heads()):
@@ -46,10 +48,18 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration, HasStateS
         self.lm_head = build_lm_head(ctx, text, self.model.language_model.embed_tokens, tied, heads)
         self.spatial_merge_size = config.vision_config.spatial_merge_size
         self.num_deepstack = 0
+        mlp = self.text_mlp_factory(ctx, text)
+        self.mtp = build_mtp(ctx, text, heads, mlp(0) if mlp is not None and heads.mtp else None)
         self.classifier = build_classifier(ctx, text, heads)  # registered last: loaded last
 
     def state_layers(self) -> list[GatedDeltaNet]:
         return [m for m in self.modules() if isinstance(m, GatedDeltaNet)]
+
+    def mtp_language_model(self) -> Qwen3_5Model:
+        return self.model.language_model
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(mtp_weights(self, weights))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 mm_embeds: torch.Tensor | None = None, mm_mask: torch.Tensor | None = None,
@@ -68,5 +78,5 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
         return lambda i: SharedExpertMoE(ctx, text_config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(route_expert_tensors(self, weights))
+        super().load_weights(route_expert_tensors(self, mtp_weights(self, weights)))
         check_experts_loaded(self)

@@ -17,7 +17,7 @@ from vlinfer.layers.linear import as_tensor
 from vlinfer.loading import load_weights
 from vlinfer.models.interfaces import Heads, OwnsWeightLoading
 from vlinfer.models.llama import LlamaMLP, build_classifier, build_lm_head
-from vlinfer.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5Model
+from vlinfer.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5Model, build_mtp, mtp_weights
 from vlinfer.models.qwen3_moe import check_experts_loaded, is_sparse_layer, route_expert_tensors
 
 
@@ -66,10 +66,12 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM, OwnsWeightLoading):
         self.model = Qwen3_5Model(ctx, config, make_mlp)
         self.lm_head = build_lm_head(ctx, config, self.model.embed_tokens,
                                      config.tie_word_embeddings, heads)
+        # the MTP layer is layer 0 of its own stack: sparse by the same rule (vLLM's)
+        self.mtp = build_mtp(ctx, config, heads, make_mlp(0) if heads.mtp else None)
         self.classifier = build_classifier(ctx, config, heads)  # registered last: loaded last
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_weights(self, route_expert_tensors(self, self._reordered(weights)))
+        load_weights(self, route_expert_tensors(self, self._reordered(mtp_weights(self, weights))))
         check_experts_loaded(self)
 
     def _reordered(self, weights):

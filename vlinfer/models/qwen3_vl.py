@@ -19,8 +19,8 @@ from vlinfer.layers import ModelContext, rope_inv_freq
 from vlinfer.layers.linear import as_tensor
 from vlinfer.layers.rotary import mrope_cos_sin
 from vlinfer.loading import load_weights
-from vlinfer.models.interfaces import (Heads, OwnsWeightLoading, SupportsMRoPE, SupportsMultiModal,
-                                       SupportsPooling)
+from vlinfer.models.interfaces import (Heads, HasMTPHead, OwnsWeightLoading, SupportsMRoPE,
+                                       SupportsMultiModal, SupportsPooling)
 from vlinfer.models.llama import LlamaForCausalLM, LlamaModel, build_classifier, build_lm_head
 from vlinfer.models.qwen3_vl_vision import Qwen3VLVisionModel, split_image_embeds
 
@@ -122,6 +122,8 @@ class _TextWeights(nn.Module):
         self.packed_modules_mapping = owner.packed_modules_mapping
         self.language_model = owner.model.language_model
         self.lm_head = owner.lm_head
+        if isinstance(owner, HasMTPHead) and owner.mtp is not None:  # Qwen3.5's (mtp.*)
+            self.mtp = owner.mtp
 
 
 class Qwen3VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRoPE, SupportsPooling,

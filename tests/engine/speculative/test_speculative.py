@@ -77,8 +77,9 @@ def test_config_follows_vllms_shape_and_refuses_what_it_cannot_run():
     c = SpeculativeConfig.of({"method": "ngram", "prompt_lookup_max": 3})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
     assert SpeculativeConfig.of({"model": "/some/draft"}).method == "draft_model"
+    assert SpeculativeConfig.of({"method": "mtp", "num_speculative_tokens": 2}).model is None
     for bad, match in (({"method": "eagle", "model": "x"}, "method='eagle' is not supported"),
-                       ({"method": "mtp"}, "method='mtp' is not supported: .*MTP layers"), ({
+                       ({"method": "mtp", "model": "x"}, "method='mtp' takes no 'model'"), ({
             "method": "ngram", "speculative_model": "x"
     }, "unknown key"), ({"method": "ngram",
                          "num_speculative_tokens": 0}, "num_speculative_tokens must be"),

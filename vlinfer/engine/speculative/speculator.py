@@ -30,10 +30,12 @@
   prefix-cache hashes only ever cover them."""
 import logging
 import time
+from collections.abc import Callable
 
 from vlinfer.config import SpeculativeConfig
 from vlinfer.engine.scheduler import SchedulerOutput
 from vlinfer.engine.sequence import Sequence
+from vlinfer.engine.mtp_head import MTPHead
 from vlinfer.engine.speculative.draft_model import DraftModel
 from vlinfer.engine.speculative.ngram import propose_ngram
 
@@ -90,6 +92,15 @@ class BatchClassRates:
             1 - RATE_MEMORY) * rate
 
 
+def _room(seq: Sequence, k: int, reserve: Callable[[Sequence, int], bool]) -> int:
+    """k lowered to the MTP proposals whose K and V fit: proposal j (from 1) is made at position
+    num_computed_tokens + j - 2, so k of them need k - 1 tokens of room past the computed ones (the
+    step scheduled one); free blocks only, as add_proposals."""
+    while k > 1 and not reserve(seq, k - 1):
+        k -= 1
+    return k
+
+
 def placeholder_token_ids(hf_config) -> frozenset[int]:
     """The model's image and video placeholder tokens: the input processor places them, never a
     proposal."""
@@ -99,14 +110,17 @@ def placeholder_token_ids(hf_config) -> frozenset[int]:
 
 class Speculator:
     """config None: a speculator that never proposes. draft: the draft model of method
-    "draft_model", its KV pool allocated (DraftModel.allocate_kv_cache); None proposes n-grams."""
+    "draft_model", its KV pool allocated (DraftModel.allocate_kv_cache); mtp: the target runner's
+    MTP head (method "mtp"); neither proposes n-grams."""
 
     def __init__(self, config: SpeculativeConfig | None, max_model_len: int,
-                 placeholder_ids: frozenset[int], draft: DraftModel | None = None):
+                 placeholder_ids: frozenset[int], draft: DraftModel | None = None,
+                 mtp: MTPHead | None = None):
         self.config = config
         self.max_model_len = max_model_len
         self.placeholder_ids = placeholder_ids  # image / video placeholder tokens: never proposed
         self.draft = draft
+        self.mtp = mtp
         # Totals over the engine's life (the server's /metrics): verifications with proposals,
         # tokens proposed, tokens accepted, and accepted tokens by their position in the proposal.
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -124,6 +138,7 @@ class Speculator:
             ngrams = (f", n-grams of {config.prompt_lookup_max} down to {config.prompt_lookup_min} "
                       "tokens" if draft is None else "")
             method = config.method if draft is None else f"draft model {config.model}"
+            method = "the checkpoint's MTP head" if mtp is not None else method
             logger.info("speculative decoding: %s, %d tokens per step%s, off in steps of more than "
                         "%d sequences", method, config.num_speculative_tokens, ngrams,
                         config.disable_by_batch_size)
@@ -149,9 +164,13 @@ class Speculator:
                    seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1)
 
-    def propose(self, batch: SchedulerOutput) -> list[tuple[int, list[int]]]:
+    def propose(self, batch: SchedulerOutput,
+                reserve: Callable[[Sequence, int], bool] | None = None
+                ) -> list[tuple[int, list[int]]]:
         """The step's proposals, (batch index, tokens) of the decoding sequences that propose; the
-        scheduler places them (add_proposals) within the step's token budget and free KV blocks."""
+        scheduler places them (add_proposals) within the step's token budget and free KV blocks.
+        reserve: the scheduler's (Scheduler.reserve), for the MTP head's K and V of its proposals
+        (the positions their verification computes, from free blocks only)."""
         self._measuring = None
         if self.config is None or len(batch.seqs) > self.config.disable_by_batch_size:
             return []
@@ -167,6 +186,9 @@ class Speculator:
         seqs = [batch.seqs[i] for i, _ in wanted]
         if self.draft is not None:
             proposals = self.draft.propose(seqs, [k for _, k in wanted], self.placeholder_ids)
+        elif self.mtp is not None:
+            ks = [_room(seq, k, reserve) for seq, (_, k) in zip(seqs, wanted)]
+            proposals = self.mtp.propose(seqs, ks, self.placeholder_ids)
         else:
             c = self.config
             proposals = [propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max,
