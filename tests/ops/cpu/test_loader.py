@@ -38,7 +38,13 @@ def wheel(prebuilt, monkeypatch, tmp_path):
         compiled.append((isa, extension))
         return compile_library(isa, extension)
     monkeypatch.setattr(loader, "compile_library", recording)
-    return copy, compiled
+    # the library the loader chose (a process that imported one of the same name before gets
+    # that module back from Python, whichever file is asked for)
+    imported = []
+    import_library = loader._import
+    monkeypatch.setattr(loader, "_import", lambda path: imported.append(path) or
+                        import_library(path))
+    return copy, compiled, imported
 
 
 def _edit_manifest(folder, edit):
@@ -50,12 +56,12 @@ def _edit_manifest(folder, edit):
 
 @pytest.mark.parametrize("extension", list(loader.EXTENSIONS))
 def test_a_fitting_prebuilt_library_is_loaded_and_nothing_compiles(wheel, extension, caplog):
-    folder, compiled = wheel
+    folder, compiled, imported = wheel
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         module = loader.load(ISA, extension)
     assert f"kernels: prebuilt {ISA} {extension} from {folder / ISA}" in caplog.text
     assert "JIT" not in caplog.text and compiled == []
-    assert os.path.dirname(module.__file__) == str(folder / ISA)
+    assert [os.path.dirname(path) for path in imported] == [str(folder / ISA)]
     # the module's own functions answer
     assert module.isa() if extension == "gguf" else module.decode_attention_kernels()
 
@@ -76,11 +82,12 @@ def test_the_manifest_records_the_torch_version_and_every_extension(prebuilt):
     (lambda m: m["levels"].pop(ISA), f"the wheel has no prebuilt cpu kernels for {ISA}"),
 ])
 def test_a_prebuilt_library_that_does_not_fit_is_jit_compiled_saying_why(wheel, edit, why, caplog):
-    folder, compiled = wheel
+    folder, compiled, imported = wheel
     _edit_manifest(folder, edit)
     with caplog.at_level(logging.INFO, logger="vlinfer"):
-        module = loader.load(ISA, "cpu")
-    assert not module.__file__.startswith(str(folder)) and compiled == []  # the cache's library
+        loader.load(ISA, "cpu")
+    _, _, library = loader._cached(ISA, "cpu")
+    assert imported == [library] and compiled == []  # the cache's library, built before
     assert f"kernels: JIT-compiled vlinfer_cpu_kernels_{ISA} ({why}) from " in caplog.text
     assert all(r.levelno == logging.WARNING for r in caplog.records if "JIT" in r.message)
 
@@ -89,7 +96,7 @@ def test_a_prebuilt_library_that_does_not_fit_is_jit_compiled_saying_why(wheel, 
 def test_an_editable_install_jit_compiles_and_says_so(wheel, monkeypatch, tmp_path, caplog, cached):
     """Built before: taken from torch's extension cache; never built: compiled (the build stood in
     for by the cached library)."""
-    _, compiled = wheel
+    _, compiled, imported = wheel
     monkeypatch.setattr(loader, "PREBUILT_DIR", str(tmp_path / "absent"))
     directory, _, library = loader._cached(ISA, "cpu")
     if not cached:
@@ -98,7 +105,7 @@ def test_an_editable_install_jit_compiles_and_says_so(wheel, monkeypatch, tmp_pa
                             lambda isa, extension: compiled.append((isa, extension)) or library)
     with caplog.at_level(logging.INFO, logger="vlinfer"):
         loader.build_extension(ISA)
-    assert compiled == ([] if cached else [(ISA, "cpu")])
+    assert compiled == ([] if cached else [(ISA, "cpu")]) and imported == [library]
     word, where = ("JIT-compiled", "from") if cached else ("JIT-compiling", "into")
     assert (f"kernels: {word} vlinfer_cpu_kernels_{ISA} (editable install: no prebuilt kernels "
             f"in the package) {where} {directory}") in caplog.text
