@@ -212,6 +212,16 @@ def write_prebuilt(directory: str, levels=cpu_features.CPU_ISAS) -> dict:
     return manifest
 
 
+def build_every_level() -> None:
+    """Every extension at every level the dispatcher knows, into torch's extension cache (CI warms
+    it in the background while the default tests run; the slow tier's kernel and wheel tests
+    then find each level built)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for isa in cpu_features.CPU_ISAS:
+        for extension in EXTENSIONS:
+            logger.info("kernels: %s %s in %s", isa, extension, compile_library(isa, extension))
+
+
 def build_this_cpu() -> None:
     """Every extension at this CPU's level, into torch's extension cache (make install)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
