@@ -42,7 +42,7 @@ browser:
 # runs in one process: on two workers one of them died near its end, twice, and xdist then hung. It reruns the
 # generated (hypothesis) tests on fresh draws (tests/support/hypothesis_draws.py).
 TEST_WORKERS ?= 2
-PYTEST_WORKERS = OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
+PYTEST_WORKERS = OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --durations=30
 test: install browser
 	$(PYTEST_WORKERS) -m "not slow"
 
@@ -54,7 +54,7 @@ test-full: install browser
 	nice -n 19 $(BIN)/python -c "from vlinfer.ops.cpu import loader; loader.build_every_level()" \
 		> $(KERNEL_LOG) 2>&1 & builder=$$!; \
 	$(PYTEST_WORKERS) -m "not slow" \
-	&& VLINFER_HYPOTHESIS=explore $(BIN)/python -m pytest -q -m "slow or generated" --durations=30; \
+	&& VLINFER_HYPOTHESIS=explore $(BIN)/python -m pytest -q -rs -m "slow or generated" --durations=30; \
 	status=$$?; wait $$builder || echo "make test-full: the background kernel build failed, see $(KERNEL_LOG)"; \
 	exit $$status
 
