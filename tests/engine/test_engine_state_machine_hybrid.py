@@ -141,3 +141,34 @@ def test_engine_state_machine_on_a_hybrid_model(tmp_path_factory):
         assert tight.scheduler.num_preemptions > before, name
         manager = tight.block_manager
         assert manager.num_free_slots == manager.num_state_slots and not tight.requests
+
+
+def test_a_prefix_hit_verifying_proposals_puts_back_its_checkpoint(tmp_path):
+    """Found by the exploring state machine: four crowded requests on the MTP engine's tight pool;
+    one is preempted at a checkpointed block boundary, its prefix hit restores the checkpoint in the
+    same step its proposal is verified and rejected, and the put-back must return the checkpoint's
+    state (a snapshot taken before the restore returned the slot's stale state: other tokens)."""
+    engines = HybridEngines(tmp_path)
+    engine = engines.engine("mtp")
+    body = [3] * 18 + [4] + [3] * 23
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [tuple(body[i:]) for i in range(4)]
+    verified_restores = []
+    execute = engine.model_runner.execute
+
+    def watching(batch, *args, **kwargs):
+        restored = {slot for _, slot in batch.state_restores}
+        verified_restores.extend(seq.request_id for seq in batch.seqs
+                                 if seq.spec_token_ids and seq.state_slot in restored)
+        return execute(batch, *args, **kwargs)
+    engine.model_runner.execute = watching
+    for i, prompt in enumerate(prompts):
+        engine.add_request({"prompt_token_ids": list(prompt)}, params, request_id=str(i))
+    seen = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                seen[out.request_id] = list(out.outputs[0].token_ids)
+    assert engine.scheduler.num_preemptions and verified_restores, "the case no longer arises"
+    for i, prompt in enumerate(prompts):
+        assert [seen[str(i)]] == engines.tokens_alone(prompt, params), i

@@ -214,10 +214,12 @@ class ModelRunner:
         matchers = [sample_seqs[i].grammar_matcher for i in constrained]
         overlap = inputs.compute_logits and constrained and self.device.type != "cpu"
         masks = self.grammar_matchers.start_bitmask(matchers) if overlap else None
-        # A hybrid verification: the slots' states before it, put back where a proposal fails
+        # A hybrid verification: the slots' states before it, put back where a proposal fails; a
+        # slot a prefix hit restores this step starts the forward from its checkpoint (the source)
         verifying = [seq for seq in batch.seqs if seq.spec_token_ids] if self.hybrid else []
-        snapshot = self.cache_pool.snapshot_slots([s.state_slot for s in verifying]) \
-            if verifying else None
+        starts = {slot: checkpoint for checkpoint, slot in inputs.state_restores}
+        snapshot = self.cache_pool.snapshot_slots(
+            [starts.get(s.state_slot, s.state_slot) for s in verifying]) if verifying else None
         try:
             logits, pooled, _ = self._run(inputs)
         finally:
