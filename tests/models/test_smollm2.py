@@ -218,6 +218,28 @@ def reference_paths(tok, ref_model, chats, num_new: int = 64, steps: list | None
     return paths
 
 
+def batched_reference_paths(tok, ref_model, chats,
+                            num_new: int = 64) -> list[tuple[int, list[int]]]:
+    """reference_paths for many chats in one left-padded batch (transformers' attention mask and
+    positions): 64 forwards instead of one per token and chat."""
+    prompts = [tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False).input_ids for chat in chats]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    chosen, past = [], None
+    with torch.no_grad():
+        for _ in range(num_new):
+            out = ref_model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                            past_key_values=past, use_cache=True, logits_to_keep=1)
+            past, ids = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            chosen.append(ids[:, 0])
+            mask = torch.cat([mask, torch.ones_like(ids)], 1)
+            positions = positions[:, -1:] + 1
+    return [(len(p), p + [int(t[i]) for t in chosen]) for i, p in enumerate(prompts)]
+
+
 def teacher_forced_logprobs(llm, paths) -> list[torch.Tensor]:
     from vlinfer.engine import SchedulerOutput
     engine = llm.engine
@@ -240,7 +262,7 @@ def test_smollm2_compressed_kv_cache_along_transformers_greedy_path():
                                                      dtype=torch.float32)
     chats = [[{"role": "user", "content": ask.format(topic)}] for ask in ASKS for topic in TOPICS]
     llm = LLM("smollm2", dtype="float32", kv_cache_bytes=256 * 2 ** 20, max_model_len=2048)
-    paths = reference_paths(llm.tokenizer, ref_model, chats)
+    paths = batched_reference_paths(llm.tokenizer, ref_model, chats)
     with torch.no_grad():
         ref_logprobs = [ref_model(torch.tensor([t])).logits[0].log_softmax(-1) for _, t in paths]
     measured = {}
