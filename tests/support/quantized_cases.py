@@ -1,6 +1,6 @@
 """Builders and constants of tests/layers/quantization/test_quantized.py that other test modules use
-too (NEW_TOKENS, PROMPT, _methods, _per_token, _reference_tokens, _vlinfer_tokens): imported from
-here by every one of them, that module included."""
+too (NEW_TOKENS, PROMPT, _methods, _per_token, _reference_tokens, _vlinfer_tokens, greedy_tokens):
+imported from here by every one of them, that module included."""
 import torch
 import torch.nn.functional as F
 from vlinfer import LLM, SamplingParams
@@ -20,6 +20,12 @@ def _reference_tokens(dense_path: str, dequantized: dict, activations=None,
     missing = set(dequantized) - set(model.state_dict())
     assert not missing, missing
     model.load_state_dict(dequantized, strict=False)
+    return greedy_tokens(model, activations)
+
+
+def greedy_tokens(model, activations=None) -> list[int]:
+    """transformers' greedy NEW_TOKENS after PROMPT, its linears named in activations fed
+    fn(x) (the quantized op's view of their inputs)."""
     for name, fn in (activations or {}).items():
         linear = model.get_submodule(name)
         linear.forward = (lambda lin, f: lambda x: F.linear(f(x), lin.weight, lin.bias))(linear, fn)

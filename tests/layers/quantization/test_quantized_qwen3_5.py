@@ -16,7 +16,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from quantized_checkpoints import LINEAR_SUFFIXES, write_compressed_tensors, write_qwen3_5_fp8
@@ -27,7 +26,7 @@ from vlinfer.ops.reference import quant as quant_reference
 from vlinfer.toy.tiny_checkpoints import _rescale
 from qwen3_5_text_cases import qwen3_5_moe_config, save, text_config
 from quantized_cases import (NEW_TOKENS, PROMPT, _methods, _per_token, _reference_tokens,
-                             _vlinfer_tokens)
+                             _vlinfer_tokens, greedy_tokens)
 
 LINEAR_ATTN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
@@ -58,15 +57,7 @@ def twin_model(src: str, dequantized: dict, folder: str):
 
 def twin_tokens(src: str, dequantized: dict, activations, folder: str) -> list[int]:
     """transformers' greedy tokens on the dequantized weights (twin_model)."""
-    model = twin_model(src, dequantized, folder)
-    for name, fn in (activations or {}).items():
-        linear = model.get_submodule(name)
-        linear.forward = (lambda lin, f: lambda x: F.linear(f(x), lin.weight, lin.bias))(linear, fn)
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    return ids[0, len(PROMPT):].tolist()
+    return greedy_tokens(twin_model(src, dequantized, folder), activations)
 
 
 @pytest.fixture(scope="module")
