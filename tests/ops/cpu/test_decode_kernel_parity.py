@@ -25,6 +25,7 @@ from qwen3_5_text_cases import save as save_with_tokenizer
 from qwen3_5_text_cases import text_config as qwen3_5_text_config
 from text_parity_cases import BF16_LOGIT_TOLERANCE, prompts_of_lengths, reference_greedy
 from decode_kernel_parity_cases import VECTOR_KERNEL, vector_kernel_or_skip
+from kv_cache_dtype_cases import generate_recording_steps
 
 NUM_NEW = 12
 PROMPTS = prompts_of_lengths([1, 17, 40], seed=7)  # a one-token prompt and two past a block edge
@@ -86,20 +87,12 @@ def transformers_model(folder, class_name, dtype):
 
 def engine_steps(folder, dtype, monkeypatch):
     """Greedy outputs of our engine and the logits each step sampled from, per prompt."""
-    import vlinfer.engine.model_runner as model_runner
-    sample, steps = model_runner.sample, {}
-
-    def recording(logits, seqs, *args, **kwargs):
-        for row, seq in zip(logits, seqs):
-            steps.setdefault(seq.request_id, []).append(row.float().clone())
-        return sample(logits, seqs, *args, **kwargs)
-    monkeypatch.setattr(model_runner, "sample", recording)
     llm = LLM(folder, dtype=dtype, kv_cache_bytes=8 * 2 ** 20, max_model_len=512)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True),
-                        use_tqdm=False)
+    outs, steps = generate_recording_steps(
+        llm, PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True),
+        monkeypatch)
     llm.close()
-    monkeypatch.setattr(model_runner, "sample", sample)
-    return [(o.outputs[0].token_ids, torch.stack(steps[o.request_id])) for o in outs]
+    return [(o.outputs[0].token_ids, rows) for o, rows in zip(outs, steps)]
 
 
 def compare(ref_model, ours):
