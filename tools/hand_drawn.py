@@ -147,9 +147,8 @@ def main(argv=None) -> int:
         model = embedded.build_checkpoint(args.compact, tempfile.mkdtemp())
     scores = score(model, args.seed, args.count, dtype="float32", max_model_len=512,
                    kv_cache_bytes=256 << 20)
-    print(json.dumps({k: v for k, v in scores.items() if k != "failures"}, indent=1))
-    for failure in scores["failures"][:10]:
-        print("  wrong:", failure)
+    import train_embedded
+    train_embedded.print_scores(scores)
     return 0
 
 

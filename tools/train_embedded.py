@@ -558,6 +558,13 @@ def train_shipped(out: str, log_every: int = 50) -> dict:
         return info
 
 
+def print_scores(scores: dict) -> None:
+    """An evaluation's figures, then its first ten wrong items."""
+    print(json.dumps({k: v for k, v in scores.items() if k != "failures"}, indent=1))
+    for failure in scores["failures"][:10]:
+        print("  wrong:", failure)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=embedded.PACKAGE_DIR,
@@ -621,9 +628,7 @@ def main(argv=None) -> int:
         folder = embedded.build_checkpoint(args.out, tmp)
         scores = evaluate(folder, seed=args.eval_seed, count=args.eval_scenes, dtype="float32",
                           max_model_len=512, kv_cache_bytes=256 << 20)
-    print(json.dumps({k: v for k, v in scores.items() if k != "failures"}, indent=1))
-    for failure in scores["failures"][:10]:
-        print("  wrong:", failure)
+    print_scores(scores)
     return 0
 
 
